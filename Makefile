@@ -1,0 +1,47 @@
+# Two commands do everything on a fresh machine:  `make run` (the main job)  and  `make test`.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+FMNIST_DEB := /usr/share/datasets/fashion-mnist
+PRESETS ?= fafi,fedavg,ensemble,etf-anneal,flare
+OUT ?= runs/main
+
+.PHONY: setup data run test test-fast clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	@touch $@
+
+# Fashion-MNIST from Debian's package when we can (root on Debian); otherwise say so and let the
+# main job download it with torchvision into data/.
+data:
+	@if [ -f $(FMNIST_DEB)/train-images-idx3-ubyte.gz ]; then \
+	  echo "Fashion-MNIST: found in $(FMNIST_DEB)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "Fashion-MNIST: installing the Debian package dataset-fashion-mnist"; \
+	  (apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist) >/dev/null || \
+	  echo "Fashion-MNIST: apt-get failed; the main job will download it with torchvision into data/"; \
+	else \
+	  echo "Fashion-MNIST: cannot install the Debian package (not root, or not Debian);" \
+	       "the main job will download it with torchvision into data/"; \
+	fi
+
+run: setup data
+	@if [ -f $(FMNIST_DEB)/train-images-idx3-ubyte.gz ]; then extra=""; \
+	else echo "Fashion-MNIST: falling back to torchvision's download (dataset.root=data dataset.download=true)"; \
+	     extra="dataset.root=data dataset.download=true"; fi; \
+	$(BIN)/flare compare --config configs/main.yaml --presets $(PRESETS) --out $(OUT) $$extra
+
+test: setup data
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -x -m "not slow" tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

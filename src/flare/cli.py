@@ -1,0 +1,181 @@
+"""`flare` — the command line.
+
+  flare run      [--config FILE] [--preset NAME] [--out DIR] [--resume DIR] [--quiet] [KEY=VALUE ...]
+  flare compare  --presets a,b,c [--config FILE] [--out DIR] [--quiet] [KEY=VALUE ...]
+  flare presets | flare datasets | flare models | flare config-reference
+
+Every user mistake is a one-paragraph message on stderr and exit code 2, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from flare.errors import FlareError
+
+
+def _default_out(name: str) -> Path:
+    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def cmd_run(args) -> int:
+    from flare.config import load_config
+    from flare.runner import Run
+
+    if args.resume:
+        import yaml
+
+        cfg_path = Path(args.resume) / "config.yaml"
+        if not cfg_path.exists():
+            raise FlareError(f"'{args.resume}' is not a run directory (no config.yaml).", key="--resume",
+                             fix="give the --out directory of an earlier run.")
+        from flare.config import build_config
+
+        cfg = build_config(yaml.safe_load(cfg_path.read_text()))
+        out = Path(args.resume)
+    else:
+        cfg = load_config(args.config, args.preset, args.overrides)
+        out = Path(args.out) if args.out else _default_out(cfg.method)
+    summary = Run(cfg, out, quiet=args.quiet).execute()
+    print(f"{cfg.method}: final acc ({summary.get('primary')}) = {100 * summary.get('acc', float('nan')):.2f}%  "
+          f"peak {100 * summary.get('peak_acc', float('nan')):.2f}% at round {summary.get('peak_round')}  → {out}")
+    return 0
+
+
+def compare_table(rows: list[tuple[str, dict, dict]]) -> str:
+    """Markdown table: one row per method, the primary accuracy first, then every rule and diagnostic."""
+    from flare.report.run_report import ACC_ORDER
+
+    cols = [k for k in ACC_ORDER if any(k in s for _, _, s in rows)]
+    head = ["method", "notes", "acc (primary)", "peak (round)"] + [c.removeprefix("acc_") for c in cols] + [
+        "g_protos_std", "inter_client_proto_std"]
+    out = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+
+    def pct(v):
+        return "—" if v is None else f"{100 * v:.2f}"
+
+    for name, preset, s in rows:
+        cells = [name, preset.get("notes_name", ""), f"{pct(s.get('acc'))} ({s.get('primary')})",
+                 f"{pct(s.get('peak_acc'))} ({s.get('peak_round')})"]
+        cells += [pct(s.get(c)) for c in cols]
+        cells += ["—" if s.get(k) is None else f"{s[k]:.4f}" for k in ("g_protos_std", "inter_client_proto_std")]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def cmd_compare(args) -> int:
+    import yaml
+
+    from flare.config import deep_merge, list_presets, parse_overrides
+    from flare.report.compare import plot_compare
+    from flare.runner import Run, atomic_write_text, config_for_preset
+
+    names = [p.strip() for p in args.presets.split(",") if p.strip()]
+    if not names:
+        raise FlareError("--presets is empty.", key="--presets", fix="give a comma-separated list, e.g. fafi,fedavg.")
+    base: dict = {}
+    if args.config:
+        base = yaml.safe_load(Path(args.config).read_text()) or {}
+    base = deep_merge(base, parse_overrides(args.overrides))
+    cfgs = [(n, config_for_preset(base, n)) for n in names]  # validate every config before running any
+    out = Path(args.out) if args.out else _default_out("compare")
+    out.mkdir(parents=True, exist_ok=True)
+    presets = list_presets()
+    rows = []
+    for name, cfg in cfgs:
+        s = Run(cfg, out / name, quiet=args.quiet).execute()
+        rows.append((name, presets.get(name, {}), s))
+        if not args.quiet:
+            print(f"{name}: acc {100 * s['acc']:.2f}%", flush=True)
+    table = compare_table(rows)
+    first = cfgs[0][1]
+    title = (f"{first.dataset.name}, {first.num_clients} clients, {first.partition.kind} α={first.partition.alpha}, "
+             f"{first.rounds} rounds × {first.local_epochs} epochs, {first.model.name} (width {first.model.width}), "
+             f"seed {first.seed}")
+    atomic_write_text(out / "compare.md", f"# Comparison — {title}\n\n{table}\n\n![accuracy](compare_accuracy.png)\n")
+    plot_compare([out / n for n, _ in cfgs], out / "compare_accuracy.png", title)
+    print(f"\n{title}\n\n{table}\n\nrun directories and plots: {out}")
+    return 0
+
+
+def cmd_presets(args) -> int:
+    from flare.config import list_presets
+
+    rows = list_presets()
+    w = max(len(n) for n in rows)
+    for name, m in rows.items():
+        print(f"{name:<{w}}  {m.get('notes_name', ''):<14}  {m.get('description', '')}")
+    return 0
+
+
+def cmd_datasets(args) -> int:
+    from flare.data.datasets import list_datasets
+
+    for name, desc in list_datasets():
+        print(f"{name:<14}  {desc}")
+    return 0
+
+
+def cmd_models(args) -> int:
+    from flare.models import list_models
+
+    print("\n".join(list_models()))
+    return 0
+
+
+def cmd_config_reference(args) -> int:
+    from flare.config import config_reference
+
+    print("| key | type | default | meaning |\n| --- | --- | --- | --- |")
+    for k, t, d, desc in config_reference():
+        t = t.replace("|", "\\|")
+        print(f"| `{k}` | {t} | `{d}` | {desc} |")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flare", description="FLARE: one-shot federated learning research framework.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="run one experiment")
+    r.add_argument("--config", help="YAML config file")
+    r.add_argument("--preset", help="method preset (see `flare presets`)")
+    r.add_argument("--out", help="run directory (default runs/<method>-<time>)")
+    r.add_argument("--resume", metavar="DIR", help="continue an interrupted run from its last complete round")
+    r.add_argument("--quiet", action="store_true", help="no progress bars")
+    r.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    r.set_defaults(fn=cmd_run)
+
+    c = sub.add_parser("compare", help="run several presets on the same partition and seed, print a table")
+    c.add_argument("--presets", required=True, help="comma-separated preset names")
+    c.add_argument("--config", help="YAML config file (applied over each preset)")
+    c.add_argument("--out", help="output directory (one run directory per preset inside)")
+    c.add_argument("--quiet", action="store_true")
+    c.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    c.set_defaults(fn=cmd_compare)
+
+    sub.add_parser("presets", help="list method presets with the notes' names").set_defaults(fn=cmd_presets)
+    sub.add_parser("datasets", help="list datasets").set_defaults(fn=cmd_datasets)
+    sub.add_parser("models", help="list models").set_defaults(fn=cmd_models)
+    sub.add_parser("config-reference", help="print every config key as a markdown table").set_defaults(
+        fn=cmd_config_reference)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except FlareError as e:
+        print(f"flare: error: {e.render()}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("flare: interrupted; rerun the same command (or `flare run --resume DIR`) to continue.",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Global alignment (SPEC §6): fixed anchors shared by every client and L_align = MSE(P, target).
+
+The server fixes the anchors before training from a shared seed; clients only ever read them.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from flare.errors import FlareError
+
+
+def simplex_etf(num_classes: int, dim: int, generator: torch.Generator | None = None) -> Tensor:
+    """Rows of a simplex equiangular tight frame: unit norm, pairwise cosine −1/(C−1).
+
+    d ≥ C: A = sqrt(C/(C−1)) (I − 11ᵀ/C) Uᵀ with U (d×C) random orthonormal columns.
+    d = C−1: the same rows written in an orthonormal basis of the subspace ⟂ 1.
+    """
+    C, d = num_classes, dim
+    if C < 2:
+        raise FlareError("an ETF needs at least 2 classes.", key="align.anchors")
+    if d < C - 1:
+        raise FlareError(f"a simplex ETF of {C} classes needs feature dimension d >= C-1 = {C - 1}, "
+                         f"but the model has d = {d}.", key="align.anchors",
+                         fix="use align.anchors=random, or a wider model (model.width) so that d >= C-1.")
+    M = math.sqrt(C / (C - 1)) * (torch.eye(C) - torch.ones(C, C) / C)  # C×C, rank C−1
+    if d >= C:
+        g = torch.randn(d, C, generator=generator, dtype=torch.float64)
+        U, _ = torch.linalg.qr(g)  # d×C orthonormal columns
+        return (M.double() @ U.T).float()
+    # d == C−1: orthonormal basis of 1^⟂ from the SVD of the centring matrix
+    basis = torch.linalg.svd(M.double()).U[:, : C - 1]  # C×(C−1), columns span 1^⟂
+    return (M.double() @ basis).float()
+
+
+def make_anchors(kind: str, num_classes: int, dim: int, seed: int) -> Tensor | None:
+    """The fixed anchor matrix A (C×d), identical for every client (seeded), or None."""
+    if kind == "none":
+        return None
+    g = torch.Generator().manual_seed(seed)
+    if kind == "random":
+        return F.normalize(torch.randn(num_classes, dim, generator=g), dim=1)
+    if kind == "etf":
+        return simplex_etf(num_classes, dim, g)
+    raise FlareError(f"unknown anchors '{kind}'.", key="align.anchors", fix="use none, random or etf.")
+
+
+def align_target(anchors: Tensor, target: str, p: float, initial_prototypes: Tensor | None) -> Tensor:
+    """fixed: A. progressive (V8): (1 − p)·P⁰ + p·A, P⁰ the client's prototypes at initialisation."""
+    if target == "fixed":
+        return anchors
+    if target == "progressive":
+        assert initial_prototypes is not None
+        return (1.0 - p) * initial_prototypes + p * anchors
+    raise FlareError(f"unknown align target '{target}'.", key="align.target", fix="use fixed or progressive.")
+
+
+def align_loss(prototypes: Tensor, target: Tensor) -> Tensor:
+    """L_align = MSE(P, target), mean over all entries."""
+    return F.mse_loss(prototypes.float(), target)

@@ -1,0 +1,240 @@
+"""The local loop: batch → two views → model → loss terms → λ → backward → step.
+
+The trainer never asks "is this V7?": it composes the parts the config picked — the objective's terms,
+the anchors and their target, a λ provider, gradient surgery, a contrast extension — and logs every
+named loss as it is. Data stays on the training device; a batch is a gather by index.
+"""
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from flare.client.lam import LamProvider, make_lam_provider
+from flare.client.terms.align import align_loss, align_target
+from flare.client.terms.fafi import ce_terms, fafi_terms
+from flare.config import Config
+from flare.errors import TrainingDiverged
+from flare.schedules import LRSchedule, progress
+
+
+@dataclass
+class TrainContext:
+    """What every client of a run shares (read-only during training)."""
+
+    cfg: Config
+    train_x: Tensor           # uint8 N×C×H×W on the training device
+    train_y: Tensor           # int64 N on the training device
+    augment: torch.nn.Module  # uint8 batch → (view1, view2), normalised
+    anchors: Tensor | None    # C×d on the device, fixed by the server before training
+    device: torch.device
+    amp_dtype: torch.dtype | None
+    lr_schedule: LRSchedule
+    extension_factory: object | None = None  # builds a per-client contrast extension (banks)
+
+    @property
+    def total_epochs(self) -> int:
+        return self.cfg.total_epochs
+
+
+def derived_seed(*parts: int) -> int:
+    """A well-mixed 63-bit seed from (run seed, round, client, …): every client-round draws its own
+    random numbers, so sequential, concurrent and resumed training see the same streams."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint64)[0] >> 1)
+
+
+class Client:
+    """One federated client: its data indices, its model (never replaced by a server model), its
+    optimizer and λ provider. `upload()` is all the server ever sees."""
+
+    def __init__(self, cid: int, indices: Tensor, model: torch.nn.Module, ctx: TrainContext,
+                 normalized_entropy: float):
+        self.cid = cid
+        self.indices = indices
+        self.num_samples = int(indices.numel())
+        self.normalized_entropy = normalized_entropy
+        self.model = model
+        self.cfg = ctx.cfg
+        self.lam: LamProvider = make_lam_provider(ctx.cfg, normalized_entropy, ctx.device)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.epochs_done = 0
+        protos = getattr(model, "prototypes", None)
+        self.initial_prototypes = protos.detach().clone() if protos is not None else None
+        self.extension = ctx.extension_factory(self, ctx) if ctx.extension_factory else None
+        self._sgdr_cycle = 0
+
+    # -- optimisation -------------------------------------------------------------------------
+    def _base_lr(self) -> float:
+        lr = self.cfg.lr
+        if self.cfg.optim.linear_scaling:
+            lr *= self.cfg.batch_size / 512
+        return lr
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        o = self.cfg.optim
+        kw = {}
+        if self.model_device.type == "cuda":
+            kw["fused"] = True  # one kernel for the whole update (torch ≥ 2.0 for SGD on CUDA)
+        return torch.optim.SGD(self.model.parameters(), lr=self._base_lr(), momentum=o.momentum,
+                               weight_decay=o.weight_decay, **kw)
+
+    @property
+    def model_device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # -- one round of local training ------------------------------------------------------------
+    def train_round(self, ctx: TrainContext, round_idx: int, on_step=None) -> dict:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        if self.optimizer is None or cfg.optim.reset_each_round:
+            self.optimizer = self._make_optimizer()
+        torch.manual_seed(derived_seed(cfg.seed, round_idx, self.cid, 1))  # augmentation stream
+        order_gen = torch.Generator().manual_seed(derived_seed(cfg.seed, round_idx, self.cid, 2))
+        self.model.train()
+        steps_per_epoch = math.ceil(self.num_samples / cfg.batch_size)
+        sums: dict[str, Tensor] = {}
+        steps = 0
+        lr = self._base_lr()
+        for _ in range(cfg.local_epochs):
+            perm = torch.randperm(self.num_samples, generator=order_gen).to(self.indices.device)
+            epoch_sums: dict[str, Tensor] = {}
+            for b in range(steps_per_epoch):
+                if cfg.progress == "step":
+                    p = progress(self.epochs_done + b / steps_per_epoch, ctx.total_epochs)
+                else:
+                    p = progress(self.epochs_done, ctx.total_epochs)
+                lr = self._set_lr(ctx, round_idx, self.epochs_done + b / steps_per_epoch)
+                idx = self.indices[perm[b * cfg.batch_size:(b + 1) * cfg.batch_size]]
+                logs = self._step(ctx, idx, p)
+                for k, v in logs.items():
+                    epoch_sums[k] = epoch_sums.get(k, 0) + v
+                steps += 1
+                if on_step is not None:
+                    on_step()
+            self._check_finite(epoch_sums, round_idx)
+            for k, v in epoch_sums.items():
+                sums[k] = sums.get(k, 0) + v
+            self.epochs_done += 1
+        record = {"kind": "client", "round": round_idx, "client": self.cid, "num_samples": self.num_samples,
+                  "normalized_entropy": self.normalized_entropy, "lr": lr, "steps": steps,
+                  "progress": progress(self.epochs_done, ctx.total_epochs)}
+        if sums:
+            keys = list(sums)
+            vals = torch.stack([sums[k].float() for k in keys]).tolist()  # one device sync per round
+            record.update({k: v / steps for k, v in zip(keys, vals)})
+        record.update(self.lam.state_logs() if hasattr(self.lam, "state_logs") else {})
+        record["seconds"] = time.perf_counter() - t0
+        return record
+
+    def _set_lr(self, ctx: TrainContext, round_idx: int, t: float) -> float:
+        sched = ctx.lr_schedule
+        lr = sched(t, round_idx)
+        if sched.kind == "sgdr" and self.cfg.lr_schedule.reset_momentum:
+            cyc = sched.cycle(t)[0]
+            if cyc != self._sgdr_cycle:
+                self._sgdr_cycle = cyc
+                for st in self.optimizer.state.values():
+                    st.pop("momentum_buffer", None)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        return lr
+
+    def _step(self, ctx: TrainContext, idx: Tensor, p: float) -> dict[str, Tensor]:
+        cfg = self.cfg
+        xb, yb = ctx.train_x[idx], ctx.train_y[idx]
+        amp = (torch.autocast(device_type=ctx.device.type, dtype=ctx.amp_dtype)
+               if ctx.amp_dtype is not None else nullcontext())
+        with amp:
+            v1, v2 = ctx.augment(xb)
+            imgs = torch.cat([v1, v2])
+            if cfg.channels_last:
+                imgs = imgs.contiguous(memory_format=torch.channels_last)
+            feat, logits = self.model(imgs)
+        y2 = torch.cat([yb, yb])
+        epoch_idx = self.epochs_done
+        if cfg.loss.objective == "fafi":
+            bank = self.extension.contrast_bank() if self.extension is not None else None
+            terms = fafi_terms(feat, logits, y2, self.model.prototypes, tau_con=cfg.loss.tau_con,
+                               base_tau=cfg.loss.base_tau, tau_pf=cfg.loss.tau_pf, tau_pp=cfg.loss.tau_pp,
+                               bank=bank, bank_tau=cfg.loss.bank_tau)
+        else:
+            terms = ce_terms(logits, y2)
+        if self.extension is not None:
+            terms = self.extension.adjust_terms(terms, feat, y2, epoch_idx)
+        base = sum(terms.values())
+        align = None
+        if ctx.anchors is not None:
+            target = align_target(ctx.anchors, cfg.align.target, p, self.initial_prototypes)
+            align = align_loss(self.model.prototypes, target)
+        st = self.lam(base, align, p)
+
+        self.optimizer.zero_grad(set_to_none=True)
+        params = [q for q in self.model.parameters() if q.requires_grad]
+        if cfg.align.surgery == "pcgrad" and st.align is not None:
+            from flare.client.surgery import pcgrad_backward
+
+            surgery_logs = pcgrad_backward(st.local, st.align, params, extra=st.sigma)
+        else:
+            total = st.local + (st.align if st.align is not None else 0) + (st.sigma if st.sigma is not None else 0)
+            total.backward()
+            surgery_logs = {}
+        if cfg.optim.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
+        self.optimizer.step()
+        self.lam.step()
+        if self.extension is not None:
+            self.extension.after_step(feat.detach(), y2)
+
+        logs = {k: v.detach() for k, v in terms.items()}
+        logs["base_loss"] = base.detach()
+        if align is not None:
+            logs["align_loss"] = align.detach()
+        logs.update({k: torch.as_tensor(v).detach().to(base.device) for k, v in st.logs.items()})
+        logs.update(surgery_logs)
+        return logs
+
+    def _check_finite(self, sums: dict[str, Tensor], round_idx: int) -> None:
+        if not sums:
+            return
+        keys = list(sums)
+        vals = torch.stack([sums[k].float() for k in keys]).tolist()
+        for k, v in zip(keys, vals):
+            if not math.isfinite(v):
+                raise TrainingDiverged(
+                    f"loss term '{k}' became {v} for client {self.cid} in round {round_idx}; the run stopped "
+                    "here and the metrics of earlier rounds are intact.",
+                    key="lr", fix="lower lr, keep optim.grad_clip on, or check the λ settings of this method.")
+
+    # -- what the server sees, and checkpoints ------------------------------------------------
+    def upload(self) -> "Upload":
+        from flare.server.upload import Upload
+
+        protos = getattr(self.model, "prototypes", None)
+        return Upload(client=self.cid, state=self.model.state_dict(), num_samples=self.num_samples,
+                      prototypes=protos.detach() if protos is not None else None)
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "lam": self.lam.state_dict(),
+            "epochs_done": self.epochs_done,
+            "sgdr_cycle": self._sgdr_cycle,
+            "extension": self.extension.state_dict() if self.extension is not None else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        if state["optimizer"] is not None:
+            self.optimizer = self._make_optimizer()
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.lam.load_state_dict(state["lam"])
+        self.epochs_done = int(state["epochs_done"])
+        self._sgdr_cycle = int(state.get("sgdr_cycle", 0))
+        if self.extension is not None and state.get("extension") is not None:
+            self.extension.load_state_dict(state["extension"])

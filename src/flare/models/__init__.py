@@ -1,0 +1,133 @@
+"""Model zoo (SPEC §2): a timm-style registry of encoders plus the `FlareNet` wrapper.
+
+    model = create_model("resnet18", in_channels=3, num_classes=10, width=1.0, head="prototype")
+    feat, logits = model(x)        # feat = f(x) (B×d, un-normalised); logits from the head
+
+Registered names: `resnet18`, `resnet34`, `resnet50` (CIFAR-style, see `resnet.py`) and `cnn` (small CPU
+model, see `cnn.py`). A registered builder is `fn(in_channels: int, width: float) -> nn.Module` returning an
+encoder with a `feature_dim` attribute; `create_model` wraps it with a head into a `FlareNet`.
+"""
+from __future__ import annotations
+
+from typing import Callable, overload
+
+from torch import Tensor, nn
+
+from ..errors import FlareError
+from . import cnn as _cnn
+from . import resnet as _resnet
+from .heads import LinearHead, PrototypeHead
+
+__all__ = [
+    "FlareNet",
+    "PrototypeHead",
+    "LinearHead",
+    "create_model",
+    "list_models",
+    "register_model",
+    "HEADS",
+]
+
+EncoderBuilder = Callable[[int, float], nn.Module]
+_REGISTRY: dict[str, EncoderBuilder] = {}
+
+HEADS: dict[str, type[nn.Module]] = {"prototype": PrototypeHead, "linear": LinearHead}
+
+
+@overload
+def register_model(name_or_fn: EncoderBuilder) -> EncoderBuilder: ...
+@overload
+def register_model(name_or_fn: str) -> Callable[[EncoderBuilder], EncoderBuilder]: ...
+def register_model(name_or_fn):
+    """Register an encoder builder `fn(in_channels, width) -> encoder` (encoder has `.feature_dim`).
+
+    Use as `@register_model` (name = function name) or `@register_model("name")`. Re-registering a name
+    replaces the previous builder.
+    """
+    if callable(name_or_fn):
+        _REGISTRY[name_or_fn.__name__] = name_or_fn
+        return name_or_fn
+
+    name = str(name_or_fn)
+
+    def deco(fn: EncoderBuilder) -> EncoderBuilder:
+        _REGISTRY[name] = fn
+        return fn
+
+    return deco
+
+
+def list_models() -> list[str]:
+    """Sorted list of registered model names."""
+    return sorted(_REGISTRY)
+
+
+class FlareNet(nn.Module):
+    """Encoder f plus a head. `forward(x) -> (feat, logits)` with feat = f(x) (raw, un-normalised)."""
+
+    def __init__(self, encoder: nn.Module, head: nn.Module, *, name: str = ""):
+        super().__init__()
+        self.encoder = encoder
+        self.head = head
+        self.name = name
+        self.feature_dim: int = int(encoder.feature_dim)
+        self.num_classes: int = int(head.num_classes)
+        self.head_kind: str = getattr(head, "kind", "linear")
+
+    def features(self, x: Tensor) -> Tensor:
+        return self.encoder(x)
+
+    def logits_from_features(self, feat: Tensor) -> Tensor:
+        return self.head(feat)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        feat = self.encoder(x)
+        return feat, self.head(feat)
+
+    @property
+    def prototypes(self) -> nn.Parameter | None:
+        """The head's C×d prototype matrix (a Parameter), or None for a linear head."""
+        return getattr(self.head, "prototypes", None)
+
+
+def create_model(
+    name: str,
+    in_channels: int,
+    num_classes: int,
+    width: float = 1.0,
+    head: str = "prototype",
+) -> FlareNet:
+    """Build a registered encoder + head. Unknown names raise `FlareError` (key `model.name`)."""
+    if name not in _REGISTRY:
+        raise FlareError(
+            f"unknown model {name!r}.",
+            key="model.name",
+            fix="one of " + ", ".join(list_models()) + ".",
+        )
+    if head not in HEADS:
+        raise FlareError(
+            f"unknown head {head!r}.", key="model.head", fix="one of " + ", ".join(sorted(HEADS)) + "."
+        )
+    try:
+        w = float(width)
+    except (TypeError, ValueError):
+        w = float("nan")
+    if not w > 0:  # also rejects NaN
+        raise FlareError(
+            f"width must be a positive number, got {width!r}.", key="model.width", fix="use e.g. 1.0, 0.5 or 0.25."
+        )
+    width = w
+    if int(in_channels) < 1 or int(num_classes) < 1:
+        raise FlareError(
+            f"in_channels and num_classes must be ≥ 1 (got {in_channels}, {num_classes}).",
+            key="model",
+            fix="check the dataset: 1 channel for Fashion-MNIST, 3 for CIFAR.",
+        )
+    encoder = _REGISTRY[name](int(in_channels), width)
+    return FlareNet(encoder, HEADS[head](int(num_classes), int(encoder.feature_dim)), name=name)
+
+
+register_model("resnet18")(_resnet.resnet18)
+register_model("resnet34")(_resnet.resnet34)
+register_model("resnet50")(_resnet.resnet50)
+register_model("cnn")(_cnn.cnn)

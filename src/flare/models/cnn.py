@@ -1,0 +1,53 @@
+"""A small CNN encoder for fast CPU runs (SPEC §2: "a small CNN exists for CPU runs").
+
+    conv3×3(in → 32w) - BN - ReLU - maxpool2
+    conv3×3(32w → 64w) - BN - ReLU - maxpool2
+    conv3×3(64w → 128w) - BN - ReLU
+    global average pool  →  d = round(128·width)
+
+Padding 1 everywhere, so any input ≥ 4×4 works (28×28, 32×32, 64×64, ...). Same init as the ResNets.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .resnet import scaled
+
+__all__ = ["SmallCNN", "cnn"]
+
+
+def _block(cin: int, cout: int) -> list[nn.Module]:
+    return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)]
+
+
+class SmallCNN(nn.Module):
+    def __init__(self, in_channels: int = 3, width: float = 1.0):
+        super().__init__()
+        if width <= 0:
+            raise ValueError(f"width must be > 0, got {width}")
+        self.in_channels = int(in_channels)
+        self.width = float(width)
+        c1, c2, c3 = scaled(32, width), scaled(64, width), scaled(128, width)
+        self.body = nn.Sequential(
+            *_block(self.in_channels, c1),
+            nn.MaxPool2d(2),
+            *_block(c1, c2),
+            nn.MaxPool2d(2),
+            *_block(c2, c3),
+        )
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.feature_dim = c3
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.flatten(self.pool(self.body(x)), 1)
+
+
+def cnn(in_channels: int = 3, width: float = 1.0) -> SmallCNN:
+    return SmallCNN(in_channels, width)

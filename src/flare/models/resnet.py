@@ -1,0 +1,146 @@
+"""CIFAR-style ResNet encoders (SPEC §2).
+
+Differences from the ImageNet ResNet: the stem is a single 3×3 convolution with stride 1 (padding 1, no bias)
+followed by BN + ReLU, and there is NO max-pool, so a 32×32 input keeps its resolution through the first stage.
+Four stages of widths round(64·2^s·width) for s = 0..3 with strides 1, 2, 2, 2, then global average pooling.
+The encoder returns the pooled feature f(x) ∈ R^{B×d} with d = 512·width (BasicBlock, ResNet-18/34) or
+2048·width (Bottleneck, ResNet-50); the exact value is `encoder.feature_dim`.
+
+`width` scales every channel count (stem included); counts are rounded to the nearest integer and clamped to ≥ 1.
+Initialisation follows torchvision: kaiming-normal (fan_out, relu) for convolutions, BN weight 1 / bias 0.
+Only stock layers are used, so the encoders run in channels_last and under torch.autocast.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["BasicBlock", "Bottleneck", "ResNetEncoder", "scaled", "resnet18", "resnet34", "resnet50"]
+
+
+def scaled(channels: int | float, width: float) -> int:
+    """round(channels·width), at least 1."""
+    return max(1, int(round(channels * width)))
+
+
+def conv3x3(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(cin, cout, kernel_size=3, stride=stride, padding=1, bias=False)
+
+
+def conv1x1(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(cin, cout, kernel_size=1, stride=stride, bias=False)
+
+
+class BasicBlock(nn.Module):
+    expansion = 1
+
+    def __init__(self, cin: int, planes: int, stride: int = 1):
+        super().__init__()
+        cout = planes * self.expansion
+        self.conv1 = conv3x3(cin, planes, stride)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = conv3x3(planes, cout)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.shortcut: nn.Module
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(conv1x1(cin, cout, stride), nn.BatchNorm2d(cout))
+        else:
+            self.shortcut = nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + self.shortcut(x))
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, cin: int, planes: int, stride: int = 1):
+        super().__init__()
+        cout = planes * self.expansion
+        self.conv1 = conv1x1(cin, planes)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = conv3x3(planes, planes, stride)  # stride on the 3×3 (torchvision "ResNet v1.5")
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = conv1x1(planes, cout)
+        self.bn3 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.shortcut: nn.Module
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(conv1x1(cin, cout, stride), nn.BatchNorm2d(cout))
+        else:
+            self.shortcut = nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(out + self.shortcut(x))
+
+
+class ResNetEncoder(nn.Module):
+    """f: B×C×H×W → B×d. Submodules `stem`, `layer1`..`layer4`, `pool` are public for inspection."""
+
+    def __init__(
+        self,
+        block: type[BasicBlock] | type[Bottleneck],
+        layers: Sequence[int],
+        in_channels: int = 3,
+        width: float = 1.0,
+    ):
+        super().__init__()
+        if width <= 0:
+            raise ValueError(f"width must be > 0, got {width}")
+        self.in_channels = int(in_channels)
+        self.width = float(width)
+        stem_out = scaled(64, width)
+        self.stem = nn.Sequential(
+            nn.Conv2d(self.in_channels, stem_out, kernel_size=3, stride=1, padding=1, bias=False),
+            nn.BatchNorm2d(stem_out),
+            nn.ReLU(inplace=True),
+        )  # no max-pool (CIFAR-style)
+        cin = stem_out
+        stages = []
+        for s, (n, stride) in enumerate(zip(layers, (1, 2, 2, 2))):
+            planes = scaled(64 * 2**s, width)
+            blocks = []
+            for i in range(n):
+                blocks.append(block(cin, planes, stride if i == 0 else 1))
+                cin = planes * block.expansion
+            stages.append(nn.Sequential(*blocks))
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.feature_dim = cin
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.stem(x)
+        x = self.layer1(x)
+        x = self.layer2(x)
+        x = self.layer3(x)
+        x = self.layer4(x)
+        return torch.flatten(self.pool(x), 1)
+
+
+def resnet18(in_channels: int = 3, width: float = 1.0) -> ResNetEncoder:
+    return ResNetEncoder(BasicBlock, (2, 2, 2, 2), in_channels, width)
+
+
+def resnet34(in_channels: int = 3, width: float = 1.0) -> ResNetEncoder:
+    return ResNetEncoder(BasicBlock, (3, 4, 6, 3), in_channels, width)
+
+
+def resnet50(in_channels: int = 3, width: float = 1.0) -> ResNetEncoder:
+    return ResNetEncoder(Bottleneck, (3, 4, 6, 3), in_channels, width)

@@ -1,0 +1,1 @@
+"""Turning run directories into tables and figures."""

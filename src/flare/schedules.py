@@ -1,0 +1,83 @@
+"""Schedules: pure functions of training progress.
+
+One abstraction serves λ annealing a(p), the meta-annealing s(p) of the λ learner, and the local
+learning rate (SPEC §6–8). `p` runs once from 0 to 1 over the *whole* local training (all rounds),
+never per round — the seeds' saw-tooth was a bug.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from flare.errors import FlareError
+
+Schedule = Callable[[float], float]
+
+SCHEDULES: dict[str, Schedule] = {
+    "constant": lambda p: 1.0,
+    "linear": lambda p: 1.0 - p,
+    "cosine": lambda p: 0.5 * (1.0 + math.cos(math.pi * p)),
+}
+
+
+def get_schedule(name: str, key: str = "schedule") -> Schedule:
+    if name not in SCHEDULES:
+        raise FlareError(f"unknown schedule '{name}'.", key=key, fix=f"use one of: {', '.join(SCHEDULES)}.")
+    return SCHEDULES[name]
+
+
+def progress(epochs_done: float, total_epochs: int) -> float:
+    """p = e / (R·E), clamped to [0, 1]."""
+    return min(max(epochs_done / total_epochs, 0.0), 1.0)
+
+
+class LRSchedule:
+    """Local learning rate as a function of (round, epoch-progress).
+
+    `t` is measured in local epochs since the start of training (fractional with per-step progress),
+    `T = R·E` in total.
+      constant: η = η0 · decay_per_round^round
+      cosine:   η = η_min + ½(η0 − η_min)(1 + cos(π t/T))
+      sgdr:     cosine within cycles of length T0, T0·T_mult, T0·T_mult², …; the peak is multiplied by
+                `cycle_decay` at every restart (Robbins–Monro friendly when < 1).
+    """
+
+    def __init__(self, kind: str, base_lr: float, total_epochs: int, *, decay_per_round: float = 1.0,
+                 min_lr: float = 0.0, t0: float = 10.0, t_mult: float = 2.0, cycle_decay: float = 1.0):
+        if kind not in ("constant", "cosine", "sgdr"):
+            raise FlareError(f"unknown lr schedule '{kind}'.", key="lr_schedule.kind",
+                             fix="use constant, cosine or sgdr.")
+        if kind == "sgdr" and t0 <= 0:
+            raise FlareError("SGDR needs T_0 > 0.", key="lr_schedule.t0", fix="set lr_schedule.t0 to a positive "
+                             "number of local epochs.")
+        self.kind, self.base_lr, self.total = kind, base_lr, total_epochs
+        self.decay_per_round, self.min_lr = decay_per_round, min_lr
+        self.t0, self.t_mult, self.cycle_decay = t0, t_mult, cycle_decay
+
+    def cycle(self, t: float) -> tuple[int, float, float]:
+        """SGDR: (cycle index, time within cycle, cycle length) at epoch-time t."""
+        i, start, length = 0, 0.0, self.t0
+        while t >= start + length - 1e-12:
+            start += length
+            length *= self.t_mult
+            i += 1
+        return i, t - start, length
+
+    def restarts(self, upto: float) -> list[float]:
+        """Epoch-times at which SGDR restarts: T0, T0(1+T_mult), …, up to `upto`."""
+        out, start, length = [], 0.0, self.t0
+        while start + length <= upto + 1e-12:
+            start += length
+            out.append(start)
+            length *= self.t_mult
+        return out
+
+    def __call__(self, t: float, round_idx: int) -> float:
+        if self.kind == "constant":
+            return self.base_lr * self.decay_per_round ** round_idx
+        if self.kind == "cosine":
+            frac = min(t / self.total, 1.0)
+            return self.min_lr + 0.5 * (self.base_lr - self.min_lr) * (1 + math.cos(math.pi * frac))
+        i, tc, length = self.cycle(t)
+        peak = self.base_lr * self.cycle_decay ** i
+        return self.min_lr + 0.5 * (peak - self.min_lr) * (1 + math.cos(math.pi * tc / length))

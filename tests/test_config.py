@@ -1,0 +1,68 @@
+import subprocess
+import sys
+
+import pytest
+
+from flare.config import list_presets, load_config, parse_overrides
+from flare.errors import FlareError
+
+
+def test_overrides_parse_types():
+    m = parse_overrides(["partition.alpha=0.1", "rounds=3", "dataset.download=true", "dataset.root=/x"])
+    assert m == {"partition": {"alpha": 0.1}, "rounds": 3, "dataset": {"download": True, "root": "/x"}}
+
+
+def test_layering_preset_then_file_then_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("rounds: 7\nlr: 0.01\n")
+    cfg = load_config(f, "fedavg", ["lr=0.02"])
+    assert cfg.rounds == 7 and cfg.lr == 0.02 and cfg.loss.objective == "ce" and cfg.method == "fedavg"
+
+
+@pytest.mark.parametrize("ov,key", [
+    (["num_client=3"], "num_client"),
+    (["rounds=abc"], "rounds"),
+    (["partition.alpha=0"], "partition.alpha"),
+    (["partition.alpha=-1"], "partition.alpha"),
+    (["num_clients=0"], "num_clients"),
+    (["device=gpu"], "device"),
+    (["model.width=0"], "model.width"),
+])
+def test_bad_values_name_the_key(ov, key):
+    with pytest.raises(FlareError) as e:
+        load_config(None, "fafi", ov)
+    assert e.value.key == key
+    assert key in e.value.render()
+
+
+def test_unknown_key_suggests_the_right_one():
+    with pytest.raises(FlareError) as e:
+        load_config(None, None, ["num_client=3"])
+    assert "num_clients" in e.value.render()
+
+
+def test_unknown_preset():
+    with pytest.raises(FlareError) as e:
+        load_config(None, "fafii", [])
+    assert "fafi" in e.value.render()
+
+
+def test_presets_have_descriptions():
+    ps = list_presets()
+    assert {"fafi", "fedavg", "ensemble"} <= set(ps)
+    assert all(p.get("description") for p in ps.values())
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "flare.cli", *args], capture_output=True, text=True)
+
+
+def test_cli_bad_input_exit_2_without_traceback(tmp_path):
+    for args in (["run", "--preset", "fafi", "partition.alpha=0", "--out", str(tmp_path / "a")],
+                 ["run", "--preset", "fafi", "bogus.key=1", "--out", str(tmp_path / "b")],
+                 ["run", "--preset", "fafi", "device=cuda", "--out", str(tmp_path / "c")]
+                 if not __import__("torch").cuda.is_available() else ["run", "--preset", "nope"]):
+        r = run_cli(*args)
+        assert r.returncode == 2, r.stderr
+        assert "Traceback" not in r.stderr
+        assert r.stderr.startswith("flare: error:")
