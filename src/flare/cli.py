@@ -2,6 +2,7 @@
 
   flare run      [--config FILE] [--preset NAME] [--out DIR] [--resume DIR] [--quiet] [KEY=VALUE ...]
   flare compare  --presets a,b,c [--config FILE] [--out DIR] [--quiet] [KEY=VALUE ...]
+  flare lr-probe [--config FILE] [--preset NAME] [--client N | --all-data] [--batches 3] [--iters 20] [KEY=VALUE ...]
   flare presets | flare datasets | flare models | flare config-reference
 
 Every user mistake is a one-paragraph message on stderr and exit code 2, never a traceback.
@@ -135,6 +136,16 @@ def cmd_config_reference(args) -> int:
     return 0
 
 
+def cmd_lr_probe(args) -> int:
+    from flare.config import load_config
+    from flare.lrprobe import format_probe, probe
+
+    cfg = load_config(args.config, args.preset, args.overrides)
+    r = probe(cfg, client=args.client, all_data=args.all_data, batches=args.batches, iters=args.iters)
+    print(format_probe(cfg, r))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flare", description="FLARE: one-shot federated learning research framework.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -155,6 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quiet", action="store_true")
     c.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     c.set_defaults(fn=cmd_compare)
+
+    lp = sub.add_parser("lr-probe", help="largest Hessian eigenvalue L at the initial model and eta_crit = 2/L")
+    lp.add_argument("--config", help="YAML config file")
+    lp.add_argument("--preset", help="method preset (see `flare presets`)")
+    lp.add_argument("--client", type=int, default=0, help="probe this client's data (default 0)")
+    lp.add_argument("--all-data", action="store_true", help="probe the whole training set instead of one client")
+    lp.add_argument("--batches", type=int, default=3, help="fixed batches the loss is averaged over (default 3)")
+    lp.add_argument("--iters", type=int, default=20, help="power iterations (default 20)")
+    lp.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    lp.set_defaults(fn=cmd_lr_probe)
 
     sub.add_parser("presets", help="list method presets with the notes' names").set_defaults(fn=cmd_presets)
     sub.add_parser("datasets", help="list datasets").set_defaults(fn=cmd_datasets)

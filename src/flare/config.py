@@ -132,7 +132,6 @@ class ServerCfg(_Strict):
 
 
 class EvalCfg(_Strict):
-    local_acc: bool = Field(False, description="also evaluate every client alone (costly)")
     noise_seed: int = 0
 
 
@@ -155,7 +154,7 @@ class Config(_Strict):
     lr: float = Field(0.05, gt=0)
     progress: Literal["epoch", "step"] = "epoch"
     amp: Literal["auto", "off", "bf16"] = "auto"
-    channels_last: bool = True
+    channels_last: bool = Field(True, description="NHWC layout on CUDA (ignored on CPU)")
     compile: bool = False
     concurrent_clients: bool = False
     dataset: DatasetCfg = DatasetCfg()
@@ -322,6 +321,67 @@ def config_to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
+# Descriptions for keys whose Field has none (kept here so the schema above stays compact).
+DESCRIPTIONS = {
+    "preset": "method preset applied under the file and overrides (`flare presets`)",
+    "method": "display name of the method (defaults to the preset's name)",
+    "description": "one-line description (set by presets)",
+    "notes_name": "the research notes' name for this method, e.g. V7",
+    "seed": "seeds the partition, the global init, the anchors and every client's random streams",
+    "device": "auto (the GPU when there is one), cpu, cuda, cuda:N",
+    "num_clients": "K, the number of clients",
+    "rounds": "R, evaluation checkpoints (rounds) of local training",
+    "local_epochs": "E, local epochs per round (R·E epochs in total per client)",
+    "batch_size": "B, local batch size (two views each: 2B images per step)",
+    "test_batch_size": "evaluation batch size",
+    "lr": "SGD learning rate",
+    "progress": "granularity of p = e/(R·E): per completed epoch (the seeds') or per step",
+    "amp": "bf16 autocast: auto (on GPUs that support it), off, bf16",
+    "compile": "torch.compile the client models",
+    "concurrent_clients": "train a round's clients concurrently on one GPU",
+    "dataset.name": "fmnist, mnist, cifar10, cifar100, svhn, tinyimagenet, imagefolder (`flare datasets`)",
+    "dataset.root": "where the data lives (a folder, or a .tar/.tar.gz for imagefolder)",
+    "dataset.format": "auto, torchvision, imagefolder or idx",
+    "dataset.download": "let torchvision download the dataset into root (needs internet)",
+    "dataset.cache_dir": "where decoded uint8 tensors are cached (default $FLARE_CACHE or ~/.cache/flare)",
+    "partition.kind": "dirichlet (card dealer), iid or shards",
+    "model.name": "resnet18, resnet34, resnet50 (CIFAR-style) or cnn (`flare models`)",
+    "model.width": "channel width multiplier (0.25 → d = 128 for resnet18)",
+    "optim.momentum": "SGD momentum",
+    "optim.grad_clip": "clip the global gradient norm (null: off)",
+    "lr_schedule.kind": "constant, cosine or sgdr (SPEC §8)",
+    "lr_schedule.min_lr": "floor of cosine/sgdr",
+    "lr_schedule.t_mult": "sgdr: period multiplier",
+    "loss.objective": "fafi (prototype head) or ce (plain classifier: fedavg/ensemble baselines)",
+    "loss.tau_con": "SupCon temperature τ",
+    "loss.base_tau": "SupCon base temperature",
+    "loss.tau_pf": "prototype–feature temperature",
+    "loss.tau_pp": "prototype–prototype temperature",
+    "loss.contrast": "contrast-set extension: none, memory-bank, public-bank, two-stage",
+    "loss.bank_size": "memory bank FIFO size",
+    "loss.bank_tau": "temperature of the bank terms",
+    "align.anchors": "fixed anchors A: none, random or etf",
+    "align.target": "fixed (A) or progressive ((1−p)P⁰ + pA, V8)",
+    "align.lambda0": "λ0 for lambda_rule=fixed",
+    "align.lambda_rule": "fixed (λ0) or entropy (V9: λ_min + H/log2C·(λ_max − λ_min))",
+    "align.lambda_min": "entropy rule λ_min",
+    "align.lambda_max": "entropy rule λ_max",
+    "align.schedule": "annealing a(p) of λ: constant, linear, cosine",
+    "align.surgery": "gradient surgery: none or pcgrad (Plan C)",
+    "lam.learner": "λ learner (SPEC §7): none, uw (V10), uw-rescaled (V10r/V11), decoupled (V12–V14)",
+    "lam.sigma_lr": "SGD lr of the log-variances s_l, s_a",
+    "server.weights": "aggregation weights: size (n_i/Σn) or uniform (1/K)",
+    "server.protos": "global prototypes: mean or trainable (Plan B)",
+    "server.protos_init": "Plan B init: mean of client prototypes or the anchors",
+    "server.server_epochs": "Plan B server epochs",
+    "server.server_lr": "Plan B Adam lr",
+    "server.gamma_etf": "Plan B weight of MSE(G, A)",
+    "server.primary": "the rule whose accuracy is 'the' accuracy (auto: feature for prototype heads, output otherwise)",
+    "eval.noise_seed": "seed of IFFI's noise inputs",
+    "logging.tensorboard": "also write TensorBoard scalars to <run>/tensorboard",
+}
+
+
 def config_reference() -> list[tuple[str, str, str, str]]:
     """(key, type, default, description) for every key — the README's config table is built from this."""
     rows = []
@@ -334,7 +394,8 @@ def config_reference() -> list[tuple[str, str, str, str]]:
                 walk(ann, val, prefix + name + ".")
                 continue
             t = str(ann).replace("typing.", "").replace("<class '", "").replace("'>", "")
-            rows.append((prefix + name, t, repr(val), field.description or ""))
+            key = prefix + name
+            rows.append((key, t, repr(val), field.description or DESCRIPTIONS.get(key, "")))
 
     walk(Config, Config(), "")
     return rows

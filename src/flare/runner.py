@@ -235,7 +235,7 @@ class Run:
         torch.manual_seed(cfg.seed)  # one seeded global init shared by every client
         global_model = create_model(cfg.model.name, data.in_channels, data.num_classes, cfg.model.width,
                                     head=cfg.head).to(device)
-        if cfg.channels_last:
+        if self.channels_last(device):
             global_model = global_model.to(memory_format=torch.channels_last)
         anchors = make_anchors(cfg.align.anchors, data.num_classes, global_model.feature_dim, cfg.seed + 7)
         anchors = anchors.to(device) if anchors is not None else None
@@ -312,6 +312,10 @@ class Run:
         write_run_report(self.out)
         return summary
 
+    def channels_last(self, device: torch.device) -> bool:
+        """NHWC pays off on GPUs (tensor cores); on CPU it only adds layout conversions."""
+        return self.cfg.channels_last and device.type == "cuda"
+
     @property
     def primary_rule(self) -> str:
         p = self.cfg.server.primary
@@ -334,7 +338,8 @@ class Run:
         t_agg = time.perf_counter() - t0
         t1 = time.perf_counter()
         rec.update(evaluate(models, weights, G, test_x, test_y, norm, rules=rules, batch_size=cfg.test_batch_size,
-                            noise_seed=cfg.eval.noise_seed, amp_dtype=amp_dtype, channels_last=cfg.channels_last))
+                            noise_seed=cfg.eval.noise_seed, amp_dtype=amp_dtype,
+                            channels_last=self.channels_last(test_x.device)))
         rec["seconds_eval"] = time.perf_counter() - t1
         t2 = time.perf_counter()
         rec["model_variance_mean"] = model_variance_mean(models)

@@ -48,6 +48,44 @@ def derived_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint64)[0] >> 1)
 
 
+class _StepLogs:
+    """Per-epoch sums of the step logs, kept on the device as one vector (no sync per step), plus the
+    first step at which each entry went non-finite — so a NaN is blamed on the term where it started,
+    not on the terms it contaminated afterwards."""
+
+    def __init__(self):
+        self.keys: list[str] | None = None
+        self.sum: Tensor | None = None
+        self.first_bad: Tensor | None = None
+
+    def add(self, logs: dict[str, Tensor], step: int) -> None:
+        if self.keys is None:
+            self.keys = list(logs)
+        elif list(logs) != self.keys:
+            raise RuntimeError(f"step logs changed keys within an epoch: {self.keys} -> {list(logs)}")
+        v = torch.stack([t.float().reshape(()) for t in logs.values()])
+        bad = ~torch.isfinite(v)
+        if self.sum is None:
+            self.sum = v.clone()
+            self.first_bad = torch.where(bad, step, -1)
+        else:
+            self.sum += v
+            self.first_bad = torch.where(bad & (self.first_bad < 0), step, self.first_bad)
+
+    def finish(self, cid: int, round_idx: int) -> dict[str, float]:
+        if self.keys is None:
+            return {}
+        sums, first = self.sum.tolist(), self.first_bad.tolist()  # one device sync per epoch
+        bad = [(f, i) for i, f in enumerate(first) if f >= 0]
+        if bad:
+            f, i = min(bad)
+            raise TrainingDiverged(
+                f"loss term '{self.keys[i]}' became {sums[i]} for client {cid} in round {round_idx} "
+                f"(epoch step {f}); the run stopped here and the metrics of earlier rounds are intact.",
+                key="lr", fix="lower lr, keep optim.grad_clip on, or check the λ settings of this method.")
+        return dict(zip(self.keys, sums))
+
+
 class Client:
     """One federated client: its data indices, its model (never replaced by a server model), its
     optimizer and λ provider. `upload()` is all the server ever sees."""
@@ -97,12 +135,12 @@ class Client:
         order_gen = torch.Generator().manual_seed(derived_seed(cfg.seed, round_idx, self.cid, 2))
         self.model.train()
         steps_per_epoch = math.ceil(self.num_samples / cfg.batch_size)
-        sums: dict[str, Tensor] = {}
+        sums: dict[str, float] = {}
         steps = 0
         lr = self._base_lr()
         for _ in range(cfg.local_epochs):
             perm = torch.randperm(self.num_samples, generator=order_gen).to(self.indices.device)
-            epoch_sums: dict[str, Tensor] = {}
+            acc = _StepLogs()
             for b in range(steps_per_epoch):
                 if cfg.progress == "step":
                     p = progress(self.epochs_done + b / steps_per_epoch, ctx.total_epochs)
@@ -110,23 +148,18 @@ class Client:
                     p = progress(self.epochs_done, ctx.total_epochs)
                 lr = self._set_lr(ctx, round_idx, self.epochs_done + b / steps_per_epoch)
                 idx = self.indices[perm[b * cfg.batch_size:(b + 1) * cfg.batch_size]]
-                logs = self._step(ctx, idx, p)
-                for k, v in logs.items():
-                    epoch_sums[k] = epoch_sums.get(k, 0) + v
+                acc.add(self._step(ctx, idx, p), b)
                 steps += 1
                 if on_step is not None:
                     on_step()
-            self._check_finite(epoch_sums, round_idx)
+            epoch_sums = acc.finish(self.cid, round_idx)
             for k, v in epoch_sums.items():
-                sums[k] = sums.get(k, 0) + v
+                sums[k] = sums.get(k, 0.0) + v
             self.epochs_done += 1
         record = {"kind": "client", "round": round_idx, "client": self.cid, "num_samples": self.num_samples,
                   "normalized_entropy": self.normalized_entropy, "lr": lr, "steps": steps,
                   "progress": progress(self.epochs_done, ctx.total_epochs)}
-        if sums:
-            keys = list(sums)
-            vals = torch.stack([sums[k].float() for k in keys]).tolist()  # one device sync per round
-            record.update({k: v / steps for k, v in zip(keys, vals)})
+        record.update({k: v / steps for k, v in sums.items()})
         record.update(self.lam.state_logs() if hasattr(self.lam, "state_logs") else {})
         record["seconds"] = time.perf_counter() - t0
         return record
@@ -152,7 +185,7 @@ class Client:
         with amp:
             v1, v2 = ctx.augment(xb)
             imgs = torch.cat([v1, v2])
-            if cfg.channels_last:
+            if cfg.channels_last and imgs.is_cuda:
                 imgs = imgs.contiguous(memory_format=torch.channels_last)
             feat, logits = self.model(imgs)
         y2 = torch.cat([yb, yb])
@@ -197,18 +230,6 @@ class Client:
         logs.update({k: torch.as_tensor(v).detach().to(base.device) for k, v in st.logs.items()})
         logs.update(surgery_logs)
         return logs
-
-    def _check_finite(self, sums: dict[str, Tensor], round_idx: int) -> None:
-        if not sums:
-            return
-        keys = list(sums)
-        vals = torch.stack([sums[k].float() for k in keys]).tolist()
-        for k, v in zip(keys, vals):
-            if not math.isfinite(v):
-                raise TrainingDiverged(
-                    f"loss term '{k}' became {v} for client {self.cid} in round {round_idx}; the run stopped "
-                    "here and the metrics of earlier rounds are intact.",
-                    key="lr", fix="lower lr, keep optim.grad_clip on, or check the λ settings of this method.")
 
     # -- what the server sees, and checkpoints ------------------------------------------------
     def upload(self) -> "Upload":

@@ -1,0 +1,85 @@
+"""Gradient surgery between the local objective and the alignment term (SPEC §6, Plan C).
+
+PCGrad (Yu et al., 2020), in the one-sided form the notes describe: with g_loc = ∇ local and
+g_al = ∇ align over all trainable weights (one flat vector each),
+
+    if g_loc·g_al < 0:   g_loc ← g_loc − (g_loc·g_al / ‖g_al‖²) g_al
+    step with g_loc + g_al.
+
+Only g_loc is projected (onto the normal plane of g_al); g_al is applied unchanged. After the
+projection g_loc·g_al = 0, so the update never works against the alignment direction.
+
+How the gradients are obtained. The two weight gradients come from two backward passes over the same
+graph (`local` with `retain_graph=True`, then `align`), each read off the weights' `.grad` and cleared
+again. Using `.backward()` rather than `torch.autograd.grad(…, params)` matters for λ learners
+(SPEC §7) whose `local`/`align` parts also depend on their own log-variances (V10/V11:
+`½e^{−s_l}·base`, `½e^{−s_a}·L_align`): those parameters are not in `params`, and `.backward()`
+accumulates their gradient from both parts exactly as an unsurgical `(local + align + extra).backward()`
+would. Surgery touches the weights' gradient only.
+
+`extra` (a λ learner's `L_σ`) is backpropagated last, into its own parameters. By design it does not
+depend on the weights (V12–V14 build it from `sg(base)` and `sg(L_align)`). If it nevertheless reaches
+some weights, that gradient is *kept* and added after the surgery (it is neither the local nor the
+alignment direction, so PCGrad has no say over it) — the same thing the plain path does — and the
+returned logs carry `pcgrad_extra_on_weights = 1` (0 otherwise; the key exists whenever `extra` is given,
+so the step logs keep the same keys) so the situation is visible in the metrics.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _take_grads(params: list[Tensor]) -> list[Tensor]:
+    """The weights' current .grad (zeros where unused), then clear them."""
+    out = []
+    for p in params:
+        g = p.grad
+        out.append(torch.zeros_like(p) if g is None else g)
+        p.grad = None
+    return out
+
+
+def _dot(a: list[Tensor], b: list[Tensor]) -> Tensor:
+    return torch.stack([(x.float() * y.float()).sum() for x, y in zip(a, b)]).sum()
+
+
+def pcgrad_backward(local: Tensor, align: Tensor, params: list[Tensor],
+                    extra: Tensor | None = None) -> dict[str, Tensor]:
+    """Backward pass with one-sided PCGrad; writes `p.grad = g_loc' + g_al` for every p in `params`.
+
+    The weights' `.grad` must be cleared (None) on entry, as after `optimizer.zero_grad(set_to_none=True)`.
+    Returns {"pcgrad_conflict": 1.0 if the gradients conflicted else 0.0,
+             "grad_cos": cos(g_loc, g_al) before the projection} as 0-d tensors, plus
+             "pcgrad_extra_on_weights" (1.0 if `extra` reached the weights) when `extra` is given.
+    """
+    params = list(params)
+    if any(p.grad is not None for p in params):
+        for p in params:
+            p.grad = None  # a stale gradient would be mistaken for part of g_loc
+    local.backward(retain_graph=True)
+    g_loc = _take_grads(params)
+    align.backward(retain_graph=extra is not None)
+    g_al = _take_grads(params)
+
+    dot = _dot(g_loc, g_al)
+    nl2, na2 = _dot(g_loc, g_loc), _dot(g_al, g_al)
+    cos = dot / (nl2.sqrt() * na2.sqrt()).clamp_min(1e-30)
+    conflict = (dot < 0) & (na2 > 0)
+    # branch-free (no host sync): coef = g_loc·g_al/‖g_al‖² where they conflict, 0 elsewhere
+    coef = torch.where(conflict, dot / na2.clamp_min(1e-30), torch.zeros_like(dot))
+
+    logs: dict[str, Tensor] = {"pcgrad_conflict": conflict.float().detach(), "grad_cos": cos.detach()}
+    g_extra = None
+    if extra is not None:
+        extra.backward()
+        reached = any(p.grad is not None for p in params)
+        if reached:
+            g_extra = _take_grads(params)
+        logs["pcgrad_extra_on_weights"] = torch.tensor(float(reached), device=dot.device)
+    for i, p in enumerate(params):
+        g = g_loc[i] - coef.to(g_loc[i].dtype) * g_al[i] + g_al[i]
+        if g_extra is not None:
+            g = g + g_extra[i]
+        p.grad = g
+    return logs

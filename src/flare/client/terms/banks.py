@@ -1,0 +1,247 @@
+"""Contrast-set extensions (SPEC §6): memory bank, public feature bank, two-stage training.
+
+The notes tried these before the anchor family and report all three as failures (memory bank 9/22,
+public feature bank 9/23, two-stage 9/24); they stay as options so the findings can be reproduced.
+
+`make_extension_factory(cfg, public, global_model, augment, norm, device)` is called once by the runner
+(the server's side: for the public bank it trains the teacher and builds the bank here) and returns a
+callable `(client, ctx) -> extension`; the trainer calls, per step,
+
+    contrast_bank() -> (feats, labels) | None      extra SupCon contrast entries (memory bank)
+    adjust_terms(terms, feat, y2, epoch_idx) -> terms
+    after_step(feat_detached, y2)
+
+and `state_dict()` / `load_state_dict()` for checkpoints.
+
+* `memory-bank`: a per-client FIFO queue of the `loss.bank_size` most recent normalised features (both
+  views of every batch) and their labels, detached, appended to the SupCon contrast set; with a bank the
+  SupCon temperature (and its base temperature) is `loss.bank_tau` for the whole term. The bank starts
+  empty (an empty bank still switches the temperature, so the first step does not use another τ).
+* `public-bank`: the server holds out `dataset.public_size` training samples (`runner.prepare_data`
+  carves them out; clients never see them), trains a teacher — a copy of the initial global model —
+  on them for `loss.teacher_epochs` epochs with the run's own objective (FAFI or CE) and augmentation,
+  SGD at the run's lr/momentum/clipping, seeded, and ships the L2-normalised teacher features of that
+  slice (un-augmented, eval mode) as a fixed bank. Clients add
+
+      loss_public = InfoNCE: for each of the 2B views, the positive is the other view of the same image,
+                    the negatives are the bank; logits / loss.bank_tau, CE with the positive at index 0,
+                    mean over the 2B views.
+
+* `two-stage`: the same term, but the first `loss.alignment_epochs` local epochs (counted over the whole
+  training, `Client.epochs_done`, not per round) use `loss_public` alone and later epochs the base loss
+  alone.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from flare.config import Config
+from flare.errors import FlareError
+
+
+# ----------------------------------------------------------------------------------------------
+# memory bank
+
+
+class MemoryBank:
+    """Per-client FIFO of the `size` most recent (normalised feature, label) pairs, as a ring buffer."""
+
+    def __init__(self, size: int, dim: int, device: torch.device | str = "cpu"):
+        self.size, self.dim = int(size), int(dim)
+        self.feats = torch.zeros(self.size, self.dim, device=device)
+        self.labels = torch.zeros(self.size, dtype=torch.long, device=device)
+        self.ptr = 0      # next slot to write
+        self.count = 0    # filled slots
+
+    def __len__(self) -> int:
+        return self.count
+
+    def push(self, feats: Tensor, labels: Tensor) -> None:
+        """Enqueue rows (oldest first); when full, the oldest entries are dropped."""
+        z = F.normalize(feats.detach().float(), dim=1)
+        y = labels.detach().long()
+        if z.shape[0] > self.size:  # only the newest `size` rows can survive
+            z, y = z[-self.size:], y[-self.size:]
+        n = z.shape[0]
+        idx = (self.ptr + torch.arange(n, device=self.feats.device)) % self.size
+        self.feats[idx] = z.to(self.feats.device)
+        self.labels[idx] = y.to(self.labels.device)
+        self.ptr = (self.ptr + n) % self.size
+        self.count = min(self.count + n, self.size)
+
+    def contents(self) -> tuple[Tensor, Tensor]:
+        """(features, labels) of the queue, oldest first."""
+        if self.count < self.size:
+            return self.feats[: self.count], self.labels[: self.count]
+        order = (self.ptr + torch.arange(self.size, device=self.feats.device)) % self.size
+        return self.feats[order], self.labels[order]
+
+    def bank(self) -> tuple[Tensor, Tensor]:
+        """The filled entries in storage order (SupCon does not care about order; no copy)."""
+        return self.feats[: self.count], self.labels[: self.count]
+
+    def state_dict(self) -> dict:
+        return {"feats": self.feats, "labels": self.labels, "ptr": self.ptr, "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.feats = state["feats"].to(self.feats.device)
+        self.labels = state["labels"].to(self.labels.device)
+        self.ptr, self.count = int(state["ptr"]), int(state["count"])
+
+
+class MemoryBankExtension:
+    def __init__(self, size: int, dim: int, device: torch.device):
+        self.queue = MemoryBank(size, dim, device)
+
+    def contrast_bank(self) -> tuple[Tensor, Tensor]:
+        return self.queue.bank()
+
+    def adjust_terms(self, terms: dict, feat: Tensor, y2: Tensor, epoch_idx: int) -> dict:
+        return terms
+
+    def after_step(self, feat: Tensor, y2: Tensor) -> None:
+        self.queue.push(feat, y2)
+
+    def state_dict(self) -> dict:
+        return self.queue.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.queue.load_state_dict(state)
+
+
+# ----------------------------------------------------------------------------------------------
+# public feature bank and two-stage
+
+
+def public_infonce(feat: Tensor, bank: Tensor, tau: float) -> Tensor:
+    """InfoNCE over a batch laid out as [view1; view2] (2B rows): the positive of each row is the other
+    view of the same image, the negatives are the (normalised) bank rows."""
+    z = F.normalize(feat.float(), dim=1)
+    b = z.shape[0] // 2
+    other = torch.cat([z[b:], z[:b]])
+    pos = (z * other).sum(1, keepdim=True)
+    neg = z @ bank.to(z.dtype).T
+    logits = torch.cat([pos, neg], dim=1) / tau
+    return F.cross_entropy(logits, torch.zeros(z.shape[0], dtype=torch.long, device=z.device))
+
+
+class PublicBankExtension:
+    def __init__(self, bank: Tensor, tau: float, alignment_epochs: int | None):
+        self.bank, self.tau = bank, tau
+        self.alignment_epochs = alignment_epochs  # None: public-bank (term always added)
+
+    def contrast_bank(self):
+        return None
+
+    def adjust_terms(self, terms: dict, feat: Tensor, y2: Tensor, epoch_idx: int) -> dict:
+        if self.alignment_epochs is None:
+            return {**terms, "loss_public": public_infonce(feat, self.bank, self.tau)}
+        if epoch_idx < self.alignment_epochs:  # stage 1: the public term alone
+            return {"loss_public": public_infonce(feat, self.bank, self.tau)}
+        return terms                           # stage 2: the base loss alone
+
+    def after_step(self, feat: Tensor, y2: Tensor) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}  # the bank is rebuilt deterministically from the seed on resume
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def train_teacher(cfg: Config, public: tuple[Tensor, Tensor], global_model: torch.nn.Module, augment,
+                  device: torch.device) -> tuple[torch.nn.Module, list[float]]:
+    """The server's teacher: a copy of the initial global model trained on the public slice for
+    `loss.teacher_epochs` epochs with the run's objective. Returns (teacher, mean loss per epoch)."""
+    from flare.client.terms.fafi import ce_terms, fafi_terms
+    from flare.client.trainer import derived_seed
+
+    x, y = public[0].to(device), public[1].to(device)
+    teacher = copy.deepcopy(global_model).to(device)
+    teacher.train()
+    opt = torch.optim.SGD(teacher.parameters(), lr=cfg.lr, momentum=cfg.optim.momentum,
+                          weight_decay=cfg.optim.weight_decay)
+    rng_state = torch.get_rng_state()
+    torch.manual_seed(derived_seed(cfg.seed, 424242, 1))  # the teacher's augmentation stream
+    order = torch.Generator().manual_seed(derived_seed(cfg.seed, 424242, 2))
+    n, bs = len(y), cfg.batch_size
+    losses = []
+    try:
+        for _ in range(cfg.loss.teacher_epochs):
+            perm = torch.randperm(n, generator=order).to(device)
+            total = 0.0
+            steps = math.ceil(n / bs)
+            for b in range(steps):
+                idx = perm[b * bs:(b + 1) * bs]
+                v1, v2 = augment(x[idx])
+                feat, logits = teacher(torch.cat([v1, v2]))
+                y2 = torch.cat([y[idx], y[idx]])
+                if cfg.loss.objective == "fafi":
+                    terms = fafi_terms(feat, logits, y2, teacher.prototypes, tau_con=cfg.loss.tau_con,
+                                       base_tau=cfg.loss.base_tau, tau_pf=cfg.loss.tau_pf, tau_pp=cfg.loss.tau_pp)
+                else:
+                    terms = ce_terms(logits, y2)
+                loss = sum(terms.values())
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if cfg.optim.grad_clip is not None:
+                    torch.nn.utils.clip_grad_norm_(teacher.parameters(), cfg.optim.grad_clip)
+                opt.step()
+                total += float(loss.detach())
+            losses.append(total / steps)
+    finally:
+        torch.set_rng_state(rng_state)  # leave the global stream as we found it
+    return teacher, losses
+
+
+@torch.no_grad()
+def teacher_bank(teacher: torch.nn.Module, x_uint8: Tensor, norm, device: torch.device,
+                 batch_size: int = 256) -> Tensor:
+    """L2-normalised teacher features of the public slice (eval mode, no augmentation)."""
+    teacher.eval()
+    out = []
+    for i in range(0, len(x_uint8), batch_size):
+        feat, _ = teacher(norm(x_uint8[i:i + batch_size].to(device)))
+        out.append(F.normalize(feat.float(), dim=1))
+    return torch.cat(out)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def make_extension_factory(cfg: Config, public, global_model: torch.nn.Module, augment, norm,
+                           device: torch.device):
+    """The per-client extension builder for `loss.contrast` (None for `none`)."""
+    kind = cfg.loss.contrast
+    if kind == "none":
+        return None
+    if kind == "memory-bank":
+        def memory(client, ctx):
+            return MemoryBankExtension(cfg.loss.bank_size, client.model.feature_dim, device)
+
+        return memory
+    if kind in ("public-bank", "two-stage"):
+        if cfg.dataset.public_size <= 0 or public is None:
+            raise FlareError(f"loss.contrast={kind} needs a public slice held out by the server, but "
+                             "dataset.public_size is 0.", key="dataset.public_size",
+                             fix="set dataset.public_size to the number of training samples the server holds "
+                             "out (e.g. dataset.public_size=1000).")
+        teacher, losses = train_teacher(cfg, public, global_model, augment, device)
+        bank = teacher_bank(teacher, public[0], norm, device, cfg.test_batch_size)
+        del teacher
+        stages = cfg.loss.alignment_epochs if kind == "two-stage" else None
+
+        def public_ext(client, ctx):
+            return PublicBankExtension(bank, cfg.loss.bank_tau, stages)
+
+        public_ext.teacher_losses = losses  # for inspection / tests
+        public_ext.bank = bank
+        return public_ext
+    raise FlareError(f"unknown contrast extension '{kind}'.", key="loss.contrast",
+                     fix="use none, memory-bank, public-bank or two-stage.")

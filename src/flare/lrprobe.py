@@ -1,0 +1,205 @@
+"""LR probe (SPEC §8): the largest Hessian eigenvalue L of the local loss at the initial model and the
+stability bound η_crit = 2/L of (non-momentum) gradient descent on a quadratic with that curvature.
+
+`flare lr-probe` builds the run exactly like the runner (same data pipeline and subsets, same partition,
+same seeded global init, same anchors), takes one client's data (client 0 by default, or the whole
+training set with `--all-data`), draws `--batches` fixed batches with fixed augmentation seeds, and runs
+power iteration on Hessian–vector products (double backward) of the mean loss over those batches.
+
+The loss probed is the weights' local loss at p = 0: the objective's base terms (FAFI or CE) plus, for
+the alignment methods, λ·L_align with λ the client's initial λ (λ0 or the entropy rule; a(0) = 1 for
+every schedule, and λ learners start at λ_raw = λ_init). Plain V10 (`lam.learner=uw`) scales the whole
+weights' loss by ½e^{−s_l} = ½ at the start, so the probe does too. Contrast extensions (memory / public
+bank) are left out: the memory bank is empty at the start, and the public bank needs the server's teacher.
+BatchNorm runs in training mode (batch statistics), as in local training.
+
+Power iteration converges to the eigenvalue of largest *magnitude*; if that one is negative, a second
+run on H − μI finds the largest (positive) eigenvalue.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from flare.config import Config
+from flare.errors import FlareError
+from flare.runner import prepare_data, resolve_device
+
+
+@dataclass
+class EigenEstimate:
+    value: float                       # the estimated largest eigenvalue
+    history: list[float] = field(default_factory=list)  # Rayleigh quotient per iteration
+    rel_change: float = float("nan")  # |last − previous| / |last|: a convergence indicator
+
+
+def _dot(a: list[Tensor], b: list[Tensor]) -> Tensor:
+    return sum((x * y).sum() for x, y in zip(a, b))
+
+
+def hvp_fn(loss_fns: list[Callable[[], Tensor]], params: list[Tensor]) -> Callable[[list[Tensor]], list[Tensor]]:
+    """v ↦ H v for the mean of the losses (each closure recomputes one batch's loss; double backward)."""
+
+    def hvp(v: list[Tensor]) -> list[Tensor]:
+        out = [torch.zeros_like(p) for p in params]
+        for fn in loss_fns:
+            loss = fn()
+            grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+            pairs = [(g, vi) for g, vi in zip(grads, v) if g is not None]
+            if not pairs:
+                continue
+            gv = sum((g * vi).sum() for g, vi in pairs)
+            hv = torch.autograd.grad(gv, params, allow_unused=True)
+            for o, h in zip(out, hv):
+                if h is not None:
+                    o.add_(h.detach(), alpha=1.0 / len(loss_fns))
+        return out
+
+    return hvp
+
+
+def power_iteration(hvp: Callable[[list[Tensor]], list[Tensor]], params: list[Tensor], iters: int = 20,
+                    seed: int = 0, shift: float = 0.0) -> EigenEstimate:
+    """Dominant eigenvalue of (H − shift·I) by power iteration from a seeded random unit vector."""
+    g = torch.Generator().manual_seed(seed)
+    v = [torch.randn(p.shape, generator=g).to(p.device, p.dtype) for p in params]
+    n = math.sqrt(float(_dot(v, v)))
+    v = [x / n for x in v]
+    hist: list[float] = []
+    for _ in range(max(1, iters)):
+        hv = hvp(v)
+        if shift:
+            hv = [h - shift * x for h, x in zip(hv, v)]
+        hist.append(float(_dot(v, hv)))  # Rayleigh quotient (v has unit norm)
+        norm = math.sqrt(float(_dot(hv, hv)))
+        if norm == 0 or not math.isfinite(norm):
+            break
+        v = [h / norm for h in hv]
+    rel = abs(hist[-1] - hist[-2]) / max(abs(hist[-1]), 1e-30) if len(hist) > 1 else float("nan")
+    return EigenEstimate(hist[-1], hist, rel)
+
+
+def top_hessian_eigenvalue(loss_fns: list[Callable[[], Tensor]], params: list[Tensor], iters: int = 20,
+                           seed: int = 0) -> EigenEstimate:
+    """The largest eigenvalue L of the Hessian of mean(loss_fns) w.r.t. params."""
+    params = [p for p in params if p.requires_grad]
+    hvp = hvp_fn(loss_fns, params)
+    est = power_iteration(hvp, params, iters, seed)
+    if est.value < 0:  # the dominant eigenvalue is negative: look for the largest one above it
+        shifted = power_iteration(hvp, params, iters, seed + 1, shift=est.value)
+        est = EigenEstimate(shifted.value + est.value, [h + est.value for h in shifted.history],
+                            shifted.rel_change)
+    return est
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def effective_lr(cfg: Config) -> float:
+    """The peak local lr the run will use (linear scaling included)."""
+    return cfg.lr * (cfg.batch_size / 512 if cfg.optim.linear_scaling else 1.0)
+
+
+def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 3, iters: int = 20) -> dict:
+    """Build the run's data and initial model like the runner and estimate L at the initial model."""
+    from flare.client.lam import initial_lambda
+    from flare.client.terms.align import align_loss, make_anchors
+    from flare.client.terms.fafi import ce_terms, fafi_terms
+    from flare.client.trainer import derived_seed
+    from flare.data.augment import TwoViewAugment
+    from flare.data.partition import make_partition
+    from flare.models import create_model
+
+    if batches < 1 or iters < 1:
+        raise FlareError("--batches and --iters must be at least 1.", key="--batches" if batches < 1 else "--iters")
+    device = resolve_device(cfg.device)
+    data, _public = prepare_data(cfg)
+    part = make_partition(data.train_y.numpy(), cfg.num_clients, cfg.partition.kind, cfg.seed,
+                          alpha=cfg.partition.alpha, shards_per_client=cfg.partition.shards_per_client,
+                          num_classes=data.num_classes)
+    report = part.report()
+    if all_data:
+        ix = torch.arange(len(data.train_y))
+        ent = None
+        who = "the whole training set"
+    else:
+        if not 0 <= client < cfg.num_clients:
+            raise FlareError(f"--client {client} is not a client of this run (0..{cfg.num_clients - 1}).",
+                             key="--client")
+        ix = torch.as_tensor(part.client_indices[client])
+        ent = report["clients"][client]["normalized_entropy"]
+        who = f"client {client}"
+        if len(ix) == 0:
+            raise FlareError(f"client {client} holds no samples under this partition.", key="--client",
+                             fix="probe another client or use --all-data.")
+    torch.manual_seed(cfg.seed)  # the runner's seeded global init
+    model = create_model(cfg.model.name, data.in_channels, data.num_classes, cfg.model.width,
+                         head=cfg.head).to(device)
+    model.train()
+    anchors = make_anchors(cfg.align.anchors, data.num_classes, model.feature_dim, cfg.seed + 7)
+    anchors = anchors.to(device) if anchors is not None else None
+    lam = initial_lambda(cfg, ent if ent is not None else 1.0) if anchors is not None else 0.0
+    scale = 0.5 if cfg.lam.learner == "uw" else 1.0  # V10: ½e^{−s_l}, s_l = 0 at the start
+    augment = TwoViewAugment(data.image_size, data.in_channels, data.mean, data.std,
+                             per_image=cfg.augment.per_image).to(device)
+
+    order = torch.Generator().manual_seed(derived_seed(cfg.seed, 31337, 0))
+    perm = ix[torch.randperm(len(ix), generator=order)]
+    B = cfg.batch_size
+    nb = min(batches, math.ceil(len(perm) / B))
+    fixed = []
+    rng = torch.get_rng_state()
+    try:
+        for b in range(nb):
+            sel = perm[b * B:(b + 1) * B]
+            torch.manual_seed(derived_seed(cfg.seed, 31337, 1, b))  # fixed augmentation per batch
+            xb = data.train_x[sel].to(device)
+            v1, v2 = augment(xb)
+            yb = data.train_y[sel].to(device)
+            fixed.append((torch.cat([v1, v2]).detach(), torch.cat([yb, yb])))
+    finally:
+        torch.set_rng_state(rng)
+
+    def make_loss(imgs: Tensor, y2: Tensor) -> Callable[[], Tensor]:
+        def loss() -> Tensor:
+            feat, logits = model(imgs)
+            if cfg.loss.objective == "fafi":
+                terms = fafi_terms(feat, logits, y2, model.prototypes, tau_con=cfg.loss.tau_con,
+                                   base_tau=cfg.loss.base_tau, tau_pf=cfg.loss.tau_pf, tau_pp=cfg.loss.tau_pp)
+            else:
+                terms = ce_terms(logits, y2)
+            total = sum(terms.values())
+            if anchors is not None and lam:
+                total = total + lam * align_loss(model.prototypes, anchors)
+            return scale * total
+
+        return loss
+
+    est = top_hessian_eigenvalue([make_loss(i, y) for i, y in fixed], list(model.parameters()), iters,
+                                 seed=cfg.seed)
+    L = est.value
+    return {"L": L, "eta_crit": 2.0 / L if L > 0 else float("inf"), "lr": effective_lr(cfg),
+            "history": est.history, "rel_change": est.rel_change, "who": who, "samples": int(len(ix)),
+            "batches": nb, "batch_size": B, "iters": iters, "lambda": lam}
+
+
+def format_probe(cfg: Config, r: dict) -> str:
+    lines = [
+        f"lr-probe: {cfg.dataset.name}, {r['who']} ({r['samples']} samples), {cfg.model.name} "
+        f"(width {cfg.model.width}), objective {cfg.loss.objective}"
+        + (f" + {r['lambda']:.4g}·L_align" if r["lambda"] else "")
+        + f"; {r['batches']} fixed batch(es) of {r['batch_size']}, {r['iters']} power iterations",
+        f"L = {r['L']:.6g}    (largest Hessian eigenvalue; last relative change {r['rel_change']:.2e})",
+        f"eta_crit = 2/L = {r['eta_crit']:.6g}",
+        f"lr = {r['lr']:.6g}    (configured peak local lr"
+        + (", linear scaling applied" if cfg.optim.linear_scaling else "") + ")",
+    ]
+    if r["lr"] > r["eta_crit"]:
+        lines.append(f"WARNING: lr = {r['lr']:.6g} exceeds eta_crit = {r['eta_crit']:.6g}: gradient descent is "
+                     "unstable along the sharpest direction at the initial model (momentum and clipping change "
+                     "the bound; the first steps are the risky ones).")
+    return "\n".join(lines)

@@ -1,0 +1,37 @@
+"""Shared fixtures: a tiny, learnable image-folder dataset written to disk in the real format."""
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+os.environ.setdefault("FLARE_QUIET", "1")
+
+
+def write_tiny_imagefolder(root, classes=4, train_per_class=24, test_per_class=8, size=12, seed=0):
+    """Each class is a noisy colour/stripe pattern, so a tiny CNN can learn it in a few steps."""
+    rng = np.random.default_rng(seed)
+    base = [rng.integers(0, 256, size=3) for _ in range(classes)]
+    for split, n in (("train", train_per_class), ("test", test_per_class)):
+        for c in range(classes):
+            d = root / split / f"class{c}"
+            d.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                img = np.zeros((size, size, 3), dtype=np.int64) + base[c]
+                img[:, c % size] = 255 - base[c]  # a class-specific stripe
+                img = np.clip(img + rng.integers(-40, 40, size=img.shape), 0, 255).astype(np.uint8)
+                Image.fromarray(img).save(d / f"{i:04d}.png")
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    return write_tiny_imagefolder(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def tiny_overrides(tiny_folder, tmp_path):
+    """Overrides for a run that takes a second or two on CPU."""
+    return [f"dataset.name=imagefolder", f"dataset.root={tiny_folder}", f"dataset.cache_dir={tmp_path / 'cache'}",
+            "model.name=cnn", "model.width=0.25", "num_clients=3", "rounds=2", "batch_size=16",
+            "partition.alpha=0.5", "device=cpu", "test_batch_size=32"]

@@ -1,0 +1,113 @@
+import json
+import math
+
+import pytest
+
+from flare.config import load_config
+from flare.errors import FlareError, TrainingDiverged
+from flare.runner import Run, read_jsonl
+
+
+def metrics(d):
+    return read_jsonl(d / "metrics.jsonl")
+
+
+def test_run_writes_the_run_directory(tiny_overrides, tmp_path):
+    out = tmp_path / "run"
+    cfg = load_config(None, "fafi", tiny_overrides)
+    s = Run(cfg, out, quiet=True).execute()
+    for f in ("config.yaml", "partition.json", "metrics.jsonl", "summary.md", "plots/accuracy.png",
+              "plots/label_distribution.png", "plots/diagnostics.png"):
+        assert (out / f).exists(), f
+    recs = metrics(out)
+    rounds = [r for r in recs if r["kind"] == "round"]
+    clients = [r for r in recs if r["kind"] == "client"]
+    assert [r["round"] for r in rounds] == [0, 1]
+    assert len(clients) == 2 * 3
+    for k in ("acc_feature", "acc_iffi", "acc_iffi_reference", "acc_output", "acc_fedavg", "model_variance_mean",
+              "g_protos_std", "inter_client_proto_std", "seconds", "method"):
+        assert k in rounds[-1], k
+    for k in ("loss_cls", "loss_con", "loss_pf", "loss_pp", "base_loss", "round", "client"):
+        assert k in clients[0], k
+    assert 0.0 <= s["acc"] <= 1.0
+    part = json.loads((out / "partition.json").read_text())
+    assert sum(c["num_samples"] for c in part["clients"]) == 4 * 24
+
+
+def test_linear_baseline_has_only_its_rules(tiny_overrides, tmp_path):
+    out = tmp_path / "ens"
+    Run(load_config(None, "ensemble", tiny_overrides), out, quiet=True).execute()
+    last = [r for r in metrics(out) if r["kind"] == "round"][-1]
+    assert "acc_output" in last and "acc_fedavg" in last
+    assert "acc_feature" not in last and "g_protos_std" not in last
+
+
+def test_same_config_and_seed_give_identical_metrics(tiny_overrides, tmp_path):
+    vals = []
+    for name in ("a", "b"):
+        Run(load_config(None, "fafi", tiny_overrides), tmp_path / name, quiet=True).execute()
+        recs = metrics(tmp_path / name)
+        vals.append([{k: v for k, v in r.items() if not k.startswith("seconds")} for r in recs])
+    assert vals[0] == vals[1]
+
+
+def test_a_different_seed_changes_the_numbers(tiny_overrides, tmp_path):
+    a = Run(load_config(None, "fafi", tiny_overrides), tmp_path / "a", quiet=True).execute()
+    b = Run(load_config(None, "fafi", tiny_overrides + ["seed=2"]), tmp_path / "b", quiet=True).execute()
+    assert a["model_variance_mean"] != b["model_variance_mean"]
+
+
+def test_empty_client_is_skipped_with_a_warning(tiny_overrides, tmp_path):
+    ov = [o for o in tiny_overrides if not o.startswith(("num_clients", "partition.alpha"))]
+    ov += ["num_clients=12", "partition.alpha=0.01", "rounds=1"]
+    run = Run(load_config(None, "fafi", ov), tmp_path / "e", quiet=True)
+    with pytest.warns(UserWarning, match="no samples"):
+        run.execute()
+    part = json.loads((tmp_path / "e" / "partition.json").read_text())
+    empty = [c["client"] for c in part["clients"] if c["num_samples"] == 0]
+    assert empty
+    trained = {r["client"] for r in metrics(tmp_path / "e") if r["kind"] == "client"}
+    assert not (trained & set(empty))
+    assert "no samples" in (tmp_path / "e" / "summary.md").read_text()
+
+
+def test_nan_loss_stops_with_client_round_and_term_and_keeps_metrics(tiny_overrides, tmp_path, monkeypatch):
+    import flare.client.trainer as trainer
+
+    real = trainer.fafi_terms
+
+    def poisoned(*a, **k):
+        t = real(*a, **k)
+        if calls["round"] == 1:
+            t["loss_con"] = t["loss_con"] * float("nan")
+        return t
+
+    calls = {"round": 0}
+    real_train = trainer.Client.train_round
+
+    def train_round(self, ctx, round_idx, on_step=None):
+        calls["round"] = round_idx
+        return real_train(self, ctx, round_idx, on_step)
+
+    monkeypatch.setattr(trainer, "fafi_terms", poisoned)
+    monkeypatch.setattr(trainer.Client, "train_round", train_round)
+    out = tmp_path / "nan"
+    with pytest.raises(TrainingDiverged) as e:
+        Run(load_config(None, "fafi", tiny_overrides), out, quiet=True).execute()
+    msg = e.value.render()
+    assert "loss_con" in msg and "round 1" in msg and "client 0" in msg
+    recs = metrics(out)
+    assert recs and all(r["round"] == 0 for r in recs)
+    assert all(math.isfinite(r["acc_feature"]) for r in recs if r["kind"] == "round")
+
+
+def test_finished_run_is_not_recomputed_and_other_config_is_refused(tiny_overrides, tmp_path):
+    out = tmp_path / "done"
+    cfg = load_config(None, "fafi", tiny_overrides)
+    Run(cfg, out, quiet=True).execute()
+    before = (out / "metrics.jsonl").read_text()
+    Run(cfg, out, quiet=True).execute()
+    assert (out / "metrics.jsonl").read_text() == before
+    with pytest.raises(FlareError) as e:
+        Run(load_config(None, "fafi", tiny_overrides + ["lr=0.01"]), out, quiet=True).execute()
+    assert "lr" in e.value.render()
