@@ -21,7 +21,7 @@ class Progress:
                           disable=self.disable, file=sys.stderr, dynamic_ncols=True)
 
     def client(self, cid: int) -> None:
-        self.steps.set_description(f"  client {cid}")
+        self.steps.set_description(f"  client {cid}" if cid >= 0 else "  all clients")
 
     def step(self) -> None:
         self.steps.update(1)

@@ -117,6 +117,8 @@ def load_dataset(name: str, root: str | os.PathLike | None, format: str = "auto"
     if info is None:
         raise FlareError(f"unknown dataset {name!r}.", key="dataset.name",
                          fix=f"use one of: {', '.join(DATASETS)}.")
+    if name in SYNTHETIC:
+        return synthetic_dataset(name)
     root_path = Path(root).expanduser() if root not in (None, "") else None
     fmt = _resolve_format(name, info, root_path, format)
     if fmt == "imagefolder":
@@ -688,6 +690,31 @@ def _save_cache(path: Path, data: ImageData) -> None:
                       stacklevel=3)
 
 
+# name -> (classes, channels, size, train, test): stand-ins of the real shapes for benchmarks and
+# smoke tests on machines without the real files. Not learnable beyond a class-dependent colour.
+SYNTHETIC = {
+    "synthetic-cifar10": (10, 3, 32, 50_000, 10_000),
+    "synthetic-cifar100": (100, 3, 32, 50_000, 10_000),
+}
+
+
+def synthetic_dataset(name: str, seed: int = 0) -> ImageData:
+    """Seeded random images whose mean colour depends on the class (generated, never cached)."""
+    C, ch, hw, n_train, n_test = SYNTHETIC[name]
+    g = torch.Generator().manual_seed(seed)
+    centre = torch.randint(0, 176, (C, ch, 1, 1), generator=g, dtype=torch.uint8)
+
+    def make(n):
+        y = torch.randint(0, C, (n,), generator=g)
+        x = torch.randint(0, 81, (n, ch, hw, hw), generator=g, dtype=torch.uint8)
+        return x.add_(centre[y]), y  # centre + U{0..80} stays within 0..255
+
+    train_x, train_y = make(n_train)
+    test_x, test_y = make(n_test)
+    mean, std = _channel_stats(train_x)
+    return ImageData(name, train_x, train_y, test_x, test_y, [f"class{c}" for c in range(C)], mean, std)
+
+
 DATASETS: dict[str, DatasetInfo] = {
     "fmnist": DatasetInfo("Fashion-MNIST: 10 clothing classes, 1x28x28, 60k/10k (Debian package or torchvision)",
                           ("idx", "torchvision", "imagefolder"), 10, _locate_mnist),
@@ -703,4 +730,8 @@ DATASETS: dict[str, DatasetInfo] = {
                                 ("imagefolder",), 200, _locate_tiny),
     "imagefolder": DatasetInfo("any train/<class>/*, test/<class>/* tree, as a folder or .tar/.tar.gz",
                                ("imagefolder",), None, None),
+    "synthetic-cifar10": DatasetInfo("generated stand-in with CIFAR-10's shapes (benchmarks, no files needed)",
+                                     (), 10, None),
+    "synthetic-cifar100": DatasetInfo("generated stand-in with CIFAR-100's shapes (benchmarks, no files needed)",
+                                      (), 100, None),
 }
