@@ -364,11 +364,15 @@ def test_memory_bank_through_the_trainer_fills_to_its_size():
 
 
 def test_public_infonce_hand_example():
-    z = torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0]])
-    feat = torch.cat([z, z])  # the two views agree: positive logit 1/τ
-    bank = torch.tensor([[0, 0, 1.0, 0], [0, 0, 0, 1.0], [0, 0, -1.0, 0]])  # orthogonal: logits 0
+    """Image 0's views agree (positive logit 1/τ), image 1's views meet at 45° (positive logit cos 45°/τ); the
+    bank is orthogonal to all of them (negative logits 0). Rows are [view1; view2]."""
+    r = 1 / math.sqrt(2)
+    view1 = torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0]])
+    view2 = torch.tensor([[1.0, 0, 0, 0], [r, r, 0, 0]])
+    bank = torch.tensor([[0, 0, 1.0, 0], [0, 0, 0, 1.0], [0, 0, -1.0, 0]])
     tau = 0.5
-    assert public_infonce(feat, bank, tau).item() == pytest.approx(math.log(1 + 3 * math.exp(-1 / tau)), rel=1e-6)
+    expect = (2 * math.log(1 + 3 * math.exp(-1 / tau)) + 2 * math.log(1 + 3 * math.exp(-r / tau))) / 4
+    assert public_infonce(torch.cat([view1, view2]), bank, tau).item() == pytest.approx(expect, rel=1e-6)
 
 
 def test_public_bank_and_two_stage_terms():

@@ -433,7 +433,8 @@ def test_unknown_name_and_formats(tmp_path, cache):
 
 def test_list_datasets():
     names = dict(D.list_datasets())
-    assert set(names) == {"fmnist", "mnist", "cifar10", "cifar100", "svhn", "tinyimagenet", "imagefolder"}
+    assert set(names) == {"fmnist", "mnist", "cifar10", "cifar100", "svhn", "tinyimagenet", "imagefolder",
+                          "synthetic-cifar10", "synthetic-cifar100"}
     assert all(desc for desc in names.values())
 
 
@@ -521,3 +522,11 @@ def test_real_cifar10_jpeg_tar(cache):
     assert torch.bincount(data.test_y).tolist() == [1000] * 10
     test_mean = (data.test_x.double() / 255).mean((0, 2, 3))
     assert test_mean.tolist() == pytest.approx([0.494, 0.485, 0.450], abs=5e-3)
+
+
+def test_synthetic_dataset_shapes_and_determinism():
+    a = D.load_dataset("synthetic-cifar100", None)
+    b = D.load_dataset("synthetic-cifar100", None)
+    assert a.train_x.shape == (50_000, 3, 32, 32) and a.test_x.shape == (10_000, 3, 32, 32)
+    assert a.train_x.dtype == torch.uint8 and a.num_classes == 100
+    assert torch.equal(a.train_x[:100], b.train_x[:100]) and torch.equal(a.test_y, b.test_y)

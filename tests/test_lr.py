@@ -198,12 +198,15 @@ def _fake_data():
 TINY = ["model.name=cnn", "model.width=0.125", "batch_size=32", "device=cpu", "num_clients=2"]
 
 
-@pytest.mark.parametrize("lr,warn", [(1000.0, True), (1e-6, False)])
-def test_lr_probe_command(lr, warn, monkeypatch, capsys):
+@pytest.mark.parametrize("lr,warn,where", [(1000.0, True, []), (1e-6, False, ["--all-data"])])
+def test_lr_probe_command(lr, warn, where, monkeypatch, capsys):
     monkeypatch.setattr("flare.data.datasets.load_dataset", lambda *a, **k: _fake_data())
-    rc = main(["lr-probe", "--preset", "etf-anneal", "--batches", "2", "--iters", "8", *TINY, f"lr={lr}"])
+    rc = main(["lr-probe", "--preset", "entropy-lambda", "--batches", "2", "--iters", "8", *where, *TINY, f"lr={lr}"])
     out = capsys.readouterr().out
     assert rc == 0
+    assert ("the whole training set (120 samples)" in out) == bool(where)
+    if where:  # balanced fake labels: normalised entropy 1 → λ0 = λ_max = 10 in the probed loss
+        assert "+ 10·L_align" in out
     L = float(out.split("L = ")[1].split()[0])
     eta = float(out.split("eta_crit = 2/L = ")[1].split()[0])
     assert L > 0 and eta == pytest.approx(2 / L, rel=1e-4)

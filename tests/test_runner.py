@@ -111,3 +111,19 @@ def test_finished_run_is_not_recomputed_and_other_config_is_refused(tiny_overrid
     with pytest.raises(FlareError) as e:
         Run(load_config(None, "fafi", tiny_overrides + ["lr=0.01"]), out, quiet=True).execute()
     assert "lr" in e.value.render()
+
+
+def test_concurrent_clients_train_every_client_and_give_valid_metrics(tiny_overrides, tmp_path):
+    out = tmp_path / "conc"
+    s = Run(load_config(None, "fafi", tiny_overrides + ["concurrent_clients=true"]), out, quiet=True).execute()
+    clients = [r for r in metrics(out) if r["kind"] == "client"]
+    assert sorted((r["round"], r["client"]) for r in clients) == [(r, c) for r in range(2) for c in range(3)]
+    assert 0.0 <= s["acc"] <= 1.0 and math.isfinite(s["model_variance_mean"])
+
+
+def test_synthetic_dataset_runs(tmp_path):
+    cfg = load_config(None, "fafi", ["dataset.name=synthetic-cifar10", "dataset.train_subset=300",
+                                     "dataset.test_subset=100", "model.name=cnn", "model.width=0.25",
+                                     "num_clients=2", "rounds=1", "batch_size=64", "device=cpu"])
+    s = Run(cfg, tmp_path / "syn", quiet=True).execute()
+    assert s["rounds"] == 1

@@ -3,6 +3,11 @@
   flare run      [--config FILE] [--preset NAME] [--out DIR] [--resume DIR] [--quiet] [KEY=VALUE ...]
   flare compare  --presets a,b,c [--config FILE] [--out DIR] [--quiet] [KEY=VALUE ...]
   flare lr-probe [--config FILE] [--preset NAME] [--client N | --all-data] [--batches 3] [--iters 20] [KEY=VALUE ...]
+  flare sweep    --config SWEEP.yaml [--out DIR] [--workers N] [--address ADDR] [--dry-run] [KEY=VALUE ...]
+  flare report   DIR... [--out REPORT_DIR]
+  flare paper    --scale smoke|cpu|full [--datasets a,b] [--seeds 1,2] [--only EXP,...] [--out DIR] [--workers N]
+  flare federate [--config FILE] [--preset NAME] [--out DIR] [--clients K] [--min-clients M] [--upload once|per-round]
+                 [--simulation] [--local-data] [KEY=VALUE ...]
   flare presets | flare datasets | flare models | flare config-reference
 
 Every user mistake is a one-paragraph message on stderr and exit code 2, never a traceback.
@@ -146,6 +151,78 @@ def cmd_lr_probe(args) -> int:
     return 0
 
 
+def _passive_omp() -> None:
+    """Idle OpenMP threads sleep instead of spinning: on a shared or oversubscribed CPU a spinning torch
+    thread pool slows small-model runs down many times over. Only effective before torch is imported."""
+    import os
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def cmd_sweep(args) -> int:
+    _passive_omp()
+    from flare.report.sweep import run_sweep
+
+    _, results = run_sweep(args.config, args.out, overrides=args.overrides, workers=args.workers,
+                           address=args.address, cpus_per_point=args.cpus_per_point,
+                           gpus_per_point=args.gpus_per_point, quiet=args.quiet, dry_run=args.dry_run,
+                           report=not args.no_report)
+    bad = {n: r for n, r in results.items() if r.get("status") in ("failed", "diverged")}
+    for n, r in bad.items():
+        last = (str(r.get("error") or "").strip().splitlines() or [""])[-1]
+        print(f"flare: sweep point {n} {r['status']}: {last}", file=sys.stderr)
+    return 1 if any(r["status"] == "failed" for r in bad.values()) else 0
+
+
+def cmd_report(args) -> int:
+    from flare.report.report import write_report
+
+    if args.out:
+        out = Path(args.out)
+    elif len(args.dirs) == 1:
+        out = Path(args.dirs[0]) / "report"
+    else:
+        out = _default_out("report")
+    path = write_report(args.dirs, out, title=args.title or "FLARE report")
+    print(f"report: {path}")
+    return 0
+
+
+def cmd_paper(args) -> int:
+    _passive_omp()
+    from flare.report.paper import run_paper
+
+    run_paper(args.scale, out=args.out, datasets=args.datasets, seeds=args.seeds, workers=args.workers,
+              address=args.address, data_root=args.data_root, quiet=args.quiet, dry_run=args.dry_run,
+              overrides=args.overrides, only=args.only)
+    return 0
+
+
+def cmd_federate(args) -> int:
+    try:
+        import flwr  # noqa: F401
+    except ImportError:
+        raise FlareError("flare federate needs Flower, which is not installed.", key="federate",
+                         fix="pip install 'flare-ofl[flower]' (in a checkout: pip install -e '.[flower]').") from None
+    if args.export_partitions:
+        from flare.config import load_config
+        from flare.flower.core import export_partitions
+
+        overrides = args.overrides + ([f"num_clients={args.clients}"] if args.clients else [])
+        paths = export_partitions(load_config(args.config, args.preset, overrides), args.export_partitions)
+        print(f"wrote {len(paths)} client files and dataset-meta.json to {args.export_partitions}")
+        return 0
+    from flare.flower.federation import federate
+
+    s = federate(args.config, args.preset, args.overrides, out=args.out, clients=args.clients,
+                 min_clients=args.min_clients, timeout=args.timeout, upload=args.upload, simulation=args.simulation,
+                 local_data=args.local_data, workdir=args.workdir)
+    acc = s.get("acc")
+    print(f"{s.get('method')}: final acc ({s.get('primary')}) = "
+          f"{'n/a' if acc is None else f'{100 * acc:.2f}%'} over the federation → {s['out']}  (logs {s['logs']})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flare", description="FLARE: one-shot federated learning research framework.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -176,6 +253,65 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("--iters", type=int, default=20, help="power iterations (default 20)")
     lp.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     lp.set_defaults(fn=cmd_lr_probe)
+
+    sw = sub.add_parser("sweep", help="run a grid of configs, presets and seeds (one run directory per point)")
+    sw.add_argument("--config", required=True, metavar="SWEEP.yaml", help="sweep file (docs/experiments.md)")
+    sw.add_argument("--out", help="output directory (default runs/sweeps/<sweep name>)")
+    sw.add_argument("--workers", type=int, default=1, help="points in parallel through Ray (default 1: sequential)")
+    sw.add_argument("--address", help="join an existing Ray cluster (e.g. auto or HOST:6379)")
+    sw.add_argument("--cpus-per-point", type=float, help="Ray CPUs (and torch threads) per point (default 1)")
+    sw.add_argument("--gpus-per-point", type=float, help="Ray GPUs per point (default: 1, or a fraction when "
+                                                          "there are fewer GPUs than workers)")
+    sw.add_argument("--dry-run", action="store_true", help="validate and list the points, run nothing")
+    sw.add_argument("--no-report", action="store_true", help="do not write <out>/report")
+    sw.add_argument("--quiet", action="store_true")
+    sw.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied over the sweep's base config")
+    sw.set_defaults(fn=cmd_sweep)
+
+    rp = sub.add_parser("report", help="tables and figures over any set of run directories")
+    rp.add_argument("dirs", nargs="+", metavar="DIR", help="run directories, or folders holding them")
+    rp.add_argument("--out", help="report directory (default DIR/report for one DIR)")
+    rp.add_argument("--title", help="report title")
+    rp.set_defaults(fn=cmd_report)
+
+    pa = sub.add_parser("paper", help="the experiments of SPEC section 9 as sweeps, then the report")
+    pa.add_argument("--scale", required=True, choices=["smoke", "cpu", "full"])
+    pa.add_argument("--datasets", help="comma-separated datasets (default per scale)")
+    pa.add_argument("--seeds", help="comma-separated seeds (default per scale)")
+    pa.add_argument("--out", help="output directory (default runs/paper-<scale>)")
+    pa.add_argument("--data-root", action="append", default=[], metavar="NAME=PATH",
+                    help="where a dataset lives, e.g. cifar10=../shared/data/cifar10-jpg.tar.gz (repeatable; "
+                         "env FLARE_DATA_<NAME>)")
+    pa.add_argument("--workers", type=int, default=1, help="points in parallel through Ray")
+    pa.add_argument("--address", help="join an existing Ray cluster")
+    pa.add_argument("--only", help="run only these experiments (comma-separated: table1, ablation, robustness, "
+                                   "lambda0, alpha); the report shows what exists of the others")
+    pa.add_argument("--dry-run", action="store_true", help="list the runs, run nothing")
+    pa.add_argument("--quiet", action="store_true")
+    pa.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every run (e.g. device=cuda)")
+    pa.set_defaults(fn=cmd_paper)
+
+    fd = sub.add_parser("federate", help="run one experiment as a real Flower federation on this machine "
+                                         "(a SuperLink and K SuperNodes on 127.0.0.1; needs flare-ofl[flower])")
+    fd.add_argument("--config", help="YAML config file")
+    fd.add_argument("--preset", help="method preset (see `flare presets`)")
+    fd.add_argument("--out", help="run directory (default runs/federate-<method>-<time>)")
+    fd.add_argument("--clients", type=int, help="K: SuperNodes to start (sets num_clients)")
+    fd.add_argument("--min-clients", type=int, default=0,
+                    help="proceed when at least this many clients upload (default 0: every client)")
+    fd.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the clients' replies")
+    fd.add_argument("--upload", choices=["once", "per-round"],
+                    help="once (deployment: one upload; the default with SuperNodes) or per-round (a snapshot per "
+                         "round: the accuracy curve; the default with --simulation)")
+    fd.add_argument("--simulation", action="store_true", help="Flower's Ray simulation runtime instead of SuperNodes")
+    fd.add_argument("--local-data", action="store_true",
+                    help="give every SuperNode its own .npz of its partition (data-path) instead of the dataset")
+    fd.add_argument("--workdir", help="where the processes' logs go (default a new temporary folder)")
+    fd.add_argument("--export-partitions", metavar="DIR",
+                    help="only write every client's partition (client-<i>.npz) and dataset-meta.json to DIR, "
+                         "for the nodes of a multi-machine deployment; starts nothing")
+    fd.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    fd.set_defaults(fn=cmd_federate)
 
     sub.add_parser("presets", help="list method presets with the notes' names").set_defaults(fn=cmd_presets)
     sub.add_parser("datasets", help="list datasets").set_defaults(fn=cmd_datasets)

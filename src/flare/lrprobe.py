@@ -124,7 +124,9 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 3
     report = part.report()
     if all_data:
         ix = torch.arange(len(data.train_y))
-        ent = None
+        q = torch.bincount(data.train_y, minlength=data.num_classes).double()
+        q = q[q > 0] / q.sum()
+        ent = float(-(q * q.log2()).sum()) / math.log2(data.num_classes) if data.num_classes > 1 else 0.0
         who = "the whole training set"
     else:
         if not 0 <= client < cfg.num_clients:
@@ -142,7 +144,7 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 3
     model.train()
     anchors = make_anchors(cfg.align.anchors, data.num_classes, model.feature_dim, cfg.seed + 7)
     anchors = anchors.to(device) if anchors is not None else None
-    lam = initial_lambda(cfg, ent if ent is not None else 1.0) if anchors is not None else 0.0
+    lam = initial_lambda(cfg, ent) if anchors is not None else 0.0
     scale = 0.5 if cfg.lam.learner == "uw" else 1.0  # V10: ½e^{−s_l}, s_l = 0 at the start
     augment = TwoViewAugment(data.image_size, data.in_channels, data.mean, data.std,
                              per_image=cfg.augment.per_image).to(device)

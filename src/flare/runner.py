@@ -76,6 +76,38 @@ def read_jsonl(path: Path) -> list[dict]:
     return out
 
 
+def _get_rng_state() -> dict:
+    """The global RNG states, as tensors and plain numbers (torch.load(weights_only=True) reads them).
+    Every client-round reseeds its own streams (`derived_seed`), so these only matter to code that draws
+    from the global generators outside those streams; restoring them keeps such code resumable too."""
+    import random
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    py = random.getstate()
+    st = {"torch": torch.get_rng_state(),
+          "numpy": {"kind": kind, "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
+                    "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+          "python": {"version": py[0], "state": list(py[1]), "gauss": py[2]}}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def _set_rng_state(st: dict | None) -> None:
+    import random
+
+    if not st:
+        return
+    torch.set_rng_state(st["torch"].cpu())
+    n = st["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    p = st["python"]
+    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
+    if "cuda" in st and torch.cuda.is_available() and len(st["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([s.cpu() for s in st["cuda"]])
+
+
 def _json_default(o):
     if isinstance(o, (np.floating, np.integer)):
         return o.item()
@@ -149,6 +181,75 @@ def prepare_data(cfg: Config):
 
 
 # ----------------------------------------------------------------------------------------------
+# the pieces every engine shares (the in-process Run below and the Flower apps in flare.flower)
+
+
+def anchor_seed(cfg: Config) -> int:
+    """The shared seed the anchors A are drawn from (the server fixes it before training)."""
+    return cfg.seed + 7
+
+
+def init_global_model(cfg: Config, in_channels: int, num_classes: int, device: torch.device,
+                      channels_last: bool = False) -> torch.nn.Module:
+    """One seeded global init shared by every client (SPEC §1)."""
+    from flare.models import create_model
+
+    torch.manual_seed(cfg.seed)
+    model = create_model(cfg.model.name, in_channels, num_classes, cfg.model.width, head=cfg.head).to(device)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def make_train_context(cfg: Config, train_x, train_y, augment, anchors, device: torch.device, amp_dtype,
+                       extension_factory=None) -> TrainContext:
+    """What a client's local loop reads: its data on the device, augmentation, anchors, the LR schedule."""
+    base_lr = cfg.lr * (cfg.batch_size / 512 if cfg.optim.linear_scaling else 1.0)
+    ls = cfg.lr_schedule
+    return TrainContext(cfg=cfg, train_x=train_x, train_y=train_y, augment=augment, anchors=anchors,
+                        device=device, amp_dtype=amp_dtype,
+                        lr_schedule=LRSchedule(ls.kind, base_lr, cfg.total_epochs, decay_per_round=ls.decay_per_round,
+                                               min_lr=ls.min_lr, t0=ls.t0, t_mult=ls.t_mult,
+                                               cycle_decay=ls.cycle_decay),
+                        extension_factory=extension_factory)
+
+
+def primary_rule(cfg: Config) -> str:
+    """The rule whose accuracy is "the" accuracy of a run."""
+    p = cfg.server.primary
+    if p != "auto":
+        return p
+    return "feature" if cfg.head == "prototype" else "output"
+
+
+def evaluate_uploads(cfg: Config, r: int, uploads: list, models: list[torch.nn.Module], anchors, test_x, test_y,
+                     norm, *, rules: tuple[str, ...], amp_dtype=None, channels_last: bool = False) -> dict:
+    """One evaluation checkpoint (SPEC §4–5) from the uploads alone: global prototypes, every fusion rule
+    scored on the test set (skipped when `test_x` is None: a server without a test set), diagnostics.
+    `models[i]` holds `uploads[i].state` (the in-process runner passes the live client models)."""
+    t0 = time.perf_counter()
+    weights = aggregation_weights([u.num_samples for u in uploads], cfg.server.weights)
+    protos = [u.prototypes for u in uploads if u.prototypes is not None]
+    prim = primary_rule(cfg)
+    rec: dict = {"kind": "round", "round": r, "method": cfg.method, "primary": prim}
+    G = None
+    if protos:
+        G, server_logs = global_prototypes(protos, cfg.server, anchors, derived_seed(cfg.seed, r, 99))
+        rec.update(server_logs)
+    t_agg = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    if test_x is not None:
+        rec.update(evaluate(models, weights, G, test_x, test_y, norm, rules=rules, batch_size=cfg.test_batch_size,
+                            noise_seed=cfg.eval.noise_seed, amp_dtype=amp_dtype, channels_last=channels_last))
+    rec["seconds_eval"] = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    rec["model_variance_mean"] = model_variance_mean(models)
+    if protos:
+        rec["g_protos_std"] = g_protos_std(G)
+        rec["inter_client_proto_std"] = inter_client_proto_std(protos)
+    rec["seconds_aggregate"] = t_agg + time.perf_counter() - t2
+    rec["acc"] = rec.get(f"acc_{prim}")
+    return rec
 
 
 class Run:
@@ -172,12 +273,18 @@ class Run:
                                                                "warnings": self.warnings}, indent=1))
 
     def _append(self, records: list[dict]) -> None:
-        with open(self.metrics_path, "a") as f:
-            for r in records:
-                r = {k: _finite_or_str(v) for k, v in r.items()}
-                f.write(json.dumps(r, default=_json_default) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        """Append one round's records with a single write(2) on an O_APPEND descriptor: a kill leaves
+        either none or all of them (never a torn line), so metrics.jsonl stays parseable."""
+        data = "".join(json.dumps({k: _finite_or_str(v) for k, v in r.items()}, default=_json_default) + "\n"
+                       for r in records).encode()
+        fd = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            view = memoryview(data)
+            while view:  # a regular file takes it in one call; loop only for the pathological short write
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _check_existing(self) -> int | None:
         """Returns the number of complete rounds to resume from, None for a fresh run; raises if the
@@ -197,7 +304,9 @@ class Run:
             return self.cfg.rounds
         if not (self.out / "checkpoint.pt").exists():
             return 0
-        return int(st.get("rounds_done", 0))
+        # The checkpoint, not state.json, says how far the run got: a kill between the two writes leaves
+        # state.json one round behind.
+        return max(int(st.get("rounds_done", 0)), 1)
 
     # -- the experiment ------------------------------------------------------------------------
     def execute(self) -> dict:
@@ -205,6 +314,10 @@ class Run:
         resume_from = self._check_existing()
         if resume_from == cfg.rounds and self._state().get("status") == "finished":
             self._log(f"{self.out}: finished earlier; nothing to recompute.")
+            if not (self.out / "summary.md").exists():  # killed while writing its report
+                from flare.report.run_report import write_run_report
+
+                write_run_report(self.out)
             return self.summary()
         device = resolve_device(cfg.device)  # fail on bad input before anything is written
         amp_dtype = amp_dtype_for(cfg, device)
@@ -221,7 +334,6 @@ class Run:
         atomic_write_text(self.out / "partition.json", json.dumps(report, indent=1))
 
         from flare.data.augment import TwoViewAugment, normalize
-        from flare.models import create_model
 
         train_x, train_y = data.train_x.to(device), data.train_y.to(device)
         test_x, test_y = data.test_x.to(device), data.test_y.to(device)
@@ -232,27 +344,16 @@ class Run:
         def norm(x):
             return normalize(x, mean, std)
 
-        torch.manual_seed(cfg.seed)  # one seeded global init shared by every client
-        global_model = create_model(cfg.model.name, data.in_channels, data.num_classes, cfg.model.width,
-                                    head=cfg.head).to(device)
-        if self.channels_last(device):
-            global_model = global_model.to(memory_format=torch.channels_last)
-        anchors = make_anchors(cfg.align.anchors, data.num_classes, global_model.feature_dim, cfg.seed + 7)
+        global_model = init_global_model(cfg, data.in_channels, data.num_classes, device,
+                                         channels_last=self.channels_last(device))
+        anchors = make_anchors(cfg.align.anchors, data.num_classes, global_model.feature_dim, anchor_seed(cfg))
         anchors = anchors.to(device) if anchors is not None else None
         ext_factory = None
         if cfg.loss.contrast != "none":
             from flare.client.terms.banks import make_extension_factory
 
             ext_factory = make_extension_factory(cfg, public, global_model, augment, norm, device)
-        total_epochs = cfg.total_epochs
-        base_lr = cfg.lr * (cfg.batch_size / 512 if cfg.optim.linear_scaling else 1.0)
-        ls = cfg.lr_schedule
-        ctx = TrainContext(cfg=cfg, train_x=train_x, train_y=train_y, augment=augment, anchors=anchors,
-                           device=device, amp_dtype=amp_dtype,
-                           lr_schedule=LRSchedule(ls.kind, base_lr, total_epochs, decay_per_round=ls.decay_per_round,
-                                                  min_lr=ls.min_lr, t0=ls.t0, t_mult=ls.t_mult,
-                                                  cycle_decay=ls.cycle_decay),
-                           extension_factory=ext_factory)
+        ctx = make_train_context(cfg, train_x, train_y, augment, anchors, device, amp_dtype, ext_factory)
         clients: list[Client] = []
         ent = [c["normalized_entropy"] for c in report["clients"]]
         for i, ix in enumerate(part.client_indices):
@@ -273,6 +374,7 @@ class Run:
             start = int(ck["rounds_done"])
             for c, st in zip(clients, ck["clients"]):
                 c.load_state_dict(st)
+            _set_rng_state(ck.get("rng"))
             self.warnings = list(self._state().get("warnings", []))
             kept = [r for r in read_jsonl(self.metrics_path) if r.get("round", -1) < start]
             atomic_write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
@@ -296,8 +398,8 @@ class Run:
                 self._append(client_records + [rec])
                 if tb is not None:
                     self._tb_log(tb, r, rec, client_records)
-                atomic_torch_save({"rounds_done": r + 1, "clients": [c.state_dict() for c in clients]},
-                                  self.out / "checkpoint.pt")
+                atomic_torch_save({"rounds_done": r + 1, "clients": [c.state_dict() for c in clients],
+                                   "rng": _get_rng_state()}, self.out / "checkpoint.pt")
                 self._write_state("running", r + 1)
                 bar.round_done(rec.get(f"acc_{self.primary_rule}", float("nan")))
         if tb is not None:
@@ -341,37 +443,12 @@ class Run:
 
     @property
     def primary_rule(self) -> str:
-        p = self.cfg.server.primary
-        if p != "auto":
-            return p
-        return "feature" if self.cfg.head == "prototype" else "output"
+        return primary_rule(self.cfg)
 
     def _server_round(self, r, active, anchors, test_x, test_y, norm, rules, amp_dtype) -> dict:
-        cfg = self.cfg
-        t0 = time.perf_counter()
-        uploads = [c.upload() for c in active]
-        models = [c.model for c in active]
-        weights = aggregation_weights([u.num_samples for u in uploads], cfg.server.weights)
-        protos = [u.prototypes for u in uploads if u.prototypes is not None]
-        rec: dict = {"kind": "round", "round": r, "method": cfg.method, "primary": self.primary_rule}
-        G = None
-        if protos:
-            G, server_logs = global_prototypes(protos, cfg.server, anchors, derived_seed(cfg.seed, r, 99))
-            rec.update(server_logs)
-        t_agg = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        rec.update(evaluate(models, weights, G, test_x, test_y, norm, rules=rules, batch_size=cfg.test_batch_size,
-                            noise_seed=cfg.eval.noise_seed, amp_dtype=amp_dtype,
-                            channels_last=self.channels_last(test_x.device)))
-        rec["seconds_eval"] = time.perf_counter() - t1
-        t2 = time.perf_counter()
-        rec["model_variance_mean"] = model_variance_mean(models)
-        if protos:
-            rec["g_protos_std"] = g_protos_std(G)
-            rec["inter_client_proto_std"] = inter_client_proto_std(protos)
-        rec["seconds_aggregate"] = t_agg + time.perf_counter() - t2
-        rec["acc"] = rec.get(f"acc_{self.primary_rule}")
-        return rec
+        return evaluate_uploads(self.cfg, r, [c.upload() for c in active], [c.model for c in active], anchors,
+                                test_x, test_y, norm, rules=rules, amp_dtype=amp_dtype,
+                                channels_last=self.channels_last(test_x.device))
 
     def _watch(self, client_records: list[dict]) -> None:
         """Make the notes' failure mode visible: λ_raw running past 100 × lambda_max or non-finite."""

@@ -51,7 +51,8 @@ class LamProvider:
         if align is None:
             return LamStep(base, None)
         lam = self.lambda0 * self.schedule(p)
-        return LamStep(base, lam * align, logs={"lambda": torch.tensor(lam)})
+        # the log is made on the loss's device (a fill kernel): a CPU tensor would cost a blocking copy per step
+        return LamStep(base, lam * align, logs={"lambda": torch.full((), lam, device=align.device)})
 
     def step(self) -> None:
         """Update the provider's own parameters after backward (nothing to do for a fixed λ)."""

@@ -76,7 +76,7 @@ def pcgrad_backward(local: Tensor, align: Tensor, params: list[Tensor],
         reached = any(p.grad is not None for p in params)
         if reached:
             g_extra = _take_grads(params)
-        logs["pcgrad_extra_on_weights"] = torch.tensor(float(reached), device=dot.device)
+        logs["pcgrad_extra_on_weights"] = torch.full((), float(reached), device=dot.device)
     for i, p in enumerate(params):
         g = g_loc[i] - coef.to(g_loc[i].dtype) * g_al[i] + g_al[i]
         if g_extra is not None:

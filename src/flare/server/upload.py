@@ -1,8 +1,15 @@
-"""What a client sends the server, once: its model weights, its prototypes and its sample count."""
+"""What a client sends the server, once: its model weights, its prototypes and its sample count.
+
+`validate_upload` is the server's gate for uploads it does not trust (a federation's clients): an upload
+with missing or extra tensors, wrong shapes, wrong dtypes, non-finite values, a prototype matrix whose
+class count does not match the run, or an impossible sample count is rejected with the reasons, and
+never reaches aggregation. The in-process runner builds its uploads itself and does not need the gate.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 
@@ -12,3 +19,94 @@ class Upload:
     state: dict[str, Tensor]      # encoder (+ head) state dict, BatchNorm statistics included
     num_samples: int
     prototypes: Tensor | None     # C×d for prototype heads, None for plain classifiers
+
+
+@dataclass(frozen=True)
+class UploadSpec:
+    """What a well-formed upload looks like for one run: the template state dict's names, shapes and
+    dtypes (from the global init model), the class count C, the feature dimension d and whether the head
+    has prototypes."""
+
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    num_classes: int
+    feature_dim: int
+    prototype_head: bool
+    max_samples: int | None = None  # an upper bound on a client's sample count, when the server knows one
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, num_classes: int, max_samples: int | None = None) -> "UploadSpec":
+        shapes = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+        return cls(shapes, int(num_classes), int(model.feature_dim), getattr(model, "prototypes", None) is not None,
+                   max_samples)
+
+
+def _shape(t) -> tuple[int, ...]:
+    return tuple(int(s) for s in t.shape)
+
+
+def validate_upload(upload: Upload, spec: UploadSpec) -> list[str]:
+    """Every reason to reject `upload` (an empty list: accept). Checks the client id and sample count, that
+    the state dict holds exactly the template's tensors with the template's shapes and dtypes, that every
+    floating tensor is finite and every integer buffer non-negative, and that the prototypes are a finite
+    C×d matrix of the run's class count C (present exactly when the head has prototypes)."""
+    reasons: list[str] = []
+    if not isinstance(upload.client, int) or isinstance(upload.client, bool) or upload.client < 0:
+        reasons.append(f"client id {upload.client!r} is not a non-negative integer")
+    n = upload.num_samples
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        reasons.append(f"sample count {n!r} is not a positive integer")
+    elif spec.max_samples is not None and n > spec.max_samples:
+        reasons.append(f"sample count {n} exceeds the {spec.max_samples} samples the run has")
+
+    state = upload.state
+    if not isinstance(state, dict):
+        return reasons + [f"state is a {type(state).__name__}, not a mapping of tensors"]
+    missing = [k for k in spec.shapes if k not in state]
+    extra = [k for k in state if k not in spec.shapes]
+    if missing:
+        reasons.append(f"state is missing {len(missing)} tensor(s): {', '.join(missing[:5])}"
+                       + (" …" if len(missing) > 5 else ""))
+    if extra:
+        reasons.append(f"state has {len(extra)} unexpected tensor(s): {', '.join(map(str, extra[:5]))}"
+                       + (" …" if len(extra) > 5 else ""))
+    for k, (shape, dtype) in spec.shapes.items():
+        t = state.get(k)
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
+            reasons.append(f"'{k}' is a {type(t).__name__}, not a tensor")
+            continue
+        if _shape(t) != shape:
+            reasons.append(f"'{k}' has shape {list(_shape(t))}, expected {list(shape)}")
+        if t.dtype != dtype:
+            reasons.append(f"'{k}' has dtype {t.dtype}, expected {dtype}")
+            continue
+        if t.is_floating_point():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                reasons.append(f"'{k}' holds {bad} non-finite value(s)")
+        elif t.numel() and int(t.min()) < 0:
+            reasons.append(f"'{k}' (a counter) is negative")
+
+    P = upload.prototypes
+    if spec.prototype_head:
+        if P is None:
+            reasons.append("no prototypes, but the run's head has prototypes")
+        elif not isinstance(P, Tensor):
+            reasons.append(f"prototypes are a {type(P).__name__}, not a tensor")
+        else:
+            if P.dim() != 2:
+                reasons.append(f"prototypes have shape {list(_shape(P))}, expected a {spec.num_classes}×"
+                               f"{spec.feature_dim} matrix")
+            else:
+                if P.shape[0] != spec.num_classes:
+                    reasons.append(f"prototypes have {P.shape[0]} classes, the run has {spec.num_classes}")
+                if P.shape[1] != spec.feature_dim:
+                    reasons.append(f"prototypes have dimension {P.shape[1]}, the encoder's is {spec.feature_dim}")
+            if not P.is_floating_point():
+                reasons.append(f"prototypes have dtype {P.dtype}, expected a floating dtype")
+            elif not bool(torch.isfinite(P).all()):
+                reasons.append("prototypes hold non-finite values")
+    elif P is not None:
+        reasons.append("prototypes were sent, but the run's head has none")
+    return reasons

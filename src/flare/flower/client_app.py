@@ -1,0 +1,111 @@
+"""FLARE's Flower ClientApp (`flare.flower.client_app:app`).
+
+A node answers `train` messages. The first message of a run carries the run's config, the dataset facts,
+the anchor seed and the global init weights; the node loads its own data — from `data-path` in its node
+config (an .npz of its samples) or, in simulation and loopback federations, its part of the run's split
+(`partition-id`, with the same partitioner and seed as `flare run`) — trains the asked rounds with
+`flare.client.trainer.Client`, and replies with its weights (an ArrayRecord), its sample count, class
+histogram and training logs. Between per-round messages (simulation) its state (model, optimizer, λ
+learner) waits in `context.state` as arrays plus a JSON skeleton.
+
+Node config keys: `partition-id` (the client id, required), `num-partitions` (checked against
+num_clients), `data-path` (deployment), `dataset-root` / `cache-dir` (where this node finds the
+dataset in partition mode), `device` (this node's torch device).
+"""
+from __future__ import annotations
+
+import json
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from flare.errors import FlareError
+from flare.flower.core import ClientResult, Task, client_train, file_data, partition_data
+from flare.flower.records import pack_nested, record_to_state, state_to_record, unpack_nested
+
+app = ClientApp()
+
+_INIT, _BANK, _CARRY, _CARRY_SKELETON = "flare.init", "flare.bank", "flare.carry", "flare.carry-skeleton"
+
+
+def _node_int(node_config, key: str):
+    v = node_config.get(key)
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise FlareError(f"node config {key}={v!r} is not an integer.", key=key) from None
+
+
+def handle_train(content: RecordDict, context: Context) -> RecordDict:
+    """One train instruction → the reply content (engine-free apart from the record types)."""
+    task = Task.from_config(content.config_records["task"])
+    cfg = task.cfg
+    nc = context.node_config
+    cid = _node_int(nc, "partition-id")
+    if cid is None:
+        raise FlareError("this node has no partition-id in its node config.", key="partition-id",
+                         fix="start it with --node-config 'partition-id=I ...' (I = its client id).")
+    k = _node_int(nc, "num-partitions")
+    if k is not None and k != cfg.num_clients:
+        raise FlareError(f"this node was started with num-partitions={k}, the run has num_clients={cfg.num_clients}.",
+                         key="num-partitions", fix="give every node num-partitions equal to num_clients.")
+    if nc.get("data-path"):
+        local = file_data(str(nc["data-path"]), cid, task.meta)
+    else:
+        if nc.get("dataset-root") or nc.get("cache-dir"):
+            ds = cfg.dataset.model_copy(update={k2: str(nc[k1]) for k1, k2 in (("dataset-root", "root"),
+                                                                             ("cache-dir", "cache_dir"))
+                                                if nc.get(k1)})
+            cfg = cfg.model_copy(update={"dataset": ds})
+        local = partition_data(cfg, cid)
+
+    state = context.state
+    if task.round_start == 0:
+        init_rec = content.array_records["init"]
+        bank_rec = content.array_records.get("bank")
+        for key in (_INIT, _BANK, _CARRY):
+            if key in state:
+                del state[key]
+        if _CARRY_SKELETON in state:
+            del state[_CARRY_SKELETON]
+    else:
+        if _INIT not in state or _CARRY not in state:
+            raise FlareError(f"asked to train from round {task.round_start}, but this node holds no state "
+                             "from earlier rounds (it restarted?).")
+        init_rec, bank_rec = state[_INIT], state.get(_BANK)
+    init_state = record_to_state(init_rec)
+    bank = record_to_state(bank_rec)["bank"] if bank_rec is not None else None
+    resume = None
+    if task.round_start > 0:
+        resume = unpack_nested(state[_CARRY], str(state[_CARRY_SKELETON]["skeleton"]))
+
+    res: ClientResult = client_train(task, local, init_state, resume=resume, bank=bank,
+                                     device=str(nc["device"]) if nc.get("device") else None)
+
+    if res.carry is not None:  # more rounds will come: keep what the next message needs
+        state[_INIT] = init_rec
+        if bank_rec is not None:
+            state[_BANK] = bank_rec
+        arrays, skeleton = pack_nested(res.carry)
+        state[_CARRY] = arrays
+        state[_CARRY_SKELETON] = ConfigRecord({"skeleton": skeleton})
+    else:
+        for key in (_INIT, _BANK, _CARRY, _CARRY_SKELETON):
+            if key in state:
+                del state[key]
+
+    reply = RecordDict()
+    if res.state is not None:
+        reply["upload"] = state_to_record(res.state)
+    reply["meta"] = ConfigRecord({"client": res.cid, "num-samples": res.num_samples,
+                                  "class-histogram": [int(h) for h in res.class_histogram],
+                                  "records": json.dumps(res.records, default=float)})
+    reply["metrics"] = MetricRecord({"num-examples": res.num_samples})
+    return reply
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    return Message(content=handle_train(msg.content, context), reply_to=msg)

@@ -1,0 +1,351 @@
+"""Start a Flower federation on this machine as real processes, run FLARE's app on it, stop it.
+
+`LocalFederation` starts one SuperLink (`flower-superlink --insecure`, its HTTP API on a free loopback
+port) and K SuperNodes (`flower-supernode --insecure --superlink 127.0.0.1:PORT --node-config
+'partition-id=i num-partitions=K ...'`), each in its own process group, and stops every process it
+started (SIGTERM, then SIGKILL) when it is closed. With `simulation=True` the SuperLink runs Flower's
+simulation runtime (Ray backend) instead and no SuperNodes are started. `run()` submits the app with
+`flwr run APP CONNECTION --stream` against a private Flower home (FLWR_HOME) whose config names the
+connection, and waits for the run to end.
+
+Only loopback addresses are used. `flare federate` and the tests use this module.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+APP_PYPROJECT_NAME = "pyproject.toml"
+
+
+def app_dir() -> Path:
+    """The repository's flower-app/ when running from a checkout, else a copy written under ~/.cache/flare."""
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        cand = parent / "flower-app" / APP_PYPROJECT_NAME
+        if cand.is_file():
+            return cand.parent
+    return write_app_dir(Path(os.environ.get("FLARE_CACHE", Path.home() / ".cache" / "flare")) / "flower-app")
+
+
+APP_PYPROJECT = '''# The Flower app of FLARE: a thin shell around the `flare` package (the code lives in src/flare/flower/).
+# flwr run reads this file; see docs/federation.md.
+[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "flare-flower"
+version = "0.1.0"
+description = "One-shot federated learning (FLARE) as a Flower app"
+license = "Apache-2.0"
+dependencies = ["flare-ofl[flower]"]
+
+[tool.flwr.app]
+publisher = "flare"
+
+[tool.flwr.app.components]
+serverapp = "flare.flower.server_app:app"
+clientapp = "flare.flower.client_app:app"
+
+# Every key can be overridden with `flwr run ... --run-config 'key=value ...'`.
+[tool.flwr.app.config]
+preset = "fafi"          # a FLARE method preset (`flare presets`); "" for none
+config-file = ""         # a FLARE YAML config on the server (absolute path), applied over the preset
+overrides = ""           # FLARE KEY=VALUE overrides, space-separated, e.g. "rounds=2 num_clients=3"
+out-dir = ""             # the run directory on the server ("" = runs/flower-<method>-<time>, server's cwd)
+upload = "per-round"     # "per-round": one snapshot per round (the accuracy curve); "once": upload once
+min-clients = 0          # proceed when at least this many clients answer (0 = every client)
+timeout = 3600.0         # seconds the server waits for the replies to one message
+wait-nodes = 60.0        # seconds the server waits for num_clients nodes to connect
+dataset-meta = ""        # a server without the dataset: JSON of the dataset facts (no test evaluation)
+save-predictor = true    # write predictor.pt + predictor.json
+'''
+
+
+def write_app_dir(dest: str | Path) -> Path:
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / APP_PYPROJECT_NAME).write_text(APP_PYPROJECT)
+    return dest
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(str(v))  # a TOML basic string
+
+
+def run_config_arg(d: dict) -> str:
+    return " ".join(f"{k}={_toml_value(v)}" for k, v in d.items())
+
+
+def _bin(name: str) -> str:
+    cand = Path(sys.executable).parent / name
+    return str(cand) if cand.exists() else name
+
+
+class FederationError(RuntimeError):
+    pass
+
+
+def _proc_table() -> dict[int, tuple[int, int, str, int]]:
+    """{pid: (ppid, process group, state, start time)} of every process, from Linux /proc ({} elsewhere)."""
+    out = {}
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (d / "stat").read_text()
+            f = stat[stat.rindex(")") + 2:].split()
+            out[int(d.name)] = (int(f[1]), int(f[2]), f[0], int(f[19]))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+class LocalFederation:
+    def __init__(self, workdir: str | Path, node_configs: list[dict] | None = None, simulation: bool = False,
+                 connection: str = "flare-local", startup_timeout: float = 60.0, echo: bool = False):
+        self.workdir = Path(workdir).resolve()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.node_configs = node_configs or []
+        self.simulation = simulation
+        self.connection = connection
+        self.startup_timeout = startup_timeout
+        self.echo = echo
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.node_procs: list[subprocess.Popen] = []
+        self.port: int | None = None
+        self.home = self.workdir / "flwr-home"
+        env = dict(os.environ)
+        env["FLWR_HOME"] = str(self.home)
+        env["FLWR_DISABLE_UPDATE_CHECK"] = "1"
+        env["FLWR_TELEMETRY_ENABLED"] = "0"
+        env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+        env.setdefault("RAY_DEDUP_LOGS", "0")
+        self.env = env
+
+    # -- processes ----------------------------------------------------------------------------------
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}.log", "wb")
+        p = subprocess.Popen(argv, cwd=self.workdir, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        self.procs.append((name, p))
+        return p
+
+    def log_text(self, name: str) -> str:
+        p = self.workdir / f"{name}.log"
+        return p.read_text(errors="replace") if p.exists() else ""
+
+    def start(self) -> "LocalFederation":
+        self.port = free_port()
+        argv = [_bin("flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(self.port),
+                "--disable-runtime-dependency-installation"]
+        if self.simulation:
+            argv.append("--simulation")
+        self._spawn("superlink", argv)
+        self._wait_port(self.port, "superlink")
+        for i, nc in enumerate(self.node_configs):
+            self.node_procs.append(self._spawn(f"supernode-{i}", [
+                _bin("flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{self.port}",
+                "--host", "127.0.0.1", "--port", str(free_port()),
+                "--node-config", " ".join(f"{k}={_toml_value(v)}" for k, v in nc.items())]))
+        self.home.mkdir(parents=True, exist_ok=True)
+        (self.home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{self.connection}"\n\n[superlink.{self.connection}]\n'
+            f'address = "127.0.0.1:{self.port}"\ninsecure = true\n')
+        return self
+
+    def _wait_port(self, port: int, name: str) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        proc = dict(self.procs)[name]
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise FederationError(f"{name} exited with code {proc.returncode}:\n{self.log_text(name)[-3000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.3)
+        raise FederationError(f"{name} did not open 127.0.0.1:{port} within {self.startup_timeout:g} s")
+
+    def kill_node(self, i: int) -> None:
+        """SIGKILL SuperNode i and everything it started (a crashed client)."""
+        self._signal(self.node_procs[i], signal.SIGKILL)
+        self.node_procs[i].wait(timeout=10)
+
+    @staticmethod
+    def _signal(p: subprocess.Popen, sig) -> None:
+        try:
+            os.killpg(p.pid, sig)  # the process group this object created for it (start_new_session)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def descendants(self) -> set[tuple[int, int]]:
+        """(pid, start time) of every live process descended from the ones this object started. Flower's
+        SuperLink starts its SuperExec in a new process group, and the simulation runtime starts a Ray
+        cluster below that: killing our process groups alone would leave them."""
+        table = _proc_table()
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, *_rest) in table.items():
+            children.setdefault(ppid, []).append(pid)
+        out: set[tuple[int, int]] = set()
+        todo = [p.pid for _, p in self.procs]
+        while todo:
+            for c in children.get(todo.pop(), []):
+                if (c, table[c][3]) not in out:
+                    out.add((c, table[c][3]))
+                    todo.append(c)
+        return out
+
+    def _alive(self, procs: set[tuple[int, int]]) -> list[int]:
+        """Those of `procs` still running (same pid *and* start time, not a zombie)."""
+        table = _proc_table()
+        return [pid for pid, start in procs if pid in table and table[pid][3] == start and table[pid][2] != "Z"]
+
+    def group_alive(self, p: subprocess.Popen) -> bool:
+        """Whether a live (non-zombie) process is left in the process group `p` was started in."""
+        table = _proc_table()
+        if not table:  # no /proc
+            try:
+                os.killpg(p.pid, 0)
+                return True
+            except (ProcessLookupError, PermissionError):
+                return False
+        return any(pg == p.pid and st != "Z" for _pp, pg, st, _t in table.values())
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Stop everything this object started: SIGTERM to each process group (Flower shuts its SuperExec
+        and apps down on SIGTERM), then SIGKILL to the groups and to every descendant seen along the way."""
+        seen = self.descendants()
+        for _, p in reversed(self.procs):
+            if p.poll() is None:
+                self._signal(p, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for _, p in reversed(self.procs):
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        seen |= self.descendants()
+        for _, p in self.procs:  # whatever ignored SIGTERM, and children left in the groups
+            self._signal(p, signal.SIGKILL)
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in self._alive(seen):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self._seen = seen
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (any(self.group_alive(p) for _, p in self.procs)
+                                               or self._alive(seen)):
+            time.sleep(0.2)
+
+    def leftovers(self) -> list[int]:
+        """PIDs this object started (directly or below) that are still alive after stop()."""
+        return self._alive(getattr(self, "_seen", set()))
+
+    def __enter__(self) -> "LocalFederation":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- a run --------------------------------------------------------------------------------------
+    def run(self, app: str | Path, run_config: dict, federation_config: dict | None = None,
+            timeout: float = 600.0, log_name: str = "flwr-run") -> subprocess.CompletedProcess:
+        argv = [_bin("flwr"), "run", str(app), self.connection, "--stream",
+                "--run-config", run_config_arg(run_config)]
+        if federation_config:
+            argv += ["--federation-config", run_config_arg(federation_config)]
+        if self.echo:
+            print("+", shlex.join(argv), flush=True)
+        with open(self.workdir / f"{log_name}.log", "wb") as log:
+            p = subprocess.Popen(argv, cwd=self.workdir, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
+            try:
+                rc = p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self._signal(p, signal.SIGKILL)
+                p.wait()
+                raise FederationError(f"flwr run did not finish within {timeout:g} s; logs in {self.workdir}") \
+                    from None
+        return subprocess.CompletedProcess(argv, rc, self.log_text(log_name), "")
+
+
+# ----------------------------------------------------------------------------------------------
+# `flare federate`
+
+
+def federate(cfg_file: str | None, preset: str | None, overrides: list[str], *, out: str | Path | None = None,
+             clients: int | None = None, min_clients: int = 0, timeout: float = 3600.0, upload: str | None = None,
+             simulation: bool = False, local_data: bool = False, workdir: str | Path | None = None,
+             run_timeout: float | None = None, log=print) -> dict:
+    """Start a loopback federation (a SuperLink and K SuperNodes, or the Ray simulation runtime), run FLARE's
+    Flower app on it, stop every process, and return the run's summary (raises FlareError on a failed run)."""
+    import tempfile
+
+    from flare.config import load_config
+    from flare.errors import FlareError
+    from flare.flower.core import export_partitions
+
+    if clients is not None:
+        overrides = [o for o in overrides if not o.startswith("num_clients=")] + [f"num_clients={clients}"]
+    upload = upload or ("per-round" if simulation else "once")
+    cfg = load_config(cfg_file, preset, overrides)  # validate before starting anything
+    K = cfg.num_clients
+    out = Path(out) if out else Path("runs") / f"federate-{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = out.resolve()
+    wd = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="flare-federation-"))
+    run_config = {"preset": preset or "", "config-file": str(Path(cfg_file).resolve()) if cfg_file else "",
+                  "overrides": shlex.join(overrides), "out-dir": str(out), "upload": upload,
+                  "min-clients": int(min_clients), "timeout": float(timeout), "wait-nodes": 120.0}
+    nodes = []
+    if not simulation:
+        if local_data:
+            files = export_partitions(cfg, wd / "data")
+            nodes = [{"partition-id": i, "num-partitions": K, "data-path": str(files[i])} for i in range(K)]
+        else:
+            nodes = [{"partition-id": i, "num-partitions": K} for i in range(K)]
+    fed = LocalFederation(wd, node_configs=nodes, simulation=simulation)
+    log(f"federation: {'Ray simulation' if simulation else f'SuperLink + {K} SuperNodes'} on 127.0.0.1, logs in {wd}")
+    try:
+        fed.start()
+        log(f"federation: SuperLink on 127.0.0.1:{fed.port}; running the app (upload {upload})")
+        res = fed.run(app_dir(), run_config,
+                      {"num-supernodes": K, "client-resources-num-cpus": 1} if simulation else None,
+                      timeout=run_timeout or (timeout * (cfg.rounds if upload == "per-round" else 1) + 300))
+    finally:
+        fed.stop()
+    state_path = out / "state.json"
+    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    if state.get("status") != "finished":
+        err = state.get("error") or f"the run did not finish (flwr run exit code {res.returncode})"
+        tail = "\n".join(res.stdout.strip().splitlines()[-15:])
+        raise FlareError(f"federated run failed: {err}\nlast lines of flwr run:\n{tail}",
+                         fix=f"see federation.json in {out} and the process logs in {wd}.")
+    from flare.runner import Run
+
+    summary = Run(cfg, out, quiet=True).summary()
+    summary["out"] = str(out)
+    summary["logs"] = str(wd)
+    return summary

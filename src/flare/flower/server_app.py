@@ -1,0 +1,102 @@
+"""FLARE's Flower ServerApp (`flare.flower.server_app:app`).
+
+The server builds the run's config from the app's run config (`preset`, `config-file`, `overrides`),
+waits for the nodes, sends each a `train` message (the config, the dataset facts, the anchor seed and,
+in the first message, the global init weights), validates every reply (`flare.server.upload.
+validate_upload`), evaluates every configured fusion rule on its test set with the same code as
+`flare run`, and writes the same run directory plus federation.json (who answered, who was missing or
+rejected, and why) and the global predictor (predictor.pt + predictor.json).
+
+Run-config keys (the app's pyproject.toml, or `flwr run --run-config 'key=value ...'`): see
+`flare.flower.core.FederationSettings`.
+"""
+from __future__ import annotations
+
+import time
+from logging import INFO, WARNING
+
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.common.logger import log as flwr_log
+from flwr.serverapp import Grid, ServerApp
+
+from flare.errors import FlareError
+from flare.flower.core import FederationSettings, Reply, ServerSession, run_federation
+from flare.flower.records import record_to_state, state_to_record
+
+app = ServerApp()
+
+
+def _log(msg: str) -> None:
+    flwr_log(WARNING if msg.startswith("WARNING") else INFO, "[flare] %s", msg)
+
+
+def wait_for_nodes(grid: Grid, want: int, seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while True:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) >= want or time.monotonic() >= deadline:
+            return nodes
+        time.sleep(1.0)
+
+
+def decode_reply(msg: Message) -> Reply:
+    """A reply message → `Reply` (never raises: malformed content becomes a decode error the gate reports)."""
+    node = int(msg.metadata.src_node_id)
+    if msg.has_error():
+        return Reply(node, error=f"{msg.error.reason} (code {msg.error.code})")
+    return decode_content(node, msg.content)
+
+
+def decode_content(node: int, content: RecordDict) -> Reply:
+    rep = Reply(node)
+    try:
+        meta = content.config_records.get("meta")
+        rep.meta = dict(meta) if meta is not None else {}
+        up = content.array_records.get("upload")
+        if up is not None:
+            rep.state = dict(record_to_state(up))
+    except Exception as e:  # noqa: BLE001 — anything a peer sends that does not decode is a rejection
+        rep.state, rep.decode_error = None, f"{type(e).__name__}: {e}"
+    return rep
+
+
+def make_exchange(grid: Grid, timeout: float):
+    init_cache: dict = {}
+
+    def exchange(task, include_init: bool, nodes: list[int], session: ServerSession) -> list[Reply]:
+        content = RecordDict({"task": ConfigRecord(task.to_config())})
+        if include_init:
+            if "init" not in init_cache:
+                init_cache["init"] = state_to_record(session.init_state)
+                if session.bank is not None:
+                    init_cache["bank"] = state_to_record({"bank": session.bank})
+            content["init"] = init_cache["init"]
+            if "bank" in init_cache:
+                content["bank"] = init_cache["bank"]
+        msgs = [Message(content=content, dst_node_id=n, message_type="train", group_id=str(task.round_start))
+                for n in nodes]
+        replies = grid.send_and_receive(msgs, timeout=timeout)
+        return [decode_reply(m) for m in replies]
+
+    return exchange
+
+
+def run_server(grid: Grid, run_config) -> dict:
+    fed = FederationSettings.from_run_config(run_config)
+    cfg = fed.load_config()
+    _log(f"{cfg.method}: {cfg.num_clients} clients, {cfg.rounds} rounds × {cfg.local_epochs} epochs, upload "
+         f"{fed.upload}, min_clients {fed.min_clients or cfg.num_clients}")
+    nodes = wait_for_nodes(grid, cfg.num_clients, fed.wait_nodes)
+    summary = run_federation(cfg, fed, make_exchange(grid, fed.timeout), nodes, log=_log)
+    if summary.get("acc") is not None:
+        _log(f"final acc ({summary.get('primary')}) = {100 * summary['acc']:.2f}% → {summary.get('out')}")
+    return summary
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    try:
+        run_server(grid, context.run_config)
+    except FlareError as e:
+        _log(f"WARNING: federation failed: {e.render()}")
+        raise
