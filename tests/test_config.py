@@ -66,3 +66,15 @@ def test_cli_bad_input_exit_2_without_traceback(tmp_path):
         assert r.returncode == 2, r.stderr
         assert "Traceback" not in r.stderr
         assert r.stderr.startswith("flare: error:")
+
+
+@pytest.mark.parametrize("ov,words", [
+    (["align.surgery=pcgrad"], "align.anchors"),
+    (["lam.learner=decoupled"], "align.anchors"),
+    (["loss.contrast=public-bank"], "dataset.public_size"),
+    (["loss.objective=ce", "align.anchors=etf"], "prototype head"),
+])
+def test_incompatible_parts_fail_before_running(ov, words):
+    with pytest.raises(FlareError) as e:
+        load_config(None, "fafi", ov)
+    assert words in e.value.render()

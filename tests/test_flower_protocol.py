@@ -387,3 +387,20 @@ def test_export_partitions_cli_and_a_server_without_a_test_set(tiny_overrides, t
     assert rec["clients"] == [0, 1, 2] and "acc_feature" not in rec and "g_protos_std" in rec
     assert (tmp_path / "run" / "predictor.pt").exists()
     assert any("no dataset" in w for w in json.loads((tmp_path / "run" / "state.json").read_text())["warnings"])
+
+
+def test_the_app_directory_is_the_packaged_one_and_flower_accepts_it():
+    from pathlib import Path
+
+    from flwr.cli.config_utils import load_and_validate
+
+    from flare.flower.federation import APP_PYPROJECT, app_dir
+
+    d = app_dir()
+    assert (d / "pyproject.toml").read_text() == APP_PYPROJECT
+    config, _warnings = load_and_validate(Path(d) / "pyproject.toml")
+    comps = config["tool"]["flwr"]["app"]["components"]
+    assert comps == {"serverapp": "flare.flower.server_app:app", "clientapp": "flare.flower.client_app:app"}
+    from flare.flower.core import FederationSettings
+
+    assert set(config["tool"]["flwr"]["app"]["config"]) == set(FederationSettings.KEYS)

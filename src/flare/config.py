@@ -177,6 +177,27 @@ class Config(_Strict):
             raise ValueError("device must be auto, cpu, cuda, cuda:N or mps")
         return v
 
+    @model_validator(mode="after")
+    def _compatible_parts(self) -> "Config":
+        """Cross-key checks, so a bad combination fails before any data is loaded."""
+        needs_anchors = []
+        if self.align.surgery == "pcgrad":
+            needs_anchors.append("align.surgery=pcgrad")
+        if self.lam.learner != "none":
+            needs_anchors.append(f"lam.learner={self.lam.learner}")
+        if self.server.protos == "trainable" and self.server.protos_init == "anchors":
+            needs_anchors.append("server.protos_init=anchors")
+        if needs_anchors and self.align.anchors == "none":
+            raise ValueError(f"{', '.join(needs_anchors)} needs anchors to align to, but align.anchors=none; "
+                             "set align.anchors=etf (or random)")
+        if self.loss.objective == "ce" and (self.align.anchors != "none" or self.server.protos == "trainable"):
+            raise ValueError("alignment and trainable global prototypes need the prototype head "
+                             "(loss.objective=fafi), not a plain classifier")
+        if self.loss.contrast in ("public-bank", "two-stage") and self.dataset.public_size == 0:
+            raise ValueError(f"loss.contrast={self.loss.contrast} needs a public slice held out by the server; "
+                             "set dataset.public_size (e.g. 1000)")
+        return self
+
     @property
     def head(self) -> str:
         return "prototype" if self.loss.objective == "fafi" else "linear"

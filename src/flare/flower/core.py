@@ -352,7 +352,7 @@ class ServerSession:
         from flare.server.upload import UploadSpec
 
         self.cfg, self.fed, self.log = cfg, fed, log
-        out = Path(fed.out_dir) if fed.out_dir else Path("runs") / f"flower-{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}"
+        out = Path(fed.out_dir or f"runs/flower-{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
         self.run = Run(cfg, out, quiet=quiet)
         self.out = out
         self.finished_already = self.run._check_existing() == cfg.rounds and \

@@ -35,7 +35,7 @@ def app_dir() -> Path:
     return write_app_dir(Path(os.environ.get("FLARE_CACHE", Path.home() / ".cache" / "flare")) / "flower-app")
 
 
-APP_PYPROJECT = '''# The Flower app of FLARE: a thin shell around the `flare` package (the code lives in src/flare/flower/).
+APP_PYPROJECT = '''# The Flower app of FLARE: a thin shell around the `flare` package (its code is src/flare/flower/).
 # flwr run reads this file; see docs/federation.md.
 [build-system]
 requires = ["hatchling"]
@@ -46,7 +46,8 @@ name = "flare-flower"
 version = "0.1.0"
 description = "One-shot federated learning (FLARE) as a Flower app"
 license = "Apache-2.0"
-dependencies = ["flare-ofl[flower]"]
+# Nothing for Flower to install at run time: every machine installs flare-ofl[flower] itself (the same version).
+dependencies = []
 
 [tool.flwr.app]
 publisher = "flare"
