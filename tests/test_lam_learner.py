@@ -464,3 +464,13 @@ def test_watch_fires_on_a_real_v11_explosion(tmp_path):
         warnings.simplefilter("ignore")
         run._watch([rec])
     assert run.warnings and "client 2, round 9" in run.warnings[0]
+
+
+def test_pcgrad_composes_with_the_learner():
+    """Gradient surgery looks at `local` and `align` over the weights; σ's objective lives in `sigma` only, so
+    σ still learn and nothing of L_σ reaches the weights."""
+    client, ctx = make_client("flare", ["align.surgery=pcgrad"])
+    before = (client.lam.s_l.item(), client.lam.s_a.item())
+    rec = client.train_round(ctx, 0)
+    assert rec["pcgrad_extra_on_weights"] == 0.0
+    assert (rec["s_l"], rec["s_a"]) != before

@@ -609,6 +609,9 @@ def run_federation(cfg: Config, fed: FederationSettings, exchange, node_ids: lis
     """The server's whole protocol over an engine: `exchange(task, include_init, nodes) -> list[Reply]`
     sends one task to `nodes` and returns their replies within the timeout (Flower's grid in
     `server_app.py`; a direct call in tests)."""
+    if fed.min_clients > cfg.num_clients:
+        raise FlareError(f"min-clients={fed.min_clients} exceeds num_clients={cfg.num_clients}.", key="min-clients",
+                         fix="set min-clients at most num_clients (0: every client).")
     s = ServerSession(cfg, fed, log=log)
     if s.finished_already:
         log(f"{s.out}: finished earlier; nothing to recompute.")

@@ -403,6 +403,12 @@ def lambda_table(rows: list[Row]) -> str | None:
 # figures
 
 
+def _wrap(title: str, width: int = 90) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(title, width)) if len(title) > width else title
+
+
 def _log_if_decades(ax, values, axis: str = "y", ratio: float = 100.0) -> None:
     v = np.asarray([x for x in np.ravel(values) if np.isfinite(x) and x > 0])
     if len(v) and v.max() / v.min() >= ratio:
@@ -435,7 +441,7 @@ def plot_accuracy_curves(rows: list[Row], path: Path, title: str) -> None:
         if c.shape[0] > 1:
             sd = np.nanstd(c, axis=0, ddof=1)
             ax.fill_between(x, 100 * (m - sd), 100 * (m + sd), alpha=0.15)
-    ax.set(xlabel="round", ylabel="test accuracy (%)", title=title)
+    ax.set(xlabel="round", ylabel="test accuracy (%)", title=_wrap(title))
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -470,7 +476,7 @@ def plot_lambda_eff(rows: list[Row], path: Path, title: str, v7_rows: list[Row] 
         cc = row.runs[0].client_curve("lambda_eff")[: c.shape[1]]
         with np.errstate(all="ignore"):
             lo, hi = np.nanmin(cc, axis=1), np.nanmax(cc, axis=1)
-        ax.fill_between(x, lo, hi, alpha=0.15)
+        ax.fill_between(x, lo, hi, alpha=0.15, label=f"{row.label}: range over clients")
         allv += list(m) + list(lo) + list(hi)
     drawn = False
     for row in v7_rows or []:
@@ -491,7 +497,7 @@ def plot_lambda_eff(rows: list[Row], path: Path, title: str, v7_rows: list[Row] 
                 label=f"V7 schedule λ0(1−p), λ0={fmt_value(ref.cfg.get('align', {}).get('lambda0', 5.0))}")
         allv += list(y)
     _log_if_decades(ax, allv)
-    ax.set(xlabel="round", ylabel="λ_eff (alignment weight)", title=title)
+    ax.set(xlabel="round", ylabel="λ_eff (alignment weight)", title=_wrap(title))
     _int_xticks(ax)
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3, which="both")
@@ -533,7 +539,7 @@ def plot_acc_lambda_raw(rows: list[Row], path: Path, title: str) -> bool:
     for a in (a1, a2):
         a.grid(alpha=0.3, which="both")
         a.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(_wrap(title, 120), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -611,7 +617,7 @@ def plot_param_sweep(key: str, lines: list[SweepLine], path: Path, title: str) -
         ax.title.set_fontsize(9)
         ax.grid(alpha=0.3, which="both")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(_wrap(title, 120), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
