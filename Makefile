@@ -7,14 +7,13 @@ FMNIST_DEB := /usr/share/datasets/fashion-mnist
 PRESETS ?= fafi,fedavg,ensemble,etf-anneal,flare
 OUT ?= runs/main
 
-.PHONY: setup data run test test-fast clean
+.PHONY: setup data run test test-fast federation clean
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,flower,sweep]'
 	@touch $@
 
 # Fashion-MNIST from Debian's package when we can (root on Debian); otherwise say so and let the
@@ -39,6 +38,10 @@ run: setup data
 
 test: setup data
 	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# A real Flower deployment on loopback: a SuperLink and 3 SuperNodes as processes, one run, then stopped.
+federation: setup data
+	$(BIN)/flare federate --preset fafi --clients 3 --local-data model.name=cnn rounds=2 dataset.train_subset=2000
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -x -m "not slow" tests
