@@ -8,6 +8,17 @@ from flare.report import paper
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Tiny models: one torch thread is as fast, and immune to OpenMP spin-waiting on a busy shared CPU."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 
 @pytest.mark.skipif(not FMNIST.exists(), reason="Fashion-MNIST (Debian's dataset-fashion-mnist) is not installed")
 def test_paper_smoke_writes_the_three_tables_and_the_figures(tmp_path, capsys):

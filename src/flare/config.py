@@ -21,6 +21,14 @@ from flare.errors import FlareError
 ScheduleName = Literal["constant", "linear", "cosine"]
 
 
+class KeyedValueError(ValueError):
+    """A cross-key validation error that knows which key to blame."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -188,14 +196,14 @@ class Config(_Strict):
         if self.server.protos == "trainable" and self.server.protos_init == "anchors":
             needs_anchors.append("server.protos_init=anchors")
         if needs_anchors and self.align.anchors == "none":
-            raise ValueError(f"{', '.join(needs_anchors)} needs anchors to align to, but align.anchors=none; "
-                             "set align.anchors=etf (or random)")
+            raise KeyedValueError("align.anchors", f"{', '.join(needs_anchors)} needs anchors to align to, but "
+                                  "align.anchors=none; set align.anchors=etf (or random)")
         if self.loss.objective == "ce" and (self.align.anchors != "none" or self.server.protos == "trainable"):
-            raise ValueError("alignment and trainable global prototypes need the prototype head "
-                             "(loss.objective=fafi), not a plain classifier")
+            raise KeyedValueError("loss.objective", "alignment and trainable global prototypes need the "
+                                  "prototype head (loss.objective=fafi), not a plain classifier")
         if self.loss.contrast in ("public-bank", "two-stage") and self.dataset.public_size == 0:
-            raise ValueError(f"loss.contrast={self.loss.contrast} needs a public slice held out by the server; "
-                             "set dataset.public_size (e.g. 1000)")
+            raise KeyedValueError("dataset.public_size", f"loss.contrast={self.loss.contrast} needs a public "
+                                  "slice held out by the server; set dataset.public_size (e.g. 1000)")
         return self
 
     @property
@@ -292,6 +300,9 @@ def _explain(err: ValidationError) -> FlareError:
     known = _known_keys(Config)
     for e in err.errors():
         key = ".".join(str(x) for x in e["loc"])
+        cause = (e.get("ctx") or {}).get("error")
+        if not key and isinstance(cause, KeyedValueError):
+            key = cause.key
         first_key = first_key or key
         if e["type"] == "extra_forbidden":
             close = difflib.get_close_matches(key, known, n=1)
@@ -299,7 +310,7 @@ def _explain(err: ValidationError) -> FlareError:
             fix = fix or "remove it or correct its spelling; README's config reference lists every key."
         else:
             msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"{key}={e.get('input')!r}: {msg}")
+            lines.append(f"{msg}" if isinstance(cause, KeyedValueError) else f"{key}={e.get('input')!r}: {msg}")
             fix = fix or "correct that value (README's config reference gives types and ranges)."
     return FlareError("invalid configuration: " + "; ".join(lines) + ".", key=first_key, fix=fix)
 

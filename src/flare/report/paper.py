@@ -487,6 +487,9 @@ def write_paper_report(scale: Scale, datasets: list[str], exps: list[Experiment]
             rws = [rp.Row(m, m, {}, [r for v, r in prs if float(v[param]) == x]) for x in xs]
             lines.append(rp.SweepLine(_label(rws[0]), xs, rws))
         ds = E[key].dataset
+        if not any(len(ln.x) > 1 for ln in lines):
+            md += [f"## {E[key].title} on {ds}", "", "Not run yet (fewer than two values exist).", ""]
+            continue
         rp.plot_param_sweep(param, lines, out / fname, f"{E[key].title} — {rp.describe_setting(pairs[0][1])}")
         table = rp.sweep_table(param, lines)
         if show and key == "alpha":
