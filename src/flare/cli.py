@@ -157,16 +157,7 @@ def cmd_lr_probe(args) -> int:
     return 0
 
 
-def _passive_omp() -> None:
-    """Idle OpenMP threads sleep instead of spinning: on a shared or oversubscribed CPU a spinning torch
-    thread pool slows small-model runs down many times over. Only effective before torch is imported."""
-    import os
-
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 def cmd_sweep(args) -> int:
-    _passive_omp()
     from flare.report.sweep import run_sweep
 
     _, results = run_sweep(args.config, args.out, overrides=args.overrides, workers=args.workers,
@@ -195,7 +186,6 @@ def cmd_report(args) -> int:
 
 
 def cmd_paper(args) -> int:
-    _passive_omp()
     from flare.report.paper import run_paper
 
     run_paper(args.scale, out=args.out, datasets=args.datasets, seeds=args.seeds, workers=args.workers,
