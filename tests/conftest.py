@@ -24,6 +24,18 @@ def write_tiny_imagefolder(root, classes=4, train_per_class=24, test_per_class=8
     return root
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """The tests use tiny models: one intra-op thread is as fast, and immune to OpenMP threads of
+    concurrent processes spinning against each other on a shared CPU."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory):
     return write_tiny_imagefolder(tmp_path_factory.mktemp("tiny"))

@@ -65,13 +65,6 @@ def fake_dataset(monkeypatch):
     monkeypatch.setattr("flare.data.datasets.load_dataset", lambda *a, **k: fake_data())
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is faster than two, and far faster on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 TINY = ["--quiet", "model.name=cnn", "model.width=0.125", "rounds=2", "batch_size=32", "test_batch_size=64", "device=cpu",

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import gzip
-import io
+
 import os
 import pickle
 import shutil

@@ -18,13 +18,6 @@ LEARNER_PRESETS = ["uw", "uw-rescaled", "uw-anneal-linear", "uw-anneal-cosine", 
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread is fastest, and does not fight other jobs for the cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 class TinyProto(nn.Module):

@@ -13,12 +13,6 @@ from flare.lrprobe import top_hessian_eigenvalue
 from flare.schedules import LRSchedule
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # ----------------------------------------------------------------------------------------------

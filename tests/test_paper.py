@@ -8,15 +8,6 @@ from flare.report import paper
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models: one torch thread is as fast, and immune to OpenMP spin-waiting on a busy shared CPU."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 

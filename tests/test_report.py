@@ -9,15 +9,6 @@ from flare.config import load_config
 from flare.report import report as rp
 from flare.runner import Run
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models: one torch thread is as fast, and immune to OpenMP spin-waiting on a busy shared CPU."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 

@@ -14,15 +14,6 @@ from flare.cli import main
 from flare.config import load_config
 from flare.runner import Run, read_jsonl
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models: one torch thread is as fast, and immune to OpenMP spin-waiting on a busy shared CPU."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 

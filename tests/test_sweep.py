@@ -10,15 +10,6 @@ from flare.errors import FlareError
 from flare.report.sweep import expand, load_sweep, parse_sweep, read_point_file
 from flare.runner import read_jsonl
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models: one torch thread is as fast, and immune to OpenMP spin-waiting on a busy shared CPU."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 

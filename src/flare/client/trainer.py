@@ -10,6 +10,7 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,6 +22,9 @@ from flare.client.terms.fafi import ce_terms, fafi_terms
 from flare.config import Config
 from flare.errors import TrainingDiverged
 from flare.schedules import LRSchedule, progress
+
+if TYPE_CHECKING:
+    from flare.server.upload import Upload
 
 
 @dataclass
@@ -232,7 +236,7 @@ class Client:
         return logs
 
     # -- what the server sees, and checkpoints ------------------------------------------------
-    def upload(self) -> "Upload":
+    def upload(self) -> Upload:
         from flare.server.upload import Upload
 
         protos = getattr(self.model, "prototypes", None)
