@@ -363,6 +363,9 @@ class Run:
                 self._log(f"note: client {i} holds {len(ix)} samples, fewer than batch_size={cfg.batch_size}; "
                           "it trains on one smaller batch per epoch.")
             clients.append(Client(i, torch.as_tensor(ix, device=device), copy.deepcopy(global_model), ctx, ent[i]))
+        if cfg.compile:
+            for c in clients:
+                c.model.compile()  # in place: state_dict keys (uploads, checkpoints) stay unchanged
         active = [c for c in clients if c.num_samples > 0]
         if not active:
             raise FlareError("no client received any sample.", key="num_clients",
