@@ -15,6 +15,7 @@ resumes from the last complete round, and a finished run is not recomputed.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -427,14 +428,17 @@ class Run:
         from concurrent.futures import ThreadPoolExecutor
 
         def work(c: Client) -> dict:
+            # kornia modules keep the drawn parameters on the module between drawing and applying them:
+            # each thread gets its own augmentation module so clients never apply each other's draws.
+            own = dataclasses.replace(ctx, augment=copy.deepcopy(ctx.augment))
             if ctx.device.type == "cuda":
                 stream = torch.cuda.Stream(device=ctx.device)
                 stream.wait_stream(torch.cuda.current_stream(ctx.device))
                 with torch.cuda.stream(stream):
-                    rec = c.train_round(ctx, r, on_step=bar.step)
+                    rec = c.train_round(own, r, on_step=bar.step)
                 stream.synchronize()
                 return rec
-            return c.train_round(ctx, r, on_step=bar.step)
+            return c.train_round(own, r, on_step=bar.step)
 
         bar.client(-1)
         with ThreadPoolExecutor(max_workers=len(active)) as ex:
