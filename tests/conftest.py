@@ -24,16 +24,30 @@ def write_tiny_imagefolder(root, classes=4, train_per_class=24, test_per_class=8
     return root
 
 
+_THREADS = {}
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_torch_thread():
     """The tests use tiny models: one intra-op thread is as fast, and immune to OpenMP threads of
     concurrent processes spinning against each other on a shared CPU."""
     import torch
 
-    n = torch.get_num_threads()
+    _THREADS["default"] = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
-    torch.set_num_threads(n)
+    torch.set_num_threads(_THREADS["default"])
+
+
+@pytest.fixture
+def default_torch_threads():
+    """torch's default thread count, for tests that compare in-process numbers bit for bit with
+    subprocesses (which start with the default): another thread count changes float summation order."""
+    import torch
+
+    torch.set_num_threads(_THREADS["default"])
+    yield
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ import os
 import pytest
 
 pytest.importorskip("flwr")
+pytestmark = pytest.mark.usefixtures("default_torch_threads")
 
 from flare.config import load_config  # noqa: E402
 from flare.flower.core import export_partitions  # noqa: E402
