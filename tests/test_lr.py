@@ -133,6 +133,21 @@ def test_probe_recovers_the_top_eigenvalue_of_a_quadratic():
     assert est.value == pytest.approx(7.3, rel=0.05)
 
 
+def test_probe_tolerance_stops_early_at_the_same_answer():
+    g = torch.Generator().manual_seed(0)
+    Q, _ = torch.linalg.qr(torch.randn(30, 30, generator=g, dtype=torch.double))
+    eigs = torch.linspace(0.1, 2.0, 30, dtype=torch.double)
+    eigs[-1] = 7.3
+    x = torch.nn.Parameter(torch.randn(30, generator=g, dtype=torch.double))
+    H = Q @ torch.diag(eigs) @ Q.T
+    full = top_hessian_eigenvalue([lambda: 0.5 * x @ H @ x], [x], iters=60)
+    early = top_hessian_eigenvalue([lambda: 0.5 * x @ H @ x], [x], iters=60, tol=1e-4)
+    assert len(full.history) == 60
+    assert 3 <= len(early.history) < 60
+    assert early.rel_change < 1e-4
+    assert early.value == pytest.approx(7.3, rel=1e-3)
+
+
 def test_probe_finds_the_largest_not_the_most_negative_eigenvalue():
     H = torch.diag(torch.tensor([-20.0, 5.0, 1.0, 0.5]))
     x = torch.nn.Parameter(torch.ones(4))
@@ -206,6 +221,24 @@ def test_lr_probe_command(lr, warn, where, monkeypatch, capsys):
     assert L > 0 and eta == pytest.approx(2 / L, rel=1e-4)
     assert f"lr = {lr:.6g}" in out
     assert ("WARNING" in out) == warn
+
+
+def test_lr_probe_caps_the_probe_batch_and_says_so(monkeypatch, capsys):
+    monkeypatch.setattr("flare.data.datasets.load_dataset", lambda *a, **k: _fake_data())
+    assert main(["lr-probe", "--all-data", "--iters", "3", *TINY, "batch_size=100"]) == 0
+    out = capsys.readouterr().out
+    assert "2 fixed batch(es) of 64 (120 images) (config batch_size 100; --batch-size to change)" in out
+    assert main(["lr-probe", "--all-data", "--iters", "3", "--batch-size", "100", "--batches", "1", *TINY,
+                 "batch_size=100"]) == 0
+    out = capsys.readouterr().out
+    assert "1 fixed batch(es) of 100 (100 images), 3 power iterations" in out
+
+
+@pytest.mark.parametrize("flag,value", [("--batch-size", "0"), ("--tol", "1.5")])
+def test_lr_probe_bad_probe_settings_exit_2(flag, value, monkeypatch, capsys):
+    monkeypatch.setattr("flare.data.datasets.load_dataset", lambda *a, **k: _fake_data())
+    assert main(["lr-probe", flag, value, *TINY]) == 2
+    assert flag in capsys.readouterr().err
 
 
 def test_lr_probe_bad_client_exits_2(monkeypatch, capsys):

@@ -2,7 +2,7 @@
 
   flare run      [--config FILE] [--preset NAME] [--out DIR] [--resume DIR] [--quiet] [KEY=VALUE ...]
   flare compare  --presets a,b,c [--config FILE] [--out DIR] [--quiet] [KEY=VALUE ...]
-  flare lr-probe [--config FILE] [--preset NAME] [--client N | --all-data] [--batches 3] [--iters 20] [KEY=VALUE ...]
+  flare lr-probe [--config FILE] [--preset NAME] [--client N | --all-data] [--batches 2] [--batch-size B] [--iters 30] [--tol 1e-3] [KEY=VALUE ...]
   flare sweep    --config SWEEP.yaml [--out DIR] [--workers N] [--address ADDR] [--dry-run] [KEY=VALUE ...]
   flare report   DIR... [--out REPORT_DIR]
   flare paper    --scale smoke|cpu|full [--datasets a,b] [--seeds 1,2] [--only EXP,...] [--out DIR] [--workers N]
@@ -152,7 +152,8 @@ def cmd_lr_probe(args) -> int:
     from flare.lrprobe import format_probe, probe
 
     cfg = load_config(args.config, args.preset, args.overrides)
-    r = probe(cfg, client=args.client, all_data=args.all_data, batches=args.batches, iters=args.iters)
+    r = probe(cfg, client=args.client, all_data=args.all_data, batches=args.batches, iters=args.iters,
+              batch_size=args.batch_size, tol=args.tol)
     print(format_probe(cfg, r))
     return 0
 
@@ -245,8 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("--preset", help="method preset (see `flare presets`)")
     lp.add_argument("--client", type=int, default=0, help="probe this client's data (default 0)")
     lp.add_argument("--all-data", action="store_true", help="probe the whole training set instead of one client")
-    lp.add_argument("--batches", type=int, default=3, help="fixed batches the loss is averaged over (default 3)")
-    lp.add_argument("--iters", type=int, default=20, help="power iterations (default 20)")
+    lp.add_argument("--batches", type=int, default=2, help="fixed batches the loss is averaged over (default 2)")
+    lp.add_argument("--batch-size", type=int, default=None,
+                    help="images per probe batch (default: the config's batch_size, at most 64)")
+    lp.add_argument("--iters", type=int, default=30, help="most power iterations (default 30)")
+    lp.add_argument("--tol", type=float, default=1e-3,
+                    help="stop once the estimate changes by less than this, relatively (default 1e-3; 0: all)")
     lp.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     lp.set_defaults(fn=cmd_lr_probe)
 

@@ -19,14 +19,17 @@ run on H − μI finds the largest (positive) eigenvalue.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from flare.config import Config
 from flare.errors import FlareError
+from flare.progress import quiet_env
 from flare.runner import prepare_data, resolve_device
 
 
@@ -62,9 +65,19 @@ def hvp_fn(loss_fns: list[Callable[[], Tensor]], params: list[Tensor]) -> Callab
     return hvp
 
 
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), 1e-30)
+
+
 def power_iteration(hvp: Callable[[list[Tensor]], list[Tensor]], params: list[Tensor], iters: int = 20,
-                    seed: int = 0, shift: float = 0.0) -> EigenEstimate:
-    """Dominant eigenvalue of (H − shift·I) by power iteration from a seeded random unit vector."""
+                    seed: int = 0, shift: float = 0.0, tol: float = 0.0,
+                    on_iter: Callable[[float], None] | None = None) -> EigenEstimate:
+    """Dominant eigenvalue of (H − shift·I) by power iteration from a seeded random unit vector.
+
+    Stops after `iters` Hessian–vector products, or earlier once the Rayleigh quotient changed by less than
+    `tol` (relative) in each of the last two iterations: one HVP of a full-width ResNet costs seconds to
+    minutes on a CPU, and the quotient usually settles in well under 20.
+    """
     g = torch.Generator().manual_seed(seed)
     v = [torch.randn(p.shape, generator=g).to(p.device, p.dtype) for p in params]
     n = math.sqrt(float(_dot(v, v)))
@@ -75,22 +88,27 @@ def power_iteration(hvp: Callable[[list[Tensor]], list[Tensor]], params: list[Te
         if shift:
             hv = [h - shift * x for h, x in zip(hv, v)]
         hist.append(float(_dot(v, hv)))  # Rayleigh quotient (v has unit norm)
+        if on_iter is not None:
+            on_iter(hist[-1])
         norm = math.sqrt(float(_dot(hv, hv)))
         if norm == 0 or not math.isfinite(norm):
             break
         v = [h / norm for h in hv]
+        if tol > 0 and len(hist) >= 3 and all(_rel(hist[-i], hist[-i - 1]) < tol for i in (1, 2)):
+            break
     rel = abs(hist[-1] - hist[-2]) / max(abs(hist[-1]), 1e-30) if len(hist) > 1 else float("nan")
     return EigenEstimate(hist[-1], hist, rel)
 
 
 def top_hessian_eigenvalue(loss_fns: list[Callable[[], Tensor]], params: list[Tensor], iters: int = 20,
-                           seed: int = 0) -> EigenEstimate:
+                           seed: int = 0, tol: float = 0.0,
+                           on_iter: Callable[[float], None] | None = None) -> EigenEstimate:
     """The largest eigenvalue L of the Hessian of mean(loss_fns) w.r.t. params."""
     params = [p for p in params if p.requires_grad]
     hvp = hvp_fn(loss_fns, params)
-    est = power_iteration(hvp, params, iters, seed)
+    est = power_iteration(hvp, params, iters, seed, tol=tol, on_iter=on_iter)
     if est.value < 0:  # the dominant eigenvalue is negative: look for the largest one above it
-        shifted = power_iteration(hvp, params, iters, seed + 1, shift=est.value)
+        shifted = power_iteration(hvp, params, iters, seed + 1, shift=est.value, tol=tol, on_iter=on_iter)
         est = EigenEstimate(shifted.value + est.value, [h + est.value for h in shifted.history],
                             shifted.rel_change)
     return est
@@ -104,8 +122,21 @@ def effective_lr(cfg: Config) -> float:
     return cfg.lr * (cfg.batch_size / 512 if cfg.optim.linear_scaling else 1.0)
 
 
-def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 3, iters: int = 20) -> dict:
-    """Build the run's data and initial model like the runner and estimate L at the initial model."""
+# One HVP costs about five forward passes (double backward through both views), so on a CPU the probe's price
+# is set by the images it uses: ResNet-18 at full width takes ~0.17 s per image per HVP on two cores. The
+# default probes 2 batches of at most 64 images; a smaller sample gives a slightly *larger* L (the sample
+# Hessian's top eigenvalue shrinks as the noise averages out), so the capped default errs towards a
+# smaller, safer η_crit. `--batch-size` and `--batches` buy the configured shape back where time allows.
+PROBE_BATCH_CAP = 64
+
+
+def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 2, iters: int = 30,
+          batch_size: int | None = None, tol: float = 1e-3, progress: bool = True) -> dict:
+    """Build the run's data and initial model like the runner and estimate L at the initial model.
+
+    `batch_size=None` probes batches of min(cfg.batch_size, PROBE_BATCH_CAP); `iters` is the most power
+    iterations, `tol` the relative change that ends them early (0 runs all of them).
+    """
     from flare.client.lam import initial_lambda
     from flare.client.terms.align import align_loss, make_anchors
     from flare.client.terms.fafi import ce_terms, fafi_terms
@@ -116,6 +147,10 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 3
 
     if batches < 1 or iters < 1:
         raise FlareError("--batches and --iters must be at least 1.", key="--batches" if batches < 1 else "--iters")
+    if batch_size is not None and batch_size < 1:
+        raise FlareError(f"--batch-size must be at least 1, got {batch_size}.", key="--batch-size")
+    if not 0 <= tol < 1:
+        raise FlareError(f"--tol must be in [0, 1), got {tol}.", key="--tol")
     device = resolve_device(cfg.device)
     data, _public = prepare_data(cfg)
     part = make_partition(data.train_y.numpy(), cfg.num_clients, cfg.partition.kind, cfg.seed,
@@ -151,7 +186,7 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 3
 
     order = torch.Generator().manual_seed(derived_seed(cfg.seed, 31337, 0))
     perm = ix[torch.randperm(len(ix), generator=order)]
-    B = cfg.batch_size
+    B = batch_size if batch_size is not None else min(cfg.batch_size, PROBE_BATCH_CAP)
     nb = min(batches, math.ceil(len(perm) / B))
     fixed = []
     rng = torch.get_rng_state()
@@ -181,12 +216,21 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 3
 
         return loss
 
-    est = top_hessian_eigenvalue([make_loss(i, y) for i, y in fixed], list(model.parameters()), iters,
-                                 seed=cfg.seed)
+    bar = tqdm(total=iters, desc="lr-probe HVPs", unit="hvp", file=sys.stderr, dynamic_ncols=True,
+               disable=not progress or quiet_env())
+
+    def tick(rq: float) -> None:
+        bar.set_postfix(L=f"{rq:.5g}")
+        bar.update(1)
+
+    with bar:
+        est = top_hessian_eigenvalue([make_loss(i, y) for i, y in fixed], list(model.parameters()), iters,
+                                     seed=cfg.seed, tol=tol, on_iter=tick)
     L = est.value
     return {"L": L, "eta_crit": 2.0 / L if L > 0 else float("inf"), "lr": effective_lr(cfg),
             "history": est.history, "rel_change": est.rel_change, "who": who, "samples": int(len(ix)),
-            "batches": nb, "batch_size": B, "iters": iters, "lambda": lam}
+            "batches": nb, "batch_size": B, "images": sum(len(y) // 2 for _, y in fixed), "config_batch_size": cfg.batch_size, "iters": len(est.history),
+            "max_iters": iters, "tol": tol, "lambda": lam}
 
 
 def format_probe(cfg: Config, r: dict) -> str:
@@ -194,7 +238,11 @@ def format_probe(cfg: Config, r: dict) -> str:
         f"lr-probe: {cfg.dataset.name}, {r['who']} ({r['samples']} samples), {cfg.model.name} "
         f"(width {cfg.model.width}), objective {cfg.loss.objective}"
         + (f" + {r['lambda']:.4g}·L_align" if r["lambda"] else "")
-        + f"; {r['batches']} fixed batch(es) of {r['batch_size']}, {r['iters']} power iterations",
+        + f"; {r['batches']} fixed batch(es) of {r['batch_size']} ({r['images']} images)"
+        + (f" (config batch_size {r['config_batch_size']}; --batch-size to change)"
+           if r["batch_size"] != r["config_batch_size"] else "")
+        + f", {r['iters']} power iterations"
+        + (f" (stopped at relative change < {r['tol']:g})" if r["iters"] < r["max_iters"] else ""),
         f"L = {r['L']:.6g}    (largest Hessian eigenvalue; last relative change {r['rel_change']:.2e})",
         f"eta_crit = 2/L = {r['eta_crit']:.6g}",
         f"lr = {r['lr']:.6g}    (configured peak local lr"

@@ -7,8 +7,9 @@ named loss as it is. Data stays on the training device; a batch is a gather by i
 from __future__ import annotations
 
 import math
+import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,6 +45,10 @@ class TrainContext:
     @property
     def total_epochs(self) -> int:
         return self.cfg.total_epochs
+
+
+# Guards torch's default CPU generator while a client has swapped its augmentation stream into it.
+_GLOBAL_RNG_LOCK = threading.Lock()
 
 
 def derived_seed(*parts: int) -> int:
@@ -135,7 +140,7 @@ class Client:
         t0 = time.perf_counter()
         if self.optimizer is None or cfg.optim.reset_each_round:
             self.optimizer = self._make_optimizer()
-        torch.manual_seed(derived_seed(cfg.seed, round_idx, self.cid, 1))  # augmentation stream
+        self._aug_state = torch.Generator().manual_seed(derived_seed(cfg.seed, round_idx, self.cid, 1)).get_state()
         order_gen = torch.Generator().manual_seed(derived_seed(cfg.seed, round_idx, self.cid, 2))
         self.model.train()
         steps_per_epoch = math.ceil(self.num_samples / cfg.batch_size)
@@ -168,6 +173,25 @@ class Client:
         record["seconds"] = time.perf_counter() - t0
         return record
 
+    @contextmanager
+    def _augmentation_stream(self):
+        """Run the augmentation on this client's own random stream.
+
+        kornia draws its parameters from torch's default CPU generator and takes no generator argument, so the
+        client swaps its stream in and out of the global generator around each draw (and restores whatever was
+        there). The lock makes the swap atomic when clients train in threads (`concurrent_clients=true`): each
+        client then sees exactly the draws it would see training alone, so concurrent and sequential training
+        are the same computation, not merely the same in distribution.
+        """
+        with _GLOBAL_RNG_LOCK:
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self._aug_state)
+            try:
+                yield
+            finally:
+                self._aug_state = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
     def _set_lr(self, ctx: TrainContext, round_idx: int, t: float) -> float:
         sched = ctx.lr_schedule
         lr = sched(t, round_idx)
@@ -187,7 +211,8 @@ class Client:
         amp = (torch.autocast(device_type=ctx.device.type, dtype=ctx.amp_dtype)
                if ctx.amp_dtype is not None else nullcontext())
         with amp:
-            v1, v2 = ctx.augment(xb)
+            with self._augmentation_stream():
+                v1, v2 = ctx.augment(xb)
             imgs = torch.cat([v1, v2])
             if cfg.channels_last and imgs.is_cuda:
                 imgs = imgs.contiguous(memory_format=torch.channels_last)
