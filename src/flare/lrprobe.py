@@ -124,9 +124,10 @@ def effective_lr(cfg: Config) -> float:
 
 # One HVP costs about five forward passes (double backward through both views), so on a CPU the probe's price
 # is set by the images it uses: ResNet-18 at full width takes ~0.17 s per image per HVP on two cores. The
-# default probes 2 batches of at most 64 images; a smaller sample gives a slightly *larger* L (the sample
-# Hessian's top eigenvalue shrinks as the noise averages out), so the capped default errs towards a
-# smaller, safer η_crit. `--batch-size` and `--batches` buy the configured shape back where time allows.
+# default probes 2 batches of at most 64 images. The estimate depends on the batch (SupCon's contrast set and
+# BatchNorm's statistics change with it): on the default config with the CNN, 2×64 images gave L = 626 against
+# 600 and 617 for 1×512 and 3×512, while a single batch of 16 gave 451 (docs/alignment.md). `--batch-size` and
+# `--batches` buy the configured shape back where time allows.
 PROBE_BATCH_CAP = 64
 
 
