@@ -417,9 +417,9 @@ class Run:
 
     def _train_clients(self, active: list[Client], ctx: TrainContext, r: int, bar: Progress) -> list[dict]:
         """Sequentially, or (concurrent_clients=true) one thread per client, each on its own CUDA stream
-        so that the GPU overlaps the clients' kernels. Each client draws its augmentation from its own stream
-        (`Client._augmentation_stream`), so on CPU the two modes give the same numbers (tested); on a GPU they
-        agree up to the order in which nondeterministic kernels reduce."""
+        so that the GPU overlaps the clients' kernels. Each client draws its augmentation from its own streams
+        (`RngStreams`: the CPU generator and, on a GPU, the GPU's), so on CPU the two modes give the same
+        numbers (tested); on a GPU they agree up to the order in which nondeterministic kernels reduce."""
         if not self.cfg.concurrent_clients or len(active) == 1:
             out = []
             for c in active:

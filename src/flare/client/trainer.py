@@ -47,8 +47,54 @@ class TrainContext:
         return self.cfg.total_epochs
 
 
-# Guards torch's default CPU generator while a client has swapped its augmentation stream into it.
+# Guards torch's default generators while a client has swapped its augmentation streams into them.
 _GLOBAL_RNG_LOCK = threading.Lock()
+
+
+def augmentation_generators(device: torch.device) -> list[torch.Generator]:
+    """The default generators the augmentation may draw from for images on `device`.
+
+    kornia takes no generator argument. Where it draws depends on its version: kornia ≥ 0.8 moves its
+    samplers to the module's device with `.to(device)` (0.9 on a GPU draws from the CUDA generator), older
+    versions and a few samplers draw on the CPU. A client therefore owns a state for the CPU generator and,
+    on a GPU, one for that GPU's generator too.
+    """
+    gens = [torch.default_generator]
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        gens.append(torch.cuda.default_generators[index])
+    return gens
+
+
+class RngStreams:
+    """Private random streams for code that can only draw from torch's default generators (kornia).
+
+    `with streams.active():` swaps this object's states into `generators`, runs the block, keeps the
+    advanced states and puts back whatever was there. A lock makes the swap atomic across threads, so
+    clients training concurrently each see exactly the draws they would see alone. A CUDA generator's state
+    is its host-side seed and offset: reading or setting it does not wait for the GPU, and kernels already
+    launched keep the offsets they were launched with.
+    """
+
+    def __init__(self, generators: list[torch.Generator], seeds: list[int]):
+        if len(generators) != len(seeds):
+            raise ValueError(f"{len(generators)} generators but {len(seeds)} seeds")
+        self.generators = generators
+        self.states = [torch.Generator(device=g.device).manual_seed(s).get_state()
+                       for g, s in zip(generators, seeds)]
+
+    @contextmanager
+    def active(self):
+        with _GLOBAL_RNG_LOCK:
+            outer = [g.get_state() for g in self.generators]
+            for g, st in zip(self.generators, self.states):
+                g.set_state(st)
+            try:
+                yield
+            finally:
+                self.states = [g.get_state() for g in self.generators]
+                for g, st in zip(self.generators, outer):
+                    g.set_state(st)
 
 
 def derived_seed(*parts: int) -> int:
@@ -140,7 +186,10 @@ class Client:
         t0 = time.perf_counter()
         if self.optimizer is None or cfg.optim.reset_each_round:
             self.optimizer = self._make_optimizer()
-        self._aug_state = torch.Generator().manual_seed(derived_seed(cfg.seed, round_idx, self.cid, 1)).get_state()
+        # The augmentation's streams: CPU derived_seed(seed, r, i, 1), the GPU's (on CUDA) derived_seed(seed, r, i, 1, 1).
+        gens = augmentation_generators(ctx.device)
+        self._aug_streams = RngStreams(gens, [derived_seed(cfg.seed, round_idx, self.cid, 1, *([k] if k else []))
+                                              for k in range(len(gens))])
         order_gen = torch.Generator().manual_seed(derived_seed(cfg.seed, round_idx, self.cid, 2))
         self.model.train()
         steps_per_epoch = math.ceil(self.num_samples / cfg.batch_size)
@@ -173,25 +222,6 @@ class Client:
         record["seconds"] = time.perf_counter() - t0
         return record
 
-    @contextmanager
-    def _augmentation_stream(self):
-        """Run the augmentation on this client's own random stream.
-
-        kornia draws its parameters from torch's default CPU generator and takes no generator argument, so the
-        client swaps its stream in and out of the global generator around each draw (and restores whatever was
-        there). The lock makes the swap atomic when clients train in threads (`concurrent_clients=true`): each
-        client then sees exactly the draws it would see training alone, so concurrent and sequential training
-        are the same computation, not merely the same in distribution.
-        """
-        with _GLOBAL_RNG_LOCK:
-            outer = torch.get_rng_state()
-            torch.set_rng_state(self._aug_state)
-            try:
-                yield
-            finally:
-                self._aug_state = torch.get_rng_state()
-                torch.set_rng_state(outer)
-
     def _set_lr(self, ctx: TrainContext, round_idx: int, t: float) -> float:
         sched = ctx.lr_schedule
         lr = sched(t, round_idx)
@@ -211,7 +241,7 @@ class Client:
         amp = (torch.autocast(device_type=ctx.device.type, dtype=ctx.amp_dtype)
                if ctx.amp_dtype is not None else nullcontext())
         with amp:
-            with self._augmentation_stream():
+            with self._aug_streams.active():
                 v1, v2 = ctx.augment(xb)
             imgs = torch.cat([v1, v2])
             if cfg.channels_last and imgs.is_cuda:

@@ -34,8 +34,11 @@ Choices (written down as SPEC §0 asks):
   behaviour (torchvision transforms called on a whole batch tensor → one parameter set per batch) through
   kornia's `same_on_batch=True`.
 * The two views are two separate calls of the pipeline, so they are independent of each other (in both modes).
-* Randomness: kornia draws every parameter on the CPU from torch's default generator (also when the images
-  live on a GPU), so `torch.manual_seed(s)` makes the views reproducible. The augmentation runs under
+* Randomness: kornia draws every parameter from torch's default generator of the device the module was
+  moved to (`.to(device)`; kornia 0.9 moves its samplers with the module, so on a GPU it draws from the
+  CUDA generator and no parameter crosses from host to device), and a few samplers draw on the CPU; so
+  `torch.manual_seed(s)`, which seeds both, makes the views reproducible. The trainer gives every
+  client-round its own streams (`flare.client.trainer.RngStreams`). The augmentation runs under
   `torch.no_grad()` and with autocast disabled: the views are always float32.
 """
 from __future__ import annotations
