@@ -81,7 +81,7 @@ def cmd_compare(args) -> int:
     import yaml
 
     from flare.config import deep_merge, list_presets, parse_overrides
-    from flare.report.compare import plot_compare
+    from flare.report.compare import plot_compare, plot_compare_diagnostics
     from flare.runner import Run, atomic_write_text, config_for_preset
 
     names = [p.strip() for p in args.presets.split(",") if p.strip()]
@@ -106,8 +106,12 @@ def cmd_compare(args) -> int:
     title = (f"{first.dataset.name}, {first.num_clients} clients, {first.partition.kind} α={first.partition.alpha}, "
              f"{first.rounds} rounds × {first.local_epochs} epochs, {first.model.name} (width {first.model.width}), "
              f"seed {first.seed}")
-    atomic_write_text(out / "compare.md", f"# Comparison — {title}\n\n{table}\n\n![accuracy](compare_accuracy.png)\n")
-    plot_compare([out / n for n, _ in cfgs], out / "compare_accuracy.png", title)
+    dirs = [out / n for n, _ in cfgs]
+    plot_compare(dirs, out / "compare_accuracy.png", title)
+    figures = "![accuracy](compare_accuracy.png)\n"
+    if plot_compare_diagnostics(dirs, out / "compare_diagnostics.png", title):
+        figures += "\n![diagnostics](compare_diagnostics.png)\n"
+    atomic_write_text(out / "compare.md", f"# Comparison — {title}\n\n{table}\n\n{figures}")
     print(f"\n{title}\n\n{table}\n\nrun directories and plots: {out}")
     return 0
 

@@ -24,7 +24,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from flare.errors import FlareError
-from flare.report.run_report import ACC_ORDER, _plt, load_run
+from flare.report.run_report import ACC_ORDER, _plt, integer_rounds, load_run
 
 IGNORE = {"seed", "description", "notes_name", "device", "dataset.root", "dataset.cache_dir", "dataset.download",
           "dataset.format", "logging.tensorboard", "amp", "channels_last", "compile", "concurrent_clients", "preset",
@@ -419,13 +419,6 @@ def _rounds_axis(row: Row, n: int) -> np.ndarray:
     return np.array([row.runs[0].rounds[i]["round"] for i in range(n)])  # rounds counted from 0, as logged
 
 
-def _int_xticks(*axes) -> None:
-    from matplotlib.ticker import MaxNLocator
-
-    for ax in axes:
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-
-
 def plot_accuracy_curves(rows: list[Row], path: Path, title: str) -> None:
     """Figure 1: accuracy (primary global predictor) against rounds; mean over seeds, band = ±std."""
     plt = _plt()
@@ -445,7 +438,7 @@ def plot_accuracy_curves(rows: list[Row], path: Path, title: str) -> None:
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    _int_xticks(ax)
+    integer_rounds(ax)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -498,7 +491,7 @@ def plot_lambda_eff(rows: list[Row], path: Path, title: str, v7_rows: list[Row] 
         allv += list(y)
     _log_if_decades(ax, allv)
     ax.set(xlabel="round", ylabel="λ_eff (alignment weight)", title=_wrap(title))
-    _int_xticks(ax)
+    integer_rounds(ax)
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
@@ -535,7 +528,7 @@ def plot_acc_lambda_raw(rows: list[Row], path: Path, title: str) -> bool:
     a1.set(xlabel="round", ylabel="test accuracy (%)", title="accuracy")
     _log_if_decades(a2, allv, ratio=20)
     a2.set(xlabel="round", ylabel="λ_raw = σ²_local / σ²_align", title="raw λ")
-    _int_xticks(a1, a2)
+    integer_rounds(a1, a2)
     for a in (a1, a2):
         a.grid(alpha=0.3, which="both")
         a.legend(fontsize=7)

@@ -21,6 +21,14 @@ def _plt():
     return plt
 
 
+def integer_rounds(*axes) -> None:
+    """Rounds are counted: tick them at integers only."""
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def load_run(run_dir: str | Path) -> dict:
     from flare.runner import read_jsonl
 
@@ -57,6 +65,7 @@ def plot_accuracy(run: dict, path: Path) -> None:
     ax.set(xlabel="round", ylabel="test accuracy (%)",
            title=f"{cfg.get('method', '')} on {cfg.get('dataset', {}).get('name', '')}, "
                  f"α={cfg.get('partition', {}).get('alpha', '')}")
+    integer_rounds(ax)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:  # a server without a test set has no accuracy curves
         ax.legend(title="global predictor")
@@ -94,6 +103,7 @@ def plot_diagnostics(run: dict, path: Path) -> None:
     for ax, k in zip(axes[0], keys):
         ax.plot([r["round"] for r in rounds], [r[k] for r in rounds], marker="o", ms=3)
         ax.set(xlabel="round", ylabel=k, title=k)
+        integer_rounds(ax)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -126,6 +136,7 @@ def plot_lambda(run: dict, path: Path) -> bool:
         if finite and max(finite) / max(min(finite), 1e-12) > 100:
             ax.set_yscale("log")
         ax.set(xlabel="round", ylabel=k, title=f"{k} per client")
+        integer_rounds(ax)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
