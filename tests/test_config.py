@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -66,6 +67,31 @@ def test_cli_bad_input_exit_2_without_traceback(tmp_path):
         assert r.returncode == 2, r.stderr
         assert "Traceback" not in r.stderr
         assert r.stderr.startswith("flare: error:")
+
+
+def test_options_and_overrides_in_any_order(tmp_path):
+    """`flare run KEY=VALUE --preset NAME` is parsed like `flare run --preset NAME KEY=VALUE` (the bad value makes
+    the config fail before any data is read, so both orders must reach the same config error)."""
+    for args in (["run", "--preset", "entropy-lambda", "align.lambda_min=20", "rounds=1", "--out", str(tmp_path)],
+                 ["run", "align.lambda_min=20", "--preset", "entropy-lambda", "rounds=1", "--out", str(tmp_path)],
+                 ["run", "align.lambda_min=20", "--out", str(tmp_path), "rounds=1", "--preset", "entropy-lambda"]):
+        r = run_cli(*args)
+        assert r.returncode == 2 and "align.lambda_min (20.0) > align.lambda_max" in r.stderr, (args, r.stderr)
+    r = run_cli("run", "rounds=1", "--bogus")
+    assert r.returncode == 2 and "flare run: error: unrecognized arguments: --bogus" in r.stderr
+
+
+def test_a_reader_that_went_away_ends_the_command_quietly():
+    """`flare presets | head`: the pipe's read end is closed before flare writes a byte."""
+    read_fd, write_fd = os.pipe()
+    os.close(read_fd)
+    try:
+        r = subprocess.run([sys.executable, "-m", "flare.cli", "presets"], stdout=write_fd, stderr=subprocess.PIPE,
+                           text=True)
+    finally:
+        os.close(write_fd)
+    assert r.returncode == 141
+    assert r.stderr == ""
 
 
 @pytest.mark.parametrize("ov,words", [

@@ -323,13 +323,37 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("models", help="list models").set_defaults(fn=cmd_models)
     sub.add_parser("config-reference", help="print every config key as a markdown table").set_defaults(
         fn=cmd_config_reference)
+    p.commands = sub.choices  # name → subcommand parser (see parse_args)
     return p
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Options and KEY=VALUE overrides in any order: `flare run rounds=5 --preset fafi` works too.
+
+    argparse stops a `nargs="*"` positional at the first option, and its `parse_intermixed_args`, which would
+    allow interleaving, refuses parsers with subcommands; so the subcommand's own parser parses what follows it.
+    """
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    i = next((k for k, a in enumerate(argv) if not a.startswith("-")), None)
+    if i is None or argv[i] not in parser.commands:
+        return parser.parse_args(argv)  # help, or argparse's own message for a missing / unknown command
+    args = parser.commands[argv[i]].parse_intermixed_args(argv[i + 1:])
+    args.command = argv[i]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
-        return args.fn(args)
+        rc = args.fn(args)
+        sys.stdout.flush()  # a reader that went away shows up here, not in the interpreter's exit
+        return rc
+    except BrokenPipeError:
+        # `flare presets | head`: stop quietly like a Unix tool killed by SIGPIPE (exit 128 + 13), and point
+        # stdout at /dev/null so that Python's own flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except FlareError as e:
         print(f"flare: error: {e.render()}", file=sys.stderr)
         return 2
