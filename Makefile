@@ -5,6 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 FMNIST_DEB := /usr/share/datasets/fashion-mnist
 PRESETS ?= fafi,fedavg,ensemble,etf-anneal,flare
+SEEDS ?= 1,2,3
 OUT ?= runs/main
 
 .PHONY: setup data run test test-fast federation clean
@@ -13,7 +14,7 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -e '.[test,flower,sweep]'
+	$(BIN)/python -m pip install -qq -e '.[test,flower,sweep]'  # -qq: errors only (a log stays readable)
 	@touch $@
 
 # Fashion-MNIST from Debian's package when we can (root on Debian); otherwise say so and let the
@@ -34,7 +35,7 @@ run: setup data
 	@if [ -f $(FMNIST_DEB)/train-images-idx3-ubyte.gz ]; then extra=""; \
 	else echo "Fashion-MNIST: falling back to torchvision's download (dataset.root=data dataset.download=true)"; \
 	     extra="dataset.root=data dataset.download=true"; fi; \
-	$(BIN)/flare compare --config configs/main.yaml --presets $(PRESETS) --out $(OUT) $$extra
+	$(BIN)/flare compare --config configs/main.yaml --presets $(PRESETS) --seeds $(SEEDS) --out $(OUT) $$extra
 
 test: setup data
 	$(BIN)/python -m pytest -q -m "not slow" tests

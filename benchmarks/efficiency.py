@@ -6,8 +6,16 @@ clipping, step, logging. Bare = the same model on the same batch shapes (2B imag
 already normalised in memory, plain CE, backward, step. Both are measured in this process, interleaved,
 and the best of `--repeats` is taken for each, so background load hurts both alike.
 
+With `--clients K` (default 5 on a GPU, 0 = skipped on a CPU) it also measures the batched engine
+(`client_engine=batched`): K clients of `--steps` batches each, trained by `BatchedClients.train_round`
+(compiled with compile=true), against a bare batched step (the K stacked models under vmap, plain CE, one
+functional SGD step, no augmentation) on the same shapes. It prints both ratios: batched end to end ÷ bare
+batched (the overhead inside the batched program) and ÷ the bare single-model step (what batching buys over
+the eager ceiling of per-client training).
+
     python benchmarks/efficiency.py model.name=resnet18 model.width=0.25 dataset.name=synthetic-cifar10
     python benchmarks/efficiency.py model.name=cnn dataset.name=synthetic-cifar10
+    python benchmarks/efficiency.py model.name=resnet18 model.width=1 --clients 5 compile=true    # GPU
 """
 from __future__ import annotations
 
@@ -17,13 +25,15 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.func import functional_call, stack_module_state
 
-from flare.client.trainer import Client, TrainContext
+from flare.client.batched import BatchedClients
+from flare.client.trainer import Client
 from flare.config import load_config
-from flare.data.augment import TwoViewAugment, normalize
+from flare.data.augment import normalize
 from flare.models import create_model
-from flare.runner import amp_dtype_for, prepare_data, resolve_device
-from flare.schedules import LRSchedule
+from flare.setup import (DataMeta, amp_dtype_for, make_augment, make_train_context, prepare_data, resolve_device,
+                         use_channels_last)
 
 
 def sync(device):
@@ -36,6 +46,8 @@ def main(argv=None):
     ap.add_argument("--preset", default="fafi")
     ap.add_argument("--steps", type=int, default=8, help="training steps per measurement")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--clients", type=int, default=None,
+                    help="clients of the batched-engine measurement (default 5 on a GPU, 0 = skip on a CPU)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     ov = ["dataset.name=synthetic-cifar10", "batch_size=512", "model.name=resnet18", "model.width=0.25"] + args.overrides
@@ -46,15 +58,18 @@ def main(argv=None):
     data, _ = prepare_data(cfg)
     B = cfg.batch_size
     n = B * args.steps
-    x, y = data.train_x[:n].to(device), data.train_y[:n].to(device)
+    K = args.clients if args.clients is not None else (5 if device.type == "cuda" else 0)
+    if len(data.train_y) < n * max(K, 1):
+        raise SystemExit(f"{len(data.train_y)} training samples; --clients {K} x --steps {args.steps} x batch {B} "
+                         "needs more: lower --steps or --clients")
+    x, y = data.train_x[:n * max(K, 1)].to(device), data.train_y[:n * max(K, 1)].to(device)
     torch.manual_seed(0)
     model = create_model(cfg.model.name, data.in_channels, data.num_classes, cfg.model.width, head=cfg.head).to(device)
-    cl = cfg.channels_last and device.type == "cuda"
+    cl = use_channels_last(cfg, device)
     if cl:
         model = model.to(memory_format=torch.channels_last)
-    aug = TwoViewAugment(data.image_size, data.in_channels, data.mean, data.std, per_image=cfg.augment.per_image).to(device)
-    ctx = TrainContext(cfg=cfg, train_x=x, train_y=y, augment=aug, anchors=None, device=device, amp_dtype=amp,
-                       lr_schedule=LRSchedule("constant", cfg.lr, 1))
+    aug = make_augment(cfg, DataMeta.from_data(data), device)
+    ctx = make_train_context(cfg, x, y, aug, None, device, amp, cl, None)
     client = Client(0, torch.arange(n, device=device), copy.deepcopy(model), ctx, 1.0)
 
     bare_model = copy.deepcopy(model)
@@ -86,11 +101,56 @@ def main(argv=None):
         sync(device)
         return n / (time.perf_counter() - t)
 
-    bare(), e2e()  # warm-up (allocator, kernels, kornia)
-    b_best, e_best = 0.0, 0.0
+    runs = [bare, e2e]
+    if K:
+        clients = [Client(i, torch.arange(i * n, (i + 1) * n, device=device), copy.deepcopy(model), ctx, 1.0)
+                   for i in range(K)]
+        engine = BatchedClients(clients, ctx, compile=cfg.compile)
+        params, buffers = stack_module_state([copy.deepcopy(model) for _ in range(K)])
+        template = copy.deepcopy(model)
+        imgs_k, y2_k = imgs.unsqueeze(0).expand(K, *imgs.shape), y2.unsqueeze(0).expand(K, *y2.shape)
+
+        def loss_k(p, b, xk, yk):
+            with ctx_amp():
+                _, logits = functional_call(template, (p, b), (xk,))
+            return F.cross_entropy(logits.float(), yk)
+
+        fwd = torch.vmap(loss_k)
+        fwd = torch.compile(fwd) if cfg.compile else fwd
+        plist = list(params.values())
+        moms = [torch.zeros_like(q) for q in plist]
+
+        def bare_batched():
+            sync(device)
+            t = time.perf_counter()
+            for _ in range(args.steps):
+                for q in plist:
+                    q.grad = None
+                fwd(params, buffers, imgs_k, y2_k).sum().backward()
+                with torch.no_grad():
+                    torch._foreach_mul_(moms, 0.9)
+                    torch._foreach_add_(moms, [q.grad for q in plist])
+                    torch._foreach_add_(plist, moms, alpha=-cfg.lr)
+            sync(device)
+            return K * n / (time.perf_counter() - t)
+
+        def e2e_batched():
+            sync(device)
+            t = time.perf_counter()
+            for c in clients:
+                c.epochs_done = 0
+            engine.train_round(0)
+            sync(device)
+            return K * n / (time.perf_counter() - t)
+
+        runs += [bare_batched, e2e_batched]
+    for f in runs:  # warm-up (allocator, kernels, kornia, torch.compile)
+        f()
+    best = [0.0] * len(runs)
     for _ in range(args.repeats):
-        b_best = max(b_best, bare())
-        e_best = max(e_best, e2e())
+        for i, f in enumerate(runs):
+            best[i] = max(best[i], f())
+    b_best, e_best = best[0], best[1]
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     print(f"device: {dev}   torch {torch.__version__}   amp: {amp}   channels_last: {cl}")
     print(f"config: {cfg.method} {cfg.model.name} width {cfg.model.width}, {data.name} {tuple(data.train_x.shape[1:])}, "
@@ -98,6 +158,13 @@ def main(argv=None):
     print(f"bare forward+backward+step : {b_best:10.1f} samples/s")
     print(f"end-to-end local training  : {e_best:10.1f} samples/s")
     print(f"efficiency                 : {e_best / b_best:10.3f}")
+    if K:
+        bb, eb = best[2], best[3]
+        print(f"batched engine, {K} clients{' (compiled)' if cfg.compile else ''}:")
+        print(f"  bare batched fwd+bwd+step : {bb:10.1f} samples/s")
+        print(f"  end-to-end batched        : {eb:10.1f} samples/s")
+        print(f"  efficiency (÷ bare batched): {eb / bb:9.3f}")
+        print(f"  ÷ bare single-model step  : {eb / b_best:10.3f}   (÷ sequential end to end: {eb / e_best:.3f})")
 
 
 if __name__ == "__main__":

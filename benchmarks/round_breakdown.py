@@ -11,7 +11,8 @@ import argparse
 import tempfile
 
 from flare.config import load_config
-from flare.runner import Run, read_jsonl
+from flare.rundir import read_jsonl
+from flare.runner import Run
 
 
 def main(argv=None):

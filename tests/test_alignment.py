@@ -12,7 +12,8 @@ from flare.client.lam import LamProvider, entropy_lambda, initial_lambda
 from flare.client.surgery import pcgrad_backward
 from flare.client.terms.align import align_loss, align_target, make_anchors, simplex_etf
 from flare.client.terms.banks import (MemoryBank, MemoryBankExtension, PublicBankExtension,
-                                      make_extension_factory, public_infonce)
+                                      build_public_bank, extension_factory, public_infonce,
+                                      train_teacher)
 from flare.client.terms.fafi import fafi_terms, supcon_loss
 from flare.client.trainer import Client, TrainContext
 from flare.config import ServerCfg, build_config, list_presets, load_config
@@ -21,7 +22,7 @@ from flare.errors import FlareError
 from flare.models import create_model
 from flare.schedules import LRSchedule, get_schedule
 from flare.server.protos import global_prototypes
-from flare.server.trainable_protos import train_global_prototypes
+from flare.server.protos import train_global_prototypes
 
 # ----------------------------------------------------------------------------------------------
 # helpers: a tiny client on synthetic data, a fake dataset for the runner
@@ -62,7 +63,7 @@ def fake_data(n_train=200, n_test=60, classes=10, size=8):
 
 @pytest.fixture
 def fake_dataset(monkeypatch):
-    monkeypatch.setattr("flare.data.datasets.load_dataset", lambda *a, **k: fake_data())
+    monkeypatch.setattr("flare.setup.load_dataset", lambda *a, **k: fake_data())
 
 
 
@@ -350,7 +351,7 @@ def test_memory_bank_extension_uses_the_bank_temperature_from_the_first_step():
 
 def test_memory_bank_through_the_trainer_fills_to_its_size():
     client, ctx = tiny_client({"loss": {"contrast": "memory-bank", "bank_size": 40}})
-    ctx.extension_factory = make_extension_factory(ctx.cfg, None, client.model, ctx.augment, None, ctx.device)
+    ctx.extension_factory = extension_factory(ctx.cfg, None, ctx.device)
     client.extension = ctx.extension_factory(client, ctx)
     client.train_round(ctx, 0)  # 2 epochs × 48 samples × 2 views = 192 rows pushed
     assert len(client.extension.queue) == 40
@@ -374,7 +375,7 @@ def test_public_bank_and_two_stage_terms():
     terms = {"loss_cls": torch.tensor(1.0)}
     pub = PublicBankExtension(bank, 0.5, None)
     assert set(pub.adjust_terms(terms, feat, y, 0)) == {"loss_cls", "loss_public"} and pub.contrast_bank() is None
-    two = PublicBankExtension(bank, 0.5, alignment_epochs=2)
+    two = PublicBankExtension(bank, 0.5, public_stage_epochs=2)
     assert set(two.adjust_terms(terms, feat, y, 0)) == {"loss_public"}
     assert set(two.adjust_terms(terms, feat, y, 1)) == {"loss_public"}
     assert two.adjust_terms(terms, feat, y, 2) is terms
@@ -388,15 +389,18 @@ def test_public_bank_factory_trains_a_seeded_teacher():
     torch.manual_seed(0)
     model = create_model("cnn", 3, 10, 0.125)
     norm = lambda x: x.float() / 255.0 - 0.5  # noqa: E731
-    f1 = make_extension_factory(cfg, public, model, TwoViews(), norm, torch.device("cpu"))
-    f2 = make_extension_factory(cfg, public, model, TwoViews(), norm, torch.device("cpu"))
-    assert f1.bank.shape == (32, model.feature_dim) and torch.equal(f1.bank, f2.bank)
-    assert torch.allclose(f1.bank.norm(dim=1), torch.ones(32), atol=1e-5)
-    assert len(f1.teacher_losses) == 2
-    with pytest.raises(FlareError) as e:
-        make_extension_factory(build_config({"loss": {"contrast": "two-stage"}}), None, model, TwoViews(), norm,
-                               torch.device("cpu"))
+    b1 = build_public_bank(cfg, public, model, TwoViews(), norm, torch.device("cpu"))
+    b2 = build_public_bank(cfg, public, model, TwoViews(), norm, torch.device("cpu"))
+    assert b1.shape == (32, model.feature_dim) and torch.equal(b1, b2)
+    assert torch.allclose(b1.norm(dim=1), torch.ones(32), atol=1e-5)
+    _teacher, losses = train_teacher(cfg, public, model, TwoViews(), torch.device("cpu"))
+    assert len(losses) == 2
+    with pytest.raises(FlareError) as e:  # the config refuses a public bank without a public slice
+        build_config({"loss": {"contrast": "two-stage"}})
     assert e.value.key == "dataset.public_size"
+    with pytest.raises(FlareError) as e:  # and so does a client handed no bank
+        extension_factory(cfg, None, torch.device("cpu"))
+    assert e.value.key == "loss.contrast"
 
 
 # ----------------------------------------------------------------------------------------------

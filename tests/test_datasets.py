@@ -16,6 +16,8 @@ import torch
 from PIL import Image
 
 from flare.data import datasets as D
+from flare.data import decode
+from flare.data import formats as F
 from flare.data.datasets import load_dataset, stratified_subset
 from flare.errors import FlareError
 
@@ -125,12 +127,12 @@ def test_fmnist_idx_folder_gz(tmp_path, cache):
 
 def test_fmnist_default_is_debian_dir(tmp_path, cache, monkeypatch):
     write_mnist(tmp_path / "deb", gz=True)
-    monkeypatch.setattr(D, "DEBIAN_FMNIST", tmp_path / "deb")
+    monkeypatch.setattr(F, "DEBIAN_FMNIST", tmp_path / "deb")
     assert len(load_dataset("fmnist", None, cache_dir=cache).train_y) == 12
 
 
 def test_fmnist_debian_missing(tmp_path, cache, monkeypatch):
-    monkeypatch.setattr(D, "DEBIAN_FMNIST", tmp_path / "nothing")
+    monkeypatch.setattr(F, "DEBIAN_FMNIST", tmp_path / "nothing")
     with pytest.raises(FlareError) as e:
         load_dataset("fmnist", None, cache_dir=cache)
     assert e.value.key == "dataset.root" and "apt-get install -y dataset-fashion-mnist" in e.value.fix
@@ -149,7 +151,7 @@ def test_mnist_torchvision_layout(tmp_path, cache, name, folder):
 
 
 def test_mnist_missing_never_downloads(tmp_path, cache, monkeypatch):
-    monkeypatch.setattr(D, "_download", lambda *a: pytest.fail("downloaded without download=True"))
+    monkeypatch.setattr(F, "_download", lambda *a: pytest.fail("downloaded without download=True"))
     with pytest.raises(FlareError) as e:
         load_dataset("mnist", tmp_path, cache_dir=cache)
     assert e.value.key == "dataset.root" and "dataset.download=true" in e.value.fix
@@ -165,7 +167,7 @@ def test_download_true_fetches_missing_files(tmp_path, cache, monkeypatch):
         calls.append(name)
         write_mnist(root / "FashionMNIST" / "raw", gz=False)
 
-    monkeypatch.setattr(D, "_download", fake_download)
+    monkeypatch.setattr(F, "_download", fake_download)
     assert len(load_dataset("fmnist", tmp_path, download=True, cache_dir=cache).train_y) == 12
     load_dataset("fmnist", tmp_path, download=True, cache_dir=cache)  # present now: no second fetch
     assert calls == ["fmnist"]
@@ -176,7 +178,7 @@ def test_download_failure_is_flare_error(tmp_path, cache, monkeypatch):
         def __init__(self, *a, **k):
             raise RuntimeError("Error downloading: no route to host")
 
-    monkeypatch.setattr(D, "_torchvision_class", lambda name: Offline)
+    monkeypatch.setattr(F, "_torchvision_class", lambda name: Offline)
     with pytest.raises(FlareError) as e:
         load_dataset("cifar10", tmp_path, download=True, cache_dir=cache)
     assert e.value.key == "dataset.download" and "no route to host" in e.value.message
@@ -447,8 +449,8 @@ def test_cache_hit_skips_decoding(tmp_path, cache, monkeypatch):
     def boom(*a):
         raise AssertionError("decoded again")
 
-    monkeypatch.setattr(D, "_decode_image", boom)
-    monkeypatch.setattr(D, "_tar_entries", boom)
+    monkeypatch.setattr(decode, "decode_image", boom)
+    monkeypatch.setattr(F, "_tar_entries", boom)
     second = load_dataset("imagefolder", archive, cache_dir=cache)
     for field in ("train_x", "train_y", "test_x", "test_y"):
         assert torch.equal(getattr(first, field), getattr(second, field))
@@ -463,7 +465,7 @@ def test_cache_idx_and_env_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("FLARE_CACHE", str(tmp_path / "envcache"))
     load_dataset("fmnist", tmp_path / "fm")
     assert len(list((tmp_path / "envcache").glob("fmnist-idx-*.pt"))) == 1
-    monkeypatch.setattr(D, "_read_idx", lambda p: pytest.fail("decoded again"))
+    monkeypatch.setattr(F, "_read_idx", lambda p: pytest.fail("decoded again"))
     assert len(load_dataset("fmnist", tmp_path / "fm").test_y) == 6
 
 
@@ -504,7 +506,7 @@ def test_stratified_subset_rounding_and_edges():
 # ----------------------------------------------------------------------------- real data (skipped if absent)
 
 
-@pytest.mark.skipif(not all((D.DEBIAN_FMNIST / f"{s}.gz").exists() for s in D._IDX_FILES),
+@pytest.mark.skipif(not all((F.DEBIAN_FMNIST / f"{s}.gz").exists() for s in F._IDX_FILES),
                     reason="dataset-fashion-mnist is not installed")
 def test_real_debian_fashion_mnist(cache):
     data = load_dataset("fmnist", None, cache_dir=cache)

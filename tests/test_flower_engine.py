@@ -17,9 +17,10 @@ pytest.importorskip("flwr")
 pytestmark = pytest.mark.usefixtures("default_torch_threads")
 
 from flare.config import load_config  # noqa: E402
-from flare.flower.core import export_partitions  # noqa: E402
+from flare.flower.protocol import export_partitions  # noqa: E402
 from flare.flower.federation import LocalFederation, app_dir  # noqa: E402
-from flare.runner import Run, read_jsonl  # noqa: E402
+from flare.rundir import read_jsonl  # noqa: E402
+from flare.runner import Run  # noqa: E402
 
 K = 3
 
@@ -114,3 +115,64 @@ def test_loopback_deployment_real_round_then_killed_node(tiny_overrides, tmp_pat
     finally:
         fed.stop()
     assert_all_stopped(fed)
+
+
+def test_loopback_broken_uploads_are_rejected_and_a_node_killed_mid_round_is_missing(tiny_overrides, tmp_path):
+    """docs/federation.md, "Failures" and "Untrusted uploads", on a real deployment: nodes that send a wrong shape,
+    NaN weights or a missing tensor are rejected with the reason and never aggregated; a SuperNode killed while it
+    trains is missing after `timeout`; with min-clients met the run finishes on the others."""
+    import threading
+    import time
+
+    ov = [o for o in tiny_overrides if not o.startswith("num_clients=")] + ["num_clients=4"]
+    faults = [None, "wrong-shape", "nan", "missing-key"]
+    nodes = [{"partition-id": i, "num-partitions": 4, **({"fault": f} if f else {})} for i, f in enumerate(faults)]
+    fed = LocalFederation(tmp_path / "fed", node_configs=nodes)
+    try:
+        fed.start()
+        res = fed.run(app_dir(), run_config(ov, tmp_path / "drill", upload="once", **{"min-clients": 1}),
+                      timeout=300, log_name="drill")
+        out = tmp_path / "drill"
+        assert json.loads((out / "state.json").read_text())["status"] == "finished", res.stdout[-3000:]
+        (last,) = rounds_of(out)
+        assert last["clients"] == [0] and last["missing_clients"] == [1, 2, 3]
+        events = {e["client"]: e for e in json.loads((out / "federation.json").read_text())["events"]}
+        assert {c: e["kind"] for c, e in events.items()} == {1: "rejected", 2: "rejected", 3: "rejected"}
+        assert "has shape" in " ".join(events[1]["reasons"])
+        assert "non-finite" in " ".join(events[2]["reasons"])
+        assert "missing 1 tensor" in " ".join(events[3]["reasons"])
+    finally:
+        fed.stop()
+    assert_all_stopped(fed)
+
+    # a node killed in the middle of its training: long enough local work that the kill lands mid-round
+    slow = [o for o in tiny_overrides if not o.startswith(("batch_size=", "rounds="))] + [
+        "batch_size=4", "rounds=1", "local_epochs=15"]
+    fed = LocalFederation(tmp_path / "fed2", node_configs=[{"partition-id": i, "num-partitions": K} for i in range(K)])
+    result = {}
+    try:
+        fed.start()
+        t = threading.Thread(target=lambda: result.update(res=fed.run(
+            app_dir(), run_config(slow, tmp_path / "killed", upload="once", timeout=90.0,
+                                  **{"min-clients": 2, "wait-nodes": 30.0}), timeout=400, log_name="killed")))
+        t.start()
+        deadline = time.time() + 240
+        while "train" not in fed.log_text("supernode-2").lower():  # node 2 has received its task
+            assert t.is_alive() and time.time() < deadline, fed.log_text("supernode-2")[-2000:]
+            time.sleep(0.2)
+        time.sleep(1.0)
+        state = json.loads((tmp_path / "killed" / "state.json").read_text())
+        assert state["status"] == "running" and state["rounds_done"] == 0  # the round is in progress
+        fed.kill_node(2)
+        t.join(timeout=400)
+        assert not t.is_alive()
+    finally:
+        fed.stop()
+    assert_all_stopped(fed)
+    out = tmp_path / "killed"
+    state = json.loads((out / "state.json").read_text())
+    assert state["status"] == "finished", result["res"].stdout[-3000:]
+    (last,) = rounds_of(out)
+    assert last["clients"] == [0, 1] and last["missing_clients"] == [2]
+    (ev,) = json.loads((out / "federation.json").read_text())["events"]
+    assert ev["kind"] == "missing" and "no reply within 90 s" in ev["reasons"][0]

@@ -17,10 +17,12 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, RecordDict  # no
 from flare.config import load_config  # noqa: E402
 from flare.errors import FlareError  # noqa: E402
 from flare.flower.client_app import handle_train  # noqa: E402
-from flare.flower.core import FederationSettings, Reply, export_partitions, run_federation  # noqa: E402
+from flare.flower.protocol import export_partitions  # noqa: E402
+from flare.flower.server import FederationSettings, Reply, run_federation  # noqa: E402
 from flare.flower.records import pack_nested, record_to_state, state_to_record, unpack_nested  # noqa: E402
 from flare.flower.server_app import decode_content  # noqa: E402
-from flare.runner import Run, read_jsonl  # noqa: E402
+from flare.rundir import read_jsonl  # noqa: E402
+from flare.runner import Run  # noqa: E402
 
 K = 3
 
@@ -321,16 +323,16 @@ MALFORMED = {
 
 @pytest.mark.parametrize("kind", list(MALFORMED))
 def test_malformed_upload_is_rejected_and_never_aggregated(kind, one_round, tmp_path, shared_cache, monkeypatch):
-    import flare.runner as runner
+    import flare.flower.server as server
 
     seen = []
-    real = runner.evaluate_uploads
+    real = server.evaluate_uploads
 
     def spy(cfg, r, uploads, models, *a, **k):
         seen.append([(u.client, {n: t.clone() for n, t in u.state.items()}) for u in uploads])
         return real(cfg, r, uploads, models, *a, **k)
 
-    monkeypatch.setattr(runner, "evaluate_uploads", spy)
+    monkeypatch.setattr(server, "evaluate_uploads", spy)
     tamper, reason = MALFORMED[kind]
     nodes = Nodes(cache=shared_cache)
     nodes.tamper[1002] = tamper
@@ -360,11 +362,13 @@ def test_pickled_upload_is_rejected_without_running_it(one_round, tmp_path, shar
 
 def test_pickle_module_is_never_used_to_read_peer_bytes():
     import flare.flower.client_app as ca
-    import flare.flower.core as core
+    import flare.flower.protocol as protocol
     import flare.flower.records as rec
     import flare.flower.server_app as sa
 
-    for mod in (ca, core, rec, sa):
+    import flare.flower.server as server
+
+    for mod in (ca, protocol, rec, sa, server):
         src = open(mod.__file__).read()
         assert "import pickle" not in src and "pickle.load" not in src and "allow_pickle=True" not in src
     assert pickle  # the test module itself only uses pickle to build the hostile payload
@@ -394,13 +398,38 @@ def test_the_app_directory_is_the_packaged_one_and_flower_accepts_it():
 
     from flwr.cli.config_utils import load_and_validate
 
-    from flare.flower.federation import APP_PYPROJECT, app_dir
+    from flare.flower.federation import app_dir
 
     d = app_dir()
-    assert (d / "pyproject.toml").read_text() == APP_PYPROJECT
+    repo_link = Path(__file__).resolve().parents[1] / "flower-app"
+    assert (repo_link / "pyproject.toml").read_text() == (d / "pyproject.toml").read_text()
     config, _warnings = load_and_validate(Path(d) / "pyproject.toml")
     comps = config["tool"]["flwr"]["app"]["components"]
     assert comps == {"serverapp": "flare.flower.server_app:app", "clientapp": "flare.flower.client_app:app"}
-    from flare.flower.core import FederationSettings
+    from flare.flower.server import FederationSettings
 
     assert set(config["tool"]["flwr"]["app"]["config"]) == set(FederationSettings.KEYS)
+
+
+def test_reference_protocol_federation_reproduces_flare_run_and_its_predictor(tiny_overrides, tiny_folder, tmp_path):
+    """protocol=reference through Flower: the baselines' plain view, the reference input scaling, parameters-only
+    FedAvg with client 0's buffers — the same numbers as `flare run`, and a predictor that reproduces them."""
+    from flare.data.datasets import load_dataset
+    from flare.flower.predictor import load_predictor
+
+    ov = tiny_overrides + ["protocol=reference"]
+    Run(load_config(None, "fedavg", ov), tmp_path / "inproc", quiet=True).execute()
+    Nodes().federate(ov, tmp_path / "fed", preset="fedavg", upload="once")
+    (last,) = rounds_of(tmp_path / "fed")
+    assert strip(last) == strip(rounds_of(tmp_path / "inproc")[-1])
+    info = json.loads((tmp_path / "fed" / "predictor.json").read_text())
+    assert info["rule"] == "fedavg" and info["mean"] == [0.0] and info["std"] == [1.0]  # [0, 1]: x/255
+    pred = load_predictor(tmp_path / "fed")
+    data = load_dataset("imagefolder", tiny_folder, cache_dir=tmp_path / "cache")
+    assert float((pred.predict(data.test_x) == data.test_y).float().mean()) == pytest.approx(last["acc"], abs=1e-9)
+
+
+def test_plan_b_reference_is_refused_by_the_flower_server(tiny_overrides, tmp_path):
+    with pytest.raises(FlareError) as e:
+        Nodes().federate(tiny_overrides + ["server.protos_flow=reference"], tmp_path / "x", preset="server-protos")
+    assert e.value.key == "server.protos_flow"

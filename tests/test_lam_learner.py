@@ -8,8 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from flare.client.lam import initial_lambda, make_lam_provider
-from flare.client.lam_learner import LamLearner, make_learner
+from flare.client.lam import LamLearner, initial_lambda, make_lam_provider, runaway_warnings
 from flare.config import load_config
 from flare.errors import FlareError
 
@@ -106,7 +105,7 @@ def test_decoupled_routes_weights_to_Lw_and_sigma_to_Lsigma(case):
     _, lam0, anneal, gamma_reg, beta, gamma_lambda, lambda_max, p = case
     model, x, y, A = tiny_setup()
     L = LamLearner("decoupled", lam0, anneal=anneal, gamma_reg=gamma_reg, beta=beta, gamma_lambda=gamma_lambda,
-                   lambda_max=lambda_max)
+                   valve_threshold=lambda_max)
     with torch.no_grad():  # move s_l off 0 so that β·s_l² has a gradient
         L.s_l.fill_(0.4)
     wg, sg, st, b, la = learner_grads(L, model, x, y, A, p)
@@ -212,7 +211,7 @@ def test_lambda_raw_starts_at_entropy_rule(preset):
 def test_valve_is_zero_below_lambda_max_and_pushes_down_above():
     def sigma_loss_and_grads(lam0, gamma_lambda, p=1.0):
         L = LamLearner("decoupled", lam0, anneal="linear", gamma_reg=1e-3, beta=0.01, gamma_lambda=gamma_lambda,
-                       lambda_max=50.0)
+                       valve_threshold=50.0)
         st = L(torch.tensor(3.0), torch.tensor(0.2), p)
         st.sigma.backward()
         return L, st.sigma.item(), L.s_l.grad.clone(), L.s_a.grad.clone()
@@ -262,7 +261,8 @@ def run_trainer_like(learner, steps, p, seed=0, weight_lr=0.02, base_scale=8.0):
 
 def preset_learner(preset, lam0, **over):
     cfg = load_config(preset=preset, overrides=[f"lam.{k}={v}" for k, v in over.items()])
-    return make_learner(cfg, lam0, CPU)
+    cfg = cfg.model_copy(update={"align": cfg.align.model_copy(update={"lambda_rule": "fixed", "lambda0": lam0})})
+    return make_lam_provider(cfg, 0.0, CPU)
 
 
 @pytest.mark.parametrize("v11", ["uw-anneal-linear", "uw-anneal-cosine"])
@@ -336,12 +336,19 @@ def test_state_dict_round_trip_weights_only(tmp_path):
 
 
 def test_config_mistakes_are_flare_errors():
-    with pytest.raises(FlareError):
-        make_learner(load_config(overrides=["lam.learner=decoupled"]), 1.0, CPU)  # no anchors
-    with pytest.raises(FlareError):
-        make_learner(load_config(preset="flare", overrides=["align.schedule=linear"]), 1.0, CPU)
-    with pytest.raises(FlareError):
-        preset_learner("uw-rescaled", 1.0, gamma_lambda=0.1)
+    # every cross-key mistake is caught by the config, before any data is loaded
+    with pytest.raises(FlareError) as e:
+        load_config(overrides=["lam.learner=decoupled"])  # no anchors
+    assert e.value.key == "align.anchors"
+    with pytest.raises(FlareError) as e:
+        load_config(preset="flare", overrides=["align.schedule=linear"])
+    assert e.value.key == "align.schedule"
+    with pytest.raises(FlareError) as e:
+        load_config(preset="uw-rescaled", overrides=["lam.gamma_lambda=0.1"])
+    assert e.value.key == "lam.learner"
+    with pytest.raises(FlareError) as e:
+        load_config(preset="flare", overrides=["align.lambda_min=0"])
+    assert e.value.key == "align.lambda_min"
     with pytest.raises(FlareError):
         LamLearner("decoupled", 0.0)
 
@@ -423,40 +430,33 @@ def test_trainer_runs_uw_modes(preset):
 
 
 def test_watch_warns_on_runaway_and_non_finite_lambda_raw(tmp_path):
-    from flare.report.run_report import load_run, summary_markdown
-    from flare.runner import Run
+    from flare.report.run_report import summary_markdown
+    from flare.rundata import RunData
+    from flare.rundir import RunDir
 
     cfg = load_config(preset="decoupled")
-    run = Run(cfg, tmp_path, quiet=True)
     recs = [{"client": 0, "round": 7, "lambda_raw": 4999.0},            # just below 100 × λ_max: fine
             {"client": 3, "round": 14, "lambda_raw": 204658.41},        # the notes' SVHN client 3
             {"client": 1, "round": 14, "lambda_raw": float("inf")},
             {"client": 2, "round": 15, "lambda_raw": float("nan")},
             {"client": 4, "round": 15}]                                  # no λ learner logs
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        run._watch(recs)
-    assert len(run.warnings) == 3 and len(caught) == 3
-    assert "client 3, round 14" in run.warnings[0]
-    assert "client 1, round 14" in run.warnings[1] and "client 2, round 15" in run.warnings[2]
-    assert not any("client 0" in w for w in run.warnings)
-    run._write_state("running", 15)
-    md = summary_markdown(load_run(tmp_path))
-    assert "## Warnings" in md and "client 3, round 14" in md
+    found = runaway_warnings(cfg, recs)  # records hold the 0-based round index; messages count from 1
+    assert len(found) == 3
+    assert "client 3, round 15" in found[0]
+    assert "client 1, round 15" in found[1] and "client 2, round 16" in found[2]
+    assert not any("client 0" in w for w in found)
+    RunDir(tmp_path).write_state("running", 15, found)
+    md = summary_markdown(RunData.load(tmp_path))
+    assert "## Warnings" in md and "client 3, round 15" in md
 
 
 def test_watch_fires_on_a_real_v11_explosion(tmp_path):
     """End to end at the learner level: the state a V11 client reaches at a → 0 trips the runner's warning."""
-    from flare.runner import Run
-
     L = preset_learner("uw-anneal-linear", 10.0, sigma_lr=0.05)
     traj = run_trainer_like(L, 100, p=1.0)
     rec = {"client": 2, "round": 9, **L.state_logs(), "lambda_raw": sum(traj[-10:]) / 10}
-    run = Run(load_config(preset="uw-anneal-linear"), tmp_path, quiet=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        run._watch([rec])
-    assert run.warnings and "client 2, round 9" in run.warnings[0]
+    found = runaway_warnings(load_config(preset="uw-anneal-linear"), [rec])
+    assert found and "client 2, round 10" in found[0]
 
 
 def test_pcgrad_composes_with_the_learner():

@@ -50,8 +50,8 @@ def test_output_shapes(name, width, in_channels):
     assert feat.shape == (2, d) and logits.shape == (2, 7)
     assert feat.dtype == logits.dtype == torch.float32
     assert torch.isfinite(feat).all() and torch.isfinite(logits).all()
-    assert torch.equal(m.features(x), feat)
-    assert torch.allclose(m.logits_from_features(feat), logits)
+    assert torch.equal(m.encoder(x), feat)
+    assert torch.allclose(m.head(feat), logits)
 
 
 def test_feature_dims_full_width():

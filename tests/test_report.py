@@ -2,11 +2,13 @@
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from flare.cli import main
 from flare.config import load_config
-from flare.report import report as rp
+from flare.report import figures, runs as rp
+from flare.rundata import RunData
 from flare.runner import Run
 
 
@@ -41,7 +43,7 @@ def test_grouping_rows_and_stats(runs):
     m, sd, n = fafi.stat("acc")
     assert n == 2 and 0 <= m <= 1 and sd == sd  # a std exists with two seeds
     pk, pr, _ = fafi.peak()
-    assert pr in (0, 1) and pk >= m - 1e-9
+    assert pr in (1, 2) and pk >= m - 1e-9  # rounds are counted from 1
     flare = labels["flare"]
     assert flare.client_mean_curves("lambda_eff").shape == (2, 2)
     assert flare.stat("lambda_raw")[0] > 0
@@ -76,6 +78,15 @@ def test_report_command_writes_tables_and_figures(runs, tmp_path):
     for p in out.glob("*.png"):
         assert p.stat().st_size > 5000, p  # a real picture, not an empty canvas
         assert f"]({p.name})" in md
+    # the numbers: FAFI's row at α = 0.5 is the mean ± std over its runs' last rounds, read here directly
+    # (its seeds 1 and 2, and the partial run, seed 3, whose last complete round is its first)
+    finals = []
+    for d in (runs / "a" / "fafi-seed=1", runs / "a" / "fafi-seed=2", part):
+        recs = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines()]
+        finals.append(100 * [r for r in recs if r["kind"] == "round"][-1]["acc_feature"])
+    want = f"{np.mean(finals):.2f} ± {np.std(finals, ddof=1):.2f}"
+    row = next(ln for ln in md.splitlines() if ln.startswith("| fafi | V4 (FAFI) | 3 |"))
+    assert row.split(" | ")[3] == want, (row, want)
 
 
 def test_report_on_nothing_is_a_clear_error(tmp_path, capsys):
@@ -86,8 +97,15 @@ def test_report_on_nothing_is_a_clear_error(tmp_path, capsys):
 
 
 def test_v7_schedule_matches_the_logged_lambda(runs):
-    r = rp.RunData.load(runs / "b" / "etf-anneal-align.lambda0=5")
+    r = RunData.load(runs / "b" / "etf-anneal-align.lambda0=5")
     logged = r.client_curve("lambda")
     assert logged is not None
-    sched = rp.v7_schedule(r.cfg, len(r.rounds))
+    sched = figures.v7_schedule(r.cfg, len(r.rounds))
     assert abs(logged[:, 0] - sched).max() < 1e-6
+
+
+def test_every_preset_has_its_own_colour():
+    from flare.config import list_presets
+
+    colours = {p: figures.method_colour(p) for p in list_presets()}
+    assert len(set(colours.values())) == len(colours), colours

@@ -12,7 +12,8 @@ import torch
 
 from flare.cli import main
 from flare.config import load_config
-from flare.runner import Run, read_jsonl
+from flare.rundir import read_jsonl
+from flare.runner import Run
 
 
 

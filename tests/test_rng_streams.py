@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from flare.client.trainer import RngStreams, augmentation_generators
+from flare.rng import RngStreams, augmentation_generators
 from flare.data.augment import TwoViewAugment
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -96,8 +96,23 @@ def test_streams_need_one_seed_per_generator():
         RngStreams([torch.default_generator, torch.Generator()], [1])
 
 
-def test_cpu_training_swaps_only_the_cpu_generator():
-    assert augmentation_generators(torch.device("cpu")) == [torch.default_generator]
+def test_cpu_augmentation_draws_from_the_client_stream_and_leaves_the_global_one_alone():
+    """On CPU the augmentation's draws come from the client's stream alone: the same stream seed gives the same
+    views whatever the global generator holds, another seed other views, and the global state is untouched."""
+    aug = TwoViewAugment(16, 3, [0.5] * 3, [0.25] * 3)
+    x = torch.randint(0, 256, (8, 3, 16, 16), dtype=torch.uint8)
+    gens = augmentation_generators(torch.device("cpu"))
+
+    def views(seed, global_seed):
+        torch.manual_seed(global_seed)
+        before = torch.get_rng_state()
+        with RngStreams(gens, [seed]).active():
+            v = torch.cat(aug(x))
+        assert torch.equal(torch.get_rng_state(), before)
+        return v
+
+    assert torch.equal(views(5, 0), views(5, 123))
+    assert not torch.equal(views(5, 0), views(6, 0))
 
 
 @cuda

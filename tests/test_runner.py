@@ -2,10 +2,12 @@ import json
 import math
 
 import pytest
+import torch
 
 from flare.config import load_config
 from flare.errors import FlareError, TrainingDiverged
-from flare.runner import Run, read_jsonl
+from flare.rundir import read_jsonl
+from flare.runner import Run
 
 
 def metrics(d):
@@ -74,7 +76,7 @@ def test_empty_client_is_skipped_with_a_warning(tiny_overrides, tmp_path):
 def test_nan_loss_stops_with_client_round_and_term_and_keeps_metrics(tiny_overrides, tmp_path, monkeypatch):
     import flare.client.trainer as trainer
 
-    real = trainer.fafi_terms
+    real = trainer.base_terms
 
     def poisoned(*a, **k):
         t = real(*a, **k)
@@ -89,13 +91,13 @@ def test_nan_loss_stops_with_client_round_and_term_and_keeps_metrics(tiny_overri
         calls["round"] = round_idx
         return real_train(self, ctx, round_idx, on_step)
 
-    monkeypatch.setattr(trainer, "fafi_terms", poisoned)
+    monkeypatch.setattr(trainer, "base_terms", poisoned)
     monkeypatch.setattr(trainer.Client, "train_round", train_round)
     out = tmp_path / "nan"
     with pytest.raises(TrainingDiverged) as e:
         Run(load_config(None, "fafi", tiny_overrides), out, quiet=True).execute()
     msg = e.value.render()
-    assert "loss_con" in msg and "round 1" in msg and "client 0" in msg
+    assert "loss_con" in msg and "round 2" in msg and "client 0" in msg  # index 1 = the second round
     recs = metrics(out)
     assert recs and all(r["round"] == 0 for r in recs)
     assert all(math.isfinite(r["acc_feature"]) for r in recs if r["kind"] == "round")
@@ -114,33 +116,64 @@ def test_finished_run_is_not_recomputed_and_other_config_is_refused(tiny_overrid
 
 
 @pytest.mark.parametrize("preset", ["fafi", "flare"])
-def test_concurrent_clients_give_the_sequential_numbers(preset, tiny_overrides, tmp_path):
+def test_concurrent_clients_give_the_sequential_numbers(preset, tiny_overrides, tmp_path, monkeypatch):
     """Each client augments from its own stream, so threads change the schedule of the work, not its values."""
+    import threading
+
+    import flare.client.trainer as trainer
+
+    real = trainer.Client.train_round
+    threads: dict[str, set] = {"false": set(), "true": set()}
+    mode_now = {}
+
+    def spy(self, ctx, round_idx, on_step=None):
+        threads[mode_now["m"]].add(threading.current_thread().name)
+        return real(self, ctx, round_idx, on_step)
+
+    monkeypatch.setattr(trainer.Client, "train_round", spy)
     runs = {}
     for mode in ("false", "true"):
         out = tmp_path / mode
-        Run(load_config(None, preset, tiny_overrides + [f"concurrent_clients={mode}"]), out, quiet=True).execute()
+        mode_now["m"] = mode
+        engine = "threads" if mode == "true" else "sequential"
+        run = Run(load_config(None, preset, tiny_overrides + [f"client_engine={engine}"]), out, quiet=True)
+        run.execute()
+        assert run.train_mode == engine
         recs = [{k: v for k, v in r.items() if not k.startswith("seconds")} for r in metrics(out)]
         runs[mode] = sorted(recs, key=lambda r: (r["round"], r["kind"], r.get("client", -1)))
     clients = [r for r in runs["true"] if r["kind"] == "client"]
     assert sorted((r["round"], r["client"]) for r in clients) == [(r, c) for r in range(2) for c in range(3)]
+    assert threads["false"] == {threading.main_thread().name}  # the switch was really taken: the clients of
+    assert threading.main_thread().name not in threads["true"] and len(threads["true"]) >= 2  # a round in threads
     assert runs["true"] == runs["false"]
 
 
-def test_compile_switch_trains_the_same_model(tiny_overrides, tmp_path):
+def test_compile_switch_trains_the_same_model(tiny_overrides, tmp_path, monkeypatch):
     """compile=true (torch.compile, inductor on CPU: ~40 s of compiling here) changes speed, not the numbers."""
+    compiled = []
+    real = torch.nn.Module.compile
+
+    def spy(self, *a, **k):
+        compiled.append(type(self).__name__)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(torch.nn.Module, "compile", spy)
     last = {}
     for mode in ("false", "true"):
         Run(load_config(None, "fafi", tiny_overrides + ["rounds=1", f"compile={mode}"]), tmp_path / mode,
             quiet=True).execute()
         last[mode] = [r for r in metrics(tmp_path / mode) if r["kind"] == "round"][-1]
+        assert len(compiled) == (3 if mode == "true" else 0)  # every client model, only when asked
+    assert compiled == ["FlareNet"] * 3
     for k in ("acc_feature", "acc_fedavg", "model_variance_mean", "g_protos_std"):
         assert last["true"][k] == pytest.approx(last["false"][k], rel=1e-4, abs=1e-6), k
 
 
-def test_synthetic_dataset_runs(tmp_path):
-    cfg = load_config(None, "fafi", ["dataset.name=synthetic-cifar10", "dataset.train_subset=300",
-                                     "dataset.test_subset=100", "model.name=cnn", "model.width=0.25",
-                                     "num_clients=2", "rounds=1", "batch_size=64", "device=cpu"])
+def test_synthetic_dataset_is_learnable(tmp_path):
+    """The benchmarks' stand-in data carries its label in the mean colour: a short run must beat chance (10 %)."""
+    cfg = load_config(None, "fedavg", ["dataset.name=synthetic-cifar10", "dataset.train_subset=1000",
+                                       "dataset.test_subset=500", "model.name=cnn", "model.width=0.25",
+                                       "num_clients=2", "partition.kind=iid", "rounds=2", "batch_size=32",
+                                       "device=cpu"])
     s = Run(cfg, tmp_path / "syn", quiet=True).execute()
-    assert s["rounds"] == 1
+    assert s["rounds"] == 2 and s["acc"] > 0.3, s

@@ -7,8 +7,9 @@ import yaml
 
 from flare.cli import main
 from flare.errors import FlareError
-from flare.report.sweep import expand, load_sweep, parse_sweep, read_point_file
-from flare.runner import read_jsonl
+from flare.experiments.execute import read_point_file
+from flare.experiments.sweep import expand, load_sweep, parse_sweep
+from flare.rundir import read_jsonl
 
 
 
@@ -74,7 +75,7 @@ def test_other_experiment_in_a_point_dir_is_refused_before_running(tiny_folder, 
     f = _write(tmp_path, {"name": "s", "base": _base(tiny_folder, tmp_path), "presets": ["fafi"],
                           "grid": {"partition.alpha": [0.5, 1.0]}})
     out = tmp_path / "out"
-    pts, _ = __import__("flare.report.sweep", fromlist=["run_sweep"]).run_sweep(f, out, quiet=True, dry_run=True)
+    pts, _ = __import__("flare.experiments.sweep", fromlist=["run_sweep"]).run_sweep(f, out, quiet=True, dry_run=True)
     d = out / "fafi_alpha=1_seed=1"
     d.mkdir(parents=True)
     (d / "config.yaml").write_text(yaml.safe_dump({"rounds": 99}))
@@ -98,11 +99,16 @@ def test_grid_2x2_with_2_seeds_second_invocation_recomputes_nothing(tiny_folder,
         assert read_point_file(out / d)["status"] == "finished"
     man = json.loads((out / "sweep.json").read_text())
     assert len(man["points"]) == 8 and {p["status"] for p in man["points"]} == {"finished"}
+    speed = man["throughput"]
+    assert speed["runs"] == speed["finished"] == 8 and speed["runs_per_hour"] > 0 and speed["wall_seconds"] > 0
+    assert "8 of 8 runs finished" in (out / "sweep.md").read_text() and "runs/hour" in captured
     assert (out / "report" / "report.md").exists() and "±" in (out / "report" / "report.md").read_text()
     before = _mtimes(out)
 
     assert main(["sweep", "--config", str(f), "--out", str(out)]) == 0
     assert "8 points — 8 done earlier (skipped), 0 to resume, 0 to run" in capsys.readouterr().out
+    assert json.loads((out / "sweep.json").read_text())["throughput"]["runs"] == 0  # skipped points don't count
+    assert "nothing ran in this invocation" in (out / "sweep.md").read_text()
     after = _mtimes(out)
     changed = [k for k in before if before[k] != after.get(k) and not k.endswith(("sweep.json", "sweep.md",
                                                                                    "sweep.yaml"))]
@@ -133,24 +139,45 @@ def test_interrupted_point_resumes_on_the_next_invocation(tiny_folder, tmp_path,
     assert [r["round"] for r in read_jsonl(first / "metrics.jsonl") if r["kind"] == "round"] == [0, 1]
 
 
-def test_without_ray_workers_fall_back_to_sequential(tiny_folder, tmp_path, monkeypatch, capsys):
+def test_without_ray_workers_run_in_local_processes(tiny_folder, tmp_path, monkeypatch, capsys):
+    """No Ray: --workers 2 still runs two points at once, in two fresh processes on this machine."""
+    import os
+
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
-    f = _write(tmp_path, {"name": "n", "base": _base(tiny_folder, tmp_path), "presets": ["fedavg"]})
+    f = _write(tmp_path, {"name": "n", "base": _base(tiny_folder, tmp_path, local_epochs=3), "presets": ["fedavg"],
+                          "seeds": [1, 2]})
     out = tmp_path / "n"
     assert main(["sweep", "--config", str(f), "--out", str(out), "--workers", "2", "--no-report"]) == 0
     o = capsys.readouterr().out
-    assert "Ray is not installed" in o and "pip install 'flare-ofl[sweep]'" in o
-    assert json.loads((out / "fedavg_seed=1" / "state.json").read_text())["status"] == "finished"
+    assert "Ray is not installed, so the points run in 2 processes" in o and "pip install 'flare-ofl[sweep]'" in o
+    infos = [read_point_file(out / f"fedavg_seed={s}") for s in (1, 2)]
+    assert all(i["status"] == "finished" for i in infos), infos
+    assert len({i["pid"] for i in infos}) == 2 and os.getpid() not in {i["pid"] for i in infos}
+    assert max(i["start"] for i in infos) < min(i["end"] for i in infos), infos
+    assert json.loads((out / "sweep.json").read_text())["throughput"]["finished"] == 2
 
 
-def test_ray_runs_points_in_parallel(tiny_folder, tmp_path):
+def test_gpu_fraction_shares_one_gpu_among_the_workers():
+    from flare.experiments.execute import gpu_fraction
+
+    assert gpu_fraction(1, 4) == 0.25 and gpu_fraction(1, 1) == 1.0
+    assert gpu_fraction(2, 2) == 1.0 and gpu_fraction(8, 2) == 1.0 and gpu_fraction(0, 4) == 0.0
+    assert gpu_fraction(1, 4, asked=0.5) == 0.5 and gpu_fraction(4, 2, asked=2.7) == 2.0
+
+
+def test_ray_runs_points_in_parallel(tiny_folder, tmp_path, monkeypatch):
+    """Ray told of one GPU (none is needed: device=cpu): --workers 2 gives each point half of it, so both run."""
     pytest.importorskip("ray")
+    import flare.experiments.execute as execute
+
+    monkeypatch.setattr(execute, "_gpu_count", lambda: 1)
     f = _write(tmp_path, {"name": "ray", "base": _base(tiny_folder, tmp_path, local_epochs=3),
                           "presets": ["fafi"], "seeds": [1, 2]})
     out = tmp_path / "ray"
     assert main(["sweep", "--config", str(f), "--out", str(out), "--workers", "2", "--quiet", "--no-report"]) == 0
     infos = [read_point_file(out / f"fafi_seed={s}") for s in (1, 2)]
     assert all(i["status"] == "finished" for i in infos), infos
+    assert [i["gpus"] for i in infos] == [0.5, 0.5]
     import os
 
     assert len({i["pid"] for i in infos}) == 2 and os.getpid() not in {i["pid"] for i in infos}

@@ -1,11 +1,12 @@
 """`flare` — the command line.
 
   flare run      [--config FILE] [--preset NAME] [--out DIR] [--resume DIR] [--quiet] [KEY=VALUE ...]
-  flare compare  --presets a,b,c [--config FILE] [--out DIR] [--quiet] [KEY=VALUE ...]
+  flare compare  --presets a,b,c [--seeds 1,2,3] [--config FILE] [--out DIR] [--quiet] [KEY=VALUE ...]
   flare lr-probe [--config FILE] [--preset NAME] [--client N | --all-data] [--batches 2] [--batch-size B] [--iters 30] [--tol 1e-3] [KEY=VALUE ...]
   flare sweep    --config SWEEP.yaml [--out DIR] [--workers N] [--address ADDR] [--dry-run] [KEY=VALUE ...]
   flare report   DIR... [--out REPORT_DIR]
-  flare paper    --scale smoke|cpu|full [--datasets a,b] [--seeds 1,2] [--only EXP,...] [--out DIR] [--workers N]
+  flare paper    --scale smoke|cpu|full [--datasets a,b] [--seeds 1,2] [--only EXP,...] [--protocol clean,reference]
+                 [--out DIR] [--workers N]
   flare federate [--config FILE] [--preset NAME] [--out DIR] [--clients K] [--min-clients M] [--upload once|per-round]
                  [--simulation] [--local-data] [KEY=VALUE ...]
   flare presets | flare datasets | flare models | flare config-reference
@@ -18,6 +19,7 @@ import argparse
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 # Before torch loads OpenMP: idle OpenMP threads sleep instead of spinning. On a shared machine (sweep
@@ -25,100 +27,72 @@ from pathlib import Path
 # and 0.26 s with PASSIVE while another training process ran on the same 2 cores.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from flare.errors import FlareError
+from flare.config import (Config, build_config, config_reference, deep_merge, list_presets, load_config,  # noqa: E402
+                          parse_overrides)
+from flare.data.datasets import list_datasets  # noqa: E402
+from flare.errors import FlareError  # noqa: E402
+from flare.experiments.compare import parse_presets, parse_seeds, run_compare  # noqa: E402
+from flare.experiments.paper import run_paper  # noqa: E402
+from flare.experiments.sweep import run_sweep  # noqa: E402
+from flare.lrprobe import format_probe, probe  # noqa: E402
+from flare.models import list_models  # noqa: E402
+from flare.report.report import write_report  # noqa: E402
+from flare.rundir import RunDir, config_differences, extension_problem  # noqa: E402
+from flare.runner import Run  # noqa: E402
 
 
 def _default_out(name: str) -> Path:
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def _resume_config(args) -> Config:
+    """`flare run --resume DIR [KEY=VALUE ...]`: DIR's own config, with overrides applied only where that is sound
+    (more rounds, when nothing depends on R); anything else is refused, never ignored."""
+    d = Path(args.resume)
+    if args.out and Path(args.out).resolve() != d.resolve():
+        raise FlareError(f"--resume {args.resume} continues that directory, so --out {args.out} cannot apply.",
+                         key="--out", fix="drop --out (or give the same directory); to branch off into a new "
+                                          f"directory, run `flare run --config {d / 'config.yaml'} --out NEW ...`.")
+    if args.config or args.preset:
+        raise FlareError("--resume takes the run's config from its directory; --config and --preset cannot apply.",
+                         key="--config" if args.config else "--preset", fix="drop them.")
+    old = RunDir(d).read_config() if d.is_dir() else None
+    if old is None:
+        raise FlareError(f"'{args.resume}' is not a run directory (no config.yaml).", key="--resume",
+                         fix="give the --out directory of an earlier run.")
+    cfg = build_config(deep_merge(old, parse_overrides(args.overrides)))
+    diff = config_differences(old, cfg.model_dump(mode="json"))
+    why = extension_problem(old, cfg) if diff == ["rounds"] else None
+    if diff and (diff != ["rounds"] or why):
+        raise FlareError(f"--resume cannot change {', '.join(diff)}" + (f": {why}" if why else
+                         " (the rounds already trained were made with the old values)") + ".", key=diff[0],
+                         fix=f"resume without those overrides, or start a new run with them: `flare run --config "
+                             f"{d / 'config.yaml'} --out NEW ...`.")
+    return cfg
+
+
 def cmd_run(args) -> int:
-    from flare.config import load_config
-    from flare.runner import Run
-
     if args.resume:
-        import yaml
-
-        cfg_path = Path(args.resume) / "config.yaml"
-        if not cfg_path.exists():
-            raise FlareError(f"'{args.resume}' is not a run directory (no config.yaml).", key="--resume",
-                             fix="give the --out directory of an earlier run.")
-        from flare.config import build_config
-
-        cfg = build_config(yaml.safe_load(cfg_path.read_text()))
-        out = Path(args.resume)
+        cfg, out = _resume_config(args), Path(args.resume)
     else:
         cfg = load_config(args.config, args.preset, args.overrides)
         out = Path(args.out) if args.out else _default_out(cfg.method)
-    summary = Run(cfg, out, quiet=args.quiet).execute()
-    print(f"{cfg.method}: final acc ({summary.get('primary')}) = {100 * summary.get('acc', float('nan')):.2f}%  "
-          f"peak {100 * summary.get('peak_acc', float('nan')):.2f}% at round {summary.get('peak_round')}  → {out}")
+    s = Run(cfg, out, quiet=args.quiet).execute()
+    print(f"{cfg.method}: final acc ({s.get('primary')}) = {100 * s.get('acc', float('nan')):.2f}%  "
+          f"peak {100 * s.get('peak_acc', float('nan')):.2f}% at round {s.get('peak_round')}  → {out}")
     return 0
 
 
-def compare_table(rows: list[tuple[str, dict, dict]]) -> str:
-    """Markdown table: one row per method, the primary accuracy first, then every rule and diagnostic."""
-    from flare.report.run_report import ACC_ORDER
-
-    cols = [k for k in ACC_ORDER if any(k in s for _, _, s in rows)]
-    head = ["method", "notes", "acc (primary)", "peak (round)"] + [c.removeprefix("acc_") for c in cols] + [
-        "g_protos_std", "inter_client_proto_std"]
-    out = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-
-    def pct(v):
-        return "—" if v is None else f"{100 * v:.2f}"
-
-    for name, preset, s in rows:
-        cells = [name, preset.get("notes_name", ""), f"{pct(s.get('acc'))} ({s.get('primary')})",
-                 f"{pct(s.get('peak_acc'))} ({s.get('peak_round')})"]
-        cells += [pct(s.get(c)) for c in cols]
-        cells += ["—" if s.get(k) is None else f"{s[k]:.4f}" for k in ("g_protos_std", "inter_client_proto_std")]
-        out.append("| " + " | ".join(cells) + " |")
-    return "\n".join(out)
-
-
 def cmd_compare(args) -> int:
-    import yaml
-
-    from flare.config import deep_merge, list_presets, parse_overrides
-    from flare.report.compare import plot_compare, plot_compare_diagnostics
-    from flare.runner import Run, atomic_write_text, config_for_preset
-
-    names = [p.strip() for p in args.presets.split(",") if p.strip()]
-    if not names:
-        raise FlareError("--presets is empty.", key="--presets", fix="give a comma-separated list, e.g. fafi,fedavg.")
-    base: dict = {}
-    if args.config:
-        base = yaml.safe_load(Path(args.config).read_text()) or {}
-    base = deep_merge(base, parse_overrides(args.overrides))
-    cfgs = [(n, config_for_preset(base, n)) for n in names]  # validate every config before running any
+    names = parse_presets(args.presets)
     out = Path(args.out) if args.out else _default_out("compare")
-    out.mkdir(parents=True, exist_ok=True)
-    presets = list_presets()
-    rows = []
-    for name, cfg in cfgs:
-        s = Run(cfg, out / name, quiet=args.quiet).execute()
-        rows.append((name, presets.get(name, {}), s))
-        if not args.quiet:
-            print(f"{name}: acc {100 * s['acc']:.2f}%", flush=True)
-    table = compare_table(rows)
-    first = cfgs[0][1]
-    title = (f"{first.dataset.name}, {first.num_clients} clients, {first.partition.kind} α={first.partition.alpha}, "
-             f"{first.rounds} rounds × {first.local_epochs} epochs, {first.model.name} (width {first.model.width}), "
-             f"seed {first.seed}")
-    dirs = [out / n for n, _ in cfgs]
-    plot_compare(dirs, out / "compare_accuracy.png", title)
-    figures = "![accuracy](compare_accuracy.png)\n"
-    if plot_compare_diagnostics(dirs, out / "compare_diagnostics.png", title):
-        figures += "\n![diagnostics](compare_diagnostics.png)\n"
-    atomic_write_text(out / "compare.md", f"# Comparison — {title}\n\n{table}\n\n{figures}")
+    title, table = run_compare(names, out, args.config, args.overrides, seeds=parse_seeds(args.seeds),
+                               quiet=args.quiet)
     print(f"\n{title}\n\n{table}\n\nrun directories and plots: {out}")
     return 0
 
 
 def cmd_presets(args) -> int:
-    from flare.config import list_presets
-
     rows = list_presets()
     w = max(len(n) for n in rows)
     for name, m in rows.items():
@@ -127,23 +101,17 @@ def cmd_presets(args) -> int:
 
 
 def cmd_datasets(args) -> int:
-    from flare.data.datasets import list_datasets
-
     for name, desc in list_datasets():
         print(f"{name:<14}  {desc}")
     return 0
 
 
 def cmd_models(args) -> int:
-    from flare.models import list_models
-
     print("\n".join(list_models()))
     return 0
 
 
 def cmd_config_reference(args) -> int:
-    from flare.config import config_reference
-
     print("| key | type | default | meaning |\n| --- | --- | --- | --- |")
     for k, t, d, desc in config_reference():
         t = t.replace("|", "\\|")
@@ -152,9 +120,6 @@ def cmd_config_reference(args) -> int:
 
 
 def cmd_lr_probe(args) -> int:
-    from flare.config import load_config
-    from flare.lrprobe import format_probe, probe
-
     cfg = load_config(args.config, args.preset, args.overrides)
     r = probe(cfg, client=args.client, all_data=args.all_data, batches=args.batches, iters=args.iters,
               batch_size=args.batch_size, tol=args.tol)
@@ -163,8 +128,6 @@ def cmd_lr_probe(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from flare.report.sweep import run_sweep
-
     _, results = run_sweep(args.config, args.out, overrides=args.overrides, workers=args.workers,
                            address=args.address, cpus_per_point=args.cpus_per_point,
                            gpus_per_point=args.gpus_per_point, quiet=args.quiet, dry_run=args.dry_run,
@@ -177,8 +140,6 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from flare.report.report import write_report
-
     if args.out:
         out = Path(args.out)
     elif len(args.dirs) == 1:
@@ -191,30 +152,24 @@ def cmd_report(args) -> int:
 
 
 def cmd_paper(args) -> int:
-    from flare.report.paper import run_paper
-
     run_paper(args.scale, out=args.out, datasets=args.datasets, seeds=args.seeds, workers=args.workers,
               address=args.address, data_root=args.data_root, quiet=args.quiet, dry_run=args.dry_run,
-              overrides=args.overrides, only=args.only)
+              overrides=args.overrides, only=args.only, protocol=args.protocol)
     return 0
 
 
 def cmd_federate(args) -> int:
-    try:
-        import flwr  # noqa: F401
+    try:  # lazy: Flower is an optional extra (flare-ofl[flower])
+        from flare.flower.federation import federate
+        from flare.flower.protocol import export_partitions
     except ImportError:
         raise FlareError("flare federate needs Flower, which is not installed.", key="federate",
                          fix="pip install 'flare-ofl[flower]' (in a checkout: pip install -e '.[flower]').") from None
     if args.export_partitions:
-        from flare.config import load_config
-        from flare.flower.core import export_partitions
-
         overrides = args.overrides + ([f"num_clients={args.clients}"] if args.clients else [])
         paths = export_partitions(load_config(args.config, args.preset, overrides), args.export_partitions)
         print(f"wrote {len(paths)} client files and dataset-meta.json to {args.export_partitions}")
         return 0
-    from flare.flower.federation import federate
-
     s = federate(args.config, args.preset, args.overrides, out=args.out, clients=args.clients,
                  min_clients=args.min_clients, timeout=args.timeout, upload=args.upload, simulation=args.simulation,
                  local_data=args.local_data, workdir=args.workdir)
@@ -224,9 +179,23 @@ def cmd_federate(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *a, **kw):
+        kw.setdefault("allow_abbrev", False)
+        super().__init__(*a, **kw)
+
+    def error(self, message):
+        """argparse's own message (it names the option at fault) plus the fix, exit code 2."""
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}. Fix: options are spelled out in full (no abbreviations); "
+                     f"`{self.prog} --help` lists them, and config keys go as KEY=VALUE.\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flare", description="FLARE: one-shot federated learning research framework.")
-    sub = p.add_subparsers(dest="command", required=True)
+    # allow_abbrev=False everywhere: argparse would otherwise take `--pre` (or `--preset` on `compare`, a prefix of
+    # `--presets`) for another option and silently run something else
+    p = _Parser(prog="flare", description="FLARE: one-shot federated learning research framework.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     r = sub.add_parser("run", help="run one experiment")
     r.add_argument("--config", help="YAML config file")
@@ -241,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--presets", required=True, help="comma-separated preset names")
     c.add_argument("--config", help="YAML config file (applied over each preset)")
     c.add_argument("--out", help="output directory (one run directory per preset inside)")
+    c.add_argument("--seeds", help="comma-separated seeds: every method runs once per seed, the table shows mean ± std")
     c.add_argument("--quiet", action="store_true")
     c.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     c.set_defaults(fn=cmd_compare)
@@ -290,7 +260,11 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--workers", type=int, default=1, help="points in parallel through Ray")
     pa.add_argument("--address", help="join an existing Ray cluster")
     pa.add_argument("--only", help="run only these experiments (comma-separated: table1, ablation, robustness, "
-                                   "lambda0, alpha); the report shows what exists of the others")
+                                   "lambda0, alpha, reproduce); the report shows what exists of the others. "
+                                   "reproduce runs only when named: the notes' table under both protocols, the "
+                                   "one-item protocol ablation, report/reproduction.md")
+    pa.add_argument("--protocol", help="comma-separated protocols, clean and/or reference (default clean; "
+                                       "clean,reference for reproduce)")
     pa.add_argument("--dry-run", action="store_true", help="list the runs, run nothing")
     pa.add_argument("--quiet", action="store_true")
     pa.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every run (e.g. device=cuda)")
@@ -343,7 +317,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _warning_line(message, category, filename, lineno, line=None) -> str:
+    """A warning is one line for the user (`flare: warning: ...`), not a source location and a code excerpt."""
+    return f"flare: warning: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.formatwarning = _warning_line
     args = parse_args(argv)
     try:
         rc = args.fn(args)

@@ -19,18 +19,21 @@ run on H − μI finds the largest (positive) eigenvalue.
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
+from flare.client.lam import initial_lambda
+from flare.client.objective import base_terms
+from flare.client.terms.align import align_loss
 from flare.config import Config
 from flare.errors import FlareError
-from flare.progress import quiet_env
-from flare.runner import prepare_data, resolve_device
+from flare.progress import Counter
+from flare.rng import derived_seed
+from flare.setup import (DataMeta, init_global_model, make_augment, prepare_data, resolve_device, run_anchors,
+                         split)
 
 
 @dataclass
@@ -117,11 +120,6 @@ def top_hessian_eigenvalue(loss_fns: list[Callable[[], Tensor]], params: list[Te
 # ----------------------------------------------------------------------------------------------
 
 
-def effective_lr(cfg: Config) -> float:
-    """The peak local lr the run will use (linear scaling included)."""
-    return cfg.lr * (cfg.batch_size / 512 if cfg.optim.linear_scaling else 1.0)
-
-
 # One HVP costs about five forward passes (double backward through both views), so on a CPU the probe's price
 # is set by the images it uses: ResNet-18 at full width takes ~0.17 s per image per HVP on two cores. The
 # default probes 2 batches of at most 64 images. The estimate depends on the batch (SupCon's contrast set and
@@ -138,14 +136,6 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 2
     `batch_size=None` probes batches of min(cfg.batch_size, PROBE_BATCH_CAP); `iters` is the most power
     iterations, `tol` the relative change that ends them early (0 runs all of them).
     """
-    from flare.client.lam import initial_lambda
-    from flare.client.terms.align import align_loss, make_anchors
-    from flare.client.terms.fafi import ce_terms, fafi_terms
-    from flare.client.trainer import derived_seed
-    from flare.data.augment import TwoViewAugment
-    from flare.data.partition import make_partition
-    from flare.models import create_model
-
     if batches < 1 or iters < 1:
         raise FlareError("--batches and --iters must be at least 1.", key="--batches" if batches < 1 else "--iters")
     if batch_size is not None and batch_size < 1:
@@ -154,9 +144,8 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 2
         raise FlareError(f"--tol must be in [0, 1), got {tol}.", key="--tol")
     device = resolve_device(cfg.device)
     data, _public = prepare_data(cfg)
-    part = make_partition(data.train_y.numpy(), cfg.num_clients, cfg.partition.kind, cfg.seed,
-                          alpha=cfg.partition.alpha, shards_per_client=cfg.partition.shards_per_client,
-                          num_classes=data.num_classes)
+    meta = DataMeta.from_data(data)
+    part = split(cfg, data.train_y, data.num_classes)
     report = part.report()
     if all_data:
         ix = torch.arange(len(data.train_y))
@@ -174,16 +163,12 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 2
         if len(ix) == 0:
             raise FlareError(f"client {client} holds no samples under this partition.", key="--client",
                              fix="probe another client or use --all-data.")
-    torch.manual_seed(cfg.seed)  # the runner's seeded global init
-    model = create_model(cfg.model.name, data.in_channels, data.num_classes, cfg.model.width,
-                         head=cfg.head).to(device)
+    model = init_global_model(cfg, meta, device)  # the run's seeded global init
     model.train()
-    anchors = make_anchors(cfg.align.anchors, data.num_classes, model.feature_dim, cfg.seed + 7)
-    anchors = anchors.to(device) if anchors is not None else None
+    anchors = run_anchors(cfg, meta.num_classes, model.feature_dim, device)
     lam = initial_lambda(cfg, ent) if anchors is not None else 0.0
     scale = 0.5 if cfg.lam.learner == "uw" else 1.0  # V10: ½e^{−s_l}, s_l = 0 at the start
-    augment = TwoViewAugment(data.image_size, data.in_channels, data.mean, data.std,
-                             per_image=cfg.augment.per_image).to(device)
+    augment = make_augment(cfg, meta, device)
 
     order = torch.Generator().manual_seed(derived_seed(cfg.seed, 31337, 0))
     perm = ix[torch.randperm(len(ix), generator=order)]
@@ -205,30 +190,24 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 2
     def make_loss(imgs: Tensor, y2: Tensor) -> Callable[[], Tensor]:
         def loss() -> Tensor:
             feat, logits = model(imgs)
-            if cfg.loss.objective == "fafi":
-                terms = fafi_terms(feat, logits, y2, model.prototypes, tau_con=cfg.loss.tau_con,
-                                   base_tau=cfg.loss.base_tau, tau_pf=cfg.loss.tau_pf, tau_pp=cfg.loss.tau_pp)
-            else:
-                terms = ce_terms(logits, y2)
-            total = sum(terms.values())
+            total = sum(base_terms(cfg.loss, feat, logits, y2, model.prototypes).values())
             if anchors is not None and lam:
                 total = total + lam * align_loss(model.prototypes, anchors)
             return scale * total
 
         return loss
 
-    bar = tqdm(total=iters, desc="lr-probe HVPs", unit="hvp", file=sys.stderr, dynamic_ncols=True,
-               disable=not progress or quiet_env())
+    bar = Counter(iters, desc="lr-probe", unit="Hessian-vector product", disable=not progress)
 
     def tick(rq: float) -> None:
-        bar.set_postfix(L=f"{rq:.5g}")
+        bar.set_postfix_str(f"L={rq:.5g}")
         bar.update(1)
 
     with bar:
         est = top_hessian_eigenvalue([make_loss(i, y) for i, y in fixed], list(model.parameters()), iters,
                                      seed=cfg.seed, tol=tol, on_iter=tick)
     L = est.value
-    return {"L": L, "eta_crit": 2.0 / L if L > 0 else float("inf"), "lr": effective_lr(cfg),
+    return {"L": L, "eta_crit": 2.0 / L if L > 0 else float("inf"), "lr": cfg.base_lr,
             "history": est.history, "rel_change": est.rel_change, "who": who, "samples": int(len(ix)),
             "batches": nb, "batch_size": B, "images": sum(len(y) // 2 for _, y in fixed), "config_batch_size": cfg.batch_size, "iters": len(est.history),
             "max_iters": iters, "tol": tol, "lambda": lam}

@@ -4,17 +4,45 @@ A provider turns the step's `base` loss and raw `L_align` into the pieces the tr
 `local` and `align` (the weights' loss is local + align) plus an optional `sigma` loss for its own
 parameters. Keeping the two weight parts apart is what lets gradient surgery (PCGrad) see them
 separately. Providers own their state (e.g. the log-variances of V10–V14 and their optimizer), which
-travels in client checkpoints.
+travels in client checkpoints. One hierarchy: `LamProvider` (no alignment, or λ0·a(p) with λ0 fixed or
+from the entropy rule) and its subclass `LamLearner`, the learned alignment strength of SPEC §7 (the notes'
+V10–V14; V14 is FLARE).
+
+Each client owns two scalars, `s_l = log σ²_local` and `s_a = log σ²_align`, and their own optimizer
+(plain SGD, `lam.sigma_lr`), kept across rounds and in the client's checkpoints. Warm start from the
+entropy rule of V9: `s_l = 0`, `s_a = −log λ_init`, so that `λ_raw = exp(s_l − s_a)` starts at `λ_init`.
+
+Modes (`lam.learner`):
+
+* `uw` (V10), one objective for weights and σ (Kendall et al. 2018):
+  `L = ½e^{−s_l}·base + ½e^{−s_a}·a(p)·L_align + ½(s_l + s_a)`.
+* `uw-rescaled` (V10-rescaled; V11 with `lam.anneal` linear/cosine): `L' = 2·sg(e^{s_l})·L`; the weights
+  see `base + a(p)·λ_raw·L_align`, σ follow `L'`.
+* `decoupled` (V12; V13 with `gamma_reg`; V14 = FLARE with `beta`, `gamma_lambda`):
+  weights `L_w = base + λ_eff·L_align`, `λ_eff = sg(s(p)·λ_raw)`;
+  σ `L_σ = ½e^{−s_l}·sg(base) + s(p)·½e^{−s_a}·sg(L_align) + ½(s_l + s_a)
+         + γ_reg·e^{−s_a} + β·s_l² + γ_λ·ReLU(exp(s_l − s_a) − valve_threshold)`.
+
+Gradient routing. In every mode the trainer's single `(local + align + sigma).backward()` gives the weights
+exactly the gradient of their loss and σ exactly the gradient of theirs: `local`/`align` hold σ only
+through detached factors, and `sigma` holds the weights' losses only detached. For `uw`/`uw-rescaled`
+this split reproduces the gradients of the single objective `L` (resp. `L'`) term by term; keeping σ's
+objective in `sigma` in every mode also means gradient surgery (PCGrad), which looks at `local` and `align`
+over the weights only, never drops or distorts σ's gradient. No second forward, no second backward.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from flare.config import Config
+from flare.errors import FlareError
 from flare.schedules import get_schedule
+
+MODES = ("uw", "uw-rescaled", "decoupled")
 
 
 @dataclass
@@ -44,18 +72,32 @@ class LamProvider:
         self.lambda0 = lambda0
         self.schedule = get_schedule(schedule, "align.schedule")
 
-    def parameters(self) -> list[Tensor]:
-        return []
-
     def __call__(self, base: Tensor, align: Tensor | None, p: float) -> LamStep:
+        return self.weigh(base, align, self.strength(p))
+
+    def strength(self, p: float) -> float:
+        """The step's alignment strength at progress p: λ0·a(p) (the learner's: its annealing factor)."""
+        return self.lambda0 * self.schedule(p)
+
+    def weigh(self, base: Tensor, align: Tensor | None, strength: float | Tensor, state=None) -> LamStep:
+        """The step's LamStep from `strength(p)` — a float, or (batched clients, under vmap) a tensor — and, for
+        the learner, its σ state `(s_l, s_a)` (None: its own). One home for the arithmetic of both engines."""
         if align is None:
             return LamStep(base, None)
-        lam = self.lambda0 * self.schedule(p)
         # the log is made on the loss's device (a fill kernel): a CPU tensor would cost a blocking copy per step
-        return LamStep(base, lam * align, logs={"lambda": torch.full((), lam, device=align.device)})
+        lam = strength if isinstance(strength, Tensor) else torch.full((), strength, device=align.device)
+        return LamStep(base, strength * align, logs={"lambda": lam})
+
+    def sigma_state(self) -> tuple[Tensor, ...]:
+        """The provider's own trainable scalars (none for a fixed λ; the learner's s_l, s_a)."""
+        return ()
 
     def step(self) -> None:
         """Update the provider's own parameters after backward (nothing to do for a fixed λ)."""
+
+    def state_logs(self) -> dict[str, float]:
+        """Values logged once per round (the learner's σ); none for a fixed λ."""
+        return {}
 
     def state_dict(self) -> dict:
         return {}
@@ -64,10 +106,136 @@ class LamProvider:
         pass
 
 
+class LamLearner(LamProvider):
+    """A λ provider with learnable log-variances (see the module docstring for the objectives)."""
+
+    def __init__(self, mode: str, lambda_init: float, *, sigma_lr: float = 0.005, anneal: str = "constant",
+                 gamma_reg: float = 0.0, beta: float = 0.0, gamma_lambda: float = 0.0, valve_threshold: float = 50.0,
+                 device: torch.device | str = "cpu"):
+        if mode not in MODES:
+            raise FlareError(f"unknown λ learner '{mode}'.", key="lam.learner",
+                             fix=f"use none or one of: {', '.join(MODES)}.")
+        if not (math.isfinite(lambda_init) and lambda_init > 0):
+            raise FlareError(f"the λ learner needs a positive initial λ (s_a = −log λ_init), got {lambda_init}.",
+                             key="align.lambda_min",
+                             fix="set align.lambda_min > 0 (entropy rule) or align.lambda0 > 0 (fixed rule).")
+        if mode != "decoupled" and (gamma_reg or beta or gamma_lambda):
+            raise FlareError(f"lam.gamma_reg, lam.beta and lam.gamma_lambda act on the decoupled σ objective "
+                             f"(V13/V14), not on lam.learner={mode}.", key="lam.learner",
+                             fix="use lam.learner=decoupled, or set those coefficients to 0.")
+        self.mode = mode
+        self.lambda_init = float(lambda_init)
+        self.schedule = get_schedule(anneal, "lam.anneal")
+        self.gamma_reg, self.beta = float(gamma_reg), float(beta)
+        self.gamma_lambda, self.valve_threshold = float(gamma_lambda), float(valve_threshold)
+        self.device = torch.device(device)
+        self.s_l = torch.zeros((), device=self.device, requires_grad=True)
+        self.s_a = torch.full((), -math.log(lambda_init), device=self.device, requires_grad=True)
+        # The notes give σ its own learning rate (0.01 × the weights' lr first, then 0.005) and no other
+        # optimizer setting: plain SGD, no momentum, no weight decay, never clipped with the weights.
+        self.optimizer = torch.optim.SGD([self.s_l, self.s_a], lr=sigma_lr, momentum=0.0)
+
+    # -- the LamProvider interface ---------------------------------------------------------------
+    def lambda_raw(self) -> float:
+        return math.exp(self.s_l.item() - self.s_a.item())
+
+    def strength(self, p: float) -> float:
+        return float(self.schedule(p))         # V11's a(p), V12's meta-annealing s(p)
+
+    def sigma_state(self) -> tuple[Tensor, ...]:
+        return self.s_l, self.s_a
+
+    def weigh(self, base: Tensor, align: Tensor | None, strength: float | Tensor, state=None) -> LamStep:
+        if align is None:  # nothing to weigh: σ stay where they are
+            return LamStep(base, None)
+        s_l, s_a = state if state is not None else (self.s_l, self.s_a)
+        a = strength
+        b = base.detach().float()              # sg(base)
+        la = align.detach().float()            # sg(L_align)
+        lam_raw = torch.exp(s_l - s_a)         # carries gradient to both σ (used by the valve)
+        lam_raw_sg = lam_raw.detach()
+        # ½e^{−s_l}·sg(base) + c·½e^{−s_a}·sg(L_align) + ½(s_l + s_a): the V10 objective as a function of σ
+        uw_sigma = 0.5 * torch.exp(-s_l) * b + a * 0.5 * torch.exp(-s_a) * la + 0.5 * (s_l + s_a)
+        logs: dict[str, Tensor] = {"lambda_raw": lam_raw_sg}
+        if self.mode == "uw":
+            scale = 0.5 * torch.exp(-s_l).detach()             # the hidden learning-rate factor of V10
+            local = scale * base
+            align_w = (0.5 * torch.exp(-s_a).detach() * a) * align
+            sigma = uw_sigma
+            lam_eff = a * lam_raw_sg
+            logs["loss_scale"] = scale
+        elif self.mode == "uw-rescaled":
+            # L' = 2·sg(e^{s_l})·L: the weights see base + a·λ_raw·L_align (e^{s_l}·e^{−s_l} = 1 written
+            # exactly), σ the gradient of 2·sg(e^{s_l}) times the V10 objective.
+            lam_eff = a * lam_raw_sg
+            local = base
+            align_w = lam_eff * align
+            sigma = 2.0 * torch.exp(s_l).detach() * uw_sigma
+        else:  # decoupled: V12, + γ_reg (V13), + β and γ_λ (V14 = FLARE)
+            lam_eff = a * lam_raw_sg                            # λ_eff = sg(s(p)·λ_raw)
+            local = base
+            align_w = lam_eff * align
+            sigma = uw_sigma
+            if self.gamma_reg:
+                sigma = sigma + self.gamma_reg * torch.exp(-s_a)                         # stability anchor
+            if self.beta:
+                sigma = sigma + self.beta * s_l.square()                                  # ceiling on s_l
+            if self.gamma_lambda:
+                sigma = sigma + self.gamma_lambda * torch.relu(lam_raw - self.valve_threshold)  # safety valve
+        logs["lambda_eff"] = lam_eff
+        logs["s_p"] = a if isinstance(a, Tensor) else torch.tensor(a, device=self.device)
+        return LamStep(local, align_w, sigma, logs)
+
+    def step(self) -> None:
+        """One σ step with the gradient the trainer's single backward left on s_l, s_a; then clear it."""
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_logs(self) -> dict[str, float]:
+        s_l, s_a = self.s_l.item(), self.s_a.item()
+        return {"s_l": s_l, "s_a": s_a, "lambda_raw_end": _safe_exp(s_l - s_a)}
+
+    # -- checkpoints (tensors and plain numbers only: torch.load(weights_only=True) reads them) -----
+    def state_dict(self) -> dict:
+        return {"mode": self.mode, "s_l": self.s_l.detach().clone(), "s_a": self.s_a.detach().clone(),
+                "lambda_init": self.lambda_init, "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("mode", self.mode) != self.mode:
+            raise FlareError(f"checkpoint holds a '{state['mode']}' λ learner, this run uses '{self.mode}'.",
+                             key="lam.learner", fix="resume with the configuration the run was started with.")
+        with torch.no_grad():
+            self.s_l.copy_(torch.as_tensor(state["s_l"]).to(self.device))
+            self.s_a.copy_(torch.as_tensor(state["s_a"]).to(self.device))
+        self.lambda_init = float(state.get("lambda_init", self.lambda_init))
+        if state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+
+
+def _safe_exp(x: float) -> float:
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
 def make_lam_provider(cfg: Config, normalized_entropy: float, device: torch.device) -> LamProvider:
+    """The provider `cfg` describes (the config has already checked that its parts fit together)."""
     lam0 = initial_lambda(cfg, normalized_entropy)
     if cfg.lam.learner == "none":
         return LamProvider(lam0, cfg.align.schedule)
-    from flare.client.lam_learner import make_learner  # V10–V14 live in their own module
+    lm = cfg.lam
+    return LamLearner(lm.learner, lam0, sigma_lr=lm.sigma_lr, anneal=lm.anneal, gamma_reg=lm.gamma_reg,
+                      beta=lm.beta, gamma_lambda=lm.gamma_lambda, valve_threshold=lm.valve_threshold, device=device)
 
-    return make_learner(cfg, lam0, device)
+
+def runaway_warnings(cfg: Config, client_records: list[dict]) -> list[str]:
+    """The notes' failure mode made visible: λ_raw running past 100 × the valve threshold, or non-finite."""
+    limit = 100 * cfg.lam.valve_threshold
+    out = []
+    for rec in client_records:
+        v = rec.get("lambda_raw")
+        if v is not None and (not math.isfinite(v) or v > limit):
+            out.append(f"client {rec['client']}, round {rec['round'] + 1}: lambda_raw = {v:.4g} exceeds 100 x "
+                       f"lam.valve_threshold ({limit:g}) — the learned alignment strength is running away.")
+    return out

@@ -7,25 +7,24 @@ named loss as it is. Data stays on the training device; a batch is a gather by i
 from __future__ import annotations
 
 import math
-import threading
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Callable
 
-import numpy as np
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from flare.client.lam import LamProvider, make_lam_provider
+from flare.client.objective import base_terms
+from flare.client.surgery import pcgrad_backward
 from flare.client.terms.align import align_loss, align_target
-from flare.client.terms.fafi import ce_terms, fafi_terms
 from flare.config import Config
 from flare.errors import TrainingDiverged
+from flare.rng import RngStreams, augmentation_generators, derived_seed
 from flare.schedules import LRSchedule, progress
-
-if TYPE_CHECKING:
-    from flare.server.upload import Upload
+from flare.server.upload import Upload
 
 
 @dataclass
@@ -40,78 +39,37 @@ class TrainContext:
     device: torch.device
     amp_dtype: torch.dtype | None
     lr_schedule: LRSchedule
+    channels_last: bool = False               # NHWC inputs (decided once, by `setup.use_channels_last`)
     extension_factory: object | None = None  # builds a per-client contrast extension (banks)
+    plain: Callable[[Tensor], Tensor] | None = None  # uint8 batch → the un-augmented input (loss.ce_input=plain)
+    server_target: Tensor | None = None      # Plan B under protos_flow=reference: the server's G, set between rounds
+
+    @property
+    def align_anchors(self) -> Tensor | None:
+        """What clients align to: the server's G when it sends one, else the fixed anchors."""
+        return self.server_target if self.server_target is not None else self.anchors
 
     @property
     def total_epochs(self) -> int:
         return self.cfg.total_epochs
 
 
-# Guards torch's default generators while a client has swapped its augmentation streams into them.
-_GLOBAL_RNG_LOCK = threading.Lock()
-
-
-def augmentation_generators(device: torch.device) -> list[torch.Generator]:
-    """The default generators the augmentation may draw from for images on `device`.
-
-    kornia takes no generator argument. Where it draws depends on its version: kornia ≥ 0.8 moves its
-    samplers to the module's device with `.to(device)` (0.9 on a GPU draws from the CUDA generator), older
-    versions and a few samplers draw on the CPU. A client therefore owns a state for the CPU generator and,
-    on a GPU, one for that GPU's generator too.
-    """
-    gens = [torch.default_generator]
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        gens.append(torch.cuda.default_generators[index])
-    return gens
-
-
-class RngStreams:
-    """Private random streams for code that can only draw from torch's default generators (kornia).
-
-    `with streams.active():` swaps this object's states into `generators`, runs the block, keeps the
-    advanced states and puts back whatever was there. A lock makes the swap atomic across threads, so
-    clients training concurrently each see exactly the draws they would see alone. A CUDA generator's state
-    is its host-side seed and offset: reading or setting it does not wait for the GPU, and kernels already
-    launched keep the offsets they were launched with.
-    """
-
-    def __init__(self, generators: list[torch.Generator], seeds: list[int]):
-        if len(generators) != len(seeds):
-            raise ValueError(f"{len(generators)} generators but {len(seeds)} seeds")
-        self.generators = generators
-        self.states = [torch.Generator(device=g.device).manual_seed(s).get_state()
-                       for g, s in zip(generators, seeds)]
-
-    @contextmanager
-    def active(self):
-        with _GLOBAL_RNG_LOCK:
-            outer = [g.get_state() for g in self.generators]
-            for g, st in zip(self.generators, self.states):
-                g.set_state(st)
-            try:
-                yield
-            finally:
-                self.states = [g.get_state() for g in self.generators]
-                for g, st in zip(self.generators, outer):
-                    g.set_state(st)
-
-
-def derived_seed(*parts: int) -> int:
-    """A well-mixed 63-bit seed from (run seed, round, client, …): every client-round draws its own
-    random numbers, so sequential, concurrent and resumed training see the same streams."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint64)[0] >> 1)
-
-
-class _StepLogs:
+class StepLogs:
     """Per-epoch sums of the step logs, kept on the device as one vector (no sync per step), plus the
     first step at which each entry went non-finite — so a NaN is blamed on the term where it started,
-    not on the terms it contaminated afterwards."""
+    not on the terms it contaminated afterwards. The batched engine keeps the same sums for all clients in
+    one table and hands each client-epoch's row to `of` so that both engines judge and report alike."""
 
     def __init__(self):
         self.keys: list[str] | None = None
         self.sum: Tensor | None = None
         self.first_bad: Tensor | None = None
+
+    @classmethod
+    def of(cls, keys: list[str], sums: Tensor, first_bad: Tensor) -> "StepLogs":
+        acc = cls()
+        acc.keys, acc.sum, acc.first_bad = list(keys), sums, first_bad
+        return acc
 
     def add(self, logs: dict[str, Tensor], step: int) -> None:
         if self.keys is None:
@@ -135,7 +93,7 @@ class _StepLogs:
         if bad:
             f, i = min(bad)
             raise TrainingDiverged(
-                f"loss term '{self.keys[i]}' became {sums[i]} for client {cid} in round {round_idx} "
+                f"loss term '{self.keys[i]}' became {sums[i]} for client {cid} in round {round_idx + 1} "
                 f"(epoch step {f}); the run stopped here and the metrics of earlier rounds are intact.",
                 key="lr", fix="lower lr, keep optim.grad_clip on, or check the λ settings of this method.")
         return dict(zip(self.keys, sums))
@@ -160,25 +118,40 @@ class Client:
         self.initial_prototypes = protos.detach().clone() if protos is not None else None
         self.extension = ctx.extension_factory(self, ctx) if ctx.extension_factory else None
         self._sgdr_cycle = 0
+        self._p_target: float | None = None  # V8 target progress of the current step (align.target_progress)
 
     # -- optimisation -------------------------------------------------------------------------
-    def _base_lr(self) -> float:
-        lr = self.cfg.lr
-        if self.cfg.optim.linear_scaling:
-            lr *= self.cfg.batch_size / 512
-        return lr
-
     def _make_optimizer(self) -> torch.optim.Optimizer:
         o = self.cfg.optim
         kw = {}
         if self.model_device.type == "cuda":
             kw["fused"] = True  # one kernel for the whole update (torch ≥ 2.0 for SGD on CUDA)
-        return torch.optim.SGD(self.model.parameters(), lr=self._base_lr(), momentum=o.momentum,
+        return torch.optim.SGD(self.model.parameters(), lr=self.cfg.base_lr, momentum=o.momentum,
                                weight_decay=o.weight_decay, **kw)
 
     @property
     def model_device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """ceil(n/B); floor(n/B) with drop_last (the official loader: a client with n < B trains no step)."""
+        B = self.cfg.batch_size
+        return self.num_samples // B if self.cfg.drop_last else math.ceil(self.num_samples / B)
+
+    def progress_at(self, ctx: TrainContext, j: int, b: int, steps_per_epoch: int) -> tuple[float, float]:
+        """(p of λ annealing / s(p), p of V8's target) at step b of the round's epoch j (`progress`,
+        `align.target_progress`); `epochs_done` counts the epochs completed before this one."""
+        mode, E = self.cfg.progress, self.cfg.local_epochs
+        if mode == "step":
+            p = progress(self.epochs_done + b / steps_per_epoch, ctx.total_epochs)
+        elif mode == "round-reset":  # the reference's first batch: (e − start_epoch)/E, restarting every round
+            p = j / E
+        elif mode == "epoch-end":    # (e+1)/(R·E): V12's logged s(p) = 1 − (r+1)/R
+            p = progress(self.epochs_done + 1, ctx.total_epochs)
+        else:
+            p = progress(self.epochs_done, ctx.total_epochs)
+        return p, (j / E if self.cfg.align.target_progress == "round-reset" else p)
 
     # -- one round of local training ------------------------------------------------------------
     def train_round(self, ctx: TrainContext, round_idx: int, on_step=None) -> dict:
@@ -192,18 +165,15 @@ class Client:
                                               for k in range(len(gens))])
         order_gen = torch.Generator().manual_seed(derived_seed(cfg.seed, round_idx, self.cid, 2))
         self.model.train()
-        steps_per_epoch = math.ceil(self.num_samples / cfg.batch_size)
+        steps_per_epoch = self.steps_per_epoch
         sums: dict[str, float] = {}
         steps = 0
-        lr = self._base_lr()
-        for _ in range(cfg.local_epochs):
+        lr = self.cfg.base_lr
+        for j in range(cfg.local_epochs):
             perm = torch.randperm(self.num_samples, generator=order_gen).to(self.indices.device)
-            acc = _StepLogs()
+            acc = StepLogs()
             for b in range(steps_per_epoch):
-                if cfg.progress == "step":
-                    p = progress(self.epochs_done + b / steps_per_epoch, ctx.total_epochs)
-                else:
-                    p = progress(self.epochs_done, ctx.total_epochs)
+                p, self._p_target = self.progress_at(ctx, j, b, steps_per_epoch)
                 lr = self._set_lr(ctx, round_idx, self.epochs_done + b / steps_per_epoch)
                 idx = self.indices[perm[b * cfg.batch_size:(b + 1) * cfg.batch_size]]
                 acc.add(self._step(ctx, idx, p), b)
@@ -214,12 +184,17 @@ class Client:
             for k, v in epoch_sums.items():
                 sums[k] = sums.get(k, 0.0) + v
             self.epochs_done += 1
+        return self.round_record(ctx, round_idx, lr, steps, sums, time.perf_counter() - t0)
+
+    def round_record(self, ctx: TrainContext, round_idx: int, lr: float, steps: int, sums: dict[str, float],
+                     seconds: float) -> dict:
+        """The client's metrics record of a round (both engines write it through here)."""
         record = {"kind": "client", "round": round_idx, "client": self.cid, "num_samples": self.num_samples,
                   "normalized_entropy": self.normalized_entropy, "lr": lr, "steps": steps,
                   "progress": progress(self.epochs_done, ctx.total_epochs)}
-        record.update({k: v / steps for k, v in sums.items()})
-        record.update(self.lam.state_logs() if hasattr(self.lam, "state_logs") else {})
-        record["seconds"] = time.perf_counter() - t0
+        record.update({k: v / steps for k, v in sums.items()} if steps else {})
+        record.update(self.lam.state_logs())
+        record["seconds"] = seconds
         return record
 
     def _set_lr(self, ctx: TrainContext, round_idx: int, t: float) -> float:
@@ -236,49 +211,54 @@ class Client:
         return lr
 
     def _step(self, ctx: TrainContext, idx: Tensor, p: float) -> dict[str, Tensor]:
+        """One optimisation step at progress p (V8's target reads `self._p_target`, set by `train_round`)."""
         cfg = self.cfg
         xb, yb = ctx.train_x[idx], ctx.train_y[idx]
         amp = (torch.autocast(device_type=ctx.device.type, dtype=ctx.amp_dtype)
                if ctx.amp_dtype is not None else nullcontext())
+        plain = cfg.loss.objective == "ce" and cfg.loss.ce_input == "plain"
         with amp:
-            with self._aug_streams.active():
-                v1, v2 = ctx.augment(xb)
-            imgs = torch.cat([v1, v2])
-            if cfg.channels_last and imgs.is_cuda:
+            if plain:  # the reference's baselines: one un-augmented view, CE
+                if ctx.plain is None:
+                    raise RuntimeError("loss.ce_input=plain needs TrainContext.plain (the evaluation transform)")
+                imgs, y2 = ctx.plain(xb), yb
+            else:
+                with record_function("flare.augment"), self._aug_streams.active():
+                    v1, v2 = ctx.augment(xb)
+                imgs, y2 = torch.cat([v1, v2]), torch.cat([yb, yb])
+            if ctx.channels_last:
                 imgs = imgs.contiguous(memory_format=torch.channels_last)
-            feat, logits = self.model(imgs)
-        y2 = torch.cat([yb, yb])
+            with record_function("flare.forward"):
+                feat, logits = self.model(imgs)
         epoch_idx = self.epochs_done
-        if cfg.loss.objective == "fafi":
+        with record_function("flare.loss"):
             bank = self.extension.contrast_bank() if self.extension is not None else None
-            terms = fafi_terms(feat, logits, y2, self.model.prototypes, tau_con=cfg.loss.tau_con,
-                               base_tau=cfg.loss.base_tau, tau_pf=cfg.loss.tau_pf, tau_pp=cfg.loss.tau_pp,
-                               bank=bank, bank_tau=cfg.loss.bank_tau)
-        else:
-            terms = ce_terms(logits, y2)
-        if self.extension is not None:
-            terms = self.extension.adjust_terms(terms, feat, y2, epoch_idx)
-        base = sum(terms.values())
-        align = None
-        if ctx.anchors is not None:
-            target = align_target(ctx.anchors, cfg.align.target, p, self.initial_prototypes)
-            align = align_loss(self.model.prototypes, target)
-        st = self.lam(base, align, p)
+            terms = base_terms(cfg.loss, feat, logits, y2, self.model.prototypes, bank)
+            if self.extension is not None:
+                terms = self.extension.adjust_terms(terms, feat, y2, epoch_idx)
+            base = sum(terms.values())
+            align = None
+            if ctx.anchors is not None:
+                p_target = p if self._p_target is None else self._p_target
+                target = align_target(ctx.align_anchors, cfg.align.target, p_target, self.initial_prototypes)
+                align = align_loss(self.model.prototypes, target)
+            st = self.lam(base, align, p)
 
         self.optimizer.zero_grad(set_to_none=True)
         params = [q for q in self.model.parameters() if q.requires_grad]
-        if cfg.align.surgery == "pcgrad" and st.align is not None:
-            from flare.client.surgery import pcgrad_backward
-
-            surgery_logs = pcgrad_backward(st.local, st.align, params, extra=st.sigma)
-        else:
-            total = st.local + (st.align if st.align is not None else 0) + (st.sigma if st.sigma is not None else 0)
-            total.backward()
-            surgery_logs = {}
-        if cfg.optim.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
-        self.optimizer.step()
-        self.lam.step()
+        with record_function("flare.backward"):
+            if cfg.align.surgery == "pcgrad" and st.align is not None:
+                surgery_logs = pcgrad_backward(st.local, st.align, params, extra=st.sigma)
+            else:
+                total = (st.local + (st.align if st.align is not None else 0)
+                         + (st.sigma if st.sigma is not None else 0))
+                total.backward()
+                surgery_logs = {}
+        with record_function("flare.optimizer"):
+            if cfg.optim.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
+            self.optimizer.step()
+            self.lam.step()
         if self.extension is not None:
             self.extension.after_step(feat.detach(), y2)
 
@@ -292,8 +272,6 @@ class Client:
 
     # -- what the server sees, and checkpoints ------------------------------------------------
     def upload(self) -> Upload:
-        from flare.server.upload import Upload
-
         protos = getattr(self.model, "prototypes", None)
         return Upload(client=self.cid, state=self.model.state_dict(), num_samples=self.num_samples,
                       prototypes=protos.detach() if protos is not None else None)

@@ -34,6 +34,10 @@ Choices (written down as SPEC §0 asks):
   behaviour (torchvision transforms called on a whole batch tensor → one parameter set per batch) through
   kornia's `same_on_batch=True`.
 * The two views are two separate calls of the pipeline, so they are independent of each other (in both modes).
+* `pre_mean`/`pre_std` (the reference's input scaling for CIFAR-100 and SVHN, `flare.data.scaling`) standardise
+  the images *before* the policy, as the reference's dataset transform did; kornia's colour jitter then clamps
+  the images it fires on to [0, 1], as torchvision's tensor jitter did. Without them the images enter the policy
+  in [0, 1] (the clamp never acts).
 * Randomness: kornia draws every parameter from torch's default generator of the device the module was
   moved to (`.to(device)`; kornia 0.9 moves its samplers with the module, so on a GPU it draws from the
   CUDA generator and no parameter crosses from host to device), and a few samplers draw on the CPU; so
@@ -99,6 +103,8 @@ class TwoViewAugment(nn.Module):
         jitter: tuple[float, float, float, float] = (0.4, 0.4, 0.4, 0.1),
         jitter_p: float = 0.8,
         gray_p: float = 0.2,
+        pre_mean=None,
+        pre_std=None,
     ):
         super().__init__()
         if isinstance(image_size, int):
@@ -136,6 +142,12 @@ class TwoViewAugment(nn.Module):
 
         self.register_buffer("mean", _as_stats(mean, self.in_channels, None, "mean"), persistent=False)
         self.register_buffer("std", _as_stats(std, self.in_channels, None, "std"), persistent=False)
+        self.pre = None
+        if pre_mean is not None:
+            self.register_buffer("pre_mean", _as_stats(pre_mean, self.in_channels, None, "pre_mean"),
+                                 persistent=False)
+            self.register_buffer("pre_std", _as_stats(pre_std, self.in_channels, None, "pre_std"), persistent=False)
+            self.pre = True
 
     def extra_repr(self) -> str:
         return f"image_size={self.image_size}, in_channels={self.in_channels}, per_image={self.per_image}"
@@ -151,6 +163,8 @@ class TwoViewAugment(nn.Module):
         self._check(x_uint8)
         with torch.no_grad(), torch.autocast(x_uint8.device.type, enabled=False):
             x = x_uint8.float().div_(255.0)
+            if self.pre is not None:
+                x = _standardize(x, self.pre_mean.to(x.device), self.pre_std.to(x.device))
             x = self.policy(x)
             mean = self.mean.to(x.device)
             std = self.std.to(x.device)

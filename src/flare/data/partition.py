@@ -1,11 +1,22 @@
 """Splitting the training set over K clients (SPEC §1) and the per-client report.
 
-All partitions are seeded with their own numpy Generator, so the split depends only on (labels, K,
-kind, α, seed) — `flare compare` runs every method on the very same split.
+All partitions are seeded with their own random streams, so the split depends only on (labels, K, kind, α, rng,
+seed) — `flare compare` runs every method on the very same split. `rng="generator"` (default) draws from a numpy
+Generator. `rng="legacy"` draws exactly as the reference code did, so that the per-client class counts equal
+the notes': numpy's legacy RandomState seeded with the seed (the fork's `np.random.seed(seed)`, no draw before the
+partition) for the Dirichlet proportions and leftovers, and Python's `random.Random(seed)` (its `random.seed`)
+for the shuffles of index lists. Python's stream only decides *which* samples a client gets, and equals the
+reference's only if the training set is in the same order (torchvision's); the counts never depend on it.
+
+`dirichlet-fafi` is the official FAFI partition (`dataset_helper.py::dirichlet`): for every class n, with N_0 the
+size of class 0, client u gets min(N_n, round(10·N_0·q_u)) samples, q ~ Dir(α·1_K), each client drawing from its
+own reshuffle of the class — so clients overlap (never within a client) and a client with q_u ≥ 0.1 gets the
+whole class.
 """
 from __future__ import annotations
 
 import math
+import random
 import warnings
 from dataclasses import dataclass
 
@@ -87,6 +98,66 @@ def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, seed
     return _finish(buckets, labels, C, rng)
 
 
+def _class_lists(labels: np.ndarray, C: int) -> list[list[int]]:
+    """{class: ascending indices} as lists, the reference's `build_dataset_idxs`."""
+    return [np.flatnonzero(labels == c).tolist() for c in range(C)]
+
+
+def dirichlet_partition_legacy(labels: np.ndarray, num_clients: int, alpha: float, seed: int,
+                               num_classes: int | None = None) -> Partition:
+    """The card dealer drawn as the fork did (`387836b` on): per class, Python-shuffle the class, draw
+    p ~ Dir(α) from the legacy RandomState, floor(p·N_c), then `choice(range(K), leftover, replace=False)` — which
+    consumes a permutation of K even when nothing is left over — and deal consecutive slices; finally
+    Python-shuffle every client's list."""
+    C = int(num_classes or labels.max() + 1)
+    npr, pyr = np.random.RandomState(seed), random.Random(seed)
+    buckets: list[list[int]] = [[] for _ in range(num_clients)]
+    for idx in _class_lists(labels, C):
+        pyr.shuffle(idx)
+        p = npr.dirichlet(np.repeat(alpha, num_clients))
+        n = (p * len(idx)).astype(int)
+        for c in npr.choice(range(num_clients), len(idx) - int(n.sum()), replace=False):
+            n[c] += 1
+        start = 0
+        for i in range(num_clients):
+            buckets[i] += idx[start:start + n[i]]
+            start += n[i]
+    for b in buckets:
+        pyr.shuffle(b)
+    return Partition([np.asarray(b, dtype=np.int64) for b in buckets], C, labels)
+
+
+def dirichlet_fafi_partition(labels: np.ndarray, num_clients: int, alpha: float, seed: int,
+                             num_classes: int | None = None, rng: str = "legacy") -> Partition:
+    """The official FAFI partition (see the module docstring): overlapping, capped at the class size. With
+    rng="legacy" the draws follow the reference's order exactly; with "generator" the same algorithm draws from a
+    numpy Generator and a Python Random seeded from it."""
+    C = int(num_classes or labels.max() + 1)
+    if rng == "legacy":
+        dirichlet, pyr = np.random.RandomState(seed).dirichlet, random.Random(seed)
+    else:
+        g = np.random.default_rng(seed)
+        dirichlet, pyr = g.dirichlet, random.Random(int(g.integers(2**31)))
+    lists = _class_lists(labels, C)
+    n0 = len(lists[0])
+    buckets: list[list[int]] = [[] for _ in range(num_clients)]
+    for idx in lists:
+        pyr.shuffle(idx)
+        s = 10 * n0 * dirichlet(np.array(num_clients * [alpha]))
+        for u in range(num_clients):
+            buckets[u] += idx[:min(len(idx), int(round(s[u])))]
+            pyr.shuffle(idx)
+    return Partition([np.asarray(b, dtype=np.int64) for b in buckets], C, labels)
+
+
+def iid_partition_legacy(labels: np.ndarray, num_clients: int, seed: int,
+                         num_classes: int | None = None) -> Partition:
+    """The reference's iid split: `np.random.permutation(N)` from the legacy RandomState, `array_split` in K."""
+    perm = np.random.RandomState(seed).permutation(len(labels))
+    C = int(num_classes or labels.max() + 1)
+    return Partition([p.astype(np.int64) for p in np.array_split(perm, num_clients)], C, labels)
+
+
 def iid_partition(labels: np.ndarray, num_clients: int, seed: int, num_classes: int | None = None) -> Partition:
     rng = np.random.default_rng(seed)
     perm = rng.permutation(len(labels))
@@ -133,22 +204,30 @@ def _finish(buckets, labels, C, rng) -> Partition:
 
 
 def make_partition(labels: np.ndarray, num_clients: int, kind: str, seed: int, *, alpha: float = 0.5,
-                   shards_per_client: int = 2, num_classes: int | None = None) -> Partition:
+                   shards_per_client: int = 2, num_classes: int | None = None, rng: str = "generator") -> Partition:
     if num_clients < 1:
         raise FlareError("need at least one client.", key="num_clients", fix="set num_clients >= 1.")
     if num_clients > len(labels):
         raise FlareError(f"num_clients={num_clients} exceeds the {len(labels)} training samples.",
                          key="num_clients", fix="use fewer clients or a larger dataset.train_subset.")
+    if rng not in ("generator", "legacy"):
+        raise FlareError(f"unknown partition rng '{rng}'.", key="partition.rng", fix="use generator or legacy.")
+    legacy = rng == "legacy"
+    if kind in ("dirichlet", "dirichlet-fafi") and alpha <= 0:
+        raise FlareError(f"alpha must be > 0 (got {alpha}).", key="partition.alpha", fix="use e.g. 0.05, 0.1, 0.5.")
     if kind == "dirichlet":
-        if alpha <= 0:
-            raise FlareError(f"alpha must be > 0 (got {alpha}).", key="partition.alpha",
-                             fix="use e.g. 0.05, 0.1, 0.5.")
-        part = dirichlet_partition(labels, num_clients, alpha, seed, num_classes)
+        fn = dirichlet_partition_legacy if legacy else dirichlet_partition
+        part = fn(labels, num_clients, alpha, seed, num_classes)
+    elif kind == "dirichlet-fafi":
+        part = dirichlet_fafi_partition(labels, num_clients, alpha, seed, num_classes, rng=rng)
     elif kind == "iid":
-        part = iid_partition(labels, num_clients, seed, num_classes)
+        part = (iid_partition_legacy if legacy else iid_partition)(labels, num_clients, seed, num_classes)
     elif kind == "shards":
+        if legacy:
+            raise FlareError("partition.rng=legacy has no reference counterpart for kind=shards.",
+                             key="partition.rng", fix="use partition.rng=generator.")
         part = shards_partition(labels, num_clients, shards_per_client, seed, num_classes)
     else:
         raise FlareError(f"unknown partition kind '{kind}'.", key="partition.kind",
-                         fix="use dirichlet, iid or shards.")
+                         fix="use dirichlet, dirichlet-fafi, iid or shards.")
     return part

@@ -10,7 +10,8 @@ learner) waits in `context.state` as arrays plus a JSON skeleton.
 
 Node config keys: `partition-id` (the client id, required), `num-partitions` (checked against
 num_clients), `data-path` (deployment), `dataset-root` / `cache-dir` (where this node finds the
-dataset in partition mode), `device` (this node's torch device).
+dataset in partition mode), `device` (this node's torch device), `fault` (a fault drill: `wrong-shape`, `nan`
+or `missing-key` sends a broken upload on purpose; docs/federation.md).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from flare.errors import FlareError
-from flare.flower.core import ClientResult, Task, client_train, file_data, partition_data
+from flare.flower.protocol import ClientResult, Task, client_train, file_data, partition_data
 from flare.flower.records import pack_nested, record_to_state, state_to_record, unpack_nested
 
 app = ClientApp()
@@ -98,12 +99,34 @@ def handle_train(content: RecordDict, context: Context) -> RecordDict:
 
     reply = RecordDict()
     if res.state is not None:
-        reply["upload"] = state_to_record(res.state)
+        reply["upload"] = state_to_record(inject_fault(res.state, nc.get("fault")))
     reply["meta"] = ConfigRecord({"client": res.cid, "num-samples": res.num_samples,
                                   "class-histogram": [int(h) for h in res.class_histogram],
                                   "records": json.dumps(res.records, default=float)})
     reply["metrics"] = MetricRecord({"num-examples": res.num_samples})
     return reply
+
+
+FAULTS = ("wrong-shape", "nan", "missing-key")
+
+
+def inject_fault(state: dict, fault) -> dict:
+    """Fault drills (node config `fault=...`): send a deliberately broken upload, so that the server's gate can be
+    exercised on a real deployment. Never set on an honest node."""
+    if not fault:
+        return state
+    if fault not in FAULTS:
+        raise FlareError(f"node config fault={fault!r} is not a fault drill.", key="fault",
+                         fix=f"use one of: {', '.join(FAULTS)} (or leave it unset).")
+    out = dict(state)
+    name = next(k for k, v in out.items() if v.is_floating_point() and v.dim() >= 2)
+    if fault == "wrong-shape":
+        out[name] = out[name][:1].clone()
+    elif fault == "nan":
+        out[name] = out[name].clone().fill_(float("nan"))
+    else:
+        del out[name]
+    return out
 
 
 @app.train()

@@ -19,63 +19,20 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from importlib import resources
 from pathlib import Path
 
-APP_PYPROJECT_NAME = "pyproject.toml"
-
+from flare.config import load_config
+from flare.errors import FlareError
+from flare.flower.protocol import export_partitions
+from flare.rundata import RunData
 
 def app_dir() -> Path:
-    """The repository's flower-app/ when running from a checkout, else a copy written under ~/.cache/flare."""
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        cand = parent / "flower-app" / APP_PYPROJECT_NAME
-        if cand.is_file():
-            return cand.parent
-    return write_app_dir(Path(os.environ.get("FLARE_CACHE", Path.home() / ".cache" / "flare")) / "flower-app")
-
-
-APP_PYPROJECT = '''# The Flower app of FLARE: a thin shell around the `flare` package (its code is src/flare/flower/).
-# flwr run reads this file; see docs/federation.md.
-[build-system]
-requires = ["hatchling"]
-build-backend = "hatchling.build"
-
-[project]
-name = "flare-flower"
-version = "0.1.0"
-description = "One-shot federated learning (FLARE) as a Flower app"
-license = "Apache-2.0"
-# Nothing for Flower to install at run time: every machine installs flare-ofl[flower] itself (the same version).
-dependencies = []
-
-[tool.flwr.app]
-publisher = "flare"
-
-[tool.flwr.app.components]
-serverapp = "flare.flower.server_app:app"
-clientapp = "flare.flower.client_app:app"
-
-# Every key can be overridden with `flwr run ... --run-config 'key=value ...'`.
-[tool.flwr.app.config]
-preset = "fafi"          # a FLARE method preset (`flare presets`); "" for none
-config-file = ""         # a FLARE YAML config on the server (absolute path), applied over the preset
-overrides = ""           # FLARE KEY=VALUE overrides, space-separated, e.g. "rounds=2 num_clients=3"
-out-dir = ""             # the run directory on the server ("" = runs/flower-<method>-<time>, server's cwd)
-upload = "per-round"     # "per-round": one snapshot per round (the accuracy curve); "once": upload once
-min-clients = 0          # proceed when at least this many clients answer (0 = every client)
-timeout = 3600.0         # seconds the server waits for the replies to one message
-wait-nodes = 60.0        # seconds the server waits for num_clients nodes to connect
-dataset-meta = ""        # a server without the dataset: JSON of the dataset facts (no test evaluation)
-save-predictor = true    # write predictor.pt + predictor.json
-'''
-
-
-def write_app_dir(dest: str | Path) -> Path:
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    (dest / APP_PYPROJECT_NAME).write_text(APP_PYPROJECT)
-    return dest
+    """The Flower app directory `flwr run` reads: its pyproject.toml ships inside the package (flare/flower/app/),
+    so a checkout and an installed package find the same file."""
+    return Path(str(resources.files("flare") / "flower" / "app"))
 
 
 def free_port() -> int:
@@ -303,12 +260,6 @@ def federate(cfg_file: str | None, preset: str | None, overrides: list[str], *, 
              run_timeout: float | None = None, log=print) -> dict:
     """Start a loopback federation (a SuperLink and K SuperNodes, or the Ray simulation runtime), run FLARE's
     Flower app on it, stop every process, and return the run's summary (raises FlareError on a failed run)."""
-    import tempfile
-
-    from flare.config import load_config
-    from flare.errors import FlareError
-    from flare.flower.core import export_partitions
-
     if clients is not None:
         overrides = [o for o in overrides if not o.startswith("num_clients=")] + [f"num_clients={clients}"]
     upload = upload or ("per-round" if simulation else "once")
@@ -344,9 +295,7 @@ def federate(cfg_file: str | None, preset: str | None, overrides: list[str], *, 
         tail = "\n".join(res.stdout.strip().splitlines()[-15:])
         raise FlareError(f"federated run failed: {err}\nlast lines of flwr run:\n{tail}",
                          fix=f"see federation.json in {out} and the process logs in {wd}.")
-    from flare.runner import Run
-
-    summary = Run(cfg, out, quiet=True).summary()
+    summary = RunData.load(out).summary()
     summary["out"] = str(out)
     summary["logs"] = str(wd)
     return summary

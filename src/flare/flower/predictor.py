@@ -5,6 +5,9 @@ client encoder that took part in the last round (or, for the `fedavg` rule, the 
 aggregation weights and the global prototypes G. `predictor.json` says how to rebuild and use it: the
 rule, the model (name, width, head, channels, classes, feature dimension), the input size, the
 normalisation statistics, the class names, which clients it holds, and the accuracy the server measured.
+It applies the run's evaluation transform (`augment.input_scaling`) and output fusion (`server.ensemble`), and
+always normalises with running BN statistics (eval mode), also for runs evaluated with `eval.bn=batch`: a
+deployed predictor should not depend on which images share its batch.
 
     from flare.flower.predictor import load_predictor
     p = load_predictor("runs/fed")          # a torch.nn.Module
@@ -18,6 +21,15 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from flare.config import Config
+from flare.data.augment import normalize
+from flare.models import create_model
+from flare.rundir import RunDir
+from flare.server.fedavg import average_state_dicts
+from flare.server.fusion import rule_scores
+from flare.server.upload import Upload
+from flare.setup import DataMeta, primary_rule, scaling
+
 FORMAT = 1
 
 
@@ -26,9 +38,9 @@ class GlobalPredictor(nn.Module):
     `fedavg`. The IFFI noise inputs are drawn from a generator seeded with `noise_seed` on every call."""
 
     def __init__(self, rule: str, models: list[nn.Module], weights: Tensor, G: Tensor | None,
-                 mean, std, noise_seed: int = 0):
+                 mean, std, noise_seed: int = 0, ensemble: str = "softmax"):
         super().__init__()
-        self.rule = rule
+        self.rule, self.ensemble = rule, ensemble
         self.models = nn.ModuleList(models)
         self.register_buffer("weights", weights.float())
         self.register_buffer("G", G.float() if G is not None else None)
@@ -36,69 +48,54 @@ class GlobalPredictor(nn.Module):
 
     @torch.no_grad()
     def forward(self, x_uint8: Tensor) -> Tensor:
-        from flare.data.augment import normalize
-        from flare.server.fusion import fuse_features, fuse_outputs, iffi_reference_features, iffi_weights
-
         self.eval()
         x = normalize(x_uint8.to(self.weights.device), self.mean, self.std)
-        if self.rule == "fedavg":
-            return self.models[0](x)[1].float()
         outs = [m(x) for m in self.models]
         feats = torch.stack([o[0].float() for o in outs])
-        if self.rule == "output":
-            return fuse_outputs(torch.stack([o[1].float() for o in outs]), self.weights)
-        if self.rule == "feature":
-            h = fuse_features(feats, self.weights)
-        else:
+        logits = torch.stack([o[1].float() for o in outs])
+        noise = None
+        if self.rule in ("iffi", "iffi_reference"):
             gen = torch.Generator(device=x.device).manual_seed(self.noise_seed)
             eps = torch.randn(x.shape, generator=gen, device=x.device, dtype=x.dtype)
             noise = torch.stack([m(eps)[0].float() for m in self.models])
-            h = (fuse_features(feats, iffi_weights(feats, noise)) if self.rule == "iffi"
-                 else iffi_reference_features(feats, noise))
-        return torch.nn.functional.normalize(h.float(), dim=1) @ self.G.float().T
+        return rule_scores(self.rule, feats, logits, self.weights, self.G, noise, self.ensemble)
 
     def predict(self, x_uint8: Tensor) -> Tensor:
         return self(x_uint8).argmax(1)
 
 
-def save_predictor(out: str | Path, cfg, meta, uploads, models, record: dict, anchors, template) -> Path:
-    """Write predictor.pt and predictor.json for the run's primary rule from the last round's uploads."""
-    from flare.client.trainer import derived_seed
-    from flare.runner import atomic_torch_save, atomic_write_text, primary_rule
-    from flare.server.fedavg import average_state_dicts
-    from flare.server.fusion import aggregation_weights
-    from flare.server.protos import global_prototypes
-
-    out = Path(out)
+def save_predictor(out: RunDir, cfg: Config, meta: DataMeta, uploads: list[Upload], weights: Tensor,
+                   G: Tensor | None, record: dict, feature_dim: int) -> Path:
+    """Write predictor.pt and predictor.json for the run's primary rule from the last round's uploads, with the
+    aggregation weights and global prototypes G that round's evaluation used."""
     rule = primary_rule(cfg)
-    weights = aggregation_weights([u.num_samples for u in uploads], cfg.server.weights)
-    G = None
-    protos = [u.prototypes for u in uploads if u.prototypes is not None]
-    if protos:
-        G, _ = global_prototypes(protos, cfg.server, anchors, derived_seed(cfg.seed, record["round"], 99))
-        G = G.detach().cpu()
     if rule == "fedavg":
-        states = {"avg": average_state_dicts([{k: v.cpu() for k, v in u.state.items()} for u in uploads], weights)}
+        params = None
+        if cfg.server.fedavg_buffers == "first":  # parameters only averaged, the first client's buffers
+            net = create_model(cfg.model.name, meta.in_channels, meta.num_classes, cfg.model.width, head=cfg.head)
+            params = {k for k, _ in net.named_parameters()}
+        states = {"avg": average_state_dicts([{k: v.cpu() for k, v in u.state.items()} for u in uploads], weights,
+                                             only=params)}
     else:
         states = {str(u.client): {k: v.detach().cpu() for k, v in u.state.items()} for u in uploads}
-    atomic_torch_save({"format": FORMAT, "states": states, "weights": weights, "G": G}, out / "predictor.pt")
+    G = G.detach().cpu() if G is not None else None
+    test_mean, test_std = scaling(cfg, meta).test  # the evaluation transform (augment.input_scaling)
+    out.save_torch("predictor.pt", {"format": FORMAT, "states": states, "weights": weights, "G": G})
     info = {
         "format": FORMAT, "rule": rule, "method": cfg.method, "seed": cfg.seed, "round": record["round"],
         "accuracy": record.get("acc"), "accuracies": {k: v for k, v in record.items() if k.startswith("acc_")},
         "clients": [u.client for u in uploads], "weights": weights.tolist(),
         "model": {"name": cfg.model.name, "width": cfg.model.width, "head": cfg.head,
-                  "in_channels": meta.in_channels, "num_classes": meta.num_classes,
-                  "feature_dim": int(template.feature_dim)},
-        "image_size": meta.image_size, "mean": meta.mean, "std": meta.std, "classes": meta.classes,
+                  "in_channels": meta.in_channels, "num_classes": meta.num_classes, "feature_dim": int(feature_dim)},
+        "image_size": meta.image_size, "mean": list(test_mean), "std": list(test_std), "classes": meta.classes,
         "dataset": cfg.dataset.name, "noise_seed": cfg.eval.noise_seed, "states": list(states),
+        "ensemble": cfg.server.ensemble, "bn": "running",
     }
-    atomic_write_text(out / "predictor.json", json.dumps(info, indent=1))
-    return out / "predictor.pt"
+    out.write_text("predictor.json", json.dumps(info, indent=1))
+    return out.path / "predictor.pt"
 
 
 def load_predictor(run_dir: str | Path, device: str | torch.device = "cpu") -> GlobalPredictor:
-    from flare.models import create_model
-
     d = Path(run_dir)
     info = json.loads((d / "predictor.json").read_text())
     if info.get("format") != FORMAT:
@@ -112,4 +109,4 @@ def load_predictor(run_dir: str | Path, device: str | torch.device = "cpu") -> G
         models.append(net.to(device).eval())
     return GlobalPredictor(info["rule"], models, blob["weights"].to(device),
                            blob["G"].to(device) if blob["G"] is not None else None, info["mean"], info["std"],
-                           info.get("noise_seed", 0)).to(device)
+                           info.get("noise_seed", 0), info.get("ensemble", "softmax")).to(device)

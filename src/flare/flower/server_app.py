@@ -8,7 +8,7 @@ validate_upload`), evaluates every configured fusion rule on its test set with t
 rejected, and why) and the global predictor (predictor.pt + predictor.json).
 
 Run-config keys (the app's pyproject.toml, or `flwr run --run-config 'key=value ...'`): see
-`flare.flower.core.FederationSettings`.
+`flare.flower.server.FederationSettings`.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from flwr.common.logger import log as flwr_log
 from flwr.serverapp import Grid, ServerApp
 
 from flare.errors import FlareError
-from flare.flower.core import FederationSettings, Reply, ServerSession, run_federation
+from flare.flower.server import FederationSettings, Reply, ServerSession, run_federation
 from flare.flower.records import record_to_state, state_to_record
 
 app = ServerApp()

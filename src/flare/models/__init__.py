@@ -74,12 +74,6 @@ class FlareNet(nn.Module):
         self.num_classes: int = int(head.num_classes)
         self.head_kind: str = getattr(head, "kind", "linear")
 
-    def features(self, x: Tensor) -> Tensor:
-        return self.encoder(x)
-
-    def logits_from_features(self, feat: Tensor) -> Tensor:
-        return self.head(feat)
-
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         feat = self.encoder(x)
         return feat, self.head(feat)

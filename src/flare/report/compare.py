@@ -1,62 +1,49 @@
-"""Figures for `flare compare`: every method's primary accuracy against rounds, and the server
-diagnostics (`g_protos_std`, `inter_client_proto_std`) of every prototype method against rounds — the plot in
-which the notes' finding "alignment lowers g_protos_std" is seen at a glance."""
+"""`flare compare`'s report: one table row per method (the primary accuracy first, then every rule and
+diagnostic; mean ± std over seeds when there are several) and the figures — every method's accuracy against
+rounds, and the server diagnostics (`g_protos_std`, `inter_client_proto_std`) of every prototype method, in which
+the notes' finding "alignment lowers g_protos_std" is seen at a glance. Reads the run directories only."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from flare.report.run_report import _plt, integer_rounds, load_run
+from flare.config import list_presets
+from flare.report.figures import plot_accuracy_curves, plot_compare_diagnostics
+from flare.report.runs import Row, protocols_line
+from flare.report.tables import compare_table
+from flare.rundata import RunData
+from flare.rundir import atomic_write_text
 
-COMPARE_DIAG = ("g_protos_std", "inter_client_proto_std")
-
-
-def _label(run: dict, d: Path) -> str:
-    return run["config"].get("method", d.name)
-
-
-def plot_compare(run_dirs: list[Path], path: Path, title: str = "") -> None:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for d in run_dirs:
-        run = load_run(d)
-        rounds = run["rounds"]
-        if not rounds:
-            continue
-        key = f"acc_{rounds[-1].get('primary', 'feature')}"
-        ax.plot([r["round"] for r in rounds], [100 * r[key] for r in rounds], marker="o", ms=3,
-                label=f"{_label(run, d)} ({key.removeprefix('acc_')})")
-    ax.set(xlabel="round", ylabel="test accuracy (%)", title=title)
-    integer_rounds(ax)
-    ax.title.set_fontsize(9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+EXPLAIN = ("`acc` is the primary global predictor's test accuracy at the last round; `peak (round)` is the best round "
+           "of the (seed-mean) curve, round r being the evaluation after r rounds of training. With several seeds every "
+           "cell is mean ± std over them. One seed at this scale swings by several points from round to round (the "
+           "figure shows the whole curve): read differences smaller than the std, or than that swing, as noise.")
 
 
-def plot_compare_diagnostics(run_dirs: list[Path], path: Path, title: str = "") -> bool:
-    """One panel per diagnostic, one line per method that has it; False (and no file) when none has any
-    (plain classifiers have no prototypes)."""
-    runs = [(d, load_run(d)) for d in run_dirs]
-    keys = [k for k in COMPARE_DIAG if any(r["rounds"] and k in r["rounds"][0] for _, r in runs)]
-    if not keys:
-        return False
-    plt = _plt()
-    fig, axes = plt.subplots(1, len(keys), figsize=(5.2 * len(keys), 3.8), squeeze=False)
-    for ax, k in zip(axes[0], keys):
-        for d, run in runs:
-            rounds = [r for r in run["rounds"] if k in r]
-            if rounds:
-                ax.plot([r["round"] for r in rounds], [r[k] for r in rounds], marker="o", ms=3,
-                        label=_label(run, d))
-        ax.set(xlabel="round", ylabel=k, title=k)
-        integer_rounds(ax)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+def compare_title(run: RunData, seeds: list | None = None) -> str:
+    c = run.cfg
+    part, model = c.get("partition", {}), c.get("model", {})
+    R, E = c.get("rounds"), c.get("local_epochs")
+    seed_text = f"seeds {', '.join(map(str, seeds))}" if seeds and len(seeds) > 1 else f"seed {c.get('seed')}"
+    return (f"{c.get('dataset', {}).get('name')}, {c.get('num_clients')} clients, {part.get('kind')} "
+            f"α={part.get('alpha')}, {R} round{'s' if R != 1 else ''} × {E} local epoch{'s' if E != 1 else ''}, "
+            f"{model.get('name')} (width {model.get('width')}), {seed_text}")
+
+
+def write_compare_report(methods: list[tuple[str, list[Path]]], out: Path) -> tuple[str, str]:
+    """compare.md, compare_accuracy.png and (for prototype methods) compare_diagnostics.png in `out`, from each
+    method's run directories (one per seed); returns the title and the markdown table."""
+    presets = list_presets()
+    rows = []
+    for name, dirs in methods:
+        runs = [RunData.load(d) for d in dirs]
+        rows.append(Row(name, runs[0].method, {}, runs))
+    table = compare_table([(presets.get(name, {}), row) for (name, _), row in zip(methods, rows)])
+    seeds = [r.seed for r in rows[0].runs]
+    title = compare_title(rows[0].runs[0], seeds)
+    plot_accuracy_curves(rows, out / "compare_accuracy.png", title)
+    figures = "![accuracy](compare_accuracy.png)\n"
+    if plot_compare_diagnostics(rows, out / "compare_diagnostics.png", title):
+        figures += "\n![diagnostics](compare_diagnostics.png)\n"
+    proto = protocols_line([r for row in rows for r in row.runs])
+    atomic_write_text(out / "compare.md", f"# Comparison — {title}\n\n{table}\n\n{proto}\n\n{EXPLAIN}\n\n{figures}")
+    return title, table

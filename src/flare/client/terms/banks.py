@@ -3,9 +3,9 @@
 The notes tried these before the anchor family and report all three as failures (memory bank 9/22,
 public feature bank 9/23, two-stage 9/24); they stay as options so the findings can be reproduced.
 
-`make_extension_factory(cfg, public, global_model, augment, norm, device)` is called once by the runner
-(the server's side: for the public bank it trains the teacher and builds the bank here) and returns a
-callable `(client, ctx) -> extension`; the trainer calls, per step,
+The server builds the public bank once (`build_public_bank`: it trains the teacher on the held-out slice);
+`extension_factory(cfg, bank, device)` returns a callable `(client, ctx) -> extension` (the same call in the
+in-process runner and on a Flower node, which receives the bank with its task); the trainer calls, per step,
 
     contrast_bank() -> (feats, labels) | None      extra SupCon contrast entries (memory bank)
     adjust_terms(terms, feat, y2, epoch_idx) -> terms
@@ -17,7 +17,7 @@ and `state_dict()` / `load_state_dict()` for checkpoints.
   views of every batch) and their labels, detached, appended to the SupCon contrast set; with a bank the
   SupCon temperature (and its base temperature) is `loss.bank_tau` for the whole term. The bank starts
   empty (an empty bank still switches the temperature, so the first step does not use another τ).
-* `public-bank`: the server holds out `dataset.public_size` training samples (`runner.prepare_data`
+* `public-bank`: the server holds out `dataset.public_size` training samples (`setup.prepare_data`
   carves them out; clients never see them), trains a teacher — a copy of the initial global model —
   on them for `loss.teacher_epochs` epochs with the run's own objective (FAFI or CE) and augmentation,
   SGD at the run's lr/momentum/clipping, seeded, and ships the L2-normalised teacher features of that
@@ -27,7 +27,7 @@ and `state_dict()` / `load_state_dict()` for checkpoints.
                     the negatives are the bank; logits / loss.bank_tau, CE with the positive at index 0,
                     mean over the 2B views.
 
-* `two-stage`: the same term, but the first `loss.alignment_epochs` local epochs (counted over the whole
+* `two-stage`: the same term, but the first `loss.public_stage_epochs` local epochs (counted over the whole
   training, `Client.epochs_done`, not per round) use `loss_public` alone and later epochs the base loss
   alone.
 """
@@ -40,8 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flare.client.objective import base_terms
 from flare.config import Config
 from flare.errors import FlareError
+from flare.rng import derived_seed
 
 
 # ----------------------------------------------------------------------------------------------
@@ -131,17 +133,17 @@ def public_infonce(feat: Tensor, bank: Tensor, tau: float) -> Tensor:
 
 
 class PublicBankExtension:
-    def __init__(self, bank: Tensor, tau: float, alignment_epochs: int | None):
+    def __init__(self, bank: Tensor, tau: float, public_stage_epochs: int | None):
         self.bank, self.tau = bank, tau
-        self.alignment_epochs = alignment_epochs  # None: public-bank (term always added)
+        self.public_stage_epochs = public_stage_epochs  # None: public-bank (term always added)
 
     def contrast_bank(self):
         return None
 
     def adjust_terms(self, terms: dict, feat: Tensor, y2: Tensor, epoch_idx: int) -> dict:
-        if self.alignment_epochs is None:
+        if self.public_stage_epochs is None:
             return {**terms, "loss_public": public_infonce(feat, self.bank, self.tau)}
-        if epoch_idx < self.alignment_epochs:  # stage 1: the public term alone
+        if epoch_idx < self.public_stage_epochs:  # stage 1: the public term alone
             return {"loss_public": public_infonce(feat, self.bank, self.tau)}
         return terms                           # stage 2: the base loss alone
 
@@ -159,9 +161,6 @@ def train_teacher(cfg: Config, public: tuple[Tensor, Tensor], global_model: torc
                   device: torch.device) -> tuple[torch.nn.Module, list[float]]:
     """The server's teacher: a copy of the initial global model trained on the public slice for
     `loss.teacher_epochs` epochs with the run's objective. Returns (teacher, mean loss per epoch)."""
-    from flare.client.terms.fafi import ce_terms, fafi_terms
-    from flare.client.trainer import derived_seed
-
     x, y = public[0].to(device), public[1].to(device)
     teacher = copy.deepcopy(global_model).to(device)
     teacher.train()
@@ -182,12 +181,7 @@ def train_teacher(cfg: Config, public: tuple[Tensor, Tensor], global_model: torc
                 v1, v2 = augment(x[idx])
                 feat, logits = teacher(torch.cat([v1, v2]))
                 y2 = torch.cat([y[idx], y[idx]])
-                if cfg.loss.objective == "fafi":
-                    terms = fafi_terms(feat, logits, y2, teacher.prototypes, tau_con=cfg.loss.tau_con,
-                                       base_tau=cfg.loss.base_tau, tau_pf=cfg.loss.tau_pf, tau_pp=cfg.loss.tau_pp)
-                else:
-                    terms = ce_terms(logits, y2)
-                loss = sum(terms.values())
+                loss = sum(base_terms(cfg.loss, feat, logits, y2, teacher.prototypes).values())
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 if cfg.optim.grad_clip is not None:
@@ -215,9 +209,24 @@ def teacher_bank(teacher: torch.nn.Module, x_uint8: Tensor, norm, device: torch.
 # ----------------------------------------------------------------------------------------------
 
 
-def make_extension_factory(cfg: Config, public, global_model: torch.nn.Module, augment, norm,
-                           device: torch.device):
-    """The per-client extension builder for `loss.contrast` (None for `none`)."""
+def build_public_bank(cfg: Config, public: tuple[Tensor, Tensor] | None, global_model: torch.nn.Module, augment,
+                      norm, device: torch.device) -> Tensor | None:
+    """The server's side of `public-bank` / `two-stage`: train the teacher on the held-out slice and return its
+    normalised features of that slice (None for every other `loss.contrast`)."""
+    if cfg.loss.contrast not in ("public-bank", "two-stage"):
+        return None
+    if public is None:
+        raise FlareError(f"loss.contrast={cfg.loss.contrast} needs a public slice held out by the server, but "
+                         "dataset.public_size is 0.", key="dataset.public_size",
+                         fix="set dataset.public_size to the number of training samples the server holds "
+                             "out (e.g. dataset.public_size=1000).")
+    teacher, _losses = train_teacher(cfg, public, global_model, augment, device)
+    return teacher_bank(teacher, public[0], norm, device, cfg.test_batch_size)
+
+
+def extension_factory(cfg: Config, bank: Tensor | None, device: torch.device):
+    """The per-client extension builder for `loss.contrast` (None for `none`); `bank` is the server's public bank
+    (`build_public_bank`) for public-bank / two-stage."""
     kind = cfg.loss.contrast
     if kind == "none":
         return None
@@ -226,22 +235,14 @@ def make_extension_factory(cfg: Config, public, global_model: torch.nn.Module, a
             return MemoryBankExtension(cfg.loss.bank_size, client.model.feature_dim, device)
 
         return memory
-    if kind in ("public-bank", "two-stage"):
-        if cfg.dataset.public_size <= 0 or public is None:
-            raise FlareError(f"loss.contrast={kind} needs a public slice held out by the server, but "
-                             "dataset.public_size is 0.", key="dataset.public_size",
-                             fix="set dataset.public_size to the number of training samples the server holds "
-                             "out (e.g. dataset.public_size=1000).")
-        teacher, losses = train_teacher(cfg, public, global_model, augment, device)
-        bank = teacher_bank(teacher, public[0], norm, device, cfg.test_batch_size)
-        del teacher
-        stages = cfg.loss.alignment_epochs if kind == "two-stage" else None
+    if bank is None:
+        raise FlareError(f"loss.contrast={kind} needs the server's public bank, which is missing.",
+                         key="loss.contrast", fix="the server builds it from dataset.public_size; check the run's "
+                                                  "setup (a Flower node receives it with its first task).")
+    stages = cfg.loss.public_stage_epochs if kind == "two-stage" else None
+    b = bank.to(device)
 
-        def public_ext(client, ctx):
-            return PublicBankExtension(bank, cfg.loss.bank_tau, stages)
+    def public_ext(client, ctx):
+        return PublicBankExtension(b, cfg.loss.bank_tau, stages)
 
-        public_ext.teacher_losses = losses  # for inspection / tests
-        public_ext.bank = bank
-        return public_ext
-    raise FlareError(f"unknown contrast extension '{kind}'.", key="loss.contrast",
-                     fix="use none, memory-bank, public-bank or two-stage.")
+    return public_ext

@@ -1,0 +1,210 @@
+"""Building a config: presets, the layering defaults <- preset <- file <- overrides, and error messages.
+
+A *method* is nothing but a preset: a few lines of YAML in `flare/presets/` that pick the composable parts
+(objective, anchors, schedule, λ learner, gradient surgery, server rules). Every mistake becomes a
+`FlareError` that names the key and the fix (the CLI prints it, exit code 2).
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+from importlib import resources
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from flare.config.schema import RENAMED, RENAMED_VALUES, Config, KeyedValueError
+from flare.errors import FlareError
+
+
+# ----------------------------------------------------------------------------------------------
+# presets
+
+
+def _preset_dir():
+    return resources.files("flare") / "presets"
+
+
+def list_presets() -> dict[str, dict]:
+    """name -> the preset's YAML mapping (with its description and the notes' V-number)."""
+    out = {}
+    for f in sorted(_preset_dir().iterdir(), key=lambda p: p.name):
+        if f.name.endswith(".yaml"):
+            out[f.name[:-5]] = yaml.safe_load(f.read_text()) or {}
+    return out
+
+
+def preset_mapping(name: str) -> dict:
+    presets = list_presets()
+    if name not in presets:
+        close = difflib.get_close_matches(name, presets, n=3)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise FlareError(f"unknown preset '{name}'.{hint}", key="preset",
+                         fix=f"use one of: {', '.join(presets)} (`flare presets` lists them).")
+    m = presets[name]
+    m.setdefault("method", name)
+    m["preset"] = name
+    return m
+
+
+# ----------------------------------------------------------------------------------------------
+# layering and validation
+
+
+def deep_merge(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """`a.b=3 c=[1,2]` -> {'a': {'b': 3}, 'c': [1, 2]} (values parsed as YAML scalars)."""
+    out: dict = {}
+    for item in items:
+        if "=" not in item:
+            raise FlareError(f"override '{item}' is not of the form KEY=VALUE.", key=item,
+                             fix="write e.g. partition.alpha=0.1")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise FlareError(f"override '{item}' has an empty key.", fix="write e.g. rounds=5")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() != "" else None
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise FlareError(f"override '{item}' conflicts with another override.", key=key)
+        node[parts[-1]] = value
+    return out
+
+
+def known_keys(model: type[BaseModel] = None, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (sections included)."""
+    model = model or Config
+    keys = []
+    for name, field in model.model_fields.items():
+        keys.append(prefix + name)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys += known_keys(ann, prefix + name + ".")
+    return keys
+
+
+def _explain(err: ValidationError) -> FlareError:
+    """Turn pydantic's report into one paragraph that names the key and the fix."""
+    lines, first_key, fix = [], None, None
+    known = known_keys()
+    for e in err.errors():
+        key = ".".join(str(x) for x in e["loc"])
+        cause = (e.get("ctx") or {}).get("error")
+        if not key and isinstance(cause, KeyedValueError):
+            key = cause.key
+        first_key = first_key or key
+        if e["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(key, known, n=1)
+            lines.append(f"unknown key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+            fix = fix or "remove it or correct its spelling; README's config reference lists every key."
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{msg}" if isinstance(cause, KeyedValueError) else f"{key}={e.get('input')!r}: {msg}")
+            fix = fix or "correct that value (README's config reference gives types and ranges)."
+    return FlareError("invalid configuration: " + "; ".join(lines) + ".", key=first_key, fix=fix)
+
+
+def _check_renamed(mapping: dict) -> None:
+    for old, new in RENAMED.items():
+        *path, name = old.split(".")
+        node = mapping
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and name in node:
+            value = node[name]
+            value = RENAMED_VALUES.get(old, {}).get(value, value) if isinstance(value, (bool, int, str)) else value
+            raise FlareError(f"'{old}' was renamed to '{new}'.", key=old, fix=f"write {new}={value} instead.")
+
+
+def build_config(mapping: dict) -> Config:
+    _check_renamed(mapping)
+    try:
+        return Config.model_validate(mapping)
+    except ValidationError as err:
+        raise _explain(err) from None
+
+
+def read_yaml_mapping(path: str | Path, what: str = "config file", key: str = "--config") -> dict:
+    """A YAML file holding a mapping, or a FlareError that says what is wrong with it (missing, a directory,
+    not text, not YAML, not a mapping)."""
+    path = Path(path)
+    if path.is_dir():
+        raise FlareError(f"{what} '{path}' is a directory, not a file.", key=key, fix="give the path of a YAML file.")
+    if not path.is_file():
+        raise FlareError(f"{what} '{path}' does not exist.", key=key, fix="give the path of a YAML file.")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise FlareError(f"{what} '{path}' is not a text file (it is not UTF-8).", key=key,
+                         fix="give the path of a YAML file.") from None
+    except OSError as e:
+        raise FlareError(f"{what} '{path}' cannot be read: {e.strerror}.", key=key) from None
+    try:
+        mapping = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise FlareError(f"{what} '{path}' is not valid YAML: {e}", key=key) from None
+    if not isinstance(mapping, dict):
+        raise FlareError(f"{what} '{path}' must hold a mapping of keys.", key=key)
+    return mapping
+
+
+def load_config(config_file: str | Path | None = None, preset: str | None = None,
+                overrides: list[str] | dict | None = None) -> Config:
+    """defaults <- preset <- file <- overrides. The file may name a preset with `preset: NAME`."""
+    file_map = read_yaml_mapping(config_file) if config_file is not None else {}
+    ov = overrides if isinstance(overrides, dict) else parse_overrides(list(overrides or []))
+    preset = preset or ov.get("preset") or file_map.get("preset")
+    mapping: dict = {}
+    if preset:
+        mapping = deep_merge(mapping, preset_mapping(preset))
+    mapping = deep_merge(mapping, file_map)
+    mapping = deep_merge(mapping, ov)
+    if preset:
+        mapping["preset"] = preset
+    return build_config(mapping)
+
+
+def config_for_preset(base: dict, preset: str) -> Config:
+    """The base mapping (user file + overrides) applied over a preset — `flare compare` and sweeps build each
+    method's config this way, so every method shares the partition, seed and data."""
+    m = deep_merge(preset_mapping(preset), {k: v for k, v in base.items() if k != "preset"})
+    m["preset"] = preset
+    return build_config(m)
+
+
+def config_to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def config_reference() -> list[tuple[str, str, str, str]]:
+    """(key, type, default, description) for every key — the README's config table is built from this."""
+    rows = []
+
+    def walk(model: type[BaseModel], inst: BaseModel, prefix: str):
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            val = getattr(inst, name)
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, val, prefix + name + ".")
+                continue
+            t = str(ann).replace("typing.", "").replace("<class '", "").replace("'>", "")
+            rows.append((prefix + name, t, repr(val), field.description or ""))
+
+    walk(Config, Config(), "")
+    return rows

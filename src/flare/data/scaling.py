@@ -1,0 +1,57 @@
+"""Input scaling: how uint8 images become the model's inputs, for training views and for evaluation.
+
+`augment.input_scaling=dataset` (ours): x/255 standardised by the training set's mean/std, before training
+(after the augmentation) and at test time alike.
+
+`augment.input_scaling=reference`: the reference code's transforms (`dataset_helper.py::load_dataset` and
+`NORMALIZE_DICT`, identical in the official FAFI code and the fork; `our_main.py::get_supcon_transform`). Each
+dataset has a *dataset transform* (applied to training and test images) and the augmentation ends with its own
+Normalize:
+
+    dataset            dataset transform (train and test)      augmentation's Normalize
+    cifar10, tiny      ToTensor only → [0, 1]                   (0.5, 0.5) → train views in [−1, 1]
+    cifar100           Normalize(CIFAR-100 mean/std)            CIFAR-100 mean/std again (double)
+    svhn               Normalize(0.5, 0.5) → [−1, 1]            (0.5, 0.5) again (double)
+    anything else      as CIFAR-10 (the reference has no Fashion-MNIST, MNIST or image-folder entry; CIFAR-10's
+                       pattern — ToTensor + Normalize(0.5) in the augmentation — is its pattern without a dataset
+                       normalisation)
+
+so for CIFAR-10 the model trains on [−1, 1] and is tested on [0, 1]. The augmentation runs on the
+dataset-transformed tensor: for CIFAR-100 and SVHN the colour jitter (kornia's, like torchvision's tensor
+backend, clamps every jitter op to [0, 1]) clamps the images it fires on, the others keep their range. The
+un-augmented view (the baselines' `loss.ce_input=plain`, the server's public bank, evaluation) is the dataset
+transform alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+Stats = tuple[tuple[float, ...], tuple[float, ...]]
+
+HALF: Stats = ((0.5,), (0.5,))
+IDENTITY: Stats = ((0.0,), (1.0,))
+CIFAR100: Stats = ((0.5071, 0.4867, 0.4408), (0.2675, 0.2565, 0.2761))
+
+
+@dataclass(frozen=True)
+class InputScaling:
+    """`pre`: the dataset transform before the augmentation (None: images enter the augmentation in [0, 1]);
+    `post`: the augmentation's closing Normalize; `test`: the evaluation transform (and the un-augmented view)."""
+
+    pre: Stats | None
+    post: Stats
+    test: Stats
+
+
+def input_scaling(mode: str, dataset: str, mean, std) -> InputScaling:
+    """The scaling of `augment.input_scaling` for a dataset whose training set has statistics mean/std."""
+    if mode == "dataset":
+        stats = (tuple(mean), tuple(std))
+        return InputScaling(None, stats, stats)
+    if mode != "reference":
+        raise ValueError(f"unknown input scaling {mode!r}")
+    if dataset == "cifar100":
+        return InputScaling(CIFAR100, CIFAR100, CIFAR100)
+    if dataset == "svhn":
+        return InputScaling(HALF, HALF, HALF)
+    return InputScaling(None, HALF, IDENTITY)

@@ -1,0 +1,58 @@
+"""`flare compare`: several methods on the *same* partition, init and seed — each preset's config is the user's
+config file and overrides applied over the preset (`config.config_for_preset`), all validated before the first
+run starts — then the comparison report (`report.compare`)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from flare.config import config_for_preset, deep_merge, parse_overrides, read_yaml_mapping
+from flare.errors import FlareError
+from flare.report.compare import write_compare_report
+from flare.rundir import RunDir
+from flare.runner import Run
+
+
+def parse_presets(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    if not names:
+        raise FlareError("--presets is empty.", key="--presets", fix="give a comma-separated list, e.g. fafi,fedavg.")
+    if len(set(names)) < len(names):
+        raise FlareError(f"--presets names a method twice ({text}).", key="--presets", fix="list each preset once.")
+    return names
+
+
+def parse_seeds(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise FlareError(f"--seeds '{text}' is not a comma-separated list of integers.", key="--seeds",
+                         fix="write e.g. --seeds 1,2,3.") from None
+    if not seeds or len(set(seeds)) < len(seeds):
+        raise FlareError(f"--seeds '{text}' must list distinct seeds.", key="--seeds", fix="write e.g. --seeds 1,2,3.")
+    return seeds
+
+
+def run_compare(presets: list[str], out: Path, config_file: str | None = None, overrides: list[str] | None = None,
+                seeds: list[int] | None = None, quiet: bool = False, log=print) -> tuple[str, str]:
+    """Run (or resume) every preset into `out/<preset>` (with `seeds`: `out/<preset>/seed=<s>`, one run each), then
+    write compare.md and its figures; returns the title and the table."""
+    base = read_yaml_mapping(config_file) if config_file else {}
+    ov = parse_overrides(overrides or [])
+    base = deep_merge(base, ov)
+    if "preset" in base:
+        raise FlareError("`preset` in the config or overrides of `flare compare` would be overridden by --presets.",
+                         key="preset", fix="remove it; --presets lists the methods to compare.")
+    if seeds and "seed" in ov:
+        raise FlareError("both seed=... and --seeds are given.", key="--seeds",
+                         fix="give the seeds in one place (--seeds replaces the config file's seed).")
+    plan = []  # (preset, run directory, config): every config is validated before any run starts
+    for name in presets:
+        for s in seeds or [None]:
+            cfg = config_for_preset(base if s is None else {**base, "seed": s}, name)
+            plan.append((name, out / name if s is None else out / name / f"seed={s}", cfg))
+    RunDir(out).create()
+    for name, d, cfg in plan:
+        Run(cfg, d, quiet=quiet, label=name if seeds is None else f"{name} seed {cfg.seed}").execute()
+    return write_compare_report([(n, [d for m, d, _ in plan if m == n]) for n in presets], out)

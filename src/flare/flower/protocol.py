@@ -1,0 +1,191 @@
+"""The one-shot protocol on a node, engine-free: what the server sends (`Task`), a node's own data, and what a
+FLARE client does with a task. `client_app.py` wraps it in Flower's Message API; tests drive it directly.
+
+Same code paths as `flare run`: the client is `flare.client.trainer.Client`, built from `flare.setup` (training
+context, augmentation, anchors from the server's anchor seed), so a federation of the same config and seed
+computes the same numbers as the in-process runner.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from torch import Tensor
+
+from flare.client.trainer import Client
+from flare.config import Config, build_config, config_to_yaml
+from flare.data.partition import Partition
+from flare.errors import FlareError
+from flare.models import create_model
+from flare.setup import (DataMeta, amp_dtype_for, make_augment, make_train_context, normalizer, prepare_data,
+                         resolve_device, run_anchors, split, use_channels_last)
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass
+class Task:
+    """One train instruction: the run's config, the dataset facts, the anchor seed, and which rounds to
+    train ([round_start, round_end)). Deployment sends one task for all R rounds; simulation with
+    per-round snapshots sends R tasks of one round each."""
+
+    cfg: Config
+    meta: DataMeta
+    anchor_seed: int
+    round_start: int
+    round_end: int
+
+    def to_config(self) -> dict:
+        return {"protocol": PROTOCOL_VERSION, "config": config_to_yaml(self.cfg), "meta": self.meta.to_json(),
+                "anchor-seed": int(self.anchor_seed), "round-start": int(self.round_start),
+                "round-end": int(self.round_end)}
+
+    @classmethod
+    def from_config(cls, d) -> "Task":
+        if int(d.get("protocol", -1)) != PROTOCOL_VERSION:
+            raise FlareError(f"the server speaks FLARE federation protocol {d.get('protocol')}, this node "
+                             f"speaks {PROTOCOL_VERSION}.", fix="install the same flare-ofl version on every node.")
+        cfg = build_config(yaml.safe_load(str(d["config"])))
+        t = cls(cfg, DataMeta.from_json(str(d["meta"])), int(d["anchor-seed"]), int(d["round-start"]),
+                int(d["round-end"]))
+        if not 0 <= t.round_start < t.round_end <= cfg.rounds:
+            raise FlareError(f"task rounds [{t.round_start}, {t.round_end}) are outside 0..{cfg.rounds}.")
+        return t
+
+
+# ----------------------------------------------------------------------------------------------
+# a node's own data
+
+
+@dataclass
+class LocalData:
+    cid: int
+    x: Tensor                     # uint8 N×C×H×W, in the client's partition order
+    y: Tensor                     # int64 N
+    num_classes: int
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.y.numel())
+
+    def class_histogram(self) -> list[int]:
+        return np.bincount(self.y.numpy(), minlength=self.num_classes).astype(np.int64).tolist()
+
+    def normalized_entropy(self) -> float:
+        part = Partition([np.arange(self.num_samples)], self.num_classes, self.y.numpy())
+        return float(part.report()["clients"][0]["normalized_entropy"])
+
+
+_PARTITION_CACHE: dict[str, tuple] = {}
+
+
+def _run_partition(cfg: Config):
+    """(prepared data, partition) of the run — the very split `flare run` makes (same seed, same call)."""
+    key = json.dumps([cfg.dataset.model_dump(mode="json"), cfg.partition.model_dump(mode="json"), cfg.seed,
+                      cfg.num_clients])
+    if key not in _PARTITION_CACHE:
+        data, _public = prepare_data(cfg)
+        part = split(cfg, data.train_y, data.num_classes)
+        _PARTITION_CACHE.clear()  # one run's data per process
+        _PARTITION_CACHE[key] = (data, part)
+    return _PARTITION_CACHE[key]
+
+
+def partition_data(cfg: Config, cid: int) -> LocalData:
+    """Simulation (and a loopback federation): load the dataset and keep client `cid`'s part of the split."""
+    if not 0 <= cid < cfg.num_clients:
+        raise FlareError(f"partition-id {cid} is outside 0..{cfg.num_clients - 1} (num_clients={cfg.num_clients}).",
+                         key="partition-id", fix="start the node with a partition-id below num_clients.")
+    data, part = _run_partition(cfg)
+    ix = torch.as_tensor(part.client_indices[cid], dtype=torch.long)
+    return LocalData(cid, data.train_x[ix], data.train_y[ix], data.num_classes)
+
+
+def file_data(path: str | Path, cid: int, meta: DataMeta) -> LocalData:
+    """Deployment: a node's own samples in an .npz file with `x` (uint8 N×C×H×W) and `y` (int N),
+    read with allow_pickle=False (`flare federate --export-partitions` writes such files)."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FlareError(f"data-path '{p}' does not exist on this node.", key="data-path",
+                         fix="give the node an .npz file with arrays x (uint8 N×C×H×W) and y (labels).")
+    with np.load(p, allow_pickle=False) as z:
+        if "x" not in z or "y" not in z:
+            raise FlareError(f"'{p}' lacks the arrays x and y.", key="data-path")
+        x, y = z["x"], z["y"]
+    if x.dtype != np.uint8 or x.ndim != 4 or x.shape[1] != meta.in_channels or x.shape[2] != meta.image_size:
+        raise FlareError(f"'{p}': x has dtype {x.dtype} and shape {list(x.shape)}; the run needs uint8 "
+                         f"N×{meta.in_channels}×{meta.image_size}×{meta.image_size}.", key="data-path")
+    if y.ndim != 1 or len(y) != len(x) or y.dtype.kind not in "iu" or (len(y) and (y.min() < 0 or
+                                                                                  y.max() >= meta.num_classes)):
+        raise FlareError(f"'{p}': y must hold {len(x)} integer labels in 0..{meta.num_classes - 1}.",
+                         key="data-path")
+    return LocalData(cid, torch.from_numpy(np.array(x, copy=True)), torch.from_numpy(y.astype(np.int64)),
+                     meta.num_classes)
+
+
+def export_partitions(cfg: Config, out_dir: str | Path) -> list[Path]:
+    """Write every client's part of the run's split as `client-<i>.npz` (x, y) plus `dataset-meta.json`,
+    so that nodes of a deployment can be given their own local files."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data, _ = _run_partition(cfg)
+    paths = []
+    for i in range(cfg.num_clients):
+        d = partition_data(cfg, i)
+        p = out / f"client-{i}.npz"
+        np.savez(p, x=d.x.numpy(), y=d.y.numpy())
+        paths.append(p)
+    (out / "dataset-meta.json").write_text(DataMeta.from_data(data).to_json())
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------
+# the client side
+
+
+@dataclass
+class ClientResult:
+    cid: int
+    num_samples: int
+    class_histogram: list[int]
+    state: dict[str, Tensor] | None       # the upload (None for a client without samples)
+    records: list[dict]                   # one training-log line per round trained
+    carry: dict | None                    # Client.state_dict() to resume from, when rounds remain
+
+
+def client_train(task: Task, local: LocalData, init_state: dict[str, Tensor], resume: dict | None = None,
+                 bank: Tensor | None = None, device: str | None = None) -> ClientResult:
+    """Train rounds [task.round_start, task.round_end) of one client exactly as `flare run` does."""
+    cfg, meta = task.cfg, task.meta
+    hist = local.class_histogram()
+    if local.num_samples == 0:
+        return ClientResult(local.cid, 0, hist, None, [], None)
+    dev = resolve_device(device or cfg.device)
+    cl = use_channels_last(cfg, dev)
+    model = create_model(cfg.model.name, meta.in_channels, meta.num_classes, cfg.model.width, head=cfg.head)
+    model.load_state_dict(init_state)
+    model = model.to(dev)
+    if cl:
+        model = model.to(memory_format=torch.channels_last)
+    augment = make_augment(cfg, meta, dev)
+    anchors = run_anchors(cfg, meta.num_classes, model.feature_dim, dev, seed=task.anchor_seed)
+    if cfg.loss.contrast in ("public-bank", "two-stage") and bank is None:
+        raise FlareError(f"loss.contrast={cfg.loss.contrast} needs the server's public bank, which did not arrive "
+                         "with the task.")
+    ctx = make_train_context(cfg, local.x.to(dev), local.y.to(dev), augment, anchors, dev, amp_dtype_for(cfg, dev),
+                             cl, bank, plain=normalizer(cfg, meta))
+    client = Client(local.cid, torch.arange(local.num_samples, device=dev), model, ctx, local.normalized_entropy())
+    if resume is not None:
+        client.load_state_dict(resume)
+    if client.epochs_done != task.round_start * cfg.local_epochs:
+        raise FlareError(f"client {local.cid} has trained {client.epochs_done} epochs but was asked to start at "
+                         f"round {task.round_start}; its state between rounds was lost.")
+    records = [client.train_round(ctx, r) for r in range(task.round_start, task.round_end)]
+    upload = client.upload()
+    state = {k: v.detach().cpu() for k, v in upload.state.items()}
+    carry = client.state_dict() if task.round_end < cfg.rounds else None
+    return ClientResult(local.cid, local.num_samples, hist, state, records, carry)

@@ -1,0 +1,395 @@
+"""The server of a federated run, engine-free: the run settings of the Flower app, the upload gate, every
+evaluation checkpoint and the run directory. `server_app.py` wraps it in Flower's Message API; tests drive it
+directly and through Flower.
+
+The server builds what it sends (global init, anchor seed, public bank) and evaluates with the same functions as
+`flare run` (`flare.setup`), and writes the same run directory (through `flare.rundir.RunDir`, locked while it
+runs) plus federation.json and the saved global predictor.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import shlex
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flare.client.lam import runaway_warnings
+from flare.client.terms.banks import build_public_bank
+from flare.config import Config, load_config
+from flare.data.partition import Partition
+from flare.errors import FlareError
+from flare.flower.predictor import save_predictor
+from flare.flower.protocol import Task
+from flare.report.run_report import write_run_report
+from flare.rundata import RunData
+from flare.rundir import RunDir, config_differences
+from flare.server.upload import Upload, UploadSpec, validate_upload
+from flare.setup import (DataMeta, Evaluation, amp_dtype_for, anchor_seed, carries_server_protos, describe_partition,
+                         evaluate_uploads,
+                         init_global_model, make_augment, normalizer, prepare_data, resolve_device, run_anchors,
+                         use_channels_last)
+
+MAX_RECORDS_BYTES = 4_000_000  # a client's per-round training logs, as JSON text
+
+
+@dataclass
+class FederationSettings:
+    """The `[tool.flwr.app.config]` keys of the Flower app (overridable with `flwr run --run-config`)."""
+
+    preset: str = ""
+    config_file: str = ""
+    overrides: str = ""
+    out_dir: str = ""
+    upload: str = "per-round"      # "per-round": R messages, one snapshot per round; "once": one message
+    min_clients: int = 0           # 0: every client must answer
+    timeout: float = 3600.0        # seconds to wait for the replies to one message
+    wait_nodes: float = 60.0       # seconds to wait for num_clients nodes to connect
+    dataset_meta: str = ""         # JSON of DataMeta, for a server without the dataset (no test set)
+    save_predictor: bool = True
+
+    KEYS = {"preset": "preset", "config-file": "config_file", "overrides": "overrides", "out-dir": "out_dir",
+            "upload": "upload", "min-clients": "min_clients", "timeout": "timeout", "wait-nodes": "wait_nodes",
+            "dataset-meta": "dataset_meta", "save-predictor": "save_predictor"}
+
+    @classmethod
+    def from_run_config(cls, rc) -> "FederationSettings":
+        s = cls()
+        for key, attr in cls.KEYS.items():
+            if key in rc:
+                cur = getattr(s, attr)
+                v = rc[key]
+                setattr(s, attr, type(cur)(v) if not isinstance(cur, bool) else (
+                    v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes")))
+        if s.upload not in ("per-round", "once"):
+            raise FlareError(f"upload='{s.upload}' is neither 'per-round' nor 'once'.", key="upload",
+                             fix="set upload=\"per-round\" (simulation, curve over rounds) or \"once\" (deployment).")
+        if s.min_clients < 0:
+            raise FlareError("min-clients must be >= 0 (0: every client).", key="min-clients")
+        return s
+
+    def load_config(self) -> Config:
+        return load_config(self.config_file or None, self.preset or None, shlex.split(self.overrides))
+
+
+@dataclass
+class Reply:
+    """What the engine hands back for one node: an error string, or the decoded reply fields (any of
+    which may be malformed; `accept` checks them)."""
+
+    node: int
+    error: str | None = None
+    meta: dict = field(default_factory=dict)
+    state: dict | None = None
+    decode_error: str | None = None
+
+
+def _sanitize_records(text, cid: int, rounds: range) -> tuple[list[dict], str | None]:
+    if not isinstance(text, str):
+        return [], "training logs are not text"
+    if len(text) > MAX_RECORDS_BYTES:
+        return [], f"training logs are {len(text)} bytes, more than {MAX_RECORDS_BYTES}"
+    try:
+        recs = json.loads(text)
+    except json.JSONDecodeError as e:
+        return [], f"training logs are not JSON ({e.msg})"
+    if not isinstance(recs, list) or len(recs) != len(rounds):
+        return [], f"expected {len(rounds)} training-log records"
+    out = []
+    for rec, r in zip(recs, rounds):
+        if not isinstance(rec, dict) or rec.get("client") != cid or rec.get("round") != r:
+            return [], f"training-log record for round {r} is malformed or names another client/round"
+        clean = {}
+        for k, v in rec.items():
+            if isinstance(k, str) and (v is None or isinstance(v, (bool, int, float, str))):
+                clean[k] = v
+            elif isinstance(k, str) and isinstance(v, list) and all(isinstance(x, (int, float)) for x in v):
+                clean[k] = v
+        clean["kind"] = "client"
+        out.append(clean)
+    return out, None
+
+
+class ServerSession:
+    """The server of one federated run: it owns the run directory (the same files as `flare run`, minus
+    the client checkpoint), the test set (when it has one), the global init, the anchors, the upload gate,
+    and every evaluation checkpoint."""
+
+    def __init__(self, cfg: Config, fed: FederationSettings, log=print):
+        if carries_server_protos(cfg):
+            raise FlareError("server.protos_flow=reference sends the server's G to the clients every round, which "
+                             "the Flower engine does not do.", key="server.protos_flow",
+                             fix="run it with `flare run`, or set server.protos_flow=spec for a federation.")
+        self.cfg, self.fed, self.log = cfg, fed, log
+        self.warnings: list[str] = []
+        self.out = Path(fed.out_dir or f"runs/flower-{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
+        self.dir = RunDir(self.out).lock(key="out-dir")
+        old = self.dir.read_config()
+        self.finished_already = (old is not None and not config_differences(old, cfg.model_dump(mode="json"))
+                                 and self.dir.read_state().get("status") == "finished")
+        if self.finished_already:
+            return
+        self.device = resolve_device(cfg.device)
+        self.amp_dtype = amp_dtype_for(cfg, self.device)
+        self.channels_last = use_channels_last(cfg, self.device)
+        self.test_x = self.test_y = None
+        public = None
+        try:
+            data, public = prepare_data(cfg)
+            self.meta = DataMeta.from_data(data)
+            self.test_x, self.test_y = data.test_x.to(self.device), data.test_y.to(self.device)
+        except FlareError as e:
+            if not fed.dataset_meta:
+                raise
+            self.meta = DataMeta.from_json(Path(fed.dataset_meta).read_text())
+            self._warn(f"the server has no dataset ({e.message}); it evaluates nothing and uses the dataset "
+                       f"facts in {fed.dataset_meta}.")
+        meta = self.meta
+        self.norm = normalizer(cfg, meta)
+        self.template = init_global_model(cfg, meta, self.device)
+        self.init_state = {k: v.detach().cpu().clone() for k, v in self.template.state_dict().items()}
+        self.anchor_seed = anchor_seed(cfg)
+        self.anchors = run_anchors(cfg, meta.num_classes, self.template.feature_dim, self.device)
+        bank = build_public_bank(cfg, public, self.template, make_augment(cfg, meta, self.device), self.norm,
+                                 self.device)
+        self.bank = bank.cpu() if bank is not None else None
+        self.spec = UploadSpec.from_model(self.template, meta.num_classes)
+        protos = getattr(self.template, "prototypes", None)
+        self.proto_key = next((k for k, p in self.template.named_parameters() if p is protos), None)
+        self.node_client: dict[int, int] = {}   # node id -> client id (fixed by its first reply)
+        self.histograms: dict[int, list[int]] = {}
+        self.empty: set[int] = set()
+        self.events: list[dict] = []            # who was missing or rejected, and why
+        self.last_uploads: list = []
+        self.last: Evaluation | None = None
+        self.dir.write_config(cfg)
+        self.dir.clear_checkpoints()
+        self.dir.write_metrics([])
+        self.dir.write_state("running", 0, self.warnings)
+
+    def close(self) -> None:
+        self.dir.unlock()
+
+    # -- messages ---------------------------------------------------------------------------------
+    @property
+    def required(self) -> int:
+        return self.fed.min_clients or self.cfg.num_clients
+
+    def task(self, round_start: int, round_end: int) -> Task:
+        return Task(self.cfg, self.meta, self.anchor_seed, round_start, round_end)
+
+    def blocks(self) -> list[tuple[int, int]]:
+        R = self.cfg.rounds
+        return [(r, r + 1) for r in range(R)] if self.fed.upload == "per-round" else [(0, R)]
+
+    # -- the gate ---------------------------------------------------------------------------------
+    def accept(self, round_start: int, round_end: int, nodes: list[int], replies: list[Reply]):
+        """Check every reply of one block; returns (uploads sorted by client id, their training logs, the
+        nodes to keep for the next block). Missing and rejected clients are logged and recorded."""
+        rounds = range(round_start, round_end)
+        by_node: dict[int, Reply] = {}
+        for rep in replies:
+            if rep.node in nodes and rep.node not in by_node:
+                by_node[rep.node] = rep
+        uploads: dict[int, Upload] = {}
+        logs: dict[int, list[dict]] = {}
+        keep: list[int] = []
+        for node in nodes:
+            rep = by_node.get(node)
+            known = self.node_client.get(node)
+            if rep is None:
+                self._event("missing", round_end - 1, node, known,
+                            [f"no reply within {self.fed.timeout:g} s (crashed, disconnected or too slow)"])
+                continue
+            if rep.error is not None:
+                self._event("missing", round_end - 1, node, known, [f"the node reported an error: {rep.error}"])
+                continue
+            reasons: list[str] = []
+            m = rep.meta
+            cid, n, hist = m.get("client"), m.get("num-samples"), m.get("class-histogram")
+            if not isinstance(cid, int) or isinstance(cid, bool) or not 0 <= cid < self.cfg.num_clients:
+                reasons.append(f"client id {cid!r} is not in 0..{self.cfg.num_clients - 1}")
+            elif known is not None and known != cid:
+                reasons.append(f"the node answered as client {known} before and as client {cid} now")
+            elif known is None and cid in self.node_client.values():
+                reasons.append(f"client {cid} already answered from another node")
+            elif cid in uploads:
+                reasons.append(f"client {cid} answered twice")
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                reasons.append(f"sample count {n!r} is not a non-negative integer")
+            if (not isinstance(hist, list) or len(hist) != self.meta.num_classes
+                    or not all(isinstance(h, int) and h >= 0 for h in hist)):
+                reasons.append(f"class histogram is not {self.meta.num_classes} non-negative counts "
+                               "(a class count that does not match the run?)")
+            elif isinstance(n, int) and sum(hist) != n:
+                reasons.append(f"class histogram sums to {sum(hist)}, not to the sample count {n}")
+            if reasons:
+                self._event("rejected", round_end - 1, node, known, reasons)
+                continue
+            if n == 0:
+                if cid not in self.empty:
+                    self._warn(f"client {cid} received no samples under this partition; it is skipped (weight 0).")
+                self.node_client[node], self.histograms[cid] = cid, hist
+                self.empty.add(cid)
+                continue
+            if rep.decode_error is not None or rep.state is None:
+                self._event("rejected", round_end - 1, node, cid,
+                            [f"upload could not be decoded: {rep.decode_error or 'no weights'}"])
+                continue
+            up = Upload(client=cid, state=rep.state, num_samples=n,
+                        prototypes=rep.state.get(self.proto_key) if self.proto_key else None)
+            reasons = validate_upload(up, self.spec)
+            recs, why = _sanitize_records(m.get("records"), cid, rounds)
+            if why:
+                reasons.append(why)
+            if reasons:
+                self._event("rejected", round_end - 1, node, cid, reasons)
+                continue
+            self.node_client[node], self.histograms[cid] = cid, hist
+            uploads[cid], logs[cid] = up, recs
+            keep.append(node)
+        order = sorted(uploads)  # the in-process runner's order: fusion sums in client order
+        recs = sorted((rec for c in order for rec in logs[c]), key=lambda rec: (rec["round"], rec["client"]))
+        return [uploads[c] for c in order], recs, keep
+
+    def heard_from(self, uploads) -> int:
+        return len(uploads) + len(self.empty)
+
+    def check_quorum(self, uploads, round_idx: int) -> None:
+        got = self.heard_from(uploads)
+        if not uploads or got < self.required:
+            missing = sorted(set(range(self.cfg.num_clients)) - {u.client for u in uploads} - self.empty)
+            msg = (f"round {round_idx + 1}: {len(uploads)} valid upload(s) (+{len(self.empty)} client(s) without data) "
+                   f"from {self.cfg.num_clients} clients, fewer than min_clients={self.required}; missing or "
+                   f"rejected: {missing}. The federation stops here; the run directory keeps the earlier rounds "
+                   "and federation.json says who failed and why.")
+            self._fail(msg)
+            raise FlareError(msg, key="min-clients",
+                             fix="bring the missing nodes up (see federation.json for the reasons), or lower "
+                                 "min-clients if the run may proceed without them.")
+
+    # -- evaluation and files -----------------------------------------------------------------------
+    def evaluate(self, round_idx: int, uploads, client_logs: list[dict]) -> dict:
+        t0 = time.perf_counter()
+        models = []
+        for u in uploads:
+            m = copy.deepcopy(self.template)
+            m.load_state_dict(u.state)
+            if self.channels_last:
+                m = m.to(memory_format=torch.channels_last)
+            models.append(m.to(self.device))
+        ev = evaluate_uploads(self.cfg, round_idx, uploads, models, self.anchors, self.test_x, self.test_y, self.norm,
+                              amp_dtype=self.amp_dtype, channels_last=self.channels_last)
+        rec = ev.record
+        rec["clients"] = [u.client for u in uploads]
+        missing = sorted(set(range(self.cfg.num_clients)) - set(rec["clients"]) - self.empty)
+        rec["missing_clients"] = missing
+        rec["seconds"] = time.perf_counter() - t0
+        for w in runaway_warnings(self.cfg, client_logs):
+            self._warn(w)
+        self.dir.append(client_logs + [rec])
+        self.dir.write_state("running", round_idx + 1, self.warnings)
+        self.last_uploads, self.last = uploads, ev
+        acc = rec.get("acc")
+        self.log(f"round {round_idx + 1}: {len(uploads)} upload(s)"
+                 + (f", acc ({rec['primary']}) {100 * acc:.2f}%" if acc is not None else "")
+                 + (f", missing {missing}" if missing else ""))
+        return rec
+
+    def write_partition(self) -> None:
+        C, K = self.meta.num_classes, self.cfg.num_clients
+        labels, indices, start = [], [], 0
+        for i in range(K):
+            h = self.histograms.get(i, [0] * C)
+            lab = np.repeat(np.arange(C), h)
+            labels.append(lab)
+            indices.append(np.arange(start, start + len(lab)))
+            start += len(lab)
+        part = Partition(indices, C, np.concatenate(labels) if labels else np.zeros(0, np.int64))
+        report = describe_partition(self.cfg, part, self.meta.classes)
+        for c in report["clients"]:
+            if c["client"] not in self.histograms:
+                c["missing"] = True
+        report["source"] = "class histograms reported by the clients"
+        self.dir.write_partition(report)
+
+    def finish(self) -> dict:
+        self.write_partition()
+        self._write_federation("finished")
+        if self.fed.save_predictor and self.last_uploads:
+            save_predictor(self.dir, self.cfg, self.meta, self.last_uploads, self.last.weights, self.last.G,
+                           self.last.record, self.template.feature_dim)
+        self.dir.write_state("finished", self.cfg.rounds, self.warnings)
+        write_run_report(self.out)
+        if self.test_x is None:  # nothing was scored
+            return {"method": self.cfg.method, "primary": self.last.record["primary"], "acc": None,
+                    "rounds": len(self.blocks())}
+        return RunData.load(self.out).summary()
+
+    def _write_federation(self, status: str, error: str | None = None) -> None:
+        d = {"status": status, "upload": self.fed.upload, "num_clients": self.cfg.num_clients,
+             "min_clients": self.required, "timeout_s": self.fed.timeout,
+             "nodes": {str(n): c for n, c in sorted(self.node_client.items())},
+             "clients_without_data": sorted(self.empty), "events": self.events}
+        if error:
+            d["error"] = error
+        self.dir.write_text("federation.json", json.dumps(d, indent=1))
+
+    def _fail(self, msg: str) -> None:
+        self.warnings.append(msg)
+        if self.histograms:
+            self.write_partition()
+        self._write_federation("failed", msg)
+        self.dir.write_state("failed", self.dir.read_state().get("rounds_done", 0), self.warnings, error=msg)
+
+    def _event(self, kind: str, round_idx: int, node: int, cid, reasons: list[str]) -> None:
+        who = f"client {cid}" if cid is not None else f"node {node}"
+        msg = f"round {round_idx + 1}: {who} {'is missing' if kind == 'missing' else 'upload rejected'}: " + \
+              "; ".join(reasons)
+        self.events.append({"kind": kind, "round": round_idx, "node": node, "client": cid, "reasons": reasons})
+        self._warn(msg)
+
+    def _warn(self, msg: str) -> None:
+        self.warnings.append(msg)
+        self.log("WARNING: " + msg)
+
+
+def run_federation(cfg: Config, fed: FederationSettings, exchange, node_ids: list[int], log=print) -> dict:
+    """The server's whole protocol over an engine: `exchange(task, include_init, nodes) -> list[Reply]`
+    sends one task to `nodes` and returns their replies within the timeout (Flower's grid in
+    `server_app.py`; a direct call in tests)."""
+    if fed.min_clients > cfg.num_clients:
+        raise FlareError(f"min-clients={fed.min_clients} exceeds num_clients={cfg.num_clients}.", key="min-clients",
+                         fix="set min-clients at most num_clients (0: every client).")
+    s = ServerSession(cfg, fed, log=log)
+    try:
+        if s.finished_already:
+            log(f"{s.out}: finished earlier; nothing to recompute.")
+            return RunData.load(s.out).summary()
+        if len(node_ids) < s.required:
+            msg = (f"only {len(node_ids)} node(s) connected, fewer than min_clients={s.required} "
+                   f"(num_clients={cfg.num_clients}).")
+            s._fail(msg)
+            raise FlareError(msg, key="min-clients", fix="start more SuperNodes or lower min-clients.")
+        if len(node_ids) < cfg.num_clients:
+            s._warn(f"{len(node_ids)} node(s) connected for {cfg.num_clients} clients; proceeding with min_clients="
+                    f"{s.required}.")
+        nodes = list(node_ids)
+        logs: list[dict] = []
+        for start, end in s.blocks():
+            if not nodes:
+                uploads = []
+            else:
+                replies = exchange(s.task(start, end), start == 0, nodes, s)
+                uploads, logs, nodes = s.accept(start, end, nodes, replies)
+            s.check_quorum(uploads, end - 1)
+            s.evaluate(end - 1, uploads, logs)
+        summary = s.finish()
+    finally:
+        s.close()
+    summary["out"] = str(s.out)
+    return summary

@@ -1,0 +1,450 @@
+"""Every figure FLARE draws: one run's plots (accuracy, label distribution, diagnostics, λ), the comparison of
+methods, and the report figures over rows of runs (accuracy curves, learned λ, parameter sweeps).
+
+Conventions shared by every figure: a method has one colour everywhere (`method_colour`), rounds are counted from
+1 (round r = the evaluation after r rounds of training) and ticked at integers, legends sit outside the axes so
+they never cover data, and a curve over seeds is the mean with a ±std band.
+"""
+from __future__ import annotations
+
+import math
+import textwrap
+import zlib
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display is ever needed
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from flare.config import preset_mapping  # noqa: E402
+from flare.report.runs import Row, SweepLine, fmt_value, short_key  # noqa: E402
+from flare.rundata import RunData  # noqa: E402
+from flare.rundir import ACC_ORDER, DIAG  # noqa: E402
+
+COMPARE_DIAG = ("g_protos_std", "inter_client_proto_std")
+# One colour per method in every figure; the methods of Table 1 and the main job get the most distinct ones.
+METHOD_COLOURS = {
+    "fedavg": "#7f7f7f", "ensemble": "#ff7f0e", "fafi": "#1f77b4", "etf-anneal": "#2ca02c", "flare": "#d62728",
+    "drcl": "#17becf", "drcl-anneal": "#9467bd", "progressive": "#8c564b", "entropy-lambda": "#bcbd22",
+    "server-protos": "#e377c2", "entropy-server-protos": "#f7b6d2", "pcgrad": "#98df8a", "memory-bank": "#c7c7c7",
+    "public-bank": "#dbdb8d", "two-stage": "#9edae5", "uw": "#c5b0d5", "uw-rescaled": "#aec7e8",
+    "uw-anneal-linear": "#ffbb78", "uw-anneal-cosine": "#c49c94", "decoupled": "#ff9896", "decoupled-stable": "#393b79",
+}
+_RULE_COLOURS = {"feature": "C0", "iffi": "C1", "iffi_reference": "C2", "output": "C3", "fedavg": "C4"}
+
+
+def method_colour(method: str):
+    """The method's colour (a stable pick from a palette for a method that is not a preset)."""
+    if method in METHOD_COLOURS:
+        return METHOD_COLOURS[method]
+    return plt.get_cmap("tab20b")(zlib.crc32(method.encode()) % 20)
+
+
+def v7_lambda0() -> float:
+    """V7's λ0 (its preset's): the hand-made schedule λ0(1 − p) that learned-λ plots are drawn beside."""
+    return float(preset_mapping("etf-anneal")["align"]["lambda0"])
+
+
+def integer_rounds(*axes) -> None:
+    """Rounds are counted: tick them at integers only."""
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _legend_outside(ax, **kw) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=kw.pop("fontsize", 8),
+                  **kw)
+
+
+def _save(fig, path: Path, dpi: int = 120) -> None:
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _wrap(title: str, width: int = 90) -> str:
+    return "\n".join(textwrap.wrap(title, width)) if len(title) > width else title
+
+
+def _log_if_decades(ax, values, axis: str = "y", ratio: float = 100.0) -> None:
+    v = np.asarray([x for x in np.ravel(values) if np.isfinite(x) and x > 0])
+    if len(v) and v.max() / v.min() >= ratio:
+        (ax.set_yscale if axis == "y" else ax.set_xscale)("log")
+
+
+def run_title(run: RunData) -> str:
+    c = run.cfg
+    part = c.get("partition", {})
+    return (f"{run.method} on {c.get('dataset', {}).get('name', '')}, {part.get('kind', '')} "
+            f"α={fmt_value(part.get('alpha'))}, seed {c.get('seed')}")
+
+
+# ----------------------------------------------------------------------------------------------
+# one run
+
+
+def plot_accuracy(run: RunData, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    x = run.round_numbers()
+    for k in ACC_ORDER:
+        if run.rounds and k in run.rounds[0]:
+            rule = k.removeprefix("acc_")
+            ax.plot(x, 100 * run.curve(k), marker="o", ms=3, color=_RULE_COLOURS[rule],
+                    label=rule + (" (primary)" if rule == run.primary else ""))
+    ax.set(xlabel="round", ylabel="test accuracy (%)", title=_wrap(run_title(run), 60))
+    ax.title.set_fontsize(9)
+    integer_rounds(ax)
+    ax.grid(alpha=0.3)
+    _legend_outside(ax, title="global predictor")  # a server without a test set has no curves: no legend
+    _save(fig, path)
+
+
+def plot_label_distribution(partition: dict, path: Path) -> None:
+    """Clients × classes heat map of sample counts — the picture of the non-IID split, every class named."""
+    hist = np.array([c["class_histogram"] for c in partition["clients"]])
+    K, C = hist.shape
+    classes = [str(c) for c in partition.get("classes") or range(C)]
+    fig, ax = plt.subplots(figsize=(max(5.5, 0.45 * C + 2.5), max(2.8, 0.45 * K + 2.0)))
+    im = ax.imshow(hist, aspect="auto", cmap="viridis")
+    if K * C <= 400:
+        for i in range(K):
+            for j in range(C):
+                ax.text(j, i, str(hist[i, j]), ha="center", va="center", fontsize=7,
+                        color="white" if hist[i, j] < hist.max() / 2 else "black")
+    ax.set(xlabel="class", ylabel="client", title=f"label distribution: {partition.get('dataset', '')}, "
+                                                  f"{partition.get('kind', '')} α={partition.get('alpha', '')}, "
+                                                  f"seed {partition.get('seed', '')}")
+    ax.title.set_fontsize(9)
+    if C <= 60:  # every class ticked and named; beyond that the names would overlap
+        ax.set_xticks(range(C), classes, rotation=45 if max(map(len, classes)) > 3 else 0, ha="right"
+                      if max(map(len, classes)) > 3 else "center", fontsize=7)
+    ax.set_yticks(range(K), [f"{i} (n={hist[i].sum()})" for i in range(K)], fontsize=8)
+    fig.colorbar(im, ax=ax, label="samples")
+    _save(fig, path)
+
+
+def plot_diagnostics(run: RunData, path: Path) -> None:
+    keys = [k for k in DIAG if run.rounds and k in run.rounds[0]]
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.6), squeeze=False)
+    for ax, k in zip(axes[0], keys):
+        ax.plot(run.round_numbers(), run.curve(k), marker="o", ms=3, color=method_colour(run.method))
+        ax.set(xlabel="round", ylabel=k, title=k)
+        ax.title.set_fontsize(9)
+        integer_rounds(ax)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"SPEC §5 diagnostics — {run_title(run)}", fontsize=9)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def plot_lambda(run: RunData, path: Path) -> bool:
+    """λ per client against rounds; for λ-learner runs λ_eff and λ_raw, with V7's λ0(1 − p) beside. Clients whose
+    curves coincide (a fixed λ0 is the same for every client) are drawn once and said to be shared."""
+    clients = run.clients
+    keys = [k for k in ("lambda_eff", "lambda_raw", "lambda") if clients and k in clients[0]]
+    if not keys:
+        return False
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.2 * len(keys), 3.8), squeeze=False)
+    ids = sorted({c["client"] for c in clients})
+    shared_any = False
+    for ax, k in zip(axes[0], keys):
+        curves = {cid: [(c["round"] + 1, float(c[k])) for c in clients if c["client"] == cid] for cid in ids}
+        distinct: dict[tuple, list[int]] = {}
+        for cid, pts in curves.items():  # equal to 6 significant digits (a per-epoch mean's last bits differ)
+            key = tuple((r, float(f"{v:.6g}")) for r, v in pts)
+            distinct.setdefault(key, []).append(cid)
+        vals = [v for pts in distinct for _, v in pts]
+        for i, (pts, who) in enumerate(distinct.items()):
+            label = (f"all {len(who)} clients (the same λ)" if len(who) == len(ids) and len(ids) > 1
+                     else ", ".join(f"client {c}" for c in who))
+            ax.plot([r for r, _ in pts], [v for _, v in pts], marker="o", ms=2, color=f"C{i % 10}", label=label)
+        shared_any |= len(distinct) == 1 and len(ids) > 1
+        if k == "lambda_eff" and run.learner != "none":
+            R = int(run.cfg["rounds"])
+            lam0 = v7_lambda0()
+            p = np.arange(R) / R  # progress at the start of each round
+            ax.plot(np.arange(1, R + 1), lam0 * (1 - p), "k--", label=f"V7: λ0(1−p), λ0={lam0:g}")
+        finite = [v for v in vals if math.isfinite(v) and v > 0]
+        if finite and max(finite) / max(min(finite), 1e-12) > 100:
+            ax.set_yscale("log")
+        ax.set(xlabel="round", ylabel=k, title=f"{k} per client")
+        ax.title.set_fontsize(9)
+        integer_rounds(ax)
+        ax.grid(alpha=0.3)
+        _legend_outside(ax, fontsize=7)
+    fig.suptitle(f"alignment strength — {run_title(run)}"
+                 + (" (every client has the same λ)" if shared_any else ""), fontsize=9)
+    fig.tight_layout()
+    _save(fig, path)
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# rows of runs (methods, seeds aggregated)
+
+
+def _rounds_axis(row: Row, n: int) -> np.ndarray:
+    return np.array(row.runs[0].round_numbers()[:n])
+
+
+def _mean_band(ax, row: Row, x, c: np.ndarray, scale: float = 1.0, **kw) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        m = np.nanmean(c, axis=0)
+    colour = kw.pop("color", method_colour(row.method))
+    ax.plot(x, scale * m, marker="o", ms=3, color=colour, **kw)
+    if c.shape[0] > 1:
+        sd = np.nanstd(c, axis=0, ddof=1)
+        ax.fill_between(x, scale * (m - sd), scale * (m + sd), alpha=0.15, color=colour, lw=0)
+    return m
+
+
+def _seed_note(row: Row) -> str:
+    n = len(row.runs)
+    return f" (mean ± std, {n} seeds)" if n > 1 else ""
+
+
+def plot_accuracy_curves(rows: list[Row], path: Path, title: str) -> None:
+    """Figure 1 and the comparison: accuracy (primary global predictor) against rounds; mean over seeds, band ±std."""
+    fig, ax = plt.subplots(figsize=(7.2, 4.4))
+    for row in rows:
+        c = row.curves("acc")
+        if c.size == 0:
+            continue
+        _mean_band(ax, row, _rounds_axis(row, c.shape[1]), c, 100.0,
+                   label=f"{row.label} ({row.runs[0].primary}){_seed_note(row)}")
+    ax.set(xlabel="round", ylabel="test accuracy (%)", title=_wrap(title, 110))
+    ax.title.set_fontsize(9)
+    ax.grid(alpha=0.3)
+    _legend_outside(ax)
+    integer_rounds(ax)
+    _save(fig, path)
+
+
+def plot_compare_diagnostics(rows: list[Row], path: Path, title: str = "") -> bool:
+    """One panel per diagnostic, one line per method that has it; False (and no file) when none has any (plain
+    classifiers have no prototypes)."""
+    keys = [k for k in COMPARE_DIAG if any(r.rounds and k in r.rounds[0] for row in rows for r in row.runs)]
+    if not keys:
+        return False
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.0 * len(keys), 3.8), squeeze=False)
+    for ax, k in zip(axes[0], keys):
+        for row in rows:
+            if not any(r.rounds and k in r.rounds[0] for r in row.runs):
+                continue
+            c = row.curves(k)
+            _mean_band(ax, row, _rounds_axis(row, c.shape[1]), c, label=row.label + _seed_note(row))
+        ax.set(xlabel="round", ylabel=k, title=k)
+        ax.title.set_fontsize(9)
+        integer_rounds(ax)
+        ax.grid(alpha=0.3)
+    _legend_outside(axes[0][-1], fontsize=7)
+    if title:
+        fig.suptitle(_wrap(title, 110), fontsize=9)
+    fig.tight_layout()
+    _save(fig, path)
+    return True
+
+
+def v7_schedule(cfg: dict, n_rounds: int) -> np.ndarray:
+    """V7's hand-made λ0(1 − p), averaged over each round's epochs as the trainer logs it."""
+    R, E = int(cfg.get("rounds", n_rounds)), int(cfg.get("local_epochs", 1))
+    lam0 = v7_lambda0()
+    return np.array([np.mean([lam0 * (1 - e / (R * E)) for e in range(r * E, (r + 1) * E)]) for r in range(n_rounds)])
+
+
+def plot_lambda_eff(rows: list[Row], path: Path, title: str, v7_rows: list[Row] | None = None) -> bool:
+    """Figure 2: λ_eff of the λ-learner rows against rounds, beside V7's schedule λ0(1 − p)."""
+    rows = [r for r in rows if r.client_mean_curves("lambda_eff") is not None]
+    if not rows:
+        return False
+    fig, ax = plt.subplots(figsize=(7.2, 4.4))
+    allv = []
+    for row in rows:
+        c = row.client_mean_curves("lambda_eff")
+        x = _rounds_axis(row, c.shape[1])
+        m = _mean_band(ax, row, x, c, label=f"{row.label}: learned λ_eff (mean over clients)")
+        cc = row.runs[0].client_curve("lambda_eff")[: c.shape[1]]  # the spread over clients (first seed)
+        with np.errstate(all="ignore"):
+            lo, hi = np.nanmin(cc, axis=1), np.nanmax(cc, axis=1)
+        ax.fill_between(x, lo, hi, alpha=0.1, color=method_colour(row.method), hatch="//", lw=0,
+                        label=f"{row.label}: range over clients")
+        allv += list(m) + list(lo) + list(hi)
+    drawn = False
+    for row in v7_rows or []:
+        c = row.client_mean_curves("lambda")
+        if c is None:
+            continue
+        m = np.nanmean(c, axis=0)
+        ax.plot(_rounds_axis(row, c.shape[1]), m, "--", color=method_colour(row.method), lw=1.5,
+                label=f"{row.label}: hand-made λ0(1−p), λ0={fmt_value(row.runs[0].cfg.get('align', {}).get('lambda0'))}")
+        allv += list(m)
+        drawn = True
+    if not drawn:
+        ref = rows[0].runs[0]
+        n = rows[0].client_mean_curves("lambda_eff").shape[1]
+        y = v7_schedule(ref.cfg, n)
+        ax.plot(_rounds_axis(rows[0], n), y, "--", color=method_colour("etf-anneal"), lw=1.5,
+                label=f"V7 schedule λ0(1−p), λ0={fmt_value(v7_lambda0())}")
+        allv += list(y)
+    _log_if_decades(ax, allv)
+    ax.set(xlabel="round", ylabel="λ_eff (alignment weight)", title=_wrap(title))
+    integer_rounds(ax)
+    ax.title.set_fontsize(9)
+    ax.grid(alpha=0.3, which="both")
+    _legend_outside(ax, fontsize=7)
+    _save(fig, path)
+    return True
+
+
+def plot_acc_lambda_raw(rows: list[Row], path: Path, title: str) -> bool:
+    """Figure 3: accuracy and λ_raw against rounds (e.g. V12 beside FLARE)."""
+    rows = [r for r in rows if r.client_mean_curves("lambda_raw") is not None]
+    if not rows:
+        return False
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    allv = []
+    for row in rows:
+        c = row.curves("acc")
+        _mean_band(a1, row, _rounds_axis(row, c.shape[1]), c, 100.0, label=row.label + _seed_note(row))
+        lam = row.client_mean_curves("lambda_raw")
+        n = lam.shape[1]
+        m = _mean_band(a2, row, _rounds_axis(row, n), lam, label=f"{row.label} (mean over clients)")
+        cc = row.runs[0].client_curve("lambda_raw")[:n]
+        with np.errstate(all="ignore"):
+            hi = np.nanmax(cc, axis=1)
+        a2.plot(_rounds_axis(row, n), hi, ls=":", lw=1, color=method_colour(row.method),
+                label=f"{row.label} (max client)")
+        allv += list(m) + list(hi)
+    lam_max = rows[0].runs[0].cfg.get("lam", {}).get("valve_threshold")
+    if lam_max and any(r.runs[0].cfg.get("lam", {}).get("gamma_lambda") for r in rows):
+        a2.axhline(lam_max, color="grey", ls="--", lw=1, label=f"safety-valve threshold {fmt_value(lam_max)}")
+    a1.set(xlabel="round", ylabel="test accuracy (%)", title="accuracy")
+    _log_if_decades(a2, allv, ratio=20)
+    a2.set(xlabel="round", ylabel="λ_raw = σ²_local / σ²_align", title="raw λ")
+    integer_rounds(a1, a2)
+    for a in (a1, a2):
+        a.grid(alpha=0.3, which="both")
+    _legend_outside(a2, fontsize=7)
+    fig.suptitle(_wrap(title, 120), fontsize=9)
+    fig.tight_layout()
+    _save(fig, path)
+    return True
+
+
+def plot_param_sweep(key: str, lines: list[SweepLine], path: Path, title: str) -> None:
+    """Accuracy, g_protos_std and inter_client_proto_std against a swept value (e.g. λ0: the notes' U-shape)."""
+    metrics = [("acc", "final test accuracy (%)", 100.0), ("g_protos_std", "g_protos_std", 1.0),
+               ("inter_client_proto_std", "inter_client_proto_std", 1.0)]
+    have = [m for m in metrics if any(not math.isnan(r.stat(m[0])[0]) for ln in lines for r in ln.rows)]
+    fig, axes = plt.subplots(1, len(have), figsize=(4.6 * len(have), 3.9), squeeze=False)
+    xs_all = [x for ln in lines for x in ln.x]
+    for ax, (m, ylabel, scale) in zip(axes[0], have):
+        for ln in lines:
+            st = [r.stat(m) for r in ln.rows]
+            y = np.array([s[0] for s in st]) * scale
+            e = np.array([s[1] if not math.isnan(s[1]) else 0.0 for s in st]) * scale
+            ax.errorbar(ln.x, y, yerr=e if e.any() else None, marker="o", ms=4, capsize=3, label=ln.label,
+                        color=method_colour(ln.rows[0].method))
+        _log_if_decades(ax, xs_all, axis="x", ratio=10)
+        ax.set(xlabel=key, ylabel=ylabel, title=f"{ylabel} vs {short_key(key)}")
+        ax.title.set_fontsize(9)
+        ax.grid(alpha=0.3, which="both")
+    _legend_outside(axes[0][-1], fontsize=7)
+    fig.suptitle(_wrap(title, 120), fontsize=9)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def plot_label_distributions(runs: list[RunData], path: Path, max_panels: int = 12) -> bool:
+    """One heat map (clients × classes, sample counts) per distinct partition among the runs."""
+    parts: dict[str, tuple[str, dict]] = {}
+    for r in runs:
+        if not r.partition or "clients" not in r.partition:
+            continue
+        key = repr(r.partition.get("clients"))
+        if key not in parts:
+            pt = r.partition
+            parts[key] = (f"{pt.get('dataset')} {pt.get('kind')} α={fmt_value(pt.get('alpha'))} seed {pt.get('seed')}",
+                          pt)
+    if not parts:
+        return False
+    items = sorted(parts.values(), key=lambda t: t[0])[:max_panels]
+    n = len(items)
+    cols = min(n, 3)
+    rws = math.ceil(n / cols)
+    C = max(len(p["clients"][0]["class_histogram"]) for _, p in items)
+    K = max(len(p["clients"]) for _, p in items)
+    fig, axes = plt.subplots(rws, cols, figsize=(cols * max(4.4, 0.35 * C + 2.4), rws * max(3.0, 0.35 * K + 2.0)),
+                             squeeze=False)
+    for ax in axes.ravel()[n:]:
+        ax.axis("off")
+    for ax, (title, pt) in zip(axes.ravel(), items):
+        hist = np.array([c["class_histogram"] for c in pt["clients"]])
+        im = ax.imshow(hist, aspect="auto", cmap="viridis")
+        if hist.size <= 200:
+            for i in range(hist.shape[0]):
+                for j in range(hist.shape[1]):
+                    ax.text(j, i, str(hist[i, j]), ha="center", va="center", fontsize=6,
+                            color="white" if hist[i, j] < hist.max() / 2 else "black")
+        classes = [str(c) for c in pt.get("classes") or range(hist.shape[1])]
+        if len(classes) <= 40:
+            ax.set_xticks(range(len(classes)), classes, rotation=45, ha="right", fontsize=6)
+        ax.set_yticks(range(hist.shape[0]), [f"{i} (n={hist[i].sum()})" for i in range(hist.shape[0])], fontsize=7)
+        ax.set(xlabel="class", ylabel="client", title=title)
+        ax.title.set_fontsize(8)
+        fig.colorbar(im, ax=ax, label="samples")
+    fig.suptitle("label distribution per client (non-IID partitions)", fontsize=9)
+    fig.tight_layout()
+    _save(fig, path, dpi=110)
+    return True
+
+
+
+
+RULE_STYLE = {"acc_feature": "-", "acc_iffi": "--", "acc_iffi_reference": ":", "acc_output": "-."}
+
+
+def plot_rule_panels(panels: list[tuple[str, Row | None]], ncols: int, path: Path, title: str) -> bool:
+    """A grid of panels (row-major, `ncols` per line), each the accuracy of every fusion rule (feature, IFFI, the
+    seeds' IFFI, output ensemble) against rounds for one row of runs (seed mean; a band of ± std with several
+    seeds). Returns False when no panel has a round."""
+    live = [(t, r) for t, r in panels if r is not None and r.curves("acc").size]
+    if not live:
+        return False
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.4 * nrows), squeeze=False, sharey=True)
+    for ax, (t, row) in zip(axes.flat, panels):
+        ax.set_title(_wrap(t, 48), fontsize=9)
+        ax.grid(alpha=0.3)
+        if row is None or not row.curves("acc").size:
+            ax.text(0.5, 0.5, "not run (yet)", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xticks([])
+            continue
+        for k, ls in RULE_STYLE.items():
+            c = row.curves(k)
+            if not c.size or np.isnan(c).all():
+                continue
+            x = _rounds_axis(row, c.shape[1])
+            with np.errstate(all="ignore"):
+                m = 100 * np.nanmean(c, axis=0)
+            rule = k.removeprefix("acc_")
+            ax.plot(x, m, ls, color=_RULE_COLOURS[rule], label=rule)
+            if c.shape[0] > 1:
+                sd = 100 * np.nanstd(c, axis=0, ddof=1)
+                ax.fill_between(x, m - sd, m + sd, alpha=0.15, color=_RULE_COLOURS[rule], lw=0)
+        integer_rounds(ax)
+        ax.set_xlabel("round")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("test accuracy (%)")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    handles, labels = next(((h, lab) for h, lab in (a.get_legend_handles_labels() for a in axes.flat) if h), ([], []))
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=len(labels), title="fusion rule")
+    fig.suptitle(_wrap(title, 110), fontsize=10)
+    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    _save(fig, path, dpi=110)
+    return True

@@ -1,0 +1,123 @@
+"""Markdown tables over runs and rows: results, server strategies, learned λ, parameter sweeps, comparisons.
+Accuracies are shown in %; "peak" is `rundir.peak_index` of the (seed-mean) curve."""
+from __future__ import annotations
+
+import math
+
+from pathlib import Path
+
+import numpy as np
+
+from flare.report.runs import RULE_NAMES, Row, SweepLine, short_key, fmt_value
+from flare.rundata import RunData
+from flare.rundir import ACC_ORDER
+
+
+def fmt_ms(mean: float, std: float, pct: bool = True, digits: int | None = None) -> str:
+    if mean is None or math.isnan(mean):
+        return "—"
+    scale = 100 if pct else 1
+    d = digits if digits is not None else (2 if pct else 4)
+    s = f"{scale * mean:.{d}f}" if (pct or abs(mean) < 1e4) else f"{mean:.3g}"
+    if std is not None and not math.isnan(std):
+        s += f" ± {scale * std:.{d}f}" if (pct or abs(mean) < 1e4) else f" ± {std:.3g}"
+    return s
+
+
+def fmt_big(v: float) -> str:
+    if v is None or math.isnan(v):
+        return "—"
+    return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.3e}"
+
+
+def md_table(head: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def results_table(rows: list[Row]) -> str:
+    head = ["method", "notes", "seeds", "final acc (%)", "peak acc (%) (round)", "g_protos_std",
+            "inter_client_proto_std", "status"]
+    body = []
+    for row in rows:
+        pk, pr, psd = row.peak()
+        body.append([row.label, row.notes_name, len(row.seeds), fmt_ms(*row.stat("acc")[:2]),
+                     f"{fmt_ms(pk, psd)} ({pr})" if pr is not None else "—",
+                     fmt_ms(*row.stat("g_protos_std")[:2], pct=False),
+                     fmt_ms(*row.stat("inter_client_proto_std")[:2], pct=False), row.status])
+    return md_table(head, body)
+
+
+def strategy_table(rows: list[Row]) -> str | None:
+    """Final accuracy of every global predictor the runs evaluated (the server-strategy comparison)."""
+    rules = [k for k in ACC_ORDER if any(k in r.rounds[-1] for row in rows for r in row.runs if r.rounds)]
+    if len(rules) < 2:
+        return None
+    head = ["method"] + [RULE_NAMES.get(k.removeprefix("acc_"), k) for k in rules]
+    body = [[row.label] + [fmt_ms(*row.stat(k)[:2]) for k in rules] for row in rows]
+    return md_table(head, body)
+
+
+def lambda_table(rows: list[Row]) -> str | None:
+    lr = [row for row in rows if any(r.client_curve("lambda_raw") is not None for r in row.runs)]
+    if not lr:
+        return None
+    head = ["method", "notes", "peak acc (%) (round)", "final acc (%)", "final λ_raw (mean over clients)",
+            "max λ_raw (any client, any round)", "final λ_eff"]
+    body = []
+    for row in lr:
+        pk, pr, psd = row.peak()
+        mx = max((float(np.nanmax(c)) for r in row.runs if (c := r.client_curve("lambda_raw")) is not None
+                  and np.isfinite(c).any()), default=float("nan"))
+        lam_raw = row.stat("lambda_raw")
+        lam_eff = row.stat("lambda_eff")
+        body.append([row.label, row.notes_name, f"{fmt_ms(pk, psd)} ({pr})", fmt_ms(*row.stat("acc")[:2]),
+                     fmt_big(lam_raw[0]) + (f" ± {fmt_big(lam_raw[1])}" if not math.isnan(lam_raw[1]) else ""),
+                     fmt_big(mx), fmt_big(lam_eff[0])])
+    return md_table(head, body)
+
+
+def sweep_table(key: str, lines: list[SweepLine]) -> str:
+    head = ["method", short_key(key), "seeds", "final acc (%)", "peak acc (%) (round)", "g_protos_std",
+            "inter_client_proto_std"]
+    body = []
+    for ln in lines:
+        for x, row in zip(ln.x, ln.rows):
+            pk, pr, psd = row.peak()
+            body.append([ln.label, fmt_value(x), len(row.seeds), fmt_ms(*row.stat("acc")[:2]),
+                         f"{fmt_ms(pk, psd)} ({pr})", fmt_ms(*row.stat("g_protos_std")[:2], pct=False),
+                         fmt_ms(*row.stat("inter_client_proto_std")[:2], pct=False)])
+    return md_table(head, body)
+
+
+def compare_table(rows: list[tuple[dict, Row]]) -> str:
+    """One row per method of a `flare compare` (seeds aggregated): the primary accuracy first, then every rule and
+    diagnostic at the last round, mean ± std when there are several seeds."""
+    cols = [k for k in ACC_ORDER if any(r.rounds and k in r.rounds[-1] for _, row in rows for r in row.runs)]
+    head = ["method", "notes", "seeds", "acc (primary)", "peak (round)"] + [c.removeprefix("acc_") for c in cols] + [
+        "g_protos_std", "inter_client_proto_std"]
+    body = []
+    for preset, row in rows:
+        pk, pr, psd = row.peak()
+        cells = [row.label, preset.get("notes_name", ""), len(row.runs),
+                 f"{fmt_ms(*row.stat('acc')[:2])} ({row.runs[0].primary})",
+                 "—" if pr is None else f"{fmt_ms(pk, psd)} ({pr})"]
+        cells += [fmt_ms(*row.stat(c)[:2]) for c in cols]
+        cells += [fmt_ms(*row.stat(k)[:2], pct=False) for k in ("g_protos_std", "inter_client_proto_std")]
+        body.append(cells)
+    return md_table(head, body)
+
+
+def points_table(points: list[tuple[str, Path, str, float | None]]) -> str:
+    """A sweep's points: (name, run directory, status, seconds) → final and peak accuracy of each."""
+    body = []
+    for name, d, status, secs in points:
+        run = RunData.load(d)
+        acc = peak = "—"
+        if run.rounds:
+            acc = f"{100 * run.final('acc'):.2f}"
+            best, at = run.peak("acc")
+            peak = "—" if at is None else f"{100 * best:.2f} ({at})"
+        body.append([name, status, acc, peak, "—" if secs is None else f"{secs:.1f}"])
+    return md_table(["point", "status", "final acc", "peak acc (round)", "seconds"], body)

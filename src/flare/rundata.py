@@ -1,0 +1,151 @@
+"""A run directory read back for reports: config, rounds, client records, state and partition of a run, with
+"final" and "peak" defined once. Works on old, partial and foreign runs alike (it never writes)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from flare.config.protocol import protocol_label
+from flare.errors import FlareError
+from flare.rundir import PARTITION, RunDir, flatten, read_jsonl
+
+
+def num(v: Any) -> float:
+    """metrics.jsonl keeps non-finite floats as strings ("nan", "inf"); None → nan."""
+    if v is None:
+        return float("nan")
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def peak_index(values) -> int | None:
+    """Where a curve peaks: the first index of its largest finite value (None if it has none). "Peak" means
+    this everywhere — summaries, tables, sweep reports."""
+    a = np.array([num(v) for v in values], dtype=float)
+    if not len(a) or np.isnan(a).all():
+        return None
+    return int(np.nanargmax(a))
+
+
+
+@dataclass
+class RunData:
+    """A run directory read back for reports (works on old, partial and foreign runs alike)."""
+
+    dir: Path
+    cfg: dict
+    rounds: list[dict]
+    clients: list[dict]
+    state: dict
+    partition: dict
+    flat: dict = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, d: str | Path) -> "RunData":
+        rd = RunDir(d)
+        try:
+            cfg = rd.read_config() or {}
+        except FlareError:
+            cfg = {}
+        recs = read_jsonl(rd.metrics_path)
+        part = {}
+        p = rd.file(PARTITION)
+        if p.is_file():
+            try:
+                part = json.loads(p.read_text())
+            except json.JSONDecodeError:
+                part = {}
+        flat = flatten(cfg)
+        flat["protocol"] = protocol_label(cfg)  # the protocol and the items set away from it, in one value
+        return cls(Path(d), cfg, [r for r in recs if r.get("kind") == "round"],
+                   [r for r in recs if r.get("kind") == "client"], rd.read_state(), part, flat)
+
+    @property
+    def method(self) -> str:
+        return str(self.cfg.get("method") or self.cfg.get("preset") or self.dir.name)
+
+    @property
+    def seed(self):
+        return self.cfg.get("seed")
+
+    @property
+    def protocol(self) -> str:
+        """`clean`, `reference`, or the protocol plus the items this run set away from it (config/protocol.py); a
+        run from before the switch existed is clean."""
+        return str(self.flat.get("protocol", "clean"))
+
+    @property
+    def notes_name(self) -> str:
+        return str(self.cfg.get("notes_name") or "")
+
+    @property
+    def primary(self) -> str:
+        return self.rounds[-1].get("primary", "feature") if self.rounds else "feature"
+
+    @property
+    def finished(self) -> bool:
+        return self.state.get("status") == "finished"
+
+    @property
+    def learner(self) -> str:
+        return str(self.cfg.get("lam", {}).get("learner", "none"))
+
+    def _key(self, key: str) -> str:
+        return f"acc_{self.primary}" if key == "acc" else key
+
+    def curve(self, key: str = "acc") -> np.ndarray:
+        key = self._key(key)
+        return np.array([num(r.get(key)) for r in self.rounds])
+
+    def round_numbers(self) -> list[int]:
+        """Rounds as people count them: round r is the evaluation after r rounds of training (1..R). metrics.jsonl's
+        `round` field is the 0-based index, r − 1."""
+        return [int(r["round"]) + 1 for r in self.rounds]
+
+    def client_curve(self, key: str) -> np.ndarray | None:
+        """rounds × clients array of a client-record value (nan where missing), None if never logged."""
+        recs = [c for c in self.clients if key in c]
+        if not recs:
+            return None
+        ids = sorted({c["client"] for c in self.clients})
+        col = {cid: j for j, cid in enumerate(ids)}
+        row = {int(r["round"]): i for i, r in enumerate(self.rounds)}
+        out = np.full((len(self.rounds), len(ids)), np.nan)
+        for c in recs:
+            if c["round"] in row:
+                out[row[c["round"]], col[c["client"]]] = num(c[key])
+        return out
+
+    def final(self, key: str) -> float:
+        if not self.rounds:
+            return float("nan")
+        if key in ("lambda_raw", "lambda_eff", "lambda"):
+            src = "lambda_raw_end" if key == "lambda_raw" and self.client_curve("lambda_raw_end") is not None else key
+            cc = self.client_curve(src)
+            return float(np.nanmean(cc[-1])) if cc is not None and np.isfinite(cc[-1]).any() else float("nan")
+        return num(self.rounds[-1].get(self._key(key)))
+
+    def peak(self, key: str = "acc") -> tuple[float, int | None]:
+        """The best value of a round metric and the round it was reached in (`peak_index`)."""
+        c = self.curve(key)
+        i = peak_index(c)
+        return (float("nan"), None) if i is None else (float(c[i]), self.round_numbers()[i])
+
+    def summary(self) -> dict:
+        """Final and peak accuracy of the primary rule, the last round's accuracies and diagnostics."""
+        if not self.rounds:
+            return {}
+        last = self.rounds[-1]
+        out = {"method": self.method, "primary": self.primary, "rounds": len(self.rounds)}
+        for k, v in last.items():
+            if k.startswith("acc_") or k in ("g_protos_std", "inter_client_proto_std", "model_variance_mean"):
+                out[k] = v
+        out["acc"] = self.final("acc")
+        out["peak_acc"], out["peak_round"] = self.peak("acc")
+        return out

@@ -1,0 +1,446 @@
+"""The run directory's one owner: every file of a run is written and read here.
+
+    config.yaml         the fully resolved config
+    partition.json      per-client counts, class histograms, label entropies
+    metrics.jsonl       one {"kind": "round"} line per round, one {"kind": "client"} line per client per round
+    checkpoint.pt       every client's state after the last complete round, the records of every round so far,
+                        the random generators' state (atomic; torch.load(weights_only=True) reads it)
+    checkpoint.prev.pt  the checkpoint one round earlier (the fallback when the newest is unreadable)
+    state.json          {"status": "running" | "finished" | "failed", "rounds_done": r, "warnings": [...]}
+    summary.md, plots/  written by `flare.report.run_report` from the files above
+    .lock               held (flock) by the one process that writes the directory
+
+Writers (`flare run`, `flare compare`, sweep points, a Flower server) take the lock first; the OS releases it
+when the process ends, however it ends, so a killed run never blocks its own resume. Everything is written
+atomically (temporary file, fsync, rename) except metrics.jsonl, which is appended one round at a time with
+a single write. The checkpoint is the source of truth: it carries the records of every round it covers, so
+`resume_point` can check metrics.jsonl against it and rebuild what a torn or truncated log lost.
+
+`rundata.RunData` is the one reader for reports.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import yaml
+
+from flare.config import Config, config_to_yaml
+from flare.errors import FlareError
+
+try:  # POSIX advisory locks; without fcntl (Windows) runs are not locked
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None
+
+CONFIG, PARTITION, METRICS, STATE = "config.yaml", "partition.json", "metrics.jsonl", "state.json"
+CHECKPOINT, PREV_CHECKPOINT, LOCK, SUMMARY = "checkpoint.pt", "checkpoint.prev.pt", ".lock", "summary.md"
+ACC_ORDER = ("acc_feature", "acc_iffi", "acc_iffi_reference", "acc_output", "acc_fedavg")  # every fusion rule
+DIAG = ("g_protos_std", "inter_client_proto_std", "model_variance_mean")                   # SPEC §5
+
+
+# ----------------------------------------------------------------------------------------------
+# durable I/O
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic(path: Path, write: Callable) -> None:
+    """Write to a temporary file, fsync it, rename it over `path`, fsync the folder: `path` is old or new, never torn."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    _atomic(path, lambda f: f.write(text.encode()))
+
+
+def atomic_torch_save(obj, path: Path) -> None:
+    _atomic(path, lambda f: torch.save(obj, f))
+
+
+def _json_default(o):
+    if isinstance(o, (np.floating, np.integer)):
+        return o.item()
+    if isinstance(o, torch.Tensor):
+        return o.tolist()
+    raise TypeError(type(o))
+
+
+def _finite_or_str(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # JSON has no NaN/Inf; keep the line parseable
+    return v
+
+
+def encode_record(rec: dict) -> str:
+    return json.dumps({k: _finite_or_str(v) for k, v in rec.items()}, default=_json_default)
+
+
+def parse_jsonl(text: str) -> tuple[list[dict], list[int]]:
+    """Records of a JSON-lines text, and the 1-based numbers of lines that do not parse (a torn write)."""
+    out, bad = [], []
+    for i, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            bad.append(i)
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+        else:
+            bad.append(i)
+    return out, bad
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The parseable records of a JSON-lines file ([] if it does not exist)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    return parse_jsonl(path.read_text(errors="replace"))[0]
+
+
+def flatten(m: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in m.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_differences(old: dict, new: dict) -> list[str]:
+    """Dotted keys whose values differ between two config mappings."""
+    a, b = flatten(old or {}), flatten(new or {})
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+# ----------------------------------------------------------------------------------------------
+# the writer's view
+
+
+@dataclass
+class ResumePoint:
+    """Where a run continues: `rounds_done` complete rounds, the records they produced, the checkpoint to load
+    (None for a fresh start), and what validation found (warnings to show and record)."""
+
+    rounds_done: int = 0
+    records: list[dict] = field(default_factory=list)
+    checkpoint: dict | None = None
+    finished: bool = False
+    warnings: list[str] = field(default_factory=list)
+    state_warnings: list[str] = field(default_factory=list)
+
+
+class RunDir:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._lock_fd: int | None = None
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / METRICS
+
+    def exists(self) -> bool:
+        return (self.path / CONFIG).is_file()
+
+    # -- creation and the lock ------------------------------------------------------------------
+    def create(self, key: str = "--out") -> None:
+        """Make the directory, or say in one paragraph why it cannot be made."""
+        p = self.path
+        if p.exists() and not p.is_dir():
+            raise FlareError(f"'{p}' exists and is a file, not a directory.", key=key,
+                             fix="choose another output directory (a run writes a directory of files).")
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            parent = next((q for q in p.parents if q.exists() and not q.is_dir()), None)
+            raise FlareError(f"cannot create '{p}': '{parent or p}' is a file.", key=key,
+                             fix="choose an output directory whose parents are folders.") from None
+        except PermissionError:
+            raise FlareError(f"cannot create '{p}': permission denied.", key=key,
+                             fix="choose an output directory you can write to.") from None
+        except OSError as e:
+            raise FlareError(f"cannot create '{p}': {e.strerror}.", key=key,
+                             fix="choose an output directory you can write to.") from None
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise FlareError(f"'{p}' is not writable.", key=key, fix="choose an output directory you can write to.")
+
+    def lock(self, key: str = "--out") -> "RunDir":
+        """Take the directory's exclusive lock for this process (non-blocking): a second writer gets a FlareError
+        naming the process that holds it. Released by `unlock`, or by the OS when the process dies."""
+        if fcntl is None or self._lock_fd is not None:
+            return self
+        self.create(key)
+        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise FlareError(f"run directory '{self.path}' is in use by {holder}.", key=key,
+                                 fix="wait for that run to finish or stop it (a stopped or killed run releases the "
+                                     "directory by itself), or choose another output directory.") from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()} (since {time.strftime('%Y-%m-%d %H:%M:%S')})"
+                      .encode(), 0)
+        self._lock_fd = fd
+        return self
+
+    def remove_if_empty(self) -> None:
+        """Remove the directory if it holds nothing but its lock file (a run that failed before it began)."""
+        try:
+            if {p.name for p in self.path.iterdir()} <= {LOCK}:
+                (self.path / LOCK).unlink(missing_ok=True)
+                self.path.rmdir()
+        except OSError:
+            pass
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor releases the flock
+            self._lock_fd = None
+
+    def __enter__(self) -> "RunDir":
+        return self.lock()
+
+    def __exit__(self, *exc) -> None:
+        self.unlock()
+
+    # -- writes ---------------------------------------------------------------------------------
+    def write_text(self, name: str, text: str) -> None:
+        atomic_write_text(self.path / name, text)
+
+    def save_torch(self, name: str, obj) -> None:
+        atomic_torch_save(obj, self.path / name)
+
+    def write_config(self, cfg: Config) -> None:
+        self.write_text(CONFIG, config_to_yaml(cfg))
+
+    def write_partition(self, report: dict) -> None:
+        self.write_text(PARTITION, json.dumps(report, indent=1))
+
+    def append(self, records: list[dict]) -> None:
+        """Append one round's records with a single write(2) on an O_APPEND descriptor: a kill leaves either
+        none or all of them."""
+        data = "".join(encode_record(r) + "\n" for r in records).encode()
+        fd = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            view = memoryview(data)
+            while view:  # a regular file takes it in one call; loop only for the pathological short write
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def write_metrics(self, records: list[dict]) -> None:
+        self.write_text(METRICS, "".join(encode_record(r) + "\n" for r in records))
+
+    def save_checkpoint(self, obj: dict) -> None:
+        """Keep the previous checkpoint as checkpoint.prev.pt (a rename: atomic), then write the new one."""
+        cur = self.path / CHECKPOINT
+        if cur.exists():
+            os.replace(cur, self.path / PREV_CHECKPOINT)
+        atomic_torch_save(obj, cur)
+
+    def clear_checkpoints(self) -> None:
+        for name in (CHECKPOINT, PREV_CHECKPOINT):
+            (self.path / name).unlink(missing_ok=True)
+
+    def drop_previous_checkpoint(self) -> None:
+        (self.path / PREV_CHECKPOINT).unlink(missing_ok=True)
+
+    def write_state(self, status: str, rounds_done: int, warnings: list[str], **extra) -> None:
+        self.write_text(STATE, json.dumps({"status": status, "rounds_done": rounds_done, "warnings": warnings,
+                                           **extra}, indent=1))
+
+    # -- reads ----------------------------------------------------------------------------------
+    def read_config(self) -> dict | None:
+        p = self.path / CONFIG
+        if not p.is_file():
+            return None
+        try:
+            m = yaml.safe_load(p.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError):
+            m = None
+        if not isinstance(m, dict):
+            raise FlareError(f"'{p}' is not a readable config (damaged?).", key="--out",
+                             fix="restore it, or delete the run directory and rerun.")
+        return m
+
+    def read_state(self) -> dict:
+        p = self.path / STATE
+        if not p.is_file():
+            return {}
+        try:
+            st = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return {}
+        return st if isinstance(st, dict) else {}
+
+    def read_metrics(self) -> tuple[list[dict], list[int]]:
+        if not self.metrics_path.exists():
+            return [], []
+        return parse_jsonl(self.metrics_path.read_text(errors="replace"))
+
+    def load_checkpoint(self, device, warn: Callable[[str], None]) -> dict | None:
+        """The newest readable checkpoint (checkpoint.pt, else checkpoint.prev.pt with a warning), or None."""
+        problems = []
+        for name in (CHECKPOINT, PREV_CHECKPOINT):
+            p = self.path / name
+            if not p.exists():
+                continue
+            try:
+                ck = torch.load(p, map_location=device, weights_only=True)
+                if not isinstance(ck, dict) or "rounds_done" not in ck:
+                    raise ValueError("not a FLARE checkpoint")
+            except Exception as e:  # noqa: BLE001 — a truncated/empty/foreign file raises many kinds of error
+                why = (str(e).splitlines() or ["empty or truncated"])[0][:120]
+                problems.append(f"{name} is unreadable ({type(e).__name__}: {why})")
+                continue
+            if problems:
+                warn(f"{self.path}: {problems[0]}; resuming from {name} (after round {int(ck['rounds_done'])}).")
+            return ck
+        if problems:
+            warn(f"{self.path}: " + "; ".join(problems) + ", and no older checkpoint is readable.")
+        return None
+
+
+    # -- resuming -------------------------------------------------------------------------------
+    def resume_point(self, cfg: Config) -> ResumePoint:
+        """Validate the directory against `cfg` and its checkpoint before trusting it.
+
+        The config must be the same experiment (or the same with more rounds, where nothing depends on R). The
+        checkpoint says how far the run got; metrics.jsonl is checked against the records the checkpoint
+        carries: torn lines, records after the checkpoint's round and missing or altered records are reported
+        and the log is rebuilt from the checkpoint. An unreadable checkpoint falls back to the previous one."""
+        rp = ResumePoint()
+        old = self.read_config()
+        if old is None:
+            return rp
+        new = cfg.model_dump(mode="json")
+        diff = config_differences(old, new)
+        if diff:
+            why = extension_problem(old, cfg) if diff == ["rounds"] else None
+            if diff != ["rounds"] or why:
+                raise FlareError(f"run directory '{self.path}' holds a different experiment (keys differ: "
+                                 f"{', '.join(diff)})" + (f"; {why}" if why else "") + ".", key="--out",
+                                 fix="choose another output directory, or delete the old one.")
+        state = self.read_state()
+        warn = rp.warnings.append
+        ck = self.load_checkpoint("cpu", warn)
+        records, torn = self.read_metrics()
+        for line in torn:
+            warn(f"{self.metrics_path}: line {line} is torn or unreadable (cut mid-line?); dropped.")
+        if ck is None:
+            R = int(old.get("rounds", 0))
+            if state.get("status") == "finished" and not diff and not torn and _complete(records, R):
+                warn(f"{self.path}: the finished run's log is complete (rounds 1–{R}), so it is kept; without a "
+                     "checkpoint the run cannot be extended.")
+                rp.rounds_done, rp.records, rp.finished = R, records, True
+                rp.state_warnings = list(state.get("warnings", []))
+            elif records or state.get("rounds_done"):
+                warn(f"{self.path}: no readable checkpoint to resume from; the run starts again from round 1 (runs "
+                     "are deterministic: it recomputes the same numbers).")
+            return rp
+        n = int(ck["rounds_done"])
+        saved = ck.get("records")
+        kept = [r for r in records if isinstance(r.get("round"), int) and r["round"] < n]
+        if len(kept) < len(records):
+            warn(f"{self.metrics_path}: {len(records) - len(kept)} record(s) written after the checkpoint (after "
+                 f"round {n}) dropped; round {n + 1} is recomputed.")
+        if saved is not None:
+            if _comparable(kept) != _comparable(saved):
+                have = {r["round"] for r in kept if r.get("kind") == "round"}
+                missing = [m + 1 for m in sorted(set(range(n)) - have)]
+                what = f"round(s) {_ranges(missing)} missing" if missing else "records that differ"
+                warn(f"{self.metrics_path} disagrees with {CHECKPOINT} ({what}); rebuilt from the checkpoint, "
+                     "which records every round it covers.")
+            kept = list(saved)
+        else:  # a checkpoint from before records were kept in it: the log must be complete on its own
+            have = {r["round"] for r in kept if r.get("kind") == "round"}
+            missing = [m + 1 for m in sorted(set(range(n)) - have)]
+            if missing:
+                raise FlareError(f"run directory '{self.path}': metrics.jsonl lacks round(s) {_ranges(missing)}, and "
+                                 "this (older) checkpoint cannot restore them.", key="--out",
+                                 fix="delete the run directory (or its checkpoint*.pt, metrics.jsonl and state.json) "
+                                     "and rerun: runs are deterministic, so it recomputes the same numbers.")
+        rp.rounds_done, rp.records, rp.checkpoint = n, kept, ck
+        rp.finished = n >= cfg.rounds and state.get("status") == "finished" and not diff
+        rp.state_warnings = list(state.get("warnings", []))
+        if state.get("status") == "finished" and n < int(old.get("rounds", n)):
+            warn(f"{self.path}: state.json says finished, but the newest readable checkpoint covers {n} of "
+                 f"{old.get('rounds')} rounds; the run continues from there.")
+        return rp
+
+
+def extension_problem(old: dict, cfg: Config) -> str | None:
+    """Why `cfg` (the same experiment with another `rounds`) cannot continue a run made for `old["rounds"]`, or
+    None when it can: fewer rounds, or anything that depends on the progress p = e/(R·E)."""
+    if cfg.rounds < int(old.get("rounds", 0)):
+        return f"rounds={cfg.rounds} is fewer than the {old.get('rounds')} rounds the run was made for"
+    deps = cfg.schedule_dependencies()
+    if deps:
+        return (f"more rounds would change the progress p = e/(R·E) that {', '.join(deps)} follow, so the rounds "
+                "already trained would not be those of the longer run")
+    return None
+
+
+def _complete(records: list[dict], rounds: int) -> bool:
+    """Whether a log holds exactly one round record for each of `rounds` rounds, each after its clients' records."""
+    idx = [r.get("round") for r in records if r.get("kind") == "round"]
+    return idx == list(range(rounds)) and all(r.get("round", -1) < rounds for r in records)
+
+
+def _comparable(records: list[dict]) -> list[str]:
+    return [encode_record(r) for r in records]
+
+
+def _ranges(xs: list[int]) -> str:
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}–{xs[j]}")
+        i = j + 1
+    return ", ".join(out)

@@ -1,0 +1,363 @@
+"""Everything a run is built from — the one place where the in-process runner, the Flower apps and the LR probe
+build a run: device and precision, the data and its split, the seeded global init, the anchors, the
+augmentation, the server's public bank, the clients' training context, and the evaluation checkpoint.
+
+The engines differ only in where the pieces run: `RunSetup.build` composes them for the in-process runner and
+the LR probe; a Flower node calls the same functions with the dataset facts (`DataMeta`) the server sent.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from flare.client.terms.align import make_anchors
+from flare.client.terms.banks import build_public_bank, extension_factory
+from flare.client.trainer import Client, TrainContext
+from flare.config import Config
+from flare.data.augment import TwoViewAugment, normalize
+from flare.data.datasets import ImageData, load_dataset, stratified_subset
+from flare.data.scaling import InputScaling, input_scaling
+from flare.data.partition import Partition, make_partition
+from flare.errors import FlareError
+from flare.metrics import g_protos_std, inter_client_proto_std, model_variance_mean
+from flare.models import FlareNet, create_model
+from flare.rng import derived_seed
+from flare.schedules import LRSchedule
+from flare.server.fusion import RULES_LINEAR, RULES_PROTOTYPE, aggregation_weights, evaluate
+from flare.server.protos import global_prototypes, mean_prototypes, train_global_prototypes
+from flare.server.upload import Upload
+
+# ----------------------------------------------------------------------------------------------
+# device and precision
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise FlareError(f"device={name} was asked for, but torch sees no CUDA GPU on this machine.",
+                             key="device", fix="use device=auto or device=cpu, or install a CUDA build of torch.")
+        return torch.device(name)
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise FlareError("device=mps was asked for, but MPS is not available.", key="device",
+                         fix="use device=auto or device=cpu.")
+    return torch.device(name)
+
+
+def amp_dtype_for(cfg: Config, device: torch.device) -> torch.dtype | None:
+    if cfg.amp == "off":
+        return None
+    if cfg.amp == "bf16":
+        return torch.bfloat16
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return None
+
+
+def use_channels_last(cfg: Config, device: torch.device) -> bool:
+    """NHWC pays off on GPUs (tensor cores); on CPU it only adds layout conversions."""
+    return cfg.channels_last and device.type == "cuda"
+
+
+# ----------------------------------------------------------------------------------------------
+# data
+
+
+@dataclass
+class DataMeta:
+    """Dataset facts every party of a run must share: class names, shapes and the normalisation statistics of
+    the training set (a Flower server sends them: a node's local data alone would give other statistics)."""
+
+    name: str
+    classes: list[str]
+    in_channels: int
+    image_size: int
+    mean: list[float]
+    std: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    @classmethod
+    def from_data(cls, data: ImageData) -> "DataMeta":
+        return cls(data.name, list(map(str, data.classes)), int(data.in_channels), int(data.image_size),
+                   [float(v) for v in data.mean], [float(v) for v in data.std])
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__)
+
+    @classmethod
+    def from_json(cls, text: str) -> "DataMeta":
+        d = json.loads(text)
+        return cls(str(d["name"]), [str(c) for c in d["classes"]], int(d["in_channels"]), int(d["image_size"]),
+                   [float(v) for v in d["mean"]], [float(v) for v in d["std"]])
+
+
+def prepare_data(cfg: Config) -> tuple[ImageData, tuple[Tensor, Tensor] | None]:
+    """Load the dataset, apply the seeded subsets, carve out the server's public slice (if any)."""
+    d = cfg.dataset
+    data = load_dataset(d.name, d.root, format=d.format, download=d.download, cache_dir=d.cache_dir)
+    for key, size, n in (("dataset.train_subset", d.train_subset, len(data.train_y)),
+                         ("dataset.test_subset", d.test_subset, len(data.test_y))):
+        if size is not None and size > n:
+            raise FlareError(f"{key}={size} asks for more samples than {d.name} has ({n}).", key=key,
+                             fix=f"use at most {n}, or remove {key} to use them all.")
+    if d.train_subset is not None:
+        ix = stratified_subset(data.train_y, d.train_subset, cfg.seed)
+        data.train_x, data.train_y = data.train_x[ix], data.train_y[ix]
+    if d.test_subset is not None:
+        ix = stratified_subset(data.test_y, d.test_subset, cfg.seed + 1)
+        data.test_x, data.test_y = data.test_x[ix], data.test_y[ix]
+    public = None
+    if d.public_size:
+        if d.public_size >= len(data.train_y):
+            raise FlareError(f"dataset.public_size={d.public_size} is not smaller than the training set "
+                             f"({len(data.train_y)} samples).", key="dataset.public_size",
+                             fix="hold out fewer samples for the server's public bank.")
+        ix = stratified_subset(data.train_y, d.public_size, cfg.seed + 2)
+        keep = torch.ones(len(data.train_y), dtype=torch.bool)
+        keep[ix] = False
+        public = (data.train_x[ix], data.train_y[ix])
+        data.train_x, data.train_y = data.train_x[keep], data.train_y[keep]
+    return data, public
+
+
+def split(cfg: Config, labels: Tensor, num_classes: int) -> Partition:
+    """The run's split of the training set over its clients (seeded: every engine gets the same one)."""
+    return make_partition(labels.numpy(), cfg.num_clients, cfg.partition.kind, cfg.seed, alpha=cfg.partition.alpha,
+                          shards_per_client=cfg.partition.shards_per_client, num_classes=num_classes,
+                          rng=cfg.partition.rng)
+
+
+def describe_partition(cfg: Config, part: Partition, classes: list[str]) -> dict:
+    """partition.json: per-client counts, class histograms, label entropies, and the setting that made them."""
+    report = part.report()
+    report.update({"dataset": cfg.dataset.name, "kind": cfg.partition.kind, "alpha": cfg.partition.alpha,
+                   "rng": cfg.partition.rng, "seed": cfg.seed, "classes": list(classes)})
+    return report
+
+
+# ----------------------------------------------------------------------------------------------
+# model, anchors, augmentation, training context
+
+
+def init_global_model(cfg: Config, meta: DataMeta, device: torch.device, channels_last: bool = False) -> FlareNet:
+    """One seeded global init shared by every client (SPEC §1)."""
+    torch.manual_seed(cfg.seed)
+    model = create_model(cfg.model.name, meta.in_channels, meta.num_classes, cfg.model.width, head=cfg.head).to(device)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def anchor_seed(cfg: Config) -> int:
+    """The shared seed the anchors A are drawn from (the server fixes it before training)."""
+    return cfg.seed + 7
+
+
+def run_anchors(cfg: Config, num_classes: int, feature_dim: int, device: torch.device,
+                seed: int | None = None) -> Tensor | None:
+    """The fixed anchors A (C×d) on `device`, or None without alignment."""
+    a = make_anchors(cfg.align.anchors, num_classes, feature_dim, anchor_seed(cfg) if seed is None else seed)
+    return a.to(device) if a is not None else None
+
+
+def scaling(cfg: Config, meta: DataMeta) -> InputScaling:
+    """The run's input scaling (`augment.input_scaling`, see `flare.data.scaling`)."""
+    return input_scaling(cfg.augment.input_scaling, cfg.dataset.name, meta.mean, meta.std)
+
+
+def make_augment(cfg: Config, meta: DataMeta, device: torch.device) -> TwoViewAugment:
+    sc = scaling(cfg, meta)
+    pre = sc.pre or (None, None)
+    return TwoViewAugment(meta.image_size, meta.in_channels, *sc.post, per_image=cfg.augment.per_image,
+                          pre_mean=pre[0], pre_std=pre[1]).to(device)
+
+
+def normalizer(cfg: Config, meta: DataMeta) -> Callable[[Tensor], Tensor]:
+    """uint8 batch → the model's input (the evaluation transform, and the un-augmented training view)."""
+    mean, std = scaling(cfg, meta).test
+    return lambda x: normalize(x, mean, std)
+
+
+def make_train_context(cfg: Config, train_x: Tensor, train_y: Tensor, augment, anchors: Tensor | None,
+                       device: torch.device, amp_dtype, channels_last: bool, bank: Tensor | None,
+                       plain: Callable[[Tensor], Tensor] | None = None) -> TrainContext:
+    """What a client's local loop reads: its data on the device, augmentation, anchors, the LR schedule, the
+    contrast extension (memory bank, or the server's public bank) and the un-augmented view `plain` (the evaluation
+    transform; the baselines train on it with loss.ce_input=plain)."""
+    ls = cfg.lr_schedule
+    return TrainContext(cfg=cfg, train_x=train_x, train_y=train_y, augment=augment, anchors=anchors,
+                        device=device, amp_dtype=amp_dtype,
+                        lr_schedule=LRSchedule(ls.kind, cfg.base_lr, cfg.total_epochs,
+                                               decay_per_round=ls.decay_per_round, min_lr=ls.min_lr, t0=ls.t0,
+                                               t_mult=ls.t_mult, cycle_decay=ls.cycle_decay),
+                        channels_last=channels_last, extension_factory=extension_factory(cfg, bank, device),
+                        plain=plain)
+
+
+# ----------------------------------------------------------------------------------------------
+# evaluation
+
+
+def primary_rule(cfg: Config) -> str:
+    """The rule whose accuracy is "the" accuracy of a run."""
+    p = cfg.server.primary
+    if p != "auto":
+        return p
+    return "feature" if cfg.head == "prototype" else "output"
+
+
+def rules_for(cfg: Config) -> tuple[str, ...]:
+    return RULES_PROTOTYPE if cfg.head == "prototype" else RULES_LINEAR
+
+
+@dataclass
+class Evaluation:
+    """One evaluation checkpoint: its metrics record, and what the server built (for the saved predictor). `server_G`:
+    Plan B's trained G to carry into the next round (protos_flow=reference), else None."""
+
+    record: dict
+    weights: Tensor
+    G: Tensor | None
+    server_G: Tensor | None = None
+
+
+def carries_server_protos(cfg: Config) -> bool:
+    """Plan B as the reference ran it: the server's G persists across rounds and is the clients' target."""
+    return cfg.server.protos == "trainable" and cfg.server.protos_flow == "reference"
+
+
+def _shuffle_seed(cfg: Config, r: int) -> int:
+    """eval.bn=batch: a new seeded test order every round (the reference's shuffled test loader)."""
+    return derived_seed(abs(cfg.eval.noise_seed), r, 5) if cfg.eval.bn == "batch" else 0
+
+
+def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[torch.nn.Module],
+                     anchors: Tensor | None, test_x: Tensor | None, test_y: Tensor | None, norm, *,
+                     amp_dtype=None, channels_last: bool = False, server_G: Tensor | None = None) -> Evaluation:
+    """One evaluation checkpoint (SPEC §4–5) from the uploads alone: global prototypes, every fusion rule scored on
+    the test set (skipped when `test_x` is None: a server without a test set), diagnostics. `models[i]` holds
+    `uploads[i].state` (the in-process runner passes the live client models). `server_G`: the G Plan B continues
+    from under protos_flow=reference (the anchors in round 0)."""
+    t0 = time.perf_counter()
+    weights = aggregation_weights([u.num_samples for u in uploads], cfg.server.weights)
+    protos = [u.prototypes for u in uploads if u.prototypes is not None]
+    prim = primary_rule(cfg)
+    rec: dict = {"kind": "round", "round": r, "method": cfg.method, "primary": prim}
+    G = new_G = None
+    if protos and carries_server_protos(cfg):
+        new_G, server_logs = train_global_prototypes(protos, cfg.server, anchors, init=server_G)
+        G = mean_prototypes(protos)
+        rec.update(server_logs)
+    elif protos:
+        G, server_logs = global_prototypes(protos, cfg.server, anchors, derived_seed(cfg.seed, r, 99))
+        rec.update(server_logs)
+    t_agg = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    if test_x is not None:
+        rec.update(evaluate(models, weights, G, test_x, test_y, norm, rules=rules_for(cfg),
+                            batch_size=cfg.test_batch_size, noise_seed=cfg.eval.noise_seed, amp_dtype=amp_dtype,
+                            channels_last=channels_last, bn=cfg.eval.bn,
+                            shuffle_seed=_shuffle_seed(cfg, r), ensemble=cfg.server.ensemble,
+                            fedavg_buffers=cfg.server.fedavg_buffers))
+    rec["seconds_eval"] = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    rec["model_variance_mean"] = model_variance_mean(models)
+    if protos:
+        rec["g_protos_std"] = g_protos_std(G)
+        rec["inter_client_proto_std"] = inter_client_proto_std(protos)
+    rec["seconds_aggregate"] = t_agg + time.perf_counter() - t2
+    if new_G is not None:
+        rec["server_g_std"] = g_protos_std(new_G)
+    rec["acc"] = rec.get(f"acc_{prim}")
+    return Evaluation(rec, weights, G, new_G)
+
+
+# ----------------------------------------------------------------------------------------------
+# the whole run, in one process
+
+
+@dataclass
+class RunSetup:
+    """Every piece of one in-process run, built in a fixed order (the order fixes the random numbers)."""
+
+    cfg: Config
+    device: torch.device
+    amp_dtype: torch.dtype | None
+    channels_last: bool
+    meta: DataMeta
+    data: ImageData
+    partition: Partition
+    partition_report: dict
+    global_model: FlareNet
+    anchors: Tensor | None
+    augment: TwoViewAugment
+    norm: Callable[[Tensor], Tensor]
+    ctx: TrainContext
+    test_x: Tensor
+    test_y: Tensor
+
+    @classmethod
+    def build(cls, cfg: Config) -> "RunSetup":
+        device = resolve_device(cfg.device)  # fail on bad input before anything is loaded
+        amp_dtype = amp_dtype_for(cfg, device)
+        cl = use_channels_last(cfg, device)
+        data, public = prepare_data(cfg)
+        meta = DataMeta.from_data(data)
+        part = split(cfg, data.train_y, data.num_classes)
+        augment = make_augment(cfg, meta, device)
+        norm = normalizer(cfg, meta)
+        model = init_global_model(cfg, meta, device, channels_last=cl)
+        anchors = run_anchors(cfg, meta.num_classes, model.feature_dim, device)
+        bank = build_public_bank(cfg, public, model, augment, norm, device)
+        ctx = make_train_context(cfg, data.train_x.to(device), data.train_y.to(device), augment, anchors, device,
+                                 amp_dtype, cl, bank, plain=norm)
+        run = cls(cfg, device, amp_dtype, cl, meta, data, part, describe_partition(cfg, part, data.classes), model,
+                  anchors, augment, norm, ctx, data.test_x.to(device), data.test_y.to(device))
+        if carries_server_protos(cfg):  # Plan B as the reference: round 0's target and G are the anchors
+            run.load_server_state({"G": anchors})
+        return run
+
+    # -- the server's state between rounds (Plan B's G under protos_flow=reference) ------------------
+    def server_state(self) -> dict:
+        """What the server carries from one round to the next (saved in checkpoints)."""
+        return {"G": self.ctx.server_target.detach().cpu()} if self.ctx.server_target is not None else {}
+
+    def load_server_state(self, state: dict | None) -> None:
+        G = (state or {}).get("G")
+        self.ctx.server_target = G.detach().float().to(self.device) if G is not None else None
+
+    def make_clients(self, warn: Callable[[str], None], note: Callable[[str], None]) -> list[Client]:
+        """Every client with a deep copy of the global init; clients without samples are warned about (they are
+        kept in the list, with zero samples, so that checkpoints keep one entry per client)."""
+        out = []
+        for i, ix in enumerate(self.partition.client_indices):
+            if len(ix) == 0:
+                warn(f"client {i} received no samples under this partition; it is skipped (weight 0).")
+            elif len(ix) < self.cfg.batch_size and self.cfg.drop_last:
+                warn(f"client {i} holds {len(ix)} samples, fewer than batch_size={self.cfg.batch_size}; with "
+                     "drop_last=true it trains no step and keeps the initial model (the reference crashed here).")
+            elif len(ix) < self.cfg.batch_size:
+                note(f"note: client {i} holds {len(ix)} samples, fewer than batch_size={self.cfg.batch_size}; "
+                     "it trains on one smaller batch per epoch.")
+            ent = self.partition_report["clients"][i]["normalized_entropy"]
+            out.append(Client(i, torch.as_tensor(ix, device=self.device), copy.deepcopy(self.global_model), self.ctx,
+                              ent))
+        return out
+
+    def evaluate(self, r: int, clients: list[Client]) -> Evaluation:
+        ev = evaluate_uploads(self.cfg, r, [c.upload() for c in clients], [c.model for c in clients], self.anchors,
+                              self.test_x, self.test_y, self.norm, amp_dtype=self.amp_dtype,
+                              channels_last=self.channels_last, server_G=self.ctx.server_target)
+        if ev.server_G is not None:  # the clients align to it in the next round
+            self.load_server_state({"G": ev.server_G})
+        return ev

@@ -1,0 +1,108 @@
+"""The shape of the code, held by tests: file sizes, the import graph and its direction, imports at module level."""
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "flare"
+MODULES = sorted(p for p in SRC.rglob("*.py"))
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def resolve(node: ast.ImportFrom, mod: str, is_pkg: bool) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def flare_imports(path: Path, top_level_only: bool) -> set[str]:
+    """The flare modules a file imports (at module level only, or everywhere)."""
+    mod, tree = module_name(path), ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    out = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("flare")}
+        elif isinstance(node, ast.ImportFrom):
+            target = resolve(node, mod, path.name == "__init__.py")
+            if target.startswith("flare"):
+                known = {module_name(p) for p in MODULES}
+                for a in node.names:  # `from flare.report import figures` imports a module
+                    out.add(f"{target}.{a.name}" if f"{target}.{a.name}" in known else target)
+    return out
+
+
+GRAPH = {module_name(p): flare_imports(p, top_level_only=True) for p in MODULES}
+
+
+def test_no_file_over_450_lines():
+    long = {str(p.relative_to(SRC)): n for p in MODULES if (n := len(p.read_text().splitlines())) > 450}
+    assert not long, long
+
+
+def test_no_import_circle():
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for dep in sorted(GRAPH.get(m, ())):
+            if dep not in GRAPH:
+                continue
+            if state.get(dep) == 1:
+                raise AssertionError("import circle: " + " -> ".join(stack[stack.index(dep):] + [dep]))
+            if dep not in state:
+                visit(dep)
+        stack.pop()
+        state[m] = 2
+
+    for m in GRAPH:
+        if m not in state:
+            visit(m)
+
+
+def test_the_circle_detector_can_fail():
+    GRAPH["flare._probe_a"], GRAPH["flare._probe_b"] = {"flare._probe_b"}, {"flare._probe_a"}
+    try:
+        with pytest.raises(AssertionError, match="import circle"):
+            test_no_import_circle()
+    finally:
+        del GRAPH["flare._probe_a"], GRAPH["flare._probe_b"]
+
+
+def test_reports_only_read():
+    """report/ reads run directories (rundata, rundir) and configs; it never runs anything."""
+    allowed = ("flare.rundata", "flare.rundir", "flare.config", "flare.errors", "flare.report")
+    for p in (SRC / "report").glob("*.py"):
+        bad = [m for m in flare_imports(p, top_level_only=False) if not m.startswith(allowed)]
+        assert not bad, f"{p.name} imports {bad}"
+
+
+@pytest.mark.parametrize("engine", ["flare.runner", "flare.lrprobe", "flare.flower.protocol", "flare.flower.server"])
+def test_engines_build_runs_from_setup(engine):
+    assert "flare.setup" in GRAPH[engine]
+    assert not any(m == "flare.cli" or m.startswith("flare.experiments") for m in GRAPH[engine])
+
+
+def test_imports_at_module_level_unless_a_lazy_one_says_why():
+    """An import inside a function hides the real graph; the exceptions are optional extras, marked `lazy:`."""
+    hidden = []
+    for p in MODULES:
+        lines = p.read_text().splitlines()
+        tree = ast.parse("\n".join(lines))
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    context = " ".join(lines[max(0, node.lineno - 3):node.lineno])
+                    if "lazy:" not in context:
+                        hidden.append(f"{p.relative_to(SRC)}:{node.lineno}")
+    assert not hidden, hidden

@@ -1,0 +1,131 @@
+"""Every bad input a user can give is one paragraph on stderr naming the input and the fix, and exit code 2 —
+never a traceback. One row per input: the ones the reliability issue found, then those handled before."""
+import os
+import subprocess
+import sys
+import tarfile
+
+import pytest
+import torch
+
+from flare.cli import main
+
+
+def cli(argv, capsys):
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's own errors exit through SystemExit
+        rc = e.code
+    err = capsys.readouterr().err
+    return rc, err
+
+
+def _garbage_tar(tmp_path):
+    p = tmp_path / "broken.tar.gz"
+    p.write_bytes(b"\x1f\x8b\x08\x00 this is not a gzip stream")
+    return str(p)
+
+
+def _misplaced_tar(tiny_folder, tmp_path):
+    """A real archive whose images sit in images/a/ instead of train/<class>/."""
+    p = tmp_path / "misplaced.tar.gz"
+    with tarfile.open(p, "w:gz") as tar:
+        for i, f in enumerate(sorted((tiny_folder / "train" / "class0").iterdir())[:3]):
+            tar.add(f, arcname=f"images/a/{i}.png")
+    return str(p)
+
+
+def _finished_run(tiny, tmp_path, capsys):
+    d = tmp_path / "done"
+    assert main(["run", "--preset", "etf-anneal", *tiny, "rounds=1", "--out", str(d), "--quiet"]) == 0
+    capsys.readouterr()
+    return str(d)
+
+
+# (id, argv builder (tiny overrides, tmp_path, tiny_folder, capsys) -> argv, what stderr must name)
+ROWS = [
+    # --- found by the reliability issue ---------------------------------------------------------
+    ("out is a file", lambda t, p, f, c: (p / "f").write_text("x") and
+     ["run", *t, "--out", str(p / "f")], "is a file"),
+    ("out under a non-directory", lambda t, p, f, c: ["run", *t, "--out", "/dev/null/run"], "/dev/null/run"),
+    ("out under /proc", lambda t, p, f, c: ["run", *t, "--out", "/proc/flare-no/run"], "/proc/flare-no/run"),
+    ("config of binary bytes", lambda t, p, f, c: (p / "b.yaml").write_bytes(bytes(range(256))) and
+     ["run", "--config", str(p / "b.yaml"), *t], "not a text file"),
+    ("config is a directory", lambda t, p, f, c: ["run", "--config", str(p), *t], "is a directory"),
+    ("compare --preset (prefix of --presets)", lambda t, p, f, c:
+     ["compare", "--presets", "fedavg,ensemble", "--preset", "fafi", *t], "--preset"),
+    ("run --pre (abbreviation)", lambda t, p, f, c: ["run", "--pre", "fafi", *t], "--pre"),
+    ("resume with an override that cannot apply", lambda t, p, f, c:
+     ["run", "--resume", _finished_run(t, p, c), "lr=0.1"], "lr"),
+    ("resume with more rounds of an annealed method", lambda t, p, f, c:
+     ["run", "--resume", _finished_run(t, p, c), "rounds=3"], "align.schedule=linear"),
+    ("resume with another --out", lambda t, p, f, c:
+     ["run", "--resume", _finished_run(t, p, c), "--out", str(p / "elsewhere")], "--out"),
+    ("train subset larger than the dataset", lambda t, p, f, c: ["run", *t, "dataset.train_subset=100000"],
+     "dataset.train_subset"),
+    ("test subset larger than the dataset", lambda t, p, f, c: ["run", *t, "dataset.test_subset=100000"],
+     "dataset.test_subset"),
+    ("archive with a wrong layout", lambda t, p, f, c:
+     ["run", *t, f"dataset.root={_misplaced_tar(f, p)}"], "images/a/"),
+    ("cache_dir is a file", lambda t, p, f, c: (p / "cachefile").write_text("x") and
+     ["run", *t, f"dataset.cache_dir={p / 'cachefile'}"], "dataset.cache_dir"),
+    ("cache_dir cannot be created", lambda t, p, f, c: ["run", *t, "dataset.cache_dir=/proc/flare-cache"],
+     "dataset.cache_dir"),
+    # --- handled before -------------------------------------------------------------------------
+    ("unknown key", lambda t, p, f, c: ["run", *t, "num_client=3"], "num_clients"),
+    ("wrong type", lambda t, p, f, c: ["run", *t, "rounds=abc"], "rounds"),
+    ("alpha 0", lambda t, p, f, c: ["run", *t, "partition.alpha=0"], "partition.alpha"),
+    ("no clients", lambda t, p, f, c: ["run", *t, "num_clients=0"], "num_clients"),
+    ("more clients than samples", lambda t, p, f, c: ["run", *t, "num_clients=500"], "num_clients"),
+    ("missing dataset", lambda t, p, f, c: ["run", "rounds=1", "dataset.name=cifar10", "--out", str(p / "r")],
+     "dataset.root"),
+    ("unreadable archive", lambda t, p, f, c: ["run", *t, f"dataset.root={_garbage_tar(p)}"], "broken.tar.gz"),
+    ("unknown preset", lambda t, p, f, c: ["run", "--preset", "fafii", *t], "fafi"),
+    ("entropy rule bounds reversed", lambda t, p, f, c:
+     ["run", *t, "align.lambda_min=5", "align.lambda_max=1"], "align.lambda_min"),
+    ("SGDR period 0", lambda t, p, f, c: ["run", *t, "lr_schedule.t0=0"], "lr_schedule.t0"),
+    ("unknown schedule", lambda t, p, f, c: ["run", *t, "align.schedule=exponential"], "align.schedule"),
+    ("public slice too large", lambda t, p, f, c: ["run", *t, "dataset.public_size=500"], "dataset.public_size"),
+    ("ETF with d < C − 1", lambda t, p, f, c: ["run", *t, "align.anchors=etf", "model.width=0.01"],
+     "align.anchors"),
+    ("override without =", lambda t, p, f, c: ["run", *t, "rounds"], "rounds"),
+    ("renamed key", lambda t, p, f, c: ["run", "--preset", "flare", *t, "lam.lambda_max=5"],
+     "lam.valve_threshold"),
+    ("λ learner without anchors", lambda t, p, f, c: ["run", *t, "lam.learner=decoupled"], "align.anchors"),
+    ("report on a missing path", lambda t, p, f, c: ["report", str(p / "missing")], "missing"),
+    ("sweep file missing", lambda t, p, f, c: ["sweep", "--config", str(p / "nope.yaml")], "nope.yaml"),
+    ("paper with an unknown dataset", lambda t, p, f, c: ["paper", "--scale", "smoke", "--datasets", "imagenet",
+                                                          "--dry-run"], "--datasets"),
+    ("lr-probe with no batches", lambda t, p, f, c: ["lr-probe", *t, "--batches", "0"], "--batches"),
+    ("compare with no presets", lambda t, p, f, c: ["compare", "--presets", ",", *t], "--presets"),
+    ("resume a directory that is not a run", lambda t, p, f, c: ["run", "--resume", str(p)], "--resume"),
+]
+
+
+@pytest.mark.parametrize("name,build,names", ROWS, ids=[r[0] for r in ROWS])
+def test_bad_input_is_exit_2_with_a_message_naming_it(name, build, names, tiny_overrides, tiny_folder, tmp_path,
+                                                       capsys):
+    tiny = [o for o in tiny_overrides if not o.startswith("rounds=")] + ["rounds=1", "--quiet"]
+    argv = build(tiny, tmp_path, tiny_folder, capsys)
+    if "--out" not in argv and argv[0] in ("run", "compare") and "--resume" not in argv:
+        argv += ["--out", str(tmp_path / "out")]
+    rc, err = cli(argv, capsys)
+    assert rc == 2, (name, err)
+    assert "Traceback" not in err, err
+    assert names in err, (name, err)
+    assert "Fix:" in err or "fix" in err.lower(), err
+
+
+def test_device_cuda_without_a_gpu(tiny_overrides, tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    rc, err = cli(["run", *tiny_overrides, "device=cuda", "--out", str(tmp_path / "r"), "--quiet"], capsys)
+    assert rc == 2 and "device" in err and "Traceback" not in err
+
+
+def test_a_real_process_prints_no_traceback(tmp_path):
+    """The same, through the installed entry point in a fresh interpreter (what a user sees)."""
+    (tmp_path / "b.yaml").write_bytes(bytes(range(256)))
+    r = subprocess.run([sys.executable, "-m", "flare.cli", "run", "--config", str(tmp_path / "b.yaml")],
+                       capture_output=True, text=True, env=dict(os.environ, FLARE_QUIET="1"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and str(tmp_path / "b.yaml") in r.stderr

@@ -1,0 +1,49 @@
+"""The benchmarks' CPU smoke modes run in CI, so the scripts that make the GPU figures cannot rot unnoticed."""
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("engine", ["sequential", "batched"])
+def test_full_run_cpu_smoke(engine, tmp_path, capsys):
+    res = _script("full_run").main(["--cpu-smoke", "--out", str(tmp_path / "run"), f"client_engine={engine}"])
+    out = capsys.readouterr().out
+    assert res["rounds"] == 2 and res["wall_s"] > res["train_s"] > 0 and 0 <= res["acc"] <= 1
+    assert math.isfinite(res["train_s_per_round"]) and math.isfinite(res["eval_s_per_round"])
+    for words in ("wall", "s/round", "peak GPU memory", f"client_engine={engine}", "final acc"):
+        assert words in out, out
+    assert (tmp_path / "run" / "summary.md").exists()
+
+
+def test_profile_round_cpu_smoke(tmp_path, capsys):
+    res = _script("profile_round").main(["--cpu-smoke", "--preset", "flare", "--out", str(tmp_path),
+                                         "client_engine=batched"])
+    out = capsys.readouterr().out
+    for phase in ("flare.augment", "flare.forward_loss", "flare.backward", "flare.optimizer", "flare.evaluate"):
+        assert res["phases"][phase][0] > 0, phase  # host ms of every marked phase of the batched engine
+    assert res["host_reads"].get("aten::_local_scalar_dense", 0) > 0 and res["host_reads_by_phase"]
+    assert res["top_ops"] and res["steps"] == 8
+    assert "traceEvents" in json.loads((tmp_path / "trace.json").read_text())
+    for words in ("top", "host reads", "Chrome trace", "batched engine"):
+        assert words in out, out
+
+
+def test_efficiency_reports_both_engines(tiny_folder, tmp_path, capsys):
+    _script("efficiency").main(["--steps", "2", "--repeats", "1", "--clients", "2", "dataset.name=imagefolder",
+                                f"dataset.root={tiny_folder}", f"dataset.cache_dir={tmp_path / 'cache'}",
+                                "model.name=cnn", "model.width=0.25", "batch_size=16", "device=cpu"])
+    out = capsys.readouterr().out
+    for words in ("efficiency", "batched engine, 2 clients", "end-to-end batched", "÷ bare batched"):
+        assert words in out, out

@@ -1,0 +1,422 @@
+"""The protocol switch (config/protocol.py): protocol=reference sets every item, an explicitly set item wins, and
+every item really changes the computation it names (BN at evaluation, input scaling, baselines, progress, Plan B,
+precision, drop_last, partitions)."""
+import hashlib
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from flare.client.terms.align import align_target
+from flare.config import build_config, load_config
+from flare.config.protocol import ITEMS, ITEM_KEYS, protocol_label
+from flare.data.partition import make_partition
+from flare.errors import FlareError
+from flare.rundir import read_jsonl
+from flare.runner import Run
+from flare.server.fusion import evaluate, fedavg_model, fuse_outputs, rule_scores
+from flare.setup import DataMeta, RunSetup, amp_dtype_for, evaluate_uploads, make_augment, normalizer
+from flare.server.protos import mean_prototypes, train_global_prototypes
+
+
+def _get(cfg, key):
+    v = cfg
+    for p in key.split("."):
+        v = getattr(v, p)
+    return v
+
+
+# ----------------------------------------------------------------------------------------------
+# the switch and its layering
+
+
+def test_clean_values_are_the_schema_defaults_and_clean_changes_nothing():
+    default = load_config(None, "fafi", [])
+    assert default.protocol == "clean"
+    for it in ITEMS:
+        assert _get(default, it.key) == it.clean, it.key
+    assert load_config(None, "fafi", ["protocol=clean"]).model_dump() == {**default.model_dump(), "protocol": "clean"}
+
+
+@pytest.mark.parametrize("preset, extra, expect", [
+    ("fafi", ["partition.kind=dirichlet-fafi"],
+     {"eval.bn": "batch", "augment.input_scaling": "reference", "augment.per_image": False, "loss.ce_input": "plain",
+      "server.ensemble": "softmax", "server.fedavg_buffers": "first", "progress": "round-reset",
+      "align.target_progress": "round-reset", "server.protos_flow": "reference", "amp": "off", "drop_last": True,
+      "partition.rng": "legacy"}),
+    ("ensemble", [], {"server.ensemble": "logits", "progress": "epoch", "drop_last": False}),
+    ("flare", ["partition.kind=dirichlet-fafi"], {"progress": "epoch-end", "drop_last": True}),
+    ("uw-anneal-linear", [], {"progress": "epoch"}),
+    ("fafi", ["partition.kind=shards"], {"partition.rng": "generator"}),
+    ("fafi", ["partition.kind=iid"], {"partition.rng": "legacy"}),
+])
+def test_reference_sets_every_item(preset, extra, expect):
+    cfg = load_config(None, preset, ["protocol=reference", *extra])
+    for k, v in expect.items():
+        assert _get(cfg, k) == v, k
+    if len(expect) == len(ITEMS):  # every item is covered; all but the ensemble (prototype heads: softmax) differ
+        assert set(expect) == set(ITEM_KEYS)
+        assert [it.key for it in ITEMS if expect[it.key] == it.clean] == ["server.ensemble"]
+    assert protocol_label(cfg.model_dump(mode="json")) == "reference"
+
+
+def test_an_explicit_item_wins_over_the_protocol(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("protocol: reference\neval: {bn: running}\n")
+    cfg = load_config(f, "fafi", ["amp=bf16"])
+    assert cfg.eval.bn == "running" and cfg.amp == "bf16"          # file and override win
+    assert cfg.augment.input_scaling == "reference"                # the rest follows the protocol
+    label = protocol_label(cfg.model_dump(mode="json"))
+    assert label == "reference, eval.bn=running, amp=bf16"
+    # a clean config with one item flipped is labelled so
+    assert protocol_label(load_config(None, "fafi", ["eval.bn=batch"]).model_dump(mode="json")) == \
+        "clean, eval.bn=batch"
+    # a config from before the switch (no protocol, no items) is clean
+    assert protocol_label({"seed": 1}) == "clean"
+
+
+def test_a_written_config_round_trips():
+    cfg = load_config(None, "flare", ["protocol=reference", "partition.kind=dirichlet-fafi"])
+    again = build_config(cfg.model_dump(mode="json"))
+    assert again == cfg
+
+
+@pytest.mark.parametrize("ov, key", [
+    (["protocol=referenc"], "protocol"),
+    (["partition.kind=shards", "partition.rng=legacy"], "partition.rng"),
+    (["eval.bn=train"], "eval.bn"),
+    (["progress=round"], "progress"),
+])
+def test_bad_protocol_input_names_the_key(ov, key):
+    with pytest.raises(FlareError) as e:
+        load_config(None, "fafi", ov)
+    assert e.value.key == key
+
+
+def test_plan_b_reference_needs_anchors():
+    with pytest.raises(FlareError) as e:
+        load_config(None, "fafi", ["server.protos=trainable", "server.protos_flow=reference"])
+    assert e.value.key == "align.anchors"
+
+
+# ----------------------------------------------------------------------------------------------
+# partitions (SPEC §1 and /work/ref_protocol.md §6)
+
+CIFAR10 = np.repeat(np.arange(10), 5000)
+SVHN = np.repeat(np.arange(10), [4948, 13861, 10585, 8497, 7458, 6882, 5727, 5595, 5045, 4659])
+
+
+def test_official_partition_matches_the_notes_counts():
+    p = make_partition(CIFAR10, 5, "dirichlet-fafi", 1, alpha=0.05, rng="legacy")
+    assert p.sizes == [30000, 6972, 5894, 24217, 15612]
+    h = p.histogram()
+    assert {c: int(h[1, c]) for c in np.flatnonzero(h[1])} == {3: 5000, 6: 106, 8: 1866}
+    assert {c: int(h[3, c]) for c in np.flatnonzero(h[3])} == {1: 5000, 3: 63, 4: 4111, 5: 5000, 6: 43, 7: 5000,
+                                                               9: 5000}
+    assert [round(e, 3) for e in p.entropies()] == [2.585, 0.945, 0.676, 2.353, 1.794]
+    # overlapping across clients, never within one; capped at the class size
+    assert sum(p.sizes) == 82695 > len(CIFAR10)
+    assert all(len(set(ix.tolist())) == len(ix) for ix in p.client_indices)
+    assert h.max() == 5000
+    for alpha, sizes in ((0.1, [25047, 6905, 20723, 25839, 20002]), (0.3, [19508, 31826, 35794, 22984, 25735]),
+                         (0.5, [39296, 32237, 30057, 36893, 20405])):
+        assert make_partition(CIFAR10, 5, "dirichlet-fafi", 1, alpha=alpha, rng="legacy").sizes == sizes
+    assert make_partition(SVHN, 5, "dirichlet-fafi", 114514, alpha=0.05, rng="legacy").sizes == \
+        [242, 6553, 13419, 35090, 26348]
+
+
+def test_legacy_card_dealer_matches_the_notes_counts_and_entropies():
+    p = make_partition(CIFAR10, 5, "dirichlet", 1, alpha=0.05, rng="legacy")
+    assert p.sizes == [15274, 13309, 4729, 9738, 6950]
+    assert [round(e, 4) for e in p.entropies()] == [1.9079, 1.7997, 0.6091, 1.1689, 1.7245]  # the notes' V9 log
+    h = p.histogram()
+    assert {c: int(h[2, c]) for c in np.flatnonzero(h[2])} == {1: 1, 2: 69, 5: 514, 6: 4144, 8: 1}
+    assert sorted(np.concatenate(p.client_indices).tolist()) == list(range(len(CIFAR10)))  # every sample once
+    assert make_partition(SVHN, 5, "dirichlet", 114514, alpha=0.05, rng="legacy").sizes == \
+        [2152, 10838, 11948, 28400, 19919]
+    c100 = make_partition(np.repeat(np.arange(100), 500), 5, "dirichlet", 1, alpha=0.05, rng="legacy")
+    lam = [round(0.1 + e / math.log2(100) * 19.9, 2) for e in c100.entropies()]
+    assert lam == [13.51, 14.01, 14.36, 14.17, 14.90]  # the notes' CIFAR-100 warm-start λ (λ_max = 20)
+
+
+def test_default_partitions_are_unchanged():
+    """The generator partitions of before the protocol switch, pinned (sha1 of the concatenated indices)."""
+    for kind, sizes, digest in (("dirichlet", [13714, 3519, 19489, 2437, 10841], "027a6b857a8408ef"),
+                                ("iid", [10000] * 5, "b9257e8717d8a956"), ("shards", [10000] * 5, "92bb0875570012fd")):
+        p = make_partition(CIFAR10, 5, kind, 1, alpha=0.05)
+        assert p.sizes == sizes
+        assert hashlib.sha1(np.concatenate(p.client_indices).tobytes()).hexdigest()[:16] == digest
+
+
+# ----------------------------------------------------------------------------------------------
+# evaluation: BN mode, ensemble, FedAvg buffers
+
+
+class _BNNet(nn.Module):
+    """feature = BN(conv(x)) pooled; running statistics set far from any batch's."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 3)
+        self.prototypes = nn.Parameter(torch.randn(3, 8))
+        with torch.no_grad():
+            self.bn.running_mean.fill_(5.0)
+            self.bn.running_var.fill_(0.01)
+
+    def forward(self, x):
+        f = torch.relu(self.bn(self.conv(x))).mean((2, 3))
+        return f, self.fc(f)
+
+
+def test_batch_bn_changes_feature_rules_only_and_keeps_running_statistics():
+    models = [_BNNet(0), _BNNet(1)]
+    before = [{k: v.clone() for k, v in m.state_dict().items()} for m in models]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (96, 3, 6, 6), generator=g, dtype=torch.uint8)
+    y = torch.randint(0, 3, (96,), generator=g)
+    G = torch.randn(3, 8, generator=g)
+    w = torch.tensor([0.5, 0.5])
+
+    def norm(u):
+        return u.float() / 255
+
+    kw = dict(rules=("feature", "iffi", "iffi_reference", "output", "fedavg"), batch_size=8)
+    run = evaluate(models, w, G, x, y, norm, **kw)
+    seen = []  # the running mean every eval-mode BN pass normalised with
+    hooks = [m.bn.register_forward_pre_hook(lambda mod, inp: seen.append(None if mod.training else
+                                                                        mod.running_mean.clone())) for m in models]
+    bat = evaluate(models, w, G, x, y, norm, bn="batch", shuffle_seed=3, **kw)
+    for h in hooks:
+        h.remove()
+    evals = [v for v in seen if v is not None]
+    # per batch and client: an eval pass, a train pass, a train noise pass; plus the FedAvg copy's eval pass
+    assert len(evals) == 3 * 12 and len(seen) == 3 * 2 * 12 + 12
+    assert all(torch.equal(v, torch.full((8,), 5.0)) for v in evals)  # never a previous batch's statistics
+    # running stats at 5 / 0.01 push every feature through the same ReLU corner: feature fusion degenerates
+    assert run["acc_feature"] != bat["acc_feature"]
+    # those keep the clients' own running statistics in every batch (a train-mode pass must not leak into the next
+    # batch's eval-mode pass): 12 batches of 8 would move them far from 5 / 0.01
+    assert (run["acc_output"], run["acc_fedavg"], run["client_acc"]) == \
+        (bat["acc_output"], bat["acc_fedavg"], bat["client_acc"])
+    for m, b in zip(models, before):
+        assert not m.training
+        for k, v in m.state_dict().items():
+            assert torch.equal(v, b[k]), k  # buffers (num_batches_tracked too) restored bit for bit
+    # the batch pass really used per-batch statistics: equal to a hand-made train-mode forward on the same batches
+    order = torch.randperm(96, generator=torch.Generator().manual_seed(3))
+    correct = 0
+    for s in range(0, 96, 8):
+        ix = order[s:s + 8]
+        feats = []
+        for m in models:
+            m.train()
+            feats.append(m(norm(x[ix]))[0])
+            m.eval()
+        h = 0.5 * feats[0] + 0.5 * feats[1]
+        correct += int((rule_scores("feature", torch.stack(feats), None, w, G).argmax(1) == y[ix]).sum())
+        assert torch.equal(rule_scores("feature", torch.stack(feats), None, w, G),
+                           torch.nn.functional.normalize(h, dim=1) @ G.T)
+    for m, b in zip(models, before):
+        m.load_state_dict(b)
+    assert bat["acc_feature"] == correct / 96
+
+
+def test_logit_sum_ensemble_is_the_weighted_sum_of_raw_logits():
+    logits = torch.tensor([[[2.0, 0.0, -1.0]], [[0.0, 12.0, 0.0]]])  # K=2, B=1, C=3
+    w = torch.tensor([0.75, 0.25])
+    assert torch.allclose(fuse_outputs(logits, w, "logits"), torch.tensor([[1.5, 3.0, -0.75]]))
+    soft = fuse_outputs(logits, w, "softmax")
+    assert torch.allclose(soft, 0.75 * logits[0].softmax(-1) + 0.25 * logits[1].softmax(-1))
+    # a confident client dominates a sum of raw logits, not a sum of probabilities
+    assert soft.argmax(1).item() == 0 and fuse_outputs(logits, w, "logits").argmax(1).item() == 1
+    scores = rule_scores("output", None, logits, w, None, ensemble="logits")
+    assert torch.equal(scores, fuse_outputs(logits, w, "logits"))
+
+
+def test_fedavg_first_keeps_client_zero_buffers_and_averages_parameters():
+    a, b = _BNNet(0), _BNNet(1)
+    with torch.no_grad():
+        b.bn.running_mean.fill_(-3.0)
+        b.bn.num_batches_tracked.fill_(7)
+    w = torch.tensor([0.25, 0.75])
+    first = fedavg_model([a, b], w, "first")
+    avg = fedavg_model([a, b], w, "average")
+    assert torch.equal(first.bn.running_mean, a.bn.running_mean)
+    assert torch.equal(first.bn.running_var, a.bn.running_var)
+    assert torch.allclose(avg.bn.running_mean, torch.full((8,), 0.25 * 5.0 - 0.75 * 3.0))
+    for name in ("conv.weight", "bn.weight", "fc.bias", "prototypes"):
+        want = 0.25 * a.state_dict()[name] + 0.75 * b.state_dict()[name]
+        assert torch.allclose(first.state_dict()[name], want), name
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs and precision
+
+META = DataMeta("cifar10", list("abcdefghij"), 3, 16, [0.49, 0.48, 0.45], [0.25, 0.24, 0.26])
+
+
+@pytest.mark.parametrize("ds, train, test", [
+    ("cifar10", (-1.0, 1.0), (0.0, 1.0)), ("fmnist", (-1.0, 1.0), (0.0, 1.0)),
+    ("svhn", (-3.0, 1.0), (-1.0, 1.0)), ("cifar100", (-9.295, 5.905), (-1.8975, 2.0253)),
+])
+def test_reference_input_scaling(ds, train, test):
+    x = torch.zeros(64, 3, 16, 16, dtype=torch.uint8)
+    x[:, :, :8] = 255  # every image holds black and white
+    cfg = load_config(None, "fafi", ["protocol=reference", f"dataset.name={ds}"])
+    aug = make_augment(cfg, META, torch.device("cpu"))
+    t = normalizer(cfg, META)(x)
+    assert test[0] - 0.01 <= t.min() and t.max() <= test[1] + 0.01
+    assert t.min() < test[0] + 0.01 and t.max() > test[1] - 0.01
+    lo, hi = [], []
+    for s in range(8):
+        torch.manual_seed(s)
+        v = aug.single_view(x)
+        lo.append(float(v.min()))
+        hi.append(float(v.max()))
+    assert train[0] - 0.01 <= min(lo) and max(hi) <= train[1] + 0.01
+    # the colour jitter alone: when it fires, the double-normalised datasets are clamped to [0, 1] before the
+    # augmentation's Normalize (torchvision's and kornia's tensor jitter clamp); when it does not, they keep the
+    # dataset transform's range (SVHN [-1, 1], CIFAR-100 ≈ [-1.9, 2.0]) and are normalised again
+    aug.policy = nn.Sequential(*[m for m in aug.policy if type(m).__name__ == "ColorJitter"])
+    m0, s0 = aug.mean, aug.std
+    for p_fire, clamped in ((1.0, True), (0.0, ds in ("cifar10", "fmnist"))):
+        aug.policy[0].p = p_fire
+        u = aug.single_view(x) * s0 + m0  # undo the augmentation's Normalize
+        assert (float(u.min()) >= -1e-5 and float(u.max()) <= 1 + 1e-5) == clamped, (ds, p_fire)
+
+
+def test_clean_scaling_is_the_dataset_statistics_for_training_and_test():
+    cfg = load_config(None, "fafi", ["dataset.name=cifar10"])
+    x = torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8)
+    want = (x.float() / 255 - torch.tensor(META.mean)[:, None, None]) / torch.tensor(META.std)[:, None, None]
+    assert torch.allclose(normalizer(cfg, META)(x), want, atol=1e-6)
+
+
+def test_reference_precision_is_fp32_even_on_a_gpu():
+    assert amp_dtype_for(load_config(None, "fafi", ["protocol=reference"]), torch.device("cuda")) is None
+    assert amp_dtype_for(load_config(None, "fafi", ["amp=bf16"]), torch.device("cuda")) == torch.bfloat16
+
+
+# ----------------------------------------------------------------------------------------------
+# training: baselines' inputs, progress, drop_last, Plan B (tiny runs)
+
+
+def _records(d, kind):
+    return [r for r in read_jsonl(d / "metrics.jsonl") if r["kind"] == kind]
+
+
+def test_plain_baselines_never_augment(tiny_overrides):
+    calls = {}
+    for mode in ("plain", "augmented"):
+        setup = RunSetup.build(load_config(None, "fedavg", tiny_overrides + [f"loss.ce_input={mode}", "rounds=1"]))
+        aug = setup.ctx.augment
+        calls[mode] = 0
+
+        def counted(x, aug=aug, mode=mode):
+            calls[mode] += 1
+            return aug(x)
+
+        setup.ctx.augment = counted
+        c = setup.make_clients(lambda m: None, lambda m: None)[0]
+        assert c.train_round(setup.ctx, 0)["steps"] >= 1
+    assert calls["plain"] == 0 and calls["augmented"] > 0
+
+
+def test_round_reset_keeps_lambda_constant_with_one_epoch_and_the_v8_target_at_p0(tiny_overrides, tmp_path):
+    ov = tiny_overrides + ["rounds=3"]
+    ref = Run(load_config(None, "etf-anneal", ov + ["progress=round-reset"]), tmp_path / "rr", quiet=True)
+    ref.execute()
+    lams = {r["lambda"] for r in _records(tmp_path / "rr", "client")}
+    assert lams == {5.0}  # the notes' first batch: λ ≡ λ0 when E = 1
+    Run(load_config(None, "etf-anneal", ov), tmp_path / "ep", quiet=True).execute()
+    assert sorted({round(r["lambda"], 6) for r in _records(tmp_path / "ep", "client")}, reverse=True) == \
+        [5.0, round(5 * 2 / 3, 6), round(5 / 3, 6)]
+    # V8: the target's progress restarts every round: j/E with j the epoch in the round (E = 1: always P⁰)
+    cfg = load_config(None, "progressive", ov + ["protocol=reference", "local_epochs=2"])
+    setup = RunSetup.build(cfg)
+    c = setup.make_clients(lambda m: None, lambda m: None)[0]
+    c.epochs_done = 4  # round 2 of 3
+    assert c.progress_at(setup.ctx, 0, 0, 1)[1] == 0.0 and c.progress_at(setup.ctx, 1, 0, 1)[1] == 0.5
+    P0, A = c.initial_prototypes, setup.anchors
+    assert torch.equal(align_target(A, "progressive", 0.0, P0), P0)
+    e1 = load_config(None, "progressive", ov + ["protocol=reference"])
+    s1 = RunSetup.build(e1)
+    c1 = s1.make_clients(lambda m: None, lambda m: None)[0]
+    for done in range(3):
+        c1.epochs_done = done
+        assert c1.progress_at(s1.ctx, 0, 0, 1)[1] == 0.0
+
+
+def test_epoch_end_progress_logs_s_equal_one_minus_r_plus_one_over_r(tiny_overrides, tmp_path):
+    cfg = load_config(None, "flare", tiny_overrides + ["rounds=4", "progress=epoch-end"])
+    Run(cfg, tmp_path / "f", quiet=True).execute()
+    s = {r["round"]: round(r["s_p"], 6) for r in _records(tmp_path / "f", "client") if r["client"] == 0}
+    assert s == {r: round(1 - (r + 1) / 4, 6) for r in range(4)}  # V12's logged s(p) in the notes
+
+
+def test_drop_last_drops_the_incomplete_batch_and_a_tiny_client_trains_nothing(tiny_overrides, tmp_path):
+    cfg = load_config(None, "fafi", tiny_overrides + ["drop_last=true", "batch_size=16", "rounds=1"])
+    setup = RunSetup.build(cfg)
+    warned = []
+    clients = setup.make_clients(warned.append, lambda m: None)
+    for c in clients:
+        assert c.steps_per_epoch == c.num_samples // 16
+    small = [c for c in clients if c.num_samples < 16]
+    big = next(c for c in clients if c.num_samples >= 16 and c.num_samples % 16)
+    assert big.train_round(setup.ctx, 0)["steps"] == big.num_samples // 16
+    if small:
+        before = {k: v.clone() for k, v in small[0].model.state_dict().items()}
+        assert small[0].train_round(setup.ctx, 0)["steps"] == 0
+        assert all(torch.equal(v, before[k]) for k, v in small[0].model.state_dict().items())
+        assert any("drop_last" in w for w in warned)
+
+
+def test_plan_b_reference_starts_at_the_anchors_keeps_g_and_predicts_with_the_mean(tiny_overrides, tmp_path):
+    ov = tiny_overrides + ["server.server_epochs=2", "rounds=2"]
+    cfg = load_config(None, "server-protos", ov + ["server.protos_flow=reference"])
+    setup = RunSetup.build(cfg)
+    assert torch.equal(setup.ctx.server_target, setup.anchors)          # round 0: G = A, the clients' target
+    assert setup.ctx.align_anchors is setup.ctx.server_target
+    clients = setup.make_clients(lambda m: None, lambda m: None)
+    for c in clients:
+        c.train_round(setup.ctx, 0)
+    protos = [c.upload().prototypes for c in clients]
+    ev = setup.evaluate(0, clients)
+    want, _ = train_global_prototypes(protos, cfg.server, setup.anchors, init=setup.anchors)
+    assert torch.allclose(ev.server_G, want) and torch.allclose(ev.G, mean_prototypes(protos))
+    assert torch.equal(setup.ctx.server_target, ev.server_G)            # the next round aligns to the trained G
+    ev2 = evaluate_uploads(cfg, 1, [c.upload() for c in clients], [c.model for c in clients], setup.anchors,
+                           None, None, setup.norm, server_G=ev.server_G)
+    fresh, _ = train_global_prototypes(protos, cfg.server, setup.anchors, init=setup.anchors)
+    cont, _ = train_global_prototypes(protos, cfg.server, setup.anchors, init=ev.server_G)
+    assert torch.allclose(ev2.server_G, cont) and not torch.allclose(ev2.server_G, fresh)  # G persists
+    assert RunSetup.build(load_config(None, "server-protos", ov)).ctx.server_target is None  # spec: no G sent
+
+
+def test_plan_b_reference_resumes_with_the_servers_g(tiny_overrides, tmp_path, monkeypatch):
+    """The checkpoint carries G: a run cut after round 0 and resumed equals the uninterrupted run."""
+    cfg = load_config(None, "server-protos", tiny_overrides + ["server.server_epochs=2", "rounds=3",
+                                                               "server.protos_flow=reference"])
+    Run(cfg, tmp_path / "whole", quiet=True).execute()
+    real = RunSetup.evaluate
+
+    def crash_in_round_1(self, r, clients):
+        if r == 1:
+            raise KeyboardInterrupt
+        return real(self, r, clients)
+
+    monkeypatch.setattr(RunSetup, "evaluate", crash_in_round_1)
+    with pytest.raises(KeyboardInterrupt):
+        Run(cfg, tmp_path / "cut", quiet=True).execute()
+    monkeypatch.setattr(RunSetup, "evaluate", real)
+    Run(cfg, tmp_path / "cut", quiet=True).execute()
+
+    def clean(d):
+        return [{k: v for k, v in r.items() if not k.startswith("seconds")} for r in read_jsonl(d / "metrics.jsonl")]
+
+    assert clean(tmp_path / "cut") == clean(tmp_path / "whole")

@@ -1,0 +1,180 @@
+"""A run directory nothing can corrupt: one writer at a time (a lock the OS releases when the writer dies), and a
+resume that validates metrics.jsonl against the checkpoint before trusting it. Each corruption case ends with
+exactly the metrics of the same run uninterrupted."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from flare.cli import main
+from flare.config import load_config
+from flare.errors import FlareError
+from flare.rundir import read_jsonl
+from flare.runner import Run
+
+
+def _overrides(tiny_folder, tmp_path, extra=()):
+    return [f"dataset.name=imagefolder", f"dataset.root={tiny_folder}", f"dataset.cache_dir={tmp_path / 'cache'}",
+            "model.name=cnn", "model.width=0.25", "num_clients=3", "partition.alpha=0.5", "device=cpu",
+            "test_batch_size=32", "batch_size=16", *extra]
+
+
+def _no_timing(recs):
+    return [{k: v for k, v in r.items() if not k.startswith("seconds")} for r in recs]
+
+
+def _same_as_uninterrupted(cfg, d, tmp_path):
+    ref = tmp_path / "reference"
+    if not ref.exists():
+        Run(cfg, ref, quiet=True).execute()
+    assert _no_timing(read_jsonl(d / "metrics.jsonl")) == _no_timing(read_jsonl(ref / "metrics.jsonl"))
+    assert json.loads((d / "state.json").read_text())["status"] == "finished"
+
+
+def _interrupted(cfg, d, monkeypatch, at_round):
+    """Run until round `at_round` (0-based) starts, then stop as a crash would."""
+    import flare.client.trainer as trainer
+
+    real = trainer.Client.train_round
+
+    def crash(self, ctx, round_idx, on_step=None):
+        if round_idx == at_round:
+            raise KeyboardInterrupt
+        return real(self, ctx, round_idx, on_step)
+
+    monkeypatch.setattr(trainer.Client, "train_round", crash)
+    with pytest.raises(KeyboardInterrupt):
+        Run(cfg, d, quiet=True).execute()
+    monkeypatch.setattr(trainer.Client, "train_round", real)
+
+
+@pytest.fixture
+def cfg(tiny_folder, tmp_path):
+    return load_config(None, "flare", _overrides(tiny_folder, tmp_path, ["rounds=4"]))
+
+
+def test_unfinished_run_with_a_log_cut_mid_line(cfg, tmp_path, monkeypatch):
+    d = tmp_path / "run"
+    _interrupted(cfg, d, monkeypatch, at_round=3)
+    text = (d / "metrics.jsonl").read_bytes()
+    (d / "metrics.jsonl").write_bytes(text[: int(len(text) * 0.4)])  # rounds 2–3 gone, a line torn in round 1
+    with pytest.warns(UserWarning, match="torn"):
+        Run(cfg, d, quiet=True).execute()
+    state = json.loads((d / "state.json").read_text())
+    assert any("rebuilt from the checkpoint" in w for w in state["warnings"])
+    _same_as_uninterrupted(cfg, d, tmp_path)
+
+
+def test_finished_run_with_a_log_cut_mid_line_is_revalidated(cfg, tmp_path, capsys):
+    d = tmp_path / "run"
+    ov = []
+    Run(cfg, d, quiet=True).execute()
+    text = (d / "metrics.jsonl").read_bytes()
+    (d / "metrics.jsonl").write_bytes(text[: int(len(text) * 0.7)])
+    (d / "config.yaml").read_text()
+    with pytest.warns(UserWarning):
+        assert main(["run", "--config", str(d / "config.yaml"), "--out", str(d), "--quiet", *ov]) == 0
+    out = capsys.readouterr().out
+    final = float(re.search(r"final acc \(feature\) = ([\d.]+)%", out).group(1))
+    summary = (d / "summary.md").read_text()
+    assert re.search(rf"\| feature \(primary\) \| {final:.2f} \|", summary), (out, summary)
+    assert "disagrees with checkpoint.pt" in summary  # the warning is part of the run's record
+    _same_as_uninterrupted(cfg, d, tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty"])
+def test_unreadable_checkpoint_falls_back_to_the_previous_one(damage, cfg, tmp_path, monkeypatch):
+    d = tmp_path / "run"
+    _interrupted(cfg, d, monkeypatch, at_round=3)
+    assert (d / "checkpoint.prev.pt").exists()
+    ck = (d / "checkpoint.pt").read_bytes()
+    (d / "checkpoint.pt").write_bytes(ck[: len(ck) // 2] if damage == "truncated" else b"")
+    with pytest.warns(UserWarning, match="resuming from checkpoint.prev.pt"):
+        Run(cfg, d, quiet=True).execute()
+    _same_as_uninterrupted(cfg, d, tmp_path)
+
+
+def test_no_readable_checkpoint_at_all_starts_over(cfg, tmp_path, monkeypatch):
+    d = tmp_path / "run"
+    _interrupted(cfg, d, monkeypatch, at_round=1)  # one round done: no previous checkpoint yet
+    assert not (d / "checkpoint.prev.pt").exists()
+    (d / "checkpoint.pt").write_bytes(b"")
+    with pytest.warns(UserWarning, match="starts again from round 1"):
+        Run(cfg, d, quiet=True).execute()
+    _same_as_uninterrupted(cfg, d, tmp_path)
+
+
+def test_finished_run_whose_checkpoint_is_gone_keeps_its_complete_log(cfg, tmp_path):
+    d = tmp_path / "run"
+    Run(cfg, d, quiet=True).execute()
+    before = (d / "metrics.jsonl").read_text()
+    (d / "checkpoint.pt").write_bytes(b"garbage")
+    with pytest.warns(UserWarning, match="log is complete"):
+        Run(cfg, d, quiet=True).execute()
+    assert (d / "metrics.jsonl").read_text() == before  # nothing recomputed
+
+
+def test_more_rounds_extend_a_finished_run_where_nothing_depends_on_R(tiny_folder, tmp_path, capsys):
+    ov = _overrides(tiny_folder, tmp_path)
+    d = tmp_path / "run"
+    assert main(["run", "--preset", "fafi", *ov, "rounds=2", "--out", str(d), "--quiet"]) == 0
+    assert main(["run", "--resume", str(d), "rounds=3", "--quiet"]) == 0
+    ref = tmp_path / "ref"
+    Run(load_config(None, "fafi", ov + ["rounds=3"]), ref, quiet=True).execute()
+    # the rounds trained before the extension keep the progress p = e/(R·E) they were logged with (R was 2);
+    # nothing of fafi depends on it, so every other number is the 3-round run's
+    got, want = _no_timing(read_jsonl(d / "metrics.jsonl")), _no_timing(read_jsonl(ref / "metrics.jsonl"))
+    assert [r.pop("progress", None) for r in got[:8]] != [r.pop("progress", None) for r in want[:8]]
+    assert got == want
+    assert "rounds: 3" in (d / "config.yaml").read_text()
+
+
+def test_a_different_experiment_in_the_directory_is_refused(cfg, tmp_path):
+    d = tmp_path / "run"
+    Run(cfg, d, quiet=True).execute()
+    with pytest.raises(FlareError) as e:
+        Run(cfg.model_copy(update={"lr": 0.01}), d, quiet=True).execute()
+    assert e.value.key == "--out" and "lr" in e.value.message
+
+
+def _spawn(ov, out):
+    env = dict(os.environ, FLARE_QUIET="1", OMP_NUM_THREADS=str(torch.get_num_threads()), OMP_WAIT_POLICY="PASSIVE")
+    return subprocess.Popen([sys.executable, "-m", "flare.cli", "run", "--preset", "fafi", *ov, "--out", str(out),
+                             "--quiet"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_second_writer_is_refused_while_the_first_runs_and_not_after_it_was_killed(tiny_folder, tmp_path):
+    ov = _overrides(tiny_folder, tmp_path, ["rounds=3", "local_epochs=6", "batch_size=4",
+                                            "optim.reset_each_round=false"])
+    d = tmp_path / "run"
+    first = _spawn(ov, d)
+    try:
+        deadline = time.time() + 300
+        while not (d / "config.yaml").exists():  # the first process holds the lock and has begun
+            assert first.poll() is None, first.communicate()[1][-2000:]
+            assert time.time() < deadline
+            time.sleep(0.05)
+        second = _spawn(ov, d)
+        _, err = second.communicate(timeout=120)
+        assert second.returncode == 2, err
+        assert f"process {first.pid}" in err and "in use" in err and "Traceback" not in err
+        assert first.poll() is None  # the refusal did not disturb the first writer
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    # the OS released the dead writer's lock: the same command resumes and finishes
+    third = _spawn(ov, d)
+    _, err = third.communicate(timeout=600)
+    assert third.returncode == 0, err
+    recs = read_jsonl(d / "metrics.jsonl")
+    assert sum(r["kind"] == "round" for r in recs) == 3 and sum(r["kind"] == "client" for r in recs) == 9
+    _same_as_uninterrupted(load_config(None, "fafi", ov), d, tmp_path)

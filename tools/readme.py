@@ -1,0 +1,315 @@
+"""Every generated block of the README, between markers, so that no table can drift from its source.
+
+    python tools/readme.py                 # rewrite the static blocks (methods table, config reference)
+                                           # and re-render every results block whose runs exist
+    python tools/readme.py --run main      # run a results block's commands first (finished runs are kept)
+    python tools/readme.py --run all       # every results block (about an hour on 2 CPU cores)
+    python tools/readme.py --list          # the blocks and their commands
+    python tools/readme.py --check         # exit 1 if a block is stale or was edited by hand (the tests run this)
+
+A block is `<!-- BEGIN id sha=… -->` … `<!-- END id -->`; `sha` is a hash of its content, so a hand edit is
+caught. A results block shows the exact commands it ran, the table rendered from their run directories, and
+the machine it ran on (torch, threads, CPU): the same command gives the same digits only with the same torch
+build, thread count and CPU kernels (README, "Reproducibility").
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+
+from flare.config import config_reference, list_presets  # noqa: E402
+from flare.report.reproduction import reproduction_markdown  # noqa: E402
+from flare.report.runs import Row  # noqa: E402
+from flare.report.tables import compare_table  # noqa: E402
+from flare.rundata import RunData  # noqa: E402
+
+README = ROOT / "README.md"
+PATTERN = re.compile(r"<!-- BEGIN (?P<id>[\w-]+) sha=(?P<sha>\w+) -->\n(?P<body>.*?)<!-- END (?P=id) -->", re.S)
+
+
+def _digest(body: str) -> str:
+    return hashlib.sha256(body.encode()).hexdigest()[:12]
+
+
+# ----------------------------------------------------------------------------------------------
+# static blocks: rendered from the code alone
+
+
+def methods_table() -> str:
+    """The notes' V-numbers → presets, and what each preset sets over the defaults."""
+    def flat(m, prefix=""):
+        for k, v in m.items():
+            if isinstance(v, dict):
+                yield from flat(v, f"{prefix}{k}.")
+            elif k not in ("description", "notes_name", "method", "preset"):
+                yield f"`{prefix}{k}={v}`"
+
+    rows = ["| notes | preset | config it sets (over the defaults) |", "| --- | --- | --- |"]
+    for name, m in list_presets().items():
+        rows.append(f"| {m.get('notes_name', '')} | `{name}` | {', '.join(flat(m))} |")
+    return "\n".join(rows) + "\n"
+
+
+def config_table() -> str:
+    rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for k, t, d, desc in config_reference():
+        rows.append(f"| `{k}` | {t.replace('|', chr(92) + '|')} | `{d}` | {desc} |")
+    return "\n".join(rows) + "\n"
+
+
+STATIC = {"methods": methods_table, "config-reference": config_table}
+
+
+# ----------------------------------------------------------------------------------------------
+# results blocks: commands, then a rendering of what they wrote
+
+
+OUT = ROOT / "runs" / "readme"   # logs and machine facts of each block's last --run
+IMG = ROOT / "docs" / "img"      # figures the README shows (copied from the run directories)
+CIFAR = "../shared/data/cifar10-jpg.tar.gz"
+CIFAR_ARGS = f"dataset.name=cifar10 dataset.format=imagefolder dataset.root={CIFAR}"
+
+
+@dataclass
+class Results:
+    id: str
+    commands: list[str]
+    render: Callable[[], str]
+    figures: dict[str, str] = field(default_factory=dict)  # run-directory file -> docs/img name
+
+
+def _compare_rows(out: str, presets: list[str], seeds: list[int] | None = None) -> list[tuple[dict, Row]]:
+    meta = list_presets()
+    rows = []
+    for p in presets:
+        dirs = [ROOT / out / p] if not seeds else [ROOT / out / p / f"seed={s}" for s in seeds]
+        runs = [RunData.load(d) for d in dirs]
+        if not all(r.rounds for r in runs):
+            raise FileNotFoundError(f"{out}/{p}: no finished run (run the block first)")
+        rows.append((meta.get(p, {}), Row(p, runs[0].method, {}, runs)))
+    return rows
+
+
+def compare_block(out: str, presets: list[str], seeds: list[int] | None = None) -> Callable[[], str]:
+    return lambda: compare_table(_compare_rows(out, presets, seeds)) + "\n"
+
+
+def section_of(report: str, heading: str) -> Callable[[], str]:
+    """The table under `## heading` of a report.md (what the command printed)."""
+    def render() -> str:
+        text = (ROOT / report).read_text()
+        part = text.split(f"## {heading}", 1)[1].split("\n## ", 1)[0]
+        return "\n".join(ln for ln in part.splitlines() if ln.startswith("|")) + "\n"
+    return render
+
+
+def reproduction(out: str) -> Callable[[], str]:
+    """The reproduction report's markdown, its headings moved under the README's section, its figure in docs/img."""
+    def render() -> str:
+        md = reproduction_markdown(ROOT / out, image_dir=IMG)
+        md = re.sub(r"^(#+) ", lambda m: "#" * (len(m[1]) + 2) + " ", md, flags=re.M)
+        return md.replace(f"]({IMG.name}/", f"](docs/{IMG.name}/") + "\n"
+    return render
+
+
+def pytest_summary() -> str:
+    log = (OUT / "tests.log").read_text().strip().splitlines()
+    return f"`{log[-1].strip('= ')}`\n"
+
+
+def efficiency_table() -> str:
+    rows = ["| config | bare fwd+bwd+step (samples/s) | end-to-end local training (samples/s) | efficiency |",
+            "| --- | --- | --- | --- |"]
+    for name in ("efficiency-resnet18", "efficiency-cnn"):
+        text = (OUT / f"{name}.out").read_text()
+        conf = re.search(r"config: (.*)", text).group(1)
+        bare, e2e, eff = (re.search(rf"{k}\s*:\s*([\d.]+)", text).group(1)
+                          for k in ("bare fwd\+bwd\+step|bare forward\+backward\+step", "end-to-end local training",
+                                    "efficiency"))
+        rows.append(f"| {conf} | {bare} | {e2e} | {eff} |")
+    return "\n".join(rows) + "\n"
+
+
+MAIN_PRESETS = ["fafi", "fedavg", "ensemble", "etf-anneal", "flare"]
+ALIGN_PRESETS = ["fafi", "drcl", "drcl-anneal", "etf-anneal", "entropy-lambda", "decoupled", "flare"]
+CIFAR_SMALL = (f"{CIFAR_ARGS} dataset.train_subset=10000 dataset.test_subset=2000 model.name=cnn model.width=0.5 "
+               "num_clients=5 rounds=5 batch_size=64")
+
+RESULTS = {r.id: r for r in [
+    Results("main", ["flare compare --config configs/main.yaml --presets " + ",".join(MAIN_PRESETS) +
+                     " --seeds 1,2,3 --out runs/main"],
+            compare_block("runs/main", MAIN_PRESETS, [1, 2, 3]),
+            {"runs/main/compare_accuracy.png": "main-accuracy.png"}),
+    Results("cifar-baselines",
+            [f"flare compare --presets fafi,fedavg,ensemble {CIFAR_SMALL} partition.alpha={a} --out runs/readme/cifar-a{a}"
+             for a in (0.05, 0.5)],
+            lambda: "\n".join(f"α = {a}:\n\n" + compare_block(f"runs/readme/cifar-a{a}", ["fafi", "fedavg", "ensemble"])()
+                              for a in (0.05, 0.5))),
+    Results("alignment",
+            [f"flare compare --presets {','.join(ALIGN_PRESETS)} {CIFAR_SMALL} partition.alpha=0.05 "
+             "--out runs/readme/alignment"],
+            compare_block("runs/readme/alignment", ALIGN_PRESETS),
+            {"runs/readme/alignment/compare_diagnostics.png": "alignment-diagnostics.png",
+             "runs/readme/alignment/flare/plots/lambda.png": "flare-lambda.png"}),
+    Results("paper-cpu",
+            [f"flare paper --scale cpu --datasets cifar10 --only table1,ablation --data-root cifar10={CIFAR} "
+             "--out runs/readme/paper-cpu"],
+            section_of("runs/readme/paper-cpu/report/report.md", "Table 1"),
+            {"runs/readme/paper-cpu/report/figure1_accuracy.png": "paper-cpu-figure1.png",
+             "runs/readme/paper-cpu/report/figure2_lambda_eff.png": "paper-cpu-figure2.png"}),
+    Results("reproduce-cpu",
+            [f"flare paper --scale cpu --only reproduce --datasets cifar10 --data-root cifar10={CIFAR} "
+             "--out runs/readme/reproduce-cpu"],
+            reproduction("runs/readme/reproduce-cpu")),
+    Results("efficiency-cpu",
+            ["python benchmarks/efficiency.py model.name=resnet18 model.width=0.25 --steps 6 --repeats 2 "
+             "> runs/readme/efficiency-resnet18.out",
+             "python benchmarks/efficiency.py model.name=cnn model.width=1.0 --steps 6 --repeats 2 "
+             "> runs/readme/efficiency-cnn.out"],
+            efficiency_table),
+    Results("tests", ["python -m pytest -q -p no:cacheprovider -m 'not slow' tests > runs/readme/tests.log"],
+            pytest_summary),
+]}
+
+
+def machine() -> dict:
+    cpu = platform.processor() or ""
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                   if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "cpu": cpu,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def run_block(block: Results) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, FLARE_QUIET="1")
+    t0 = time.perf_counter()
+    for cmd in block.commands:
+        argv = cmd.replace("flare ", f"{shlex.quote(sys.executable)} -m flare.cli ", 1) if cmd.startswith("flare ") \
+            else cmd.replace("python ", f"{shlex.quote(sys.executable)} ", 1)
+        print(f"[{block.id}] {cmd}", flush=True)
+        r = subprocess.run(argv, shell=True, cwd=ROOT, env=env)
+        if r.returncode not in (0, 1 if block.id == "tests" else 0):
+            raise SystemExit(f"[{block.id}] command failed with exit code {r.returncode}: {cmd}")
+    facts = {**machine(), "wall_seconds": time.perf_counter() - t0}
+    (OUT / f"{block.id}.json").write_text(json.dumps(facts, indent=1))
+
+
+def _wrap_command(cmd: str, width: int = 110) -> str:
+    """A long command shown on several lines (shell continuations), as one would type it."""
+    lines, cur = [], ""
+    for word in cmd.split(" "):
+        if cur and len(cur) + 1 + len(word) > width:
+            lines.append(cur + " \\")
+            cur = "    " + word
+        else:
+            cur = f"{cur} {word}" if cur else word
+    return "\n".join(lines + [cur])
+
+
+def render_block(block: Results) -> str:
+    facts = json.loads((OUT / f"{block.id}.json").read_text())
+    body = block.render()
+    for src, name in block.figures.items():
+        IMG.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ROOT / src, IMG / name)
+    cmds = "\n".join(_wrap_command(c) for c in block.commands)
+    where = facts["gpu"] or f"{facts['cpus']}-core CPU ({facts['cpu']})"
+    return (f"```bash\n{cmds}\n```\n\n{body}\n"
+            f"<sub>Generated by `python tools/readme.py --run {block.id}` on {facts['date']}: {where}, torch "
+            f"{facts['torch']}, {facts['threads']} torch threads, {facts['wall_seconds'] / 60:.1f} min wall.</sub>\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# the README
+
+
+def blocks(text: str) -> dict[str, tuple[str, str]]:
+    return {m["id"]: (m["sha"], m["body"]) for m in PATTERN.finditer(text)}
+
+
+def replace_block(text: str, block_id: str, body: str) -> str:
+    if not body.endswith("\n"):
+        body += "\n"
+    new = f"<!-- BEGIN {block_id} sha={_digest(body)} -->\n{body}<!-- END {block_id} -->"
+    out, n = PATTERN.subn(lambda m: new if m["id"] == block_id else m[0], text)
+    if block_id not in blocks(text):
+        raise SystemExit(f"README.md has no block '{block_id}': add <!-- BEGIN {block_id} sha=0 --> ... "
+                         f"<!-- END {block_id} --> where it belongs")
+    return out
+
+
+def problems(text: str) -> list[str]:
+    """Stale static blocks and blocks whose content does not match their hash (edited by hand)."""
+    found = blocks(text)
+    out = [f"block '{b}' is missing" for b in STATIC if b not in found]
+    for b, (sha, body) in found.items():
+        if sha != _digest(body):
+            out.append(f"block '{b}' was edited by hand (its hash does not match): regenerate it with "
+                       f"`python tools/readme.py{' --run ' + b if b not in STATIC else ''}`")
+        elif b in STATIC and body != STATIC[b]():
+            out.append(f"block '{b}' is stale: run `python tools/readme.py`")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="report stale or hand-edited blocks, change nothing")
+    ap.add_argument("--run", metavar="ID", help="run a results block's commands first (or `all`)")
+    ap.add_argument("--list", action="store_true", help="list the results blocks and their commands")
+    args = ap.parse_args(argv)
+    text = README.read_text()
+    if args.list:
+        for b in RESULTS.values():
+            print(f"{b.id}:\n  " + "\n  ".join(b.commands))
+        return 0
+    if args.check:
+        bad = problems(text)
+        for p in bad:
+            print(f"README.md: {p}", file=sys.stderr)
+        return 1 if bad else 0
+    if args.run:
+        ids = list(RESULTS) if args.run == "all" else args.run.split(",")
+        unknown = [i for i in ids if i not in RESULTS]
+        if unknown:
+            raise SystemExit(f"unknown results block(s) {unknown}; --list shows them")
+        for i in ids:
+            run_block(RESULTS[i])
+        text = README.read_text()  # read again: the README may have been edited while the blocks ran
+    for b, render in STATIC.items():
+        text = replace_block(text, b, render())
+    for b in RESULTS.values():
+        if b.id not in blocks(text):
+            print(f"README.md has no block '{b.id}'; skipped", file=sys.stderr)
+            continue
+        try:
+            text = replace_block(text, b.id, render_block(b))
+        except (FileNotFoundError, IndexError) as e:
+            print(f"[{b.id}] not rendered (run it with --run {b.id}): {e}", file=sys.stderr)
+    README.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
