@@ -12,9 +12,9 @@ OUT ?= runs/main
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -qq -e '.[test,flower,sweep]'  # -qq: errors only (a log stays readable)
+	$(BIN)/python -m pip install -qq -c constraints.txt -e '.[test,flower,sweep]'  # -qq: errors only
 	@touch $@
 
 # Fashion-MNIST from Debian's package when we can (root on Debian); otherwise say so and let the
