@@ -11,7 +11,7 @@ import numpy as np
 
 from flare.config.protocol import protocol_label
 from flare.errors import FlareError
-from flare.rundir import PARTITION, RunDir, flatten, read_jsonl
+from flare.rundir import DIAG, PARTITION, RunDir, flatten, read_jsonl
 
 
 def num(v: Any) -> float:
@@ -144,7 +144,7 @@ class RunData:
         last = self.rounds[-1]
         out = {"method": self.method, "primary": self.primary, "rounds": len(self.rounds)}
         for k, v in last.items():
-            if k.startswith("acc_") or k in ("g_protos_std", "inter_client_proto_std", "model_variance_mean"):
+            if k.startswith("acc_") or k in DIAG:
                 out[k] = v
         out["acc"] = self.final("acc")
         out["peak_acc"], out["peak_round"] = self.peak("acc")

@@ -178,9 +178,6 @@ class RunDir:
     def metrics_path(self) -> Path:
         return self.path / METRICS
 
-    def exists(self) -> bool:
-        return (self.path / CONFIG).is_file()
-
     # -- creation and the lock ------------------------------------------------------------------
     def create(self, key: str = "--out") -> None:
         """Make the directory, or say in one paragraph why it cannot be made."""

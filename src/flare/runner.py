@@ -25,7 +25,7 @@ from flare.progress import Progress
 from flare.report.run_report import write_run_report
 from flare.rng import global_rng_state, set_global_rng_state
 from flare.rundata import RunData
-from flare.rundir import ResumePoint, RunDir
+from flare.rundir import SUMMARY, ResumePoint, RunDir
 from flare.setup import RunSetup
 
 
@@ -100,8 +100,11 @@ class Run:
             tb.close()
         self.dir.write_state("finished", cfg.rounds, self.warnings)
         self.dir.drop_previous_checkpoint()
-        write_run_report(self.out)
-        return RunData.load(self.out).summary()
+        return write_run_report(self.out).summary()
+
+    def _merge_warnings(self, rp: ResumePoint) -> None:
+        """The warnings state.json recorded, then this invocation's new ones."""
+        self.warnings = rp.state_warnings + [w for w in self.warnings if w not in rp.state_warnings]
 
     def _restore(self, rp: ResumePoint, clients: list[Client]) -> list[dict]:
         """Load the checkpoint (if any) into the clients; returns the records of the rounds it covers."""
@@ -112,7 +115,7 @@ class Run:
         for c, st in zip(clients, rp.checkpoint["clients"]):
             c.load_state_dict(st)
         set_global_rng_state(rp.checkpoint.get("rng"))
-        self.warnings = rp.state_warnings + [w for w in self.warnings if w not in rp.state_warnings]
+        self._merge_warnings(rp)
         self.dir.write_metrics(rp.records)
         self._log(f"{self.out}: resuming after round {rp.rounds_done}.")
         return list(rp.records)
@@ -122,10 +125,10 @@ class Run:
         self._log(f"{self.out}: finished earlier; nothing to recompute.")
         if rp.warnings:
             self.dir.write_metrics(rp.records)
-            self.warnings = rp.state_warnings + [w for w in self.warnings if w not in rp.state_warnings]
+            self._merge_warnings(rp)
             self.dir.write_state("finished", rp.rounds_done, self.warnings)
-        if rp.warnings or not self.dir.file("summary.md").exists():
-            write_run_report(self.out)
+        if rp.warnings or not self.dir.file(SUMMARY).exists():
+            return write_run_report(self.out).summary()
         return RunData.load(self.out).summary()
 
     def _train_clients(self, active: list[Client], ctx: TrainContext, r: int, bar: Progress,

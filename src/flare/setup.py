@@ -2,8 +2,9 @@
 build a run: device and precision, the data and its split, the seeded global init, the anchors, the
 augmentation, the server's public bank, the clients' training context, and the evaluation checkpoint.
 
-The engines differ only in where the pieces run: `RunSetup.build` composes them for the in-process runner and
-the LR probe; a Flower node calls the same functions with the dataset facts (`DataMeta`) the server sent.
+The engines differ only in where the pieces run: `RunSetup.build` composes them for the in-process runner; the
+LR probe (its own data and client choice) and a Flower node (with the dataset facts, `DataMeta`, the server sent)
+call the same functions.
 """
 from __future__ import annotations
 
@@ -294,13 +295,10 @@ class RunSetup:
     device: torch.device
     amp_dtype: torch.dtype | None
     channels_last: bool
-    meta: DataMeta
-    data: ImageData
     partition: Partition
     partition_report: dict
     global_model: FlareNet
     anchors: Tensor | None
-    augment: TwoViewAugment
     norm: Callable[[Tensor], Tensor]
     ctx: TrainContext
     test_x: Tensor
@@ -321,8 +319,9 @@ class RunSetup:
         bank = build_public_bank(cfg, public, model, augment, norm, device)
         ctx = make_train_context(cfg, data.train_x.to(device), data.train_y.to(device), augment, anchors, device,
                                  amp_dtype, cl, bank, plain=norm)
-        run = cls(cfg, device, amp_dtype, cl, meta, data, part, describe_partition(cfg, part, data.classes), model,
-                  anchors, augment, norm, ctx, data.test_x.to(device), data.test_y.to(device))
+        # The host copies of the data are not kept: ctx and test_x/test_y hold the device copies.
+        run = cls(cfg, device, amp_dtype, cl, part, describe_partition(cfg, part, data.classes), model,
+                  anchors, norm, ctx, data.test_x.to(device), data.test_y.to(device))
         if carries_server_protos(cfg):  # Plan B as the reference: round 0's target and G are the anchors
             run.load_server_state({"G": anchors})
         return run

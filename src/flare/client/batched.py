@@ -115,7 +115,6 @@ class BatchedClients:
         self.template = copy.deepcopy(clients[0].model)
         self.proto_name = "head.prototypes" if self.template.prototypes is not None else None
         self.lam = clients[0].lam  # the λ arithmetic (its coefficients are the config's, the same for every client)
-        self.compiled = bool(compile)
         step = torch.vmap(self._client_loss)
         self._step = torch.compile(step) if compile else step
         self._update = torch.compile(_sgd_update) if compile else _sgd_update

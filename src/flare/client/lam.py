@@ -183,7 +183,7 @@ class LamLearner(LamProvider):
             if self.gamma_lambda:
                 sigma = sigma + self.gamma_lambda * torch.relu(lam_raw - self.valve_threshold)  # safety valve
         logs["lambda_eff"] = lam_eff
-        logs["s_p"] = a if isinstance(a, Tensor) else torch.tensor(a, device=self.device)
+        logs["s_p"] = a if isinstance(a, Tensor) else torch.full((), a, device=self.device)  # no blocking copy
         return LamStep(local, align_w, sigma, logs)
 
     def step(self) -> None:

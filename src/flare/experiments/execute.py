@@ -15,7 +15,7 @@ import time
 import traceback
 import warnings
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,7 +36,6 @@ class Point:
     values: dict[str, Any]          # the swept keys of this point (preset, grid and zip keys, seed)
     config: Any                     # flare.config.Config
     dir: Path | None = None
-    aliases: list[tuple[str, str]] = field(default_factory=list)  # (sweep, name) pairs deduplicated into it
 
     @property
     def mapping(self) -> dict:

@@ -344,7 +344,6 @@ def run_paper(scale_name: str, out: str | Path | None = None, datasets: str | li
             key = json.dumps(p.mapping, sort_keys=True)
             if key in unique:
                 p.dir = unique[key].dir
-                unique[key].aliases.append((e.key, p.name))
             else:
                 p.dir = out / e.key / p.name
                 unique[key] = p

@@ -27,11 +27,11 @@ from typing import Callable
 from flare.config import config_for_preset
 from flare.config.protocol import ITEM_KEYS, ITEMS, ProtocolItem
 from flare.errors import FlareError
-from flare.experiments.sweep import SweepSpec
-from flare.rundir import atomic_write_text
+from flare.experiments.sweep import SweepSpec, unflatten
+from flare.report.reproduction import MANIFEST
+from flare.rundir import atomic_write_text, flatten
 
 METHODS = ["fedavg", "ensemble", "fafi", "etf-anneal", "flare"]
-MANIFEST = "reproduce.json"
 # the config keys the report needs to match a point with the notes' numbers (report/reference.py)
 MATCH_KEYS = ("preset", "protocol", "dataset.name", "partition.", "progress", "rounds", "local_epochs", "batch_size",
               "seed", "align.", "lam.") + ITEM_KEYS
@@ -94,20 +94,9 @@ def _flip(item: ProtocolItem, base_name: str, preset: str, base_flat: dict) -> o
     reference setting of this preset would set it), the clean value from reference."""
     if base_name == "clean":
         ref_flat = {**base_flat, **SETTINGS["reference"]}
-        ref_base = config_for_preset(_nested({k: v for k, v in ref_flat.items() if k not in ITEM_KEYS}), preset)
+        ref_base = config_for_preset(unflatten({k: v for k, v in ref_flat.items() if k not in ITEM_KEYS}), preset)
         return item.reference_value(ref_base.model_dump(mode="json"))
     return item.clean
-
-
-def _nested(flat: dict) -> dict:
-    out: dict = {}
-    for k, v in flat.items():
-        node = out
-        parts = k.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = v
-    return out
 
 
 def plan(scale, dataset: str, zip_values: dict, seeds: list[int], protocols: list[str], common: dict,
@@ -133,17 +122,18 @@ def plan(scale, dataset: str, zip_values: dict, seeds: list[int], protocols: lis
                                      grid={"partition.alpha": list(scale.later_alphas)}),
                            {"role": "main", "settings": ["reference-later"]}))
     a = scale.hard_alpha
+    user = flatten(overrides)
     for base_name in names:
         bflat = {**base, **SETTINGS[base_name], "partition.alpha": a}
         for item in ITEMS:
-            if item.key not in scale.ablation_items or item.key in _flat_keys(overrides):
+            if item.key not in scale.ablation_items or item.key in user:
                 continue
             by_value: dict = {}
             for m in methods:
-                cfg = config_for_preset(_nested({**bflat, **_flat(overrides)}), m)
+                cfg = config_for_preset(unflatten({**bflat, **user}), m)
                 if not AFFECTS[item.key](cfg):
                     continue
-                value = _flip(item, base_name, m, {**bflat, **_flat(overrides)})
+                value = _flip(item, base_name, m, {**bflat, **user})
                 if value != _get(cfg.model_dump(mode="json"), item.key):
                     by_value.setdefault(json.dumps(value), []).append(m)
             for vj, ms in by_value.items():
@@ -161,20 +151,6 @@ def _get(m: dict, key: str):
     for p in key.split("."):
         m = m.get(p) if isinstance(m, dict) else None
     return m
-
-
-def _flat(m: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in m.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
-
-
-def _flat_keys(m: dict) -> set[str]:
-    return set(_flat(m))
 
 
 def order(points: list, hard_alpha: float) -> list:
@@ -197,7 +173,7 @@ def write_manifest(out: Path, planned: list[Planned], points_of: dict[str, list]
                 meta["setting"] = ("reference-later" if pl.key == "reproduce-later" else
                                    next(n for n in SETTINGS if SETTINGS[n]["protocol"] == p.values.get("protocol")))
                 meta.pop("settings", None)
-            flat = _flat(p.mapping)
+            flat = flatten(p.mapping)
             rows.append({**meta, "experiment": pl.key, "preset": p.values.get("preset"),
                          "alpha": float(p.config.partition.alpha), "seed": p.config.seed, "dir": str(p.dir),
                          "config": {k: v for k, v in flat.items() if k.startswith(MATCH_KEYS)}})

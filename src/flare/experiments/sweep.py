@@ -291,7 +291,7 @@ def default_out(spec: SweepSpec) -> Path:
 def manifest(spec: SweepSpec, points: list[Point], results: dict[str, dict], overrides: list[str] | None = None) -> dict:
     return {"name": spec.name, "description": spec.description, "overrides": list(overrides or []),
             "points": [{"name": p.name, "dir": str(p.dir), "values": p.values,
-                        "status": results.get(p.name, {}).get("status", point_status(p)),
+                        "status": results.get(p.name, {}).get("status") or point_status(p),
                         "error": results.get(p.name, {}).get("error")} for p in points]}
 
 
@@ -323,7 +323,7 @@ def run_sweep(path: str | Path, out: str | Path | None = None, *, overrides: lis
     man = manifest(spec, points, results, overrides)
     man["throughput"] = speed
     atomic_write_text(out / "sweep.json", json.dumps(man, indent=1, default=str))
-    table = points_table([(p.name, p.dir, results.get(p.name, {}).get("status", point_status(p)),
+    table = points_table([(p.name, p.dir, results.get(p.name, {}).get("status") or point_status(p),
                            results.get(p.name, {}).get("seconds")) for p in points])
     line = f"{format_throughput(speed)} ({workers} worker{'s' if workers > 1 else ''})"
     atomic_write_text(out / "sweep.md", f"# Sweep {spec.name}\n\n{spec.description}\n\n{table}\n\n{line}\n")

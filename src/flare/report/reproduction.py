@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -213,10 +212,3 @@ def write_reproduction_report(out: str | Path) -> Path:
     atomic_write_text(path, "# Reproduction report\n\n" + md + "\n")
     return path
 
-
-def copy_figure(out: str | Path, dest: str | Path) -> Path:
-    """Copy the drawn figure next to a document that embeds the markdown (e.g. docs/figures)."""
-    src = Path(out) / "report" / FIGURE
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    return Path(shutil.copy2(src, dest / FIGURE))

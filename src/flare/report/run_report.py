@@ -6,7 +6,7 @@ from pathlib import Path
 
 from flare.report.figures import plot_accuracy, plot_diagnostics, plot_label_distribution, plot_lambda
 from flare.rundata import RunData
-from flare.rundir import ACC_ORDER, DIAG, atomic_write_text
+from flare.rundir import ACC_ORDER, DIAG, SUMMARY, atomic_write_text
 
 
 def _f(v, digits=4):
@@ -63,7 +63,8 @@ def summary_markdown(run: RunData) -> str:
     return "\n".join(lines)
 
 
-def write_run_report(run_dir: str | Path) -> None:
+def write_run_report(run_dir: str | Path) -> RunData:
+    """Plots and summary.md; returns the RunData it read (callers need not read the directory again)."""
     run = RunData.load(run_dir)
     plots = Path(run_dir) / "plots"
     plots.mkdir(exist_ok=True)
@@ -73,4 +74,5 @@ def write_run_report(run_dir: str | Path) -> None:
         plot_lambda(run, plots / "lambda.png")
     if run.partition:
         plot_label_distribution(run.partition, plots / "label_distribution.png")
-    atomic_write_text(Path(run_dir) / "summary.md", summary_markdown(run))
+    atomic_write_text(Path(run_dir) / SUMMARY, summary_markdown(run))
+    return run

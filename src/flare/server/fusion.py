@@ -107,11 +107,12 @@ def fedavg_model(models: list[torch.nn.Module], weights: Tensor, buffers: str = 
 
 
 @contextmanager
-def batch_statistics(models: list[torch.nn.Module]):
+def batch_statistics(models: list[torch.nn.Module], saved: list[dict[str, Tensor]] | None = None):
     """Inside: the models in train mode (BN normalises with each batch's statistics). On exit: every buffer
     (running statistics, num_batches_tracked) restored bit for bit, and eval mode — so the eval-mode passes of
-    the next batch see the clients' own running statistics."""
-    saved = [{k: b.detach().clone() for k, b in m.named_buffers()} for m in models]
+    the next batch see the clients' own running statistics. `saved`: a snapshot taken once for many batches
+    (the restore makes it the same every time), instead of cloning every buffer per batch."""
+    saved = saved if saved is not None else snapshot_buffers(models)
     try:
         for m in models:
             m.train()
@@ -121,6 +122,10 @@ def batch_statistics(models: list[torch.nn.Module]):
             m.eval()
             for k, b in m.named_buffers():
                 b.copy_(buf[k])
+
+
+def snapshot_buffers(models: list[torch.nn.Module]) -> list[dict[str, Tensor]]:
+    return [{k: b.detach().clone() for k, b in m.named_buffers()} for m in models]
 
 
 @torch.no_grad()
@@ -145,6 +150,7 @@ def evaluate(models: list[torch.nn.Module], weights: Tensor, G: Tensor | None, t
     batch_rules = [r for r in rules if r in FEATURE_RULES] if bn == "batch" else []
     order = (torch.randperm(test_x.shape[0], generator=torch.Generator().manual_seed(shuffle_seed)).to(device)
              if batch_rules else None)
+    saved = snapshot_buffers(models) if batch_rules else None
     correct = {r: 0 for r in rules}
     client_correct = torch.zeros(len(models), dtype=torch.long, device=device)
     n = 0
@@ -169,7 +175,7 @@ def evaluate(models: list[torch.nn.Module], weights: Tensor, G: Tensor | None, t
                 with amp:
                     noise_feats = torch.stack([m(eps)[0].float() for m in models])
         if batch_rules:  # the reference's train-mode BN: the clean batch and the noise batch, each on its own
-            with batch_statistics(models), amp:
+            with batch_statistics(models, saved), amp:
                 feats = torch.stack([m(x)[0].float() for m in models])
                 if eps is not None:
                     noise_feats = torch.stack([m(eps)[0].float() for m in models])
