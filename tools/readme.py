@@ -34,11 +34,11 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
-from flare.config import config_reference, list_presets  # noqa: E402
+from flare.config import config_reference, config_reference_markdown, list_presets  # noqa: E402,F401 (tests read tool.config_reference)
 from flare.report.reproduction import reproduction_markdown  # noqa: E402
+from flare.report.compare import compare_rows  # noqa: E402
 from flare.report.runs import Row  # noqa: E402
 from flare.report.tables import compare_table  # noqa: E402
-from flare.rundata import RunData  # noqa: E402
 
 README = ROOT / "README.md"
 PATTERN = re.compile(r"<!-- BEGIN (?P<id>[\w-]+) sha=(?P<sha>\w+) -->\n(?P<body>.*?)<!-- END (?P=id) -->", re.S)
@@ -68,10 +68,7 @@ def methods_table() -> str:
 
 
 def config_table() -> str:
-    rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
-    for k, t, d, desc in config_reference():
-        rows.append(f"| `{k}` | {t.replace('|', chr(92) + '|')} | `{d}` | {desc} |")
-    return "\n".join(rows) + "\n"
+    return config_reference_markdown() + "\n"
 
 
 STATIC = {"methods": methods_table, "config-reference": config_table}
@@ -96,14 +93,11 @@ class Results:
 
 
 def _compare_rows(out: str, presets: list[str], seeds: list[int] | None = None) -> list[tuple[dict, Row]]:
-    meta = list_presets()
-    rows = []
-    for p in presets:
-        dirs = [ROOT / out / p] if not seeds else [ROOT / out / p / f"seed={s}" for s in seeds]
-        runs = [RunData.load(d) for d in dirs]
-        if not all(r.rounds for r in runs):
-            raise FileNotFoundError(f"{out}/{p}: no finished run (run the block first)")
-        rows.append((meta.get(p, {}), Row(p, runs[0].method, {}, runs)))
+    rows = compare_rows([(p, [ROOT / out / p] if not seeds else [ROOT / out / p / f"seed={s}" for s in seeds])
+                         for p in presets])
+    for _, row in rows:
+        if not all(r.rounds for r in row.runs):
+            raise FileNotFoundError(f"{out}/{row.label}: no finished run (run the block first)")
     return rows
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 # and 0.26 s with PASSIVE while another training process ran on the same 2 cores.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from flare.config import (Config, build_config, config_reference, deep_merge, list_presets, load_config,  # noqa: E402
+from flare.config import (Config, build_config, config_reference_markdown, deep_merge, list_presets, load_config,  # noqa: E402
                           parse_overrides)
 from flare.data.datasets import list_datasets  # noqa: E402
 from flare.errors import FlareError  # noqa: E402
@@ -112,10 +112,7 @@ def cmd_models(args) -> int:
 
 
 def cmd_config_reference(args) -> int:
-    print("| key | type | default | meaning |\n| --- | --- | --- | --- |")
-    for k, t, d, desc in config_reference():
-        t = t.replace("|", "\\|")
-        print(f"| `{k}` | {t} | `{d}` | {desc} |")
+    print(config_reference_markdown())
     return 0
 
 

@@ -1,6 +1,7 @@
 """The configuration: the schema (`schema.py`) and how a run's config is built from presets, files and
 overrides (`load.py`). Everything a caller needs is importable from `flare.config`."""
-from flare.config.load import (build_config, config_for_preset, config_reference, config_to_yaml, deep_merge,
+from flare.config.load import (build_config, config_for_preset, config_reference,
+                               config_reference_markdown, config_to_yaml, deep_merge,
                                known_keys, list_presets, load_config, parse_overrides, preset_mapping,
                                read_yaml_mapping)
 from flare.config.schema import (RENAMED, AlignCfg, AugmentCfg, Config, DatasetCfg, EvalCfg, LamCfg, LoggingCfg,
@@ -8,5 +9,5 @@ from flare.config.schema import (RENAMED, AlignCfg, AugmentCfg, Config, DatasetC
 
 __all__ = ["Config", "DatasetCfg", "PartitionCfg", "ModelCfg", "OptimCfg", "LRScheduleCfg", "AugmentCfg", "LossCfg",
            "AlignCfg", "LamCfg", "ServerCfg", "EvalCfg", "LoggingCfg", "RENAMED", "build_config", "config_for_preset",
-           "config_reference", "config_to_yaml", "deep_merge", "known_keys", "list_presets", "load_config",
+           "config_reference", "config_reference_markdown", "config_to_yaml", "deep_merge", "known_keys", "list_presets", "load_config",
            "parse_overrides", "preset_mapping", "read_yaml_mapping"]

@@ -208,3 +208,11 @@ def config_reference() -> list[tuple[str, str, str, str]]:
 
     walk(Config, Config(), "")
     return rows
+
+
+def config_reference_markdown() -> str:
+    """The table `flare config-reference` prints and the README embeds."""
+    rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for k, t, d, desc in config_reference():
+        rows.append(f"| `{k}` | {t.replace('|', chr(92) + '|')} | `{d}` | {desc} |")
+    return "\n".join(rows)

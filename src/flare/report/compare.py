@@ -29,15 +29,22 @@ def compare_title(run: RunData, seeds: list | None = None) -> str:
             f"{model.get('name')} (width {model.get('width')}), {seed_text}")
 
 
+def compare_rows(methods: list[tuple[str, list[Path]]]) -> list[tuple[dict, Row]]:
+    """(preset metadata, Row over its seeds' runs) per method, in order: what compare_table renders."""
+    presets = list_presets()
+    out = []
+    for name, dirs in methods:
+        runs = [RunData.load(d) for d in dirs]
+        out.append((presets.get(name, {}), Row(name, runs[0].method, {}, runs)))
+    return out
+
+
 def write_compare_report(methods: list[tuple[str, list[Path]]], out: Path) -> tuple[str, str]:
     """compare.md, compare_accuracy.png and (for prototype methods) compare_diagnostics.png in `out`, from each
     method's run directories (one per seed); returns the title and the markdown table."""
-    presets = list_presets()
-    rows = []
-    for name, dirs in methods:
-        runs = [RunData.load(d) for d in dirs]
-        rows.append(Row(name, runs[0].method, {}, runs))
-    table = compare_table([(presets.get(name, {}), row) for (name, _), row in zip(methods, rows)])
+    meta_rows = compare_rows(methods)
+    rows = [row for _, row in meta_rows]
+    table = compare_table(meta_rows)
     seeds = [r.seed for r in rows[0].runs]
     title = compare_title(rows[0].runs[0], seeds)
     plot_accuracy_curves(rows, out / "compare_accuracy.png", title)

@@ -40,10 +40,15 @@ class PaperRuns:
     seconds: float = 0.0
 
 
-def _runs(points: list[tuple[dict, Path]]) -> list[tuple[dict, RunData]]:
+def _load_all(exps: list[PaperRuns]) -> dict[str, RunData]:
+    """Every run directory the report names, read once (experiments share directories)."""
+    return {str(d): RunData.load(d) for e in exps for _, d in e.points}
+
+
+def _runs(points: list[tuple[dict, Path]], loaded: dict[str, RunData]) -> list[tuple[dict, RunData]]:
     out = []
     for values, d in points:
-        r = RunData.load(d)
+        r = loaded[str(d)]
         if r.rounds:
             out.append((values, r))
     return out
@@ -89,6 +94,7 @@ def write_paper_report(scale: PaperScale, datasets: list[str], exps: list[PaperR
                        failed: dict) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     E = {e.key: e for e in exps}
+    loaded = _load_all(exps)
     show = scale.references
     md = [f"# FLARE paper suite — scale `{scale.name}`", "",
           f"{scale.description}. Datasets: {', '.join(datasets)}; seeds: "
@@ -99,7 +105,7 @@ def write_paper_report(scale: PaperScale, datasets: list[str], exps: list[PaperR
              "run's setting." if show else
              "The notes' reference numbers are shown at `--scale full` only: other scales use other models and data "
              "sizes."), ""]
-    every = [r for e in exps for _, r in _runs(e.points)]
+    every = [r for e in exps for _, r in _runs(e.points, loaded)]
     if every:
         md += [protocols_line(every), ""]
     several = len({r.protocol for r in every}) > 1  # then every row names its protocol
@@ -107,7 +113,7 @@ def write_paper_report(scale: PaperScale, datasets: list[str], exps: list[PaperR
         md += ["**Runs that did not finish:** " + "; ".join(f"`{n}` ({r['status']})" for n, r in failed.items()), ""]
 
     # Table 1 -------------------------------------------------------------------------------
-    t1 = _runs(E["table1"].points)
+    t1 = _runs(E["table1"].points, loaded)
     rows = _rows(t1, ("preset", "protocol", "dataset.name", "partition.alpha"))
     cols = [(d, a) for d in datasets for a in scale.table1_alphas]
     methods = list(dict.fromkeys((v.get("preset"), v.get("protocol")) for v, _ in t1))
@@ -135,7 +141,7 @@ def write_paper_report(scale: PaperScale, datasets: list[str], exps: list[PaperR
                "![Figure 1](figure1_accuracy.png)", ""]
 
     # Table 2 -------------------------------------------------------------------------------
-    ab = _runs(E["ablation"].points)
+    ab = _runs(E["ablation"].points, loaded)
     ab_rows = list(_rows(ab, ("preset", "protocol")).values())
     names = {"flare": "FLARE (V14)", "decoupled": "w/o safety valve (V12)", "uw-rescaled":
              "w/o meta-annealing (V10-rescaled)", "etf-anneal": "w/o learned λ (V7)", "fafi": "FAFI (V4)"}
@@ -163,7 +169,7 @@ def write_paper_report(scale: PaperScale, datasets: list[str], exps: list[PaperR
                "![Figure 2](figure2_lambda_eff.png)", ""]
 
     # Table 3 / Figure 3 --------------------------------------------------------------------
-    rb = _runs(E["robustness"].points)
+    rb = _runs(E["robustness"].points, loaded)
     rb_rows = list(_rows(rb, ("preset", "protocol")).values())
     robust = E["robustness"].dataset
     for r in rb_rows:
@@ -186,7 +192,7 @@ def write_paper_report(scale: PaperScale, datasets: list[str], exps: list[PaperR
     # λ0 and α sweeps -----------------------------------------------------------------------
     for key, param, fname in (("lambda0", "align.lambda0", "sweep_lambda0.png"),
                               ("alpha", "partition.alpha", "sweep_alpha.png")):
-        pairs = _runs(E[key].points)
+        pairs = _runs(E[key].points, loaded)
         if not pairs:
             continue
         by_m: dict[tuple, list] = {}
@@ -223,7 +229,7 @@ def write_paper_report(scale: PaperScale, datasets: list[str], exps: list[PaperR
     if plot_label_distributions(every, out / "label_distribution.png"):
         md += ["## Label distributions", "", "![label distribution](label_distribution.png)", ""]
     if show:
-        md += ["## Reference numbers of the notes, each with its setting", "", _reference_table(exps), "",
+        md += ["## Reference numbers of the notes, each with its setting", "", _reference_table(exps, loaded), "",
                REFERENCE_NOTE, ""]
     md += ["## Runs and time", "", f"{len({str(d) for e in exps for _, d in e.points})} distinct runs; this "
            f"invocation took {wall / 60:.1f} min (runs finished earlier were not recomputed).", ""]
@@ -274,10 +280,10 @@ def reference_table(runs: list[RunData]) -> str:
                     body) + "\n".join(legend)
 
 
-def _reference_table(exps: list[PaperRuns]) -> str:
+def _reference_table(exps: list[PaperRuns], loaded: dict[str, RunData]) -> str:
     seen, runs = set(), []
     for e in exps:
-        for _, r in _runs(e.points):
+        for _, r in _runs(e.points, loaded):
             if str(r.dir) not in seen:
                 seen.add(str(r.dir))
                 runs.append(r)
