@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import flare  # noqa: F401  first: it pins the CPU kernels (flare/cpu.py) before any test computes
+
 os.environ.setdefault("FLARE_QUIET", "1")
 
 

@@ -99,6 +99,20 @@ ROWS = [
     ("lr-probe with no batches", lambda t, p, f, c: ["lr-probe", *t, "--batches", "0"], "--batches"),
     ("compare with no presets", lambda t, p, f, c: ["compare", "--presets", ",", *t], "--presets"),
     ("resume a directory that is not a run", lambda t, p, f, c: ["run", "--resume", str(p)], "--resume"),
+    # --- numbers a reviewer trusts, and the defects found on the way ------------------------------
+    ("empty --out", lambda t, p, f, c: ["run", *t, "--out", ""], "--out"),
+    ("config with a duplicate key", lambda t, p, f, c: (p / "d.yaml").write_text("rounds: 1\nseed: 2\nrounds: 5\n")
+     and ["run", "--config", str(p / "d.yaml"), *t], "duplicate key 'rounds'"),
+    ("unknown cpu_isa", lambda t, p, f, c: ["run", *t, "cpu_isa=avx9000"], "cpu_isa"),
+    ("unknown evaluation rule", lambda t, p, f, c: ["run", *t, "eval.rules=[feature,bogus]"], "eval.rules"),
+    ("prototype rule for a plain classifier", lambda t, p, f, c:
+     ["run", "--preset", "fedavg", *t, "eval.rules=[iffi]"], "eval.rules"),
+    ("eval.every with Plan B's carried G", lambda t, p, f, c:
+     ["run", "--preset", "server-protos", *t, "server.protos_flow=reference", "eval.every=2"], "eval.every"),
+    ("compare baseline not compared", lambda t, p, f, c:
+     ["compare", "--presets", "fedavg,ensemble", "--baseline", "fafi", *t], "--baseline"),
+    ("report baseline of no run", lambda t, p, f, c:
+     ["report", _finished_run(t, p, c), "--baseline", "nosuch", "--out", str(p / "rep")], "--baseline"),
 ]
 
 

@@ -19,7 +19,12 @@ def test_compare_writes_the_table_and_both_figures(tiny_overrides, tmp_path, cap
     out = tmp_path / "cmp"
     assert main(["compare", "--quiet", "--presets", "fafi,etf-anneal,fedavg", "--out", str(out), *tiny_overrides]) == 0
     md = (out / "compare.md").read_text()
-    assert sum(l.startswith("| ") for l in md.splitlines()) == 5  # header, separator, 3 methods
+    tables = md.split("Against fafi, paired by seed:")
+    assert len(tables) == 2
+    assert sum(l.startswith("| ") for l in tables[0].splitlines()) == 5  # header, separator, 3 methods
+    paired = [l for l in tables[1].splitlines() if l.startswith("| ")]
+    assert len(paired) == 4 and paired[2].startswith("| etf-anneal | fafi | 1 |")  # one seed: no test
+    assert all(l.endswith("| 1 seed: no test |") for l in paired[2:])
     head = [c.strip() for c in md.splitlines()[2].strip("|").split("|")]
     for method in ("fafi", "etf-anneal", "fedavg"):
         final = _final(out / method)

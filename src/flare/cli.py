@@ -27,6 +27,12 @@ from pathlib import Path
 # and 0.26 s with PASSIVE while another training process ran on the same 2 cores.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from flare import cpu  # noqa: E402  (imports nothing that computes)
+
+# Before the imports below run their first tensor operation: the CPU kernel level this command asks for
+# (flare/cpu.py; each run checks it against its validated config).
+cpu.pin(cpu.early_level(sys.argv[1:]))
+
 from flare.config import (Config, build_config, config_reference_markdown, deep_merge, list_presets, load_config,  # noqa: E402
                           parse_overrides)
 from flare.data.datasets import list_datasets  # noqa: E402
@@ -87,7 +93,7 @@ def cmd_compare(args) -> int:
     names = parse_presets(args.presets)
     out = Path(args.out) if args.out else _default_out("compare")
     title, table = run_compare(names, out, args.config, args.overrides, seeds=parse_seeds(args.seeds),
-                               quiet=args.quiet)
+                               quiet=args.quiet, baseline=args.baseline)
     print(f"\n{title}\n\n{table}\n\nrun directories and plots: {out}")
     return 0
 
@@ -143,7 +149,7 @@ def cmd_report(args) -> int:
         out = Path(args.dirs[0]) / "report"
     else:
         out = _default_out("report")
-    path = write_report(args.dirs, out, title=args.title or "FLARE report")
+    path = write_report(args.dirs, out, title=args.title or "FLARE report", baseline=args.baseline)
     print(f"report: {path}")
     return 0
 
@@ -151,7 +157,7 @@ def cmd_report(args) -> int:
 def cmd_paper(args) -> int:
     run_paper(args.scale, out=args.out, datasets=args.datasets, seeds=args.seeds, workers=args.workers,
               address=args.address, data_root=args.data_root, quiet=args.quiet, dry_run=args.dry_run,
-              overrides=args.overrides, only=args.only, protocol=args.protocol)
+              overrides=args.overrides, only=args.only, protocol=args.protocol, baseline=args.baseline)
     return 0
 
 
@@ -208,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--config", help="YAML config file (applied over each preset)")
     c.add_argument("--out", help="output directory (one run directory per preset inside)")
     c.add_argument("--seeds", help="comma-separated seeds: every method runs once per seed, the table shows mean ± std")
+    c.add_argument("--baseline", help="the method every other is tested against, paired by seed (default: fafi if present, else the first)")
     c.add_argument("--quiet", action="store_true")
     c.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     c.set_defaults(fn=cmd_compare)
@@ -244,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("dirs", nargs="+", metavar="DIR", help="run directories, or folders holding them")
     rp.add_argument("--out", help="report directory (default DIR/report for one DIR)")
     rp.add_argument("--title", help="report title")
+    rp.add_argument("--baseline", help="the method every other is tested against, paired by seed (default: fafi if present, else the first)")
     rp.set_defaults(fn=cmd_report)
 
     pa = sub.add_parser("paper", help="the experiments of SPEC section 9 as sweeps, then the report")
@@ -262,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "one-item protocol ablation, report/reproduction.md")
     pa.add_argument("--protocol", help="comma-separated protocols, clean and/or reference (default clean; "
                                        "clean,reference for reproduce)")
+    pa.add_argument("--baseline", help="the method every other is tested against, paired by seed (default: fafi if present, else the first)")
     pa.add_argument("--dry-run", action="store_true", help="list the runs, run nothing")
     pa.add_argument("--quiet", action="store_true")
     pa.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every run (e.g. device=cuda)")
@@ -323,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = _warning_line
     args = parse_args(argv)
     try:
+        if getattr(args, "out", None) is not None and not args.out.strip():
+            raise FlareError("--out is empty.", key="--out", fix="give a directory, or leave --out out for the "
+                                                                 "default.")
         rc = args.fn(args)
         sys.stdout.flush()  # a reader that went away shows up here, not in the interpreter's exit
         return rc

@@ -32,8 +32,7 @@ from flare.config import Config
 from flare.errors import FlareError
 from flare.progress import Counter
 from flare.rng import derived_seed
-from flare.setup import (DataMeta, init_global_model, make_augment, prepare_data, resolve_device, run_anchors,
-                         split)
+from flare.setup import DataMeta, backend, init_global_model, make_augment, prepare_data, run_anchors, split
 
 
 @dataclass
@@ -142,7 +141,7 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 2
         raise FlareError(f"--batch-size must be at least 1, got {batch_size}.", key="--batch-size")
     if not 0 <= tol < 1:
         raise FlareError(f"--tol must be in [0, 1), got {tol}.", key="--tol")
-    device = resolve_device(cfg.device)
+    device = backend(cfg).device
     data, _public = prepare_data(cfg)
     meta = DataMeta.from_data(data)
     part = split(cfg, data.train_y, data.num_classes)

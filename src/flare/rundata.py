@@ -63,7 +63,9 @@ class RunData:
                 part = {}
         flat = flatten(cfg)
         flat["protocol"] = protocol_label(cfg)  # the protocol and the items set away from it, in one value
-        return cls(Path(d), cfg, [r for r in recs if r.get("kind") == "round"],
+        # Rounds skipped by eval.every carry no accuracy: reports read the evaluated rounds (their `round` keeps
+        # the x position), so curves, peaks and finals never see a hole.
+        return cls(Path(d), cfg, [r for r in recs if r.get("kind") == "round" and r.get("evaluated", True)],
                    [r for r in recs if r.get("kind") == "client"], rd.read_state(), part, flat)
 
     @property
@@ -83,6 +85,17 @@ class RunData:
     @property
     def notes_name(self) -> str:
         return str(self.cfg.get("notes_name") or "")
+
+    @property
+    def backend(self) -> str:
+        """How the run computed, in one line (state.json's `backend`, written by runs from the CPU-pinning on)."""
+        b = self.state.get("backend") or {}
+        if not b:
+            return "not recorded (a run from before kernels were pinned)"
+        rules = ", ".join(b.get("eval_rules") or [])
+        return (f"speed={b.get('speed')}, cpu_isa={b.get('cpu_isa')} → {b.get('cpu_kernels')} CPU kernels, "
+                f"amp={b.get('amp')}, channels_last={b.get('channels_last')}, evaluated every "
+                f"{b.get('eval_every')} round(s) (the last always), rules: {rules}")
 
     @property
     def primary(self) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from flare import cpu
 from flare.client.batched import BatchedClients
 from flare.client.lam import runaway_warnings
 from flare.client.trainer import Client, TrainContext
@@ -26,7 +27,7 @@ from flare.report.run_report import write_run_report
 from flare.rng import global_rng_state, set_global_rng_state
 from flare.rundata import RunData
 from flare.rundir import SUMMARY, ResumePoint, RunDir
-from flare.setup import RunSetup
+from flare.setup import RunSetup, evaluated_round, primary_rule
 
 
 class Run:
@@ -36,6 +37,7 @@ class Run:
         self.quiet = quiet
         self.label = label or cfg.method  # how progress lines name the run
         self.warnings: list[str] = []
+        self.facts: dict = {}  # how this invocation computed (setup.Backend.facts), kept in state.json
         self.train_mode = "sequential"  # the engine that trained the last round's clients (see _train_clients)
 
     @property
@@ -54,12 +56,20 @@ class Run:
 
     def _execute(self) -> dict:
         cfg = self.cfg
+        cpu.pin(cfg.cpu_isa)  # before the first tensor operation (reading a checkpoint is one); build() checks it
         rp = self.dir.resume_point(cfg)
         for w in rp.warnings:
             self._warn(w)
         if rp.finished:
             return self._revalidated(rp)
         setup = RunSetup.build(cfg)
+        for w in setup.backend.warnings:
+            self._warn(w)
+        self.facts = setup.backend.facts(cfg)
+        before = (self.dir.read_state().get("backend") or {}).get("cpu_kernels") if rp.rounds_done else None
+        if before and before != self.facts["cpu_kernels"]:
+            self._warn(f"rounds 1–{rp.rounds_done} ran on {before} CPU kernels, the rest on "
+                       f"{self.facts['cpu_kernels']}: the digits of the two parts follow different kernels")
         self.dir.write_config(cfg)
         self.dir.write_partition(setup.partition_report)
         clients = setup.make_clients(self._warn, self._log)
@@ -82,7 +92,9 @@ class Run:
                 t0 = time.perf_counter()
                 client_records = self._train_clients(active, setup.ctx, r, bar, batched)
                 t_train = time.perf_counter() - t0
-                rec = setup.evaluate(r, active).record
+                rec = (setup.evaluate(r, active).record if evaluated_round(cfg, r) else
+                       {"kind": "round", "round": r, "method": cfg.method, "primary": primary_rule(cfg),
+                        "evaluated": False})
                 rec["seconds_train"] = t_train
                 rec["seconds"] = time.perf_counter() - t0
                 for w in runaway_warnings(cfg, client_records):
@@ -94,11 +106,11 @@ class Run:
                 self.dir.save_checkpoint({"rounds_done": r + 1, "clients": [c.state_dict() for c in clients],
                                           "rng": global_rng_state(), "records": records,
                                           "server": setup.server_state()})
-                self.dir.write_state("running", r + 1, self.warnings)
+                self.dir.write_state("running", r + 1, self.warnings, backend=self.facts)
                 bar.round_done(rec.get("acc", float("nan")))
         if tb is not None:
             tb.close()
-        self.dir.write_state("finished", cfg.rounds, self.warnings)
+        self.dir.write_state("finished", cfg.rounds, self.warnings, backend=self.facts)
         self.dir.drop_previous_checkpoint()
         return write_run_report(self.out).summary()
 
@@ -126,7 +138,8 @@ class Run:
         if rp.warnings:
             self.dir.write_metrics(rp.records)
             self._merge_warnings(rp)
-            self.dir.write_state("finished", rp.rounds_done, self.warnings)
+            self.dir.write_state("finished", rp.rounds_done, self.warnings,
+                                 **{k: v for k, v in self.dir.read_state().items() if k == "backend"})
         if rp.warnings or not self.dir.file(SUMMARY).exists():
             return write_run_report(self.out).summary()
         return RunData.load(self.out).summary()

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from flare.client.terms.align import make_anchors
 from flare.client.terms.banks import build_public_bank, extension_factory
+from flare import cpu
 from flare.client.trainer import Client, TrainContext
 from flare.config import Config
 from flare.data.augment import TwoViewAugment, normalize
@@ -63,8 +64,43 @@ def amp_dtype_for(cfg: Config, device: torch.device) -> torch.dtype | None:
 
 
 def use_channels_last(cfg: Config, device: torch.device) -> bool:
-    """NHWC pays off on GPUs (tensor cores); on CPU it only adds layout conversions."""
+    """NHWC pays off on GPUs (tensor cores); on CPU only where asked for (`cpu_channels_last`: oneDNN's NHWC
+    convolutions, measured faster, other digits)."""
+    if device.type == "cpu":
+        return cfg.cpu_channels_last
     return cfg.channels_last and device.type == "cuda"
+
+
+@dataclass
+class Backend:
+    """Where and how a process computes: device, kernels, precision, layout — decided once, before the first
+    tensor operation (the CPU kernel level is fixed then), and recorded in the run (`facts`)."""
+
+    device: torch.device
+    amp_dtype: torch.dtype | None
+    channels_last: bool
+    cpu_kernels: str
+    warnings: list[str]
+
+    def facts(self, cfg: Config) -> dict:
+        return {"speed": cfg.speed, "cpu_isa": cfg.cpu_isa, "cpu_kernels": self.cpu_kernels,
+                "amp": "bf16" if self.amp_dtype == torch.bfloat16 else "off", "channels_last": self.channels_last,
+                "eval_every": cfg.eval.every, "eval_rules": list(rules_for(cfg))}
+
+
+def backend(cfg: Config, device: str | None = None) -> Backend:
+    """Pin the CPU kernels (`cpu_isa`), resolve the device, and turn bf16 autocast off — with a warning — on a CPU
+    where it would be emulated (no AVX512-BF16/AMX, or kernels pinned below AVX512): there it is ~50× slower."""
+    kernels, warn = cpu.apply(cfg.cpu_isa)
+    warns = [warn] if warn else []
+    device = resolve_device(device or cfg.device)
+    amp = amp_dtype_for(cfg, device)
+    if amp == torch.bfloat16 and device.type == "cpu" and not cpu.bf16_supported():
+        warns.append(f"amp=bf16 on a CPU without native bf16 under {kernels} kernels (it needs AVX512-BF16 or AMX "
+                     "and cpu_isa=native or avx512): torch would emulate it, far slower; training and evaluating "
+                     "in fp32 instead")
+        amp = None
+    return Backend(device, amp, use_channels_last(cfg, device), kernels, warns)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,7 +254,17 @@ def primary_rule(cfg: Config) -> str:
 
 
 def rules_for(cfg: Config) -> tuple[str, ...]:
-    return RULES_PROTOTYPE if cfg.head == "prototype" else RULES_LINEAR
+    """The rules an evaluation scores: every rule of the head, or the subset `eval.rules` names."""
+    every = RULES_PROTOTYPE if cfg.head == "prototype" else RULES_LINEAR
+    if cfg.eval.rules is None:
+        return every
+    want = {primary_rule(cfg) if r == "primary" else r for r in cfg.eval.rules} | {primary_rule(cfg)}
+    return tuple(r for r in every if r in want)
+
+
+def evaluated_round(cfg: Config, r: int) -> bool:
+    """`eval.every`: round index r (0-based) is evaluated every N-th round, and the last round always."""
+    return (r + 1) % cfg.eval.every == 0 or r == cfg.rounds - 1
 
 
 @dataclass
@@ -295,6 +341,7 @@ class RunSetup:
     device: torch.device
     amp_dtype: torch.dtype | None
     channels_last: bool
+    backend: Backend
     partition: Partition
     partition_report: dict
     global_model: FlareNet
@@ -306,9 +353,8 @@ class RunSetup:
 
     @classmethod
     def build(cls, cfg: Config) -> "RunSetup":
-        device = resolve_device(cfg.device)  # fail on bad input before anything is loaded
-        amp_dtype = amp_dtype_for(cfg, device)
-        cl = use_channels_last(cfg, device)
+        be = backend(cfg)  # first: it pins the CPU kernels, and fails on a bad device before anything is loaded
+        device, amp_dtype, cl = be.device, be.amp_dtype, be.channels_last
         data, public = prepare_data(cfg)
         meta = DataMeta.from_data(data)
         part = split(cfg, data.train_y, data.num_classes)
@@ -320,7 +366,7 @@ class RunSetup:
         ctx = make_train_context(cfg, data.train_x.to(device), data.train_y.to(device), augment, anchors, device,
                                  amp_dtype, cl, bank, plain=norm)
         # The host copies of the data are not kept: ctx and test_x/test_y hold the device copies.
-        run = cls(cfg, device, amp_dtype, cl, part, describe_partition(cfg, part, data.classes), model,
+        run = cls(cfg, device, amp_dtype, cl, be, part, describe_partition(cfg, part, data.classes), model,
                   anchors, norm, ctx, data.test_x.to(device), data.test_y.to(device))
         if carries_server_protos(cfg):  # Plan B as the reference: round 0's target and G are the anchors
             run.load_server_state({"G": anchors})

@@ -18,6 +18,31 @@ from flare.config.schema import RENAMED, RENAMED_VALUES, Config, KeyedValueError
 from flare.errors import FlareError
 
 
+class DuplicateKey(yaml.YAMLError):
+    def __init__(self, key, first: int, again: int):
+        super().__init__(f"duplicate key {key!r} (lines {first} and {again})")
+        self.key, self.first, self.again = key, first, again
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load keeps the last of two equal keys without a word; a config that says `rounds: 5` and later
+    `rounds: 50` is a mistake to report, not to guess at."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise DuplicateKey(key, seen[key] + 1, key_node.start_mark.line + 1)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml_text(text: str):
+    """YAML with every mapping's keys unique (else DuplicateKey naming the key and both lines)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)
+
+
 # ----------------------------------------------------------------------------------------------
 # presets
 
@@ -31,7 +56,7 @@ def list_presets() -> dict[str, dict]:
     out = {}
     for f in sorted(_preset_dir().iterdir(), key=lambda p: p.name):
         if f.name.endswith(".yaml"):
-            out[f.name[:-5]] = yaml.safe_load(f.read_text()) or {}
+            out[f.name[:-5]] = load_yaml_text(f.read_text()) or {}
     return out
 
 
@@ -156,7 +181,10 @@ def read_yaml_mapping(path: str | Path, what: str = "config file", key: str = "-
     except OSError as e:
         raise FlareError(f"{what} '{path}' cannot be read: {e.strerror}.", key=key) from None
     try:
-        mapping = yaml.safe_load(text) or {}
+        mapping = load_yaml_text(text) or {}
+    except DuplicateKey as e:
+        raise FlareError(f"{what} '{path}' sets the duplicate key '{e.key}' twice (lines {e.first} and {e.again}); "
+                         "YAML would silently keep the last.", key=key, fix="keep one of the two lines.") from None
     except yaml.YAMLError as e:
         raise FlareError(f"{what} '{path}' is not valid YAML: {e}", key=key) from None
     if not isinstance(mapping, dict):

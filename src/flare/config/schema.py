@@ -23,6 +23,25 @@ RENAMED_VALUES = {
 
 ClientEngine = Literal["sequential", "threads", "batched"]
 
+# `speed=fast`: the CPU speed switches at once, each also its own key (a key the config sets itself wins). Never a
+# default: it changes digits (native kernels, bf16) and what is evaluated (README, "Performance").
+SPEED_FAST = {"cpu_isa": "native", "amp": "bf16", "cpu_channels_last": True,
+              "eval": {"every": 5, "rules": ["primary"]}}
+EVAL_RULES = ("primary", "feature", "iffi", "iffi_reference", "output", "fedavg")
+
+
+def fill_speed(data):
+    """The raw mapping with every item of `speed=fast` that it leaves unset filled in (`exact` fills nothing)."""
+    if not isinstance(data, dict) or data.get("speed", "exact") != "fast":
+        return data
+    out = dict(data)
+    for key, value in SPEED_FAST.items():
+        if isinstance(value, dict) and isinstance(out.get(key) or {}, dict):
+            out[key] = {**value, **(out.get(key) or {})}
+        else:
+            out.setdefault(key, value)
+    return out
+
 
 class KeyedValueError(ValueError):
     """A cross-key validation error that knows which key to blame."""
@@ -191,6 +210,11 @@ class ServerCfg(_Strict):
 
 
 class EvalCfg(_Strict):
+    every: int = Field(1, ge=1, description="evaluate every N-th round (the last round always); reports show the "
+                                            "evaluated rounds")
+    rules: list[str] | None = Field(None, description="the fusion rules to evaluate (null: every rule that applies; "
+                                                      "`primary` names the method's own): skipping iffi saves its "
+                                                      "noise pass, skipping fedavg a model pass")
     noise_seed: int = Field(0, description="seed of IFFI's noise inputs (and of the test order with bn=batch)")
     bn: Literal["running", "batch"] = Field(
         "running", description="BatchNorm of the feature/IFFI rules at evaluation: running statistics, or the "
@@ -229,7 +253,15 @@ class Config(_Strict):
                                                "trains no step")
     amp: Literal["auto", "off", "bf16"] = Field("auto", description="bf16 autocast: auto (on GPUs that support "
                                                                     "it), off, bf16")
-    channels_last: bool = Field(True, description="NHWC layout on CUDA (ignored on CPU)")
+    channels_last: bool = Field(True, description="NHWC layout on CUDA (ignored on CPU: see cpu_channels_last)")
+    cpu_channels_last: bool = Field(False, description="NHWC layout on CPU too (faster with oneDNN; other digits)")
+    cpu_isa: Literal["avx2", "avx512", "default", "native"] = Field(
+        "avx2", description="the instruction set torch's CPU kernels are pinned to (the digits follow it): avx2 "
+                            "(every x86-64 machine here), avx512, default, or native (the CPU's best: faster, other "
+                            "digits); flare/cpu.py")
+    speed: Literal["exact", "fast"] = Field(
+        "exact", description="fast: cpu_isa=native, amp=bf16 (where the CPU has bf16), cpu_channels_last, "
+                             "eval.every=5, eval.rules=[primary] — each item the config does not set itself")
     compile: bool = Field(False, description="torch.compile the client models (client_engine=batched: its "
                                              "batched step)")
     client_engine: ClientEngine = Field(
@@ -252,7 +284,7 @@ class Config(_Strict):
     @classmethod
     def _protocol_defaults(cls, data):
         """protocol=reference fills every protocol item the mapping leaves unset (config/protocol.py)."""
-        return fill_protocol(data)
+        return fill_speed(fill_protocol(data))
 
     @field_validator("device")
     @classmethod
@@ -301,6 +333,16 @@ class Config(_Strict):
                 key = "align.lambda_min" if self.align.lambda_rule == "entropy" else "align.lambda0"
                 raise KeyedValueError(key, f"the λ learner starts from λ_init = exp(s_l − s_a) > 0, so {key} "
                                       f"must be > 0 (got {first})")
+        for rule in self.eval.rules or []:
+            if rule not in EVAL_RULES:
+                raise KeyedValueError("eval.rules", f"unknown rule {rule!r}; the rules are {', '.join(EVAL_RULES)}")
+            if self.loss.objective == "ce" and rule in ("feature", "iffi", "iffi_reference"):
+                raise KeyedValueError("eval.rules", f"rule {rule!r} reads prototypes, which loss.objective=ce has not; "
+                                      "use output, fedavg or primary")
+        if self.eval.every > 1 and self.server.protos == "trainable" and self.server.protos_flow == "reference":
+            raise KeyedValueError("eval.every", "with server.protos_flow=reference the server trains the clients' "
+                                  "next target G at every evaluation, so skipping evaluations would change training; "
+                                  "set eval.every=1")
         if self.client_engine == "batched":
             blocked = self.batched_engine_blockers()
             if blocked:

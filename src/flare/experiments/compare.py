@@ -35,9 +35,13 @@ def parse_seeds(text: str | None) -> list[int] | None:
 
 
 def run_compare(presets: list[str], out: Path, config_file: str | None = None, overrides: list[str] | None = None,
-                seeds: list[int] | None = None, quiet: bool = False, log=print) -> tuple[str, str]:
+                seeds: list[int] | None = None, quiet: bool = False, log=print,
+                baseline: str | None = None) -> tuple[str, str]:
     """Run (or resume) every preset into `out/<preset>` (with `seeds`: `out/<preset>/seed=<s>`, one run each), then
     write compare.md and its figures; returns the title and the table."""
+    if baseline is not None and baseline not in presets:
+        raise FlareError(f"--baseline {baseline} is not among --presets {','.join(presets)}.", key="--baseline",
+                         fix="add it to --presets, or name one of them.")
     base = read_yaml_mapping(config_file) if config_file else {}
     ov = parse_overrides(overrides or [])
     base = deep_merge(base, ov)
@@ -55,4 +59,4 @@ def run_compare(presets: list[str], out: Path, config_file: str | None = None, o
     RunDir(out).create()
     for name, d, cfg in plan:
         Run(cfg, d, quiet=quiet, label=name if seeds is None else f"{name} seed {cfg.seed}").execute()
-    return write_compare_report([(n, [d for m, d, _ in plan if m == n]) for n in presets], out)
+    return write_compare_report([(n, [d for m, d, _ in plan if m == n]) for n in presets], out, baseline)

@@ -288,7 +288,7 @@ def run_paper(scale_name: str, out: str | Path | None = None, datasets: str | li
               seeds: str | list[int] | None = None, workers: int = 1, address: str | None = None,
               data_root: list[str] | None = None, quiet: bool = False, dry_run: bool = False,
               overrides: list[str] | None = None, only: str | list[str] | None = None,
-              protocol: str | list[str] | None = None) -> Path | None:
+              protocol: str | list[str] | None = None, baseline: str | None = None) -> Path | None:
     if scale_name not in SCALES:
         raise FlareError(f"unknown scale '{scale_name}'.", key="--scale", fix=f"use one of: {', '.join(SCALES)}.")
     scale = SCALES[scale_name]
@@ -383,7 +383,7 @@ def run_paper(scale_name: str, out: str | Path | None = None, datasets: str | li
     spec_exps = [e for e in exps if e.key in spec_keys]
     if not only or any(k in spec_keys for k in only):
         md = write_paper_report(scale.for_report(), datasets, [e.for_report() for e in spec_exps], out / "report",
-                                wall, failed)
+                                wall, failed, baseline)
         if not quiet:
             print((out / "report" / "report.md").read_text())
     if planned:

@@ -21,8 +21,8 @@ from flare.config import Config, build_config, config_to_yaml
 from flare.data.partition import Partition
 from flare.errors import FlareError
 from flare.models import create_model
-from flare.setup import (DataMeta, amp_dtype_for, make_augment, make_train_context, normalizer, prepare_data,
-                         resolve_device, run_anchors, split, use_channels_last)
+from flare.setup import (DataMeta, backend, make_augment, make_train_context, normalizer, prepare_data, run_anchors,
+                         split)
 
 PROTOCOL_VERSION = 1
 
@@ -164,8 +164,8 @@ def client_train(task: Task, local: LocalData, init_state: dict[str, Tensor], re
     hist = local.class_histogram()
     if local.num_samples == 0:
         return ClientResult(local.cid, 0, hist, None, [], None)
-    dev = resolve_device(device or cfg.device)
-    cl = use_channels_last(cfg, dev)
+    be = backend(cfg, device)
+    dev, cl = be.device, be.channels_last
     model = create_model(cfg.model.name, meta.in_channels, meta.num_classes, cfg.model.width, head=cfg.head)
     model.load_state_dict(init_state)
     model = model.to(dev)
@@ -176,7 +176,7 @@ def client_train(task: Task, local: LocalData, init_state: dict[str, Tensor], re
     if cfg.loss.contrast in ("public-bank", "two-stage") and bank is None:
         raise FlareError(f"loss.contrast={cfg.loss.contrast} needs the server's public bank, which did not arrive "
                          "with the task.")
-    ctx = make_train_context(cfg, local.x.to(dev), local.y.to(dev), augment, anchors, dev, amp_dtype_for(cfg, dev),
+    ctx = make_train_context(cfg, local.x.to(dev), local.y.to(dev), augment, anchors, dev, be.amp_dtype,
                              cl, bank, plain=normalizer(cfg, meta))
     client = Client(local.cid, torch.arange(local.num_samples, device=dev), model, ctx, local.normalized_entropy())
     if resume is not None:

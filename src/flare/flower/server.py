@@ -29,10 +29,9 @@ from flare.report.run_report import write_run_report
 from flare.rundata import RunData
 from flare.rundir import RunDir, config_differences
 from flare.server.upload import Upload, UploadSpec, validate_upload
-from flare.setup import (DataMeta, Evaluation, amp_dtype_for, anchor_seed, carries_server_protos, describe_partition,
-                         evaluate_uploads,
-                         init_global_model, make_augment, normalizer, prepare_data, resolve_device, run_anchors,
-                         use_channels_last)
+from flare.setup import (DataMeta, Evaluation, anchor_seed, backend, carries_server_protos, describe_partition,
+                         evaluate_uploads, evaluated_round, init_global_model, make_augment, normalizer, prepare_data,
+                         primary_rule, run_anchors)
 
 MAX_RECORDS_BYTES = 4_000_000  # a client's per-round training logs, as JSON text
 
@@ -133,9 +132,10 @@ class ServerSession:
                                  and self.dir.read_state().get("status") == "finished")
         if self.finished_already:
             return
-        self.device = resolve_device(cfg.device)
-        self.amp_dtype = amp_dtype_for(cfg, self.device)
-        self.channels_last = use_channels_last(cfg, self.device)
+        be = backend(cfg)
+        self.device, self.amp_dtype, self.channels_last = be.device, be.amp_dtype, be.channels_last
+        for w in be.warnings:
+            self._warn(w)
         self.test_x = self.test_y = None
         public = None
         try:
@@ -282,9 +282,13 @@ class ServerSession:
             if self.channels_last:
                 m = m.to(memory_format=torch.channels_last)
             models.append(m.to(self.device))
-        ev = evaluate_uploads(self.cfg, round_idx, uploads, models, self.anchors, self.test_x, self.test_y, self.norm,
-                              amp_dtype=self.amp_dtype, channels_last=self.channels_last)
-        rec = ev.record
+        if evaluated_round(self.cfg, round_idx):
+            ev = evaluate_uploads(self.cfg, round_idx, uploads, models, self.anchors, self.test_x, self.test_y,
+                                  self.norm, amp_dtype=self.amp_dtype, channels_last=self.channels_last)
+            rec, self.last = ev.record, ev
+        else:  # eval.every: the last round is always evaluated, so self.last ends as the final predictor
+            rec = {"kind": "round", "round": round_idx, "method": self.cfg.method, "primary": primary_rule(self.cfg),
+                   "evaluated": False}
         rec["clients"] = [u.client for u in uploads]
         missing = sorted(set(range(self.cfg.num_clients)) - set(rec["clients"]) - self.empty)
         rec["missing_clients"] = missing
@@ -293,7 +297,7 @@ class ServerSession:
             self._warn(w)
         self.dir.append(client_logs + [rec])
         self.dir.write_state("running", round_idx + 1, self.warnings)
-        self.last_uploads, self.last = uploads, ev
+        self.last_uploads = uploads
         acc = rec.get("acc")
         self.log(f"round {round_idx + 1}: {len(uploads)} upload(s)"
                  + (f", acc ({rec['primary']}) {100 * acc:.2f}%" if acc is not None else "")

@@ -9,7 +9,7 @@ from pathlib import Path
 from flare.config import list_presets
 from flare.report.figures import plot_accuracy_curves, plot_compare_diagnostics
 from flare.report.runs import Row, protocols_line
-from flare.report.tables import compare_table
+from flare.report.tables import PAIRED_EXPLAIN, compare_table, default_baseline, paired_table
 from flare.rundata import RunData
 from flare.rundir import atomic_write_text
 
@@ -39,12 +39,24 @@ def compare_rows(methods: list[tuple[str, list[Path]]]) -> list[tuple[dict, Row]
     return out
 
 
-def write_compare_report(methods: list[tuple[str, list[Path]]], out: Path) -> tuple[str, str]:
-    """compare.md, compare_accuracy.png and (for prototype methods) compare_diagnostics.png in `out`, from each
-    method's run directories (one per seed); returns the title and the markdown table."""
-    meta_rows = compare_rows(methods)
+def compare_markdown(meta_rows: list[tuple[dict, Row]], baseline: str | None = None) -> str:
+    """The comparison table, then (with several methods) each against the baseline, paired by seed."""
     rows = [row for _, row in meta_rows]
     table = compare_table(meta_rows)
+    base = default_baseline([r.label for r in rows], baseline)
+    if base is None or len(rows) < 2:
+        return table
+    return f"{table}\n\nAgainst {base}, paired by seed:\n\n{paired_table(rows, base)}\n\n{PAIRED_EXPLAIN}"
+
+
+def write_compare_report(methods: list[tuple[str, list[Path]]], out: Path,
+                         baseline: str | None = None) -> tuple[str, str]:
+    """compare.md, compare_accuracy.png and (for prototype methods) compare_diagnostics.png in `out`, from each
+    method's run directories (one per seed); returns the title and the markdown (the table, and the paired tests
+    against `baseline`: default fafi when compared, else the first method)."""
+    meta_rows = compare_rows(methods)
+    rows = [row for _, row in meta_rows]
+    table = compare_markdown(meta_rows, baseline)
     seeds = [r.seed for r in rows[0].runs]
     title = compare_title(rows[0].runs[0], seeds)
     plot_accuracy_curves(rows, out / "compare_accuracy.png", title)

@@ -10,7 +10,8 @@ from flare.report.figures import (plot_acc_lambda_raw, plot_accuracy_curves, plo
                                   plot_lambda_eff, plot_param_sweep)
 from flare.report.reference import REFERENCE_NOTE, REFS, SETTINGS, Ref, matches, references_for
 from flare.report.runs import Row, SweepLine, describe_setting, protocols_line
-from flare.report.tables import fmt_big, fmt_ms, md_table, strategy_table, sweep_table
+from flare.report.tables import (PAIRED_EXPLAIN, default_baseline, fmt_big, fmt_ms, md_table, paired_rows,
+                                 strategy_table, sweep_table)
 from flare.rundata import RunData
 from flare.rundir import atomic_write_text
 
@@ -90,8 +91,29 @@ def _with_ref(text: str, refs: list[Ref], show: bool) -> str:
     return text + "".join(f" [notes {r.value:.2f}, {r.label()}]" for r in refs)
 
 
+def _paired_section(rows: dict[tuple, Row], methods: list[tuple], cols: list[tuple], baseline: str | None) -> list[str]:
+    """Table 1's methods against the baseline within each column (dataset, α) and protocol, paired by seed."""
+    body = []
+    for proto in dict.fromkeys(p for _, p in methods):
+        names = [m for m, p in methods if p == proto]
+        base = default_baseline(names, baseline)
+        for d, a in cols:
+            present = [Row(m, rows[(m, proto, d, a)].method, {}, rows[(m, proto, d, a)].runs) for m in names
+                       if (m, proto, d, a) in rows]
+            if base is None or len(present) < 2 or base not in [r.label for r in present]:
+                continue
+            body += [[f"{d} α={a:g}" + (f" ({proto})" if proto != "clean" else "")] + cells
+                     for cells in paired_rows(present, base)]
+    if not body:
+        return []
+    head = ["setting", "method", "vs", "paired seeds", "Δ acc (points)", "95 % CI", "p (paired t)", "p (Holm)",
+            "difference"]
+    return ["### Table 1, each method against the baseline, paired by seed", "", md_table(head, body), "",
+            PAIRED_EXPLAIN + " Holm's adjustment runs within each setting.", ""]
+
+
 def write_paper_report(scale: PaperScale, datasets: list[str], exps: list[PaperRuns], out: Path, wall: float,
-                       failed: dict) -> Path:
+                       failed: dict, baseline: str | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     E = {e.key: e for e in exps}
     loaded = _load_all(exps)
@@ -127,6 +149,7 @@ def write_paper_report(scale: PaperScale, datasets: list[str], exps: list[PaperR
             cells.append(_with_ref(fmt_ms(*row.stat("acc")[:2]), _refs(row), show) if row else "—")
         body.append(cells)
     md += ["## Table 1 — final accuracy (%) across datasets and α", "", md_table(head, body), ""]
+    md += _paired_section(rows, methods, cols, baseline)
 
     # Figure 1 ------------------------------------------------------------------------------
     hard = E["ablation"].dataset

@@ -13,11 +13,16 @@ from typing import Iterable
 from flare.report.figures import (plot_acc_lambda_raw, plot_accuracy_curves, plot_label_distributions,
                                   plot_lambda_eff, plot_param_sweep)
 from flare.report.runs import load_runs, param_sweeps, protocols_line, sections, slug
-from flare.report.tables import lambda_table, md_table, results_table, strategy_table, sweep_table
+from flare.errors import FlareError
+from flare.report.tables import (PAIRED_EXPLAIN, default_baseline, lambda_table, md_table, paired_table, results_table,
+                                 strategy_table, sweep_table)
 from flare.rundir import RunDir, atomic_write_text
 
 
-def write_report(paths: Iterable[str | Path], out: str | Path, title: str = "Report") -> Path:
+def write_report(paths: Iterable[str | Path], out: str | Path, title: str = "Report",
+                 baseline: str | None = None) -> Path:
+    """report.md and its figures; every section with several methods also tests each against `baseline` (a
+    method name; default fafi where present, else the section's first method), paired by seed."""
     runs = load_runs(paths)
     out = Path(out)
     RunDir(out).create(key="--out")
@@ -30,8 +35,15 @@ def write_report(paths: Iterable[str | Path], out: str | Path, title: str = "Rep
           protocols_line(runs), ""]
     if empty:
         md += ["Runs without a complete round (left out): " + ", ".join(f"`{r.dir}`" for r in empty), ""]
-    for sec in sections(with_rounds):
+    secs = sections(with_rounds)
+    if baseline and not any(baseline in [r.label for r in sec.rows] for sec in secs):
+        raise FlareError(f"--baseline {baseline} names no method of these runs.", key="--baseline",
+                         fix="use one of: " + ", ".join(sorted({r.label for sec in secs for r in sec.rows})) + ".")
+    for sec in secs:
         md += [f"## {sec.title}", "", results_table(sec.rows), ""]
+        base = default_baseline([r.label for r in sec.rows], baseline)
+        if base and len(sec.rows) > 1:
+            md += [f"### Against {base}, paired by seed", "", paired_table(sec.rows, base), "", PAIRED_EXPLAIN, ""]
         plot_accuracy_curves(sec.rows, out / f"accuracy_{sec.slug}.png", f"test accuracy — {sec.title}")
         md += [f"![accuracy against rounds](accuracy_{sec.slug}.png)", ""]
         st = strategy_table(sec.rows)

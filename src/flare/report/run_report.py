@@ -28,7 +28,8 @@ def summary_markdown(run: RunData) -> str:
         f"{cfg.get('local_epochs')}, batch {cfg.get('batch_size')}, lr {cfg.get('lr')}, model "
         f"{cfg.get('model', {}).get('name')} (width {cfg.get('model', {}).get('width')}), seed {cfg.get('seed')}",
         f"- protocol: `{run.protocol}` (config/protocol.py; docs/reproduction.md lists what each item changes)",
-        f"- status: {run.state.get('status', 'unknown')}, rounds done: {len(rounds)}",
+        f"- status: {run.state.get('status', 'unknown')}, rounds done: {run.state.get('rounds_done', len(rounds))}",
+        f"- computed with: {run.backend}",
         "",
     ]
     if rounds:

@@ -11,6 +11,12 @@ import numpy as np
 from flare.report.runs import RULE_NAMES, Row, SweepLine, short_key, fmt_value
 from flare.rundata import RunData
 from flare.rundir import ACC_ORDER
+from flare.stats import ALPHA, holm, paired, verdict
+
+PAIRED_EXPLAIN = ("Each method minus the baseline, paired by seed (runs of one seed share the partition, the initial "
+                  "model and the anchors): mean difference of the primary accuracy in points, its 95 % confidence "
+                  "interval, the two-sided p of the paired t-test, and that p adjusted for the table's comparisons "
+                  f"(Holm); *significant* means adjusted p < {ALPHA}. flare/stats.py says why this test.")
 
 
 def fmt_ms(mean: float, std: float, pct: bool = True, digits: int | None = None) -> str:
@@ -121,3 +127,39 @@ def points_table(points: list[tuple[str, Path, str, float | None]]) -> str:
             peak = "—" if at is None else f"{100 * best:.2f} ({at})"
         body.append([name, status, acc, peak, "—" if secs is None else f"{secs:.1f}"])
     return md_table(["point", "status", "final acc", "peak acc (round)", "seconds"], body)
+
+
+def seed_values(row: Row, key: str = "acc") -> dict:
+    """{seed: final value} of a row's finished runs."""
+    return {r.seed: r.final(key) for r in row.runs if r.rounds}
+
+
+def paired_rows(rows: list[Row], baseline: str, key: str = "acc") -> list[list[str]]:
+    """The cells of `paired_table`, one list per method other than the baseline."""
+    base = next(row for row in rows if row.label == baseline)
+    others = [row for row in rows if row is not base]
+    tests = [paired(seed_values(row, key), seed_values(base, key)) for row in others]
+    adjusted = holm([t.p for t in tests])
+    out = []
+    for row, t, pa in zip(others, tests, adjusted):
+        if not t.testable:
+            ci = p_raw = p_adj = "—"
+        else:
+            ci = f"[{100 * t.low:+.2f}, {100 * t.high:+.2f}]"
+            p_raw, p_adj = f"{t.p:.3g}", f"{pa:.3g}"
+        mean = "—" if math.isnan(t.mean) else f"{100 * t.mean:+.2f}"
+        out.append([row.label, baseline, t.n, mean, ci, p_raw, p_adj, verdict(t, pa)])
+    return out
+
+
+def paired_table(rows: list[Row], baseline: str, key: str = "acc") -> str:
+    """Every method against `baseline` (a row label), paired by seed: is the gap real?"""
+    head = ["method", "vs", "paired seeds", "Δ acc (points)", "95 % CI", "p (paired t)", "p (Holm)", "difference"]
+    return md_table(head, paired_rows(rows, baseline, key))
+
+
+def default_baseline(labels: list[str], asked: str | None = None) -> str | None:
+    """The baseline a comparison tests against: the one asked for, else `fafi` when present, else the first."""
+    if asked:
+        return asked if asked in labels else None
+    return "fafi" if "fafi" in labels else (labels[0] if labels else None)

@@ -1,0 +1,125 @@
+"""Which CPU kernels torch runs, and the CPU speed switches.
+
+A CPU run's digits follow the instruction set that ATen's and oneDNN's kernels dispatch to: the same command on
+the same "AMD EPYC" VM type printed 34.85 % with AVX512 kernels and 32.70 % with AVX2 ones (README,
+"Reproducibility"). Both libraries choose their level once, at their first kernel call, from the environment
+(`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`) capped by what the CPU supports. So FLARE pins a level every x86-64
+machine of this workplace supports (`cpu_isa=avx2`, the default) before a run's first tensor operation, checks
+afterwards that torch really dispatches there, and records the level in the run (state.json, summary.md).
+`cpu_isa=native` lets torch pick the highest level (faster on AVX512 machines, other digits).
+
+GPU kernels are not covered: CUDA runs reorder reductions by their own rules (docs/performance.md).
+"""
+from __future__ import annotations
+
+import os
+import platform
+
+# cpu_isa -> (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, what torch.backends.cpu.get_cpu_capability() then says)
+LEVELS: dict[str, tuple[str, str, str] | None] = {
+    "default": ("default", "SSE41", "DEFAULT"),
+    "avx2": ("avx2", "AVX2", "AVX2"),
+    "avx512": ("avx512", "AVX512_CORE", "AVX512"),
+    "native": None,  # whatever the CPU (and any ATEN_CPU_CAPABILITY the user exported) gives
+}
+DEFAULT_ISA = "avx2"
+_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+_MARK = "FLARE_CPU_ISA_PINNED"  # the level FLARE pinned: children keep it, and `native` knows the pin was ours
+
+
+def is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+
+def pin(level: str) -> None:
+    """Set the environment so that this process's first CPU kernel (and every process it starts, which inherits
+    the environment: sweep workers, Ray workers, Flower nodes) dispatches at `level`. Takes effect only before
+    the process's first tensor operation — importing FLARE's modules runs some, so `flare/__init__.py` and the
+    CLI pin first thing; `check` says whether it took. `native` removes a pin FLARE set (one the user exported
+    stays: it is theirs)."""
+    if level not in LEVELS:
+        raise ValueError(f"unknown cpu_isa {level!r}; one of {', '.join(LEVELS)}")
+    spec, prev = LEVELS[level], os.environ.get(_MARK)
+    os.environ[_MARK] = level  # also for native: a child process must not re-pin the default
+    if spec is None:
+        if prev not in (None, "native"):
+            for k in _ENV:
+                os.environ.pop(k, None)
+        return
+    if is_x86():
+        os.environ["ATEN_CPU_CAPABILITY"], os.environ["ONEDNN_MAX_CPU_ISA"] = spec[0], spec[1]
+
+
+def kernels() -> str:
+    """The level ATen dispatches to in this process (this fixes it, if nothing ran before)."""
+    import torch  # lazy: `pin` must be importable before torch loads (the CLI calls it first)
+    return str(torch.backends.cpu.get_cpu_capability())
+
+
+def check(level: str) -> tuple[str, str | None]:
+    """(the level torch dispatches to, a warning when that is not what `level` asked for)."""
+    got = kernels()
+    spec = LEVELS.get(level)
+    if spec is None:
+        return got, None
+    if not is_x86():
+        return got, (f"cpu_isa={level} names an x86-64 instruction set, but this machine is {platform.machine()}; "
+                     f"torch runs its native {got} kernels, so digits can differ from x86-64 machines'")
+    if got == spec[2]:
+        return got, None
+    return got, (f"cpu_isa={level} asked for {spec[2]} kernels, but torch dispatches to {got} in this process "
+                 "(the CPU lacks that level, or a tensor operation ran before the run pinned it); digits can "
+                 "differ from the README's")
+
+
+def apply(level: str) -> tuple[str, str | None]:
+    """`pin` then `check`: what a run calls before its first tensor operation."""
+    pin(level)
+    return check(level)
+
+
+def bf16_supported() -> bool:
+    """bf16 autocast is only fast where the CPU has native bf16 arithmetic (AVX512-BF16 or AMX) and the kernels
+    may use it: under AVX2 kernels torch emulates it (ResNet-18 measured 2 samples/s instead of 94)."""
+    import torch  # lazy: see kernels()
+    try:
+        hw = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        hw = False
+    return hw and kernels() not in ("DEFAULT", "AVX2")
+
+
+def _yaml_level(path) -> str | None:
+    """cpu_isa (or speed=fast → native) of a YAML config, read without torch; None if it says nothing or cannot
+    be read (the config loader reports a bad file later, with the proper message)."""
+    import yaml  # lazy: only the CLI's start needs it here
+    try:
+        m = yaml.safe_load(open(path, encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    if not isinstance(m, dict):
+        return None
+    return m.get("cpu_isa") or ("native" if m.get("speed") == "fast" else None)
+
+
+def early_level(argv: list[str], env: dict | None = None) -> str:
+    """The cpu_isa a command line asks for, read before anything dispatches a kernel: an override `cpu_isa=...`
+    (or `speed=fast` → native), else the `--config` file's (or a `--resume` directory's config.yaml), else
+    $FLARE_CPU_ISA, else the default. Each run then checks its own validated config against it (`apply`)."""
+    env = os.environ if env is None else env
+    level = env.get("FLARE_CPU_ISA") or DEFAULT_ISA
+    for i, a in enumerate(argv):
+        path = None
+        if a in ("--config", "--resume") and i + 1 < len(argv):
+            path = argv[i + 1] if a == "--config" else os.path.join(argv[i + 1], "config.yaml")
+        elif a.startswith(("--config=", "--resume=")):
+            path = a.split("=", 1)[1] if a.startswith("--config=") else os.path.join(a.split("=", 1)[1], "config.yaml")
+        if path and (found := _yaml_level(path)):
+            level = found
+    for a in argv:
+        if a.startswith("speed=") and a.split("=", 1)[1].strip() == "fast":
+            level = "native"
+    for a in argv:
+        if a.startswith("cpu_isa="):
+            level = a.split("=", 1)[1].strip()
+    return level if level in LEVELS else DEFAULT_ISA

@@ -1,0 +1,129 @@
+"""CPU kernels pinned by default (flare/cpu.py), and the fast profile (`speed=fast`) that a user picks."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flare import cpu
+from flare.config import load_config
+from flare.rundata import RunData
+from flare.setup import backend, rules_for
+
+CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", cpu._MARK)}
+x86_avx2 = pytest.mark.skipif(not cpu.is_x86() or "avx2" not in open("/proc/cpuinfo").read(),
+                              reason="needs an x86-64 CPU with AVX2")
+
+
+def _flare_run(tiny, out, *extra, env=None):
+    r = subprocess.run([sys.executable, "-m", "flare.cli", "run", *tiny, "rounds=2", "--out", str(out), "--quiet",
+                        *extra], capture_output=True, text=True, env={**CLEAN_ENV, "FLARE_QUIET": "1", **(env or {})})
+    assert r.returncode == 0, r.stderr
+    return [{k: v for k, v in json.loads(ln).items() if not k.startswith("seconds")}
+            for ln in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@x86_avx2
+def test_default_pins_avx2_and_forcing_it_by_hand_gives_the_same_digits(tiny_overrides, tmp_path):
+    by_default = _flare_run(tiny_overrides, tmp_path / "a")
+    forced = _flare_run(tiny_overrides, tmp_path / "b",
+                        env={"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert by_default == forced
+    st = json.loads((tmp_path / "a" / "state.json").read_text())
+    assert st["backend"]["cpu_isa"] == "avx2" and st["backend"]["cpu_kernels"] == "AVX2"
+    assert st["warnings"] == []
+    assert "AVX2 CPU kernels" in (tmp_path / "a" / "summary.md").read_text()
+
+
+@x86_avx2
+def test_native_is_what_the_cpu_gives(tiny_overrides, tmp_path):
+    _flare_run(tiny_overrides, tmp_path / "n", "cpu_isa=native")
+    st = json.loads((tmp_path / "n" / "state.json").read_text())
+    native = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+                            capture_output=True, text=True, env=CLEAN_ENV).stdout.strip()
+    assert st["backend"]["cpu_kernels"] == native and st["warnings"] == []
+
+
+def test_early_level_reads_the_command_line_before_torch(tmp_path):
+    assert cpu.early_level([], env={}) == "avx2"
+    assert cpu.early_level([], env={"FLARE_CPU_ISA": "native"}) == "native"
+    assert cpu.early_level(["rounds=3", "cpu_isa=avx512"], env={}) == "avx512"
+    assert cpu.early_level(["speed=fast"], env={}) == "native"
+    assert cpu.early_level(["speed=fast", "cpu_isa=avx2"], env={}) == "avx2"
+    (tmp_path / "c.yaml").write_text("cpu_isa: default\n")
+    assert cpu.early_level(["--config", str(tmp_path / "c.yaml")], env={}) == "default"
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("speed: fast\n")
+    assert cpu.early_level(["--resume", str(tmp_path / "run")], env={}) == "native"
+    assert cpu.early_level(["--config", str(tmp_path / "missing.yaml")], env={}) == "avx2"
+
+
+def test_pin_sets_both_libraries_and_native_undoes_only_its_own(monkeypatch):
+    for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", cpu._MARK):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(cpu, "is_x86", lambda: True)
+    cpu.pin("avx512")
+    assert (os.environ["ATEN_CPU_CAPABILITY"], os.environ["ONEDNN_MAX_CPU_ISA"]) == ("avx512", "AVX512_CORE")
+    cpu.pin("native")
+    assert "ATEN_CPU_CAPABILITY" not in os.environ and os.environ[cpu._MARK] == "native"
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # the user's own: native leaves it
+    cpu.pin("native")
+    assert os.environ["ATEN_CPU_CAPABILITY"] == "avx2"
+    with pytest.raises(ValueError):
+        cpu.pin("avx9000")
+
+
+def test_a_level_that_cannot_apply_in_this_process_is_a_warning_not_silence():
+    got = torch.backends.cpu.get_cpu_capability()  # fixed for this process already
+    other = "avx512" if got != "AVX512" else "avx2"
+    kernels, warning = cpu.check(other)
+    assert kernels == got and warning and f"cpu_isa={other}" in warning and got in warning
+    assert cpu.check("native") == (got, None)
+
+
+def test_bf16_on_a_cpu_without_it_falls_back_to_fp32_with_a_warning(monkeypatch):
+    cfg = load_config(None, "fafi", ["amp=bf16", "device=cpu"])
+    monkeypatch.setattr(cpu, "bf16_supported", lambda: False)
+    be = backend(cfg)
+    assert be.amp_dtype is None and any("amp=bf16" in w and "fp32" in w for w in be.warnings)
+    assert be.facts(cfg)["amp"] == "off"
+    monkeypatch.setattr(cpu, "bf16_supported", lambda: True)
+    assert backend(cfg).amp_dtype == torch.bfloat16
+
+
+def test_bf16_is_never_native_under_avx2_kernels(monkeypatch):
+    monkeypatch.setattr(cpu, "kernels", lambda: "AVX2")
+    assert cpu.bf16_supported() is False
+
+
+def test_fast_profile_fills_its_items_and_an_explicit_key_wins():
+    fast = load_config(None, "fafi", ["speed=fast"])
+    assert (fast.cpu_isa, fast.amp, fast.cpu_channels_last, fast.eval.every, fast.eval.rules) == (
+        "native", "bf16", True, 5, ["primary"])
+    assert rules_for(fast) == ("feature",)
+    mine = load_config(None, "fafi", ["speed=fast", "eval.every=1", "cpu_isa=avx2", "eval.rules=[feature,iffi]"])
+    assert (mine.eval.every, mine.cpu_isa, mine.amp) == (1, "avx2", "bf16")
+    assert rules_for(mine) == ("feature", "iffi")
+    exact = load_config(None, "fafi", [])
+    assert (exact.speed, exact.cpu_isa, exact.amp, exact.cpu_channels_last, exact.eval.every) == (
+        "exact", "avx2", "auto", False, 1)
+    assert rules_for(load_config(None, "fedavg", ["eval.rules=[primary]"])) == ("fedavg",)
+
+
+def test_eval_every_skips_rounds_and_reports_read_the_evaluated_ones(tiny_overrides, tmp_path):
+    from flare.cli import main
+    out = tmp_path / "r"
+    tiny = [o for o in tiny_overrides if not o.startswith("rounds=")]
+    assert main(["run", "--preset", "fafi", *tiny, "rounds=3", "eval.every=2", "eval.rules=[feature]",
+                 "cpu_channels_last=true", "--out", str(out), "--quiet"]) == 0
+    recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    rounds = [r for r in recs if r["kind"] == "round"]
+    assert [r.get("evaluated", True) for r in rounds] == [False, True, True]   # round 2, and the last
+    assert "acc_feature" not in rounds[0] and "acc_iffi" not in rounds[1] and "acc_feature" in rounds[2]
+    assert len([r for r in recs if r["kind"] == "client"]) == 9                 # every round still trains
+    run = RunData.load(out)
+    assert run.round_numbers() == [2, 3] and run.peak("acc")[1] in (2, 3)
+    summary = (out / "summary.md").read_text()
+    assert "rounds done: 3" in summary and "evaluated every 2 round(s)" in summary and "channels_last=True" in summary
