@@ -38,6 +38,7 @@ from flare.config import config_reference, config_reference_markdown, list_prese
 from flare.report.reproduction import reproduction_markdown  # noqa: E402
 from flare.report.compare import compare_markdown, compare_rows  # noqa: E402
 from flare.report.runs import Row  # noqa: E402
+from flare.rundata import RunData  # noqa: E402
 
 README = ROOT / "README.md"
 PATTERN = re.compile(r"<!-- BEGIN (?P<id>[\w-]+) sha=(?P<sha>\w+) -->\n(?P<body>.*?)<!-- END (?P=id) -->", re.S)
@@ -141,7 +142,28 @@ def efficiency_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+def kernels_table(dirs: dict[str, str]) -> Callable[[], str]:
+    """The same command under each kernel level: what torch dispatched to (state.json) and the digits it gave."""
+    def render() -> str:
+        rows = ["| run | cpu_isa | CPU kernels torch dispatched to | final acc (feature) | peak (round) |",
+                "| --- | --- | --- | --- | --- |"]
+        for label, d in dirs.items():
+            b = json.loads((ROOT / d / "state.json").read_text()).get("backend", {})
+            run = RunData.load(ROOT / d)
+            best, at = run.peak("acc")
+            rows.append(f"| {label} | `{b.get('cpu_isa')}` | {b.get('cpu_kernels')} | {100 * run.final('acc'):.2f} | "
+                        f"{100 * best:.2f} ({at}) |")
+        return "\n".join(rows) + "\n"
+    return render
+
+
+def file_text(path: str) -> Callable[[], str]:
+    return lambda: (ROOT / path).read_text().strip() + "\n"
+
+
 MAIN_PRESETS = ["fafi", "fedavg", "ensemble", "etf-anneal", "flare"]
+UX = ("flare run --preset fafi dataset.name=fmnist num_clients=5 rounds=5 batch_size=64 model.name=cnn "
+      "model.width=0.5 dataset.train_subset=10000 dataset.test_subset=2000 partition.alpha=0.05 seed=1")
 ALIGN_PRESETS = ["fafi", "drcl", "drcl-anneal", "etf-anneal", "entropy-lambda", "decoupled", "flare"]
 CIFAR_SMALL = (f"{CIFAR_ARGS} dataset.train_subset=10000 dataset.test_subset=2000 model.name=cnn model.width=0.5 "
                "num_clients=5 rounds=5 batch_size=64")
@@ -178,6 +200,17 @@ RESULTS = {r.id: r for r in [
              "python benchmarks/efficiency.py model.name=cnn model.width=1.0 --steps 6 --repeats 2 "
              "> runs/readme/efficiency-cnn.out"],
             efficiency_table),
+    Results("kernels",
+            [f"{UX} --out runs/readme/ux-pinned", f"{UX} cpu_isa=native --out runs/readme/ux-native"],
+            kernels_table({"default": "runs/readme/ux-pinned", "`cpu_isa=native`": "runs/readme/ux-native"})),
+    Results("cpu-speed",
+            [f"python benchmarks/cpu_profile.py --data-root {CIFAR} --out runs/readme/cpu-speed > "
+             "runs/readme/cpu-speed.md"],
+            file_text("runs/readme/cpu-speed.md")),
+    Results("main-fast",
+            ["flare compare --config configs/main.yaml --presets " + ",".join(MAIN_PRESETS) +
+             " --seeds 1,2,3 speed=fast --out runs/main-fast"],
+            compare_block("runs/main-fast", MAIN_PRESETS, [1, 2, 3])),
     # The one deselected test checks the README's blocks, this one included: it cannot pass before this block exists.
     Results("tests", ["python -m pytest -q -p no:cacheprovider -m 'not slow' tests "
                       "--deselect tests/test_readme.py::test_generated_blocks_are_current_and_untouched "

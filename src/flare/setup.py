@@ -100,7 +100,11 @@ def backend(cfg: Config, device: str | None = None) -> Backend:
                      "and cpu_isa=native or avx512): torch would emulate it, far slower; training and evaluating "
                      "in fp32 instead")
         amp = None
-    return Backend(device, amp, use_channels_last(cfg, device), kernels, warns)
+    cl = use_channels_last(cfg, device)
+    if cl and cfg.client_engine == "batched":
+        warns.append("client_engine=batched trains in NCHW (vmap cannot use an NHWC layout); channels_last applies "
+                     "to evaluation only")
+    return Backend(device, amp, cl, kernels, warns)
 
 
 # ----------------------------------------------------------------------------------------------
