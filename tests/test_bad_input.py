@@ -99,6 +99,18 @@ ROWS = [
     ("lr-probe with no batches", lambda t, p, f, c: ["lr-probe", *t, "--batches", "0"], "--batches"),
     ("compare with no presets", lambda t, p, f, c: ["compare", "--presets", ",", *t], "--presets"),
     ("resume a directory that is not a run", lambda t, p, f, c: ["run", "--resume", str(p)], "--resume"),
+    # --- plugins and registered parts (tests/plugins/) ------------------------------------------------
+    ("unknown plugin module", lambda t, p, f, c: ["run", *t, "plugins=[no_such_flare_plugin]"],
+     "plugins: plugin module 'no_such_flare_plugin' cannot be found"),
+    ("plugin raising on import", lambda t, p, f, c: ["run", *t, "plugins=[flare_broken_plugin]"],
+     "plugins: plugin module 'flare_broken_plugin' raised on import: RuntimeError"),
+    ("plugin given as a file path", lambda t, p, f, c: ["run", *t, "plugins=[./my_methods.py]"],
+     "plugins: plugin './my_methods.py' looks like a file path"),
+    ("a part name nobody registered", lambda t, p, f, c: ["run", *t, "align.surgery=pcgradd"],
+     "unknown gradient surgery 'pcgradd' for align.surgery (did you mean pcgrad?)"),
+    ("a plugin option of the wrong type", lambda t, p, f, c: ["run", *t, "plugins=[flare_demo_plugin]",
+                                                              "loss.terms.demo_center.weight=heavy"],
+     "loss.terms.demo_center.weight"),
 ]
 
 

@@ -25,9 +25,10 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from flare.client.lam import initial_lambda
+from flare.client.lam import initial_lambda, make_lam_provider
 from flare.client.objective import base_terms
 from flare.client.terms.align import align_loss
+from flare.client.terms.extra import extra_terms
 from flare.config import Config
 from flare.errors import FlareError
 from flare.progress import Counter
@@ -167,7 +168,7 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 2
     model.train()
     anchors = run_anchors(cfg, meta.num_classes, model.feature_dim, device)
     lam = initial_lambda(cfg, ent) if anchors is not None else 0.0
-    scale = 0.5 if cfg.lam.learner == "uw" else 1.0  # V10: ½e^{−s_l}, s_l = 0 at the start
+    provider = make_lam_provider(cfg, ent, device)  # the client's λ provider at p = 0 (`probe_loss`)
     augment = make_augment(cfg, meta, device)
 
     order = torch.Generator().manual_seed(derived_seed(cfg.seed, 31337, 0))
@@ -190,10 +191,10 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 2
     def make_loss(imgs: Tensor, y2: Tensor) -> Callable[[], Tensor]:
         def loss() -> Tensor:
             feat, logits = model(imgs)
-            total = sum(base_terms(cfg.loss, feat, logits, y2, model.prototypes).values())
-            if anchors is not None and lam:
-                total = total + lam * align_loss(model.prototypes, anchors)
-            return scale * total
+            terms = base_terms(cfg.loss, feat, logits, y2, model.prototypes)
+            terms.update(extra_terms(cfg.loss, feat, logits, y2, model.prototypes))  # loss.terms (plugins)
+            align = align_loss(model.prototypes, anchors) if anchors is not None else None
+            return provider.probe_loss(sum(terms.values()), align)
 
         return loss
 

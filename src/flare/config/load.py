@@ -106,7 +106,7 @@ def _explain(err: ValidationError) -> FlareError:
     for e in err.errors():
         key = ".".join(str(x) for x in e["loc"])
         cause = (e.get("ctx") or {}).get("error")
-        if not key and isinstance(cause, KeyedValueError):
+        if isinstance(cause, KeyedValueError):  # a cross-key check, a part name or a plugin option: its own key
             key = cause.key
         first_key = first_key or key
         if e["type"] == "extra_forbidden":
