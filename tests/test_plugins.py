@@ -16,6 +16,7 @@ from flare.errors import FlareError
 from flare.registry import MODELS, Registry
 from flare.rundir import read_jsonl
 
+ROOT = Path(__file__).resolve().parents[1]
 LAM = 0.4242  # the demo λ provider's constant: no built-in part produces it
 
 
@@ -137,3 +138,21 @@ def test_listings_include_plugin_parts(capsys):
     assert main(["models", "--plugin", "flare_demo_plugin"]) == 0
     assert "demo_mlp" in capsys.readouterr().out.split()
 
+
+def test_the_extending_page_runs(tmp_path):
+    """docs/extending.md's plugin is one python block: extract it, import it as a module, run a tiny `flare run`."""
+    text = (ROOT / "docs" / "extending.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) == 1
+    (tmp_path / "my_methods.py").write_text(blocks[0])
+    cfg = yaml.safe_load(re.findall(r"```yaml\n(.*?)```", text, re.S)[0])
+    cfg.update({"device": "cpu", "rounds": 1, "num_clients": 2, "batch_size": 16, "test_batch_size": 32,
+                "dataset": {"name": "demo_blobs"}, "partition": {"kind": "iid"}})
+    cfg["plugins"] = ["flare_demo_plugin", *cfg["plugins"]]  # the doc's plugin, on a dataset with no files
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ["PYTHONPATH"]]))
+    r = subprocess.run([sys.executable, "-m", "flare.cli", "run", "--config", str(tmp_path / "c.yaml"),
+                        "--out", str(tmp_path / "run"), "--quiet"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    clients = [x for x in read_jsonl(tmp_path / "run" / "metrics.jsonl") if x["kind"] == "client"]
+    assert clients and all("term_logit_norm" in x and x["lambda"] > 0 for x in clients), clients[0]
