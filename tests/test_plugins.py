@@ -118,6 +118,20 @@ def test_sweep_workers_import_the_plugin(tmp_path, monkeypatch, capsys):
         assert_plugin_parts_ran(d)
 
 
+def test_a_sweep_grid_over_plugin_options(tmp_path):
+    from flare.experiments.sweep import expand, parse_sweep
+
+    spec, base = parse_sweep({"name": "g", "base": demo_config(tmp_path),
+                              "grid": {"loss.terms.demo_center.weight": [0.1, 0.2], "lam.options.lam": [0.3]}})
+    pts = expand(spec, base)
+    assert sorted(p.config.loss.terms["demo_center"]["weight"] for p in pts) == [0.1, 0.2]
+    assert {p.config.lam.options["lam"] for p in pts} == {0.3}
+    with pytest.raises(FlareError) as e:
+        expand(*parse_sweep({"name": "g", "base": demo_config(tmp_path),
+                             "grid": {"loss.terms.demo_center.weight": ["heavy"]}}))
+    assert "loss.terms.demo_center.weight" in str(e.value)
+
+
 def test_lr_probe_runs_the_plugin_term_and_lam_provider(tmp_path):
     from flare.lrprobe import probe
 

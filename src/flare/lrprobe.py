@@ -9,8 +9,10 @@ power iteration on Hessian–vector products (double backward) of the mean loss 
 The loss probed is the weights' local loss at p = 0: the objective's base terms (FAFI or CE) plus, for
 the alignment methods, λ·L_align with λ the client's initial λ (λ0 or the entropy rule; a(0) = 1 for
 every schedule, and λ learners start at λ_raw = λ_init). Plain V10 (`lam.learner=uw`) scales the whole
-weights' loss by ½e^{−s_l} = ½ at the start, so the probe does too. Contrast extensions (memory / public
-bank) are left out: the memory bank is empty at the start, and the public bank needs the server's teacher.
+weights' loss by ½e^{−s_l} = ½ at the start, so the probe does too. The extra terms of `loss.terms` are
+included, and the client's λ provider (plugins included) weighs L_align through its `probe_loss`. Contrast
+extensions (memory / public bank) are left out: the memory bank is empty at the start, and the public bank needs
+the server's teacher.
 BatchNorm runs in training mode (batch statistics), as in local training.
 
 Power iteration converges to the eigenvalue of largest *magnitude*; if that one is negative, a second

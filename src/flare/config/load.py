@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import typing
 from importlib import resources
 from pathlib import Path
 
@@ -97,6 +98,20 @@ def known_keys(model: type[BaseModel] = None, prefix: str = "") -> list[str]:
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             keys += known_keys(ann, prefix + name + ".")
     return keys
+
+
+def mapping_keys(model: type[BaseModel] = None, prefix: str = "") -> list[str]:
+    """The keys whose value is a free mapping (a part's `options`, `loss.terms`): the keys under them belong to the
+    chosen parts and are validated by their options models."""
+    model = model or Config
+    out = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out += mapping_keys(ann, prefix + name + ".")
+        elif typing.get_origin(ann) is dict:
+            out.append(prefix + name)
+    return out
 
 
 def _explain(err: ValidationError) -> FlareError:

@@ -4,15 +4,15 @@
     feat, logits = model(x)        # feat = f(x) (B×d, un-normalised); logits from the head
 
 Registered names: `resnet18`, `resnet34`, `resnet50` (CIFAR-style, see `resnet.py`) and `cnn` (small CPU
-model, see `cnn.py`). A registered builder is `fn(in_channels: int, width: float) -> nn.Module` returning an
-encoder with a `feature_dim` attribute; `create_model` wraps it with a head into a `FlareNet`.
+model, see `cnn.py`), in `flare.registry.MODELS`, plus any a plugin registers. A registered builder is
+`fn(in_channels: int, width: float[, options]) -> nn.Module` returning an encoder with a `feature_dim`
+attribute; `create_model` wraps it with a head into a `FlareNet`.
 """
 from __future__ import annotations
 
 from typing import Callable
 
 from pydantic import BaseModel
-
 from torch import Tensor, nn
 
 from ..errors import FlareError
@@ -36,7 +36,7 @@ EncoderBuilder = Callable[..., nn.Module]
 HEADS: dict[str, type[nn.Module]] = {"prototype": PrototypeHead, "linear": LinearHead}
 
 
-def register_model(name_or_fn=None, *, options: type[BaseModel] | None = None, description: str = "",
+def register_model(name_or_fn, *, options: type[BaseModel] | None = None, description: str = "",
                    overwrite: bool = False):
     """Register an encoder builder `fn(in_channels, width[, options]) -> encoder` (encoder has `.feature_dim`) in
     `flare.registry.MODELS`.
