@@ -1,5 +1,7 @@
 """Shared fixtures: a tiny, learnable image-folder dataset written to disk in the real format."""
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,6 +10,12 @@ from PIL import Image
 import flare  # noqa: F401  first: it pins the CPU kernels (flare/cpu.py) before any test computes
 
 os.environ.setdefault("FLARE_QUIET", "1")
+
+# The plugin modules of tests/plugins/ live outside src/, as a user's would: importable here and in every process
+# the tests start (flare run subprocesses, sweep workers).
+PLUGINS = str(Path(__file__).resolve().parent / "plugins")
+sys.path.insert(0, PLUGINS)
+os.environ["PYTHONPATH"] = os.pathsep.join([PLUGINS, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def write_tiny_imagefolder(root, classes=4, train_per_class=24, test_per_class=8, size=12, seed=0):

@@ -113,6 +113,18 @@ ROWS = [
      ["compare", "--presets", "fedavg,ensemble", "--baseline", "fafi", *t], "--baseline"),
     ("report baseline of no run", lambda t, p, f, c:
      ["report", _finished_run(t, p, c), "--baseline", "nosuch", "--out", str(p / "rep")], "--baseline"),
+    # --- plugins and registered parts (tests/plugins/) ------------------------------------------------
+    ("unknown plugin module", lambda t, p, f, c: ["run", *t, "plugins=[no_such_flare_plugin]"],
+     "plugins: plugin module 'no_such_flare_plugin' cannot be found"),
+    ("plugin raising on import", lambda t, p, f, c: ["run", *t, "plugins=[flare_broken_plugin]"],
+     "plugins: plugin module 'flare_broken_plugin' raised on import: RuntimeError"),
+    ("plugin given as a file path", lambda t, p, f, c: ["run", *t, "plugins=[./my_methods.py]"],
+     "plugins: plugin './my_methods.py' looks like a file path"),
+    ("a part name nobody registered", lambda t, p, f, c: ["run", *t, "align.surgery=pcgradd"],
+     "unknown gradient surgery 'pcgradd' for align.surgery (did you mean pcgrad?)"),
+    ("a plugin option of the wrong type", lambda t, p, f, c: ["run", *t, "plugins=[flare_demo_plugin]",
+                                                              "loss.terms.demo_center.weight=heavy"],
+     "loss.terms.demo_center.weight"),
 ]
 
 

@@ -233,4 +233,4 @@ def test_register_model_decorator():
     finally:
         from flare import models
 
-        models._REGISTRY.pop("tiny_test_net", None)
+        models.MODELS._entries.pop("tiny_test_net", None)

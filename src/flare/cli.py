@@ -42,6 +42,7 @@ from flare.experiments.paper import run_paper  # noqa: E402
 from flare.experiments.sweep import run_sweep  # noqa: E402
 from flare.lrprobe import format_probe, probe  # noqa: E402
 from flare.models import list_models  # noqa: E402
+from flare.registry import REGISTRIES, load_plugins  # noqa: E402
 from flare.report.report import write_report  # noqa: E402
 from flare.rundir import RunDir, config_differences, extension_problem  # noqa: E402
 from flare.runner import Run  # noqa: E402
@@ -107,13 +108,27 @@ def cmd_presets(args) -> int:
 
 
 def cmd_datasets(args) -> int:
+    load_plugins(args.plugin)
     for name, desc in list_datasets():
         print(f"{name:<14}  {desc}")
     return 0
 
 
 def cmd_models(args) -> int:
+    load_plugins(args.plugin)
     print("\n".join(list_models()))
+    return 0
+
+
+def cmd_parts(args) -> int:
+    """Every registry with its parts (built-in, entry-point plugins and --plugin modules) and their options."""
+    load_plugins(args.plugin)
+    for kind, reg in REGISTRIES.items():
+        print(f"{kind} ({reg.key}):")
+        for name in reg.names():
+            e = reg.entry(name)
+            opts = f"  [options: {', '.join(e.options.model_fields)}]" if e.options is not None else ""
+            print(f"  {name:<16}  {e.description}{opts}")
     return 0
 
 
@@ -299,8 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
     fd.set_defaults(fn=cmd_federate)
 
     sub.add_parser("presets", help="list method presets with the notes' names").set_defaults(fn=cmd_presets)
-    sub.add_parser("datasets", help="list datasets").set_defaults(fn=cmd_datasets)
-    sub.add_parser("models", help="list models").set_defaults(fn=cmd_models)
+    for name, fn, what in (("datasets", cmd_datasets, "list datasets"), ("models", cmd_models, "list models"),
+                           ("parts", cmd_parts, "list every registry of parts with names, descriptions, options")):
+        lp_ = sub.add_parser(name, help=what + " (plugins included)")
+        lp_.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                         help="also import this plugin module (repeatable); `flare.plugins` entry points always")
+        lp_.set_defaults(fn=fn)
     sub.add_parser("config-reference", help="print every config key as a markdown table").set_defaults(
         fn=cmd_config_reference)
     p.commands = sub.choices  # name → subcommand parser (see parse_args)

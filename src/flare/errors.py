@@ -21,5 +21,14 @@ class FlareError(Exception):
         return f"{head}{self.message}{tail}"
 
 
+class KeyedValueError(ValueError):
+    """A validation error that knows which key to blame (cross-key checks, plugin names and options); a ValueError
+    so pydantic reports it with the rest of the config."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
+
+
 class TrainingDiverged(FlareError):
     """A loss went NaN/Inf. Names the client, round and loss term; metrics written so far stay intact."""

@@ -9,8 +9,10 @@ power iteration on Hessian–vector products (double backward) of the mean loss 
 The loss probed is the weights' local loss at p = 0: the objective's base terms (FAFI or CE) plus, for
 the alignment methods, λ·L_align with λ the client's initial λ (λ0 or the entropy rule; a(0) = 1 for
 every schedule, and λ learners start at λ_raw = λ_init). Plain V10 (`lam.learner=uw`) scales the whole
-weights' loss by ½e^{−s_l} = ½ at the start, so the probe does too. Contrast extensions (memory / public
-bank) are left out: the memory bank is empty at the start, and the public bank needs the server's teacher.
+weights' loss by ½e^{−s_l} = ½ at the start, so the probe does too. The extra terms of `loss.terms` are
+included, and the client's λ provider (plugins included) weighs L_align through its `probe_loss`. Contrast
+extensions (memory / public bank) are left out: the memory bank is empty at the start, and the public bank needs
+the server's teacher.
 BatchNorm runs in training mode (batch statistics), as in local training.
 
 Power iteration converges to the eigenvalue of largest *magnitude*; if that one is negative, a second
@@ -25,9 +27,10 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from flare.client.lam import initial_lambda
+from flare.client.lam import initial_lambda, make_lam_provider
 from flare.client.objective import base_terms
 from flare.client.terms.align import align_loss
+from flare.client.terms.extra import extra_terms
 from flare.config import Config
 from flare.errors import FlareError
 from flare.progress import Counter
@@ -166,7 +169,7 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 2
     model.train()
     anchors = run_anchors(cfg, meta.num_classes, model.feature_dim, device)
     lam = initial_lambda(cfg, ent) if anchors is not None else 0.0
-    scale = 0.5 if cfg.lam.learner == "uw" else 1.0  # V10: ½e^{−s_l}, s_l = 0 at the start
+    provider = make_lam_provider(cfg, ent, device)  # the client's λ provider at p = 0 (`probe_loss`)
     augment = make_augment(cfg, meta, device)
 
     order = torch.Generator().manual_seed(derived_seed(cfg.seed, 31337, 0))
@@ -189,10 +192,10 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 2
     def make_loss(imgs: Tensor, y2: Tensor) -> Callable[[], Tensor]:
         def loss() -> Tensor:
             feat, logits = model(imgs)
-            total = sum(base_terms(cfg.loss, feat, logits, y2, model.prototypes).values())
-            if anchors is not None and lam:
-                total = total + lam * align_loss(model.prototypes, anchors)
-            return scale * total
+            terms = base_terms(cfg.loss, feat, logits, y2, model.prototypes)
+            terms.update(extra_terms(cfg.loss, feat, logits, y2, model.prototypes))  # loss.terms (plugins)
+            align = align_loss(model.prototypes, anchors) if anchors is not None else None
+            return provider.probe_loss(sum(terms.values()), align)
 
         return loss
 

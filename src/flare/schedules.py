@@ -10,20 +10,18 @@ import math
 from typing import Callable
 
 from flare.errors import FlareError
+from flare.registry import SCHEDULES
 
 Schedule = Callable[[float], float]
 
-SCHEDULES: dict[str, Schedule] = {
-    "constant": lambda p: 1.0,
-    "linear": lambda p: 1.0 - p,
-    "cosine": lambda p: 0.5 * (1.0 + math.cos(math.pi * p)),
-}
+SCHEDULES.register("constant", lambda p: 1.0, description="a(p) = 1")
+SCHEDULES.register("linear", lambda p: 1.0 - p, description="a(p) = 1 − p")
+SCHEDULES.register("cosine", lambda p: 0.5 * (1.0 + math.cos(math.pi * p)), description="a(p) = ½(1 + cos πp)")
 
 
 def get_schedule(name: str, key: str = "schedule") -> Schedule:
-    if name not in SCHEDULES:
-        raise FlareError(f"unknown schedule '{name}'.", key=key, fix=f"use one of: {', '.join(SCHEDULES)}.")
-    return SCHEDULES[name]
+    """The registered schedule `name` (`flare.registry.SCHEDULES`: align.schedule, lam.anneal and plugins)."""
+    return SCHEDULES.get(name, key)
 
 
 def progress(epochs_done: float, total_epochs: int) -> float:

@@ -145,7 +145,8 @@ class DataMeta:
 def prepare_data(cfg: Config) -> tuple[ImageData, tuple[Tensor, Tensor] | None]:
     """Load the dataset, apply the seeded subsets, carve out the server's public slice (if any)."""
     d = cfg.dataset
-    data = load_dataset(d.name, d.root, format=d.format, download=d.download, cache_dir=d.cache_dir)
+    data = load_dataset(d.name, d.root, format=d.format, download=d.download, cache_dir=d.cache_dir,
+                        options=d.options)
     for key, size, n in (("dataset.train_subset", d.train_subset, len(data.train_y)),
                          ("dataset.test_subset", d.test_subset, len(data.test_y))):
         if size is not None and size > n:
@@ -175,7 +176,7 @@ def split(cfg: Config, labels: Tensor, num_classes: int) -> Partition:
     """The run's split of the training set over its clients (seeded: every engine gets the same one)."""
     return make_partition(labels.numpy(), cfg.num_clients, cfg.partition.kind, cfg.seed, alpha=cfg.partition.alpha,
                           shards_per_client=cfg.partition.shards_per_client, num_classes=num_classes,
-                          rng=cfg.partition.rng)
+                          rng=cfg.partition.rng, options=cfg.partition.options)
 
 
 def describe_partition(cfg: Config, part: Partition, classes: list[str]) -> dict:
@@ -193,7 +194,8 @@ def describe_partition(cfg: Config, part: Partition, classes: list[str]) -> dict
 def init_global_model(cfg: Config, meta: DataMeta, device: torch.device, channels_last: bool = False) -> FlareNet:
     """One seeded global init shared by every client (SPEC §1)."""
     torch.manual_seed(cfg.seed)
-    model = create_model(cfg.model.name, meta.in_channels, meta.num_classes, cfg.model.width, head=cfg.head).to(device)
+    model = create_model(cfg.model.name, meta.in_channels, meta.num_classes, cfg.model.width, head=cfg.head,
+                         options=cfg.model.options).to(device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model

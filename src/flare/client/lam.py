@@ -40,6 +40,7 @@ from torch import Tensor
 
 from flare.config import Config
 from flare.errors import FlareError
+from flare.registry import LAM_PROVIDERS
 from flare.schedules import get_schedule
 
 MODES = ("uw", "uw-rescaled", "decoupled")
@@ -104,6 +105,11 @@ class LamProvider:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+    def probe_loss(self, base: Tensor, align: Tensor | None) -> Tensor:
+        """The weights' loss at p = 0, as the LR probe sees it (no σ step)."""
+        st = self(base, align, 0.0)
+        return st.local + st.align if st.align is not None else st.local
 
 
 class LamLearner(LamProvider):
@@ -186,6 +192,11 @@ class LamLearner(LamProvider):
         logs["s_p"] = a if isinstance(a, Tensor) else torch.full((), a, device=self.device)  # no blocking copy
         return LamStep(local, align_w, sigma, logs)
 
+    def probe_loss(self, base: Tensor, align: Tensor | None) -> Tensor:
+        """At p = 0 the weights see base + λ_init·L_align (V10: all of it scaled by ½e^{−s_l} = ½)."""
+        total = base + self.lambda_init * align if align is not None and self.lambda_init else base
+        return (0.5 if self.mode == "uw" else 1.0) * total
+
     def step(self) -> None:
         """One σ step with the gradient the trainer's single backward left on s_l, s_a; then clear it."""
         self.optimizer.step()
@@ -219,14 +230,32 @@ def _safe_exp(x: float) -> float:
         return math.inf
 
 
+def _fixed(cfg: Config, lambda_init: float, device: torch.device, options) -> LamProvider:
+    return LamProvider(lambda_init, cfg.align.schedule)
+
+
+def _learner(mode: str):
+    def build(cfg: Config, lambda_init: float, device: torch.device, options) -> LamProvider:
+        lm = cfg.lam
+        return LamLearner(mode, lambda_init, sigma_lr=lm.sigma_lr, anneal=lm.anneal, gamma_reg=lm.gamma_reg,
+                          beta=lm.beta, gamma_lambda=lm.gamma_lambda, valve_threshold=lm.valve_threshold,
+                          device=device)
+    return build
+
+
+LAM_PROVIDERS.register("none", _fixed, description="no learner: λ0 (align.lambda_rule) times align.schedule's a(p)")
+LAM_PROVIDERS.register("uw", _learner("uw"), description="V10: uncertainty weighting, one objective")
+LAM_PROVIDERS.register("uw-rescaled", _learner("uw-rescaled"), description="V10r/V11: uw rescaled by sg(e^{s_l})")
+LAM_PROVIDERS.register("decoupled", _learner("decoupled"), description="V12–V14 (FLARE): decoupled σ objective")
+
+
 def make_lam_provider(cfg: Config, normalized_entropy: float, device: torch.device) -> LamProvider:
-    """The provider `cfg` describes (the config has already checked that its parts fit together)."""
+    """The provider `cfg` describes: `lam.learner` names a builder `fn(cfg, lambda_init, device, options) ->
+    LamProvider` in `flare.registry.LAM_PROVIDERS`; `options` are `lam.options`, validated by the builder's
+    options model (None when it declares none). The config has already checked that the parts fit together."""
     lam0 = initial_lambda(cfg, normalized_entropy)
-    if cfg.lam.learner == "none":
-        return LamProvider(lam0, cfg.align.schedule)
-    lm = cfg.lam
-    return LamLearner(lm.learner, lam0, sigma_lr=lm.sigma_lr, anneal=lm.anneal, gamma_reg=lm.gamma_reg,
-                      beta=lm.beta, gamma_lambda=lm.gamma_lambda, valve_threshold=lm.valve_threshold, device=device)
+    opts = LAM_PROVIDERS.options(cfg.lam.learner, cfg.lam.options, "lam.options")
+    return LAM_PROVIDERS.get(cfg.lam.learner)(cfg, lam0, device, opts)
 
 
 def runaway_warnings(cfg: Config, client_records: list[dict]) -> list[str]:

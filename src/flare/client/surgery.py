@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from flare.registry import SURGERY
+
 
 def _take_grads(params: list[Tensor]) -> list[Tensor]:
     """The weights' current .grad (zeros where unused), then clear them."""
@@ -83,3 +85,7 @@ def pcgrad_backward(local: Tensor, align: Tensor, params: list[Tensor],
             g = g + g_extra[i]
         p.grad = g
     return logs
+
+
+SURGERY.register("none", None, description="one backward of local + align (+ the λ provider's σ loss)")
+SURGERY.register("pcgrad", pcgrad_backward, description="one-sided PCGrad between local and align (Plan C)")

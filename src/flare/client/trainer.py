@@ -18,10 +18,11 @@ from torch.profiler import record_function
 
 from flare.client.lam import LamProvider, make_lam_provider
 from flare.client.objective import base_terms
-from flare.client.surgery import pcgrad_backward
 from flare.client.terms.align import align_loss, align_target
+from flare.client.terms.extra import extra_terms
 from flare.config import Config
 from flare.errors import TrainingDiverged
+from flare.registry import SURGERY
 from flare.rng import RngStreams, augmentation_generators, derived_seed
 from flare.schedules import LRSchedule, progress
 from flare.server.upload import Upload
@@ -236,6 +237,7 @@ class Client:
             terms = base_terms(cfg.loss, feat, logits, y2, self.model.prototypes, bank)
             if self.extension is not None:
                 terms = self.extension.adjust_terms(terms, feat, y2, epoch_idx)
+            terms.update(extra_terms(cfg.loss, feat, logits, y2, self.model.prototypes))  # loss.terms (plugins)
             base = sum(terms.values())
             align = None
             if ctx.anchors is not None:
@@ -247,8 +249,9 @@ class Client:
         self.optimizer.zero_grad(set_to_none=True)
         params = [q for q in self.model.parameters() if q.requires_grad]
         with record_function("flare.backward"):
-            if cfg.align.surgery == "pcgrad" and st.align is not None:
-                surgery_logs = pcgrad_backward(st.local, st.align, params, extra=st.sigma)
+            surgery = SURGERY.get(cfg.align.surgery)  # (local, align, params, extra) -> logs; None: plain
+            if surgery is not None and st.align is not None:
+                surgery_logs = surgery(st.local, st.align, params, extra=st.sigma)
             else:
                 total = (st.local + (st.align if st.align is not None else 0)
                          + (st.sigma if st.sigma is not None else 0))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import typing
 from importlib import resources
 from pathlib import Path
 
@@ -124,6 +125,20 @@ def known_keys(model: type[BaseModel] = None, prefix: str = "") -> list[str]:
     return keys
 
 
+def mapping_keys(model: type[BaseModel] = None, prefix: str = "") -> list[str]:
+    """The keys whose value is a free mapping (a part's `options`, `loss.terms`): the keys under them belong to the
+    chosen parts and are validated by their options models."""
+    model = model or Config
+    out = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out += mapping_keys(ann, prefix + name + ".")
+        elif typing.get_origin(ann) is dict:
+            out.append(prefix + name)
+    return out
+
+
 def _explain(err: ValidationError) -> FlareError:
     """Turn pydantic's report into one paragraph that names the key and the fix."""
     lines, first_key, fix = [], None, None
@@ -131,7 +146,7 @@ def _explain(err: ValidationError) -> FlareError:
     for e in err.errors():
         key = ".".join(str(x) for x in e["loc"])
         cause = (e.get("ctx") or {}).get("error")
-        if not key and isinstance(cause, KeyedValueError):
+        if isinstance(cause, KeyedValueError):  # a cross-key check, a part name or a plugin option: its own key
             key = cause.key
         first_key = first_key or key
         if e["type"] == "extra_forbidden":

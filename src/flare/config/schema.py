@@ -1,14 +1,31 @@
 """The configuration schema: one pydantic model, every key with its type, range and meaning, and every
-cross-key check (so a bad combination fails before any data is loaded)."""
+cross-key check (so a bad combination fails before any data is loaded).
+
+Keys that name a *part* (model.name, dataset.name, partition.kind, loss.objective, loss.contrast, loss.terms,
+align.anchors, align.schedule, align.surgery, lam.learner, lam.anneal) are strings checked against the part's
+registry (`flare.registry`, so plugins can add parts); a part that declares options reads them from its section's
+`options` mapping (`loss.terms.<name>` for loss terms), validated by the part's options model. Keys that choose
+between fixed behaviours of the framework itself stay closed `Literal`s: protocol, progress, amp, client_engine,
+dataset.format (a built-in dataset's file reader; a plugin dataset brings its own loader), partition.rng,
+lr_schedule.kind (the LR schedule with SGDR's restarts and momentum reset, which the engines implement),
+augment.input_scaling, loss.ce_input, align.target, align.target_progress, align.lambda_rule (λ0's formula,
+an input of every λ provider), the server's rules (a later step turns the server into a strategy) and eval.bn.
+"""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from flare.config.protocol import fill_protocol
+from flare.config.sections import (OPTIONS_DESCRIPTION, AugmentCfg, DatasetCfg, LRScheduleCfg, ModelCfg, OptimCfg,
+                                   PartitionCfg, Strict, part_name, part_options)
+from flare.errors import KeyedValueError
+from flare.registry import (ANCHORS, CONTRAST, LAM_PROVIDERS, LOSS_TERMS, OBJECTIVES, SCHEDULES, SURGERY,
+                            TermOptions, load_plugins)
 
-ScheduleName = Literal["constant", "linear", "cosine"]
+__all__ = ["KeyedValueError", "DatasetCfg", "PartitionCfg", "ModelCfg", "OptimCfg", "LRScheduleCfg", "AugmentCfg",
+           "LossCfg", "AlignCfg", "LamCfg", "ServerCfg", "EvalCfg", "LoggingCfg", "Config", "RENAMED", "RENAMED_VALUES"]
 
 # Keys that were renamed: an old name is refused with a message that names the new one (and, where the values
 # changed with it, the new value that stands for the old one).
@@ -43,97 +60,15 @@ def fill_speed(data):
     return out
 
 
-class KeyedValueError(ValueError):
-    """A cross-key validation error that knows which key to blame."""
-
-    def __init__(self, key: str, message: str):
-        super().__init__(message)
-        self.key = key
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class DatasetCfg(_Strict):
-    name: str = Field("fmnist", description="fmnist, mnist, cifar10, cifar100, svhn, tinyimagenet, imagefolder "
-                                            "(`flare datasets`)")
-    root: str | None = Field(None, description="where the data lives (a folder, or a .tar/.tar.gz for imagefolder)")
-    format: Literal["auto", "torchvision", "imagefolder", "idx"] = Field(
-        "auto", description="auto, torchvision, imagefolder or idx")
-    download: bool = Field(False, description="let torchvision download the dataset into root (needs internet)")
-    train_subset: int | None = Field(None, gt=0, description="seeded stratified subset of the training set "
-                                                             "(at most its size)")
-    test_subset: int | None = Field(None, gt=0, description="seeded stratified subset of the test set "
-                                                            "(at most its size)")
-    cache_dir: str | None = Field(None, description="where decoded uint8 tensors are cached (default $FLARE_CACHE "
-                                                    "or ~/.cache/flare)")
-    public_size: int = Field(0, ge=0, description="samples held out for the server's public bank")
-
-
-class PartitionCfg(_Strict):
-    kind: Literal["dirichlet", "dirichlet-fafi", "iid", "shards"] = Field(
-        "dirichlet", description="dirichlet (card dealer: every sample once), dirichlet-fafi (the official FAFI "
-                                 "partition: min(N_c, round(10·N_0·q)) samples of class c, overlapping across "
-                                 "clients), iid or shards")
-    rng: Literal["generator", "legacy"] = Field(
-        "generator", description="generator (numpy's Generator, seeded) or legacy (numpy's legacy RandomState and "
-                                 "Python's random in the reference's order: the notes' exact class counts; "
-                                 "dirichlet kinds and iid)")
-    alpha: float = Field(0.05, gt=0, description="Dirichlet concentration (smaller = more skew)")
-    shards_per_client: int = Field(2, ge=1, description="classes per client for kind=shards")
-
-
-class ModelCfg(_Strict):
-    name: str = Field("resnet18", description="resnet18, resnet34, resnet50 (CIFAR-style) or cnn (`flare models`)")
-    width: float = Field(1.0, gt=0, description="channel width multiplier (0.25 → d = 128 for resnet18)")
-
-
-class OptimCfg(_Strict):
-    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
-    weight_decay: float = Field(0.0, ge=0, description="SGD weight decay (the seeds' configs wrote 1e-4 but their "
-                                                       "code never applied it)")
-    grad_clip: float | None = Field(1.0, gt=0, description="clip the global gradient norm (null: off)")
-    reset_each_round: bool = Field(True, description="fresh optimizer (momentum) every round, as the seeds did")
-    linear_scaling: bool = Field(False, description="scale lr by batch_size/512")
-
-
-class LRScheduleCfg(_Strict):
-    kind: Literal["constant", "cosine", "sgdr"] = Field("constant", description="constant, cosine or sgdr "
-                                                                                "(SPEC §8)")
-    decay_per_round: float = Field(1.0, gt=0, le=1, description="constant: lr *= this every round (seeds: 0.998)")
-    min_lr: float = Field(0.0, ge=0, description="floor of cosine/sgdr")
-    t0: float = Field(10.0, description="sgdr: first period, in local epochs")
-    t_mult: float = Field(2.0, ge=1, description="sgdr: period multiplier")
-    cycle_decay: float = Field(1.0, gt=0, le=1, description="sgdr: peak lr multiplied by this at each restart")
-    reset_momentum: bool = Field(False, description="sgdr: clear momentum buffers at each restart")
-
-    @field_validator("t0")
-    @classmethod
-    def _t0_positive(cls, v: float) -> float:
-        if v <= 0:
-            raise ValueError("T_0 must be > 0 (the first SGDR period, in local epochs)")
-        return v
-
-
-class AugmentCfg(_Strict):
-    per_image: bool = Field(True, description="False: one parameter set per batch, as the seeds' code did")
-    input_scaling: Literal["dataset", "reference"] = Field(
-        "dataset", description="dataset: (x − mean)/std of the training set for training and test; reference: the "
-                               "reference's transforms (CIFAR-10, Tiny and datasets it lacks: train views "
-                               "Normalize(0.5) → [−1, 1], test [0, 1]; CIFAR-100, SVHN: normalised by the dataset "
-                               "and again by the augmentation, the colour jitter clamping to [0, 1] when it fires)")
-
-
-class LossCfg(_Strict):
-    objective: Literal["fafi", "ce"] = Field("fafi", description="fafi (prototype head) or ce (plain classifier: "
-                                                                 "fedavg/ensemble baselines)")
+class LossCfg(Strict):
+    objective: str = Field("fafi", description="fafi (prototype head), ce (plain classifier: fedavg/ensemble "
+                                               "baselines) or a plugin's")
     tau_con: float = Field(0.07, gt=0, description="SupCon temperature τ")
     base_tau: float = Field(0.07, gt=0, description="SupCon base temperature")
     tau_pf: float = Field(1.0, gt=0, description="prototype–feature temperature")
     tau_pp: float = Field(1.0, gt=0, description="prototype–prototype temperature")
-    contrast: Literal["none", "memory-bank", "public-bank", "two-stage"] = Field(
-        "none", description="contrast-set extension: none, memory-bank, public-bank, two-stage")
+    contrast: str = Field("none", description="contrast-set extension: none, memory-bank, public-bank, two-stage "
+                                              "or a plugin's")
     bank_size: int = Field(4096, ge=1, description="memory bank FIFO size")
     bank_tau: float = Field(0.5, gt=0, description="temperature of the bank terms")
     public_stage_epochs: int = Field(1, ge=0, description="two-stage: the first local epochs, which use the "
@@ -142,10 +77,35 @@ class LossCfg(_Strict):
     ce_input: Literal["augmented", "plain"] = Field(
         "augmented", description="objective=ce (FedAvg/Ensemble): two augmented views, or one un-augmented view "
                                  "(the evaluation transform), as the reference trained its baselines")
+    terms: dict[str, dict[str, Any]] = Field(
+        {}, description="extra registered loss terms added to the local objective, name: {weight: w, options…} "
+                        "(plugins; `flare parts`)")
+
+    @field_validator("objective")
+    @classmethod
+    def _objective(cls, v: str) -> str:
+        return part_name(OBJECTIVES, v, "loss.objective")
+
+    @field_validator("contrast")
+    @classmethod
+    def _contrast(cls, v: str) -> str:
+        return part_name(CONTRAST, v, "loss.contrast")
+
+    @field_validator("terms", mode="before")
+    @classmethod
+    def _terms(cls, v: Any) -> Any:
+        if not isinstance(v, dict):
+            raise KeyedValueError("loss.terms", f"loss.terms must be a mapping of term: {{weight: w}}, got {v!r}")
+        out = {}
+        for name, opts in v.items():
+            key = f"loss.terms.{name}"
+            part_name(LOSS_TERMS, name, key)
+            out[name] = LOSS_TERMS.options(name, opts, key, default=TermOptions).model_dump(mode="json")
+        return out
 
 
-class AlignCfg(_Strict):
-    anchors: Literal["none", "random", "etf"] = Field("none", description="fixed anchors A: none, random or etf")
+class AlignCfg(Strict):
+    anchors: str = Field("none", description="fixed anchors A: none, random, etf or a plugin's")
     target: Literal["fixed", "progressive"] = Field("fixed", description="fixed (A) or progressive "
                                                                          "((1−p)P⁰ + pA, V8)")
     lambda0: float = Field(1.0, ge=0, description="λ0 for lambda_rule=fixed")
@@ -153,11 +113,26 @@ class AlignCfg(_Strict):
                                                                           "(V9: λ_min + H/log2C·(λ_max − λ_min))")
     lambda_min: float = Field(0.1, ge=0, description="entropy rule λ_min")
     lambda_max: float = Field(10.0, ge=0, description="entropy rule λ_max")
-    schedule: ScheduleName = Field("constant", description="annealing a(p) of λ: constant, linear, cosine")
-    surgery: Literal["none", "pcgrad"] = Field("none", description="gradient surgery: none or pcgrad (Plan C)")
+    schedule: str = Field("constant", description="annealing a(p) of λ: constant, linear, cosine or a plugin's")
+    surgery: str = Field("none", description="gradient surgery: none, pcgrad (Plan C) or a plugin's")
     target_progress: Literal["global", "round-reset"] = Field(
         "global", description="progress of V8's target: global (the run's `progress`) or round-reset (j/E, j the "
                               "epoch within the round, as the reference: with E = 1 the target stays at P⁰)")
+
+    @field_validator("anchors")
+    @classmethod
+    def _anchors(cls, v: str) -> str:
+        return part_name(ANCHORS, v, "align.anchors")
+
+    @field_validator("schedule")
+    @classmethod
+    def _schedule(cls, v: str) -> str:
+        return part_name(SCHEDULES, v, "align.schedule")
+
+    @field_validator("surgery")
+    @classmethod
+    def _surgery(cls, v: str) -> str:
+        return part_name(SURGERY, v, "align.surgery")
 
     @model_validator(mode="after")
     def _range(self) -> "AlignCfg":
@@ -169,21 +144,37 @@ class AlignCfg(_Strict):
         return self
 
 
-class LamCfg(_Strict):
+class LamCfg(Strict):
     """The λ learner of SPEC §7 (V10–V14)."""
 
-    learner: Literal["none", "uw", "uw-rescaled", "decoupled"] = Field(
-        "none", description="λ learner (SPEC §7): none, uw (V10), uw-rescaled (V10r/V11), decoupled (V12–V14)")
+    learner: str = Field("none", description="λ provider (SPEC §7): none, uw (V10), uw-rescaled (V10r/V11), "
+                                             "decoupled (V12–V14) or a plugin's")
     sigma_lr: float = Field(0.005, gt=0, description="SGD lr of the log-variances s_l, s_a")
-    anneal: ScheduleName = Field("constant", description="V11: external a(p) on L_align; V12+: meta s(p)")
+    anneal: str = Field("constant", description="V11: external a(p) on L_align; V12+: meta s(p) (a schedule)")
     gamma_reg: float = Field(0.0, ge=0, description="V13 stability anchor γ_reg·e^{-s_a}")
     beta: float = Field(0.0, ge=0, description="V14 ceiling β·s_l²")
     gamma_lambda: float = Field(0.0, ge=0, description="V14 safety valve γ_λ·ReLU(λ_raw − valve_threshold)")
     valve_threshold: float = Field(50.0, gt=0, description="V14: λ_raw above this opens the safety valve "
                                                            "(the notes' λ_max = 50)")
+    options: dict[str, Any] = Field({}, description=OPTIONS_DESCRIPTION)
+
+    @field_validator("learner")
+    @classmethod
+    def _learner(cls, v: str) -> str:
+        return part_name(LAM_PROVIDERS, v, "lam.learner")
+
+    @field_validator("anneal")
+    @classmethod
+    def _anneal(cls, v: str) -> str:
+        return part_name(SCHEDULES, v, "lam.anneal")
+
+    @field_validator("options")
+    @classmethod
+    def _opts(cls, v: dict, info: ValidationInfo) -> dict:
+        return part_options(LAM_PROVIDERS, info.data.get("learner"), v, "lam.options")
 
 
-class ServerCfg(_Strict):
+class ServerCfg(Strict):
     weights: Literal["size", "uniform"] = Field("size", description="aggregation weights: size (n_i/Σn) or "
                                                                     "uniform (1/K)")
     protos: Literal["mean", "trainable"] = Field("mean", description="global prototypes: mean or trainable "
@@ -209,7 +200,7 @@ class ServerCfg(_Strict):
                             "output otherwise)")
 
 
-class EvalCfg(_Strict):
+class EvalCfg(Strict):
     every: int = Field(1, ge=1, description="evaluate every N-th round (the last round always); reports show the "
                                             "evaluated rounds")
     rules: list[str] | None = Field(None, description="the fusion rules to evaluate (null: every rule that applies; "
@@ -222,14 +213,17 @@ class EvalCfg(_Strict):
                                "FedAvg and per-client accuracies keep running statistics, as there)")
 
 
-class LoggingCfg(_Strict):
+class LoggingCfg(Strict):
     tensorboard: bool = Field(False, description="also write TensorBoard scalars to <run>/tensorboard")
 
 
-class Config(_Strict):
+class Config(Strict):
     protocol: Literal["clean", "reference"] = Field(
         "clean", description="clean (ours) or reference: sets every protocol item the config does not set itself "
                              "to the reference code's behaviour (docs/reproduction.md lists the items)")
+    plugins: list[str] = Field([], description="modules imported before the rest of the config is validated, so "
+                                               "their parts and options validate (module names on PYTHONPATH; "
+                                               "docs/extending.md)")
     preset: str | None = Field(None, description="method preset applied under the file and overrides "
                                                  "(`flare presets`)")
     method: str = Field("fafi", description="display name of the method (defaults to the preset's name)")
@@ -283,7 +277,10 @@ class Config(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _protocol_defaults(cls, data):
-        """protocol=reference fills every protocol item the mapping leaves unset (config/protocol.py)."""
+        """Import the `plugins` first (so their parts validate), then protocol=reference fills every protocol item
+        the mapping leaves unset (config/protocol.py), then speed=fast its items."""
+        if isinstance(data, dict):
+            load_plugins(data.get("plugins"))
         return fill_speed(fill_protocol(data))
 
     @field_validator("device")
@@ -297,8 +294,8 @@ class Config(_Strict):
     def _compatible_parts(self) -> "Config":
         """Cross-key checks, so a bad combination fails before any data is loaded."""
         needs_anchors = []
-        if self.align.surgery == "pcgrad":
-            needs_anchors.append("align.surgery=pcgrad")
+        if self.align.surgery != "none":
+            needs_anchors.append(f"align.surgery={self.align.surgery}")
         if self.lam.learner != "none":
             needs_anchors.append(f"lam.learner={self.lam.learner}")
         if self.server.protos == "trainable" and self.server.protos_init == "anchors":
@@ -308,9 +305,10 @@ class Config(_Strict):
         if needs_anchors and self.align.anchors == "none":
             raise KeyedValueError("align.anchors", f"{', '.join(needs_anchors)} needs anchors to align to, but "
                                   "align.anchors=none; set align.anchors=etf (or random)")
-        if self.loss.objective == "ce" and (self.align.anchors != "none" or self.server.protos == "trainable"):
+        if self.head != "prototype" and (self.align.anchors != "none" or self.server.protos == "trainable"):
             raise KeyedValueError("loss.objective", "alignment and trainable global prototypes need the "
-                                  "prototype head (loss.objective=fafi), not a plain classifier")
+                                  f"prototype head (e.g. loss.objective=fafi), not loss.objective="
+                                  f"{self.loss.objective}'s plain classifier")
         if self.loss.contrast in ("public-bank", "two-stage") and self.dataset.public_size == 0:
             raise KeyedValueError("dataset.public_size", f"loss.contrast={self.loss.contrast} needs a public "
                                   "slice held out by the server; set dataset.public_size (e.g. 1000)")
@@ -336,9 +334,9 @@ class Config(_Strict):
         for rule in self.eval.rules or []:
             if rule not in EVAL_RULES:
                 raise KeyedValueError("eval.rules", f"unknown rule {rule!r}; the rules are {', '.join(EVAL_RULES)}")
-            if self.loss.objective == "ce" and rule in ("feature", "iffi", "iffi_reference"):
-                raise KeyedValueError("eval.rules", f"rule {rule!r} reads prototypes, which loss.objective=ce has not; "
-                                      "use output, fedavg or primary")
+            if self.head != "prototype" and rule in ("feature", "iffi", "iffi_reference"):
+                raise KeyedValueError("eval.rules", f"rule {rule!r} reads prototypes, which "
+                                      f"loss.objective={self.loss.objective} has not; use output, fedavg or primary")
         if self.eval.every > 1 and self.server.protos == "trainable" and self.server.protos_flow == "reference":
             raise KeyedValueError("eval.every", "with server.protos_flow=reference the server trains the clients' "
                                   "next target G at every evaluation, so skipping evaluations would change training; "
@@ -360,8 +358,10 @@ class Config(_Strict):
             out.append(("align.surgery", self.align.surgery))
         if self.loss.contrast != "none":
             out.append(("loss.contrast", self.loss.contrast))
-        if self.lam.learner not in ("none", "decoupled"):
+        if self.lam.learner not in ("none", "decoupled"):  # the other learners and every plugin λ provider
             out.append(("lam.learner", self.lam.learner))
+        if self.loss.terms:  # plugin loss terms run in the sequential and threads engines only
+            out.append(("loss.terms", ",".join(self.loss.terms)))
         if self.progress != "epoch":
             out.append(("progress", self.progress))
         if self.align.anchors != "none" and self.align.target != "fixed":
@@ -378,7 +378,8 @@ class Config(_Strict):
 
     @property
     def head(self) -> str:
-        return "prototype" if self.loss.objective == "fafi" else "linear"
+        """The head the objective trains: prototype or linear (`Objective.head` in its registry)."""
+        return OBJECTIVES.get(self.loss.objective).head
 
     @property
     def total_epochs(self) -> int:

@@ -25,6 +25,7 @@ import torch
 from flare.data.formats import (DEBIAN_FMNIST, _Source, _has_idx_files, _is_archive, _locate_cifar,
                                 _locate_imagefolder, _locate_mnist, _locate_svhn, _locate_tiny, _tiny_base)
 from flare.errors import FlareError
+from flare.registry import DATASETS
 
 FORMATS = ("auto", "torchvision", "imagefolder", "idx")
 _CACHE_VERSION = 1  # bump when the decoded layout changes, so old cache files are never read
@@ -42,6 +43,14 @@ class ImageData:
     classes: list[str]
     mean: tuple[float, ...]  # per-channel mean of train_x / 255
     std: tuple[float, ...]   # per-channel (population) std of train_x / 255
+
+    @classmethod
+    def from_tensors(cls, name: str, train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor,
+                     test_y: torch.Tensor, classes: list[str]) -> "ImageData":
+        """A dataset built in memory (a plugin's), checked like a decoded one and given its normalisation stats."""
+        _check_arrays(name, f"plugin dataset {name}", train_x, train_y, test_x, test_y, classes)
+        mean, std = _channel_stats(train_x)
+        return cls(name, train_x, train_y, test_x, test_y, list(classes), mean, std)
 
     @property
     def num_classes(self) -> int:
@@ -67,6 +76,21 @@ class DatasetInfo:
     formats: tuple[str, ...]  # the explicit formats it accepts ("auto" is always accepted)
     num_classes: int | None   # checked when read from an image folder, to catch a tree of the wrong dataset
     locate: Callable[[str, Path | None, str, bool], _Source] | None  # (name, root, format, download)
+    build: Callable[[object], ImageData] | None = None  # a plugin's dataset: options -> ImageData (not cached)
+
+
+def register_dataset(name: str, build: Callable | None = None, *, options=None, description: str = "",
+                     num_classes: int | None = None, overwrite: bool = False):
+    """Register a dataset built in memory, `build(options) -> ImageData` (`options`: `dataset.options` validated
+    by the `options` model, or None); usable as a decorator. Built-in datasets are read from files instead."""
+    if build is None:
+        return lambda fn: register_dataset(name, fn, options=options, description=description,
+                                           num_classes=num_classes, overwrite=overwrite)
+    doc = (build.__doc__ or "").strip().splitlines()
+    desc = description or (doc[0] if doc else "")
+    DATASETS.register(name, DatasetInfo(desc, (), num_classes, None, build), options=options, description=desc,
+                      overwrite=overwrite)
+    return build
 
 
 # ----------------------------------------------------------------------------- public API
@@ -74,20 +98,23 @@ class DatasetInfo:
 
 def list_datasets() -> list[tuple[str, str]]:
     """(name, description) of every registered dataset, for `flare datasets`."""
-    return [(name, info.description) for name, info in DATASETS.items()]
+    return DATASETS.describe()
 
 
 def load_dataset(name: str, root: str | os.PathLike | None, format: str = "auto", download: bool = False,
-                 cache_dir: str | os.PathLike | None = None) -> ImageData:
+                 cache_dir: str | os.PathLike | None = None, options: dict | None = None) -> ImageData:
     """Load a dataset as whole tensors, decoding it only when the on-disk cache is missing or stale.
 
     The cache key is the dataset name, format and the absolute path, size and mtime of every source file,
     so editing or replacing the source invalidates it.
     """
     info = DATASETS.get(name)
-    if info is None:
-        raise FlareError(f"unknown dataset {name!r}.", key="dataset.name",
-                         fix=f"use one of: {', '.join(DATASETS)}.")
+    if info.build is not None:
+        data = info.build(DATASETS.options(name, options, "dataset.options"))
+        if not isinstance(data, ImageData):
+            raise FlareError(f"dataset {name!r} built {type(data).__name__}, not an ImageData.", key="dataset.name",
+                             fix="its build function must return flare.data.datasets.ImageData.")
+        return data
     if name in SYNTHETIC:
         return synthetic_dataset(name)
     root_path = Path(root).expanduser() if root not in (None, "") else None
@@ -296,7 +323,7 @@ def synthetic_dataset(name: str, seed: int = 0) -> ImageData:
     return ImageData(name, train_x, train_y, test_x, test_y, [f"class{c}" for c in range(C)], mean, std)
 
 
-DATASETS: dict[str, DatasetInfo] = {
+_BUILTIN: dict[str, DatasetInfo] = {
     "fmnist": DatasetInfo("Fashion-MNIST: 10 clothing classes, 1x28x28, 60k/10k (Debian package or torchvision)",
                           ("idx", "torchvision", "imagefolder"), 10, _locate_mnist),
     "mnist": DatasetInfo("MNIST digits: 10 classes, 1x28x28, 60k/10k (torchvision layout or IDX files)",
@@ -316,3 +343,5 @@ DATASETS: dict[str, DatasetInfo] = {
     "synthetic-cifar100": DatasetInfo("generated stand-in with CIFAR-100's shapes (benchmarks, no files needed)",
                                       (), 100, None),
 }
+for _name, _info in _BUILTIN.items():
+    DATASETS.register(_name, _info, description=_info.description)

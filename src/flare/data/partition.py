@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flare.errors import FlareError
+from flare.registry import PARTITIONS
 
 
 @dataclass
@@ -204,7 +205,8 @@ def _finish(buckets, labels, C, rng) -> Partition:
 
 
 def make_partition(labels: np.ndarray, num_clients: int, kind: str, seed: int, *, alpha: float = 0.5,
-                   shards_per_client: int = 2, num_classes: int | None = None, rng: str = "generator") -> Partition:
+                   shards_per_client: int = 2, num_classes: int | None = None, rng: str = "generator",
+                   options: dict | None = None) -> Partition:
     if num_clients < 1:
         raise FlareError("need at least one client.", key="num_clients", fix="set num_clients >= 1.")
     if num_clients > len(labels):
@@ -215,19 +217,35 @@ def make_partition(labels: np.ndarray, num_clients: int, kind: str, seed: int, *
     legacy = rng == "legacy"
     if kind in ("dirichlet", "dirichlet-fafi") and alpha <= 0:
         raise FlareError(f"alpha must be > 0 (got {alpha}).", key="partition.alpha", fix="use e.g. 0.05, 0.1, 0.5.")
-    if kind == "dirichlet":
-        fn = dirichlet_partition_legacy if legacy else dirichlet_partition
-        part = fn(labels, num_clients, alpha, seed, num_classes)
-    elif kind == "dirichlet-fafi":
-        part = dirichlet_fafi_partition(labels, num_clients, alpha, seed, num_classes, rng=rng)
-    elif kind == "iid":
-        part = (iid_partition_legacy if legacy else iid_partition)(labels, num_clients, seed, num_classes)
-    elif kind == "shards":
-        if legacy:
-            raise FlareError("partition.rng=legacy has no reference counterpart for kind=shards.",
-                             key="partition.rng", fix="use partition.rng=generator.")
-        part = shards_partition(labels, num_clients, shards_per_client, seed, num_classes)
-    else:
-        raise FlareError(f"unknown partition kind '{kind}'.", key="partition.kind",
-                         fix="use dirichlet, dirichlet-fafi, iid or shards.")
-    return part
+    opts = PARTITIONS.options(kind, options, "partition.options")
+    return PARTITIONS.get(kind)(labels, num_clients, seed, num_classes, alpha=alpha,
+                                shards_per_client=shards_per_client, legacy=legacy, options=opts)
+
+
+# A partition is `fn(labels, num_clients, seed, num_classes, *, alpha, shards_per_client, legacy, options) ->
+# Partition` (`legacy`: partition.rng=legacy; `options`: partition.options validated by its options model).
+
+
+def _dirichlet(labels, k, seed, num_classes, *, alpha, legacy, **_):
+    return (dirichlet_partition_legacy if legacy else dirichlet_partition)(labels, k, alpha, seed, num_classes)
+
+
+def _dirichlet_fafi(labels, k, seed, num_classes, *, alpha, legacy, **_):
+    return dirichlet_fafi_partition(labels, k, alpha, seed, num_classes, rng="legacy" if legacy else "generator")
+
+
+def _iid(labels, k, seed, num_classes, *, legacy, **_):
+    return (iid_partition_legacy if legacy else iid_partition)(labels, k, seed, num_classes)
+
+
+def _shards(labels, k, seed, num_classes, *, shards_per_client, legacy, **_):
+    if legacy:
+        raise FlareError("partition.rng=legacy has no reference counterpart for kind=shards.",
+                         key="partition.rng", fix="use partition.rng=generator.")
+    return shards_partition(labels, k, shards_per_client, seed, num_classes)
+
+
+PARTITIONS.register("dirichlet", _dirichlet, description="card dealer: every sample once, Dir(α) class shares")
+PARTITIONS.register("dirichlet-fafi", _dirichlet_fafi, description="the official FAFI partition (overlapping)")
+PARTITIONS.register("iid", _iid, description="uniform random split")
+PARTITIONS.register("shards", _shards, description="partition.shards_per_client classes per client")

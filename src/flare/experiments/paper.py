@@ -296,7 +296,7 @@ def run_paper(scale_name: str, out: str | Path | None = None, datasets: str | li
     for d in datasets:
         if d not in DATASETS:
             raise FlareError(f"unknown dataset '{d}' in --datasets.", key="--datasets",
-                             fix=f"use names of `flare datasets`: {', '.join(DATASETS)}.")
+                             fix=f"use names of `flare datasets`: {', '.join(DATASETS.names())}.")
     if isinstance(seeds, str):
         try:
             seeds = [int(s) for s in seeds.split(",") if s.strip()]

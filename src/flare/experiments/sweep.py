@@ -38,8 +38,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from flare.config import (build_config, config_for_preset, deep_merge, known_keys, list_presets, parse_overrides,
-                          read_yaml_mapping)
+from flare.config import (build_config, config_for_preset, deep_merge, known_keys, list_presets, mapping_keys,
+                          parse_overrides, read_yaml_mapping)
 from flare.errors import FlareError
 from flare.report.report import write_report
 from flare.report.tables import points_table
@@ -90,7 +90,7 @@ def _known_keys() -> set[str]:
 
 def _check_key(key: str, where: str, src: str) -> None:
     known = _known_keys()
-    if key in known:
+    if key in known or any(key.startswith(m + ".") for m in mapping_keys()):  # plugin options: checked per point
         return
     close = difflib.get_close_matches(key, sorted(known), n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""

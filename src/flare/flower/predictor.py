@@ -72,7 +72,8 @@ def save_predictor(out: RunDir, cfg: Config, meta: DataMeta, uploads: list[Uploa
     if rule == "fedavg":
         params = None
         if cfg.server.fedavg_buffers == "first":  # parameters only averaged, the first client's buffers
-            net = create_model(cfg.model.name, meta.in_channels, meta.num_classes, cfg.model.width, head=cfg.head)
+            net = create_model(cfg.model.name, meta.in_channels, meta.num_classes, cfg.model.width, head=cfg.head,
+                               options=cfg.model.options)
             params = {k for k, _ in net.named_parameters()}
         states = {"avg": average_state_dicts([{k: v.cpu() for k, v in u.state.items()} for u in uploads], weights,
                                              only=params)}
@@ -85,7 +86,7 @@ def save_predictor(out: RunDir, cfg: Config, meta: DataMeta, uploads: list[Uploa
         "format": FORMAT, "rule": rule, "method": cfg.method, "seed": cfg.seed, "round": record["round"],
         "accuracy": record.get("acc"), "accuracies": {k: v for k, v in record.items() if k.startswith("acc_")},
         "clients": [u.client for u in uploads], "weights": weights.tolist(),
-        "model": {"name": cfg.model.name, "width": cfg.model.width, "head": cfg.head,
+        "model": {"name": cfg.model.name, "width": cfg.model.width, "head": cfg.head, "options": cfg.model.options,
                   "in_channels": meta.in_channels, "num_classes": meta.num_classes, "feature_dim": int(feature_dim)},
         "image_size": meta.image_size, "mean": list(test_mean), "std": list(test_std), "classes": meta.classes,
         "dataset": cfg.dataset.name, "noise_seed": cfg.eval.noise_seed, "states": list(states),
@@ -104,7 +105,8 @@ def load_predictor(run_dir: str | Path, device: str | torch.device = "cpu") -> G
     m = info["model"]
     models = []
     for key in info["states"]:
-        net = create_model(m["name"], m["in_channels"], m["num_classes"], m["width"], head=m["head"])
+        net = create_model(m["name"], m["in_channels"], m["num_classes"], m["width"], head=m["head"],
+                           options=m.get("options"))
         net.load_state_dict(blob["states"][key])
         models.append(net.to(device).eval())
     return GlobalPredictor(info["rule"], models, blob["weights"].to(device),

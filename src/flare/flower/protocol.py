@@ -166,7 +166,8 @@ def client_train(task: Task, local: LocalData, init_state: dict[str, Tensor], re
         return ClientResult(local.cid, 0, hist, None, [], None)
     be = backend(cfg, device)
     dev, cl = be.device, be.channels_last
-    model = create_model(cfg.model.name, meta.in_channels, meta.num_classes, cfg.model.width, head=cfg.head)
+    model = create_model(cfg.model.name, meta.in_channels, meta.num_classes, cfg.model.width, head=cfg.head,
+                         options=cfg.model.options)
     model.load_state_dict(init_state)
     model = model.to(dev)
     if cl:

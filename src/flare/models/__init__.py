@@ -4,16 +4,19 @@
     feat, logits = model(x)        # feat = f(x) (B×d, un-normalised); logits from the head
 
 Registered names: `resnet18`, `resnet34`, `resnet50` (CIFAR-style, see `resnet.py`) and `cnn` (small CPU
-model, see `cnn.py`). A registered builder is `fn(in_channels: int, width: float) -> nn.Module` returning an
-encoder with a `feature_dim` attribute; `create_model` wraps it with a head into a `FlareNet`.
+model, see `cnn.py`), in `flare.registry.MODELS`, plus any a plugin registers. A registered builder is
+`fn(in_channels: int, width: float[, options]) -> nn.Module` returning an encoder with a `feature_dim`
+attribute; `create_model` wraps it with a head into a `FlareNet`.
 """
 from __future__ import annotations
 
-from typing import Callable, overload
+from typing import Callable
 
+from pydantic import BaseModel
 from torch import Tensor, nn
 
 from ..errors import FlareError
+from ..registry import MODELS
 from . import cnn as _cnn
 from . import resnet as _resnet
 from .heads import LinearHead, PrototypeHead
@@ -28,38 +31,29 @@ __all__ = [
     "HEADS",
 ]
 
-EncoderBuilder = Callable[[int, float], nn.Module]
-_REGISTRY: dict[str, EncoderBuilder] = {}
+EncoderBuilder = Callable[..., nn.Module]
 
 HEADS: dict[str, type[nn.Module]] = {"prototype": PrototypeHead, "linear": LinearHead}
 
 
-@overload
-def register_model(name_or_fn: EncoderBuilder) -> EncoderBuilder: ...
-@overload
-def register_model(name_or_fn: str) -> Callable[[EncoderBuilder], EncoderBuilder]: ...
-def register_model(name_or_fn):
-    """Register an encoder builder `fn(in_channels, width) -> encoder` (encoder has `.feature_dim`).
+def register_model(name_or_fn, *, options: type[BaseModel] | None = None, description: str = "",
+                   overwrite: bool = False):
+    """Register an encoder builder `fn(in_channels, width[, options]) -> encoder` (encoder has `.feature_dim`) in
+    `flare.registry.MODELS`.
 
-    Use as `@register_model` (name = function name) or `@register_model("name")`. Re-registering a name
-    replaces the previous builder.
+    Use as `@register_model` (name = function name) or `@register_model("name", options=MyOptions)`; a builder
+    that declares options receives them (validated from `model.options`) as a third argument. Re-registering a
+    name raises unless `overwrite=True`.
     """
     if callable(name_or_fn):
-        _REGISTRY[name_or_fn.__name__] = name_or_fn
-        return name_or_fn
-
-    name = str(name_or_fn)
-
-    def deco(fn: EncoderBuilder) -> EncoderBuilder:
-        _REGISTRY[name] = fn
-        return fn
-
-    return deco
+        return MODELS.register(name_or_fn.__name__, name_or_fn, options=options, description=description,
+                               overwrite=overwrite)
+    return MODELS.register(str(name_or_fn), options=options, description=description, overwrite=overwrite)
 
 
 def list_models() -> list[str]:
     """Sorted list of registered model names."""
-    return sorted(_REGISTRY)
+    return sorted(MODELS.names())
 
 
 class FlareNet(nn.Module):
@@ -90,14 +84,10 @@ def create_model(
     num_classes: int,
     width: float = 1.0,
     head: str = "prototype",
+    options: dict | None = None,
 ) -> FlareNet:
     """Build a registered encoder + head. Unknown names raise `FlareError` (key `model.name`)."""
-    if name not in _REGISTRY:
-        raise FlareError(
-            f"unknown model {name!r}.",
-            key="model.name",
-            fix="one of " + ", ".join(list_models()) + ".",
-        )
+    entry = MODELS.entry(name)
     if head not in HEADS:
         raise FlareError(
             f"unknown head {head!r}.", key="model.head", fix="one of " + ", ".join(sorted(HEADS)) + "."
@@ -117,11 +107,12 @@ def create_model(
             key="model",
             fix="check the dataset: 1 channel for Fashion-MNIST, 3 for CIFAR.",
         )
-    encoder = _REGISTRY[name](int(in_channels), width)
+    opts = MODELS.options(name, options, "model.options") if entry.options is not None else None
+    encoder = entry.obj(int(in_channels), width, *([opts] if opts is not None else []))
     return FlareNet(encoder, HEADS[head](int(num_classes), int(encoder.feature_dim)), name=name)
 
 
-register_model("resnet18")(_resnet.resnet18)
-register_model("resnet34")(_resnet.resnet34)
-register_model("resnet50")(_resnet.resnet50)
-register_model("cnn")(_cnn.cnn)
+register_model("resnet18", description="CIFAR-style ResNet-18 (d = 512·width)")(_resnet.resnet18)
+register_model("resnet34", description="CIFAR-style ResNet-34 (d = 512·width)")(_resnet.resnet34)
+register_model("resnet50", description="CIFAR-style ResNet-50 (d = 2048·width)")(_resnet.resnet50)
+register_model("cnn", description="small CNN for CPU runs")(_cnn.cnn)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flare.errors import FlareError
+from flare.registry import ANCHORS
 
 
 def simplex_etf(num_classes: int, dim: int, generator: torch.Generator | None = None) -> Tensor:
@@ -36,16 +37,23 @@ def simplex_etf(num_classes: int, dim: int, generator: torch.Generator | None = 
     return (M.double() @ basis).float()
 
 
+def random_anchors(num_classes: int, dim: int, generator: torch.Generator) -> Tensor:
+    """Unit-norm Gaussian rows."""
+    return F.normalize(torch.randn(num_classes, dim, generator=generator), dim=1)
+
+
+ANCHORS.register("none", None, description="no anchors (no alignment term)")
+ANCHORS.register("random", random_anchors, description="unit-norm Gaussian rows")
+ANCHORS.register("etf", simplex_etf, description="simplex equiangular tight frame")
+
+
 def make_anchors(kind: str, num_classes: int, dim: int, seed: int) -> Tensor | None:
-    """The fixed anchor matrix A (C×d), identical for every client (seeded), or None."""
-    if kind == "none":
+    """The fixed anchor matrix A (C×d), identical for every client (seeded), or None. `kind` names a builder
+    `fn(num_classes, dim, generator) -> C×d` in `flare.registry.ANCHORS` (`none`: no anchors)."""
+    build = ANCHORS.get(kind)
+    if build is None:
         return None
-    g = torch.Generator().manual_seed(seed)
-    if kind == "random":
-        return F.normalize(torch.randn(num_classes, dim, generator=g), dim=1)
-    if kind == "etf":
-        return simplex_etf(num_classes, dim, g)
-    raise FlareError(f"unknown anchors '{kind}'.", key="align.anchors", fix="use none, random or etf.")
+    return build(num_classes, dim, torch.Generator().manual_seed(seed))
 
 
 def align_target(anchors: Tensor, target: str, p: float, initial_prototypes: Tensor | None) -> Tensor:

@@ -43,6 +43,7 @@ from torch import Tensor
 from flare.client.objective import base_terms
 from flare.config import Config
 from flare.errors import FlareError
+from flare.registry import CONTRAST
 from flare.rng import derived_seed
 
 
@@ -227,14 +228,19 @@ def build_public_bank(cfg: Config, public: tuple[Tensor, Tensor] | None, global_
 def extension_factory(cfg: Config, bank: Tensor | None, device: torch.device):
     """The per-client extension builder for `loss.contrast` (None for `none`); `bank` is the server's public bank
     (`build_public_bank`) for public-bank / two-stage."""
-    kind = cfg.loss.contrast
-    if kind == "none":
-        return None
-    if kind == "memory-bank":
-        def memory(client, ctx):
-            return MemoryBankExtension(cfg.loss.bank_size, client.model.feature_dim, device)
+    make = CONTRAST.get(cfg.loss.contrast)
+    return make(cfg, bank, device) if make is not None else None
 
-        return memory
+
+def _memory_bank(cfg: Config, bank: Tensor | None, device: torch.device):
+    def memory(client, ctx):
+        return MemoryBankExtension(cfg.loss.bank_size, client.model.feature_dim, device)
+
+    return memory
+
+
+def _public_bank(cfg: Config, bank: Tensor | None, device: torch.device):
+    kind = cfg.loss.contrast
     if bank is None:
         raise FlareError(f"loss.contrast={kind} needs the server's public bank, which is missing.",
                          key="loss.contrast", fix="the server builds it from dataset.public_size; check the run's "
@@ -246,3 +252,10 @@ def extension_factory(cfg: Config, bank: Tensor | None, device: torch.device):
         return PublicBankExtension(b, cfg.loss.bank_tau, stages)
 
     return public_ext
+
+
+# A contrast bank is `fn(cfg, public_bank, device) -> (client, ctx) -> extension` (the interface above).
+CONTRAST.register("none", None, description="no contrast-set extension")
+CONTRAST.register("memory-bank", _memory_bank, description="per-client FIFO of recent features in SupCon")
+CONTRAST.register("public-bank", _public_bank, description="InfoNCE against the server's public teacher bank")
+CONTRAST.register("two-stage", _public_bank, description="public-bank term alone first, then the base loss")

@@ -1,0 +1,138 @@
+"""The config's sections for data, model and optimisation, and the helpers every section uses to check a part's
+name against its registry and validate the part's `options` (the loss, alignment, λ and server sections and the
+cross-key checks are in `schema.py`)."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from flare.errors import KeyedValueError
+from flare.registry import DATASETS, MODELS, PARTITIONS, Registry
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def part_name(registry: Registry, name: str, key: str) -> str:
+    """A part name checked against its registry (an unknown one lists the registered names)."""
+    if name not in registry:
+        raise KeyedValueError(key, registry.unknown(name, key))
+    return name
+
+
+def part_options(registry: Registry, name: str | None, options: dict, key: str) -> dict:
+    """The section's `options` validated by the chosen part's options model, with its defaults filled in (so
+    config.yaml records them); `name` None when the part's own key already failed."""
+    if name is None:
+        return options
+    opts = registry.options(name, options, key)
+    return opts.model_dump(mode="json") if opts is not None else {}
+
+
+OPTIONS_DESCRIPTION = "options of the chosen part, when it declares an options model (plugins; docs/extending.md)"
+
+
+class DatasetCfg(Strict):
+    name: str = Field("fmnist", description="fmnist, mnist, cifar10, cifar100, svhn, tinyimagenet, imagefolder "
+                                            "or a plugin's (`flare datasets`)")
+    root: str | None = Field(None, description="where the data lives (a folder, or a .tar/.tar.gz for imagefolder)")
+    format: Literal["auto", "torchvision", "imagefolder", "idx"] = Field(
+        "auto", description="auto, torchvision, imagefolder or idx")
+    download: bool = Field(False, description="let torchvision download the dataset into root (needs internet)")
+    train_subset: int | None = Field(None, gt=0, description="seeded stratified subset of the training set "
+                                                             "(at most its size)")
+    test_subset: int | None = Field(None, gt=0, description="seeded stratified subset of the test set "
+                                                            "(at most its size)")
+    cache_dir: str | None = Field(None, description="where decoded uint8 tensors are cached (default $FLARE_CACHE "
+                                                    "or ~/.cache/flare)")
+    public_size: int = Field(0, ge=0, description="samples held out for the server's public bank")
+    options: dict[str, Any] = Field({}, description=OPTIONS_DESCRIPTION)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return part_name(DATASETS, v, "dataset.name")
+
+    @field_validator("options")
+    @classmethod
+    def _opts(cls, v: dict, info: ValidationInfo) -> dict:
+        return part_options(DATASETS, info.data.get("name"), v, "dataset.options")
+
+
+class PartitionCfg(Strict):
+    kind: str = Field(
+        "dirichlet", description="dirichlet (card dealer: every sample once), dirichlet-fafi (the official FAFI "
+                                 "partition: min(N_c, round(10·N_0·q)) samples of class c, overlapping across "
+                                 "clients), iid, shards or a plugin's (`flare parts`)")
+    rng: Literal["generator", "legacy"] = Field(
+        "generator", description="generator (numpy's Generator, seeded) or legacy (numpy's legacy RandomState and "
+                                 "Python's random in the reference's order: the notes' exact class counts; "
+                                 "dirichlet kinds and iid)")
+    alpha: float = Field(0.05, gt=0, description="Dirichlet concentration (smaller = more skew)")
+    shards_per_client: int = Field(2, ge=1, description="classes per client for kind=shards")
+    options: dict[str, Any] = Field({}, description=OPTIONS_DESCRIPTION)
+
+    @field_validator("kind")
+    @classmethod
+    def _kind(cls, v: str) -> str:
+        return part_name(PARTITIONS, v, "partition.kind")
+
+    @field_validator("options")
+    @classmethod
+    def _opts(cls, v: dict, info: ValidationInfo) -> dict:
+        return part_options(PARTITIONS, info.data.get("kind"), v, "partition.options")
+
+
+class ModelCfg(Strict):
+    name: str = Field("resnet18", description="resnet18, resnet34, resnet50 (CIFAR-style), cnn or a plugin's "
+                                                "(`flare models`)")
+    width: float = Field(1.0, gt=0, description="channel width multiplier (0.25 → d = 128 for resnet18)")
+    options: dict[str, Any] = Field({}, description=OPTIONS_DESCRIPTION)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return part_name(MODELS, v, "model.name")
+
+    @field_validator("options")
+    @classmethod
+    def _opts(cls, v: dict, info: ValidationInfo) -> dict:
+        return part_options(MODELS, info.data.get("name"), v, "model.options")
+
+
+class OptimCfg(Strict):
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
+    weight_decay: float = Field(0.0, ge=0, description="SGD weight decay (the seeds' configs wrote 1e-4 but their "
+                                                       "code never applied it)")
+    grad_clip: float | None = Field(1.0, gt=0, description="clip the global gradient norm (null: off)")
+    reset_each_round: bool = Field(True, description="fresh optimizer (momentum) every round, as the seeds did")
+    linear_scaling: bool = Field(False, description="scale lr by batch_size/512")
+
+
+class LRScheduleCfg(Strict):
+    kind: Literal["constant", "cosine", "sgdr"] = Field("constant", description="constant, cosine or sgdr "
+                                                                                "(SPEC §8)")
+    decay_per_round: float = Field(1.0, gt=0, le=1, description="constant: lr *= this every round (seeds: 0.998)")
+    min_lr: float = Field(0.0, ge=0, description="floor of cosine/sgdr")
+    t0: float = Field(10.0, description="sgdr: first period, in local epochs")
+    t_mult: float = Field(2.0, ge=1, description="sgdr: period multiplier")
+    cycle_decay: float = Field(1.0, gt=0, le=1, description="sgdr: peak lr multiplied by this at each restart")
+    reset_momentum: bool = Field(False, description="sgdr: clear momentum buffers at each restart")
+
+    @field_validator("t0")
+    @classmethod
+    def _t0_positive(cls, v: float) -> float:
+        if v <= 0:
+            raise ValueError("T_0 must be > 0 (the first SGDR period, in local epochs)")
+        return v
+
+
+class AugmentCfg(Strict):
+    per_image: bool = Field(True, description="False: one parameter set per batch, as the seeds' code did")
+    input_scaling: Literal["dataset", "reference"] = Field(
+        "dataset", description="dataset: (x − mean)/std of the training set for training and test; reference: the "
+                               "reference's transforms (CIFAR-10, Tiny and datasets it lacks: train views "
+                               "Normalize(0.5) → [−1, 1], test [0, 1]; CIFAR-100, SVHN: normalised by the dataset "
+                               "and again by the augmentation, the colour jitter clamping to [0, 1] when it fires)")

@@ -1,0 +1,81 @@
+"""A FLARE plugin that lives outside src/: one part of each kind the tests exercise (tests/test_plugins.py).
+
+Every part leaves a mark only it can make: the loss term logs `term_demo_center`, the λ provider a constant
+λ = options.lam (0.4242 by default), the partition deals samples round-robin, the dataset is 4 seeded blobs.
+"""
+import torch
+from pydantic import BaseModel
+from torch import nn
+
+from flare.client.lam import LamProvider
+from flare.data.datasets import ImageData, register_dataset
+from flare.data.partition import Partition
+from flare.models import register_model
+from flare.registry import LAM_PROVIDERS, LOSS_TERMS, PARTITIONS, TermOptions
+
+
+class CenterOptions(TermOptions):
+    radius: float = 1.0
+
+
+@LOSS_TERMS.register("demo_center", options=CenterOptions)
+def demo_center(batch, options):
+    """Pull feature norms towards `radius`: mean (‖f‖ − r)²."""
+    return (batch.feat.float().norm(dim=1) - options.radius).pow(2).mean()
+
+
+class ConstantLamOptions(BaseModel):
+    lam: float = 0.4242
+
+
+class ConstantLam(LamProvider):
+    """λ = options.lam at every step, whatever the entropy rule or schedule say."""
+
+    def strength(self, p: float) -> float:
+        return self.lambda0
+
+
+@LAM_PROVIDERS.register("demo_constant", options=ConstantLamOptions)
+def demo_constant(cfg, lambda_init, device, options):
+    """A constant λ from lam.options.lam."""
+    return ConstantLam(options.lam)
+
+
+class MlpOptions(BaseModel):
+    hidden: int = 24
+
+
+@register_model("demo_mlp", options=MlpOptions)
+def demo_mlp(in_channels: int, width: float, options: MlpOptions) -> nn.Module:
+    """A two-layer MLP on 8×8 images."""
+    d = max(4, int(options.hidden * width))
+    enc = nn.Sequential(nn.Flatten(), nn.Linear(in_channels * 64, d), nn.ReLU(), nn.Linear(d, d))
+    enc.feature_dim = d
+    return enc
+
+
+class BlobOptions(BaseModel):
+    n_train: int = 96
+
+
+@register_dataset("demo_blobs", options=BlobOptions, num_classes=4)
+def demo_blobs(options: BlobOptions) -> ImageData:
+    """Four seeded colour blobs, 1x8x8 (no files)."""
+    g = torch.Generator().manual_seed(0)
+    centre = torch.tensor([30, 90, 150, 210], dtype=torch.uint8)
+
+    def make(n):
+        y = torch.arange(n) % 4
+        x = (centre[y].view(n, 1, 1, 1) + torch.randint(0, 40, (n, 1, 8, 8), generator=g)).clamp(0, 255)
+        return x.to(torch.uint8), y
+
+    train_x, train_y = make(options.n_train)
+    test_x, test_y = make(32)
+    return ImageData.from_tensors("demo_blobs", train_x, train_y, test_x, test_y, [f"blob{c}" for c in range(4)])
+
+
+@PARTITIONS.register("demo_round_robin")
+def demo_round_robin(labels, num_clients, seed, num_classes, **_):
+    """Sample i goes to client i mod K."""
+    idx = torch.arange(len(labels)).numpy()
+    return Partition([idx[k::num_clients] for k in range(num_clients)], num_classes or int(labels.max()) + 1, labels)
