@@ -207,6 +207,10 @@ RESULTS = {r.id: r for r in [
             [f"python benchmarks/cpu_profile.py --data-root {CIFAR} --out runs/readme/cpu-speed > "
              "runs/readme/cpu-speed.md"],
             file_text("runs/readme/cpu-speed.md")),
+    Results("main-seeds",
+            ["flare compare --config configs/main.yaml --presets fafi,etf-anneal,flare --seeds 1,2,3,4,5 "
+             "--out runs/main-seeds"],
+            compare_block("runs/main-seeds", ["fafi", "etf-anneal", "flare"], [1, 2, 3, 4, 5])),
     Results("main-fast",
             ["flare compare --config configs/main.yaml --presets " + ",".join(MAIN_PRESETS) +
              " --seeds 1,2,3 speed=fast --out runs/main-fast"],
