@@ -155,6 +155,7 @@ def test_without_ray_workers_run_in_local_processes(tiny_folder, tmp_path, monke
     assert len({i["pid"] for i in infos}) == 2 and os.getpid() not in {i["pid"] for i in infos}
     assert max(i["start"] for i in infos) < min(i["end"] for i in infos), infos
     assert json.loads((out / "sweep.json").read_text())["throughput"]["finished"] == 2
+    _assert_workers_kept_the_kernel_level(out, "fedavg")
 
 
 def test_gpu_fraction_shares_one_gpu_among_the_workers():
@@ -183,6 +184,17 @@ def test_ray_runs_points_in_parallel(tiny_folder, tmp_path, monkeypatch):
     assert len({i["pid"] for i in infos}) == 2 and os.getpid() not in {i["pid"] for i in infos}
     # the two points' [start, end] intervals overlap: they really ran at the same time
     assert max(i["start"] for i in infos) < min(i["end"] for i in infos), infos
+    _assert_workers_kept_the_kernel_level(out, "fafi")
+
+
+def _assert_workers_kept_the_kernel_level(out, preset):
+    """Worker processes dispatch at the level this process pinned (flare/cpu.py: the environment travels), not at
+    their CPU's own best."""
+    import torch
+
+    for s in (1, 2):
+        backend = json.loads((out / f"{preset}_seed={s}" / "state.json").read_text())["backend"]
+        assert backend["cpu_isa"] == "avx2" and backend["cpu_kernels"] == torch.backends.cpu.get_cpu_capability()
 
 
 def test_example_sweep_files_are_valid():
