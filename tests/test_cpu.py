@@ -127,3 +127,12 @@ def test_eval_every_skips_rounds_and_reports_read_the_evaluated_ones(tiny_overri
     assert run.round_numbers() == [2, 3] and run.peak("acc")[1] in (2, 3)
     summary = (out / "summary.md").read_text()
     assert "rounds done: 3" in summary and "evaluated every 2 round(s)" in summary and "channels_last=True" in summary
+
+
+def test_compile_on_cpu_under_a_pinned_lower_level_is_refused():
+    if not cpu.is_x86() or cpu.kernels() == cpu.native_level():
+        pytest.skip("this process runs at the CPU's own level")
+    from flare.errors import FlareError
+    with pytest.raises(FlareError, match="cpu_isa=native") as e:
+        backend(load_config(None, "fafi", ["compile=true", "device=cpu"]))
+    assert e.value.key == "compile"

@@ -56,6 +56,16 @@ def kernels() -> str:
     return str(torch.backends.cpu.get_cpu_capability())
 
 
+def native_level() -> str:
+    """The best level the CPU itself supports, whatever this process was pinned to."""
+    import torch  # lazy: see kernels()
+    probes = (("AVX512", "_is_avx512_supported"), ("AVX2", "_is_avx2_supported"))
+    for level, fn in probes:
+        if getattr(torch.cpu, fn, lambda: False)():
+            return level
+    return "DEFAULT"
+
+
 def check(level: str) -> tuple[str, str | None]:
     """(the level torch dispatches to, a warning when that is not what `level` asked for)."""
     got = kernels()

@@ -94,6 +94,13 @@ def backend(cfg: Config, device: str | None = None) -> Backend:
     kernels, warn = cpu.apply(cfg.cpu_isa)
     warns = [warn] if warn else []
     device = resolve_device(device or cfg.device)
+    if cfg.compile and device.type == "cpu" and cpu.is_x86() and kernels != cpu.native_level():
+        # Measured with torch 2.14.1 on an AVX512 VM: inductor's CPU code under ATEN_CPU_CAPABILITY=avx2 turned the
+        # first step's loss into NaN (the same test passes at native kernels), so this is refused, not risked.
+        raise FlareError(f"compile=true on CPU with the kernels pinned to {kernels} below this CPU's own "
+                         f"{cpu.native_level()} (cpu_isa={cfg.cpu_isa}): torch.compile's CPU code then produced NaN "
+                         "losses here.", key="compile", fix="add cpu_isa=native to compile on CPU (other digits), "
+                                                            "or leave compile=false.")
     amp = amp_dtype_for(cfg, device)
     if amp == torch.bfloat16 and device.type == "cpu" and not cpu.bf16_supported():
         warns.append(f"amp=bf16 on a CPU without native bf16 under {kernels} kernels (it needs AVX512-BF16 or AMX "
