@@ -1,5 +1,6 @@
 """Every bad input a user can give is one paragraph on stderr naming the input and the fix, and exit code 2 —
 never a traceback. One row per input: the ones the reliability issue found, then those handled before."""
+import json
 import os
 import subprocess
 import sys
@@ -40,6 +41,14 @@ def _finished_run(tiny, tmp_path, capsys):
     assert main(["run", "--preset", "etf-anneal", *tiny, "rounds=1", "--out", str(d), "--quiet"]) == 0
     capsys.readouterr()
     return str(d)
+
+
+def _unfinished_run(tiny, tmp_path, capsys):
+    """A finished run whose state.json says it is still running (as after a kill)."""
+    d = _finished_run(tiny, tmp_path, capsys)
+    state = json.loads((tmp_path / "done" / "state.json").read_text())
+    (tmp_path / "done" / "state.json").write_text(json.dumps({**state, "status": "running"}))
+    return d
 
 
 # (id, argv builder (tiny overrides, tmp_path, tiny_folder, capsys) -> argv, what stderr must name)
@@ -122,6 +131,19 @@ ROWS = [
      "plugins: plugin './my_methods.py' looks like a file path"),
     ("a part name nobody registered", lambda t, p, f, c: ["run", *t, "align.surgery=pcgradd"],
      "unknown gradient surgery 'pcgradd' for align.surgery (did you mean pcgrad?)"),
+    # --- server strategies and `flare fuse` -----------------------------------------------------------
+    ("fuse with a strategy nobody registered", lambda t, p, f, c:
+     ["fuse", _finished_run(t, p, c), "--strategies", "feature,fedavgg"],
+     "unknown server strategy 'fedavgg' (did you mean fedavg?)"),
+    ("fuse on an unfinished run", lambda t, p, f, c: ["fuse", _unfinished_run(t, p, c), "--strategies", "feature"],
+     "is not finished (status: running)"),
+    ("fuse at a round other than the last", lambda t, p, f, c:
+     ["fuse", _finished_run(t, p, c), "--strategies", "feature", "--round", "0"],
+     "only the states after the last round (1) are saved"),
+    ("fuse with an override", lambda t, p, f, c: ["fuse", _finished_run(t, p, c), "--strategies", "feature",
+                                                  "lr=0.1"], "takes no KEY=VALUE overrides"),
+    ("a primary strategy nobody registered", lambda t, p, f, c: ["run", *t, "server.primary=bogus"],
+     "unknown server strategy 'bogus' for server.primary"),
     ("a plugin option of the wrong type", lambda t, p, f, c: ["run", *t, "plugins=[flare_demo_plugin]",
                                                               "loss.terms.demo_center.weight=heavy"],
      "loss.terms.demo_center.weight"),

@@ -154,7 +154,8 @@ def test_listings_include_plugin_parts(capsys):
 
 
 def test_the_extending_page_runs(tmp_path):
-    """docs/extending.md's plugin is one python block: extract it, import it as a module, run a tiny `flare run`."""
+    """docs/extending.md's plugin is one python block: extract it, import it as a module, run a tiny `flare run`
+    (its server strategies included: the doc's primary and eval.rules)."""
     text = (ROOT / "docs" / "extending.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     assert len(blocks) == 1
@@ -170,3 +171,6 @@ def test_the_extending_page_runs(tmp_path):
     assert r.returncode == 0, r.stderr
     clients = [x for x in read_jsonl(tmp_path / "run" / "metrics.jsonl") if x["kind"] == "client"]
     assert clients and all("term_logit_norm" in x and x["lambda"] > 0 for x in clients), clients[0]
+    last = [x for x in read_jsonl(tmp_path / "run" / "metrics.jsonl") if x["kind"] == "round"][-1]
+    assert last["primary"] == "vote" and last["acc"] == last["acc_vote"], last  # the doc's strategies ran
+    assert set(k for k in last if k.startswith("acc_")) == {"acc_vote", "acc_soup", "acc_feature"}, last

@@ -16,7 +16,8 @@ from flare.data.partition import make_partition
 from flare.errors import FlareError
 from flare.rundir import read_jsonl
 from flare.runner import Run
-from flare.server.fusion import evaluate, fedavg_model, fuse_outputs, rule_scores
+from flare.server.evaluator import evaluate
+from flare.server.fusion import fedavg_model, fuse_outputs, rule_scores
 from flare.setup import DataMeta, RunSetup, amp_dtype_for, evaluate_uploads, make_augment, normalizer
 from flare.server.protos import mean_prototypes, train_global_prototypes
 

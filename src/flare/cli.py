@@ -5,6 +5,7 @@
   flare lr-probe [--config FILE] [--preset NAME] [--client N | --all-data] [--batches 2] [--batch-size B] [--iters 30] [--tol 1e-3] [KEY=VALUE ...]
   flare sweep    --config SWEEP.yaml [--out DIR] [--workers N] [--address ADDR] [--dry-run] [KEY=VALUE ...]
   flare report   DIR... [--out REPORT_DIR]
+  flare fuse     RUN_DIR... --strategies a,b [--round R] [--plugin MODULE]
   flare paper    --scale smoke|cpu|full [--datasets a,b] [--seeds 1,2] [--only EXP,...] [--protocol clean,reference]
                  [--out DIR] [--workers N]
   flare federate [--config FILE] [--preset NAME] [--out DIR] [--clients K] [--min-clients M] [--upload once|per-round]
@@ -40,6 +41,7 @@ from flare.errors import FlareError  # noqa: E402
 from flare.experiments.compare import parse_presets, parse_seeds, run_compare  # noqa: E402
 from flare.experiments.paper import run_paper  # noqa: E402
 from flare.experiments.sweep import run_sweep  # noqa: E402
+from flare.fuse import fuse_runs  # noqa: E402
 from flare.lrprobe import format_probe, probe  # noqa: E402
 from flare.models import list_models  # noqa: E402
 from flare.registry import REGISTRIES, load_plugins  # noqa: E402
@@ -169,6 +171,20 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_fuse(args) -> int:
+    """Server strategies over finished runs' saved client states (flare/fuse.py); no KEY=VALUE overrides: the run's
+    own config.yaml is the experiment."""
+    for d in args.dirs:
+        if "=" in d and not Path(d).exists():
+            raise FlareError(f"flare fuse takes no KEY=VALUE overrides ({d}): it rebuilds each run from its own "
+                             "config.yaml.", key="fuse", fix="give only run directories, --strategies, --round and "
+                                                            "--plugin.")
+    for path, recs in fuse_runs(args.dirs, args.strategies, args.round, args.plugin):
+        for f in recs:
+            print(f"{path}: {f['strategy']} acc = {100 * float(f['acc']):.2f}% ({float(f['seconds']):.1f} s)")
+    return 0
+
+
 def cmd_paper(args) -> int:
     run_paper(args.scale, out=args.out, datasets=args.datasets, seeds=args.seeds, workers=args.workers,
               address=args.address, data_root=args.data_root, quiet=args.quiet, dry_run=args.dry_run,
@@ -268,6 +284,16 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--title", help="report title")
     rp.add_argument("--baseline", help="the method every other is tested against, paired by seed (default: fafi if present, else the first)")
     rp.set_defaults(fn=cmd_report)
+
+    fu = sub.add_parser("fuse", help="score server strategies over finished runs' saved client states (no client "
+                                     "retrained); results in RUN_DIR/fuse.jsonl and summary.md")
+    fu.add_argument("dirs", nargs="+", metavar="RUN_DIR", help="finished run directories")
+    fu.add_argument("--strategies", required=True, help="comma-separated registered server strategies "
+                                                        "(`flare parts` lists them); those fused before are skipped")
+    fu.add_argument("--round", type=int, help="the round whose states to fuse: only the last round's are saved")
+    fu.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                    help="import this plugin module first, for its strategies (repeatable)")
+    fu.set_defaults(fn=cmd_fuse)
 
     pa = sub.add_parser("paper", help="the experiments of SPEC section 9 as sweeps, then the report")
     pa.add_argument("--scale", required=True, choices=["smoke", "cpu", "full"])

@@ -114,7 +114,7 @@ def _yaml_level(path) -> str | None:
 
 def early_level(argv: list[str], env: dict | None = None) -> str:
     """The cpu_isa a command line asks for, read before anything dispatches a kernel: an override `cpu_isa=...`
-    (or `speed=fast` → native), else the `--config` file's (or a `--resume` directory's config.yaml), else
+    (or `speed=fast` → native), else the `--config` file's (or a `--resume` or `flare fuse` directory's config.yaml), else
     $FLARE_CPU_ISA, else the default. Each run then checks its own validated config against it (`apply`)."""
     env = os.environ if env is None else env
     level = env.get("FLARE_CPU_ISA") or DEFAULT_ISA
@@ -124,6 +124,8 @@ def early_level(argv: list[str], env: dict | None = None) -> str:
             path = argv[i + 1] if a == "--config" else os.path.join(argv[i + 1], "config.yaml")
         elif a.startswith(("--config=", "--resume=")):
             path = a.split("=", 1)[1] if a.startswith("--config=") else os.path.join(a.split("=", 1)[1], "config.yaml")
+        elif argv[0] == "fuse" and i > 0 and not a.startswith("-") and os.path.isfile(os.path.join(a, "config.yaml")):
+            path = os.path.join(a, "config.yaml")  # `flare fuse RUN_DIR`: the run's own kernels
         if path and (found := _yaml_level(path)):
             level = found
     for a in argv:

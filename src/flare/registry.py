@@ -28,7 +28,7 @@ from flare.errors import FlareError, KeyedValueError
 # The modules that register the built-in parts (imported on the first lookup of any registry).
 BUILTIN_MODULES = ("flare.models", "flare.schedules", "flare.data.datasets", "flare.data.partition",
                    "flare.client.terms.align", "flare.client.lam", "flare.client.surgery", "flare.client.objective",
-                   "flare.client.terms.banks", "flare.client.terms.extra")
+                   "flare.client.terms.banks", "flare.client.terms.extra", "flare.server.strategy")
 ENTRY_POINT_GROUP = "flare.plugins"
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
@@ -147,9 +147,10 @@ SURGERY = Registry("gradient surgery", "align.surgery")
 CONTRAST = Registry("contrast bank", "loss.contrast")
 OBJECTIVES = Registry("local objective", "loss.objective")
 LOSS_TERMS = Registry("loss term", "loss.terms")
+STRATEGIES = Registry("server strategy", "server.primary")
 REGISTRIES = {"models": MODELS, "datasets": DATASETS, "partitions": PARTITIONS, "anchors": ANCHORS,
               "lam-providers": LAM_PROVIDERS, "schedules": SCHEDULES, "surgery": SURGERY, "contrast": CONTRAST,
-              "objectives": OBJECTIVES, "loss-terms": LOSS_TERMS}
+              "objectives": OBJECTIVES, "loss-terms": LOSS_TERMS, "strategies": STRATEGIES}
 
 _state = {"builtins": False}
 LOADED_PLUGINS: list[str] = []

@@ -11,7 +11,7 @@ import numpy as np
 
 from flare.config.protocol import protocol_label
 from flare.errors import FlareError
-from flare.rundir import DIAG, PARTITION, RunDir, flatten, read_jsonl
+from flare.rundir import DIAG, FUSE, PARTITION, RunDir, flatten, read_jsonl
 
 
 def num(v: Any) -> float:
@@ -45,6 +45,7 @@ class RunData:
     state: dict
     partition: dict
     flat: dict = field(default_factory=dict)
+    fused: list[dict] = field(default_factory=list)  # fuse.jsonl: `flare fuse` over the saved last-round states
 
     @classmethod
     def load(cls, d: str | Path) -> "RunData":
@@ -66,7 +67,8 @@ class RunData:
         # Rounds skipped by eval.every carry no accuracy: reports read the evaluated rounds (their `round` keeps
         # the x position), so curves, peaks and finals never see a hole.
         return cls(Path(d), cfg, [r for r in recs if r.get("kind") == "round" and r.get("evaluated", True)],
-                   [r for r in recs if r.get("kind") == "client"], rd.read_state(), part, flat)
+                   [r for r in recs if r.get("kind") == "client"], rd.read_state(), part, flat,
+                   [r for r in read_jsonl(rd.file(FUSE)) if r.get("kind") == "fuse"])
 
     @property
     def method(self) -> str:

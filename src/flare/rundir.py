@@ -7,6 +7,7 @@
                         the random generators' state (atomic; torch.load(weights_only=True) reads it)
     checkpoint.prev.pt  the checkpoint one round earlier (the fallback when the newest is unreadable)
     state.json          {"status": "running" | "finished" | "failed", "rounds_done": r, "warnings": [...]}
+    fuse.jsonl          one {"kind": "fuse", "strategy": s, "round": R-1, "acc": a} line per strategy of `flare fuse`
     summary.md, plots/  written by `flare.report.run_report` from the files above
     .lock               held (flock) by the one process that writes the directory
 
@@ -44,7 +45,8 @@ except ImportError:  # pragma: no cover
 
 CONFIG, PARTITION, METRICS, STATE = "config.yaml", "partition.json", "metrics.jsonl", "state.json"
 CHECKPOINT, PREV_CHECKPOINT, LOCK, SUMMARY = "checkpoint.pt", "checkpoint.prev.pt", ".lock", "summary.md"
-ACC_ORDER = ("acc_feature", "acc_iffi", "acc_iffi_reference", "acc_output", "acc_fedavg")  # every fusion rule
+FUSE = "fuse.jsonl"
+ACC_ORDER = ("acc_feature", "acc_iffi", "acc_iffi_reference", "acc_output", "acc_fedavg")  # the built-in strategies
 DIAG = ("g_protos_std", "inter_client_proto_std", "model_variance_mean")                   # SPEC §5
 
 
@@ -128,6 +130,12 @@ def read_jsonl(path: str | Path) -> list[dict]:
     if not path.exists():
         return []
     return parse_jsonl(path.read_text(errors="replace"))[0]
+
+
+def acc_keys(records: list[dict]) -> list[str]:
+    """The records' `acc_<strategy>` keys: the built-in ones in ACC_ORDER, then others (plugins') as first seen."""
+    seen = [k for r in records for k in r if k.startswith("acc_")]
+    return [k for k in ACC_ORDER if k in seen] + list(dict.fromkeys(k for k in seen if k not in ACC_ORDER))
 
 
 def flatten(m: dict, prefix: str = "") -> dict:
@@ -256,11 +264,11 @@ class RunDir:
     def write_partition(self, report: dict) -> None:
         self.write_text(PARTITION, json.dumps(report, indent=1))
 
-    def append(self, records: list[dict]) -> None:
-        """Append one round's records with a single write(2) on an O_APPEND descriptor: a kill leaves either
-        none or all of them."""
+    def append(self, records: list[dict], name: str = METRICS) -> None:
+        """Append one round's records (to metrics.jsonl, or `name`) with a single write(2) on an O_APPEND
+        descriptor: a kill leaves either none or all of them."""
         data = "".join(encode_record(r) + "\n" for r in records).encode()
-        fd = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(self.path / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             view = memoryview(data)
             while view:  # a regular file takes it in one call; loop only for the pathological short write
@@ -340,7 +348,6 @@ class RunDir:
         if problems:
             warn(f"{self.path}: " + "; ".join(problems) + ", and no older checkpoint is readable.")
         return None
-
 
     # -- resuming -------------------------------------------------------------------------------
     def resume_point(self, cfg: Config) -> ResumePoint:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -31,7 +31,10 @@ from flare.metrics import g_protos_std, inter_client_proto_std, model_variance_m
 from flare.models import FlareNet, create_model
 from flare.rng import derived_seed
 from flare.schedules import LRSchedule
-from flare.server.fusion import RULES_LINEAR, RULES_PROTOTYPE, aggregation_weights, evaluate
+from flare.registry import STRATEGIES
+from flare.server.evaluator import evaluate_predictors
+from flare.server.fusion import aggregation_weights
+from flare.server.strategy import ServerContext, make_strategy
 from flare.server.protos import global_prototypes, mean_prototypes, train_global_prototypes
 from flare.server.upload import Upload
 
@@ -266,13 +269,21 @@ def primary_rule(cfg: Config) -> str:
     return "feature" if cfg.head == "prototype" else "output"
 
 
-def rules_for(cfg: Config) -> tuple[str, ...]:
-    """The rules an evaluation scores: every rule of the head, or the subset `eval.rules` names."""
-    every = RULES_PROTOTYPE if cfg.head == "prototype" else RULES_LINEAR
+def rules_for(cfg: Config, r: int | None = None) -> tuple[str, ...]:
+    """The server strategies an evaluation scores (registered order): every default one that applies to the head
+    (the built-in rules), or the subset `eval.rules` names, and always the primary; with a round index `r`, those
+    that run only at the last round (`every_round=False`) are left out of the other rounds."""
+    def applies(n: str) -> bool:
+        return cfg.head == "prototype" or not STRATEGIES.get(n).needs_prototypes
+
+    prim = primary_rule(cfg)
     if cfg.eval.rules is None:
-        return every
-    want = {primary_rule(cfg) if r == "primary" else r for r in cfg.eval.rules} | {primary_rule(cfg)}
-    return tuple(r for r in every if r in want)
+        want = {n for n in STRATEGIES.names() if STRATEGIES.get(n).default} | {prim}
+    else:
+        want = {prim if n == "primary" else n for n in cfg.eval.rules} | {prim}
+    names = sorted((n for n in STRATEGIES.names() if n in want and applies(n)),
+                   key=lambda n: not STRATEGIES.get(n).default)  # stable: the built-in rules first, as before
+    return tuple(n for n in names if r is None or STRATEGIES.get(n).every_round or r == cfg.rounds - 1)
 
 
 def evaluated_round(cfg: Config, r: int) -> bool:
@@ -301,34 +312,49 @@ def _shuffle_seed(cfg: Config, r: int) -> int:
     return derived_seed(abs(cfg.eval.noise_seed), r, 5) if cfg.eval.bn == "batch" else 0
 
 
+def server_prototypes(cfg: Config, r: int, protos: list[Tensor], anchors: Tensor | None,
+                      server_G: Tensor | None = None) -> tuple[Tensor | None, Tensor | None, dict]:
+    """(G the predictors use, Plan B's carried G under protos_flow=reference or None, the server's logs)."""
+    if protos and carries_server_protos(cfg):
+        new_G, logs = train_global_prototypes(protos, cfg.server, anchors, init=server_G)
+        return mean_prototypes(protos), new_G, logs
+    if protos:
+        G, logs = global_prototypes(protos, cfg.server, anchors, derived_seed(cfg.seed, r, 99))
+        return G, None, logs
+    return None, None, {}
+
+
+def eval_options(cfg: Config, r: int, amp_dtype=None, channels_last: bool = False) -> dict:
+    """The keywords of `evaluate_predictors` a run's config fixes for round r."""
+    return dict(batch_size=cfg.test_batch_size, noise_seed=cfg.eval.noise_seed, amp_dtype=amp_dtype,
+                channels_last=channels_last, bn=cfg.eval.bn, shuffle_seed=_shuffle_seed(cfg, r))
+
+
 def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[torch.nn.Module],
                      anchors: Tensor | None, test_x: Tensor | None, test_y: Tensor | None, norm, *,
-                     amp_dtype=None, channels_last: bool = False, server_G: Tensor | None = None) -> Evaluation:
+                     amp_dtype=None, channels_last: bool = False, server_G: Tensor | None = None,
+                     strategy_state: dict | None = None) -> Evaluation:
     """One evaluation checkpoint (SPEC §4–5) from the uploads alone: global prototypes, every fusion rule scored on
     the test set (skipped when `test_x` is None: a server without a test set), diagnostics. `models[i]` holds
     `uploads[i].state` (the in-process runner passes the live client models). `server_G`: the G Plan B continues
-    from under protos_flow=reference (the anchors in round 0)."""
+    from under protos_flow=reference (the anchors in round 0). `strategy_state`: name → each strategy's own state,
+    kept by the caller across rounds."""
     t0 = time.perf_counter()
     weights = aggregation_weights([u.num_samples for u in uploads], cfg.server.weights)
     protos = [u.prototypes for u in uploads if u.prototypes is not None]
     prim = primary_rule(cfg)
     rec: dict = {"kind": "round", "round": r, "method": cfg.method, "primary": prim}
-    G = new_G = None
-    if protos and carries_server_protos(cfg):
-        new_G, server_logs = train_global_prototypes(protos, cfg.server, anchors, init=server_G)
-        G = mean_prototypes(protos)
-        rec.update(server_logs)
-    elif protos:
-        G, server_logs = global_prototypes(protos, cfg.server, anchors, derived_seed(cfg.seed, r, 99))
-        rec.update(server_logs)
+    G, new_G, server_logs = server_prototypes(cfg, r, protos, anchors, server_G)
+    rec.update(server_logs)
     t_agg = time.perf_counter() - t0
     t1 = time.perf_counter()
     if test_x is not None:
-        rec.update(evaluate(models, weights, G, test_x, test_y, norm, rules=rules_for(cfg),
-                            batch_size=cfg.test_batch_size, noise_seed=cfg.eval.noise_seed, amp_dtype=amp_dtype,
-                            channels_last=channels_last, bn=cfg.eval.bn,
-                            shuffle_seed=_shuffle_seed(cfg, r), ensemble=cfg.server.ensemble,
-                            fedavg_buffers=cfg.server.fedavg_buffers))
+        states = strategy_state if strategy_state is not None else {}
+        preds = {n: make_strategy(cfg, n).predictor(ServerContext(cfg, r, uploads, models, weights, G, anchors,
+                                                                  states.setdefault(n, {})))
+                 for n in rules_for(cfg, r)}
+        rec.update(evaluate_predictors(models, preds, test_x, test_y, norm, **eval_options(cfg, r, amp_dtype,
+                                                                                          channels_last)))
     rec["seconds_eval"] = time.perf_counter() - t1
     t2 = time.perf_counter()
     rec["model_variance_mean"] = model_variance_mean(models)
@@ -363,6 +389,7 @@ class RunSetup:
     ctx: TrainContext
     test_x: Tensor
     test_y: Tensor
+    strategy_state: dict = field(default_factory=dict)  # each server strategy's own state across rounds
 
     @classmethod
     def build(cls, cfg: Config) -> "RunSetup":
@@ -415,7 +442,8 @@ class RunSetup:
     def evaluate(self, r: int, clients: list[Client]) -> Evaluation:
         ev = evaluate_uploads(self.cfg, r, [c.upload() for c in clients], [c.model for c in clients], self.anchors,
                               self.test_x, self.test_y, self.norm, amp_dtype=self.amp_dtype,
-                              channels_last=self.channels_last, server_G=self.ctx.server_target)
+                              channels_last=self.channels_last, server_G=self.ctx.server_target,
+                              strategy_state=self.strategy_state)
         if ev.server_G is not None:  # the clients align to it in the next round
             self.load_server_state({"G": ev.server_G})
         return ev

@@ -1,7 +1,9 @@
 """A FLARE plugin that lives outside src/: one part of each kind the tests exercise (tests/test_plugins.py).
 
 Every part leaves a mark only it can make: the loss term logs `term_demo_center`, the λ provider a constant
-λ = options.lam (0.4242 by default), the partition deals samples round-robin, the dataset is 4 seeded blobs.
+λ = options.lam (0.4242 by default), the partition deals samples round-robin, the dataset is 4 seeded blobs, the
+server strategy `demo_class0` always predicts class 0 (its accuracy is the test set's class-0 share, exactly) and
+`demo_pick` scores with one client's own model (its accuracy is that client's `client_acc`, exactly).
 """
 import torch
 from pydantic import BaseModel
@@ -11,7 +13,8 @@ from flare.client.lam import LamProvider
 from flare.data.datasets import ImageData, register_dataset
 from flare.data.partition import Partition
 from flare.models import register_model
-from flare.registry import LAM_PROVIDERS, LOSS_TERMS, PARTITIONS, TermOptions
+from flare.registry import LAM_PROVIDERS, LOSS_TERMS, PARTITIONS, STRATEGIES, TermOptions
+from flare.server.strategy import ClientOutputs, ClientPredictor, ModelPredictor, Strategy
 
 
 class CenterOptions(TermOptions):
@@ -79,3 +82,33 @@ def demo_round_robin(labels, num_clients, seed, num_classes, **_):
     """Sample i goes to client i mod K."""
     idx = torch.arange(len(labels)).numpy()
     return Partition([idx[k::num_clients] for k in range(num_clients)], num_classes or int(labels.max()) + 1, labels)
+
+
+class Class0Predictor(ClientPredictor):
+    def scores(self, out: ClientOutputs):
+        s = torch.zeros_like(out.logits[0])
+        s[:, 0] = 1.0
+        return s
+
+
+@STRATEGIES.register("demo_class0")
+class Class0(Strategy):
+    """Predicts class 0 for every image (reads the client outputs only for their shape)."""
+
+    def predictor(self, ctx):
+        ctx.state["calls"] = ctx.state.get("calls", 0) + 1  # the strategy's own state across rounds
+        return Class0Predictor()
+
+
+class PickOptions(BaseModel):
+    client: int = 0
+
+
+@STRATEGIES.register("demo_pick", options=PickOptions)
+class Pick(Strategy):
+    """One client's own model as the global model (a model-owning predictor), at the last round only."""
+
+    every_round = False
+
+    def predictor(self, ctx):
+        return ModelPredictor(ctx.models[self.options.client])

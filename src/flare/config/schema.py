@@ -2,14 +2,15 @@
 cross-key check (so a bad combination fails before any data is loaded).
 
 Keys that name a *part* (model.name, dataset.name, partition.kind, loss.objective, loss.contrast, loss.terms,
-align.anchors, align.schedule, align.surgery, lam.learner, lam.anneal) are strings checked against the part's
-registry (`flare.registry`, so plugins can add parts); a part that declares options reads them from its section's
-`options` mapping (`loss.terms.<name>` for loss terms), validated by the part's options model. Keys that choose
+align.anchors, align.schedule, align.surgery, lam.learner, lam.anneal, server.primary, eval.rules) are strings
+checked against the part's registry (`flare.registry`, so plugins can add parts); a part that declares options reads
+them from its section's `options` mapping (`loss.terms.<name>` for loss terms, `server.strategies.<name>` for
+server strategies), validated by the part's options model. Keys that choose
 between fixed behaviours of the framework itself stay closed `Literal`s: protocol, progress, amp, client_engine,
 dataset.format (a built-in dataset's file reader; a plugin dataset brings its own loader), partition.rng,
 lr_schedule.kind (the LR schedule with SGDR's restarts and momentum reset, which the engines implement),
 augment.input_scaling, loss.ce_input, align.target, align.target_progress, align.lambda_rule (λ0's formula,
-an input of every λ provider), the server's rules (a later step turns the server into a strategy) and eval.bn.
+an input of every λ provider), the server's prototype and aggregation settings, and eval.bn.
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from flare.config.protocol import fill_protocol
 from flare.config.sections import (OPTIONS_DESCRIPTION, AugmentCfg, DatasetCfg, LRScheduleCfg, ModelCfg, OptimCfg,
                                    PartitionCfg, Strict, part_name, part_options)
 from flare.errors import KeyedValueError
-from flare.registry import (ANCHORS, CONTRAST, LAM_PROVIDERS, LOSS_TERMS, OBJECTIVES, SCHEDULES, SURGERY,
-                            TermOptions, load_plugins)
+from flare.registry import (ANCHORS, CONTRAST, LAM_PROVIDERS, LOSS_TERMS, OBJECTIVES, SCHEDULES, STRATEGIES,
+                            SURGERY, TermOptions, load_plugins)
 
 __all__ = ["KeyedValueError", "DatasetCfg", "PartitionCfg", "ModelCfg", "OptimCfg", "LRScheduleCfg", "AugmentCfg",
            "LossCfg", "AlignCfg", "LamCfg", "ServerCfg", "EvalCfg", "LoggingCfg", "Config", "RENAMED", "RENAMED_VALUES"]
@@ -44,7 +45,6 @@ ClientEngine = Literal["sequential", "threads", "batched"]
 # default: it changes digits (native kernels, bf16) and what is evaluated (README, "Performance").
 SPEED_FAST = {"cpu_isa": "native", "amp": "bf16", "cpu_channels_last": True,
               "eval": {"every": 5, "rules": ["primary"]}}
-EVAL_RULES = ("primary", "feature", "iffi", "iffi_reference", "output", "fedavg")
 
 
 def fill_speed(data):
@@ -195,9 +195,30 @@ class ServerCfg(Strict):
     fedavg_buffers: Literal["average", "first"] = Field(
         "average", description="one-shot FedAvg: average parameters and BN buffers, or average parameters only "
                                "and keep the first client's buffers (the reference's parameter_averaging)")
-    primary: Literal["auto", "feature", "iffi", "iffi_reference", "output", "fedavg"] = Field(
-        "auto", description="the rule whose accuracy is 'the' accuracy (auto: feature for prototype heads, "
-                            "output otherwise)")
+    primary: str = Field(
+        "auto", description="the server strategy whose accuracy is 'the' accuracy: feature, iffi, iffi_reference, "
+                            "output, fedavg or a plugin's (auto: feature for prototype heads, output otherwise)")
+    strategies: dict[str, dict[str, Any]] = Field(
+        {}, description="options of registered server strategies, name: {option: value} (docs/extending.md)")
+
+    @field_validator("primary")
+    @classmethod
+    def _primary(cls, v: str) -> str:
+        return v if v == "auto" else part_name(STRATEGIES, v, "server.primary")
+
+    @field_validator("strategies", mode="before")
+    @classmethod
+    def _strategies(cls, v: Any) -> Any:
+        if not isinstance(v, dict):
+            raise KeyedValueError("server.strategies", f"server.strategies must be a mapping of strategy: "
+                                  f"{{option: value}}, got {v!r}")
+        out = {}
+        for name, opts in v.items():
+            key = f"server.strategies.{name}"
+            part_name(STRATEGIES, name, key)
+            o = STRATEGIES.options(name, opts, key)
+            out[name] = o.model_dump(mode="json") if o is not None else {}
+        return out
 
 
 class EvalCfg(Strict):
@@ -332,9 +353,10 @@ class Config(Strict):
                 raise KeyedValueError(key, f"the λ learner starts from λ_init = exp(s_l − s_a) > 0, so {key} "
                                       f"must be > 0 (got {first})")
         for rule in self.eval.rules or []:
-            if rule not in EVAL_RULES:
-                raise KeyedValueError("eval.rules", f"unknown rule {rule!r}; the rules are {', '.join(EVAL_RULES)}")
-            if self.head != "prototype" and rule in ("feature", "iffi", "iffi_reference"):
+            if rule != "primary" and rule not in STRATEGIES:
+                raise KeyedValueError("eval.rules", f"unknown rule {rule!r}; the rules are primary or a registered "
+                                      f"server strategy: {', '.join(STRATEGIES.names())}")
+            if self.head != "prototype" and rule != "primary" and STRATEGIES.get(rule).needs_prototypes:
                 raise KeyedValueError("eval.rules", f"rule {rule!r} reads prototypes, which "
                                       f"loss.objective={self.loss.objective} has not; use output, fedavg or primary")
         if self.eval.every > 1 and self.server.protos == "trainable" and self.server.protos_flow == "reference":

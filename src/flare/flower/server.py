@@ -154,6 +154,7 @@ class ServerSession:
         self.init_state = {k: v.detach().cpu().clone() for k, v in self.template.state_dict().items()}
         self.anchor_seed = anchor_seed(cfg)
         self.anchors = run_anchors(cfg, meta.num_classes, self.template.feature_dim, self.device)
+        self.strategy_state: dict = {}  # each server strategy's own state across rounds
         bank = build_public_bank(cfg, public, self.template, make_augment(cfg, meta, self.device), self.norm,
                                  self.device)
         self.bank = bank.cpu() if bank is not None else None
@@ -284,7 +285,8 @@ class ServerSession:
             models.append(m.to(self.device))
         if evaluated_round(self.cfg, round_idx):
             ev = evaluate_uploads(self.cfg, round_idx, uploads, models, self.anchors, self.test_x, self.test_y,
-                                  self.norm, amp_dtype=self.amp_dtype, channels_last=self.channels_last)
+                                  self.norm, amp_dtype=self.amp_dtype, channels_last=self.channels_last,
+                                  strategy_state=self.strategy_state)
             rec, self.last = ev.record, ev
         else:  # eval.every: the last round is always evaluated, so self.last ends as the final predictor
             rec = {"kind": "round", "round": round_idx, "method": self.cfg.method, "primary": primary_rule(self.cfg),

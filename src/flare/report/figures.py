@@ -22,7 +22,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from flare.config import preset_mapping  # noqa: E402
 from flare.report.runs import Row, SweepLine, fmt_value, short_key  # noqa: E402
 from flare.rundata import RunData  # noqa: E402
-from flare.rundir import ACC_ORDER, DIAG  # noqa: E402
+from flare.rundir import DIAG, acc_keys  # noqa: E402
 
 COMPARE_DIAG = ("g_protos_std", "inter_client_proto_std")
 # One colour per method in every figure; the methods of Table 1 and the main job get the most distinct ones.
@@ -89,11 +89,10 @@ def run_title(run: RunData) -> str:
 def plot_accuracy(run: RunData, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4))
     x = run.round_numbers()
-    for k in ACC_ORDER:
-        if run.rounds and k in run.rounds[0]:
-            rule = k.removeprefix("acc_")
-            ax.plot(x, 100 * run.curve(k), marker="o", ms=3, color=_RULE_COLOURS[rule],
-                    label=rule + (" (primary)" if rule == run.primary else ""))
+    for i, k in enumerate(acc_keys(run.rounds)):  # a last-round-only strategy (every_round=False) is one point
+        rule = k.removeprefix("acc_")
+        ax.plot(x, 100 * run.curve(k), marker="o", ms=3, color=_RULE_COLOURS.get(rule, f"C{5 + i}"),
+                label=rule + (" (primary)" if rule == run.primary else ""))
     ax.set(xlabel="round", ylabel="test accuracy (%)", title=_wrap(run_title(run), 60))
     ax.title.set_fontsize(9)
     integer_rounds(ax)

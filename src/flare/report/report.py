@@ -16,6 +16,7 @@ from flare.report.runs import load_runs, param_sweeps, protocols_line, sections,
 from flare.errors import FlareError
 from flare.report.tables import (PAIRED_EXPLAIN, default_baseline, lambda_table, md_table, paired_table, results_table,
                                  strategy_table, sweep_table)
+from flare.rundata import num
 from flare.rundir import RunDir, atomic_write_text
 
 
@@ -68,6 +69,13 @@ def write_report(paths: Iterable[str | Path], out: str | Path, title: str = "Rep
             f = f"sweep_{slug(k)}.png"
             plot_param_sweep(k, lines, out / f, f"sweep over {k}")
             md += [f"### {k}", "", sweep_table(k, lines), "", f"![sweep over {k}]({f})", ""]
+    fused = [r for r in runs if r.fused]
+    if fused:
+        md += ["## Server strategies over the saved uploads", "", "`flare fuse`: each strategy over every client's "
+               "state after the last round (no client retrained); test accuracy in %.", "",
+               md_table(["run", "method", "seed", "strategy", "accuracy", "seconds"],
+                        [[f"`{r.dir}`", r.method, r.seed, f.get("strategy"), f"{100 * num(f.get('acc')):.2f}",
+                          f"{num(f.get('seconds')):.2f}"] for r in fused for f in r.fused]), ""]
     if plot_label_distributions(with_rounds, out / "label_distribution.png"):
         md += ["## Label distributions", "", "![label distribution](label_distribution.png)", ""]
     md += ["## Run directories", "", md_table(["run", "method", "seed", "rounds done", "status"],

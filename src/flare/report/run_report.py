@@ -5,8 +5,8 @@ import math
 from pathlib import Path
 
 from flare.report.figures import plot_accuracy, plot_diagnostics, plot_label_distribution, plot_lambda
-from flare.rundata import RunData
-from flare.rundir import ACC_ORDER, DIAG, SUMMARY, atomic_write_text
+from flare.rundata import RunData, num
+from flare.rundir import DIAG, SUMMARY, acc_keys, atomic_write_text
 
 
 def _f(v, digits=4):
@@ -36,7 +36,7 @@ def summary_markdown(run: RunData) -> str:
         primary = rounds[-1].get("primary", "feature")
         lines += ["## Accuracy of every global predictor", "",
                   "| rule | final | peak | peak round |", "| --- | --- | --- | --- |"]
-        for k in ACC_ORDER:
+        for k in acc_keys(rounds[-1:]):
             if k in rounds[-1]:
                 best, at = run.peak(k)
                 mark = " (primary)" if k == f"acc_{primary}" else ""
@@ -49,6 +49,12 @@ def summary_markdown(run: RunData) -> str:
         if "client_acc" in rounds[-1]:
             lines.append(f"| client accuracies (alone) | {', '.join(f'{100 * a:.1f}' for a in rounds[-1]['client_acc'])} |")
         lines.append("")
+    if run.fused:
+        lines += ["## Server strategies over the saved uploads", "",
+                  f"`flare fuse` over every client's state after round {run.fused[0].get('round', 0) + 1} "
+                  "(no client retrained).", "", "| strategy | accuracy | seconds |", "| --- | --- | --- |"]
+        lines += [f"| {f.get('strategy')} | {100 * num(f.get('acc')):.2f} | {_f(f.get('seconds'), 2)} |"
+                  for f in run.fused] + [""]
     if part:
         lines += ["## Partition", "", "| client | samples | normalized entropy |", "| --- | --- | --- |"]
         for c in part["clients"]:

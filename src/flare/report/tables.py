@@ -10,7 +10,7 @@ import numpy as np
 
 from flare.report.runs import RULE_NAMES, Row, SweepLine, short_key, fmt_value
 from flare.rundata import RunData
-from flare.rundir import ACC_ORDER
+from flare.rundir import acc_keys
 from flare.stats import ALPHA, holm, paired, verdict
 
 PAIRED_EXPLAIN = ("Each method minus the baseline, paired by seed (runs of one seed share the partition, the initial "
@@ -57,7 +57,7 @@ def results_table(rows: list[Row]) -> str:
 
 def strategy_table(rows: list[Row]) -> str | None:
     """Final accuracy of every global predictor the runs evaluated (the server-strategy comparison)."""
-    rules = [k for k in ACC_ORDER if any(k in r.rounds[-1] for row in rows for r in row.runs if r.rounds)]
+    rules = acc_keys([r.rounds[-1] for row in rows for r in row.runs if r.rounds])
     if len(rules) < 2:
         return None
     head = ["method"] + [RULE_NAMES.get(k.removeprefix("acc_"), k) for k in rules]
@@ -100,7 +100,7 @@ def sweep_table(key: str, lines: list[SweepLine]) -> str:
 def compare_table(rows: list[tuple[dict, Row]]) -> str:
     """One row per method of a `flare compare` (seeds aggregated): the primary accuracy first, then every rule and
     diagnostic at the last round, mean ± std when there are several seeds."""
-    cols = [k for k in ACC_ORDER if any(r.rounds and k in r.rounds[-1] for _, row in rows for r in row.runs)]
+    cols = acc_keys([r.rounds[-1] for _, row in rows for r in row.runs if r.rounds])
     head = ["method", "notes", "seeds", "acc (primary)", "peak (round)"] + [c.removeprefix("acc_") for c in cols] + [
         "g_protos_std", "inter_client_proto_std"]
     body = []

@@ -1,8 +1,5 @@
-"""Building the global predictor from the uploads and scoring it (SPEC §4).
-
-Evaluation is batched: one pass over the test set computes every client encoder's features (and, for
-IFFI, its features of a noise input) once, and every fusion rule is read off those same tensors. The
-rules themselves are small pure functions so that tests can pin them.
+"""The server's rules (SPEC §4) as small pure functions, so that tests can pin them; the strategies that use them
+are server/strategy.py, and the one batched test pass that scores them all is server/evaluator.py.
 
 BatchNorm at evaluation (`eval.bn`). `running` evaluates every model in eval mode. `batch` reproduces the
 reference: its feature and IFFI servers held the clients in a plain Python list, so `model.eval()` never reached
@@ -15,7 +12,7 @@ saved before and restored after, so the clients' running statistics are never to
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +20,6 @@ from torch import Tensor
 
 from flare.server.fedavg import average_state_dicts
 
-RULES_PROTOTYPE = ("feature", "iffi", "iffi_reference", "output", "fedavg")
-RULES_LINEAR = ("output", "fedavg")
 FEATURE_RULES = ("feature", "iffi", "iffi_reference")  # the rules eval.bn=batch evaluates with batch statistics
 
 
@@ -126,68 +121,3 @@ def batch_statistics(models: list[torch.nn.Module], saved: list[dict[str, Tensor
 
 def snapshot_buffers(models: list[torch.nn.Module]) -> list[dict[str, Tensor]]:
     return [{k: b.detach().clone() for k, b in m.named_buffers()} for m in models]
-
-
-@torch.no_grad()
-def evaluate(models: list[torch.nn.Module], weights: Tensor, G: Tensor | None, test_x: Tensor, test_y: Tensor,
-             normalize, *, rules: tuple[str, ...], batch_size: int = 256, noise_seed: int = 0,
-             amp_dtype: torch.dtype | None = None, channels_last: bool = False, bn: str = "running",
-             shuffle_seed: int = 0, ensemble: str = "softmax", fedavg_buffers: str = "average") -> dict:
-    """Accuracy of every requested rule plus each client model alone (its own head).
-
-    `normalize` maps a uint8 batch to the model's input. The IFFI noise ε ~ N(0, I) has the input's
-    shape and is drawn from its own seeded generator, the same for every round and method. `bn="batch"`: see
-    the module docstring (the test order is then the permutation seeded by `shuffle_seed`).
-    """
-    device = test_x.device
-    for m in models:
-        m.eval()
-    w = weights.to(device)
-    avg = fedavg_model(models, weights, fedavg_buffers) if "fedavg" in rules else None
-    need_noise = "iffi" in rules or "iffi_reference" in rules
-    gen = torch.Generator(device=device).manual_seed(noise_seed) if need_noise else None
-    amp = (torch.autocast(device_type=device.type, dtype=amp_dtype) if amp_dtype is not None else nullcontext())
-    batch_rules = [r for r in rules if r in FEATURE_RULES] if bn == "batch" else []
-    order = (torch.randperm(test_x.shape[0], generator=torch.Generator().manual_seed(shuffle_seed)).to(device)
-             if batch_rules else None)
-    saved = snapshot_buffers(models) if batch_rules else None
-    correct = {r: 0 for r in rules}
-    client_correct = torch.zeros(len(models), dtype=torch.long, device=device)
-    n = 0
-    for s in range(0, test_x.shape[0], batch_size):
-        ix = order[s:s + batch_size] if order is not None else slice(s, s + batch_size)
-        x = normalize(test_x[ix])
-        if channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        y = test_y[ix]
-        with amp:
-            outs = [m(x) for m in models]
-        feats = torch.stack([o[0].float() for o in outs])   # K×B×d
-        logits = torch.stack([o[1].float() for o in outs])  # K×B×C
-        client_correct += (logits.argmax(-1) == y).sum(1)
-        noise_feats = None
-        eps = None
-        if need_noise:
-            eps = torch.randn(x.shape, generator=gen, device=device, dtype=x.dtype)
-            if channels_last:
-                eps = eps.contiguous(memory_format=torch.channels_last)
-            if not batch_rules:
-                with amp:
-                    noise_feats = torch.stack([m(eps)[0].float() for m in models])
-        if batch_rules:  # the reference's train-mode BN: the clean batch and the noise batch, each on its own
-            with batch_statistics(models, saved), amp:
-                feats = torch.stack([m(x)[0].float() for m in models])
-                if eps is not None:
-                    noise_feats = torch.stack([m(eps)[0].float() for m in models])
-        for r in rules:
-            if r == "fedavg":
-                with amp:
-                    avg_logits = avg(x)[1].float()[None]
-                scores = rule_scores(r, None, avg_logits, w, G)
-            else:
-                scores = rule_scores(r, feats, logits, w, G, noise_feats, ensemble)
-            correct[r] += (scores.argmax(1) == y).sum()
-        n += y.numel()
-    out = {f"acc_{r}": float(c) / n for r, c in correct.items()}
-    out["client_acc"] = (client_correct.float() / n).tolist()
-    return out

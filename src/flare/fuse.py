@@ -1,0 +1,146 @@
+"""`flare fuse RUN_DIR... --strategies a,b`: server strategies over a finished run's saved uploads, without
+retraining a client. A run's checkpoint.pt holds every client's state after the last round, so any strategy — a
+built-in rule, or a model-building method a plugin registers — can be scored on the run's test set afterwards.
+
+The test set, normalisation, anchors, aggregation weights and global prototypes are rebuilt from the run's
+config.yaml through the same `setup` functions a run uses, and each strategy is scored by the same evaluator with
+the last round's evaluation settings: a built-in strategy reproduces the run's own last-round accuracy exactly.
+Results are appended to fuse.jsonl (one record per strategy, under the run directory's lock); a rerun skips the
+strategies already there, so an interrupted fuse resumes. summary.md is rewritten with them.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from flare import cpu
+from flare.config import Config, build_config
+from flare.errors import FlareError
+from flare.registry import STRATEGIES, load_plugins
+from flare.report.run_report import write_run_report
+from flare.rundir import CHECKPOINT, FUSE, RunDir, read_jsonl
+from flare.server.evaluator import evaluate_predictors
+from flare.server.fusion import aggregation_weights
+from flare.server.strategy import ServerContext, make_strategy
+from flare.server.upload import Upload
+from flare.setup import (DataMeta, backend, eval_options, init_global_model, normalizer, prepare_data, run_anchors,
+                         server_prototypes, split)
+
+KEY = "RUN_DIR"
+
+
+@dataclass
+class FuseJob:
+    """One run directory to fuse, checked: its validated config and the strategies asked for."""
+
+    dir: RunDir
+    cfg: Config
+    names: list[str]
+
+
+def parse_strategies(text: str) -> list[str]:
+    """The comma-separated names, deduplicated (checked against the registry once each run's plugins are in)."""
+    names = list(dict.fromkeys(s.strip() for s in (text or "").split(",") if s.strip()))
+    if not names:
+        raise FlareError(f"--strategies {text!r} names no strategy.", key="--strategies",
+                         fix="give comma-separated server strategies, e.g. --strategies feature,fedavg "
+                             "(`flare parts` lists them).")
+    return names
+
+
+def check(run_dir: str | Path, names: list[str], round_: int | None) -> FuseJob:
+    """Everything that can be refused before any computation: not a run, not finished, no checkpoint, a round
+    other than the last, a strategy the run's head cannot serve."""
+    rd = RunDir(run_dir)
+    old = rd.read_config() if rd.path.is_dir() else None
+    if old is None:
+        raise FlareError(f"'{rd.path}' is not a run directory (no config.yaml).", key=KEY,
+                         fix="give the --out directory of a finished `flare run`.")
+    status = rd.read_state().get("status", "unknown")
+    if status != "finished":
+        raise FlareError(f"run directory '{rd.path}' is not finished (status: {status}); `flare fuse` reads the "
+                         "clients' states after the last round.", key=KEY,
+                         fix=f"finish it first (`flare run --resume {rd.path}`), then fuse.")
+    if not rd.file(CHECKPOINT).is_file():
+        raise FlareError(f"run directory '{rd.path}' has no {CHECKPOINT}, which holds the clients' saved states.",
+                         key=KEY, fix="rerun the experiment with `flare run` into a new directory (runs are "
+                                      "deterministic; a Flower run keeps no client states) and fuse that one.")
+    cfg = build_config(old)  # imports the run's own plugins, whose strategies may be named
+    for n in names:
+        STRATEGIES.entry(n, key="--strategies")
+    if round_ is not None and round_ != cfg.rounds:
+        raise FlareError(f"--round {round_}: only the states after the last round ({cfg.rounds}) are saved in "
+                         f"'{rd.path}'.", key="--round", fix=f"leave --round out, or give --round {cfg.rounds}.")
+    for n in names:
+        if STRATEGIES.get(n).needs_prototypes and cfg.head != "prototype":
+            raise FlareError(f"strategy '{n}' reads prototypes, which the run '{rd.path}' (loss.objective="
+                             f"{cfg.loss.objective}) has not.", key="--strategies",
+                             fix="choose strategies for a plain classifier, e.g. output or fedavg.")
+    return FuseJob(rd, cfg, names)
+
+
+def _not_fused(job: FuseJob) -> list[str]:
+    done = {f.get("strategy") for f in read_jsonl(job.dir.file(FUSE)) if f.get("kind") == "fuse"}
+    return [n for n in job.names if n not in done]
+
+
+def fuse_runs(dirs: list[str], strategies: str, round_: int | None = None,
+              plugins: list[str] | None = None) -> list[tuple[Path, list[dict]]]:
+    """Check every directory, then score the strategies (comma-separated) not yet fused in each; returns (dir, its
+    fuse records of those strategies)."""
+    load_plugins(plugins or [])
+    names = parse_strategies(strategies)
+    jobs = [check(d, names, round_) for d in dirs]
+    out = []
+    for job in jobs:
+        with job.dir.lock(key=KEY):
+            todo = _not_fused(job)
+            if todo:
+                _score(job, todo)
+            write_run_report(job.dir.path)
+        recs = [f for f in read_jsonl(job.dir.file(FUSE)) if f.get("kind") == "fuse" and f.get("strategy") in names]
+        out.append((job.dir.path, recs))
+    return out
+
+
+def _score(job: FuseJob, names: list[str]) -> None:
+    """Rebuild the last round's server from the checkpoint and score each strategy, one record as each finishes."""
+    cfg, rd = job.cfg, job.dir
+    cpu.pin(cfg.cpu_isa)
+    be = backend(cfg)
+    data, _ = prepare_data(cfg)
+    meta = DataMeta.from_data(data)
+    sizes = [len(ix) for ix in split(cfg, data.train_y, data.num_classes).client_indices]
+    template = init_global_model(cfg, meta, be.device, channels_last=be.channels_last)
+    anchors = run_anchors(cfg, meta.num_classes, template.feature_dim, be.device)
+    ck = rd.load_checkpoint(be.device, lambda w: None)
+    if ck is None or "clients" not in ck or int(ck["rounds_done"]) < cfg.rounds:
+        raise FlareError(f"'{rd.path}/{CHECKPOINT}' is unreadable, holds no client states or does not cover the "
+                         "last round.", key=KEY,
+                         fix="rerun the experiment into a new directory (runs are deterministic) and fuse that one.")
+    models, uploads = [], []
+    for i, (n, st) in enumerate(zip(sizes, ck["clients"])):
+        if n == 0:  # the runner leaves clients without samples out of every evaluation
+            continue
+        m = copy.deepcopy(template)
+        m.load_state_dict(st["model"])
+        m.eval()
+        P = getattr(m, "prototypes", None)
+        uploads.append(Upload(i, m.state_dict(), n, P.detach() if P is not None else None))
+        models.append(m)
+    r = cfg.rounds - 1
+    weights = aggregation_weights([u.num_samples for u in uploads], cfg.server.weights)
+    protos = [u.prototypes for u in uploads if u.prototypes is not None]
+    G, _, _ = server_prototypes(cfg, r, protos, anchors, (ck.get("server") or {}).get("G"))
+    test_x, test_y = data.test_x.to(be.device), data.test_y.to(be.device)
+    norm = normalizer(cfg, meta)
+    for name in names:
+        t0 = time.perf_counter()
+        pred = make_strategy(cfg, name, key="--strategies").predictor(
+            ServerContext(cfg, r, uploads, models, weights, G, anchors, {}))
+        res = evaluate_predictors(models, {name: pred}, test_x, test_y, norm,
+                                  **eval_options(cfg, r, be.amp_dtype, be.channels_last))
+        rd.append([{"kind": "fuse", "strategy": name, "round": r, "acc": res[f"acc_{name}"],
+                    "seconds": time.perf_counter() - t0}], FUSE)

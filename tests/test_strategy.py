@@ -1,0 +1,112 @@
+"""Server strategies (flare/server/strategy.py) and `flare fuse`: the built-in rules are registered strategies whose
+numbers did not move, a plugin's strategy runs as a method's primary and through `flare fuse`, and fuse over a
+finished run's saved states reproduces the run's own last-round accuracies exactly and resumes."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flare.config import load_config
+from flare.errors import FlareError
+from flare.registry import STRATEGIES
+from flare.rundir import read_jsonl
+from flare.runner import Run
+from flare.setup import rules_for
+
+
+def class0_share(tiny_folder: Path) -> float:
+    """The share of class 0 in the tiny folder's test split, counted from its files."""
+    counts = {d.name: len(list(d.iterdir())) for d in (tiny_folder / "test").iterdir()}
+    return counts[sorted(counts)[0]] / sum(counts.values())
+
+
+def rounds_of(d: Path) -> list[dict]:
+    return [r for r in read_jsonl(d / "metrics.jsonl") if r["kind"] == "round"]
+
+
+def fuse(*argv) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flare.cli", "fuse", *map(str, argv)], capture_output=True, text=True)
+
+
+def test_the_builtin_rules_are_registered_in_their_order():
+    assert STRATEGIES.names()[:5] == ["feature", "iffi", "iffi_reference", "output", "fedavg"]
+    assert rules_for(load_config(None, "fafi")) == ("feature", "iffi", "iffi_reference", "output", "fedavg")
+    assert rules_for(load_config(None, "fedavg")) == ("output", "fedavg")
+
+
+@pytest.fixture
+def finished_run(tiny_overrides, tmp_path):
+    d = tmp_path / "fafi"
+    Run(load_config(None, "fafi", tiny_overrides), d, quiet=True).execute()
+    return d
+
+
+def test_fuse_reproduces_the_runs_last_round_and_resumes(finished_run):
+    last = rounds_of(finished_run)[-1]
+    r = fuse(finished_run, "--strategies", "feature,iffi,output,fedavg")
+    assert r.returncode == 0, r.stderr
+    recs = read_jsonl(finished_run / "fuse.jsonl")
+    assert [f["strategy"] for f in recs] == ["feature", "iffi", "output", "fedavg"]
+    for f in recs:
+        assert f["kind"] == "fuse" and f["round"] == last["round"] == 1
+        assert f["acc"] == last[f"acc_{f['strategy']}"], f  # the same states, G, noise and test pass: exact
+    assert f"feature acc = {100 * last['acc_feature']:.2f}%" in r.stdout
+    summary = (finished_run / "summary.md").read_text()
+    assert "## Server strategies over the saved uploads" in summary and "| fedavg |" in summary
+    again = fuse(finished_run, "--strategies", "fedavg,iffi_reference")  # fedavg was fused: only the new one runs
+    assert again.returncode == 0, again.stderr
+    recs2 = read_jsonl(finished_run / "fuse.jsonl")
+    assert recs2[:4] == recs and [f["strategy"] for f in recs2[4:]] == ["iffi_reference"]
+    assert recs2[4]["acc"] == last["acc_iffi_reference"]
+
+
+def test_a_plugin_strategy_through_fuse_and_in_the_report(finished_run, tiny_folder, tmp_path):
+    last = rounds_of(finished_run)[-1]
+    r = fuse(finished_run, "--strategies", "demo_class0,demo_pick", "--plugin", "flare_demo_plugin")
+    assert r.returncode == 0, r.stderr
+    got = {f["strategy"]: f["acc"] for f in read_jsonl(finished_run / "fuse.jsonl")}
+    assert got["demo_class0"] == class0_share(tiny_folder) == 0.25
+    assert got["demo_pick"] == last["client_acc"][0]  # client 0's own model, scored by the shared evaluator
+    rep = subprocess.run([sys.executable, "-m", "flare.cli", "report", str(finished_run), "--out",
+                          str(tmp_path / "rep")], capture_output=True, text=True)
+    assert rep.returncode == 0, rep.stderr
+    text = (tmp_path / "rep" / "report.md").read_text()
+    assert "## Server strategies over the saved uploads" in text and "| demo_class0 | 25.00 |" in text
+
+
+def test_a_plugin_strategy_as_the_methods_primary(tiny_overrides, tiny_folder, tmp_path):
+    ov = tiny_overrides + ["plugins=[flare_demo_plugin]", "server.primary=demo_class0",
+                           "server.strategies.demo_pick.client=1", "eval.rules=[primary,demo_pick,fedavg]"]
+    cfg = load_config(None, "fafi", ov)
+    assert cfg.server.strategies == {"demo_pick": {"client": 1}}
+    assert rules_for(cfg, 0) == ("fedavg", "demo_class0") and rules_for(cfg, 1) == ("fedavg", "demo_class0",
+                                                                                     "demo_pick")
+    d = tmp_path / "run"
+    summary = Run(cfg, d, quiet=True).execute()
+    rounds = rounds_of(d)
+    share = class0_share(tiny_folder)
+    assert [r["primary"] for r in rounds] == ["demo_class0"] * 2
+    assert [r["acc"] for r in rounds] == [r["acc_demo_class0"] for r in rounds] == [share, share]
+    assert "acc_demo_pick" not in rounds[0]  # every_round=False: the last round only
+    assert rounds[1]["acc_demo_pick"] == rounds[1]["client_acc"][1]
+    assert summary["acc"] == share
+    assert "| demo_class0 (primary) | 25.00 |" in (d / "summary.md").read_text()
+
+
+def test_strategy_options_are_validated_with_the_config(tiny_overrides):
+    with pytest.raises(FlareError, match=r"server\.strategies\.demo_pick\.client"):
+        load_config(None, "fafi", tiny_overrides + ["plugins=[flare_demo_plugin]",
+                                                    "server.strategies.demo_pick.client=many"])
+    with pytest.raises(FlareError, match="takes no options"):
+        load_config(None, "fafi", tiny_overrides + ["server.strategies.feature.x=1"])
+
+
+def test_fuse_refuses_a_prototype_strategy_for_a_plain_classifier(tiny_overrides, tmp_path):
+    d = tmp_path / "fedavg"
+    Run(load_config(None, "fedavg", tiny_overrides + ["rounds=1"]), d, quiet=True).execute()
+    r = fuse(d, "--strategies", "feature")
+    assert r.returncode == 2 and "reads prototypes" in r.stderr and "Traceback" not in r.stderr
+    assert not (d / "fuse.jsonl").exists()
+    assert json.loads((d / "state.json").read_text())["status"] == "finished"
