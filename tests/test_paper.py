@@ -41,6 +41,13 @@ def test_paper_smoke_writes_the_three_tables_and_the_figures(tmp_path, capsys):
             recs = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines()]
             last = [r for r in recs if r["kind"] == "round"][-1]
             assert rows[method][col].strip(" |") == f"{100 * last['acc']:.2f}", (method, alpha, rows[method])
+    # each method against FAFI, paired by seed, within each setting (one seed at smoke scale: no test)
+    paired = md.split("### Table 1, each method against the baseline, paired by seed")[1].split("\n##")[0]
+    prow = [ln for ln in paired.splitlines() if ln.startswith("| ") and "---" not in ln
+            and not ln.startswith("| setting")]
+    assert {ln.split(" | ")[1] for ln in prow} == set(rows) - {"fafi"}
+    assert len(prow) == 2 * (len(rows) - 1) and all(" | fafi | 1 | " in ln for ln in prow)
+    assert all(ln.endswith("| 1 seed: no test |") for ln in prow)
     # a second invocation recomputes nothing
     before = {p: p.stat().st_mtime_ns for p in out.rglob("metrics.jsonl")}
     assert main(["paper", "--scale", "smoke", "--out", str(out), "--quiet", "device=cpu"]) == 0

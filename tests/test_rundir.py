@@ -178,3 +178,12 @@ def test_a_second_writer_is_refused_while_the_first_runs_and_not_after_it_was_ki
     recs = read_jsonl(d / "metrics.jsonl")
     assert sum(r["kind"] == "round" for r in recs) == 3 and sum(r["kind"] == "client" for r in recs) == 9
     _same_as_uninterrupted(load_config(None, "fafi", ov), d, tmp_path)
+
+
+def test_a_key_added_since_and_left_empty_is_no_difference():
+    """A run directory made before `plugins` existed is the same experiment as a config that leaves it empty."""
+    from flare.rundir import config_differences
+    assert config_differences({"seed": 1}, {"seed": 1, "plugins": [], "server": {"strategies": {}}}) == []
+    assert config_differences({"seed": 1}, {"seed": 1, "eval": {"rules": None}}) == []
+    assert config_differences({"seed": 1}, {"seed": 1, "plugins": ["m"]}) == ["plugins"]
+    assert config_differences({"seed": 1}, {"seed": 1, "rounds": 0}) == ["rounds"]

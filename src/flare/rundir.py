@@ -6,10 +6,9 @@
     checkpoint.pt       every client's state after the last complete round, the records of every round so far,
                         the random generators' state (atomic; torch.load(weights_only=True) reads it)
     checkpoint.prev.pt  the checkpoint one round earlier (the fallback when the newest is unreadable)
-    state.json          {"status": "running" | "finished" | "failed", "rounds_done": r, "warnings": [...]}
+    state.json          {"status": ..., "rounds_done": r, "warnings": [...], "backend": how it computed}
     fuse.jsonl          one {"kind": "fuse", "strategy": s, "round": R-1, "acc": a} line per strategy of `flare fuse`
-    summary.md, plots/  written by `flare.report.run_report` from the files above
-    .lock               held (flock) by the one process that writes the directory
+    summary.md, plots/  written by `flare.report.run_report` from the files above; .lock: the one writer's flock
 
 Writers (`flare run`, `flare compare`, sweep points, a Flower server) take the lock first; the OS releases it
 when the process ends, however it ends, so a killed run never blocks its own resume. Everything is written
@@ -149,9 +148,10 @@ def flatten(m: dict, prefix: str = "") -> dict:
 
 
 def config_differences(old: dict, new: dict) -> list[str]:
-    """Dotted keys whose values differ between two config mappings."""
+    """Dotted keys whose values differ; a key one side lacks and the other leaves empty (None, [], {}) is none."""
     a, b = flatten(old or {}), flatten(new or {})
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)
+                  and not all(v is None or v in ([], {}) for v in (a.get(k), b.get(k))))
 
 
 # ----------------------------------------------------------------------------------------------
