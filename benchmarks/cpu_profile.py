@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -67,7 +68,6 @@ def main(argv=None) -> int:
         profiles[name] = rest.split()
     out = Path(args.out)
     if out.exists():
-        import shutil
         shutil.rmtree(out)
     # Decode the archive once before timing (the decode cache), so no profile pays for it.
     warm = subprocess.run([sys.executable, "-c", "import sys; from flare.config import load_config; "

@@ -104,7 +104,8 @@ def _yaml_level(path) -> str | None:
     be read (the config loader reports a bad file later, with the proper message)."""
     import yaml  # lazy: only the CLI's start needs it here
     try:
-        m = yaml.safe_load(open(path, encoding="utf-8"))
+        with open(path, encoding="utf-8") as f:
+            m = yaml.safe_load(f)
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return None
     if not isinstance(m, dict):

@@ -27,7 +27,7 @@ from flare.report.run_report import write_run_report
 from flare.rng import global_rng_state, set_global_rng_state
 from flare.rundata import RunData
 from flare.rundir import SUMMARY, ResumePoint, RunDir
-from flare.setup import RunSetup, evaluated_round, primary_rule
+from flare.setup import RunSetup, evaluated_round, skipped_round_record
 
 
 class Run:
@@ -93,8 +93,7 @@ class Run:
                 client_records = self._train_clients(active, setup.ctx, r, bar, batched)
                 t_train = time.perf_counter() - t0
                 rec = (setup.evaluate(r, active).record if evaluated_round(cfg, r) else
-                       {"kind": "round", "round": r, "method": cfg.method, "primary": primary_rule(cfg),
-                        "evaluated": False})
+                       skipped_round_record(cfg, r))
                 rec["seconds_train"] = t_train
                 rec["seconds"] = time.perf_counter() - t0
                 for w in runaway_warnings(cfg, client_records):

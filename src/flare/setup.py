@@ -76,9 +76,7 @@ def use_channels_last(cfg: Config, device: torch.device) -> bool:
 
 @dataclass
 class Backend:
-    """Where and how a process computes: device, kernels, precision, layout — decided once, before the first
-    tensor operation (the CPU kernel level is fixed then), and recorded in the run (`facts`)."""
-
+    """Where and how a process computes (device, kernels, precision, layout): decided once, recorded (`facts`)."""
     device: torch.device
     amp_dtype: torch.dtype | None
     channels_last: bool
@@ -95,8 +93,7 @@ def backend(cfg: Config, device: str | None = None) -> Backend:
     """Pin the CPU kernels (`cpu_isa`), resolve the device, and turn bf16 autocast off — with a warning — on a CPU
     where it would be emulated (no AVX512-BF16/AMX, or kernels pinned below AVX512): there it is ~50× slower."""
     kernels, warn = cpu.apply(cfg.cpu_isa)
-    warns = [warn] if warn else []
-    device = resolve_device(device or cfg.device)
+    warns, device = [warn] if warn else [], resolve_device(device or cfg.device)
     if cfg.compile and device.type == "cpu" and cpu.is_x86() and kernels != cpu.native_level():
         # Measured with torch 2.14.1 on an AVX512 VM: inductor's CPU code under ATEN_CPU_CAPABILITY=avx2 turned the
         # first step's loss into NaN (the same test passes at native kernels), so this is refused, not risked.
@@ -289,6 +286,10 @@ def rules_for(cfg: Config, r: int | None = None) -> tuple[str, ...]:
 def evaluated_round(cfg: Config, r: int) -> bool:
     """`eval.every`: round index r (0-based) is evaluated every N-th round, and the last round always."""
     return (r + 1) % cfg.eval.every == 0 or r == cfg.rounds - 1
+
+
+def skipped_round_record(cfg: Config, r: int) -> dict:  # a round eval.every skips: reports read evaluated ones
+    return {"kind": "round", "round": r, "method": cfg.method, "primary": primary_rule(cfg), "evaluated": False}
 
 
 @dataclass

@@ -31,7 +31,7 @@ from flare.rundir import RunDir, config_differences
 from flare.server.upload import Upload, UploadSpec, validate_upload
 from flare.setup import (DataMeta, Evaluation, anchor_seed, backend, carries_server_protos, describe_partition,
                          evaluate_uploads, evaluated_round, init_global_model, make_augment, normalizer, prepare_data,
-                         primary_rule, run_anchors)
+                         run_anchors, skipped_round_record)
 
 MAX_RECORDS_BYTES = 4_000_000  # a client's per-round training logs, as JSON text
 
@@ -289,8 +289,7 @@ class ServerSession:
                                   strategy_state=self.strategy_state)
             rec, self.last = ev.record, ev
         else:  # eval.every: the last round is always evaluated, so self.last ends as the final predictor
-            rec = {"kind": "round", "round": round_idx, "method": self.cfg.method, "primary": primary_rule(self.cfg),
-                   "evaluated": False}
+            rec = skipped_round_record(self.cfg, round_idx)
         rec["clients"] = [u.client for u in uploads]
         missing = sorted(set(range(self.cfg.num_clients)) - set(rec["clients"]) - self.empty)
         rec["missing_clients"] = missing
