@@ -18,7 +18,8 @@ from flare.rundir import read_jsonl
 from flare.runner import Run
 from flare.server.evaluator import evaluate
 from flare.server.fusion import fedavg_model, fuse_outputs, rule_scores
-from flare.setup import DataMeta, RunSetup, amp_dtype_for, evaluate_uploads, make_augment, normalizer
+from flare.server.rounds import evaluate_uploads
+from flare.setup import DataMeta, RunSetup, amp_dtype_for, make_augment, normalizer
 from flare.server.protos import mean_prototypes, train_global_prototypes
 
 

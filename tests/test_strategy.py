@@ -13,7 +13,7 @@ from flare.errors import FlareError
 from flare.registry import STRATEGIES
 from flare.rundir import read_jsonl
 from flare.runner import Run
-from flare.setup import rules_for
+from flare.server.rounds import rules_for
 
 
 def class0_share(tiny_folder: Path) -> float:

@@ -25,8 +25,8 @@ from flare.server.evaluator import evaluate_predictors
 from flare.server.fusion import aggregation_weights
 from flare.server.strategy import ServerContext, make_strategy
 from flare.server.upload import Upload
-from flare.setup import (DataMeta, backend, eval_options, init_global_model, normalizer, prepare_data, run_anchors,
-                         server_prototypes, split)
+from flare.server.rounds import eval_options, server_prototypes
+from flare.setup import DataMeta, backend, init_global_model, normalizer, prepare_data, run_anchors, split
 
 KEY = "RUN_DIR"
 

@@ -27,7 +27,8 @@ from flare.report.run_report import write_run_report
 from flare.rng import global_rng_state, set_global_rng_state
 from flare.rundata import RunData
 from flare.rundir import SUMMARY, ResumePoint, RunDir
-from flare.setup import RunSetup, evaluated_round, skipped_round_record
+from flare.server.rounds import evaluated_round, skipped_round_record
+from flare.setup import RunSetup
 
 
 class Run:

@@ -28,7 +28,8 @@ from flare.rundir import RunDir
 from flare.server.fedavg import average_state_dicts
 from flare.server.fusion import rule_scores
 from flare.server.upload import Upload
-from flare.setup import DataMeta, primary_rule, scaling
+from flare.server.rounds import primary_rule
+from flare.setup import DataMeta, scaling
 
 FORMAT = 1
 

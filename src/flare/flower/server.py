@@ -29,9 +29,10 @@ from flare.report.run_report import write_run_report
 from flare.rundata import RunData
 from flare.rundir import RunDir, config_differences
 from flare.server.upload import Upload, UploadSpec, validate_upload
-from flare.setup import (DataMeta, Evaluation, anchor_seed, backend, carries_server_protos, describe_partition,
-                         evaluate_uploads, evaluated_round, init_global_model, make_augment, normalizer, prepare_data,
-                         run_anchors, skipped_round_record)
+from flare.server.rounds import (Evaluation, carries_server_protos, evaluate_uploads, evaluated_round,
+                                 skipped_round_record)
+from flare.setup import (DataMeta, anchor_seed, backend, describe_partition, init_global_model, make_augment,
+                         normalizer, prepare_data, run_anchors)
 
 MAX_RECORDS_BYTES = 4_000_000  # a client's per-round training logs, as JSON text
 

@@ -1,0 +1,132 @@
+"""The server's evaluation checkpoint (SPEC §4–5), engine-free: which strategies a round scores, the global
+prototypes, every strategy's predictor scored in one test pass, and the round's diagnostics. The in-process runner
+(setup.RunSetup), the Flower server and `flare fuse` call these functions, so a round is evaluated one way.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from flare.config import Config
+from flare.metrics import g_protos_std, inter_client_proto_std, model_variance_mean
+from flare.registry import STRATEGIES
+from flare.rng import derived_seed
+from flare.server.evaluator import evaluate_predictors
+from flare.server.fusion import aggregation_weights
+from flare.server.protos import global_prototypes, mean_prototypes, train_global_prototypes
+from flare.server.strategy import ServerContext, make_strategy
+from flare.server.upload import Upload
+
+
+def primary_rule(cfg: Config) -> str:
+    """The rule whose accuracy is "the" accuracy of a run."""
+    p = cfg.server.primary
+    if p != "auto":
+        return p
+    return "feature" if cfg.head == "prototype" else "output"
+
+
+def rules_for(cfg: Config, r: int | None = None) -> tuple[str, ...]:
+    """The server strategies an evaluation scores (registered order): every default one that applies to the head
+    (the built-in rules), or the subset `eval.rules` names, and always the primary; with a round index `r`, those
+    that run only at the last round (`every_round=False`) are left out of the other rounds."""
+    def applies(n: str) -> bool:
+        return cfg.head == "prototype" or not STRATEGIES.get(n).needs_prototypes
+
+    prim = primary_rule(cfg)
+    if cfg.eval.rules is None:
+        want = {n for n in STRATEGIES.names() if STRATEGIES.get(n).default} | {prim}
+    else:
+        want = {prim if n == "primary" else n for n in cfg.eval.rules} | {prim}
+    names = sorted((n for n in STRATEGIES.names() if n in want and applies(n)),
+                   key=lambda n: not STRATEGIES.get(n).default)  # stable: the built-in rules first, as before
+    return tuple(n for n in names if r is None or STRATEGIES.get(n).every_round or r == cfg.rounds - 1)
+
+
+def evaluated_round(cfg: Config, r: int) -> bool:
+    """`eval.every`: round index r (0-based) is evaluated every N-th round, and the last round always."""
+    return (r + 1) % cfg.eval.every == 0 or r == cfg.rounds - 1
+
+
+def skipped_round_record(cfg: Config, r: int) -> dict:  # a round eval.every skips: reports read evaluated ones
+    return {"kind": "round", "round": r, "method": cfg.method, "primary": primary_rule(cfg), "evaluated": False}
+
+
+@dataclass
+class Evaluation:
+    """One evaluation checkpoint: its metrics record, and what the server built (for the saved predictor). `server_G`:
+    Plan B's trained G to carry into the next round (protos_flow=reference), else None."""
+
+    record: dict
+    weights: Tensor
+    G: Tensor | None
+    server_G: Tensor | None = None
+
+
+def carries_server_protos(cfg: Config) -> bool:
+    """Plan B as the reference ran it: the server's G persists across rounds and is the clients' target."""
+    return cfg.server.protos == "trainable" and cfg.server.protos_flow == "reference"
+
+
+def _shuffle_seed(cfg: Config, r: int) -> int:
+    """eval.bn=batch: a new seeded test order every round (the reference's shuffled test loader)."""
+    return derived_seed(abs(cfg.eval.noise_seed), r, 5) if cfg.eval.bn == "batch" else 0
+
+
+def server_prototypes(cfg: Config, r: int, protos: list[Tensor], anchors: Tensor | None,
+                      server_G: Tensor | None = None) -> tuple[Tensor | None, Tensor | None, dict]:
+    """(G the predictors use, Plan B's carried G under protos_flow=reference or None, the server's logs)."""
+    if protos and carries_server_protos(cfg):
+        new_G, logs = train_global_prototypes(protos, cfg.server, anchors, init=server_G)
+        return mean_prototypes(protos), new_G, logs
+    if protos:
+        G, logs = global_prototypes(protos, cfg.server, anchors, derived_seed(cfg.seed, r, 99))
+        return G, None, logs
+    return None, None, {}
+
+
+def eval_options(cfg: Config, r: int, amp_dtype=None, channels_last: bool = False) -> dict:
+    """The keywords of `evaluate_predictors` a run's config fixes for round r."""
+    return dict(batch_size=cfg.test_batch_size, noise_seed=cfg.eval.noise_seed, amp_dtype=amp_dtype,
+                channels_last=channels_last, bn=cfg.eval.bn, shuffle_seed=_shuffle_seed(cfg, r))
+
+
+def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[torch.nn.Module],
+                     anchors: Tensor | None, test_x: Tensor | None, test_y: Tensor | None, norm, *,
+                     amp_dtype=None, channels_last: bool = False, server_G: Tensor | None = None,
+                     strategy_state: dict | None = None) -> Evaluation:
+    """One evaluation checkpoint (SPEC §4–5) from the uploads alone: global prototypes, every fusion rule scored on
+    the test set (skipped when `test_x` is None: a server without a test set), diagnostics. `models[i]` holds
+    `uploads[i].state` (the in-process runner passes the live client models). `server_G`: the G Plan B continues
+    from under protos_flow=reference (the anchors in round 0). `strategy_state`: name → each strategy's own state,
+    kept by the caller across rounds."""
+    t0 = time.perf_counter()
+    weights = aggregation_weights([u.num_samples for u in uploads], cfg.server.weights)
+    protos = [u.prototypes for u in uploads if u.prototypes is not None]
+    prim = primary_rule(cfg)
+    rec: dict = {"kind": "round", "round": r, "method": cfg.method, "primary": prim}
+    G, new_G, server_logs = server_prototypes(cfg, r, protos, anchors, server_G)
+    rec.update(server_logs)
+    t_agg = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    if test_x is not None:
+        states = strategy_state if strategy_state is not None else {}
+        preds = {n: make_strategy(cfg, n).predictor(ServerContext(cfg, r, uploads, models, weights, G, anchors,
+                                                                  states.setdefault(n, {})))
+                 for n in rules_for(cfg, r)}
+        rec.update(evaluate_predictors(models, preds, test_x, test_y, norm, **eval_options(cfg, r, amp_dtype,
+                                                                                          channels_last)))
+    rec["seconds_eval"] = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    rec["model_variance_mean"] = model_variance_mean(models)
+    if protos:
+        rec["g_protos_std"] = g_protos_std(G)
+        rec["inter_client_proto_std"] = inter_client_proto_std(protos)
+    rec["seconds_aggregate"] = t_agg + time.perf_counter() - t2
+    if new_G is not None:
+        rec["server_g_std"] = g_protos_std(new_G)
+    rec["acc"] = rec.get(f"acc_{prim}")
+    return Evaluation(rec, weights, G, new_G)
