@@ -433,3 +433,55 @@ def test_plan_b_reference_is_refused_by_the_flower_server(tiny_overrides, tmp_pa
     with pytest.raises(FlareError) as e:
         Nodes().federate(tiny_overrides + ["server.protos_flow=reference"], tmp_path / "x", preset="server-protos")
     assert e.value.key == "server.protos_flow"
+
+
+# ----------------------------------------------------------------------------------------------
+# plugins over Flower: parts, client statistics (Upload.extras) and a model-owning primary's saved predictor
+
+
+PLUGIN = ["plugins=[flare_demo_plugin]", "loss.terms.demo_center.weight=0.5", "align.anchors=etf",
+          "lam.learner=demo_constant", "lam.options.lam=0.4242", "eval.rules=[primary,output,demo_counts]"]
+
+
+def test_a_plugins_parts_run_in_the_flower_simulation_as_in_flare_run(tiny_overrides, tmp_path):
+    ov = tiny_overrides + PLUGIN
+    Run(load_config(None, "fafi", ov), tmp_path / "inproc", quiet=True).execute()
+    Nodes().federate(ov, tmp_path / "fed")
+    a, b = rounds_of(tmp_path / "inproc"), rounds_of(tmp_path / "fed")
+    assert [strip(r) for r in a] == [strip(r) for r in b]
+    assert all(r["demo_counts.samples"] > 0 and "acc_demo_counts" in r for r in b)  # the extras crossed the wire
+    clients = [r for r in read_jsonl(tmp_path / "fed" / "metrics.jsonl") if r["kind"] == "client"]
+    assert clients and all(r["term_demo_center"] > 0 and r["lambda"] == pytest.approx(0.4242) for r in clients)
+
+
+def test_extras_that_break_the_declaration_are_rejected_by_the_gate(one_round, tmp_path):
+    nodes = Nodes(node_config={2: {"fault": "extras-shape"}})
+    nodes.federate(one_round + PLUGIN, tmp_path / "run", upload="once", min_clients=2)
+    (ev,) = json.loads((tmp_path / "run" / "federation.json").read_text())["events"]
+    assert ev["kind"] == "rejected" and ev["node"] == 1002
+    assert any("'demo_counts/counts' has shape" in r for r in ev["reasons"]), ev["reasons"]
+    (rec,) = rounds_of(tmp_path / "run")
+    assert rec["clients"] == [0, 1] and rec["demo_counts.samples"] > 0
+
+
+def test_a_model_owning_plugin_primary_is_saved_as_the_predictor(one_round, tiny_folder, tmp_path):
+    from flare.data.datasets import load_dataset
+    from flare.flower.predictor import load_predictor
+
+    Nodes().federate(one_round + ["plugins=[flare_demo_plugin]", "server.primary=demo_pick",
+                                  "server.strategies.demo_pick.client=1"], tmp_path / "fed", upload="once")
+    (last,) = rounds_of(tmp_path / "fed")
+    info = json.loads((tmp_path / "fed" / "predictor.json").read_text())
+    assert info["rule"] == "model" and info["strategy"] == "demo_pick" and info["states"] == ["model"]
+    pred = load_predictor(tmp_path / "fed")  # weights_only=True inside
+    data = load_dataset("imagefolder", tiny_folder, cache_dir=tmp_path / "cache")
+    acc = float((pred.predict(data.test_x) == data.test_y).float().mean())
+    assert acc == pytest.approx(last["acc_demo_pick"], abs=1e-9) == pytest.approx(last["client_acc"][1], abs=1e-9)
+
+
+def test_a_client_output_plugin_primary_saves_no_predictor_and_says_why(one_round, tmp_path):
+    Nodes().federate(one_round + ["plugins=[flare_demo_plugin]", "server.primary=demo_class0"], tmp_path / "fed",
+                     upload="once")
+    assert not (tmp_path / "fed" / "predictor.pt").exists()
+    state = json.loads((tmp_path / "fed" / "state.json").read_text())
+    assert any("no predictor saved" in w and "demo_class0" in w for w in state["warnings"])

@@ -110,3 +110,61 @@ def test_fuse_refuses_a_prototype_strategy_for_a_plain_classifier(tiny_overrides
     assert r.returncode == 2 and "reads prototypes" in r.stderr and "Traceback" not in r.stderr
     assert not (d / "fuse.jsonl").exists()
     assert json.loads((d / "state.json").read_text())["status"] == "finished"
+
+
+# ----------------------------------------------------------------------------------------------
+# client statistics a strategy asks for (Upload.extras, server/extras.py)
+
+
+def partition_class_totals(run_dir: Path) -> list[int]:
+    clients = json.loads((run_dir / "partition.json").read_text())["clients"]
+    return [sum(c["class_histogram"][k] for c in clients) for k in range(len(clients[0]["class_histogram"]))]
+
+
+def test_a_strategy_gets_the_client_statistics_it_asks_for(tiny_overrides, tmp_path):
+    """demo_counts asks every client for its class counts; what it logs is computed from what arrived, and equals
+    the partition's class totals: in the run (every round) and in `flare fuse` over the saved states."""
+    cfg = load_config(None, "fafi", tiny_overrides + ["plugins=[flare_demo_plugin]",
+                                                      "eval.rules=[primary,demo_counts]"])
+    d = tmp_path / "run"
+    Run(cfg, d, quiet=True).execute()
+    totals = partition_class_totals(d)
+    for rec in rounds_of(d):
+        assert rec["demo_counts.samples"] == sum(totals)
+        assert rec["demo_counts.majority"] == max(range(len(totals)), key=lambda k: (totals[k], -k))
+        assert 0 <= rec["acc_demo_counts"] <= 1
+    r = fuse(d, "--strategies", "demo_counts")
+    assert r.returncode == 0, r.stderr
+    (f,) = read_jsonl(d / "fuse.jsonl")
+    last = rounds_of(d)[-1]
+    assert f["acc"] == last["acc_demo_counts"] and f["demo_counts.samples"] == sum(totals)
+
+
+def test_extras_that_do_not_match_the_declaration_exit_2(tiny_overrides, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "flare.cli", "run", "--preset", "fafi", "--out", str(tmp_path / "r"),
+                        "--quiet", *tiny_overrides, "plugins=[flare_demo_plugin]", "eval.rules=[primary,demo_counts]",
+                        "server.strategies.demo_counts.bad_shape=true"], capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert "server.strategies.demo_counts" in r.stderr and "'demo_counts/counts' has shape" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_the_gate_checks_extras_against_the_declaration():
+    import torch
+
+    from flare.server.upload import Upload, UploadSpec, validate_upload
+    net = torch.nn.Linear(2, 2)
+    net.feature_dim = 2
+    spec = UploadSpec.from_model(net, 2)
+    state = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    want = {"s/counts": ((2,), torch.float32)}
+    ok = Upload(0, state, 5, None, {"s/counts": torch.ones(2)})
+    assert validate_upload(ok, UploadSpec(**{**spec.__dict__, "extras": want})) == []
+    bad = {"wrong shape": {"s/counts": torch.ones(3)}, "missing": {}, "nan": {"s/counts": torch.tensor([1., float("nan")])},
+           "unexpected": {"s/counts": torch.ones(2), "s/other": torch.ones(1)},
+           "dtype": {"s/counts": torch.ones(2, dtype=torch.float64)}}
+    for name, extras in bad.items():
+        reasons = validate_upload(Upload(0, state, 5, None, extras), UploadSpec(**{**spec.__dict__, "extras": want}))
+        assert any("extras" in r or "s/counts" in r for r in reasons), (name, reasons)
+    # extras nobody asked for are rejected too
+    assert any("unexpected" in r for r in validate_upload(ok, spec))

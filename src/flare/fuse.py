@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from flare import cpu
 from flare.config import Config, build_config
 from flare.errors import FlareError
@@ -22,11 +24,12 @@ from flare.registry import STRATEGIES, load_plugins
 from flare.report.run_report import write_run_report
 from flare.rundir import CHECKPOINT, FUSE, RunDir, read_jsonl
 from flare.server.evaluator import evaluate_predictors
+from flare.server.extras import ClientData, client_extras, extras_shapes, own_extras
 from flare.server.fusion import aggregation_weights
 from flare.server.strategy import ServerContext, make_strategy
 from flare.server.upload import Upload
 from flare.server.rounds import eval_options, server_prototypes
-from flare.setup import DataMeta, backend, init_global_model, normalizer, prepare_data, run_anchors, split
+from flare.setup import DataMeta, backend, init_global_model, make_augment, normalizer, prepare_data, run_anchors, split
 
 KEY = "RUN_DIR"
 
@@ -110,9 +113,9 @@ def _score(job: FuseJob, names: list[str]) -> None:
     cfg, rd = job.cfg, job.dir
     cpu.pin(cfg.cpu_isa)
     be = backend(cfg)
-    data, _ = prepare_data(cfg)
+    data, public = prepare_data(cfg)
     meta = DataMeta.from_data(data)
-    sizes = [len(ix) for ix in split(cfg, data.train_y, data.num_classes).client_indices]
+    parts = split(cfg, data.train_y, data.num_classes).client_indices
     template = init_global_model(cfg, meta, be.device, channels_last=be.channels_last)
     anchors = run_anchors(cfg, meta.num_classes, template.feature_dim, be.device)
     ck = rd.load_checkpoint(be.device, lambda w: None)
@@ -120,27 +123,34 @@ def _score(job: FuseJob, names: list[str]) -> None:
         raise FlareError(f"'{rd.path}/{CHECKPOINT}' is unreadable, holds no client states or does not cover the "
                          "last round.", key=KEY,
                          fix="rerun the experiment into a new directory (runs are deterministic) and fuse that one.")
+    norm = normalizer(cfg, meta)
+    augment = make_augment(cfg, meta, be.device) if extras_shapes(cfg, names, template) else None
     models, uploads = [], []
-    for i, (n, st) in enumerate(zip(sizes, ck["clients"])):
-        if n == 0:  # the runner leaves clients without samples out of every evaluation
+    for i, (ix, st) in enumerate(zip(parts, ck["clients"])):
+        if len(ix) == 0:  # the runner leaves clients without samples out of every evaluation
             continue
         m = copy.deepcopy(template)
         m.load_state_dict(st["model"])
         m.eval()
         P = getattr(m, "prototypes", None)
-        uploads.append(Upload(i, m.state_dict(), n, P.detach() if P is not None else None))
+        extras = {}
+        if augment is not None:  # the statistics the strategies ask for, from the client's saved state and data
+            ix = torch.as_tensor(ix)
+            extras = client_extras(cfg, names, ClientData(cfg, i, copy.deepcopy(m), data.train_x[ix].to(be.device),
+                                                          data.train_y[ix].to(be.device), norm, augment, be.device))
+        uploads.append(Upload(i, m.state_dict(), len(ix), P.detach() if P is not None else None, extras))
         models.append(m)
     r = cfg.rounds - 1
     weights = aggregation_weights([u.num_samples for u in uploads], cfg.server.weights)
     protos = [u.prototypes for u in uploads if u.prototypes is not None]
     G, _, _ = server_prototypes(cfg, r, protos, anchors, (ck.get("server") or {}).get("G"))
     test_x, test_y = data.test_x.to(be.device), data.test_y.to(be.device)
-    norm = normalizer(cfg, meta)
+    public_x = public[0].to(be.device) if public is not None else None
     for name in names:
         t0 = time.perf_counter()
         pred = make_strategy(cfg, name, key="--strategies").predictor(
-            ServerContext(cfg, r, uploads, models, weights, G, anchors, {}))
+            ServerContext(cfg, r, uploads, models, weights, G, anchors, {}, own_extras(uploads, name), public_x, norm))
         res = evaluate_predictors(models, {name: pred}, test_x, test_y, norm,
                                   **eval_options(cfg, r, be.amp_dtype, be.channels_last))
         rd.append([{"kind": "fuse", "strategy": name, "round": r, "acc": res[f"acc_{name}"],
-                    "seconds": time.perf_counter() - t0}], FUSE)
+                    "seconds": time.perf_counter() - t0, **{f"{name}.{k}": v for k, v in pred.logs.items()}}], FUSE)

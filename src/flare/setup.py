@@ -29,6 +29,7 @@ from flare.data.partition import Partition, make_partition
 from flare.errors import FlareError
 from flare.models import FlareNet, create_model
 from flare.schedules import LRSchedule
+from flare.server.extras import ClientData, client_extras, extras_shapes
 from flare.server.rounds import Evaluation, carries_server_protos, evaluate_uploads, rules_for
 
 # ----------------------------------------------------------------------------------------------
@@ -268,6 +269,7 @@ class RunSetup:
     ctx: TrainContext
     test_x: Tensor
     test_y: Tensor
+    public_x: Tensor | None = None  # the server's unlabeled public slice (dataset.public_size), on the device
     strategy_state: dict = field(default_factory=dict)  # each server strategy's own state across rounds
 
     @classmethod
@@ -286,7 +288,8 @@ class RunSetup:
                                  amp_dtype, cl, bank, plain=norm)
         # The host copies of the data are not kept: ctx and test_x/test_y hold the device copies.
         run = cls(cfg, device, amp_dtype, cl, be, part, describe_partition(cfg, part, data.classes), model,
-                  anchors, norm, ctx, data.test_x.to(device), data.test_y.to(device))
+                  anchors, norm, ctx, data.test_x.to(device), data.test_y.to(device),
+                  public[0].to(device) if public is not None else None)
         if carries_server_protos(cfg):  # Plan B as the reference: round 0's target and G are the anchors
             run.load_server_state({"G": anchors})
         return run
@@ -318,11 +321,20 @@ class RunSetup:
                               ent))
         return out
 
+    def client_data(self, c: Client) -> ClientData:
+        """A client's side of `Strategy.client_extras`: a copy of its model (a strategy cannot disturb training)."""
+        ix = c.indices
+        return ClientData(self.cfg, c.cid, copy.deepcopy(c.model), self.ctx.train_x[ix], self.ctx.train_y[ix],
+                          self.norm, self.ctx.augment, self.device)
+
     def evaluate(self, r: int, clients: list[Client]) -> Evaluation:
-        ev = evaluate_uploads(self.cfg, r, [c.upload() for c in clients], [c.model for c in clients], self.anchors,
+        names = rules_for(self.cfg, r)
+        asks = bool(extras_shapes(self.cfg, names, self.global_model))
+        uploads = [c.upload(client_extras(self.cfg, names, self.client_data(c)) if asks else None) for c in clients]
+        ev = evaluate_uploads(self.cfg, r, uploads, [c.model for c in clients], self.anchors,
                               self.test_x, self.test_y, self.norm, amp_dtype=self.amp_dtype,
                               channels_last=self.channels_last, server_G=self.ctx.server_target,
-                              strategy_state=self.strategy_state)
+                              strategy_state=self.strategy_state, public_x=self.public_x)
         if ev.server_G is not None:  # the clients align to it in the next round
             self.load_server_state({"G": ev.server_G})
         return ev

@@ -3,7 +3,8 @@
 Every part leaves a mark only it can make: the loss term logs `term_demo_center`, the λ provider a constant
 λ = options.lam (0.4242 by default), the partition deals samples round-robin, the dataset is 4 seeded blobs, the
 server strategy `demo_class0` always predicts class 0 (its accuracy is the test set's class-0 share, exactly) and
-`demo_pick` scores with one client's own model (its accuracy is that client's `client_acc`, exactly).
+`demo_pick` scores with one client's own model (its accuracy is that client's `client_acc`, exactly), and
+`demo_counts` asks the clients for their class counts (`Upload.extras`) and logs what it received.
 """
 import torch
 from pydantic import BaseModel
@@ -112,3 +113,33 @@ class Pick(Strategy):
 
     def predictor(self, ctx):
         return ModelPredictor(ctx.models[self.options.client])
+
+
+class CountsOptions(BaseModel):
+    bad_shape: bool = False  # compute one count more than declared (the bad-input test of the extras check)
+
+
+class CountsPredictor(ClientPredictor):
+    def __init__(self, counts, logs):
+        self.counts, self.logs = counts, logs
+
+    def scores(self, out: ClientOutputs):
+        return (self.counts.to(out.logits.device)[:, None, :] * out.logits.softmax(-1)).sum(0)
+
+
+@STRATEGIES.register("demo_counts", options=CountsOptions)
+class Counts(Strategy):
+    """Asks every client for its class counts (Upload.extras) and weighs each client's softmax per class by them;
+    logs the counts it received (their total and the majority class), which only the uploaded statistics give."""
+
+    def extras_shapes(self, template):
+        return {"counts": ((template.num_classes,), torch.float32)}
+
+    def client_extras(self, data):
+        C = data.model.num_classes + (1 if self.options.bad_shape else 0)
+        return {"counts": torch.bincount(data.y.cpu(), minlength=C).float()}
+
+    def predictor(self, ctx):
+        counts = torch.stack([e["counts"] for e in ctx.extras])  # K×C
+        total = counts.sum(0)
+        return CountsPredictor(counts, {"samples": float(total.sum()), "majority": int(total.argmax())})

@@ -274,10 +274,11 @@ class Client:
         return logs
 
     # -- what the server sees, and checkpoints ------------------------------------------------
-    def upload(self) -> Upload:
+    def upload(self, extras: dict[str, Tensor] | None = None) -> Upload:
+        """What the server sees; `extras`: the statistics its strategies asked for (server/extras.py)."""
         protos = getattr(self.model, "prototypes", None)
         return Upload(client=self.cid, state=self.model.state_dict(), num_samples=self.num_samples,
-                      prototypes=protos.detach() if protos is not None else None)
+                      prototypes=protos.detach() if protos is not None else None, extras=dict(extras or {}))
 
     def state_dict(self) -> dict:
         return {

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 
+import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -100,6 +101,8 @@ def handle_train(content: RecordDict, context: Context) -> RecordDict:
     reply = RecordDict()
     if res.state is not None:
         reply["upload"] = state_to_record(inject_fault(res.state, nc.get("fault")))
+    if res.extras:
+        reply["extras"] = state_to_record(inject_fault(res.extras, nc.get("fault"), extras=True))
     reply["meta"] = ConfigRecord({"client": res.cid, "num-samples": res.num_samples,
                                   "class-histogram": [int(h) for h in res.class_histogram],
                                   "records": json.dumps(res.records, default=float)})
@@ -107,18 +110,25 @@ def handle_train(content: RecordDict, context: Context) -> RecordDict:
     return reply
 
 
-FAULTS = ("wrong-shape", "nan", "missing-key")
+FAULTS = ("wrong-shape", "nan", "missing-key", "extras-shape")
 
 
-def inject_fault(state: dict, fault) -> dict:
+def inject_fault(state: dict, fault, extras: bool = False) -> dict:
     """Fault drills (node config `fault=...`): send a deliberately broken upload, so that the server's gate can be
-    exercised on a real deployment. Never set on an honest node."""
+    exercised on a real deployment. Never set on an honest node. `extras-shape` breaks the first statistic a
+    strategy asked for (`extras=True`: the extras record), the others the weights."""
     if not fault:
         return state
     if fault not in FAULTS:
         raise FlareError(f"node config fault={fault!r} is not a fault drill.", key="fault",
                          fix=f"use one of: {', '.join(FAULTS)} (or leave it unset).")
+    if (fault == "extras-shape") != extras:
+        return state
     out = dict(state)
+    if extras:
+        name = next(iter(out))
+        out[name] = torch.cat([out[name].reshape(-1), out[name].reshape(-1)[:1]])
+        return out
     name = next(k for k, v in out.items() if v.is_floating_point() and v.dim() >= 2)
     if fault == "wrong-shape":
         out[name] = out[name][:1].clone()

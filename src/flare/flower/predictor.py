@@ -27,6 +27,7 @@ from flare.models import create_model
 from flare.rundir import RunDir
 from flare.server.fedavg import average_state_dicts
 from flare.server.fusion import rule_scores
+from flare.server.strategy import ModelPredictor
 from flare.server.upload import Upload
 from flare.server.rounds import primary_rule
 from flare.setup import DataMeta, scaling
@@ -34,9 +35,13 @@ from flare.setup import DataMeta, scaling
 FORMAT = 1
 
 
+BUILT_IN = ("feature", "iffi", "iffi_reference", "output", "fedavg")
+
+
 class GlobalPredictor(nn.Module):
     """Applies one server rule (SPEC §4) to uint8 images: `feature`, `iffi`, `iffi_reference`, `output` or
-    `fedavg`. The IFFI noise inputs are drawn from a generator seeded with `noise_seed` on every call."""
+    `fedavg` — or `model`: the one model a model-building strategy (a plugin's, OTFusion, FedLPA …) built, scored by
+    its logits. The IFFI noise inputs are drawn from a generator seeded with `noise_seed` on every call."""
 
     def __init__(self, rule: str, models: list[nn.Module], weights: Tensor, G: Tensor | None,
                  mean, std, noise_seed: int = 0, ensemble: str = "softmax"):
@@ -52,6 +57,8 @@ class GlobalPredictor(nn.Module):
         self.eval()
         x = normalize(x_uint8.to(self.weights.device), self.mean, self.std)
         outs = [m(x) for m in self.models]
+        if self.rule == "model":
+            return outs[0][1].float()
         feats = torch.stack([o[0].float() for o in outs])
         logits = torch.stack([o[1].float() for o in outs])
         noise = None
@@ -66,16 +73,29 @@ class GlobalPredictor(nn.Module):
 
 
 def save_predictor(out: RunDir, cfg: Config, meta: DataMeta, uploads: list[Upload], weights: Tensor,
-                   G: Tensor | None, record: dict, feature_dim: int) -> Path:
+                   G: Tensor | None, record: dict, feature_dim: int, predictors: dict | None = None) -> Path | str:
     """Write predictor.pt and predictor.json for the run's primary rule from the last round's uploads, with the
-    aggregation weights and global prototypes G that round's evaluation used."""
+    aggregation weights and global prototypes G that round's evaluation used. A primary strategy that is not a
+    built-in rule is saved when it built one model of the run's architecture (`predictors[primary]` a
+    ModelPredictor); otherwise nothing is written and the reason is returned (a strategy scoring the clients'
+    outputs with its own code cannot travel as tensors)."""
     rule = primary_rule(cfg)
-    if rule == "fedavg":
+    template = create_model(cfg.model.name, meta.in_channels, meta.num_classes, cfg.model.width, head=cfg.head,
+                            options=cfg.model.options)
+    if rule not in BUILT_IN:
+        pred = (predictors or {}).get(rule)
+        state = pred.model.state_dict() if isinstance(pred, ModelPredictor) else None
+        want = {k: tuple(v.shape) for k, v in template.state_dict().items()}
+        if state is None or {k: tuple(v.shape) for k, v in state.items()} != want:
+            return (f"no predictor saved: the primary strategy '{rule}' did not build one model of the run's "
+                    "architecture (a strategy scoring the clients' outputs with its own code cannot be saved as "
+                    "tensors); score it with `flare fuse` on an in-process run.")
+        states = {"model": {k: v.detach().cpu() for k, v in state.items()}}
+        rule = "model"
+    elif rule == "fedavg":
         params = None
         if cfg.server.fedavg_buffers == "first":  # parameters only averaged, the first client's buffers
-            net = create_model(cfg.model.name, meta.in_channels, meta.num_classes, cfg.model.width, head=cfg.head,
-                               options=cfg.model.options)
-            params = {k for k, _ in net.named_parameters()}
+            params = {k for k, _ in template.named_parameters()}
         states = {"avg": average_state_dicts([{k: v.cpu() for k, v in u.state.items()} for u in uploads], weights,
                                              only=params)}
     else:
@@ -84,7 +104,7 @@ def save_predictor(out: RunDir, cfg: Config, meta: DataMeta, uploads: list[Uploa
     test_mean, test_std = scaling(cfg, meta).test  # the evaluation transform (augment.input_scaling)
     out.save_torch("predictor.pt", {"format": FORMAT, "states": states, "weights": weights, "G": G})
     info = {
-        "format": FORMAT, "rule": rule, "method": cfg.method, "seed": cfg.seed, "round": record["round"],
+        "format": FORMAT, "rule": rule, "strategy": primary_rule(cfg), "method": cfg.method, "seed": cfg.seed, "round": record["round"],
         "accuracy": record.get("acc"), "accuracies": {k: v for k, v in record.items() if k.startswith("acc_")},
         "clients": [u.client for u in uploads], "weights": weights.tolist(),
         "model": {"name": cfg.model.name, "width": cfg.model.width, "head": cfg.head, "options": cfg.model.options,

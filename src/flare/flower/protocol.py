@@ -7,6 +7,7 @@ computes the same numbers as the in-process runner.
 """
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,8 @@ from flare.config import Config, build_config, config_to_yaml
 from flare.data.partition import Partition
 from flare.errors import FlareError
 from flare.models import create_model
+from flare.server.extras import ClientData, client_extras, extras_shapes
+from flare.server.rounds import evaluated_round, rules_for
 from flare.setup import (DataMeta, backend, make_augment, make_train_context, normalizer, prepare_data, run_anchors,
                          split)
 
@@ -155,6 +158,7 @@ class ClientResult:
     state: dict[str, Tensor] | None       # the upload (None for a client without samples)
     records: list[dict]                   # one training-log line per round trained
     carry: dict | None                    # Client.state_dict() to resume from, when rounds remain
+    extras: dict[str, Tensor] | None = None  # the statistics the server's strategies asked for (server/extras.py)
 
 
 def client_train(task: Task, local: LocalData, init_state: dict[str, Tensor], resume: dict | None = None,
@@ -189,4 +193,18 @@ def client_train(task: Task, local: LocalData, init_state: dict[str, Tensor], re
     upload = client.upload()
     state = {k: v.detach().cpu() for k, v in upload.state.items()}
     carry = client.state_dict() if task.round_end < cfg.rounds else None
-    return ClientResult(local.cid, local.num_samples, hist, state, records, carry)
+    return ClientResult(local.cid, local.num_samples, hist, state, records, carry,
+                        block_extras(cfg, task.round_end - 1, client, ctx))
+
+
+def block_extras(cfg: Config, last_round: int, client: Client, ctx) -> dict[str, Tensor]:
+    """What the strategies the server scores after `last_round` ask this client for (none on a round `eval.every`
+    skips); the server's gate expects exactly these (`ServerSession.spec_for`)."""
+    if not evaluated_round(cfg, last_round):
+        return {}
+    names = rules_for(cfg, last_round)
+    if not extras_shapes(cfg, names, client.model):
+        return {}
+    data = ClientData(cfg, client.cid, copy.deepcopy(client.model), ctx.train_x, ctx.train_y, ctx.plain, ctx.augment,
+                      ctx.device)
+    return client_extras(cfg, names, data)

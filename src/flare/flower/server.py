@@ -12,7 +12,7 @@ import copy
 import json
 import shlex
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +29,8 @@ from flare.report.run_report import write_run_report
 from flare.rundata import RunData
 from flare.rundir import RunDir, config_differences
 from flare.server.upload import Upload, UploadSpec, validate_upload
-from flare.server.rounds import (Evaluation, carries_server_protos, evaluate_uploads, evaluated_round,
+from flare.server.extras import extras_shapes
+from flare.server.rounds import (Evaluation, carries_server_protos, evaluate_uploads, evaluated_round, rules_for,
                                  skipped_round_record)
 from flare.setup import (DataMeta, anchor_seed, backend, describe_partition, init_global_model, make_augment,
                          normalizer, prepare_data, run_anchors)
@@ -85,6 +86,7 @@ class Reply:
     error: str | None = None
     meta: dict = field(default_factory=dict)
     state: dict | None = None
+    extras: dict | None = None
     decode_error: str | None = None
 
 
@@ -159,6 +161,7 @@ class ServerSession:
         bank = build_public_bank(cfg, public, self.template, make_augment(cfg, meta, self.device), self.norm,
                                  self.device)
         self.bank = bank.cpu() if bank is not None else None
+        self.public_x = public[0].to(self.device) if public is not None else None  # for data-using strategies
         self.spec = UploadSpec.from_model(self.template, meta.num_classes)
         protos = getattr(self.template, "prototypes", None)
         self.proto_key = next((k for k, p in self.template.named_parameters() if p is protos), None)
@@ -189,6 +192,13 @@ class ServerSession:
         return [(r, r + 1) for r in range(R)] if self.fed.upload == "per-round" else [(0, R)]
 
     # -- the gate ---------------------------------------------------------------------------------
+    def spec_for(self, last_round: int) -> UploadSpec:
+        """The gate of a block ending at `last_round`: the weights' template, plus the statistics the strategies
+        scored after it ask for (server/extras.py; none on a round `eval.every` skips)."""
+        if not evaluated_round(self.cfg, last_round):
+            return self.spec
+        return replace(self.spec, extras=extras_shapes(self.cfg, rules_for(self.cfg, last_round), self.template))
+
     def accept(self, round_start: int, round_end: int, nodes: list[int], replies: list[Reply]):
         """Check every reply of one block; returns (uploads sorted by client id, their training logs, the
         nodes to keep for the next block). Missing and rejected clients are logged and recorded."""
@@ -243,8 +253,9 @@ class ServerSession:
                             [f"upload could not be decoded: {rep.decode_error or 'no weights'}"])
                 continue
             up = Upload(client=cid, state=rep.state, num_samples=n,
-                        prototypes=rep.state.get(self.proto_key) if self.proto_key else None)
-            reasons = validate_upload(up, self.spec)
+                        prototypes=rep.state.get(self.proto_key) if self.proto_key else None,
+                        extras=rep.extras or {})
+            reasons = validate_upload(up, self.spec_for(round_end - 1))
             recs, why = _sanitize_records(m.get("records"), cid, rounds)
             if why:
                 reasons.append(why)
@@ -287,7 +298,7 @@ class ServerSession:
         if evaluated_round(self.cfg, round_idx):
             ev = evaluate_uploads(self.cfg, round_idx, uploads, models, self.anchors, self.test_x, self.test_y,
                                   self.norm, amp_dtype=self.amp_dtype, channels_last=self.channels_last,
-                                  strategy_state=self.strategy_state)
+                                  strategy_state=self.strategy_state, public_x=self.public_x)
             rec, self.last = ev.record, ev
         else:  # eval.every: the last round is always evaluated, so self.last ends as the final predictor
             rec = skipped_round_record(self.cfg, round_idx)
@@ -327,8 +338,10 @@ class ServerSession:
         self.write_partition()
         self._write_federation("finished")
         if self.fed.save_predictor and self.last_uploads:
-            save_predictor(self.dir, self.cfg, self.meta, self.last_uploads, self.last.weights, self.last.G,
-                           self.last.record, self.template.feature_dim)
+            saved = save_predictor(self.dir, self.cfg, self.meta, self.last_uploads, self.last.weights, self.last.G,
+                                   self.last.record, self.template.feature_dim, self.last.predictors)
+            if isinstance(saved, str):
+                self._warn(saved)
         self.dir.write_state("finished", self.cfg.rounds, self.warnings)
         write_run_report(self.out)
         if self.test_x is None:  # nothing was scored

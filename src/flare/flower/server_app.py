@@ -55,6 +55,9 @@ def decode_content(node: int, content: RecordDict) -> Reply:
         up = content.array_records.get("upload")
         if up is not None:
             rep.state = dict(record_to_state(up))
+        ex = content.array_records.get("extras")
+        if ex is not None:
+            rep.extras = dict(record_to_state(ex))
     except Exception as e:  # noqa: BLE001 — anything a peer sends that does not decode is a rejection
         rep.state, rep.decode_error = None, f"{type(e).__name__}: {e}"
     return rep

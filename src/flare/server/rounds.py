@@ -5,7 +5,7 @@ prototypes, every strategy's predictor scored in one test pass, and the round's 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -15,6 +15,7 @@ from flare.metrics import g_protos_std, inter_client_proto_std, model_variance_m
 from flare.registry import STRATEGIES
 from flare.rng import derived_seed
 from flare.server.evaluator import evaluate_predictors
+from flare.server.extras import own_extras
 from flare.server.fusion import aggregation_weights
 from flare.server.protos import global_prototypes, mean_prototypes, train_global_prototypes
 from flare.server.strategy import ServerContext, make_strategy
@@ -58,12 +59,14 @@ def skipped_round_record(cfg: Config, r: int) -> dict:  # a round eval.every ski
 @dataclass
 class Evaluation:
     """One evaluation checkpoint: its metrics record, and what the server built (for the saved predictor). `server_G`:
-    Plan B's trained G to carry into the next round (protos_flow=reference), else None."""
+    Plan B's trained G to carry into the next round (protos_flow=reference), else None. `predictors`: what each
+    strategy built (a model-owning primary is what a Flower run saves as its predictor)."""
 
     record: dict
     weights: Tensor
     G: Tensor | None
     server_G: Tensor | None = None
+    predictors: dict = field(default_factory=dict)
 
 
 def carries_server_protos(cfg: Config) -> bool:
@@ -97,12 +100,13 @@ def eval_options(cfg: Config, r: int, amp_dtype=None, channels_last: bool = Fals
 def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[torch.nn.Module],
                      anchors: Tensor | None, test_x: Tensor | None, test_y: Tensor | None, norm, *,
                      amp_dtype=None, channels_last: bool = False, server_G: Tensor | None = None,
-                     strategy_state: dict | None = None) -> Evaluation:
+                     strategy_state: dict | None = None, public_x: Tensor | None = None) -> Evaluation:
     """One evaluation checkpoint (SPEC §4–5) from the uploads alone: global prototypes, every fusion rule scored on
     the test set (skipped when `test_x` is None: a server without a test set), diagnostics. `models[i]` holds
     `uploads[i].state` (the in-process runner passes the live client models). `server_G`: the G Plan B continues
     from under protos_flow=reference (the anchors in round 0). `strategy_state`: name → each strategy's own state,
-    kept by the caller across rounds."""
+    kept by the caller across rounds. `uploads[i].extras` carry the statistics the strategies asked for
+    (server/extras.py); `public_x` is the server's unlabeled public slice, when the run has one."""
     t0 = time.perf_counter()
     weights = aggregation_weights([u.num_samples for u in uploads], cfg.server.weights)
     protos = [u.prototypes for u in uploads if u.prototypes is not None]
@@ -112,13 +116,15 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
     rec.update(server_logs)
     t_agg = time.perf_counter() - t0
     t1 = time.perf_counter()
+    preds: dict = {}
     if test_x is not None:
         states = strategy_state if strategy_state is not None else {}
-        preds = {n: make_strategy(cfg, n).predictor(ServerContext(cfg, r, uploads, models, weights, G, anchors,
-                                                                  states.setdefault(n, {})))
-                 for n in rules_for(cfg, r)}
+        preds = {n: make_strategy(cfg, n).predictor(ServerContext(
+            cfg, r, uploads, models, weights, G, anchors, states.setdefault(n, {}), own_extras(uploads, n),
+            public_x, norm)) for n in rules_for(cfg, r)}
         rec.update(evaluate_predictors(models, preds, test_x, test_y, norm, **eval_options(cfg, r, amp_dtype,
                                                                                           channels_last)))
+        rec.update({f"{n}.{k}": v for n, p in preds.items() for k, v in p.logs.items()})
     rec["seconds_eval"] = time.perf_counter() - t1
     t2 = time.perf_counter()
     rec["model_variance_mean"] = model_variance_mean(models)
@@ -129,4 +135,4 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
     if new_G is not None:
         rec["server_g_std"] = g_protos_std(new_G)
     rec["acc"] = rec.get(f"acc_{prim}")
-    return Evaluation(rec, weights, G, new_G)
+    return Evaluation(rec, weights, G, new_G, preds)

@@ -16,7 +16,9 @@ built-in rules (SPEC §4) are registered here; their arithmetic stays in server/
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
+import torch
 from pydantic import BaseModel
 from torch import Tensor, nn
 
@@ -30,7 +32,10 @@ from flare.server.upload import Upload
 class ServerContext:
     """What a strategy sees at one evaluation: the uploads, the models holding their states (eval mode, on the
     evaluation device), the aggregation weights (`server.weights`), the global prototypes G and the anchors of this
-    round, and `state`, the strategy's own dict kept across the rounds of one process (not in checkpoints)."""
+    round, and `state`, the strategy's own dict kept across the rounds of one process (not in checkpoints).
+    `extras[i]`: the statistics this strategy asked client i for (`Strategy.client_extras`), without the prefix.
+    `public_x`: the server's unlabeled public slice (uint8 images, `dataset.public_size`; None without one) and
+    `normalize`, the run's uint8 → model-input map — for servers that distil or recalibrate on data."""
 
     cfg: Config
     round: int
@@ -40,6 +45,13 @@ class ServerContext:
     G: Tensor | None
     anchors: Tensor | None
     state: dict = field(default_factory=dict)
+    extras: list[dict[str, Tensor]] = field(default_factory=list)
+    public_x: Tensor | None = None
+    normalize: Callable[[Tensor], Tensor] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights.device if not self.models else next(self.models[0].parameters()).device
 
 
 @dataclass
@@ -54,10 +66,12 @@ class ClientOutputs:
 
 class ClientPredictor:
     """Scores a batch from the client models' outputs. `needs_noise`: the evaluator also computes the noise
-    features; `batch_bn`: eval.bn=batch gives this predictor the train-mode (batch-statistics) features."""
+    features; `batch_bn`: eval.bn=batch gives this predictor the train-mode (batch-statistics) features. `logs`
+    (either predictor kind): numbers about how it was built, written into the round record as `<strategy>.<key>`."""
 
     needs_noise = False
     batch_bn = False
+    logs: dict[str, float] = {}
 
     def scores(self, out: ClientOutputs) -> Tensor:
         """B×C scores; the prediction is their argmax."""
@@ -68,8 +82,11 @@ class ModelPredictor:
     """Scores the normalised batch with its own model (called under the run's autocast); the default reads the
     model's logits, the second output of a FLARE model."""
 
-    def __init__(self, model: nn.Module):
+    logs: dict[str, float] = {}
+
+    def __init__(self, model: nn.Module, logs: dict[str, float] | None = None):
         self.model = model.eval()
+        self.logs = dict(logs or {})
 
     def scores(self, x: Tensor) -> Tensor:
         return self.model(x)[1].float()
@@ -81,7 +98,11 @@ Predictor = ClientPredictor | ModelPredictor
 class Strategy:
     """Builds the predictor of one server method from the uploads. Class attributes: `needs_prototypes` (only for
     prototype heads), `every_round` (False: an expensive method runs at the last round only), `default` (evaluated
-    when `eval.rules` is unset; the built-in rules are, a plugin's strategy only when named)."""
+    when `eval.rules` is unset; the built-in rules are, a plugin's strategy only when named).
+
+    A strategy that needs client statistics beyond the weights overrides `extras_shapes` and `client_extras`
+    (server/extras.py): the clients compute them after training, the gate checks them against the declaration,
+    and `predictor` reads them from `ctx.extras`."""
 
     needs_prototypes = False
     every_round = True
@@ -92,6 +113,15 @@ class Strategy:
 
     def predictor(self, ctx: ServerContext) -> Predictor:
         raise NotImplementedError
+
+    def extras_shapes(self, template: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """name → (shape, dtype) of each statistic a client uploads for this strategy (none by default), from the
+        run's model `template`."""
+        return {}
+
+    def client_extras(self, data) -> dict[str, Tensor]:
+        """The statistics of one client (`data`: a server.extras.ClientData), computed where its data lives."""
+        return {}
 
 
 def make_strategy(cfg: Config, name: str, key: str = "server.primary") -> Strategy:

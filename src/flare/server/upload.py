@@ -1,4 +1,5 @@
-"""What a client sends the server, once: its model weights, its prototypes and its sample count.
+"""What a client sends the server, once: its model weights, its prototypes, its sample count, and the statistics
+the run's server strategies asked for (`extras`, server/extras.py).
 
 `validate_upload` is the server's gate for uploads it does not trust (a federation's clients): an upload
 with missing or extra tensors, wrong shapes, wrong dtypes, non-finite values, a prototype matrix whose
@@ -7,10 +8,13 @@ never reaches aggregation. The in-process runner builds its uploads itself and d
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+
+Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name → (shape, dtype) of the tensors a gate expects
 
 
 @dataclass
@@ -19,6 +23,7 @@ class Upload:
     state: dict[str, Tensor]      # encoder (+ head) state dict, BatchNorm statistics included
     num_samples: int
     prototypes: Tensor | None     # C×d for prototype heads, None for plain classifiers
+    extras: dict[str, Tensor] = field(default_factory=dict)  # statistics strategies asked for (server/extras.py)
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,7 @@ class UploadSpec:
     feature_dim: int
     prototype_head: bool
     max_samples: int | None = None  # an upper bound on a client's sample count, when the server knows one
+    extras: Shapes = field(default_factory=dict)  # what the strategies' client statistics must be (server/extras.py)
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, num_classes: int, max_samples: int | None = None) -> "UploadSpec":
@@ -42,6 +48,42 @@ class UploadSpec:
 
 def _shape(t) -> tuple[int, ...]:
     return tuple(int(s) for s in t.shape)
+
+
+def check_tensors(what: str, got, shapes: Shapes, *, max_listed: int = 5) -> list[str]:
+    """Every reason `got` is not exactly the tensors `shapes` describes: missing or unexpected names, a wrong shape
+    or dtype, non-finite floating values, negative integer counters. The gate checks an upload's state and its
+    extras with it."""
+    reasons: list[str] = []
+    if not isinstance(got, dict):
+        return [f"{what} is a {type(got).__name__}, not a mapping of tensors"]
+    missing = [k for k in shapes if k not in got]
+    extra = [k for k in got if k not in shapes]
+    if missing:
+        reasons.append(f"{what} is missing {len(missing)} tensor(s): {', '.join(missing[:max_listed])}"
+                       + (" …" if len(missing) > max_listed else ""))
+    if extra:
+        reasons.append(f"{what} has {len(extra)} unexpected tensor(s): {', '.join(map(str, extra[:max_listed]))}"
+                       + (" …" if len(extra) > max_listed else ""))
+    for k, (shape, dtype) in shapes.items():
+        t = got.get(k)
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
+            reasons.append(f"'{k}' is a {type(t).__name__}, not a tensor")
+            continue
+        if tuple(int(s) for s in t.shape) != tuple(shape):
+            reasons.append(f"'{k}' has shape {list(t.shape)}, expected {list(shape)}")
+        if t.dtype != dtype:
+            reasons.append(f"'{k}' has dtype {t.dtype}, expected {dtype}")
+            continue
+        if t.is_floating_point():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                reasons.append(f"'{k}' holds {bad} non-finite value(s)")
+        elif t.numel() and t.dtype != torch.bool and int(t.min()) < 0:
+            reasons.append(f"'{k}' (a counter) is negative")
+    return reasons
 
 
 def validate_upload(upload: Upload, spec: UploadSpec) -> list[str]:
@@ -58,35 +100,9 @@ def validate_upload(upload: Upload, spec: UploadSpec) -> list[str]:
     elif spec.max_samples is not None and n > spec.max_samples:
         reasons.append(f"sample count {n} exceeds the {spec.max_samples} samples the run has")
 
-    state = upload.state
-    if not isinstance(state, dict):
-        return reasons + [f"state is a {type(state).__name__}, not a mapping of tensors"]
-    missing = [k for k in spec.shapes if k not in state]
-    extra = [k for k in state if k not in spec.shapes]
-    if missing:
-        reasons.append(f"state is missing {len(missing)} tensor(s): {', '.join(missing[:5])}"
-                       + (" …" if len(missing) > 5 else ""))
-    if extra:
-        reasons.append(f"state has {len(extra)} unexpected tensor(s): {', '.join(map(str, extra[:5]))}"
-                       + (" …" if len(extra) > 5 else ""))
-    for k, (shape, dtype) in spec.shapes.items():
-        t = state.get(k)
-        if t is None:
-            continue
-        if not isinstance(t, Tensor):
-            reasons.append(f"'{k}' is a {type(t).__name__}, not a tensor")
-            continue
-        if _shape(t) != shape:
-            reasons.append(f"'{k}' has shape {list(_shape(t))}, expected {list(shape)}")
-        if t.dtype != dtype:
-            reasons.append(f"'{k}' has dtype {t.dtype}, expected {dtype}")
-            continue
-        if t.is_floating_point():
-            bad = int((~torch.isfinite(t)).sum())
-            if bad:
-                reasons.append(f"'{k}' holds {bad} non-finite value(s)")
-        elif t.numel() and int(t.min()) < 0:
-            reasons.append(f"'{k}' (a counter) is negative")
+    reasons += check_tensors("state", upload.state, spec.shapes)
+    if spec.extras or upload.extras:
+        reasons += check_tensors("extras", upload.extras, spec.extras)
 
     P = upload.prototypes
     if spec.prototype_head:

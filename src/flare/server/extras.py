@@ -1,0 +1,80 @@
+"""Client statistics a server strategy asks for at upload time (`Upload.extras`).
+
+Some one-shot servers need more than the weights: FedLPA / RegMean need each client's per-layer input (and output-
+gradient) second moments, computed on the client's own data after training. A strategy asks for them with two
+methods of its class (server/strategy.py):
+
+* `extras_shapes(template)` → `{name: (shape, dtype)}`, declared from the run's model: what the server's gate
+  expects from every client (checked like the weights: exact names, shapes, dtypes, finite values);
+* `client_extras(data: ClientData)` → `{name: tensor}`, run where the client's data lives — in the client's
+  process under Flower, beside the client in `flare run`, from the saved states in `flare fuse`.
+
+In an upload the names travel as `<strategy>/<name>` (so two strategies never collide; Flower carries them as
+one more array record); a strategy reads its own, without the prefix, from `ServerContext.extras`. The in-process
+runner checks a strategy's output against its declaration too, so a plugin that declares one shape and computes
+another fails at once (exit 2, naming the strategy), not later inside its server code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from flare.config import Config
+from flare.errors import FlareError
+from flare.server.strategy import make_strategy
+from flare.server.upload import Shapes, check_tensors
+
+@dataclass
+class ClientData:
+    """What a strategy's `client_extras` sees of one client after its training: its model (train mode is the
+    strategy's to set), its own samples (uint8 images and labels, on `device`), the run's input normalisation and
+    two-view augmentation."""
+
+    cfg: Config
+    cid: int
+    model: nn.Module
+    x: Tensor
+    y: Tensor
+    normalize: Callable[[Tensor], Tensor]
+    augment: Callable | None
+    device: torch.device
+
+
+def extras_shapes(cfg: Config, names, template: nn.Module) -> Shapes:
+    """The prefixed shapes every upload must carry for the strategies `names` (empty when none asks)."""
+    out: Shapes = {}
+    for n in names:
+        for k, (shape, dtype) in make_strategy(cfg, n).extras_shapes(template).items():
+            out[f"{n}/{k}"] = (tuple(int(s) for s in shape), dtype)
+    return out
+
+
+def client_extras(cfg: Config, names, data: ClientData, template: nn.Module | None = None) -> dict[str, Tensor]:
+    """Every strategy's statistics of one client, prefixed and moved to the CPU; checked against the declared
+    shapes (a strategy that computes what it did not declare is a FlareError naming it)."""
+    out: dict[str, Tensor] = {}
+    for n in names:
+        strategy = make_strategy(cfg, n)
+        declared = strategy.extras_shapes(template if template is not None else data.model)
+        if not declared:
+            continue
+        got = strategy.client_extras(data)
+        got = {f"{n}/{k}": (v.detach().cpu() if isinstance(v, Tensor) else v) for k, v in dict(got).items()}
+        reasons = check_tensors("extras", got, {f"{n}/{k}": (tuple(s), d) for k, (s, d) in declared.items()})
+        if reasons:
+            raise FlareError(f"server strategy '{n}' computed client statistics that do not match what it declares "
+                             f"(extras_shapes) for client {data.cid}: " + "; ".join(reasons) + ".",
+                             key=f"server.strategies.{n}",
+                             fix="make the strategy's client_extras return exactly the names, shapes and dtypes its "
+                                 "extras_shapes declares.")
+        out.update(got)
+    return out
+
+
+def own_extras(uploads, name: str) -> list[dict[str, Tensor]]:
+    """Strategy `name`'s statistics of every upload, without the prefix."""
+    pre = f"{name}/"
+    return [{k[len(pre):]: v for k, v in (u.extras or {}).items() if k.startswith(pre)} for u in uploads]
