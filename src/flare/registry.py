@@ -28,7 +28,8 @@ from flare.errors import FlareError, KeyedValueError
 # The modules that register the built-in parts (imported on the first lookup of any registry).
 BUILTIN_MODULES = ("flare.models", "flare.schedules", "flare.data.datasets", "flare.data.partition",
                    "flare.client.terms.align", "flare.client.lam", "flare.client.surgery", "flare.client.objective",
-                   "flare.client.terms.banks", "flare.client.terms.extra", "flare.server.strategy")
+                   "flare.client.terms.banks", "flare.client.terms.extra", "flare.server.strategy",
+                   "flare.baselines")
 ENTRY_POINT_GROUP = "flare.plugins"
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
