@@ -69,13 +69,39 @@ def test_plugin_option_of_the_wrong_type_names_the_option():
     assert e.value.key == "model.options.hidden"
 
 
-@pytest.mark.parametrize("override, key", [({"lam": {"learner": "none"}}, "loss.terms"),
-                                           ({"loss": {}}, "lam.learner")])
-def test_batched_engine_refuses_plugin_terms_and_lam_providers(tmp_path, override, key):
-    cfg = demo_config(tmp_path, client_engine="batched", **override)
+def test_batched_engine_runs_the_plugin_term_and_lam_provider(tmp_path):
+    """One loss assembly for every engine (client/step.py): the plugin's term and λ provider run vmapped, and the
+    records match the sequential engine's (tolerances: tests/test_batched.py)."""
+    recs = {}
+    for engine in ("sequential", "batched"):
+        (tmp_path / f"{engine}.yaml").write_text(yaml.safe_dump(demo_config(tmp_path, client_engine=engine)))
+        assert main(["run", "--config", str(tmp_path / f"{engine}.yaml"), "--out", str(tmp_path / engine),
+                     "--quiet"]) == 0
+        assert_plugin_parts_ran(tmp_path / engine)
+        recs[engine] = [r for r in read_jsonl(tmp_path / engine / "metrics.jsonl") if r["kind"] == "client"]
+    for a, b in zip(recs["sequential"], recs["batched"]):
+        for k in ("term_demo_center", "base_loss", "align_loss", "lambda"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4), k
+
+
+def test_batched_engine_names_a_part_it_cannot_vmap(tmp_path):
+    cfg = build_config(demo_config(tmp_path, client_engine="batched",
+                                   loss={"terms": {"demo_host_mean": {"weight": 0.1}}}))
+    from flare.runner import Run
     with pytest.raises(FlareError) as e:
-        build_config(cfg)
-    assert e.value.key == key and "client_engine=batched" in e.value.message
+        Run(cfg, tmp_path / "run", quiet=True).execute()
+    assert e.value.key == "loss.terms.demo_host_mean" and "client_engine=sequential" in e.value.render()
+
+
+def test_batched_engine_refuses_a_lam_provider_with_its_own_step(tmp_path):
+    from flare.client.lam import LamProvider, batched_unsupported
+
+    class Stepping(LamProvider):
+        def step(self):
+            self.lambda0 *= 0.9
+
+    assert "step()" in batched_unsupported(Stepping(0.5))
+    assert batched_unsupported(LamProvider(0.5)) is None
 
 
 def test_flare_run_with_a_plugin(tmp_path):

@@ -27,10 +27,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from flare.client.lam import initial_lambda, make_lam_provider
-from flare.client.objective import base_terms
-from flare.client.terms.align import align_loss
-from flare.client.terms.extra import extra_terms
+from flare.client.lam import LamStep, initial_lambda, make_lam_provider
+from flare.client.step import local_loss
 from flare.config import Config
 from flare.errors import FlareError
 from flare.progress import Counter
@@ -189,13 +187,13 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 2
     finally:
         torch.set_rng_state(rng)
 
+    def weigh(base: Tensor, align: Tensor | None) -> LamStep:  # the weights' loss at p = 0, no σ step
+        return LamStep(provider.probe_loss(base, align), None)
+
     def make_loss(imgs: Tensor, y2: Tensor) -> Callable[[], Tensor]:
         def loss() -> Tensor:
             feat, logits = model(imgs)
-            terms = base_terms(cfg.loss, feat, logits, y2, model.prototypes)
-            terms.update(extra_terms(cfg.loss, feat, logits, y2, model.prototypes))  # loss.terms (plugins)
-            align = align_loss(model.prototypes, anchors) if anchors is not None else None
-            return provider.probe_loss(sum(terms.values()), align)
+            return local_loss(cfg, feat, logits, y2, model.prototypes, target=anchors, weigh=weigh).total()
 
         return loss
 

@@ -28,6 +28,12 @@ def demo_center(batch, options):
     return (batch.feat.float().norm(dim=1) - options.radius).pow(2).mean()
 
 
+@LOSS_TERMS.register("demo_host_mean")
+def demo_host_mean(batch, options):
+    """Reads a value back to the host (`float(...)`): fine one client at a time, not vmappable."""
+    return batch.feat.new_tensor(float(batch.feat.float().mean())) * 0.0 + batch.feat.float().mean()
+
+
 class ConstantLamOptions(BaseModel):
     lam: float = 0.4242
 

@@ -32,18 +32,18 @@ from __future__ import annotations
 import copy
 import math
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import Tensor
 from torch.func import functional_call, stack_module_state
 from torch.profiler import record_function
 
-from flare.client.objective import base_terms
-from flare.client.terms.align import align_loss
+from flare.client.lam import batched_unsupported
+from flare.client.step import local_loss
 from flare.client.trainer import Client, StepLogs, TrainContext
+from flare.errors import FlareError
 from flare.rng import RngStreams, augmentation_generators, derived_seed
-from flare.schedules import progress
 
 
 class RoundPlan:
@@ -57,7 +57,8 @@ class RoundPlan:
         B, E = cfg.batch_size, cfg.local_epochs
         self.B, self.E = B, E
         self.n = [c.num_samples for c in clients]
-        self.spe = [math.ceil(n / B) for n in self.n]
+        # steps per epoch as the client's own loop counts them: floor(n/B) with drop_last (n < B: no step)
+        self.spe = [n // B if cfg.drop_last else math.ceil(n / B) for n in self.n]
         self.steps = [E * s for s in self.spe]
         self.T = max(self.steps)
         K = len(clients)
@@ -77,9 +78,10 @@ class RoundPlan:
                 e, b = divmod(t, self.spe[i])
                 epochs = c.epochs_done + e
                 lr[t][i] = ctx.lr_schedule(epochs + b / self.spe[i], round_idx)
-                strength[t][i] = c.lam.strength(progress(epochs, ctx.total_epochs))
+                strength[t][i] = c.lam.strength(c.progress_at(ctx, e, b, self.spe[i], epochs)[0])
                 rows[t][i], batch[t][i] = i * E + e, b
-            self.last_lr[i] = lr[self.steps[i] - 1][i]
+            if self.steps[i]:
+                self.last_lr[i] = lr[self.steps[i] - 1][i]
         dev = ctx.device
         self.lr = torch.tensor(lr, dtype=torch.float32).to(dev)                  # T×K, one copy per round
         self.strength = torch.tensor(strength, dtype=torch.float32).to(dev)      # T×K
@@ -115,6 +117,11 @@ class BatchedClients:
         self.template = copy.deepcopy(clients[0].model)
         self.proto_name = "head.prototypes" if self.template.prototypes is not None else None
         self.lam = clients[0].lam  # the λ arithmetic (its coefficients are the config's, the same for every client)
+        why = batched_unsupported(self.lam)
+        if why:
+            raise FlareError(f"client_engine=batched cannot run the λ provider lam.learner={self.cfg.lam.learner}: "
+                             f"{why}.", key="lam.learner",
+                             fix=f"use client_engine=sequential (or threads) for lam.learner={self.cfg.lam.learner}.")
         step = torch.vmap(self._client_loss)
         self._step = torch.compile(step) if compile else step
         self._update = torch.compile(_sgd_update) if compile else _sgd_update
@@ -125,24 +132,17 @@ class BatchedClients:
     def _client_loss(self, params: dict, buffers: dict, sigma: tuple, strength: Tensor, imgs: Tensor,
                      y2: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """One client's step loss and logs, written for one client and vmapped over the group: the forward of
-        `Client._step` (autocast around the model only), its base terms, L_align to the fixed anchors, and λ
-        through `LamProvider.weigh` — the same functions the sequential engine calls."""
+        `Client._step` (autocast around the model only), then `local_loss` — the function the sequential engine
+        and the LR probe call — with L_align to the fixed anchors and λ through the provider's `weigh`."""
         ctx, cfg = self.ctx, self.cfg
         amp = (torch.autocast(device_type=ctx.device.type, dtype=ctx.amp_dtype)
                if ctx.amp_dtype is not None else nullcontext())
         with amp:
             feat, logits = functional_call(self.template, (params, buffers), (imgs,))
         protos = params[self.proto_name] if self.proto_name else None
-        terms = base_terms(cfg.loss, feat, logits, y2, protos)
-        base = sum(terms.values())
-        align = align_loss(protos, ctx.anchors) if ctx.anchors is not None else None  # align.target=fixed
-        st = self.lam.weigh(base, align, strength, sigma if sigma else None)
-        total = st.local + (st.align if st.align is not None else 0) + (st.sigma if st.sigma is not None else 0)
-        logs = {k: v.detach() for k, v in terms.items()}
-        logs["base_loss"] = base.detach()
-        if align is not None:
-            logs["align_loss"] = align.detach()
-        logs.update({k: v.detach() for k, v in st.logs.items()})
+        loss = local_loss(cfg, feat, logits, y2, protos, target=ctx.anchors,  # align.target=fixed
+                          weigh=lambda base, align: self.lam.weigh(base, align, strength, sigma if sigma else None))
+        total, logs = loss.total(), loss.logs()
         return total, logs
 
     # -- one round -----------------------------------------------------------------------------------------------
@@ -174,7 +174,7 @@ class BatchedClients:
                 imgs, y2 = self._views(plan, streams, members, t)
                 pick = (lambda v: v) if gi is None else (lambda v: v.index_select(0, gi))
                 b_g = buffers if gi is None else {n: pick(v) for n, v in buffers.items()}
-                with record_function("flare.forward_loss"):
+                with record_function("flare.forward_loss"), _vmap_errors(self.cfg):
                     total, logs = self._step({n: pick(v) for n, v in params.items()}, b_g,
                                              tuple(pick(s) for s in sigma), pick(plan.strength[t]), imgs, y2)
                 self.calls += 1
@@ -216,11 +216,11 @@ class BatchedClients:
         """Judge and sum the round's logs (one device read), then write every state back into its client."""
         cfg, ctx = self.cfg, self.ctx
         E = cfg.local_epochs
-        sums, first_bad = sums.cpu(), first_bad.cpu()
+        sums, first_bad = (sums.cpu(), first_bad.cpu()) if keys is not None else (None, None)
         round_sums = []
         for i, c in enumerate(self.clients):
             acc: dict[str, float] = {}
-            for e in range(E):
+            for e in range(E if keys is not None else 0):  # no step at all this round (drop_last, n < B)
                 for k, v in StepLogs.of(keys, sums[i * E + e], first_bad[i * E + e]).finish(c.cid, round_idx).items():
                     acc[k] = acc.get(k, 0.0) + v
             round_sums.append(acc)
@@ -272,18 +272,41 @@ class BatchedClients:
         return self._index[key]
 
     def _views(self, plan: RoundPlan, streams: list[RngStreams], members: list[int], t: int) -> tuple[Tensor, Tensor]:
-        """Each member's two views, drawn from its own streams as in sequential mode, stacked: K×2B×C×H×W."""
+        """Each member's two views, drawn from its own streams as in sequential mode, stacked: K×2B×C×H×W (the
+        reference's CE baselines, `loss.ce_input=plain`: one un-augmented view, K×B×C×H×W, as `Client._step`)."""
         ctx = self.ctx
+        plain = self.cfg.loss.objective == "ce" and self.cfg.loss.ce_input == "plain"
         views, labels = [], []
         with record_function("flare.augment"):
             for i in members:
                 idx = self.clients[i].indices[plan.batch_positions(i, t)]
                 xb, yb = ctx.train_x[idx], ctx.train_y[idx]
+                if plain:
+                    views.append(ctx.plain(xb))
+                    labels.append(yb)
+                    continue
                 with streams[i].active():
                     v1, v2 = ctx.augment(xb)
                 views.append(torch.cat([v1, v2]))
                 labels.append(torch.cat([yb, yb]))
         return torch.stack(views), torch.stack(labels)
+
+
+@contextmanager
+def _vmap_errors(cfg):
+    """A registered loss term or λ provider that cannot run under vmap (a `.item()`, data-dependent control flow)
+    fails with the part named and the way out, not with vmap's internals."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "vmap" not in str(e) and "Batched" not in str(e):
+            raise
+        parts = [f"loss.terms.{n}" for n in cfg.loss.terms] + [f"lam.learner={cfg.lam.learner}"]
+        raise FlareError(f"client_engine=batched traces one client's loss under torch.vmap, and it failed: {e}. A "
+                         f"part of this config is not vmappable (one of: {', '.join(parts)}).",
+                         key=f"loss.terms.{next(iter(cfg.loss.terms))}" if cfg.loss.terms else "lam.learner",
+                         fix="use client_engine=sequential (or threads), or write the part without .item() and "
+                             "data-dependent branches.") from None
 
 
 def _add_logs(sums: Tensor, first_bad: Tensor, v: Tensor, rows: Tensor, batch: Tensor) -> None:

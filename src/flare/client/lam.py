@@ -223,6 +223,26 @@ class LamLearner(LamProvider):
             self.optimizer.load_state_dict(state["optimizer"])
 
 
+def batched_unsupported(provider: LamProvider) -> str | None:
+    """Why the batched engine cannot run `provider`, or None. That engine plans a round's `strength(p)` ahead, calls
+    `weigh(base, align, strength, state)` under vmap with the clients' stacked `sigma_state()`, and updates σ by
+    plain SGD at the provider's optimizer lr (what `LamLearner.step` does); a provider whose step is more than that
+    (its own `__call__` or `step`, or an optimizer with momentum) needs the sequential engine."""
+    cls = type(provider)
+    if cls.__call__ is not LamProvider.__call__:
+        return f"{cls.__name__} overrides __call__ (the engine calls strength() and weigh())"
+    if provider.sigma_state():
+        opt = getattr(provider, "optimizer", None)
+        if not isinstance(opt, torch.optim.SGD) or any(g.get("momentum") or g.get("weight_decay")
+                                                       for g in opt.param_groups):
+            return f"{cls.__name__} has σ parameters without a plain SGD optimizer (the engine's σ update)"
+        if cls.step is not LamLearner.step:
+            return f"{cls.__name__} overrides step() (the engine updates σ itself)"
+    elif cls.step is not LamProvider.step:
+        return f"{cls.__name__} overrides step() (the engine never calls it)"
+    return None
+
+
 def _safe_exp(x: float) -> float:
     try:
         return math.exp(x)

@@ -17,9 +17,8 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from flare.client.lam import LamProvider, make_lam_provider
-from flare.client.objective import base_terms
-from flare.client.terms.align import align_loss, align_target
-from flare.client.terms.extra import extra_terms
+from flare.client.step import local_loss
+from flare.client.terms.align import align_target
 from flare.config import Config
 from flare.errors import TrainingDiverged
 from flare.registry import SURGERY
@@ -140,18 +139,21 @@ class Client:
         B = self.cfg.batch_size
         return self.num_samples // B if self.cfg.drop_last else math.ceil(self.num_samples / B)
 
-    def progress_at(self, ctx: TrainContext, j: int, b: int, steps_per_epoch: int) -> tuple[float, float]:
+    def progress_at(self, ctx: TrainContext, j: int, b: int, steps_per_epoch: int,
+                    epochs_done: int | None = None) -> tuple[float, float]:
         """(p of λ annealing / s(p), p of V8's target) at step b of the round's epoch j (`progress`,
-        `align.target_progress`); `epochs_done` counts the epochs completed before this one."""
+        `align.target_progress`); `epochs_done` counts the epochs completed before this one (the client's own
+        count by default; the batched engine plans a whole round ahead)."""
         mode, E = self.cfg.progress, self.cfg.local_epochs
+        done = self.epochs_done if epochs_done is None else epochs_done
         if mode == "step":
-            p = progress(self.epochs_done + b / steps_per_epoch, ctx.total_epochs)
+            p = progress(done + b / steps_per_epoch, ctx.total_epochs)
         elif mode == "round-reset":  # the reference's first batch: (e − start_epoch)/E, restarting every round
             p = j / E
         elif mode == "epoch-end":    # (e+1)/(R·E): V12's logged s(p) = 1 − (r+1)/R
-            p = progress(self.epochs_done + 1, ctx.total_epochs)
+            p = progress(done + 1, ctx.total_epochs)
         else:
-            p = progress(self.epochs_done, ctx.total_epochs)
+            p = progress(done, ctx.total_epochs)
         return p, (j / E if self.cfg.align.target_progress == "round-reset" else p)
 
     # -- one round of local training ------------------------------------------------------------
@@ -231,20 +233,15 @@ class Client:
                 imgs = imgs.contiguous(memory_format=torch.channels_last)
             with record_function("flare.forward"):
                 feat, logits = self.model(imgs)
-        epoch_idx = self.epochs_done
         with record_function("flare.loss"):
-            bank = self.extension.contrast_bank() if self.extension is not None else None
-            terms = base_terms(cfg.loss, feat, logits, y2, self.model.prototypes, bank)
-            if self.extension is not None:
-                terms = self.extension.adjust_terms(terms, feat, y2, epoch_idx)
-            terms.update(extra_terms(cfg.loss, feat, logits, y2, self.model.prototypes))  # loss.terms (plugins)
-            base = sum(terms.values())
-            align = None
+            target = None
             if ctx.anchors is not None:
                 p_target = p if self._p_target is None else self._p_target
                 target = align_target(ctx.align_anchors, cfg.align.target, p_target, self.initial_prototypes)
-                align = align_loss(self.model.prototypes, target)
-            st = self.lam(base, align, p)
+            loss = local_loss(cfg, feat, logits, y2, self.model.prototypes, target=target,
+                              weigh=lambda base, align: self.lam(base, align, p), extension=self.extension,
+                              epoch=self.epochs_done)
+            st = loss.lam
 
         self.optimizer.zero_grad(set_to_none=True)
         params = [q for q in self.model.parameters() if q.requires_grad]
@@ -253,9 +250,7 @@ class Client:
             if surgery is not None and st.align is not None:
                 surgery_logs = surgery(st.local, st.align, params, extra=st.sigma)
             else:
-                total = (st.local + (st.align if st.align is not None else 0)
-                         + (st.sigma if st.sigma is not None else 0))
-                total.backward()
+                loss.total().backward()
                 surgery_logs = {}
         with record_function("flare.optimizer"):
             if cfg.optim.grad_clip is not None:
@@ -265,11 +260,7 @@ class Client:
         if self.extension is not None:
             self.extension.after_step(feat.detach(), y2)
 
-        logs = {k: v.detach() for k, v in terms.items()}
-        logs["base_loss"] = base.detach()
-        if align is not None:
-            logs["align_loss"] = align.detach()
-        logs.update({k: torch.as_tensor(v).detach().to(base.device) for k, v in st.logs.items()})
+        logs = loss.logs()
         logs.update(surgery_logs)
         return logs
 

@@ -368,32 +368,28 @@ class Config(Strict):
             if blocked:
                 key, value = blocked[0]
                 raise KeyedValueError(key, f"client_engine=batched does not support {key}={value} (it trains "
-                                      "every client as one vmapped program, which covers the Table 1 methods: FAFI, "
-                                      "CE baselines, fixed/entropy λ with annealing, the decoupled λ learner); use "
-                                      f"client_engine=sequential (or threads) for {key}={value}")
+                                      "every client as one vmapped program; docs/performance.md lists what it runs "
+                                      f"and why this is not among it); use client_engine=sequential (or threads) "
+                                      f"for {key}={value}")
         return self
 
     def batched_engine_blockers(self) -> list[tuple[str, object]]:
-        """(key, value) of every setting the batched client engine does not implement (docs/performance.md)."""
+        """(key, value) of every setting the batched client engine does not implement, and why (docs/performance.md):
+        gradient surgery needs each client's two gradients apart, the engine takes one backward of all clients'
+        summed loss; the contrast banks are per-client queues rewritten after every step; a moving alignment target
+        starts from each client's own initial prototypes at its own progress (the engine plans strengths only);
+        SGDR's momentum reset and Plan B's carried G change state between steps or rounds the stack does not hold.
+        Loss terms and λ providers are checked where they are built (client/batched.py: `_vmap_errors`,
+        `lam.batched_unsupported`)."""
         out: list[tuple[str, object]] = []
         if self.align.surgery != "none":
             out.append(("align.surgery", self.align.surgery))
         if self.loss.contrast != "none":
             out.append(("loss.contrast", self.loss.contrast))
-        if self.lam.learner not in ("none", "decoupled"):  # the other learners and every plugin λ provider
-            out.append(("lam.learner", self.lam.learner))
-        if self.loss.terms:  # plugin loss terms run in the sequential and threads engines only
-            out.append(("loss.terms", ",".join(self.loss.terms)))
-        if self.progress != "epoch":
-            out.append(("progress", self.progress))
         if self.align.anchors != "none" and self.align.target != "fixed":
             out.append(("align.target", self.align.target))
         if self.lr_schedule.kind == "sgdr" and self.lr_schedule.reset_momentum:
             out.append(("lr_schedule.reset_momentum", True))
-        if self.loss.ce_input != "augmented":
-            out.append(("loss.ce_input", self.loss.ce_input))
-        if self.drop_last:
-            out.append(("drop_last", True))
         if self.server.protos == "trainable" and self.server.protos_flow != "spec":
             out.append(("server.protos_flow", self.server.protos_flow))
         return out

@@ -7,7 +7,8 @@
 A term is `fn(batch: TermBatch, options) -> scalar tensor`, registered in `flare.registry.LOSS_TERMS` with an
 options model that subclasses `TermOptions` (so every term has a `weight`; a term without options gets
 `TermOptions`). The trainer adds `weight · fn(batch, options)` to the base loss and logs it as `term_<name>`
-(the sequential and threads engines and the LR probe; the batched engine refuses `loss.terms`).
+in every engine and the LR probe (client/step.py `local_loss`; under client_engine=batched the term is vmapped, so it
+must not read values back to the host).
 """
 from __future__ import annotations
 

@@ -1,0 +1,62 @@
+"""The local loss of one step, written once (issue 20): the sequential and threads engines (`Client._step`), the
+batched engine (`BatchedClients`, vmapped over the clients) and the LR probe all call `local_loss`, so a registered
+loss term or λ provider means the same thing under every engine.
+
+From a batch's features and logits: the objective's base terms (`loss.objective`), a contrast extension's
+adjustment (the memory / public bank; sequential engines only), the registered extra terms (`loss.terms`), L_align
+to the step's target, and the λ provider's weighing into the weights' and σ's losses (`LamStep`). The forward pass
+and the optimiser step stay with each engine: the batched one runs the forward as a functional call over stacked
+client states and updates them with a functional SGD (client/batched.py says why).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from flare.client.lam import LamStep
+from flare.client.objective import base_terms
+from flare.client.terms.align import align_loss
+from flare.client.terms.extra import extra_terms
+from flare.config import Config
+
+
+@dataclass
+class StepLoss:
+    terms: dict[str, Tensor]  # the named base and extra terms, as logged
+    base: Tensor              # their sum: the weights' local loss before λ
+    align: Tensor | None      # raw L_align, None without anchors
+    lam: LamStep              # what the λ provider made of them
+
+    def total(self) -> Tensor:
+        """What one backward pass differentiates: the weights' loss plus the provider's own (σ) loss."""
+        st = self.lam
+        return st.local + (st.align if st.align is not None else 0) + (st.sigma if st.sigma is not None else 0)
+
+    def logs(self) -> dict[str, Tensor]:
+        """The step's logged numbers (detached tensors on the loss's device; no host sync)."""
+        out = {k: v.detach() for k, v in self.terms.items()}
+        out["base_loss"] = self.base.detach()
+        if self.align is not None:
+            out["align_loss"] = self.align.detach()
+        out.update({k: v.detach() if isinstance(v, Tensor) else torch.as_tensor(v, device=self.base.device)
+                    for k, v in self.lam.logs.items()})
+        return out
+
+
+def local_loss(cfg: Config, feat: Tensor, logits: Tensor, y: Tensor, prototypes: Tensor | None, *,
+               target: Tensor | None, weigh: Callable[[Tensor, Tensor | None], LamStep], extension=None,
+               epoch: int = 0) -> StepLoss:
+    """The step's loss from a batch laid out as [view1; view2] (or one plain view): `target` is what the prototypes
+    align to (None: no alignment), `weigh(base, align)` the λ provider at this step, `extension` a client's contrast
+    extension (its bank joins FAFI's SupCon term; `adjust_terms` may rewrite the terms at `epoch`)."""
+    bank = extension.contrast_bank() if extension is not None else None
+    terms = base_terms(cfg.loss, feat, logits, y, prototypes, bank)
+    if extension is not None:
+        terms = extension.adjust_terms(terms, feat, y, epoch)
+    terms.update(extra_terms(cfg.loss, feat, logits, y, prototypes))  # loss.terms (plugins)
+    base = sum(terms.values())
+    align = align_loss(prototypes, target) if target is not None else None
+    return StepLoss(terms, base, align, weigh(base, align))
