@@ -144,6 +144,10 @@ ROWS = [
                                                   "lr=0.1"], "takes no KEY=VALUE overrides"),
     ("a primary strategy nobody registered", lambda t, p, f, c: ["run", *t, "server.primary=bogus"],
      "unknown server strategy 'bogus' for server.primary"),
+    ("client statistics that do not match the strategy's declaration", lambda t, p, f, c:
+     ["run", *t, "plugins=[flare_demo_plugin]", "eval.rules=[primary,demo_counts]",
+      "server.strategies.demo_counts.bad_shape=true"],
+     "server.strategies.demo_counts: server strategy 'demo_counts' computed client statistics that do not match"),
     ("a plugin option of the wrong type", lambda t, p, f, c: ["run", *t, "plugins=[flare_demo_plugin]",
                                                               "loss.terms.demo_center.weight=heavy"],
      "loss.terms.demo_center.weight"),

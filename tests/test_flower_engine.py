@@ -44,10 +44,17 @@ def assert_all_stopped(fed: LocalFederation):
     assert fed.leftovers() == [], "processes started below the federation survived stop()"
 
 
+PLUGIN = ["plugins=[flare_demo_plugin]", "loss.terms.demo_center.weight=0.5", "align.anchors=etf",
+          "lam.learner=demo_constant", "eval.rules=[primary,output,demo_counts]"]
+
+
 def test_flwr_run_simulation_reproduces_flare_run(tiny_overrides, tmp_path):
+    """With a plugin's loss term, λ provider and client-statistics strategy (tests/plugins): the Ray workers import
+    it from the config, and each part leaves its own number in the records."""
     pytest.importorskip("ray")
     import torch
 
+    tiny_overrides = tiny_overrides + PLUGIN
     Run(load_config(None, "fafi", tiny_overrides), tmp_path / "inproc", quiet=True).execute()
     # Ray sets OMP_NUM_THREADS to the CPUs a client asks for: give each simulated client as many threads as
     # this process uses, so that the float reductions run in the same order and the numbers are identical
@@ -67,6 +74,9 @@ def test_flwr_run_simulation_reproduces_flare_run(tiny_overrides, tmp_path):
     a, b = rounds_of(tmp_path / "inproc"), rounds_of(tmp_path / "fed")
     assert [r["round"] for r in b] == [0, 1]
     assert [strip(r) for r in a] == [strip(r) for r in b]
+    assert all(r["demo_counts.samples"] > 0 for r in b)
+    clients = [r for r in read_jsonl(tmp_path / "fed" / "metrics.jsonl") if r["kind"] == "client"]
+    assert clients and all(r["term_demo_center"] > 0 and r["lambda"] == pytest.approx(0.4242) for r in clients)
 
 
 def test_loopback_deployment_real_round_then_killed_node(tiny_overrides, tmp_path):

@@ -485,3 +485,20 @@ def test_a_client_output_plugin_primary_saves_no_predictor_and_says_why(one_roun
     assert not (tmp_path / "fed" / "predictor.pt").exists()
     state = json.loads((tmp_path / "fed" / "state.json").read_text())
     assert any("no predictor saved" in w and "demo_class0" in w for w in state["warnings"])
+
+
+def test_a_plugins_model_dataset_and_partition_in_the_flower_simulation(tmp_path):
+    """Every kind of plugin part at once over Flower: the demo dataset (4 blobs, no files), its MLP, its
+    round-robin partition, loss term, λ provider and a client-statistics strategy; the same records as flare run."""
+    ov = ["plugins=[flare_demo_plugin]", "device=cpu", "num_clients=3", "rounds=1", "batch_size=16",
+          "test_batch_size=32", "dataset.name=demo_blobs", "dataset.options.n_train=96", "model.name=demo_mlp",
+          "model.options.hidden=16", "partition.kind=demo_round_robin", "loss.terms.demo_center.weight=0.5",
+          "align.anchors=etf", "lam.learner=demo_constant", "eval.rules=[primary,demo_counts]"]
+    Run(load_config(None, "fafi", ov), tmp_path / "inproc", quiet=True).execute()
+    Nodes().federate(ov, tmp_path / "fed")
+    a, b = rounds_of(tmp_path / "inproc"), rounds_of(tmp_path / "fed")
+    assert [strip(r) for r in a] == [strip(r) for r in b]
+    assert b[-1]["demo_counts.samples"] == 96.0  # round-robin over the demo dataset's 96 samples, via the extras
+    clients = [r for r in read_jsonl(tmp_path / "fed" / "metrics.jsonl") if r["kind"] == "client"]
+    assert [r["num_samples"] for r in clients] == [32, 32, 32]
+    assert all(r["term_demo_center"] > 0 and r["lambda"] == pytest.approx(0.4242) for r in clients)
