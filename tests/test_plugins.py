@@ -199,4 +199,5 @@ def test_the_extending_page_runs(tmp_path):
     assert clients and all("term_logit_norm" in x and x["lambda"] > 0 for x in clients), clients[0]
     last = [x for x in read_jsonl(tmp_path / "run" / "metrics.jsonl") if x["kind"] == "round"][-1]
     assert last["primary"] == "vote" and last["acc"] == last["acc_vote"], last  # the doc's strategies ran
+    assert last["vote.samples"] == 96.0  # the clients' class counts arrived as extras: the demo dataset's 96 samples
     assert set(k for k in last if k.startswith("acc_")) == {"acc_vote", "acc_soup", "acc_feature"}, last
