@@ -19,7 +19,7 @@ from ..errors import FlareError
 from ..registry import MODELS
 from . import cnn as _cnn
 from . import resnet as _resnet
-from .heads import LinearHead, PrototypeHead
+from .heads import ETFHead, LinearHead, PrototypeHead
 
 __all__ = [
     "FlareNet",
@@ -33,7 +33,7 @@ __all__ = [
 
 EncoderBuilder = Callable[..., nn.Module]
 
-HEADS: dict[str, type[nn.Module]] = {"prototype": PrototypeHead, "linear": LinearHead}
+HEADS: dict[str, type[nn.Module]] = {"prototype": PrototypeHead, "linear": LinearHead, "etf": ETFHead}
 
 
 def register_model(name_or_fn, *, options: type[BaseModel] | None = None, description: str = "",

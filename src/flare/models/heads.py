@@ -4,6 +4,8 @@
   `logits = normalize(f(x)) @ Pᵀ`. This is what FAFI / FLARE clients train and upload.
 * `LinearHead` — a plain `nn.Linear(d, C)` for the baselines that train ordinary classifiers
   (`fedavg`, `ensemble`).
+* `ETFHead` — FedETF's fixed classifier (as the official FAFI code builds it): a linear projection d → C, L2
+  normalised, times a fixed C×C simplex ETF (a buffer, never trained); the `fedetf` preset.
 """
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["PrototypeHead", "LinearHead"]
+from flare.registry import ANCHORS
+
+__all__ = ["PrototypeHead", "LinearHead", "ETFHead"]
 
 
 class PrototypeHead(nn.Module):
@@ -50,3 +54,22 @@ class LinearHead(nn.Module):
 
     def forward(self, feat: Tensor) -> Tensor:
         return self.fc(feat)
+
+
+class ETFHead(nn.Module):
+    """`normalize(proj(feat)) @ etfᵀ`: a learned projection onto C dimensions and a fixed simplex-ETF classifier
+    (rows: unit norm, pairwise cosine −1/(C−1)), drawn from the global RNG at construction — the run's seeded init,
+    so every client starts from (and keeps) the same ETF. Unscaled logits, as the FAFI code's FedETF."""
+
+    kind = "etf"
+
+    def __init__(self, num_classes: int, d: int):
+        super().__init__()
+        self.num_classes = int(num_classes)
+        self.feature_dim = int(d)
+        self.proj = nn.Linear(self.feature_dim, self.num_classes)
+        self.register_buffer("etf", ANCHORS.get("etf")(self.num_classes, self.num_classes, None))
+
+    def forward(self, feat: Tensor) -> Tensor:
+        z = F.normalize(self.proj(feat), dim=1)
+        return z @ self.etf.to(z.dtype).t()
