@@ -168,3 +168,30 @@ def test_the_gate_checks_extras_against_the_declaration():
         assert any("extras" in r or "s/counts" in r for r in reasons), (name, reasons)
     # extras nobody asked for are rejected too
     assert any("unexpected" in r for r in validate_upload(ok, spec))
+
+
+def test_compare_shows_the_fused_strategies_across_seeds(tiny_overrides, tmp_path):
+    """`flare compare`, then `flare fuse` over every run, then compare again (finished runs are kept): compare.md
+    gains each fused strategy's mean ± std over seeds per method; fused_vs_table pairs them with FAFI's feature."""
+    from flare.cli import main
+    from flare.report.compare import compare_rows
+    from flare.report.fused import fused_table, fused_values, fused_vs_table
+
+    argv = ["compare", "--presets", "fafi,fedavg", "--seeds", "1,2", *tiny_overrides, "rounds=1", "--out",
+            str(tmp_path / "c")]
+    assert main(argv) == 0
+    dirs = sorted((tmp_path / "c").glob("*/seed=*"))
+    assert len(dirs) == 4
+    r = fuse(*dirs, "--strategies", "output,fedavg")
+    assert r.returncode == 0, r.stderr
+    assert main(argv) == 0
+    text = (tmp_path / "c" / "compare.md").read_text()
+    assert "Server strategies over the saved uploads" in text and "| output |" in text
+    rows = [row for _, row in compare_rows([(m, sorted((tmp_path / "c" / m).glob("seed=*")))
+                                            for m in ("fafi", "fedavg")])]
+    out = fused_values(rows[0], "output")
+    own = {r.seed: r.rounds[-1]["acc_output"] for r in rows[0].runs}
+    assert set(out) == {1, 2} and out == own  # fused over the saved states = the run's own last round
+    assert "| output |" in fused_table(rows)
+    vs = fused_vs_table(rows, ["feature", "output", "fedavg"])
+    assert "| output | fafi | 2 |" in vs and "| feature | fedavg" not in vs  # no feature rule for CE clients

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from flare.config import list_presets
 from flare.report.figures import plot_accuracy_curves, plot_compare_diagnostics
+from flare.report.fused import fused_table
 from flare.report.runs import Row, protocols_line
 from flare.report.tables import PAIRED_EXPLAIN, compare_table, default_baseline, paired_table
 from flare.rundata import RunData
@@ -43,6 +44,10 @@ def compare_markdown(meta_rows: list[tuple[dict, Row]], baseline: str | None = N
     """The comparison table, then (with several methods) each against the baseline, paired by seed."""
     rows = [row for _, row in meta_rows]
     table = compare_table(meta_rows)
+    fused = fused_table(rows)
+    if fused:  # `flare fuse` ran over these runs: every server strategy on the same uploads
+        table += ("\n\nServer strategies over the saved uploads (`flare fuse`; accuracy %, mean ± std over seeds):"
+                  f"\n\n{fused}")
     base = default_baseline([r.label for r in rows], baseline)
     if base is None or len(rows) < 2:
         return table
