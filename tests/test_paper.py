@@ -52,6 +52,16 @@ def test_paper_smoke_writes_the_three_tables_and_the_figures(tmp_path, capsys):
     before = {p: p.stat().st_mtime_ns for p in out.rglob("metrics.jsonl")}
     assert main(["paper", "--scale", "smoke", "--out", str(out), "--quiet", "device=cpu"]) == 0
     assert {p: p.stat().st_mtime_ns for p in out.rglob("metrics.jsonl")} == before
+    # --strategies: server strategies over Table 1's saved clients, without retraining them
+    assert main(["paper", "--scale", "smoke", "--out", str(out), "--quiet", "--strategies", "output,fedproto",
+                 "device=cpu"]) == 0
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("metrics.jsonl")} == before
+    fused = sorted((out / "table1").glob("*/fuse.jsonl"))
+    assert len(fused) == 8 and all({json.loads(x)["strategy"] for x in f.read_text().splitlines()} ==
+                                   {"output", "fedproto"} for f in fused)
+    md = (out / "report" / "report.md").read_text()
+    section = md.split("### Table 1's clients under every server strategy")[1].split("\n## ")[0]
+    assert "| fedproto |" in section and "| output |" in section
 
 
 def test_full_and_cpu_plans(capsys, tmp_path):

@@ -7,6 +7,7 @@
   flare report   DIR... [--out REPORT_DIR]
   flare fuse     RUN_DIR... --strategies a,b [--round R] [--plugin MODULE]
   flare paper    --scale smoke|cpu|full [--datasets a,b] [--seeds 1,2] [--only EXP,...] [--protocol clean,reference]
+                 [--strategies a,b]
                  [--out DIR] [--workers N]
   flare federate [--config FILE] [--preset NAME] [--out DIR] [--clients K] [--min-clients M] [--upload once|per-round]
                  [--simulation] [--local-data] [KEY=VALUE ...]
@@ -188,7 +189,8 @@ def cmd_fuse(args) -> int:
 def cmd_paper(args) -> int:
     run_paper(args.scale, out=args.out, datasets=args.datasets, seeds=args.seeds, workers=args.workers,
               address=args.address, data_root=args.data_root, quiet=args.quiet, dry_run=args.dry_run,
-              overrides=args.overrides, only=args.only, protocol=args.protocol, baseline=args.baseline)
+              overrides=args.overrides, only=args.only, protocol=args.protocol, baseline=args.baseline,
+              strategies=args.strategies)
     return 0
 
 
@@ -312,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--protocol", help="comma-separated protocols, clean and/or reference (default clean; "
                                        "clean,reference for reproduce)")
     pa.add_argument("--baseline", help="the method every other is tested against, paired by seed (default: fafi if present, else the first)")
+    pa.add_argument("--strategies", help="server strategies to score over Table 1's saved clients once they are "
+                                         "trained (`flare fuse`; e.g. otfusion,fedlpa,feddf — those needing public "
+                                         "data want dataset.public_size=N); the report gets their tables")
     pa.add_argument("--dry-run", action="store_true", help="list the runs, run nothing")
     pa.add_argument("--quiet", action="store_true")
     pa.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every run (e.g. device=cuda)")

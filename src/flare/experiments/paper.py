@@ -41,6 +41,8 @@ from flare.config.protocol import ITEM_KEYS
 from flare.experiments import reproduce
 from flare.experiments.execute import Point, check_dirs, execute_points, read_point_file
 from flare.experiments.sweep import SweepSpec, expand, unflatten
+from flare.fuse import fuse_runs
+from flare.registry import STRATEGIES
 from flare.report.paper import PaperRuns, PaperScale, write_paper_report
 from flare.report.reproduction import write_reproduction_report
 from flare.rundata import num
@@ -288,7 +290,8 @@ def run_paper(scale_name: str, out: str | Path | None = None, datasets: str | li
               seeds: str | list[int] | None = None, workers: int = 1, address: str | None = None,
               data_root: list[str] | None = None, quiet: bool = False, dry_run: bool = False,
               overrides: list[str] | None = None, only: str | list[str] | None = None,
-              protocol: str | list[str] | None = None, baseline: str | None = None) -> Path | None:
+              protocol: str | list[str] | None = None, baseline: str | None = None,
+              strategies: str | None = None) -> Path | None:
     if scale_name not in SCALES:
         raise FlareError(f"unknown scale '{scale_name}'.", key="--scale", fix=f"use one of: {', '.join(SCALES)}.")
     scale = SCALES[scale_name]
@@ -379,6 +382,8 @@ def run_paper(scale_name: str, out: str | Path | None = None, datasets: str | li
               "run_seconds": {str(p.dir): results.get(p.name, {}).get("seconds") for p in todo}}
     atomic_write_text(out / "paper.json", json.dumps(timing, indent=1, default=str))
     failed = {n: r for n, r in results.items() if r.get("status") in ("failed", "diverged")}
+    if strategies:
+        fuse_points([p for e in exps if e.key == "table1" for p in e.points], strategies, quiet)
     md = None
     spec_exps = [e for e in exps if e.key in spec_keys]
     if not only or any(k in spec_keys for k in only):
@@ -393,3 +398,18 @@ def run_paper(scale_name: str, out: str | Path | None = None, datasets: str | li
     if not quiet:
         print(f"\nreport: {md}  ({len(todo)} runs, {wall / 60:.1f} min this invocation)")
     return md
+
+
+def fuse_points(points: list[Point], strategies: str, quiet: bool) -> None:
+    """`--strategies`: every named server strategy over each finished run's saved clients (`flare fuse`; those that
+    read prototypes only over prototype heads). Resumable like fuse itself."""
+    names = [n.strip() for n in strategies.split(",") if n.strip()]
+    for p in dict((str(p.dir), p) for p in points).values():
+        rd = RunDir(p.dir)
+        if rd.read_state().get("status") != "finished":
+            continue
+        head = build_config(rd.read_config()).head
+        ok = [n for n in names if head == "prototype" or not STRATEGIES.get(n).needs_prototypes]
+        for d, recs in fuse_runs([str(p.dir)], ",".join(ok)):
+            if not quiet:
+                print(f"fuse {d}: " + ", ".join(f"{r['strategy']} {100 * r['acc']:.2f}%" for r in recs))

@@ -9,6 +9,7 @@ from pathlib import Path
 from flare.report.figures import (plot_acc_lambda_raw, plot_accuracy_curves, plot_label_distributions,
                                   plot_lambda_eff, plot_param_sweep)
 from flare.report.reference import REFERENCE_NOTE, REFS, SETTINGS, Ref, matches, references_for
+from flare.report.fused import fused_table
 from flare.report.runs import Row, SweepLine, describe_setting, protocols_line
 from flare.report.tables import (PAIRED_EXPLAIN, default_baseline, fmt_big, fmt_ms, md_table, paired_rows,
                                  strategy_table, sweep_table)
@@ -112,6 +113,22 @@ def _paired_section(rows: dict[tuple, Row], methods: list[tuple], cols: list[tup
             PAIRED_EXPLAIN + " Holm's adjustment runs within each setting.", ""]
 
 
+def _fused_section(rows: dict[tuple, Row], methods: list[tuple], cols: list[tuple]) -> list[str]:
+    """`flare paper --strategies`: every fused server strategy over Table 1's clients, per setting."""
+    md = []
+    for d, a in cols:
+        present = [Row(m + (f" ({p})" if p not in (None, "clean") else ""), rows[(m, p, d, a)].method, {},
+                       rows[(m, p, d, a)].runs) for m, p in methods if (m, p, d, a) in rows]
+        table = fused_table(present)
+        if table:
+            md += [f"#### {d} α={a:g}", "", table, ""]
+    if not md:
+        return []
+    return (["### Table 1's clients under every server strategy (`flare fuse`)", "",
+             "Accuracy (%) of each strategy over the saved clients of each method, mean ± std over seeds, and its "
+             "mean wall time per run.", ""] + md)
+
+
 def write_paper_report(scale: PaperScale, datasets: list[str], exps: list[PaperRuns], out: Path, wall: float,
                        failed: dict, baseline: str | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
@@ -150,6 +167,7 @@ def write_paper_report(scale: PaperScale, datasets: list[str], exps: list[PaperR
         body.append(cells)
     md += ["## Table 1 — final accuracy (%) across datasets and α", "", md_table(head, body), ""]
     md += _paired_section(rows, methods, cols, baseline)
+    md += _fused_section(rows, methods, cols)
 
     # Figure 1 ------------------------------------------------------------------------------
     hard = E["ablation"].dataset
