@@ -112,6 +112,14 @@ def test_flare_run_with_a_plugin(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "loaded plugin module flare_demo_plugin" in r.stderr
     assert_plugin_parts_ran(tmp_path / "run")
+    # rebuilding the run (resume re-validates a finished run) imports the plugin by its module name, and says so
+    again = subprocess.run([sys.executable, "-m", "flare.cli", "run", "--resume", str(tmp_path / "run"), "--quiet"],
+                           capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert "loaded plugin module flare_demo_plugin" in again.stderr
+    import torch
+    ck = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)  # plain tensors, plugin parts included
+    assert len(ck["clients"]) == 3
 
     # `flare report` reads numbers only: it works where the plugin cannot even be imported
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in os.environ["PYTHONPATH"].split(os.pathsep)

@@ -135,6 +135,7 @@ def test_a_strategy_gets_the_client_statistics_it_asks_for(tiny_overrides, tmp_p
         assert 0 <= rec["acc_demo_counts"] <= 1
     r = fuse(d, "--strategies", "demo_counts")
     assert r.returncode == 0, r.stderr
+    assert "loaded plugin module flare_demo_plugin" in r.stderr  # from the run's config.yaml, by module name
     (f,) = read_jsonl(d / "fuse.jsonl")
     last = rounds_of(d)[-1]
     assert f["acc"] == last["acc_demo_counts"] and f["demo_counts.samples"] == sum(totals)
