@@ -19,6 +19,7 @@ from flare.models import create_model
 from flare.rundir import read_jsonl
 from flare.runner import Run
 from flare.server.fusion import fedavg_model
+from flare.server.rounds import rules_for
 from flare.server.strategy import ServerContext, make_strategy
 
 # the patterns' class is a stripe's column, which a 4-pixel crop shift would move: FedDF's test runs without it
@@ -223,3 +224,11 @@ def test_without_public_data_the_run_exits_2_naming_the_key(name, tiny_overrides
                        capture_output=True, text=True)
     assert r.returncode == 2, r.stderr
     assert "dataset.public_size" in r.stderr and name in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("preset,rule", [("fafi", "feature"), ("etf-anneal", "feature"), ("flare", "feature"),
+                                         ("fedavg", "output")])
+def test_the_strategies_compose_with_every_client_kind(preset, rule):
+    cfg = load_config(None, preset, ["dataset.public_size=8", "eval.rules=[primary,feddf,dense,coboosting,bnrecal]"])
+    assert {"feddf", "dense", "coboosting", "bnrecal"} <= set(rules_for(cfg, cfg.rounds - 1))
+    assert make_strategy(cfg, "bnrecal").rule == rule
