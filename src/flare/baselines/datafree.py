@@ -1,0 +1,355 @@
+"""Data-free one-shot servers: `dense` (Zhang et al., "DENSE: Data-Free One-Shot Federated Learning", NeurIPS
+2022) and `coboosting` (Dai et al., "Enhancing One-Shot Federated Learning Through Data and Ensemble Co-Boosting",
+ICLR 2024). Neither needs public data: a generator synthesises inputs from the client ensemble, and a fresh
+student of the run's architecture is distilled from the ensemble on the synthetic pool.
+
+Every epoch (the reference codes: zj-jayzhang/DENSE helpers/synthesizers.py + loop_df_fl.py, rong-dai/Co-Boosting
+datafree/synthesis/{dense,coboost}.py + datafree_kd.py):
+
+1. the generator (the references' DCGAN-style `Generator`: linear → BN → ×2 up → conv-BN-LReLU → ×2 up →
+   conv-BN-LReLU → conv → sigmoid) is re-initialised (N(0, 0.02)), a fresh batch of noise z (learnable) and
+   random pseudo-labels y are drawn, and `g_steps` Adam steps (β = (0.5, 0.999)) on generator and z minimise
+   bn·L_bn + oh·L_ce + adv·L_adv: L_bn = Σ_k w_k Σ_layers ‖μ − running_mean‖ + ‖σ² − running_var‖ over every
+   client model's BatchNorm inputs, L_ce = CE(ensemble(x), y), L_adv = −KL(ensemble ‖ student) per sample
+   (DENSE: T = 1, only where the student's argmax disagrees; Co-Boosting: T = 3, every sample);
+2. the batch of the lowest loss joins the pool (as uint8 images, as the references' PNG files);
+3. (Co-Boosting, from the second epoch) the ensemble weights take one signed step of −mu·wdc^epoch on the
+   gradient of CE(ensemble(x), y) per pool batch, clamped to [0, 1];
+4. the student takes one pass over the pool (crop with 4-pixel padding + flip), KL at temperature T (× T²), SGD;
+   Co-Boosting first moves each input one signed step of size eps along the gradient of a random projection of
+   the ensemble's softened output (ODS, as its code does; `perturb=disagreement`: along the gradient of the
+   student-ensemble KL).
+
+Co-Boosting also weights the generator's CE per sample by (1 − p_y)^hs, the ensemble's missing confidence.
+
+Departures: the references keep the student that scored best on the *test* set after every epoch; this server
+returns the last student. The ensemble is weighted by `server.weights` (the references: uniform) and Co-Boosting's
+learned weights start from them. DENSE's public code attaches its BatchNorm hooks to `Ensemble_A(...).modules()`,
+whose models sit in a plain Python list, so its L_bn is always 0; the paper's L_bn is used here (`bn=0` gives the
+code's behaviour). The synthetic images take the shape of the public slice when the run has one, else of the
+first test batch the predictor scores (only its shape is read: the build then runs inside that first call).
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor, nn
+
+from flare.baselines.kd import (Cost, affine_normalizer, client_logits, crop_flip, eval_mode, fresh_model, generator,
+                                kd_loss, private_stream, to_uint8)
+from flare.registry import STRATEGIES
+from flare.rng import derived_seed
+from flare.server.strategy import ModelPredictor, ServerContext, Strategy
+
+BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+class DenseOptions(BaseModel):
+    """DENSE's published settings (the README's kd_train command, loop_df_fl.py defaults)."""
+
+    model_config = ConfigDict(extra="forbid")
+    epochs: int = Field(200, ge=1, description="synthesis + distillation epochs")
+    g_steps: int = Field(30, ge=1, description="generator steps per epoch")
+    lr_g: float = Field(1e-3, gt=0, description="Adam learning rate of the generator and z")
+    synthesis_batch: int = Field(256, ge=2, description="images synthesised per epoch")
+    batch_size: int = Field(256, ge=2, description="pool images per distillation step")
+    nz: int = Field(256, ge=1, description="noise dimension")
+    ngf: int = Field(64, ge=1, description="generator width")
+    bn: float = Field(1.0, ge=0, description="weight of the BatchNorm-statistics term")
+    oh: float = Field(1.0, ge=0, description="weight of the ensemble's CE to the pseudo-labels")
+    adv: float = Field(1.0, ge=0, description="weight of the adversarial (student-ensemble disagreement) term")
+    adv_temperature: float = Field(1.0, gt=0, description="temperature of the adversarial KL")
+    temperature: float = Field(20.0, gt=0, description="distillation temperature T (loss × T²)")
+    lr: float = Field(0.005, gt=0, description="student SGD learning rate")
+    momentum: float = Field(0.9, ge=0, description="student SGD momentum")
+    weight_decay: float = Field(0.0, ge=0, description="student SGD weight decay")
+    cosine: bool = Field(False, description="cosine-anneal the student's learning rate over the epochs")
+    clip: float | None = Field(None, gt=0, description="gradient-norm clip of generator and student (null: none)")
+    pool_size: int | None = Field(None, ge=1, description="keep the newest N synthetic images (null: all)")
+    augment: bool = Field(True, description="crop (4-pixel padding) + flip of the images the student sees")
+
+
+class CoBoostingOptions(DenseOptions):
+    """Co-Boosting's published settings (co_boosting.sh, datafree_kd.py defaults)."""
+
+    synthesis_batch: int = Field(128, ge=2, description="images synthesised per epoch")
+    batch_size: int = Field(128, ge=2, description="pool images per distillation step")
+    bn: float = Field(0.0, ge=0, description="weight of the BatchNorm-statistics term (the code's default: 0)")
+    adv_temperature: float = Field(3.0, gt=0, description="temperature of the adversarial KL")
+    temperature: float = Field(4.0, gt=0, description="distillation temperature T (loss × T²)")
+    lr: float = Field(0.01, gt=0, description="student SGD learning rate")
+    weight_decay: float = Field(1e-4, ge=0, description="student SGD weight decay")
+    cosine: bool = Field(True, description="cosine-anneal the student's learning rate over the epochs")
+    clip: float | None = Field(10.0, gt=0, description="gradient-norm clip of generator and student")
+    hs: float = Field(1.0, ge=0, description="hard-sample exponent: CE weighted by (1 − p_y)^hs")
+    mu: float = Field(0.01, ge=0, description="step of the ensemble weights (signed gradient)")
+    wdc: float = Field(0.99, gt=0, le=1, description="decay of that step per epoch")
+    wa_steps: int = Field(1, ge=0, description="passes over the pool that adjust the ensemble weights per epoch")
+    eps: float = Field(8 / 255, ge=0, description="size of the signed input perturbation (model-input units)")
+    perturb: Literal["ods", "disagreement", "none"] = Field(
+        "ods", description="distillation inputs: ODS step (the code), student-ensemble disagreement step, or none")
+
+
+class Generator(nn.Module):
+    """The references' generator, for any C×H×W (built at ⌈H/4⌉×⌈W/4⌉, cropped to H×W); images in [0, 1]."""
+
+    def __init__(self, nz: int, ngf: int, shape: tuple[int, int, int]):
+        super().__init__()
+        c, self.h, self.w = shape
+        self.s = (math.ceil(self.h / 4), math.ceil(self.w / 4))
+        self.l1 = nn.Linear(nz, 2 * ngf * self.s[0] * self.s[1])
+        self.body = nn.Sequential(
+            nn.BatchNorm2d(2 * ngf), nn.Upsample(scale_factor=2),
+            nn.Conv2d(2 * ngf, 2 * ngf, 3, padding=1, bias=False), nn.BatchNorm2d(2 * ngf), nn.LeakyReLU(0.2),
+            nn.Upsample(scale_factor=2),
+            nn.Conv2d(2 * ngf, ngf, 3, padding=1, bias=False), nn.BatchNorm2d(ngf), nn.LeakyReLU(0.2),
+            nn.Conv2d(ngf, c, 3, padding=1), nn.Sigmoid())
+
+    def forward(self, z: Tensor) -> Tensor:
+        x = self.body(self.l1(z).view(z.shape[0], -1, *self.s))
+        top, left = (x.shape[2] - self.h) // 2, (x.shape[3] - self.w) // 2
+        return x[:, :, top:top + self.h, left:left + self.w]
+
+    @torch.no_grad()
+    def reset(self, gen: torch.Generator) -> None:
+        """The references' reset_model: N(0, 0.02) weights, zero biases, BN scales N(1, 0.02)."""
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Conv2d)):
+                m.weight.copy_(torch.randn(m.weight.shape, generator=gen) * 0.02)
+                if m.bias is not None:
+                    m.bias.zero_()
+            elif isinstance(m, nn.BatchNorm2d):
+                m.weight.copy_(1 + torch.randn(m.weight.shape, generator=gen) * 0.02)
+                m.bias.zero_()
+
+
+class BNStats:
+    """Forward hooks on every client model's BatchNorm layers; while `on`, each records ‖μ − running_mean‖₂ +
+    ‖σ² − running_var‖₂ of its input (biased σ², DeepInversion's hook). Removed by `close`."""
+
+    def __init__(self, models: list[nn.Module]):
+        self.on, self.terms = False, []
+        self.handles = [b.register_forward_hook(partial(self._hook, k)) for k, m in enumerate(models)
+                        for b in m.modules() if isinstance(b, BN) and b.track_running_stats]
+
+    def _hook(self, k: int, module: nn.Module, inputs: tuple, output) -> None:
+        if self.on:
+            x = inputs[0].float()
+            dims = [0, *range(2, x.dim())]
+            r = (torch.linalg.vector_norm(x.var(dims, unbiased=False) - module.running_var)
+                 + torch.linalg.vector_norm(x.mean(dims) - module.running_mean))
+            self.terms.append((k, r))
+
+    def loss(self, w: Tensor) -> Tensor:
+        out = sum(w[k] * r for k, r in self.terms) if self.terms else w.new_zeros(())
+        self.terms = []
+        return out
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def passes(n: int, size: int, gen: torch.Generator):
+    """One shuffled pass over n samples in batches (a 1-sample leftover is skipped: train-mode BatchNorm)."""
+    perm = torch.randperm(n, generator=gen)
+    return [perm[s:s + size] for s in range(0, n, size) if min(size, n - s) > 1 or n == 1]
+
+
+class Synthesis:
+    """One build: the generator's epochs, the pool, the (Co-Boosting: re-weighted) ensemble and the student."""
+
+    def __init__(self, cfg, o: DenseOptions, ctx: ServerContext, shape: tuple[int, int, int], tag: int,
+                 coboost: bool):
+        self.cfg, self.o, self.ctx, self.shape, self.coboost = cfg, o, ctx, shape, coboost
+        self.dev, self.models = ctx.device, ctx.models
+        self.g = generator(cfg, ctx.round, tag)
+        self.w = ctx.weights.to(self.dev, torch.float32).clone()  # the teacher's weights (learned by Co-Boosting)
+        self.C = int(self.models[0].num_classes)  # a FlareNet (create_model)
+        self.to_input = affine_normalizer(ctx.normalize, shape[0], self.dev)
+        with private_stream(derived_seed(cfg.seed, ctx.round, tag, 1)):
+            self.gen_net = Generator(o.nz, o.ngf, shape).to(self.dev)
+        self.student = fresh_model(cfg, shape[0], self.C, derived_seed(cfg.seed, ctx.round, tag, 2), self.dev)
+        self.opt = torch.optim.SGD(self.student.parameters(), lr=o.lr, momentum=o.momentum,
+                                   weight_decay=o.weight_decay)
+        self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, o.epochs) if o.cosine else None
+        self.pool_x = torch.empty(0, *shape, dtype=torch.uint8, device=self.dev)
+        self.pool_y = torch.empty(0, dtype=torch.long, device=self.dev)
+        self.g_losses: list[list[float]] = []  # per epoch, per generator step
+        self.kd_losses: list[float] = []
+
+    def teacher(self, x: Tensor) -> Tensor:
+        """Σ_k w_k z_k / Σ_k w_k (WEnsemble; DENSE's weights sum to 1 already)."""
+        return (self.w[:, None, None] * client_logits(self.models, x)).sum(0) / self.w.sum().clamp_min(1e-12)
+
+    def synthesize(self) -> None:
+        o, g = self.o, self.g
+        self.gen_net.reset(g)
+        self.gen_net.train()
+        z = torch.randn(o.synthesis_batch, o.nz, generator=g).to(self.dev).requires_grad_(True)
+        y = torch.randint(0, self.C, (o.synthesis_batch,), generator=g).to(self.dev)
+        if not self.coboost:
+            y = y.sort()[0]  # DENSE sorts its pseudo-labels
+        params = [*self.gen_net.parameters(), z]
+        opt = torch.optim.Adam(params, lr=o.lr_g, betas=(0.5, 0.999))
+        hooks, best, best_cost = BNStats(self.models), None, math.inf
+        self.g_losses.append([])
+        self.student.eval()
+        try:
+            for _ in range(o.g_steps):
+                x01 = self.gen_net(z)
+                x = self.to_input(crop_flip(x01, g) if o.augment and not self.coboost else x01)
+                hooks.on = True
+                t = self.teacher(x)
+                hooks.on = False
+                ce = F.cross_entropy(t, y, reduction="none")
+                if self.coboost:  # hard samples: weighted by the ensemble's missing confidence
+                    ce = (1 - t.softmax(1).gather(1, y[:, None])[:, 0].detach()).pow(o.hs) * ce
+                s = self.student(x)[1].float()
+                kl = kd_loss(s, t, o.adv_temperature, reduction="none").sum(1)
+                if not self.coboost:
+                    kl = kl * (s.argmax(1) != t.argmax(1)).float()
+                loss = o.bn * hooks.loss(self.w) + o.oh * ce.mean() - o.adv * kl.mean()
+                cost = float(loss.detach())
+                self.g_losses[-1].append(cost)
+                if cost < best_cost or best is None:
+                    best_cost, best = cost, x01.detach()
+                opt.zero_grad(set_to_none=True)
+                loss.backward(inputs=params)  # the client models and the student accumulate no gradient
+                if o.clip is not None:
+                    nn.utils.clip_grad_norm_(self.gen_net.parameters(), o.clip)
+                opt.step()
+        finally:
+            hooks.close()
+        self.pool_x = torch.cat([self.pool_x, to_uint8(best)])[-(o.pool_size or 0):]
+        self.pool_y = torch.cat([self.pool_y, y])[-(o.pool_size or 0):]
+
+    def view(self, ix: Tensor) -> Tensor:
+        xb = self.pool_x[ix.to(self.dev)]
+        return self.ctx.normalize(crop_flip(xb, self.g) if self.o.augment else xb)
+
+    def reweight(self, epoch: int) -> None:
+        """Co-Boosting's ensemble weights: a signed step on CE(ensemble, pseudo-labels) per pool batch."""
+        step = self.o.mu * self.o.wdc ** epoch
+        for _ in range(self.o.wa_steps):
+            for ix in passes(self.pool_x.shape[0], self.o.batch_size, self.g):
+                x, y = self.view(ix), self.pool_y[ix.to(self.dev)]
+                with torch.no_grad():
+                    z = client_logits(self.models, x)
+                w = self.w.clone().requires_grad_(True)
+                loss = F.cross_entropy((w[:, None, None] * z).sum(0) / w.sum().clamp_min(1e-12), y)
+                (grad,) = torch.autograd.grad(loss, w)
+                self.w = (self.w - step * grad.sign()).clamp(0.0, 1.0)
+
+    def perturb(self, x: Tensor) -> Tensor:
+        """One signed step of size eps on the distillation inputs (Co-Boosting)."""
+        x = x.detach().requires_grad_(True)
+        t = self.teacher(x)
+        if self.o.perturb == "ods":  # a random direction of the ensemble's softened output
+            r = torch.rand(t.shape, generator=self.g).to(self.dev) * 2 - 1
+            obj = (r * F.softmax(t / 4, dim=1)).sum()
+        else:
+            was = self.student.training
+            obj = kd_loss(self.student.eval()(x)[1].float(), t, 1.0)
+            self.student.train(was)
+        (grad,) = torch.autograd.grad(obj, x)
+        return (x + self.o.eps * grad.sign()).detach()
+
+    def distil(self) -> None:
+        o = self.o
+        self.student.train()
+        for ix in passes(self.pool_x.shape[0], o.batch_size, self.g):
+            x = self.view(ix)
+            if self.coboost and o.perturb != "none":
+                x = self.perturb(x)
+            with torch.no_grad():
+                t = self.teacher(x)
+            loss = kd_loss(self.student(x)[1].float(), t, o.temperature)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if o.clip is not None:
+                nn.utils.clip_grad_norm_(self.student.parameters(), o.clip)
+            self.opt.step()
+            self.kd_losses.append(float(loss.detach()))
+        if self.sched is not None:
+            self.sched.step()
+
+    def run(self) -> tuple[nn.Module, dict[str, float]]:
+        with eval_mode(self.models):
+            return self._run()
+
+    def _run(self) -> tuple[nn.Module, dict[str, float]]:
+        cost = Cost(self.dev)
+        for epoch in range(self.o.epochs):
+            self.synthesize()
+            if self.coboost and epoch > 0:
+                self.reweight(epoch)
+            self.distil()
+        self.student.eval().requires_grad_(False)
+        n = len(self.g_losses)  # the generator restarts every epoch: its first and last steps, averaged
+        logs = {**cost.logs(), "epochs": float(self.o.epochs), "g_loss_first": sum(g[0] for g in self.g_losses) / n,
+                "g_loss_last": sum(g[-1] for g in self.g_losses) / n,
+                "kd_loss_last": self.kd_losses[-1] if self.kd_losses else math.nan,
+                "pool": float(self.pool_x.shape[0]), "pool_mb": self.pool_x.numel() / 2 ** 20}
+        if self.coboost:
+            logs.update(w_min=float(self.w.min()), w_max=float(self.w.max()))
+        return self.student, logs
+
+
+class DataFreePredictor(ModelPredictor):
+    """The distilled student; built at once when the input shape is known, else inside the first `scores` call
+    (from that batch's shape), with gradients on and autocast off whatever the evaluation pass has set."""
+
+    def __init__(self, build, shape: tuple[int, ...] | None, device_type: str):
+        super().__init__(nn.Module())  # a placeholder until the build: no state of the run's architecture
+        self._build, self.device_type = build, device_type
+        if shape is not None:
+            self._run(tuple(shape))
+
+    def _run(self, shape: tuple[int, ...]) -> None:
+        with torch.enable_grad(), torch.autocast(self.device_type, enabled=False):
+            model, logs = self._build(shape)
+        self.model, self._build = model.eval(), None
+        self.logs.update(logs)
+
+    def scores(self, x: Tensor) -> Tensor:
+        if self._build is not None:
+            self._run(tuple(x.shape[1:]))
+        return self.model(x)[1].float()
+
+
+class _DataFree(Strategy):
+    every_round = False
+    tag, coboost = 0, False
+
+    def predictor(self, ctx: ServerContext) -> DataFreePredictor:
+        def build(shape):
+            return Synthesis(self.cfg, self.options, ctx, tuple(int(s) for s in shape), self.tag, self.coboost).run()
+
+        shape = tuple(ctx.public_x.shape[1:]) if ctx.public_x is not None else None
+        return DataFreePredictor(build, shape, ctx.device.type)
+
+
+@STRATEGIES.register("dense", options=DenseOptions)
+class Dense(_DataFree):
+    """DENSE: a fresh student distilled from the client ensemble on generator-synthesised data (data-free)."""
+
+    tag = 2102
+
+    def __init__(self, cfg, options: DenseOptions | None = None):
+        super().__init__(cfg, options or DenseOptions())
+
+
+@STRATEGIES.register("coboosting", options=CoBoostingOptions)
+class CoBoosting(_DataFree):
+    """Co-Boosting: DENSE with hard samples, learned ensemble weights and perturbed distillation inputs."""
+
+    tag, coboost = 2103, True
+
+    def __init__(self, cfg, options: CoBoostingOptions | None = None):
+        super().__init__(cfg, options or CoBoostingOptions())

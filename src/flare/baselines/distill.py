@@ -1,0 +1,110 @@
+"""FedDF (Lin et al., "Ensemble Distillation for Robust Model Fusion in Federated Learning", NeurIPS 2020) as a
+one-shot server: `feddf`.
+
+The server starts from the FedAvg of the uploads and distils the clients' ensemble into it on the unlabeled public
+slice (`dataset.public_size`), as the reference code's `noise_knowledge_transfer` aggregation does
+(epfml/federated-learning-public-code, codes/FedDF-code/pcode/aggregation/noise_knowledge_transfer.py):
+
+* teacher: `update_student_scheme=avg_logits` (the README's FedDF command) — the weighted sum of the client
+  models' logits Σ_k w_k z_k, softened at temperature T; `ensemble=softmax` is the reference's `avg_probs`
+  (Σ_k w_k softmax(z_k), no temperature on the teacher);
+* loss: KL(teacher ‖ student) at temperature T, batch mean, no T² factor (the reference's `divergence`);
+* Adam (lr 1e-3) with cosine annealing over the steps, gradient norm clipped at 5, the student in train mode (its
+  BatchNorm statistics follow the public data), the teachers in eval mode;
+* batches of 64 (the README's `--batch_size 64`, which sizes the distillation loader) drawn without replacement,
+  reshuffled every pass; the CIFAR training transform of the distillation set (random crop with 4 pixels of zero
+  padding, horizontal flip) as `augment`.
+
+Departure: the reference distils for up to 10 000 batches and keeps the student that scored best on a labelled
+validation split, stopping after 1 000 batches without improvement (`early_stopping_server_batches`). A one-shot
+server here selects nothing on labels: it runs a fixed `steps` (the reference's cap by default) and returns the
+last student. The weights w_k are the run's `server.weights` (the reference's avg_logits used 1/K).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from flare.baselines.kd import (Cost, agreement, client_logits, crop_flip, eval_mode, generator, kd_loss,
+                                public_slice, require_public)
+from flare.registry import STRATEGIES
+from flare.server.fusion import fedavg_model
+from flare.server.strategy import ModelPredictor, ServerContext, Strategy
+
+TAG = 2101  # this strategy's seed stream
+
+
+class FedDFOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    steps: int = Field(10000, ge=1, description="distillation batches (the reference's total_n_server_pseudo_batches "
+                                                "cap; no early stopping on labels)")
+    batch_size: int = Field(64, ge=1, description="public images per batch")
+    lr: float = Field(1e-3, gt=0, description="Adam learning rate")
+    temperature: float = Field(1.0, gt=0, description="KL temperature T")
+    ensemble: Literal["logits", "softmax"] = Field(
+        "logits", description="teacher: softmax(Σ w_k z_k / T) (avg_logits) or Σ w_k softmax(z_k) (avg_probs)")
+    cosine: bool = Field(True, description="cosine-anneal the learning rate over the steps")
+    clip: float | None = Field(5.0, gt=0, description="gradient-norm clip (null: none)")
+    augment: bool = Field(True, description="random crop (4-pixel zero padding) and horizontal flip")
+
+
+def batches(n: int, size: int, gen: torch.Generator):
+    """Index batches of a shuffled pass over n samples, reshuffled every pass, forever (a DataLoader with
+    shuffle=True, drop_last=False; a 1-sample leftover is skipped: train-mode BatchNorm cannot take it)."""
+    while True:
+        perm = torch.randperm(n, generator=gen)
+        for s in range(0, n, size):
+            ix = perm[s:s + size]
+            if ix.numel() > 1 or n == 1:
+                yield ix
+
+
+@STRATEGIES.register("feddf", options=FedDFOptions)
+class FedDF(Strategy):
+    """FedDF: the FedAvg model distilled from the weighted client ensemble on the server's unlabeled public slice."""
+
+    every_round = False
+
+    def __init__(self, cfg, options: FedDFOptions | None = None):
+        super().__init__(cfg, options or FedDFOptions())
+        require_public(cfg, "feddf")
+
+    def predictor(self, ctx: ServerContext) -> ModelPredictor:
+        with eval_mode(ctx.models), torch.enable_grad():  # frozen teachers; the student trains whatever the caller set
+            return self._distil(ctx)
+
+    def _distil(self, ctx: ServerContext) -> ModelPredictor:
+        o, cost = self.options, Cost(ctx.device)
+        pub = public_slice(ctx, "feddf")
+        gen = generator(self.cfg, ctx.round, TAG)
+        w = ctx.weights.to(ctx.device, torch.float32)
+        student = fedavg_model(ctx.models, ctx.weights, self.cfg.server.fedavg_buffers).requires_grad_(True)
+        plain = ctx.normalize(pub)
+        before = agreement(student.eval(), ctx.models, w, plain)
+        opt = torch.optim.Adam(student.parameters(), lr=o.lr)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, o.steps) if o.cosine else None
+        student.train()
+        losses = []
+        for _, ix in zip(range(o.steps), batches(pub.shape[0], o.batch_size, gen)):
+            xb = pub[ix.to(pub.device)]
+            x = ctx.normalize(crop_flip(xb, gen) if o.augment else xb)
+            with torch.no_grad():
+                z = client_logits(ctx.models, x)  # K×B×C
+                teacher = ((w[:, None, None] * z).sum(0) if o.ensemble == "logits"
+                           else (w[:, None, None] * z.softmax(-1)).sum(0))
+            loss = kd_loss(student(x)[1].float(), teacher, o.temperature, probs=o.ensemble == "softmax",
+                           scale=False)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if o.clip is not None:
+                torch.nn.utils.clip_grad_norm_(student.parameters(), o.clip)
+            opt.step()
+            if sched is not None:
+                sched.step()
+            losses.append(float(loss.detach()))
+        student.eval().requires_grad_(False)
+        logs = {**cost.logs(), "steps": float(len(losses)), "loss_first": losses[0], "loss_last": losses[-1],
+                "agree_public_before": before, "agree_public_after": agreement(student, ctx.models, w, plain)}
+        return ModelPredictor(student, logs)
