@@ -78,7 +78,7 @@ def context(preset="fafi", head="prototype", public=48, extra=(), seed=0):
     G = torch.randn(4, models[0].feature_dim, generator=torch.Generator().manual_seed(3))
     pub = patterns(public, 1) if public else None
     return cfg, ServerContext(cfg, 0, [], models, torch.tensor([0.6, 0.4]), G if head == "prototype" else None,
-                              None, {}, [], pub, norm)
+                              None, {}, [], pub, norm, (3, 12, 12))
 
 
 def ensemble_argmax(models, w, x):
@@ -112,9 +112,8 @@ def test_the_generator_loss_falls(name):
     for lr in ("1e-3", "1e-12"):  # the published lr_g, and one that cannot move the generator
         cfg, ctx = context(public=0, extra=[f"server.strategies.{name}.lr_g={lr}",
                                             f"server.strategies.{name}.augment=false"])
-        pred = make_strategy(cfg, name).predictor(ctx)
-        assert pred.logs == {}  # no public slice: the shape comes from the first batch scored
-        pred.scores(norm(patterns(8, 2)))
+        pred = make_strategy(cfg, name).predictor(ctx)  # no public slice: the shape is ctx.input_shape
+        assert pred.scores(norm(patterns(8, 2))).shape == (8, 4)
         logs[lr] = pred.logs
     first, last = logs["1e-3"]["g_loss_first"], logs["1e-3"]["g_loss_last"]
     assert last < first - 0.1 * abs(first), (first, last)

@@ -77,6 +77,7 @@ def check(run_dir: str | Path, names: list[str], round_: int | None) -> FuseJob:
         raise FlareError(f"--round {round_}: only the states after the last round ({cfg.rounds}) are saved in "
                          f"'{rd.path}'.", key="--round", fix=f"leave --round out, or give --round {cfg.rounds}.")
     for n in names:
+        STRATEGIES.get(n).check(cfg)
         if STRATEGIES.get(n).needs_prototypes and cfg.head != "prototype":
             raise FlareError(f"strategy '{n}' reads prototypes, which the run '{rd.path}' (loss.objective="
                              f"{cfg.loss.objective}) has not.", key="--strategies",
@@ -149,7 +150,8 @@ def _score(job: FuseJob, names: list[str]) -> None:
     for name in names:
         t0 = time.perf_counter()
         pred = make_strategy(cfg, name, key="--strategies").predictor(
-            ServerContext(cfg, r, uploads, models, weights, G, anchors, {}, own_extras(uploads, name), public_x, norm))
+            ServerContext(cfg, r, uploads, models, weights, G, anchors, {}, own_extras(uploads, name), public_x, norm,
+                          tuple(int(s) for s in data.test_x.shape[1:])))
         res = evaluate_predictors(models, {name: pred}, test_x, test_y, norm,
                                   **eval_options(cfg, r, be.amp_dtype, be.channels_last))
         rd.append([{"kind": "fuse", "strategy": name, "round": r, "acc": res[f"acc_{name}"],

@@ -116,9 +116,12 @@ class RecalibratedPredictor(ModelPredictor):
 class BNRecal(Strategy):
     """The clients' BatchNorm statistics re-estimated on the public slice, then the feature or output rule."""
 
+    @classmethod
+    def check(cls, cfg) -> None:  # at config validation: before any client trains
+        require_public(cfg, "bnrecal")
+
     def __init__(self, cfg, options: BNRecalOptions | None = None):
         super().__init__(cfg, options or BNRecalOptions())
-        require_public(cfg, "bnrecal")
         rule = self.options.rule
         self.rule = ("feature" if cfg.head == "prototype" else "output") if rule == "auto" else rule
         if self.rule == "feature" and cfg.head != "prototype":

@@ -26,8 +26,7 @@ Departures: the references keep the student that scored best on the *test* set a
 returns the last student. The ensemble is weighted by `server.weights` (the references: uniform) and Co-Boosting's
 learned weights start from them. DENSE's public code attaches its BatchNorm hooks to `Ensemble_A(...).modules()`,
 whose models sit in a plain Python list, so its L_bn is always 0; the paper's L_bn is used here (`bn=0` gives the
-code's behaviour). The synthetic images take the shape of the public slice when the run has one, else of the
-first test batch the predictor scores (only its shape is read: the build then runs inside that first call).
+code's behaviour). The synthetic images take the run's input shape (`ServerContext.input_shape`).
 """
 from __future__ import annotations
 
@@ -42,6 +41,7 @@ from torch import Tensor, nn
 
 from flare.baselines.kd import (Cost, affine_normalizer, client_logits, crop_flip, eval_mode, fresh_model, generator,
                                 kd_loss, private_stream, to_uint8)
+from flare.errors import FlareError
 from flare.registry import STRATEGIES
 from flare.rng import derived_seed
 from flare.server.strategy import ModelPredictor, ServerContext, Strategy
@@ -301,38 +301,21 @@ class Synthesis:
         return self.student, logs
 
 
-class DataFreePredictor(ModelPredictor):
-    """The distilled student; built at once when the input shape is known, else inside the first `scores` call
-    (from that batch's shape), with gradients on and autocast off whatever the evaluation pass has set."""
-
-    def __init__(self, build, shape: tuple[int, ...] | None, device_type: str):
-        super().__init__(nn.Module())  # a placeholder until the build: no state of the run's architecture
-        self._build, self.device_type = build, device_type
-        if shape is not None:
-            self._run(tuple(shape))
-
-    def _run(self, shape: tuple[int, ...]) -> None:
-        with torch.enable_grad(), torch.autocast(self.device_type, enabled=False):
-            model, logs = self._build(shape)
-        self.model, self._build = model.eval(), None
-        self.logs.update(logs)
-
-    def scores(self, x: Tensor) -> Tensor:
-        if self._build is not None:
-            self._run(tuple(x.shape[1:]))
-        return self.model(x)[1].float()
-
-
 class _DataFree(Strategy):
     every_round = False
     tag, coboost = 0, False
 
-    def predictor(self, ctx: ServerContext) -> DataFreePredictor:
-        def build(shape):
-            return Synthesis(self.cfg, self.options, ctx, tuple(int(s) for s in shape), self.tag, self.coboost).run()
-
-        shape = tuple(ctx.public_x.shape[1:]) if ctx.public_x is not None else None
-        return DataFreePredictor(build, shape, ctx.device.type)
+    def predictor(self, ctx: ServerContext) -> ModelPredictor:
+        shape = ctx.input_shape or (tuple(ctx.public_x.shape[1:]) if ctx.public_x is not None else None)
+        if shape is None:
+            raise FlareError("a data-free server synthesises inputs of the run's image shape, which this "
+                             "ServerContext does not carry.", key="server.primary",
+                             fix="build the ServerContext with input_shape= (rounds.evaluate_uploads and flare fuse "
+                                 "do).")
+        with torch.enable_grad(), torch.autocast(ctx.device.type, enabled=False):  # whatever the caller has set
+            model, logs = Synthesis(self.cfg, self.options, ctx, tuple(int(v) for v in shape), self.tag,
+                                    self.coboost).run()
+        return ModelPredictor(model.eval(), logs)
 
 
 @STRATEGIES.register("dense", options=DenseOptions)

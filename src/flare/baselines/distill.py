@@ -67,9 +67,12 @@ class FedDF(Strategy):
 
     every_round = False
 
+    @classmethod
+    def check(cls, cfg) -> None:  # at config validation: before any client trains
+        require_public(cfg, "feddf")
+
     def __init__(self, cfg, options: FedDFOptions | None = None):
         super().__init__(cfg, options or FedDFOptions())
-        require_public(cfg, "feddf")
 
     def predictor(self, ctx: ServerContext) -> ModelPredictor:
         with eval_mode(ctx.models), torch.enable_grad():  # frozen teachers; the student trains whatever the caller set

@@ -359,6 +359,8 @@ class Config(Strict):
             if self.head != "prototype" and rule != "primary" and STRATEGIES.get(rule).needs_prototypes:
                 raise KeyedValueError("eval.rules", f"rule {rule!r} reads prototypes, which "
                                       f"loss.objective={self.loss.objective} has not; use output, fedavg or primary")
+        for name in sorted({n for n in (self.eval.rules or []) if n != "primary"} | {self.server.primary} - {"auto"}):
+            STRATEGIES.get(name).check(self)  # a strategy's own requirements (e.g. a public slice), before training
         if self.eval.every > 1 and self.server.protos == "trainable" and self.server.protos_flow == "reference":
             raise KeyedValueError("eval.every", "with server.protos_flow=reference the server trains the clients' "
                                   "next target G at every evaluation, so skipping evaluations would change training; "

@@ -119,9 +119,12 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
     preds: dict = {}
     if test_x is not None:
         states = strategy_state if strategy_state is not None else {}
+        for m in models:  # as ServerContext promises (the runner's live client models come in train mode)
+            m.eval()
+        shape = tuple(int(s) for s in test_x.shape[1:])
         preds = {n: make_strategy(cfg, n).predictor(ServerContext(
             cfg, r, uploads, models, weights, G, anchors, states.setdefault(n, {}), own_extras(uploads, n),
-            public_x, norm)) for n in rules_for(cfg, r)}
+            public_x, norm, shape)) for n in rules_for(cfg, r)}
         rec.update(evaluate_predictors(models, preds, test_x, test_y, norm, **eval_options(cfg, r, amp_dtype,
                                                                                           channels_last)))
         rec.update({f"{n}.{k}": v for n, p in preds.items() for k, v in p.logs.items()})

@@ -48,6 +48,7 @@ class ServerContext:
     extras: list[dict[str, Tensor]] = field(default_factory=list)
     public_x: Tensor | None = None
     normalize: Callable[[Tensor], Tensor] | None = None
+    input_shape: tuple[int, int, int] | None = None  # C×H×W of one input image (synthetic-data servers)
 
     @property
     def device(self) -> torch.device:
@@ -110,6 +111,11 @@ class Strategy:
 
     def __init__(self, cfg: Config, options: BaseModel | None = None):
         self.cfg, self.options = cfg, options
+
+    @classmethod
+    def check(cls, cfg: Config) -> None:
+        """Raise a FlareError when `cfg` cannot serve this strategy (e.g. it trains on a public slice the config
+        does not carve out). Called when the config is validated, so a run fails before any client trains."""
 
     def predictor(self, ctx: ServerContext) -> Predictor:
         raise NotImplementedError
