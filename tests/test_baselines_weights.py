@@ -196,7 +196,7 @@ def test_the_merge_solves_the_linear_system_exactly():
     Ab = [torch.zeros(nb, bs, bs, dtype=torch.float64) for _ in As]
     for A, B in zip(As, Ab):
         B[0], B[1, :2, :2] = A[:3, :3], A[3:, 3:]
-    Ab = [damped(B, 5, 0.0) for B in Ab]
+    Ab = damped(Ab, 5, 0.0, [0.3, 0.7])
     Af = [torch.block_diag(B[0], B[1, :2, :2]) for B in Ab]
     Mb, _, _ = solve_layer([torch.nn.functional.pad(W, (0, 1)) for W in Ws], Ab, [G[None] for G in Gs], w, 30)
     assert torch.allclose(Mb[:, :5], direct(Gs, Af), atol=1e-9) and Mb[:, 5].abs().max() < 1e-12

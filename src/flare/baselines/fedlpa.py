@@ -25,8 +25,9 @@ with w = ctx.weights. FedLPA starts from the closed form M₀ = (Σ w G)⁻¹ (�
 "biased" expectation approximation, exact when the clients' factors agree) and refines it by `refine_steps`
 iterations of conjugate gradient on the exact system, preconditioned by M ↦ Ḡ⁻¹ M Ā⁻¹ (the reference runs 10,000
 steps of gradient descent on the MSE of the same system and then keeps whichever of the two scores better on the
-test set; we keep the refined solution). Damping: F + damping · mean(diag F) · I on every factor (relative, so one
-value fits every layer's scale; the reference adds ≈ 1 · I to both factors whatever their scale); RegMean also
+test set; we keep the refined solution). Damping: F_k + λ I, λ = damping · Σ_k w_k mean(diag F_k), one λ per factor
+and layer for all clients (relative, so one value fits every layer's scale; the reference adds ≈ 1 · I to both
+factors whatever their scale); RegMean also
 scales its Gram matrices' off-diagonal entries by `alpha` (its `reduce_non_diag`). BatchNorm parameters and buffers
 and anything else are averaged with the weights. Memory: a factor of dimension n costs n² floats per client — a
 full-width ResNet-18's last convolutions have n = 512·9 = 4608 (81 MiB each); `max_block` keeps every factor larger
@@ -60,16 +61,17 @@ class FactorOptions(BaseModel):
     seed: int = Field(0, description="with the run's seed and the client id, picks the samples (and sampled labels)")
     max_block: int = Field(0, ge=0, description="0: full factors; else a factor larger than this is kept "
                                                 "block-diagonal, in equal blocks of at most max_block")
-    damping: float = Field(1e-3, ge=0, description="F + damping · mean(diag F) · I on every factor")
+    damping: float = Field(1e-3, ge=0, description="F_k + λ I, λ = damping · Σ_k w_k mean(diag F_k), on every factor")
 
 
 class RegMeanOptions(FactorOptions):
-    alpha: float = Field(0.9, ge=0, le=1, description="the Gram matrices' off-diagonal entries times alpha "
-                                                      "(RegMean's reduce_non_diag; 1: plain Gram matrices)")
+    alpha: float = Field(0.1, ge=0, le=1, description="the Gram matrices' off-diagonal entries times alpha "
+                                                      "(RegMean's reduce_non_diag, 0.1 in most of its configs; 1: "
+                                                      "plain Gram matrices)")
 
 
 class FedLPAOptions(FactorOptions):
-    damping: float = Field(1e-2, ge=0, description="F + damping · mean(diag F) · I on A and G")
+    damping: float = Field(1.0, ge=0, description="F_k + λ I, λ = damping · Σ_k w_k mean(diag F_k), on A and G")
     fisher: Literal["empirical", "sampled"] = Field(
         "empirical", description="G from the CE gradient of the true labels (the reference's) or of labels drawn "
                                  "from the model's softmax")
@@ -229,17 +231,20 @@ def _right(X: Tensor, Ab: Tensor) -> Tensor:
     return torch.einsum("rnb,nbc->rnc", X.reshape(X.shape[0], nb, bs), Ab).reshape(X.shape[0], nb * bs)
 
 
-def damped(Fb: Tensor, n: int, damping: float, alpha: float | None = None) -> Tensor:
-    """A factor (nb, bs, bs) of real size n, float64: off-diagonals × alpha, + (damping + 1e-8) · mean diag · I, and
-    the padding's diagonal set to 1 (so padded rows/columns of M solve to 0)."""
-    Fb = Fb.double()
-    nb, bs, _ = Fb.shape
-    eye = torch.eye(bs, dtype=Fb.dtype, device=Fb.device).expand(nb, bs, bs)
+def damped(Fs: list[Tensor], n: int, damping: float, w: list[float], alpha: float | None = None) -> list[Tensor]:
+    """The clients' factors (nb, bs, bs) of real size n, float64: off-diagonals × alpha, + λ I with one λ for all
+    clients, λ = (damping + 1e-8) · Σ_k w_k mean diag F_k (so one value fits every layer's scale, and the damping
+    does not reweigh the clients), and the padding's diagonal set to 1 (padded rows/columns of M solve to 0)."""
+    nb, bs, _ = Fs[0].shape
+    eye = torch.eye(bs, dtype=torch.float64, device=Fs[0].device).expand(nb, bs, bs)
+    Fs = [Fb.double() for Fb in Fs]
     if alpha is not None and alpha < 1:
-        Fb = alpha * Fb + (1 - alpha) * Fb * eye
-    real = torch.arange(nb * bs, device=Fb.device).reshape(nb, bs) < n
-    lam = (damping + 1e-8) * Fb.diagonal(dim1=1, dim2=2)[real].mean().clamp_min(1e-30)
-    return Fb + torch.diag_embed(torch.where(real, lam, torch.ones_like(lam)).to(Fb.dtype))
+        Fs = [alpha * Fb + (1 - alpha) * Fb * eye for Fb in Fs]
+    real = torch.arange(nb * bs, device=Fs[0].device).reshape(nb, bs) < n
+    scale = sum(wk * Fb.diagonal(dim1=1, dim2=2)[real].mean() for wk, Fb in zip(w, Fs))
+    lam = (damping + 1e-8) * torch.as_tensor(scale, dtype=torch.float64).clamp_min(1e-30)
+    diag = torch.diag_embed(torch.where(real, lam, torch.ones((), dtype=torch.float64, device=real.device)))
+    return [Fb + diag for Fb in Fs]
 
 
 def _spd_inverse(Fb: Tensor) -> Tensor:
@@ -306,8 +311,8 @@ def merge(states: list[dict[str, Tensor]], extras: list[dict[str, Tensor]], weig
     for L in layers:
         dev = states[0][L.weight].device
         Ws = [layer_matrix(s, L).to(dev) for s in states]
-        As = [damped(e[f"{L.name}.A"].to(dev), L.cols, opts.damping, alpha) for e in extras]
-        Gs = [damped(e[f"{L.name}.G"].to(dev), L.rows, opts.damping) for e in extras] if use_g else None
+        As = damped([e[f"{L.name}.A"].to(dev) for e in extras], L.cols, opts.damping, w, alpha)
+        Gs = damped([e[f"{L.name}.G"].to(dev) for e in extras], L.rows, opts.damping, w) if use_g else None
         M, r0, r1 = solve_layer(Ws, As, Gs, torch.tensor(w), getattr(opts, "refine_steps", 0),
                                 getattr(opts, "refine_tol", 0.0))
         res0, res = max(res0, r0), max(res, r1)
