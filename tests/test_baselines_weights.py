@@ -241,6 +241,8 @@ def check_run_and_fuse(d):
     for n in ("otfusion", "regmean", "fedlpa"):
         assert 0 <= last[f"acc_{n}"] <= 1 and last[f"{n}.seconds"] > 0
     assert last["fedlpa.upload_mb"] > last["regmean.upload_mb"] > 0  # FedLPA uploads G as well as A
+    assert last["fedlpa.peak_mb"] > last["fedlpa.factors_mb"] > last["fedlpa.upload_mb"]  # 3 clients' factors held
+    assert last["otfusion.peak_mb"] > 0
     assert last["fedlpa.residual"] < min(1e-4, last["fedlpa.residual_closed_form"])  # CG refined the closed form
     assert 0 <= last["otfusion.unmoved_share"] <= 1
     f = flare("fuse", d, "--strategies", "otfusion,fedlpa")

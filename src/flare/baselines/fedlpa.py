@@ -307,7 +307,7 @@ def merge(states: list[dict[str, Tensor]], extras: list[dict[str, Tensor]], weig
         out[k] = (sum(wk * s[k].double() for wk, s in zip(w, states)).to(v.dtype) if torch.is_floating_point(v)
                   else v.clone())
     alpha = getattr(opts, "alpha", None)
-    res0, res = 0.0, 0.0
+    res0, res, work = 0.0, 0.0, 0
     for L in layers:
         dev = states[0][L.weight].device
         Ws = [layer_matrix(s, L).to(dev) for s in states]
@@ -316,12 +316,14 @@ def merge(states: list[dict[str, Tensor]], extras: list[dict[str, Tensor]], weig
         M, r0, r1 = solve_layer(Ws, As, Gs, torch.tensor(w), getattr(opts, "refine_steps", 0),
                                 getattr(opts, "refine_tol", 0.0))
         res0, res = max(res0, r0), max(res, r1)
+        # float64 working set of this layer: the damped factors, the clients' matrices and ~6 M-sized CG tensors
+        work = max(work, 8 * (sum(t.numel() for t in As + (Gs or [])) + (len(Ws) + 6) * Ws[0].numel()))
         M = M[:L.rows, :L.cols]
         wt = states[0][L.weight]
         out[L.weight] = M[:, :L.cols - (L.bias is not None)].reshape(wt.shape).to(wt.dtype)
         if L.bias is not None:
             out[L.bias] = M[:, -1].to(states[0][L.bias].dtype)
-    return out, {"residual_closed_form": res0, "residual": res}
+    return out, {"residual_closed_form": res0, "residual": res, "work_mb": work / 2 ** 20}
 
 
 class _Factors(Strategy):
@@ -368,7 +370,8 @@ class _Factors(Strategy):
         fused = copy.deepcopy(model)
         fused.load_state_dict(state)
         mb = [sum(v.numel() * v.element_size() for v in e.values()) / 2 ** 20 for e in ctx.extras]
-        logs.update(seconds=time.perf_counter() - t0, upload_mb=sum(mb) / max(1, len(mb)), factors_mb=sum(mb))
+        logs.update(seconds=time.perf_counter() - t0, upload_mb=sum(mb) / max(1, len(mb)), factors_mb=sum(mb),
+                    peak_mb=sum(mb) + logs.pop("work_mb"))  # from the tensors' sizes: all factors + one layer's solve
         return ModelPredictor(fused, logs=logs)
 
 

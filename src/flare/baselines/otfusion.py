@@ -286,9 +286,10 @@ class OTFusion(Strategy):
         states = [u.state for u in ctx.uploads]
         check_same_architecture(states + [m.state_dict() for m in ctx.models], clients + clients, "otfusion", key)
         model = copy.deepcopy(ctx.models[pivot])
-        check_same_architecture([model.state_dict(), states[0]], [clients[pivot], clients[0]], "otfusion", key)
         plan = alignment_plan(model, key)
         fused, kept = otfusion(states, ctx.weights, plan, pivot, self.options.cost)
         model.load_state_dict(fused)
+        mb = sum(v.numel() for v in states[pivot].values() if torch.is_floating_point(v)) * 8 / 2 ** 20
         return ModelPredictor(model, logs={"seconds": time.perf_counter() - t0, "unmoved_share": kept,
+                                           "peak_mb": 2 * mb,  # float64: the running sum and one aligned client
                                            "pivot": float(clients[pivot])})
