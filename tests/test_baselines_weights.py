@@ -270,14 +270,15 @@ def test_ce_clients_run_and_fuse(tiny_overrides, tmp_path, default_torch_threads
     assert last["primary"] == "fedavg"
 
 
-def test_otfusion_refuses_clients_of_different_architectures():
+def test_weight_fusion_refuses_clients_of_different_architectures():
     a = create_model("cnn", 3, 4, width=0.25).eval()
     b = create_model("cnn", 3, 4, width=0.5).eval()
-    for primary, key in (("auto", "eval.rules"), ("otfusion", "server.primary")):
-        cfg = load_config(None, "fafi", [f"server.primary={primary}"])
-        with pytest.raises(FlareError, match="encoder.body.0.weight") as e:
-            make_strategy(cfg, "otfusion").predictor(context(cfg, [a, b]))
-        assert e.value.key == key
+    for name in ("otfusion", "regmean"):
+        for primary, key in (("auto", "eval.rules"), (name, "server.primary")):
+            cfg = load_config(None, "fafi", [f"server.primary={primary}"])
+            with pytest.raises(FlareError, match=f"'{name}'.*client 1.*encoder.body.0.weight") as e:
+                make_strategy(cfg, name).predictor(context(cfg, [a, b]))
+            assert e.value.key == key
 
 
 def test_otfusion_and_regmean_refuse_unsupported_layers():

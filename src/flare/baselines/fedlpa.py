@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
+from flare.baselines.otfusion import check_same_architecture, chosen_by
 from flare.errors import FlareError
 from flare.models import PrototypeHead
 from flare.registry import STRATEGIES
@@ -92,10 +93,6 @@ class Layer:
     cols: int
     a_blocks: tuple[int, int]
     g_blocks: tuple[int, int]
-
-
-def chosen_by(cfg, name: str) -> str:
-    return "server.primary" if cfg.server.primary == name else "eval.rules"
 
 
 def blocks(n: int, max_block: int) -> tuple[int, int]:
@@ -357,13 +354,16 @@ class _Factors(Strategy):
     def predictor(self, ctx: ServerContext) -> ModelPredictor:
         t0 = time.perf_counter()
         model = ctx.models[0]
+        key = chosen_by(self.cfg, self._name)
+        check_same_architecture([model.state_dict()] + [u.state for u in ctx.uploads],
+                                [ctx.uploads[0].client] + [u.client for u in ctx.uploads], self._name, key)
         layers = self._layers(model)
         want = self.extras_shapes(model)
         for u, e in zip(ctx.uploads, ctx.extras):
             missing = [k for k in want if k not in e]
             if missing:
                 raise FlareError(f"server strategy '{self._name}' got no factor '{missing[0]}' from client "
-                                 f"{u.client}.", key=chosen_by(self.cfg, self._name),
+                                 f"{u.client}.", key=key,
                                  fix="score it in a run (or flare fuse), which asks the clients for its factors.")
         state, logs = merge([u.state for u in ctx.uploads], ctx.extras, ctx.weights, layers, self.options,
                             self.use_g)
