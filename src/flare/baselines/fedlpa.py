@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from flare.baselines.otfusion import check_same_architecture, chosen_by
 from flare.errors import FlareError
-from flare.models import PrototypeHead
+from flare.models import PrototypeHead, create_model
 from flare.registry import STRATEGIES
 from flare.server.strategy import ModelPredictor, ServerContext, Strategy
 
@@ -335,6 +335,19 @@ class _Factors(Strategy):
 
     def _layers(self, model: nn.Module) -> list[Layer]:
         return factor_layers(model, self._name, chosen_by(self.cfg, self._name), self.options.max_block)
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        """An unsupported layer type is refused at config validation, before any client trains. The dataset's
+        channels and classes are not known yet; the layer *types* do not depend on them, so a stand-in model (3
+        channels, 10 classes) is inspected, with torch's RNG state restored afterwards."""
+        name = "fedlpa" if cls.use_g else "regmean"
+        with torch.random.fork_rng(devices=[]):
+            try:
+                model = create_model(cfg.model.name, 3, 10, cfg.model.width, head=cfg.head, options=cfg.model.options)
+            except Exception:  # noqa: BLE001 — a model that needs other dimensions is checked when the run builds it
+                return
+        factor_layers(model, name, chosen_by(cfg, name))
 
     def extras_shapes(self, template: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         out = {}
