@@ -126,7 +126,7 @@ def _score(job: FuseJob, names: list[str]) -> None:
                          fix="rerun the experiment into a new directory (runs are deterministic) and fuse that one.")
     norm = normalizer(cfg, meta)
     augment = make_augment(cfg, meta, be.device) if extras_shapes(cfg, names, template) else None
-    models, uploads = [], []
+    models, uploads, owners = [], [], []
     for i, (ix, st) in enumerate(zip(parts, ck["clients"])):
         if len(ix) == 0:  # the runner leaves clients without samples out of every evaluation
             continue
@@ -134,13 +134,18 @@ def _score(job: FuseJob, names: list[str]) -> None:
         m.load_state_dict(st["model"])
         m.eval()
         P = getattr(m, "prototypes", None)
-        extras = {}
-        if augment is not None:  # the statistics the strategies ask for, from the client's saved state and data
-            ix = torch.as_tensor(ix)
-            extras = client_extras(cfg, names, ClientData(cfg, i, copy.deepcopy(m), data.train_x[ix].to(be.device),
-                                                          data.train_y[ix].to(be.device), norm, augment, be.device))
-        uploads.append(Upload(i, m.state_dict(), len(ix), P.detach() if P is not None else None, extras))
+        uploads.append(Upload(i, m.state_dict(), len(ix), P.detach() if P is not None else None, {}))
         models.append(m)
+        owners.append(torch.as_tensor(ix))
+
+    def statistics(name: str) -> list[dict]:
+        """What `name` asks each client for, from its saved state and its data (timed with the strategy)."""
+        if augment is None or not extras_shapes(cfg, [name], template):
+            return [{} for _ in uploads]
+        return [client_extras(cfg, [name], ClientData(cfg, u.client, copy.deepcopy(m), data.train_x[ix].to(be.device),
+                                                      data.train_y[ix].to(be.device), norm, augment, be.device))
+                for u, m, ix in zip(uploads, models, owners)]
+
     r = cfg.rounds - 1
     weights = aggregation_weights([u.num_samples for u in uploads], cfg.server.weights)
     protos = [u.prototypes for u in uploads if u.prototypes is not None]
@@ -149,10 +154,13 @@ def _score(job: FuseJob, names: list[str]) -> None:
     public_x = public[0].to(be.device) if public is not None else None
     for name in names:
         t0 = time.perf_counter()
+        for u, ex in zip(uploads, statistics(name)):
+            u.extras = ex
         pred = make_strategy(cfg, name, key="--strategies").predictor(
             ServerContext(cfg, r, uploads, models, weights, G, anchors, {}, own_extras(uploads, name), public_x, norm,
                           tuple(int(s) for s in data.test_x.shape[1:])))
         res = evaluate_predictors(models, {name: pred}, test_x, test_y, norm,
                                   **eval_options(cfg, r, be.amp_dtype, be.channels_last))
+        # seconds: the clients' statistics, the strategy's build and its test pass
         rd.append([{"kind": "fuse", "strategy": name, "round": r, "acc": res[f"acc_{name}"],
                     "seconds": time.perf_counter() - t0, **{f"{name}.{k}": v for k, v in pred.logs.items()}}], FUSE)
