@@ -144,6 +144,12 @@ ROWS = [
                                                   "lr=0.1"], "takes no KEY=VALUE overrides"),
     ("a primary strategy nobody registered", lambda t, p, f, c: ["run", *t, "server.primary=bogus"],
      "unknown server strategy 'bogus' for server.primary"),
+    ("a server that distils on public data without dataset.public_size", lambda t, p, f, c:
+     ["run", *t, "eval.rules=[primary,feddf]"],
+     "dataset.public_size: server strategy 'feddf' trains on the server's unlabeled public slice"),
+    ("fuse with a strategy the run cannot serve (no public slice)", lambda t, p, f, c:
+     ["fuse", _finished_run(t, p, c), "--strategies", "bnrecal"],
+     "dataset.public_size: server strategy 'bnrecal' trains on the server's unlabeled public slice"),
     ("client statistics that do not match the strategy's declaration", lambda t, p, f, c:
      ["run", *t, "plugins=[flare_demo_plugin]", "eval.rules=[primary,demo_counts]",
       "server.strategies.demo_counts.bad_shape=true"],

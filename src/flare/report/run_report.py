@@ -49,12 +49,18 @@ def summary_markdown(run: RunData) -> str:
         if "client_acc" in rounds[-1]:
             lines.append(f"| client accuracies (alone) | {', '.join(f'{100 * a:.1f}' for a in rounds[-1]['client_acc'])} |")
         lines.append("")
+        own = _strategy_logs(rounds[-1])
+        if own:
+            lines += ["## What the server strategies measured at the last round", "",
+                      "Their cost (seconds, MiB) and what they minimised, as each strategy logged it.", "",
+                      "| strategy | numbers |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in own.items()] + [""]
     if run.fused:
         lines += ["## Server strategies over the saved uploads", "",
                   f"`flare fuse` over every client's state after round {run.fused[0].get('round', 0) + 1} "
-                  "(no client retrained).", "", "| strategy | accuracy | seconds |", "| --- | --- | --- |"]
-        lines += [f"| {f.get('strategy')} | {100 * num(f.get('acc')):.2f} | {_f(f.get('seconds'), 2)} |"
-                  for f in run.fused] + [""]
+                  "(no client retrained); seconds: the clients' statistics the strategy asks for, its build and its "
+                  "test pass.", "", "| strategy | accuracy | seconds | its numbers |", "| --- | --- | --- | --- |"]
+        lines += [f"| {f.get('strategy')} | {100 * num(f.get('acc')):.2f} | {_f(f.get('seconds'), 2)} | "
+                  f"{_strategy_logs(f).get(f.get('strategy'), '')} |" for f in run.fused] + [""]
     if part:
         lines += ["## Partition", "", "| client | samples | normalized entropy |", "| --- | --- | --- |"]
         for c in part["clients"]:
@@ -68,6 +74,16 @@ def summary_markdown(run: RunData) -> str:
     if (run.dir / "plots" / "lambda.png").exists():
         lines += ["![lambda](plots/lambda.png)", ""]
     return "\n".join(lines)
+
+
+def _strategy_logs(rec: dict) -> dict[str, str]:
+    """strategy → "key value, …" of the `<strategy>.<key>` numbers a record carries (predictor logs)."""
+    out: dict[str, list[str]] = {}
+    for k, v in rec.items():
+        if "." in k and isinstance(v, (int, float)):
+            name, key = k.split(".", 1)
+            out.setdefault(name, []).append(f"{key} {v:.4g}")
+    return {n: ", ".join(v) for n, v in out.items()}
 
 
 def write_run_report(run_dir: str | Path) -> RunData:
