@@ -134,7 +134,7 @@ ROWS = [
     # --- server strategies and `flare fuse` -----------------------------------------------------------
     ("fuse with a strategy nobody registered", lambda t, p, f, c:
      ["fuse", _finished_run(t, p, c), "--strategies", "feature,fedavgg"],
-     "unknown server strategy 'fedavgg' (did you mean fedavg?)"),
+     "unknown server strategy 'fedavgg' (did you mean fedavg"),
     ("fuse on an unfinished run", lambda t, p, f, c: ["fuse", _unfinished_run(t, p, c), "--strategies", "feature"],
      "is not finished (status: running)"),
     ("fuse at a round other than the last", lambda t, p, f, c:

@@ -77,9 +77,10 @@ def test_empty_client_is_skipped_with_a_warning(tiny_overrides, tmp_path):
 
 
 def test_nan_loss_stops_with_client_round_and_term_and_keeps_metrics(tiny_overrides, tmp_path, monkeypatch):
+    import flare.client.step as step  # every engine builds its loss there (local_loss)
     import flare.client.trainer as trainer
 
-    real = trainer.base_terms
+    real = step.base_terms
 
     def poisoned(*a, **k):
         t = real(*a, **k)
@@ -94,7 +95,7 @@ def test_nan_loss_stops_with_client_round_and_term_and_keeps_metrics(tiny_overri
         calls["round"] = round_idx
         return real_train(self, ctx, round_idx, on_step)
 
-    monkeypatch.setattr(trainer, "base_terms", poisoned)
+    monkeypatch.setattr(step, "base_terms", poisoned)
     monkeypatch.setattr(trainer.Client, "train_round", train_round)
     out = tmp_path / "nan"
     with pytest.raises(TrainingDiverged) as e:

@@ -32,6 +32,7 @@ METHOD_COLOURS = {
     "server-protos": "#e377c2", "entropy-server-protos": "#f7b6d2", "pcgrad": "#98df8a", "memory-bank": "#c7c7c7",
     "public-bank": "#dbdb8d", "two-stage": "#9edae5", "uw": "#c5b0d5", "uw-rescaled": "#aec7e8",
     "uw-anneal-linear": "#ffbb78", "uw-anneal-cosine": "#c49c94", "decoupled": "#ff9896", "decoupled-stable": "#393b79",
+    "fedproto": "#637939", "fedetf": "#843c39",
 }
 _RULE_COLOURS = {"feature": "C0", "iffi": "C1", "iffi_reference": "C2", "output": "C3", "fedavg": "C4"}
 
