@@ -38,6 +38,7 @@ from flare.config import config_reference, config_reference_markdown, list_prese
 from flare.report.reproduction import reproduction_markdown  # noqa: E402
 from flare.report.compare import compare_markdown, compare_rows  # noqa: E402
 from flare.report.fused import fused_table, fused_vs_table  # noqa: E402
+from flare.report.tables import fmt_ms  # noqa: E402
 from flare.report.runs import Row  # noqa: E402
 from flare.rundata import RunData  # noqa: E402
 
@@ -175,6 +176,7 @@ CIFAR_SMALL = (f"{CIFAR_ARGS} dataset.train_subset=10000 dataset.test_subset=200
 BASELINE_PRESETS = ["fafi", "etf-anneal", "flare", "fedavg"]
 BASELINE_STRATEGIES = ["otfusion", "regmean", "fedlpa", "feddf", "dense", "coboosting", "bnrecal", "fedproto",
                        "fedproto_fused"]
+BNBATCH_PRESETS = ["fafi", "etf-anneal", "flare"]  # eval.bn=batch changes the feature rules only: prototype heads
 BASELINE_ARGS = (f"{CIFAR_ARGS} dataset.train_subset=10000 dataset.test_subset=2000 dataset.public_size=1000 "
                  "model.name=cnn model.width=0.5 num_clients=5 rounds=1 local_epochs=2 batch_size=64 "
                  "server.strategies.feddf.steps=300 server.strategies.dense.epochs=3 server.strategies.dense.g_steps=8 "
@@ -190,11 +192,18 @@ def baselines_block() -> str:
         rows = [row for _, row in _compare_rows(f"runs/readme/baselines-a{a}", BASELINE_PRESETS, [1, 2, 3])]
         names = ["feature", "output", "fedavg", *BASELINE_STRATEGIES]
         vs = fused_vs_table(rows, names)
+        # the same clients (training does not read eval.bn) evaluated with per-batch BN statistics, the reference's
+        # accident that BN recalibration answers: its feature fusion beside bnrecal's
+        batch = {row.label: row for _, row in _compare_rows(f"runs/readme/baselines-a{a}-bnbatch", BNBATCH_PRESETS,
+                                                             [1, 2, 3])}
+        bn_cells = [fmt_ms(*batch[r.label].stat("acc_feature")[:2]) if r.label in batch else "—" for r in rows]
+        table = fused_table(rows, names).rstrip("\n") + "\n| feature, eval.bn=batch | " + " | ".join(bn_cells) + " | — |"
         up = [ln.split(" | ")[:2] for ln in vs.splitlines() if "higher (significant)" in ln]
         down = [ln.split(" | ")[:2] for ln in vs.splitlines() if "lower (significant)" in ln]
         said = lambda cells: ", ".join(f"{s.strip('| ')} on {c}" for s, c in cells) or "none"  # noqa: E731
         out += [f"α = {a} — accuracy (%) over each method's clients, mean ± std over seeds 1–3, and the strategy's "
-                "mean wall time per run (built-in rules: scored in the run itself):", "", fused_table(rows, names), "",
+                "mean wall time per run (built-in rules: scored in the run itself; the last row: the same clients' "
+                "feature fusion with per-batch BatchNorm statistics, `eval.bn=batch`):", "", table, "",
                 "Against FAFI's own server (feature fusion over FAFI clients), paired by seed:", "", vs, "",
                 f"At this scale, significantly above FAFI's feature fusion: {said(up)}; significantly below: "
                 f"{said(down)}; every other cell is not distinguishable from it with 3 seeds.", ""]
@@ -252,7 +261,9 @@ RESULTS = {r.id: r for r in [
             [cmd for a in (0.05, 0.5) for cmd in (
                 f"flare compare --presets {','.join(BASELINE_PRESETS)} --seeds 1,2,3 {BASELINE_ARGS} "
                 f"partition.alpha={a} --out runs/readme/baselines-a{a}",
-                f"flare fuse runs/readme/baselines-a{a}/*/seed=* --strategies {','.join(BASELINE_STRATEGIES)}")],
+                f"flare fuse runs/readme/baselines-a{a}/*/seed=* --strategies {','.join(BASELINE_STRATEGIES)}",
+                f"flare compare --presets {','.join(BNBATCH_PRESETS)} --seeds 1,2,3 {BASELINE_ARGS} partition.alpha={a} "
+                f"eval.bn=batch --out runs/readme/baselines-a{a}-bnbatch")],
             baselines_block),
     # The one deselected test checks the README's blocks, this one included: it cannot pass before this block exists.
     Results("tests", ["python -m pytest -q -p no:cacheprovider -m 'not slow' tests "
