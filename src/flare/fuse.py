@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from flare import cpu
-from flare.config import Config, build_config
+from flare.config import Config, build_config, parse_list
 from flare.errors import FlareError
 from flare.registry import STRATEGIES, load_plugins
 from flare.report.run_report import write_run_report
@@ -45,12 +45,7 @@ class FuseJob:
 
 def parse_strategies(text: str) -> list[str]:
     """The comma-separated names, deduplicated (checked against the registry once each run's plugins are in)."""
-    names = list(dict.fromkeys(s.strip() for s in (text or "").split(",") if s.strip()))
-    if not names:
-        raise FlareError(f"--strategies {text!r} names no strategy.", key="--strategies",
-                         fix="give comma-separated server strategies, e.g. --strategies feature,fedavg "
-                             "(`flare parts` lists them).")
-    return names
+    return parse_list(text, "--strategies", duplicates="drop", example="feature,fedavg")
 
 
 def check(run_dir: str | Path, names: list[str], round_: int | None) -> FuseJob:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flare.config import config_for_preset, deep_merge, parse_overrides, read_yaml_mapping
+from flare.config import config_for_preset, deep_merge, parse_list, parse_overrides, read_yaml_mapping
 from flare.errors import FlareError
 from flare.report.compare import write_compare_report
 from flare.rundir import RunDir
@@ -13,25 +13,11 @@ from flare.runner import Run
 
 
 def parse_presets(text: str) -> list[str]:
-    names = [p.strip() for p in text.split(",") if p.strip()]
-    if not names:
-        raise FlareError("--presets is empty.", key="--presets", fix="give a comma-separated list, e.g. fafi,fedavg.")
-    if len(set(names)) < len(names):
-        raise FlareError(f"--presets names a method twice ({text}).", key="--presets", fix="list each preset once.")
-    return names
+    return parse_list(text, "--presets", example="fafi,fedavg")
 
 
 def parse_seeds(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        seeds = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise FlareError(f"--seeds '{text}' is not a comma-separated list of integers.", key="--seeds",
-                         fix="write e.g. --seeds 1,2,3.") from None
-    if not seeds or len(set(seeds)) < len(seeds):
-        raise FlareError(f"--seeds '{text}' must list distinct seeds.", key="--seeds", fix="write e.g. --seeds 1,2,3.")
-    return seeds
+    return None if text is None else parse_list(text, "--seeds", convert=int, example="1,2,3")
 
 
 def run_compare(presets: list[str], out: Path, config_file: str | None = None, overrides: list[str] | None = None,
