@@ -111,21 +111,21 @@ def cmd_presets(args) -> int:
 
 
 def cmd_datasets(args) -> int:
-    load_plugins(args.plugin)
+    load_plugins(args.plugin, key="--plugin")
     for name, desc in list_datasets():
         print(f"{name:<14}  {desc}")
     return 0
 
 
 def cmd_models(args) -> int:
-    load_plugins(args.plugin)
+    load_plugins(args.plugin, key="--plugin")
     print("\n".join(list_models()))
     return 0
 
 
 def cmd_parts(args) -> int:
     """Every registry with its parts (built-in, entry-point plugins and --plugin modules) and their options."""
-    load_plugins(args.plugin)
+    load_plugins(args.plugin, key="--plugin")
     for kind, reg in REGISTRIES.items():
         print(f"{kind} ({reg.key}):")
         for name in reg.names():

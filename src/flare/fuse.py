@@ -20,6 +20,7 @@ import torch
 from flare import cpu
 from flare.config import Config, build_config, parse_list
 from flare.errors import FlareError
+from flare.models import check_state_fits
 from flare.registry import STRATEGIES, load_plugins
 from flare.report.run_report import write_run_report
 from flare.rundir import CHECKPOINT, FUSE, RunDir, read_jsonl
@@ -65,6 +66,8 @@ def check(run_dir: str | Path, names: list[str], round_: int | None) -> FuseJob:
         raise FlareError(f"run directory '{rd.path}' has no {CHECKPOINT}, which holds the clients' saved states.",
                          key=KEY, fix="rerun the experiment with `flare run` into a new directory (runs are "
                                       "deterministic; a Flower run keeps no client states) and fuse that one.")
+    # the checkpoint's own record of its config too (loaded once here, dropped: fuse reloads it to score)
+    rd.check_consistent(KEY, rd.load_checkpoint("cpu", lambda w: None))
     cfg = build_config(old)  # imports the run's own plugins, whose strategies may be named
     for n in names:
         STRATEGIES.entry(n, key="--strategies")
@@ -89,7 +92,7 @@ def fuse_runs(dirs: list[str], strategies: str, round_: int | None = None,
               plugins: list[str] | None = None) -> list[tuple[Path, list[dict]]]:
     """Check every directory, then score the strategies (comma-separated) not yet fused in each; returns (dir, its
     fuse records of those strategies)."""
-    load_plugins(plugins or [])
+    load_plugins(plugins or [], key="--plugin")
     names = parse_strategies(strategies)
     jobs = [check(d, names, round_) for d in dirs]
     out = []
@@ -119,6 +122,14 @@ def _score(job: FuseJob, names: list[str]) -> None:
         raise FlareError(f"'{rd.path}/{CHECKPOINT}' is unreadable, holds no client states or does not cover the "
                          "last round.", key=KEY,
                          fix="rerun the experiment into a new directory (runs are deterministic) and fuse that one.")
+    fix = (f"the checkpoint was made by another experiment: restore {rd.path / 'config.yaml'}, or rerun into a new "
+           "directory.")
+    if len(ck["clients"]) != len(parts):
+        raise FlareError(f"'{rd.path}/{CHECKPOINT}' holds {len(ck['clients'])} clients, the run has {len(parts)}.",
+                         key=KEY, fix=fix)
+    for i, st in enumerate(ck["clients"]):
+        check_state_fits(template, st.get("model") if isinstance(st, dict) else st,
+                         f"'{rd.path}/{CHECKPOINT}' (client {i})", key=KEY, fix=fix)
     norm = normalizer(cfg, meta)
     augment = make_augment(cfg, meta, be.device) if extras_shapes(cfg, names, template) else None
     models, uploads, owners = [], [], []

@@ -168,20 +168,25 @@ def load_builtins() -> None:
           if _import_plugin(m := ep.value.split(":")[0], lambda ep=ep: ep.load(), f"entry point {ep.name!r} of")])
 
 
-def load_plugins(modules: object) -> list[str]:
-    """Import the config's `plugins` (module names) before the rest of the config is validated; returns them."""
+def load_plugins(modules: object, key: str = "plugins") -> list[str]:
+    """Import the config's `plugins` (module names) before the rest of the config is validated; returns them.
+    `key`: what the user wrote them as (`plugins` in a config, `--plugin` on the command line), for the errors."""
     load_builtins()
     if modules is None:
         return []
     if not isinstance(modules, (list, tuple)) or not all(isinstance(m, str) for m in modules):
-        raise FlareError(f"plugins must be a list of module names, got {modules!r}.", key="plugins",
+        raise FlareError(f"plugins must be a list of module names, got {modules!r}.", key=key,
                          fix="write e.g. plugins: [my_pkg.my_methods].")
+    example = "--plugin my_methods" if key.startswith("--") else "plugins: [my_methods]"
     for m in modules:
+        if not m.strip():
+            raise FlareError("a plugin module name is empty.", key=key,
+                             fix=f"give the dotted module name, e.g. {example} for my_methods.py on PYTHONPATH.")
         if not _MODULE_NAME.match(m):
-            raise FlareError(f"plugin '{m}' looks like a file path, not a module name.", key="plugins",
+            raise FlareError(f"plugin '{m}' looks like a file path, not a module name.", key=key,
                              fix="put its folder on PYTHONPATH (or install it) and write the dotted module name, "
-                                 "e.g. plugins: [my_methods] for my_methods.py.")
-    _log([m for m in modules if _import_plugin(m, lambda m=m: importlib.import_module(m), "plugin module")])
+                                 f"e.g. {example} for my_methods.py.")
+    _log([m for m in modules if _import_plugin(m, lambda m=m: importlib.import_module(m), "plugin module", key)])
     return list(modules)
 
 
@@ -191,7 +196,7 @@ def _log(new: list[str]) -> None:
         print(f"flare: loaded plugin module{'s' if len(new) > 1 else ''} {', '.join(new)}", file=sys.stderr)
 
 
-def _import_plugin(module: str, load: Callable[[], object], what: str) -> bool:
+def _import_plugin(module: str, load: Callable[[], object], what: str, key: str = "plugins") -> bool:
     """Import a plugin once per process; True when this call imported it."""
     if module in LOADED_PLUGINS:
         return False
@@ -199,16 +204,17 @@ def _import_plugin(module: str, load: Callable[[], object], what: str) -> bool:
         load()
     except ModuleNotFoundError as e:
         if e.name and (module == e.name or module.startswith(e.name + ".")):
-            raise FlareError(f"{what} '{module}' cannot be found (no module named {e.name!r}).", key="plugins",
+            raise FlareError(f"{what} '{module}' cannot be found (no module named {e.name!r}).", key=key,
                              fix="check its spelling, and put its folder on PYTHONPATH or install its "
                                  "package.") from None
-        raise FlareError(f"{what} '{module}' failed to import: {e}.", key="plugins",
+        raise FlareError(f"{what} '{module}' failed to import: {e}.", key=key,
                          fix="install what it needs, or fix the plugin.") from None
-    except FlareError as e:
-        raise FlareError(f"{what} '{module}' failed to import: {e.render()}", key="plugins",
-                         fix="fix the plugin.") from None
+    except FlareError as e:  # the plugin's own message and fix, said once
+        where = f"{e.key}: " if e.key else ""
+        raise FlareError(f"{what} '{module}' failed to import: {where}{e.message}", key=key,
+                         fix=e.fix or "fix the plugin.") from None
     except Exception as e:  # noqa: BLE001 — a broken plugin is the user's mistake, reported without a traceback
-        raise FlareError(f"{what} '{module}' raised on import: {type(e).__name__}: {e}.", key="plugins",
+        raise FlareError(f"{what} '{module}' raised on import: {type(e).__name__}: {e}.", key=key,
                          fix="fix the plugin (import it in Python to see the traceback).") from None
     LOADED_PLUGINS.append(module)
     return True

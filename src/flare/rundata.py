@@ -1,5 +1,6 @@
 """A run directory read back for reports: config, rounds, client records, state and partition of a run, with
-"final" and "peak" defined once. Works on old, partial and foreign runs alike (it never writes)."""
+"final" and "peak" defined once. Works on old, partial and foreign runs alike (it never writes), and refuses a run
+whose config.yaml disagrees with the config its results were computed with (`RunDir.check_consistent`)."""
 from __future__ import annotations
 
 import json
@@ -54,6 +55,8 @@ class RunData:
             cfg = rd.read_config() or {}
         except FlareError:
             cfg = {}
+        if cfg:
+            rd.check_consistent(key="DIR")  # never report one experiment's numbers under another's config
         recs = read_jsonl(rd.metrics_path)
         part = {}
         p = rd.file(PARTITION)

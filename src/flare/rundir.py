@@ -6,7 +6,8 @@
     checkpoint.pt       every client's state after the last complete round, the records of every round so far,
                         the random generators' state (atomic; torch.load(weights_only=True) reads it)
     checkpoint.prev.pt  the checkpoint one round earlier (the fallback when the newest is unreadable)
-    state.json          {"status": ..., "rounds_done": r, "warnings": [...], "backend": how it computed}
+    state.json          {"status": ..., "rounds_done": r, "warnings": [...], "backend": how it computed,
+                        "config": the config the files were computed with, "config_fingerprint": its hash}
     fuse.jsonl          one {"kind": "fuse", "strategy": s, "round": R-1, "acc": a} line per strategy of `flare fuse`
     summary.md, plots/  written by `flare.report.run_report` from the files above; .lock: the one writer's flock
 
@@ -16,11 +17,17 @@ atomically (temporary file, fsync, rename) except metrics.jsonl, which is append
 a single write. The checkpoint is the source of truth: it carries the records of every round it covers, so
 `resume_point` can check metrics.jsonl against it and rebuild what a torn or truncated log lost.
 
+A run directory never disagrees with itself: state.json and the checkpoint record the config they were computed
+with (and its fingerprint), and every command that reads a run compares config.yaml with that record first
+(`RunDir.check_consistent`): a hand-edited config.yaml is refused, naming the keys, instead of resuming, fusing or
+reporting numbers of one experiment under the description of another.
+
 `rundata.RunData` is the one reader for reports.
 """
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import math
 import os
@@ -152,6 +159,16 @@ def config_differences(old: dict, new: dict) -> list[str]:
     a, b = flatten(old or {}), flatten(new or {})
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)
                   and not all(v is None or v in ([], {}) for v in (a.get(k), b.get(k))))
+
+
+def config_fingerprint(mapping: dict) -> str:
+    """A short hash of a resolved config (key order and YAML formatting do not matter; values do)."""
+    return hashlib.sha256(json.dumps(mapping, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _shown(v) -> str:
+    text = json.dumps(v, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 # ----------------------------------------------------------------------------------------------
@@ -294,9 +311,13 @@ class RunDir:
     def drop_previous_checkpoint(self) -> None:
         (self.path / PREV_CHECKPOINT).unlink(missing_ok=True)
 
-    def write_state(self, status: str, rounds_done: int, warnings: list[str], **extra) -> None:
+    def write_state(self, status: str, rounds_done: int, warnings: list[str], config: dict | None = None,
+                    **extra) -> None:
+        """state.json; `config` (the resolved config mapping the files were computed with) is recorded with its
+        fingerprint, for `check_consistent`."""
+        recorded = {"config_fingerprint": config_fingerprint(config), "config": config} if config is not None else {}
         self.write_text(STATE, json.dumps({"status": status, "rounds_done": rounds_done, "warnings": warnings,
-                                           **extra}, indent=1))
+                                           **extra, **recorded}, indent=1))
 
     # -- reads ----------------------------------------------------------------------------------
     def read_config(self) -> dict | None:
@@ -349,8 +370,56 @@ class RunDir:
             warn(f"{self.path}: " + "; ".join(problems) + ", and no older checkpoint is readable.")
         return None
 
+    # -- consistency ----------------------------------------------------------------------------
+    def check_consistent(self, key: str = "--out", checkpoint: dict | None = None,
+                         extension_ok: Callable[[dict, dict], bool] | None = None) -> None:
+        """Refuse a directory whose config.yaml is not the config its files were computed with.
+
+        state.json (and `checkpoint`, when the caller has loaded it) record that config; a run from before they did
+        records none and is taken as it is. `extension_ok(recorded, current)`: for a resume, a difference in
+        `rounds` alone may be a legitimate extension (`flare run --resume DIR rounds=N`) caught between writing
+        config.yaml and state.json; every other difference, and any for reports and fuse, is refused."""
+        current = self.read_config()
+        if current is None:
+            return
+        sources = [(STATE, self.read_state().get("config"))]
+        if checkpoint is not None:
+            sources.append((CHECKPOINT, checkpoint.get("config")))
+        for name, recorded in sources:
+            if not isinstance(recorded, dict) or config_fingerprint(recorded) == config_fingerprint(current):
+                continue
+            diff = config_differences(recorded, current)
+            if not diff or (diff == ["rounds"] and extension_ok is not None and extension_ok(recorded, current)):
+                continue
+            a, b = flatten(recorded), flatten(current)
+            shown = ", ".join(f"{k} ({_shown(a.get(k))} → {_shown(b.get(k))})" for k in diff[:8])
+            more = f" and {len(diff) - 8} more" if len(diff) > 8 else ""
+            raise FlareError(
+                f"run directory '{self.path}' disagrees with itself: its {CONFIG} is not the config its results "
+                f"were computed with (recorded in {name}); keys that differ: {shown}{more}. Nothing was changed.",
+                key=key, fix=f"restore {CONFIG} to the recorded values, or run the edited experiment as a new run: "
+                             f"`flare run --config {self.path / CONFIG} --out NEW_DIR`.")
+
     # -- resuming -------------------------------------------------------------------------------
-    def resume_point(self, cfg: Config) -> ResumePoint:
+    def check_continues(self, cfg: Config, key: str = "--out") -> list[str]:
+        """Refuse, before anything is written, a directory `cfg` cannot continue: config.yaml disagrees with its own
+        record, or holds another experiment (the same one with more rounds is fine where nothing depends on R).
+        Returns the keys in which config.yaml and `cfg` differ ([] or ["rounds"]). Cheap: reads no checkpoint, so
+        `flare compare` checks every run directory with it before running any."""
+        old = self.read_config()
+        if old is None:
+            return []
+        self.check_consistent(key, extension_ok=lambda rec, cur: extension_problem(rec, cfg) is None)
+        diff = config_differences(old, cfg.model_dump(mode="json"))
+        if diff:
+            why = extension_problem(old, cfg) if diff == ["rounds"] else None
+            if diff != ["rounds"] or why:
+                raise FlareError(f"run directory '{self.path}' holds a different experiment (keys differ: "
+                                 f"{', '.join(diff)})" + (f"; {why}" if why else "") + ".", key=key,
+                                 fix="choose another output directory, or delete the old one.")
+        return diff
+
+    def resume_point(self, cfg: Config, key: str = "--out") -> ResumePoint:
         """Validate the directory against `cfg` and its checkpoint before trusting it.
 
         The config must be the same experiment (or the same with more rounds, where nothing depends on R). The
@@ -361,17 +430,11 @@ class RunDir:
         old = self.read_config()
         if old is None:
             return rp
-        new = cfg.model_dump(mode="json")
-        diff = config_differences(old, new)
-        if diff:
-            why = extension_problem(old, cfg) if diff == ["rounds"] else None
-            if diff != ["rounds"] or why:
-                raise FlareError(f"run directory '{self.path}' holds a different experiment (keys differ: "
-                                 f"{', '.join(diff)})" + (f"; {why}" if why else "") + ".", key="--out",
-                                 fix="choose another output directory, or delete the old one.")
+        diff = self.check_continues(cfg, key)
         state = self.read_state()
         warn = rp.warnings.append
         ck = self.load_checkpoint("cpu", warn)
+        self.check_consistent(key, ck, extension_ok=lambda rec, cur: extension_problem(rec, cfg) is None)
         records, torn = self.read_metrics()
         for line in torn:
             warn(f"{self.metrics_path}: line {line} is torn or unreadable (cut mid-line?); dropped.")

@@ -26,7 +26,8 @@ from flare.progress import Progress
 from flare.report.run_report import write_run_report
 from flare.rng import global_rng_state, set_global_rng_state
 from flare.rundata import RunData
-from flare.rundir import SUMMARY, ResumePoint, RunDir
+from flare.models import check_state_fits
+from flare.rundir import CHECKPOINT, SUMMARY, ResumePoint, RunDir
 from flare.server.rounds import evaluated_round, skipped_round_record
 from flare.setup import RunSetup
 
@@ -71,8 +72,6 @@ class Run:
         if before and before != self.facts["cpu_kernels"]:
             self._warn(f"rounds 1–{rp.rounds_done} ran on {before} CPU kernels, the rest on "
                        f"{self.facts['cpu_kernels']}: the digits of the two parts follow different kernels")
-        self.dir.write_config(cfg)
-        self.dir.write_partition(setup.partition_report)
         clients = setup.make_clients(self._warn, self._log)
         if cfg.compile and cfg.client_engine != "batched":  # the batched engine compiles its own batched step
             for c in clients:
@@ -83,6 +82,13 @@ class Run:
         records = self._restore(rp, clients)
         if rp.checkpoint is not None:
             setup.load_server_state(rp.checkpoint.get("server"))
+        # every check has passed: only now is the directory written
+        self.dir.write_config(cfg)
+        self.dir.write_partition(setup.partition_report)
+        if rp.checkpoint is None:
+            self.dir.clear_checkpoints()
+        self.dir.write_metrics(records)
+        config = cfg.model_dump(mode="json")
         batched = BatchedClients(active, setup.ctx, compile=cfg.compile) if cfg.client_engine == "batched" else None
         start = rp.rounds_done
         steps_per_round = sum(c.steps_per_epoch for c in active) * cfg.local_epochs
@@ -105,12 +111,12 @@ class Run:
                     _tb_log(tb, r, rec, client_records)
                 self.dir.save_checkpoint({"rounds_done": r + 1, "clients": [c.state_dict() for c in clients],
                                           "rng": global_rng_state(), "records": records,
-                                          "server": setup.server_state()})
-                self.dir.write_state("running", r + 1, self.warnings, backend=self.facts)
+                                          "server": setup.server_state(), "config": config})
+                self.dir.write_state("running", r + 1, self.warnings, config, backend=self.facts)
                 bar.round_done(rec.get("acc", float("nan")))
         if tb is not None:
             tb.close()
-        self.dir.write_state("finished", cfg.rounds, self.warnings, backend=self.facts)
+        self.dir.write_state("finished", cfg.rounds, self.warnings, config, backend=self.facts)
         self.dir.drop_previous_checkpoint()
         return write_run_report(self.out).summary()
 
@@ -119,16 +125,22 @@ class Run:
         self.warnings = rp.state_warnings + [w for w in self.warnings if w not in rp.state_warnings]
 
     def _restore(self, rp: ResumePoint, clients: list[Client]) -> list[dict]:
-        """Load the checkpoint (if any) into the clients; returns the records of the rounds it covers."""
+        """Load the checkpoint (if any) into the clients, each state checked against its model first; returns the
+        records of the rounds it covers. Writes nothing: the caller writes once every check has passed."""
         if rp.checkpoint is None:
-            self.dir.clear_checkpoints()
-            self.dir.write_metrics([])
             return []
-        for c, st in zip(clients, rp.checkpoint["clients"]):
+        saved = rp.checkpoint["clients"]
+        fix = (f"the checkpoint was made by another experiment: restore {self.dir.path / 'config.yaml'}, or start "
+               "a new run with --out NEW_DIR.")
+        if len(saved) != len(clients):
+            raise FlareError(f"{self.dir.path / CHECKPOINT} holds {len(saved)} clients, the run has {len(clients)}.",
+                             key="--out", fix=fix)
+        for c, st in zip(clients, saved):
+            check_state_fits(c.model, st.get("model") if isinstance(st, dict) else st,
+                             f"{self.dir.path / CHECKPOINT} (client {c.cid})", key="--out", fix=fix)
             c.load_state_dict(st)
         set_global_rng_state(rp.checkpoint.get("rng"))
         self._merge_warnings(rp)
-        self.dir.write_metrics(rp.records)
         self._log(f"{self.out}: resuming after round {rp.rounds_done}.")
         return list(rp.records)
 
@@ -138,7 +150,7 @@ class Run:
         if rp.warnings:
             self.dir.write_metrics(rp.records)
             self._merge_warnings(rp)
-            self.dir.write_state("finished", rp.rounds_done, self.warnings,
+            self.dir.write_state("finished", rp.rounds_done, self.warnings, self.cfg.model_dump(mode="json"),
                                  **{k: v for k, v in self.dir.read_state().items() if k == "backend"})
         if rp.warnings or not self.dir.file(SUMMARY).exists():
             return write_run_report(self.out).summary()

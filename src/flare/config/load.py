@@ -121,22 +121,22 @@ def parse_list(text: str, option: str, *, convert=str, duplicates: str = "refuse
     (`duplicates="refuse"`; `"drop"` keeps the first of each instead)."""
     items = [s.strip() for s in str(text).split(",")]
     if not any(items):
-        raise FlareError(f"{option} is empty.", key=option, fix=f"give a comma-separated list, e.g. {option} {example}.")
+        raise FlareError("the list is empty.", key=option, fix=f"give a comma-separated list, e.g. {option} {example}.")
     if not all(items):
         pos = ", ".join(str(i + 1) for i, s in enumerate(items) if not s)
-        raise FlareError(f"{option} {text!r} has an empty element (position {pos}).", key=option,
+        raise FlareError(f"{text!r} has an empty element (position {pos}).", key=option,
                          fix=f"remove the extra comma, e.g. {option} {example}.")
     out = []
     for s in items:
         try:
             out.append(convert(s))
         except (TypeError, ValueError):
-            raise FlareError(f"{option} {text!r}: {s!r} is not a valid element.", key=option,
+            raise FlareError(f"{text!r}: {s!r} is not a valid element.", key=option,
                              fix=f"write e.g. {option} {example}.") from None
     if len(set(out)) < len(out):
         if duplicates == "drop":
             return list(dict.fromkeys(out))
-        raise FlareError(f"{option} {text!r} names an element twice.", key=option, fix="list each element once.")
+        raise FlareError(f"{text!r} names an element twice.", key=option, fix="list each element once.")
     return out
 
 

@@ -362,9 +362,12 @@ class Config(Strict):
         for name in sorted({n for n in (self.eval.rules or []) if n != "primary"} | {self.server.primary} - {"auto"}):
             STRATEGIES.get(name).check(self)  # a strategy's own requirements (e.g. a public slice), before training
         if self.eval.every > 1 and self.server.protos == "trainable" and self.server.protos_flow == "reference":
-            raise KeyedValueError("eval.every", "with server.protos_flow=reference the server trains the clients' "
-                                  "next target G at every evaluation, so skipping evaluations would change training; "
-                                  "set eval.every=1")
+            by_speed = (" (speed=fast sets eval.every=5 unless the config sets eval.every itself)"
+                        if self.speed == "fast" else "")
+            raise KeyedValueError("eval.every", f"eval.every={self.eval.every}{by_speed}: with server.protos_flow="
+                                  "reference the server trains the clients' next target G at every evaluation, so "
+                                  "skipping evaluations would change training; set eval.every=1"
+                                  + (" next to speed=fast, or drop speed=fast" if by_speed else ""))
         if self.client_engine == "batched":
             blocked = self.batched_engine_blockers()
             if blocked:

@@ -42,6 +42,8 @@ def run_compare(presets: list[str], out: Path, config_file: str | None = None, o
         for s in seeds or [None]:
             cfg = config_for_preset(base if s is None else {**base, "seed": s}, name)
             plan.append((name, out / name if s is None else out / name / f"seed={s}", cfg))
+    for _, d, cfg in plan:  # every run directory it would continue, checked before any is written
+        RunDir(d).check_continues(cfg)
     RunDir(out).create()
     for name, d, cfg in plan:
         Run(cfg, d, quiet=quiet, label=name if seeds is None else f"{name} seed {cfg.seed}").execute()

@@ -174,7 +174,7 @@ class ServerSession:
         self.dir.write_config(cfg)
         self.dir.clear_checkpoints()
         self.dir.write_metrics([])
-        self.dir.write_state("running", 0, self.warnings)
+        self.dir.write_state("running", 0, self.warnings, self.cfg.model_dump(mode="json"))
 
     def close(self) -> None:
         self.dir.unlock()
@@ -309,7 +309,7 @@ class ServerSession:
         for w in runaway_warnings(self.cfg, client_logs):
             self._warn(w)
         self.dir.append(client_logs + [rec])
-        self.dir.write_state("running", round_idx + 1, self.warnings)
+        self.dir.write_state("running", round_idx + 1, self.warnings, self.cfg.model_dump(mode="json"))
         self.last_uploads = uploads
         acc = rec.get("acc")
         self.log(f"round {round_idx + 1}: {len(uploads)} upload(s)"
@@ -342,7 +342,7 @@ class ServerSession:
                                    self.last.record, self.template.feature_dim, self.last.predictors)
             if isinstance(saved, str):
                 self._warn(saved)
-        self.dir.write_state("finished", self.cfg.rounds, self.warnings)
+        self.dir.write_state("finished", self.cfg.rounds, self.warnings, self.cfg.model_dump(mode="json"))
         write_run_report(self.out)
         if self.test_x is None:  # nothing was scored
             return {"method": self.cfg.method, "primary": self.last.record["primary"], "acc": None,
@@ -363,7 +363,8 @@ class ServerSession:
         if self.histograms:
             self.write_partition()
         self._write_federation("failed", msg)
-        self.dir.write_state("failed", self.dir.read_state().get("rounds_done", 0), self.warnings, error=msg)
+        self.dir.write_state("failed", self.dir.read_state().get("rounds_done", 0), self.warnings,
+                             self.cfg.model_dump(mode="json"), error=msg)
 
     def _event(self, kind: str, round_idx: int, node: int, cid, reasons: list[str]) -> None:
         who = f"client {cid}" if cid is not None else f"node {node}"

@@ -29,6 +29,7 @@ __all__ = [
     "list_models",
     "register_model",
     "HEADS",
+    "check_state_fits",
 ]
 
 EncoderBuilder = Callable[..., nn.Module]
@@ -116,3 +117,25 @@ register_model("resnet18", description="CIFAR-style ResNet-18 (d = 512·width)")
 register_model("resnet34", description="CIFAR-style ResNet-34 (d = 512·width)")(_resnet.resnet34)
 register_model("resnet50", description="CIFAR-style ResNet-50 (d = 2048·width)")(_resnet.resnet50)
 register_model("cnn", description="small CNN for CPU runs")(_cnn.cnn)
+
+
+def check_state_fits(model: nn.Module, state: dict, source: str, *, key: str, fix: str) -> None:
+    """Refuse a state dict that does not fit `model` with a FlareError naming the first tensor at fault and both
+    shapes (torch's `load_state_dict` would list every mismatch in a traceback, after the caller may have written)."""
+    if not isinstance(state, dict):
+        raise FlareError(f"{source} holds no model state (a {type(state).__name__}).", key=key, fix=fix)
+    own = model.state_dict()
+    for name, t in own.items():
+        if name not in state:
+            raise FlareError(f"{source} does not fit the model: tensor '{name}' (shape {tuple(t.shape)}) is missing "
+                             f"({sum(k not in state for k in own)} of the model's {len(own)} missing).",
+                             key=key, fix=fix)
+        got = getattr(state[name], "shape", None)
+        if got is None or tuple(got) != tuple(t.shape):
+            raise FlareError(f"{source} does not fit the model: tensor '{name}' has shape "
+                             f"{tuple(got) if got is not None else type(state[name]).__name__} there, the model's is "
+                             f"{tuple(t.shape)}.", key=key, fix=fix)
+    extra = [k for k in state if k not in own]
+    if extra:
+        raise FlareError(f"{source} does not fit the model: it holds tensor '{extra[0]}', which the model has not "
+                         f"({len(extra)} such).", key=key, fix=fix)

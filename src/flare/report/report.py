@@ -26,7 +26,6 @@ def write_report(paths: Iterable[str | Path], out: str | Path, title: str = "Rep
     method name; default fafi where present, else the section's first method), paired by seed."""
     runs = load_runs(paths)
     out = Path(out)
-    RunDir(out).create(key="--out")
     with_rounds = [r for r in runs if r.rounds]
     empty = [r for r in runs if not r.rounds]
     md = [f"# {title}", "", f"{len(runs)} run directories, read {time.strftime('%Y-%m-%d %H:%M')}. Accuracies are "
@@ -40,6 +39,7 @@ def write_report(paths: Iterable[str | Path], out: str | Path, title: str = "Rep
     if baseline and not any(baseline in [r.label for r in sec.rows] for sec in secs):
         raise FlareError(f"--baseline {baseline} names no method of these runs.", key="--baseline",
                          fix="use one of: " + ", ".join(sorted({r.label for sec in secs for r in sec.rows})) + ".")
+    RunDir(out).create(key="--out")  # after every check: a refused report writes nothing
     for sec in secs:
         md += [f"## {sec.title}", "", results_table(sec.rows), ""]
         base = default_baseline([r.label for r in sec.rows], baseline)
