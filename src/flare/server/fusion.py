@@ -62,11 +62,6 @@ def prototype_scores(h: Tensor, G: Tensor) -> Tensor:
     return F.normalize(h.float(), dim=1) @ G.float().T
 
 
-def predict_with_prototypes(h: Tensor, G: Tensor) -> Tensor:
-    """ŷ = argmax (h/‖h‖) Gᵀ."""
-    return prototype_scores(h, G).argmax(1)
-
-
 def fuse_outputs(logits: Tensor, weights: Tensor, mode: str = "softmax") -> Tensor:
     """Σ_i w_i softmax(logits_i) (`softmax`), or Σ_i w_i logits_i (`logits`: the reference's Ensemble): B×C."""
     x = logits.float().softmax(-1) if mode == "softmax" else logits.float()
