@@ -1,4 +1,4 @@
-"""The CPU path, exact against fast: the side-by-side with the reference code of issue 22.
+"""The CPU path, exact against fast, side by side with the reference code (docs/performance.md).
 
 The setting the reference's `OursV4` was timed in (453.5 s wall on a 2-core AVX512 VM, 2 threads): FAFI,
 CIFAR-10 export, a stratified 5,000 / 1,000 subset, ResNet-18, 5 clients, α = 0.05, batch 512, one round. Each
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-REFERENCE_SECONDS = 453.5  # the reference's OursV4, same setting, same VM type (issue 22)
+REFERENCE_SECONDS = 453.5  # the reference's OursV4, same setting, same VM type
 SETTING = ["--preset", "fafi", "dataset.name=cifar10", "dataset.format=imagefolder", "model.name=resnet18",
            "num_clients=5", "partition.alpha=0.05", "batch_size=512", "rounds=1"]
 PROFILES = {

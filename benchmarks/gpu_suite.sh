@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 14's GPU measurements, each group in one device call (docs/performance.md gives the exact calls).
+# The GPU measurements of docs/performance.md, each group in one device call (docs/performance.md gives the exact calls).
 #
 #   bash benchmarks/gpu_suite.sh run     # full CIFAR-10 FAFI run (batched eager, batched compiled), efficiency at
 #                                        # width 1 and 0.25, one profiled round                     (≈ 9 min)

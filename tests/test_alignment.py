@@ -1,4 +1,4 @@
-"""Global alignment (SPEC §6): anchors, schedules, the entropy rule, PCGrad, Plan B, banks, progress,
+"""Global alignment (docs/method.md#anchors): anchors, schedules, the entropy rule, PCGrad, Plan B, banks, progress,
 the presets, and the bad-input errors. Tiny models and synthetic tensors only."""
 import json
 import math

@@ -1,4 +1,4 @@
-"""On-device two-view SupCon augmentation (SPEC §3)."""
+"""On-device two-view SupCon augmentation (docs/method.md#local-objective-fafi)."""
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,5 @@
-"""The λ learner of SPEC §7 (V10–V14): gradient routing, warm start, the valve, the notes' failure modes,
-checkpoints, the trainer's single backward, and the runner's λ_raw warning."""
+"""The λ learner (V10–V14, docs/method.md#learned-λ-v10v14): gradient routing, warm start, the valve, the notes'
+failure modes, checkpoints, the trainer's single backward, and the runner's λ_raw warning."""
 import math
 import warnings
 

@@ -1,4 +1,4 @@
-"""Learning-rate schedules for local training and the LR probe (SPEC §8)."""
+"""Learning-rate schedules for local training and the LR probe (docs/method.md#learning-rate-schedules)."""
 import json
 import math
 

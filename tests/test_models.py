@@ -1,4 +1,4 @@
-"""Model zoo contract (SPEC §2)."""
+"""Model zoo contract (docs/method.md#model)."""
 from __future__ import annotations
 
 import pytest

@@ -104,7 +104,7 @@ def test_plan_b_reference_needs_anchors():
 
 
 # ----------------------------------------------------------------------------------------------
-# partitions (SPEC §1 and /work/ref_protocol.md §6)
+# partitions (docs/method.md#partitions, docs/reproduction.md#partitions)
 
 CIFAR10 = np.repeat(np.arange(10), 5000)
 SVHN = np.repeat(np.arange(10), [4948, 13861, 10585, 8497, 7458, 6882, 5727, 5595, 5045, 4659])

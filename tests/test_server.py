@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from flare.metrics import g_protos_std, inter_client_proto_std, model_variance_mean
 from flare.server.fedavg import average_state_dicts
 from flare.server.fusion import (aggregation_weights, fuse_features, fuse_outputs, iffi_reference_features,
-                                 iffi_weights, predict_with_prototypes)
+                                 iffi_weights, prototype_scores)
 from flare.server.protos import mean_prototypes
 
 
@@ -19,7 +19,7 @@ def test_feature_fusion_and_prototype_match():
     h = fuse_features(feats, torch.tensor([0.25, 0.75]))
     assert torch.allclose(h, torch.tensor([[0.5, 0.75]]))
     G = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
-    assert predict_with_prototypes(h, G).item() == 1
+    assert prototype_scores(h, G).argmax(1).item() == 1
 
 
 def test_iffi_per_model_weights_hand_example():
@@ -38,7 +38,7 @@ def test_iffi_reference_equals_uniform_feature_fusion():
     ref = iffi_reference_features(feats, noise)
     uni = fuse_features(feats, aggregation_weights([1] * 5, "uniform"))
     assert torch.allclose(F.normalize(ref, dim=1), F.normalize(uni, dim=1), atol=1e-5)
-    assert torch.equal(predict_with_prototypes(ref, G), predict_with_prototypes(uni, G))
+    assert torch.equal(prototype_scores(ref, G).argmax(1), prototype_scores(uni, G).argmax(1))
     # and genuinely per-model IFFI differs from it in general
     iffi = fuse_features(feats, iffi_weights(feats, noise))
     assert not torch.allclose(F.normalize(iffi, dim=1), F.normalize(uni, dim=1), atol=1e-3)

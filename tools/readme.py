@@ -170,7 +170,7 @@ ALIGN_PRESETS = ["fafi", "drcl", "drcl-anneal", "etf-anneal", "entropy-lambda", 
 CIFAR_SMALL = (f"{CIFAR_ARGS} dataset.train_subset=10000 dataset.test_subset=2000 model.name=cnn model.width=0.5 "
                "num_clients=5 rounds=5 batch_size=64")
 
-# The one-shot baselines (issue 21): clients trained once per method and seed, every server strategy over the same
+# The one-shot baselines (docs/baselines.md): clients trained once per method and seed, every server strategy over the same
 # saved uploads. The data-free servers and FedDF run far fewer steps than published (their defaults stay the
 # config's defaults, for GPU runs): the block must fit ~90 minutes on 2 cores.
 BASELINE_PRESETS = ["fafi", "etf-anneal", "flare", "fedavg"]

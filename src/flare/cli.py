@@ -297,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="import this plugin module first, for its strategies (repeatable)")
     fu.set_defaults(fn=cmd_fuse)
 
-    pa = sub.add_parser("paper", help="the experiments of SPEC section 9 as sweeps, then the report")
+    pa = sub.add_parser("paper", help="the experiments of docs/method.md#experiments as sweeps, then the report")
     pa.add_argument("--scale", required=True, choices=["smoke", "cpu", "full"])
     pa.add_argument("--datasets", help="comma-separated datasets (default per scale)")
     pa.add_argument("--seeds", help="comma-separated seeds (default per scale)")

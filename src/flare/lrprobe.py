@@ -1,4 +1,4 @@
-"""LR probe (SPEC §8): the largest Hessian eigenvalue L of the local loss at the initial model and the
+"""LR probe (docs/method.md#lr-probe): the largest Hessian eigenvalue L of the local loss at the initial model and the
 stability bound η_crit = 2/L of (non-momentum) gradient descent on a quadratic with that curvature.
 
 `flare lr-probe` builds the run exactly like the runner (same data pipeline and subsets, same partition,

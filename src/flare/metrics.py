@@ -1,4 +1,4 @@
-"""The diagnostics of SPEC §5, computed every round from what the clients uploaded."""
+"""The diagnostics of docs/method.md#metrics, computed every round from what the clients uploaded."""
 from __future__ import annotations
 
 import torch

@@ -53,7 +53,7 @@ CONFIG, PARTITION, METRICS, STATE = "config.yaml", "partition.json", "metrics.js
 CHECKPOINT, PREV_CHECKPOINT, LOCK, SUMMARY = "checkpoint.pt", "checkpoint.prev.pt", ".lock", "summary.md"
 FUSE = "fuse.jsonl"
 ACC_ORDER = ("acc_feature", "acc_iffi", "acc_iffi_reference", "acc_output", "acc_fedavg")  # the built-in strategies
-DIAG = ("g_protos_std", "inter_client_proto_std", "model_variance_mean")                   # SPEC §5
+DIAG = ("g_protos_std", "inter_client_proto_std", "model_variance_mean")                   # docs/method.md#metrics
 
 
 # ----------------------------------------------------------------------------------------------

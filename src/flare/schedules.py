@@ -1,7 +1,7 @@
 """Schedules: pure functions of training progress.
 
 One abstraction serves λ annealing a(p), the meta-annealing s(p) of the λ learner, and the local
-learning rate (SPEC §6–8). `p` runs once from 0 to 1 over the *whole* local training (all rounds),
+learning rate (docs/method.md#schedules). `p` runs once from 0 to 1 over the *whole* local training (all rounds),
 never per round — the seeds' saw-tooth was a bug.
 """
 from __future__ import annotations

@@ -193,7 +193,7 @@ def describe_partition(cfg: Config, part: Partition, classes: list[str]) -> dict
 
 
 def init_global_model(cfg: Config, meta: DataMeta, device: torch.device, channels_last: bool = False) -> FlareNet:
-    """One seeded global init shared by every client (SPEC §1)."""
+    """One seeded global init shared by every client: one-shot FL shares nothing else before training."""
     torch.manual_seed(cfg.seed)
     model = create_model(cfg.model.name, meta.in_channels, meta.num_classes, cfg.model.width, head=cfg.head,
                          options=cfg.model.options).to(device)

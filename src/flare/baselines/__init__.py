@@ -1,4 +1,4 @@
-"""The one-shot baselines the field compares against (issue 21), written against FLARE's public extension points
+"""The one-shot baselines the field compares against (docs/baselines.md), written against FLARE's public extension points
 only — the registries, `flare.server.strategy` (Strategy, predictors, ServerContext) and `flare.server.extras`
 (client statistics) — exactly as a plugin would be (tests/test_architecture.py holds them to that). Each module
 registers its parts when imported; the registries import this package on their first lookup.

@@ -129,14 +129,6 @@ def to_uint8(x01: Tensor) -> Tensor:
     return (x01.detach().clamp(0, 1) * 255).round().to(torch.uint8)
 
 
-def input_channels(models: list[nn.Module]) -> int | None:
-    """The input channels of the run's model, read from its first convolution (None without one)."""
-    for mod in models[0].modules():
-        if isinstance(mod, nn.Conv2d):
-            return int(mod.in_channels)
-    return None
-
-
 class Cost:
     """Wall-clock seconds and, on a GPU, the peak memory of one build: the `seconds` / `gpu_peak_mb` logs."""
 

@@ -1,7 +1,7 @@
 """Batched clients (`client_engine=batched`): all K clients of a round trained as one program.
 
 Why: trained one after another, every client issues its own small kernels for every op, and at batch 512 on
-32×32 images a GPU spends most of a round waiting for the host (issue 14). The clients share one architecture,
+32×32 images a GPU spends most of a round waiting for the host. The clients share one architecture,
 so their parameters and buffers can be stacked along a leading client axis and one forward/backward computes every
 client's step: `torch.func.functional_call` under `torch.vmap` over the stacked state (a convolution becomes a
 grouped convolution; BatchNorm updates each client's own running statistics, since the buffers are stacked too),

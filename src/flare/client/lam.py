@@ -1,12 +1,11 @@
 """λ providers: how strongly a client pulls its prototypes towards the anchors.
 
-A provider turns the step's `base` loss and raw `L_align` into the pieces the trainer backpropagates:
-`local` and `align` (the weights' loss is local + align) plus an optional `sigma` loss for its own
-parameters. Keeping the two weight parts apart is what lets gradient surgery (PCGrad) see them
-separately. Providers own their state (e.g. the log-variances of V10–V14 and their optimizer), which
-travels in client checkpoints. One hierarchy: `LamProvider` (no alignment, or λ0·a(p) with λ0 fixed or
-from the entropy rule) and its subclass `LamLearner`, the learned alignment strength of SPEC §7 (the notes'
-V10–V14; V14 is FLARE).
+A provider turns the step's `base` loss and raw `L_align` into the pieces the trainer backpropagates: `local`
+and `align` (the weights' loss is local + align) plus an optional `sigma` loss for its own parameters. Keeping
+the two weight parts apart is what lets gradient surgery (PCGrad) see them separately. Providers own their state
+(e.g. the log-variances of V10–V14 and their optimizer), which travels in client checkpoints. One hierarchy:
+`LamProvider` (no alignment, or λ0·a(p) with λ0 fixed or from the entropy rule) and its subclass `LamLearner`,
+the learned alignment strength of docs/method.md#learned-λ-v10v14 (the notes' V10–V14; V14 is FLARE).
 
 Each client owns two scalars, `s_l = log σ²_local` and `s_a = log σ²_align`, and their own optimizer
 (plain SGD, `lam.sigma_lr`), kept across rounds and in the client's checkpoints. Warm start from the

@@ -1,4 +1,4 @@
-"""The local loss of one step, written once (issue 20): the sequential and threads engines (`Client._step`), the
+"""The local loss of one step, written once: the sequential and threads engines (`Client._step`), the
 batched engine (`BatchedClients`, vmapped over the clients) and the LR probe all call `local_loss`, so a registered
 loss term or λ provider means the same thing under every engine.
 

@@ -1,4 +1,4 @@
-"""Gradient surgery between the local objective and the alignment term (SPEC §6, Plan C).
+"""Gradient surgery between the local objective and the alignment term (Plan C; docs/method.md#gradient-surgery-plan-c).
 
 PCGrad (Yu et al., 2020), in the one-sided form the notes describe: with g_loc = ∇ local and
 g_al = ∇ align over all trainable weights (one flat vector each),
@@ -12,7 +12,7 @@ projection g_loc·g_al = 0, so the update never works against the alignment dire
 How the gradients are obtained. The two weight gradients come from two backward passes over the same
 graph (`local` with `retain_graph=True`, then `align`), each read off the weights' `.grad` and cleared
 again. Using `.backward()` rather than `torch.autograd.grad(…, params)` matters for λ learners
-(SPEC §7) whose `local`/`align` parts also depend on their own log-variances (V10/V11:
+(docs/method.md#learned-λ-v10v14) whose `local`/`align` parts also depend on their own log-variances (V10/V11:
 `½e^{−s_l}·base`, `½e^{−s_a}·L_align`): those parameters are not in `params`, and `.backward()`
 accumulates their gradient from both parts exactly as an unsurgical `(local + align + extra).backward()`
 would. Surgery touches the weights' gradient only.

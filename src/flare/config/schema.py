@@ -145,10 +145,10 @@ class AlignCfg(Strict):
 
 
 class LamCfg(Strict):
-    """The λ learner of SPEC §7 (V10–V14)."""
+    """The λ learner (V10–V14; docs/method.md#learned-λ-v10v14)."""
 
-    learner: str = Field("none", description="λ provider (SPEC §7): none, uw (V10), uw-rescaled (V10r/V11), "
-                                             "decoupled (V12–V14) or a plugin's")
+    learner: str = Field("none", description="λ provider (docs/method.md#alignment-strength-λ): none, uw (V10), "
+                                             "uw-rescaled (V10r/V11), decoupled (V12–V14) or a plugin's")
     sigma_lr: float = Field(0.005, gt=0, description="SGD lr of the log-variances s_l, s_a")
     anneal: str = Field("constant", description="V11: external a(p) on L_align; V12+: meta s(p) (a schedule)")
     gamma_reg: float = Field(0.0, ge=0, description="V13 stability anchor γ_reg·e^{-s_a}")

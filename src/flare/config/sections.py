@@ -112,8 +112,8 @@ class OptimCfg(Strict):
 
 
 class LRScheduleCfg(Strict):
-    kind: Literal["constant", "cosine", "sgdr"] = Field("constant", description="constant, cosine or sgdr "
-                                                                                "(SPEC §8)")
+    kind: Literal["constant", "cosine", "sgdr"] = Field(
+        "constant", description="constant, cosine or sgdr (docs/method.md#learning-rate-schedules)")
     decay_per_round: float = Field(1.0, gt=0, le=1, description="constant: lr *= this every round (seeds: 0.998)")
     min_lr: float = Field(0.0, ge=0, description="floor of cosine/sgdr")
     t0: float = Field(10.0, description="sgdr: first period, in local epochs")

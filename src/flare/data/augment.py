@@ -1,4 +1,4 @@
-"""On-device two-view augmentation: the FAFI "SupCon" policy (SPEC §3).
+"""On-device two-view augmentation: the FAFI "SupCon" policy (docs/method.md#local-objective-fafi).
 
 The training loop keeps each client's images as one uint8 tensor on the training device and slices batches out
 of it, so there is no DataLoader and no PIL: `TwoViewAugment` takes a uint8 batch B×C×H×W and returns two
@@ -12,7 +12,7 @@ Policy (torchvision's SupCon recipe, in this order):
 4. `RandomGrayscale(p=0.2)`;
 5. `(x/255 - mean) / std` (the same arithmetic as `normalize`, which the evaluation path uses).
 
-Choices (written down as SPEC §0 asks):
+Choices (written down so that the departures from torchvision are known):
 
 * kornia's `ColorJitter` (not `ColorJiggle`) is used: it implements torchvision's formulas (brightness multiplies,
   contrast/saturation blend with the grayscale mean/grayscale image, hue via torchvision's `adjust_hue`).
@@ -29,7 +29,7 @@ Choices (written down as SPEC §0 asks):
   with everything switched off is bit-identical to the evaluation transform.
 * 1-channel images (Fashion-MNIST): saturation, hue and grayscale are meaningless and are skipped; the crop,
   flip and brightness/contrast jitter (still gated with p=0.8) apply.
-* `per_image=True` (default, what SPEC §3 asks for): every random parameter — crop box, flip, jitter gate and
+* `per_image=True` (default): every random parameter — crop box, flip, jitter gate and
   factors, grayscale gate — is drawn independently for every image. `per_image=False` reproduces the seeds'
   behaviour (torchvision transforms called on a whole batch tensor → one parameter set per batch) through
   kornia's `same_on_batch=True`.
@@ -85,7 +85,7 @@ def normalize(x_uint8: Tensor, mean, std) -> Tensor:
 class TwoViewAugment(nn.Module):
     """Two independently augmented, normalised float32 views of a uint8 batch (see module docstring).
 
-    The keyword-only arguments change the policy away from SPEC §3 (tests use them to switch parts off);
+    The keyword-only arguments change the policy away from the SupCon recipe (tests use them to switch parts off);
     the defaults are the SupCon policy.
     """
 

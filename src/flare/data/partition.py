@@ -1,4 +1,4 @@
-"""Splitting the training set over K clients (SPEC §1) and the per-client report.
+"""Splitting the training set over K clients (docs/method.md#partitions) and the per-client report.
 
 All partitions are seeded with their own random streams, so the split depends only on (labels, K, kind, α, rng,
 seed) — `flare compare` runs every method on the very same split. `rng="generator"` (default) draws from a numpy

@@ -1,4 +1,4 @@
-"""`flare paper --scale smoke|cpu|full`: SPEC section 9 as sweeps, then one report.
+"""`flare paper --scale smoke|cpu|full`: the experiments of docs/method.md#experiments as sweeps, then one report.
 
 Experiments (each a sweep; identical configs across them run once):
 
@@ -18,10 +18,10 @@ none, so the directories of earlier suites stay valid). At `--scale full` the no
 (`Scale.rules`): CIFAR-100 with the entropy rule's λ_max = 20 and V7's λ0 = 20; SVHN α = 0.05 with batch 256 and
 seed 114514 in place of seed 1 (the fork's configs).
 
-Scales: ``full`` is the notes' setting (ResNet-18, 5 clients, R/E per dataset, seed 1) and prints the notes'
-reference numbers (SPEC §10) beside ours; ``cpu`` is a small CNN on data subsets of the offline CIFAR-10 export
-and Fashion-MNIST (about an hour on 2 cores); ``smoke`` is the same pipeline in minutes, for CI. When a
-dataset an experiment prefers is not among --datasets, it runs on the first one that is (the report says so).
+Scales: ``full`` is the notes' setting (ResNet-18, 5 clients, R/E per dataset, seed 1) and prints the notes' reference
+numbers (docs/method.md#reference-numbers) beside ours; ``cpu`` is a small CNN on data subsets of the offline CIFAR-10
+export and Fashion-MNIST (about an hour on 2 cores); ``smoke`` is the same pipeline in minutes, for CI. When a dataset
+an experiment prefers is not among --datasets, it runs on the first one that is (the report says so).
 """
 from __future__ import annotations
 
@@ -95,7 +95,8 @@ class Scale:
         return PaperScale(self.name, self.description, self.references, self.table1_alphas, self.hard_alpha)
 
 
-DATASET_DEFAULTS = {  # the notes' R and E (SPEC §9); Tiny-ImageNet's E is not given: we use CIFAR-100's
+# the notes' R and E (docs/method.md#experiments); Tiny-ImageNet's E is not given: we use CIFAR-100's
+DATASET_DEFAULTS = {
     "cifar10": {"rounds": 50, "local_epochs": 1},
     "svhn": {"rounds": 50, "local_epochs": 1},
     "cifar100": {"rounds": 10, "local_epochs": 10},

@@ -5,8 +5,9 @@ Runs (all on one dataset, CIFAR-10 unless --datasets says otherwise; seeds from 
 * **main table** (`reproduce`): α ∈ {0.05, 0.1, 0.3, 0.5} × {FedAvg, Ensemble, FAFI (V4), V7, FLARE} × the
   settings of the protocols asked for —
   `clean` (our protocol, card dealer), `reference` (protocol=reference on the official FAFI partition: the
-  notes' first batch, SPEC §10's table) — and, with `reference`, `reproduce-later`: protocol=reference on the
-  card dealer (the notes' later batch) at the α where the notes have later-batch numbers (0.05, 0.3).
+  notes' first batch, docs/method.md#reference-numbers) — and, with `reference`, `reproduce-later`:
+  protocol=reference on the card dealer (the notes' later batch) at the α where the notes have later-batch numbers
+  (0.05, 0.3).
   Every run evaluates every fusion rule, so the IFFI columns need no runs of their own.
 * **one-item ablation** (`ablation-from-<base>-<item>`): at α = 0.05 every protocol item flipped alone, from the
   clean setting to its reference value and from the reference setting to its clean value, on the methods the

@@ -39,9 +39,9 @@ BUILT_IN = ("feature", "iffi", "iffi_reference", "output", "fedavg")
 
 
 class GlobalPredictor(nn.Module):
-    """Applies one server rule (SPEC §4) to uint8 images: `feature`, `iffi`, `iffi_reference`, `output` or
-    `fedavg` — or `model`: the one model a model-building strategy (a plugin's, OTFusion, FedLPA …) built, scored by
-    its logits. The IFFI noise inputs are drawn from a generator seeded with `noise_seed` on every call."""
+    """Applies one server rule (docs/method.md#server-rules) to uint8 images: `feature`, `iffi`, `iffi_reference`,
+    `output` or `fedavg` — or `model`: the one model a model-building strategy (a plugin's, OTFusion, FedLPA …) built,
+    scored by its logits. The IFFI noise inputs are drawn from a generator seeded with `noise_seed` on every call."""
 
     def __init__(self, rule: str, models: list[nn.Module], weights: Tensor, G: Tensor | None,
                  mean, std, noise_seed: int = 0, ensemble: str = "softmax"):

@@ -1,4 +1,4 @@
-"""Model zoo (SPEC §2): a timm-style registry of encoders plus the `FlareNet` wrapper.
+"""Model zoo (docs/method.md#model): a timm-style registry of encoders plus the `FlareNet` wrapper.
 
     model = create_model("resnet18", in_channels=3, num_classes=10, width=1.0, head="prototype")
     feat, logits = model(x)        # feat = f(x) (B×d, un-normalised); logits from the head

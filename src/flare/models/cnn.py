@@ -1,4 +1,4 @@
-"""A small CNN encoder for fast CPU runs (SPEC §2: "a small CNN exists for CPU runs").
+"""A small CNN encoder for fast CPU runs, where a ResNet-18 costs minutes per round.
 
     conv3×3(in → 32w) - BN - ReLU - maxpool2
     conv3×3(32w → 64w) - BN - ReLU - maxpool2

@@ -1,4 +1,4 @@
-"""Classifier heads on top of the encoder feature f(x) (SPEC §2).
+"""Classifier heads on top of the encoder feature f(x) (docs/method.md#model).
 
 * `PrototypeHead` — learnable prototypes P ∈ R^{C×d}, initialised N(0, 1) and never normalised;
   `logits = normalize(f(x)) @ Pᵀ`. This is what FAFI / FLARE clients train and upload.

@@ -1,4 +1,4 @@
-"""CIFAR-style ResNet encoders (SPEC §2).
+"""CIFAR-style ResNet encoders (docs/method.md#model).
 
 Differences from the ImageNet ResNet: the stem is a single 3×3 convolution with stride 1 (padding 1, no bias)
 followed by BN + ReLU, and there is NO max-pool, so a 32×32 input keeps its resolution through the first stage.

@@ -135,7 +135,7 @@ def plot_diagnostics(run: RunData, path: Path) -> None:
         ax.title.set_fontsize(9)
         integer_rounds(ax)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"SPEC §5 diagnostics — {run_title(run)}", fontsize=9)
+    fig.suptitle(f"diagnostics — {run_title(run)}", fontsize=9)
     fig.tight_layout()
     _save(fig, path)
 

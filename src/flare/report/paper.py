@@ -257,7 +257,7 @@ def write_paper_report(scale: PaperScale, datasets: list[str], exps: list[PaperR
     # server strategies ---------------------------------------------------------------------
     md += ["## Server strategies — simple (feature) fusion vs IFFI, final accuracy (%)", "",
            "Every run evaluates every fusion rule on the same client models, so this needs no runs of its own. "
-           "`IFFI (seeds' code = uniform)` is the notes' IFFI (SPEC §4).", ""]
+           "`IFFI (seeds' code = uniform)` is the notes' IFFI (docs/method.md#built-in-rules).", ""]
     for (d, al) in cols:
         srows = [r for k, r in rows.items() if k[2] == d and k[3] == al]
         for r in srows:

@@ -2,9 +2,9 @@
 
 The notes' numbers come from two batches of runs whose code differed (docs/reproduction.md has the evidence):
 
-* the **first batch** (Sep 25–29; SPEC §10's table): the official FAFI partition (`partition.kind=dirichlet-fafi`),
-  drop_last, and λ effectively constant (the progress restarted every round: with E = 1 it stayed 0); R = 300
-  runs read at round 50;
+* the **first batch** (Sep 25–29; docs/method.md#reference-numbers): the official FAFI partition
+  (`partition.kind=dirichlet-fafi`), drop_last, and λ effectively constant (the progress restarted every round:
+  with E = 1 it stayed 0); R = 300 runs read at round 50;
 * the **later batch** (from Oct 17): the card dealer (`dirichlet`; the legacy RNG gives the notes' exact class
   counts), global annealing p = e/(R·E), R = 50, final round 49 — and CIFAR-100 with R = 10, E = 10 (λ_max = 20),
   SVHN α = 0.05 with batch 256 and seed 114514 (the fork's configs).
@@ -80,7 +80,8 @@ def _add(ds, alpha, preset, value, setting, rule="primary", metric="final", keys
     REFS.append(Ref(ds, float(alpha), preset, float(value), setting, rule, metric, tuple(keys), note))
 
 
-# first batch: SPEC §10's table (feature server; V5 λ = 1, V6/V7 λ0 = 5 held constant), IFFI = the seeds' code
+# first batch, the table of docs/method.md#reference-numbers (feature server; V5 λ = 1, V6/V7 λ0 = 5 held
+# constant), IFFI = the seeds' code
 _LAM = {"fafi": (), "drcl": (("align.lambda0", 1.0),), "drcl-anneal": (("align.lambda0", 5.0),),
         "etf-anneal": (("align.lambda0", 5.0),)}
 for _a, _row in {0.05: (66.97, 67.44, 68.17, 67.77), 0.1: (76.10, 76.13, 75.95, 76.86),
@@ -132,9 +133,9 @@ _add("cifar100", 0.05, "uw", 23.94, "later-c100-r100", keys=_L20 + (("lam.sigma_
      note="σ lr = 0.01 × the weights' lr")
 
 REFERENCE_NOTE = ("Each notes' number is shown only beside runs in its own setting (partition, annealing "
-                  "granularity, R × E, and the keys it names): the first batch (SPEC §10's table) used the official "
-                  "FAFI partition with λ held constant, the later batch the card dealer with global annealing "
-                  "(docs/reproduction.md). The notes' IFFI is the seeds' code, i.e. uniform fusion: our "
+                  "granularity, R × E, and the keys it names): the first batch (docs/method.md#reference-numbers) used "
+                  "the official FAFI partition with λ held constant, the later batch the card dealer with global "
+                  "annealing (docs/reproduction.md). The notes' IFFI is the seeds' code, i.e. uniform fusion: our "
                   "`iffi_reference` rule. Tiny-ImageNet's numbers (0.85–1.21 %, near chance) are left out.")
 
 

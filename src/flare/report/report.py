@@ -31,7 +31,8 @@ def write_report(paths: Iterable[str | Path], out: str | Path, title: str = "Rep
     md = [f"# {title}", "", f"{len(runs)} run directories, read {time.strftime('%Y-%m-%d %H:%M')}. Accuracies are "
           "the primary global predictor's test accuracy in % (mean ± std over seeds where there are several); "
           "`peak` is the best round of the seed-mean curve (round r = the evaluation after r rounds of training); "
-          "g_protos_std and inter_client_proto_std are SPEC §5's diagnostics at the last round.", "",
+          "g_protos_std and inter_client_proto_std are the diagnostics of docs/method.md#metrics at the last "
+          "round.", "",
           protocols_line(runs), ""]
     if empty:
         md += ["Runs without a complete round (left out): " + ", ".join(f"`{r.dir}`" for r in empty), ""]

@@ -1,5 +1,6 @@
-"""The server's rules (SPEC §4) as small pure functions, so that tests can pin them; the strategies that use them
-are server/strategy.py, and the one batched test pass that scores them all is server/evaluator.py.
+"""The server's rules (docs/method.md#built-in-rules) as small pure functions, so that tests can pin them; the
+strategies that use them are server/strategy.py, and the one batched test pass that scores them all is
+server/evaluator.py.
 
 BatchNorm at evaluation (`eval.bn`). `running` evaluates every model in eval mode. `batch` reproduces the
 reference: its feature and IFFI servers held the clients in a plain Python list, so `model.eval()` never reached
@@ -61,11 +62,6 @@ def prototype_scores(h: Tensor, G: Tensor) -> Tensor:
     return F.normalize(h.float(), dim=1) @ G.float().T
 
 
-def predict_with_prototypes(h: Tensor, G: Tensor) -> Tensor:
-    """ŷ = argmax (h/‖h‖) Gᵀ."""
-    return prototype_scores(h, G).argmax(1)
-
-
 def fuse_outputs(logits: Tensor, weights: Tensor, mode: str = "softmax") -> Tensor:
     """Σ_i w_i softmax(logits_i) (`softmax`), or Σ_i w_i logits_i (`logits`: the reference's Ensemble): B×C."""
     x = logits.float().softmax(-1) if mode == "softmax" else logits.float()
@@ -74,10 +70,10 @@ def fuse_outputs(logits: Tensor, weights: Tensor, mode: str = "softmax") -> Tens
 
 def rule_scores(rule: str, feats: Tensor, logits: Tensor, weights: Tensor, G: Tensor | None,
                 noise_feats: Tensor | None = None, ensemble: str = "softmax") -> Tensor:
-    """B×C scores of one server rule (SPEC §4) from the client models' outputs on a batch — the one dispatch
-    used by the evaluation and by the saved global predictor. `feats` K×B×d and `logits` K×B×C are the K
-    models' outputs; for `fedavg` they are the single averaged model's (K = 1); IFFI rules need the models'
-    features of the noise input, `noise_feats` K×B×d."""
+    """B×C scores of one server rule (docs/method.md#built-in-rules) from the client models' outputs on a batch — the
+    one dispatch used by the evaluation and by the saved global predictor. `feats` K×B×d and `logits` K×B×C are the K
+    models' outputs; for `fedavg` they are the single averaged model's (K = 1); IFFI rules need the models' features
+    of the noise input, `noise_feats` K×B×d."""
     if rule == "fedavg":
         return logits[0]
     if rule == "output":

@@ -1,4 +1,4 @@
-"""Global prototypes G (SPEC §4): the plain mean of the clients' P, or Plan B's trainable G.
+"""Global prototypes G (docs/method.md#global-prototypes): the plain mean of the clients' P, or Plan B's trainable G.
 
 Plan B — trainable global prototypes (FedTGP-inspired, notes part 2 "B"). The server reads only the uploaded
 prototypes P_i (C×d each). It initialises G from mean_i P_i (or from the anchors A with

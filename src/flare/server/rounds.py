@@ -1,6 +1,7 @@
-"""The server's evaluation checkpoint (SPEC §4–5), engine-free: which strategies a round scores, the global
-prototypes, every strategy's predictor scored in one test pass, and the round's diagnostics. The in-process runner
-(setup.RunSetup), the Flower server and `flare fuse` call these functions, so a round is evaluated one way.
+"""The server's evaluation checkpoint (docs/method.md#server-rules, #metrics), engine-free: which strategies a round
+scores, the global prototypes, every strategy's predictor scored in one test pass, and the round's diagnostics. The
+in-process runner (setup.RunSetup), the Flower server and `flare fuse` call these functions, so a round is evaluated
+one way.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def rules_for(cfg: Config, r: int | None = None) -> tuple[str, ...]:
     else:
         want = {prim if n == "primary" else n for n in cfg.eval.rules} | {prim}
     names = sorted((n for n in STRATEGIES.names() if n in want and applies(n)),
-                   key=lambda n: not STRATEGIES.get(n).default)  # stable: the built-in rules first, as before
+                   key=lambda n: not STRATEGIES.get(n).default)  # stable: the built-in rules first
     return tuple(n for n in names if r is None or STRATEGIES.get(n).every_round or r == cfg.rounds - 1)
 
 
@@ -101,9 +102,9 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
                      anchors: Tensor | None, test_x: Tensor | None, test_y: Tensor | None, norm, *,
                      amp_dtype=None, channels_last: bool = False, server_G: Tensor | None = None,
                      strategy_state: dict | None = None, public_x: Tensor | None = None) -> Evaluation:
-    """One evaluation checkpoint (SPEC §4–5) from the uploads alone: global prototypes, every fusion rule scored on
-    the test set (skipped when `test_x` is None: a server without a test set), diagnostics. `models[i]` holds
-    `uploads[i].state` (the in-process runner passes the live client models). `server_G`: the G Plan B continues
+    """One evaluation checkpoint (docs/method.md#server-rules) from the uploads alone: global prototypes, every fusion
+    rule scored on the test set (skipped when `test_x` is None: a server without a test set), diagnostics. `models[i]`
+    holds `uploads[i].state` (the in-process runner passes the live client models). `server_G`: the G Plan B continues
     from under protos_flow=reference (the anchors in round 0). `strategy_state`: name → each strategy's own state,
     kept by the caller across rounds. `uploads[i].extras` carry the statistics the strategies asked for
     (server/extras.py); `public_x` is the server's unlabeled public slice, when the run has one."""

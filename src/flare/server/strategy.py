@@ -1,4 +1,4 @@
-"""The server's one extension point (issue 20): a `Strategy` turns the clients' uploads into a *predictor*, an
+"""The server's one extension point: a `Strategy` turns the clients' uploads into a *predictor*, an
 object that scores test batches. Like Flower's Strategy it is the only thing a server method implements; unlike
 it, FLARE is one-shot, so a strategy builds a predictor instead of the next round's global parameters.
 
@@ -6,12 +6,12 @@ Two kinds of predictor keep ONE test pass for every strategy of an evaluation (s
 
 * `ClientPredictor` reads the K client models' outputs on the batch (features, logits, IFFI's noise features),
   which the evaluator computes once and hands to every such predictor — the ensemble-style rules;
-* `ModelPredictor` owns a model built from the uploads (FedAvg today; OTFusion, FedLPA, FedDF later) and scores
-  the normalised batch itself.
+* `ModelPredictor` owns a model built from the uploads (FedAvg here; the weight-fusion, distillation and
+  BN-recalibration baselines in src/flare/baselines) and scores the normalised batch itself.
 
 A strategy is registered in `flare.registry.STRATEGIES` (a plugin registers its own the same way), chosen by
 `server.primary` and `eval.rules`, and its options model is validated from `server.strategies.<name>`. The
-built-in rules (SPEC §4) are registered here; their arithmetic stays in server/fusion.py.
+built-in rules (docs/method.md#built-in-rules) are registered here; their arithmetic stays in server/fusion.py.
 """
 from __future__ import annotations
 
@@ -138,7 +138,7 @@ def make_strategy(cfg: Config, name: str, key: str = "server.primary") -> Strate
 
 
 # ----------------------------------------------------------------------------------------------
-# the built-in rules (SPEC §4)
+# the built-in rules (docs/method.md#built-in-rules)
 
 
 class RulePredictor(ClientPredictor):

@@ -1,4 +1,4 @@
-"""Global alignment (SPEC §6): fixed anchors shared by every client and L_align = MSE(P, target).
+"""Global alignment (docs/method.md#anchors): fixed anchors shared by every client and L_align = MSE(P, target).
 
 The server fixes the anchors before training from a shared seed; clients only ever read them.
 """

@@ -1,4 +1,4 @@
-"""Contrast-set extensions (SPEC §6): memory bank, public feature bank, two-stage training.
+"""Contrast-set extensions (docs/method.md#contrast-banks): memory bank, public feature bank, two-stage training.
 
 The notes tried these before the anchor family and report all three as failures (memory bank 9/22,
 public feature bank 9/23, two-stage 9/24); they stay as options so the findings can be reproduced.

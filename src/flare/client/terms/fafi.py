@@ -1,4 +1,4 @@
-"""The FAFI local objective (SPEC §3; the seeds' V4): base = L_cls + L_con + L_pp + L_pf."""
+"""The FAFI local objective (the notes' V4; docs/method.md#local-objective-fafi): base = L_cls + L_con + L_pp + L_pf."""
 from __future__ import annotations
 
 import torch
