@@ -29,7 +29,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import math
 import os
 import socket
 import time
@@ -37,11 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 import yaml
 
 from flare.config import Config, config_to_yaml
+from flare.durable import (atomic_torch_save, atomic_write_text, encode_record, parse_jsonl,  # noqa: F401
+                           read_jsonl)
 from flare.errors import FlareError
 
 try:  # POSIX advisory locks; without fcntl (Windows) runs are not locked
@@ -57,85 +57,7 @@ DIAG = ("g_protos_std", "inter_client_proto_std", "model_variance_mean")        
 
 
 # ----------------------------------------------------------------------------------------------
-# durable I/O
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic(path: Path, write: Callable) -> None:
-    """Write to a temporary file, fsync it, rename it over `path`, fsync the folder: `path` is old or new, never torn."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    _atomic(path, lambda f: f.write(text.encode()))
-
-
-def atomic_torch_save(obj, path: Path) -> None:
-    _atomic(path, lambda f: torch.save(obj, f))
-
-
-def _json_default(o):
-    if isinstance(o, (np.floating, np.integer)):
-        return o.item()
-    if isinstance(o, torch.Tensor):
-        return o.tolist()
-    raise TypeError(type(o))
-
-
-def _finite_or_str(v):
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)  # JSON has no NaN/Inf; keep the line parseable
-    return v
-
-
-def encode_record(rec: dict) -> str:
-    return json.dumps({k: _finite_or_str(v) for k, v in rec.items()}, default=_json_default)
-
-
-def parse_jsonl(text: str) -> tuple[list[dict], list[int]]:
-    """Records of a JSON-lines text, and the 1-based numbers of lines that do not parse (a torn write)."""
-    out, bad = [], []
-    for i, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            bad.append(i)
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-        else:
-            bad.append(i)
-    return out, bad
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    """The parseable records of a JSON-lines file ([] if it does not exist)."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    return parse_jsonl(path.read_text(errors="replace"))[0]
+# what the directory holds
 
 
 def acc_keys(records: list[dict]) -> list[str]:
