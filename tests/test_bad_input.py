@@ -51,6 +51,14 @@ def _unfinished_run(tiny, tmp_path, capsys):
     return d
 
 
+def _edited_run(tiny, tmp_path, capsys):
+    """A finished run whose config.yaml was then edited by hand (another model width)."""
+    d = _finished_run(tiny, tmp_path, capsys)
+    cfg = tmp_path / "done" / "config.yaml"
+    cfg.write_text(cfg.read_text().replace("width: 0.25", "width: 0.5"))
+    return d
+
+
 # (id, argv builder (tiny overrides, tmp_path, tiny_folder, capsys) -> argv, what stderr must name)
 ROWS = [
     # --- found by the reliability issue ---------------------------------------------------------
@@ -122,6 +130,18 @@ ROWS = [
      ["compare", "--presets", "fedavg,ensemble", "--baseline", "fafi", *t], "--baseline"),
     ("report baseline of no run", lambda t, p, f, c:
      ["report", _finished_run(t, p, c), "--baseline", "nosuch", "--out", str(p / "rep")], "--baseline"),
+    # --- a run directory that never disagrees with itself (more in test_run_consistency.py) ------------------
+    ("resume a run whose config.yaml was edited", lambda t, p, f, c:
+     ["run", "--resume", _edited_run(t, p, c)], "disagrees with itself"),
+    ("fuse a run whose config.yaml was edited", lambda t, p, f, c:
+     ["fuse", _edited_run(t, p, c), "--strategies", "output"], "model.width (0.25 → 0.5)"),
+    ("report a run whose config.yaml was edited", lambda t, p, f, c: ["report", _edited_run(t, p, c)],
+     "recorded in state.json"),
+    ("an empty element in --presets", lambda t, p, f, c: ["compare", "--presets", "fafi,,fedavg", *t],
+     "--presets: 'fafi,,fedavg' has an empty element"),
+    ("an empty element in --seeds", lambda t, p, f, c: ["compare", "--presets", "fafi", "--seeds", "1,", *t],
+     "--seeds: '1,' has an empty element"),
+    ("an empty --plugin", lambda t, p, f, c: ["parts", "--plugin", ""], "--plugin: a plugin module name is empty"),
     # --- plugins and registered parts (tests/plugins/) ------------------------------------------------
     ("unknown plugin module", lambda t, p, f, c: ["run", *t, "plugins=[no_such_flare_plugin]"],
      "plugins: plugin module 'no_such_flare_plugin' cannot be found"),
