@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
-from flare.config import config_reference, config_reference_markdown, list_presets, preset_mapping  # noqa: E402,F401 (tests read tool.config_reference)
+from flare.config import config_reference, config_reference_markdown, list_presets  # noqa: E402,F401 (tests read tool.config_reference)
+from flare.config import preset_mapping  # noqa: E402
 from flare.paper.reproduction import reproduction_markdown  # noqa: E402
 from flare.report.compare import compare_markdown, compare_rows  # noqa: E402
 from flare.report.fused import fused_table, fused_vs_table  # noqa: E402

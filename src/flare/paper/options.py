@@ -141,4 +141,6 @@ def check_against_plan(opts: PaperOptions, selected: list, table1: list) -> None
             except FlareError as e:
                 raise FlareError(f"server strategy '{n}' cannot fuse Table 1's run '{p.name}': "
                                  f"{e.key + ': ' if e.key else ''}{e.message}", key="--strategies",
-                                 fix=e.fix or f"leave '{n}' out of --strategies.") from None
+                                 fix=f"leave '{n}' out of --strategies" + (f", or set {e.key} for every run "
+                                                                           f"(a KEY=VALUE of `flare paper`)"
+                                                                           if e.key else "") + ".") from None

@@ -15,8 +15,8 @@ Experiments (each a sweep; identical configs across them run once):
 
 `--protocol clean,reference` runs the experiments under each protocol (a `protocol` grid axis; clean alone adds
 none, so the directories of earlier suites stay valid). At `--scale full` the notes' per-dataset settings apply
-(`scales.Scale.rules`): CIFAR-100 with the entropy rule's λ_max = 20 and V7's λ0 = 20; SVHN α = 0.05 with batch 256 and
-seed 114514 in place of seed 1 (the fork's configs).
+(`scales.Scale.rules`): CIFAR-100 with the entropy rule's λ_max = 20 and V7's λ0 = 20; SVHN α = 0.05 with batch 256
+and seed 114514 in place of seed 1 (the fork's configs).
 
 Scales: ``full`` is the notes' setting (ResNet-18, 5 clients, R/E per dataset, seed 1) and prints the notes'
 reference numbers (`paper.reference`) beside ours; ``cpu`` is a small CNN on data subsets of the offline CIFAR-10 export
