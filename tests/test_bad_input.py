@@ -167,6 +167,9 @@ ROWS = [
      _paper(p, "--strategies", "output,fedavgg"), "--strategies: unknown server strategy 'fedavgg'"),
     ("paper --dry-run with a strategy nobody registered", lambda t, p, f, c:
      _paper(p, "--strategies", "nosuch", "--dry-run"), "--strategies: unknown server strategy 'nosuch'"),
+    ("paper with a misspelt plugin strategy", lambda t, p, f, c:
+     _paper(p, "--strategies", "demo_countz", "--dry-run", "plugins=[flare_demo_plugin]"),
+     "--strategies: unknown server strategy 'demo_countz' (did you mean demo_counts"),
     ("paper with a strategy Table 1's runs cannot serve", lambda t, p, f, c:
      _paper(p, "--strategies", "feddf"), "--strategies: server strategy 'feddf' cannot fuse Table 1's run"),
     ("paper --dry-run with a strategy Table 1's runs cannot serve", lambda t, p, f, c:

@@ -58,8 +58,8 @@ def parse_data_roots(items: list[str]) -> dict[str, dict]:
     out = {}
     example = "write e.g. --data-root cifar10=../shared/data/cifar10-jpg.tar.gz"
     for it in items or []:
-        name, _, path = (s.strip() for s in it.partition("="))
-        if not _ or not name or not path:
+        name, sep, path = (s.strip() for s in it.partition("="))
+        if not sep or not name or not path:
             raise FlareError(f"--data-root '{it}' is not of the form NAME=PATH.", key="--data-root", fix=example)
         if name not in DATASETS:
             raise FlareError(f"--data-root '{it}' names the unknown dataset '{name}'.", key="--data-root",
@@ -91,7 +91,8 @@ def parse_options(scale_name: str, out: str | Path | None, datasets: str | None,
         raise FlareError(f"--workers {workers}: at least one worker runs the points.", key="--workers",
                          fix="give --workers 1 (sequential) or more.")
     ov = parse_overrides(overrides or [])
-    load_plugins(ov.get("plugins") or [])
+    plugins = ov.get("plugins")  # a malformed value is the config's to refuse, when the points are built
+    load_plugins(plugins if isinstance(plugins, list) else [])
     names = parse_list(datasets, "--datasets", example="cifar10,fmnist") if datasets is not None else scale.datasets
     for d in names:
         if d not in DATASETS:

@@ -18,10 +18,11 @@ none, so the directories of earlier suites stay valid). At `--scale full` the no
 (`scales.Scale.rules`): CIFAR-100 with the entropy rule's λ_max = 20 and V7's λ0 = 20; SVHN α = 0.05 with batch 256
 and seed 114514 in place of seed 1 (the fork's configs).
 
-Scales: ``full`` is the notes' setting (ResNet-18, 5 clients, R/E per dataset, seed 1) and prints the notes'
-reference numbers (`paper.reference`) beside ours; ``cpu`` is a small CNN on data subsets of the offline CIFAR-10 export
-and Fashion-MNIST (about an hour on 2 cores); ``smoke`` is the same pipeline in minutes, for CI. When a
-dataset an experiment prefers is not among --datasets, it runs on the first one that is (the report says so).
+Scales (`scales.py`): ``full`` is the notes' setting (ResNet-18, 5 clients, R/E per dataset, seed 1) and prints
+the notes' reference numbers (`reference.py`) beside ours; ``cpu`` is a small CNN on data subsets of the offline
+CIFAR-10 export and Fashion-MNIST (about an hour on 2 cores); ``smoke`` is the same pipeline in minutes, for CI.
+When a dataset an experiment prefers is not among --datasets, it runs on the first one that is (the report says
+so). Every option is checked before the first run (`options.py`).
 """
 from __future__ import annotations
 
