@@ -77,20 +77,46 @@ def test_the_circle_detector_can_fail():
         del GRAPH["flare._probe_a"], GRAPH["flare._probe_b"]
 
 
+READERS = ("flare.rundata", "flare.rundir", "flare.durable", "flare.config", "flare.errors", "flare.report",
+           "flare.stats",
+           "flare.schedules")
+PAPER_READERS = ("report.py", "reproduction.py", "reference.py")  # flare.paper's reports
+
+
 def test_reports_only_read():
-    """report/ reads run directories (rundata, rundir) and configs, and tests numbers (stats: pure functions); it
-    never runs anything."""
-    allowed = ("flare.rundata", "flare.rundir", "flare.durable", "flare.config", "flare.errors", "flare.report",
-               "flare.stats")
+    """report/ reads run directories (rundata, rundir) and configs, and tests numbers (stats) and draws schedules
+    (schedules): pure functions; it never runs anything. The paper's reports read the same, and each other."""
     for p in (SRC / "report").glob("*.py"):
-        bad = [m for m in flare_imports(p, top_level_only=False) if not m.startswith(allowed)]
+        bad = [m for m in flare_imports(p, top_level_only=False) if not m.startswith(READERS)]
         assert not bad, f"{p.name} imports {bad}"
+    for name in PAPER_READERS:
+        ok = READERS + tuple(f"flare.paper.{n.removesuffix('.py')}" for n in PAPER_READERS)
+        bad = [m for m in flare_imports(SRC / "paper" / name, top_level_only=False) if not m.startswith(ok)]
+        assert not bad, f"paper/{name} imports {bad}"
+
+
+def is_paper(module: str) -> bool:
+    return module == "flare.paper" or module.startswith("flare.paper.")
+
+
+def test_the_core_never_imports_the_paper_package():
+    """flare.paper (the paper's experiments and reports) sits on top of the core: only the command line imports it
+    (tests, tools/ and benchmarks/ may too; they are not under src/)."""
+    bad = {module_name(p): sorted(m for m in flare_imports(p, top_level_only=False) if is_paper(m)) for p in MODULES
+           if not is_paper(module_name(p)) and module_name(p) != "flare.cli"}
+    bad = {k: v for k, v in bad.items() if v}
+    assert not bad, bad
+    assert any(is_paper(m) for m in GRAPH["flare.cli"])  # the rule is about a real edge
+
+
+def test_the_paper_package_never_imports_the_command_line():
+    assert not [m for m in GRAPH if is_paper(m) and "flare.cli" in GRAPH[m]]
 
 
 @pytest.mark.parametrize("engine", ["flare.runner", "flare.lrprobe", "flare.flower.protocol", "flare.flower.server"])
 def test_engines_build_runs_from_setup(engine):
     assert "flare.setup" in GRAPH[engine]
-    assert not any(m == "flare.cli" or m.startswith("flare.experiments") for m in GRAPH[engine])
+    assert not any(m == "flare.cli" or m.startswith(("flare.experiments", "flare.paper")) for m in GRAPH[engine])
 
 
 def test_imports_at_module_level_unless_a_lazy_one_says_why():

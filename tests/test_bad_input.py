@@ -43,6 +43,11 @@ def _finished_run(tiny, tmp_path, capsys):
     return str(d)
 
 
+def _paper(tmp_path, *args):
+    """`flare paper` at smoke scale into tmp_path/paper, which a refused command must leave absent."""
+    return ["paper", "--scale", "smoke", "--out", str(tmp_path / "paper"), "--quiet", *args, "device=cpu"]
+
+
 def _unfinished_run(tiny, tmp_path, capsys):
     """A finished run whose state.json says it is still running (as after a kill)."""
     d = _finished_run(tiny, tmp_path, capsys)
@@ -177,6 +182,49 @@ ROWS = [
     ("a plugin option of the wrong type", lambda t, p, f, c: ["run", *t, "plugins=[flare_demo_plugin]",
                                                               "loss.terms.demo_center.weight=heavy"],
      "loss.terms.demo_center.weight"),
+    # --- `flare paper`: every option checked before the first run (nothing is run or written) ----------------
+    ("paper with a strategy nobody registered", lambda t, p, f, c:
+     _paper(p, "--strategies", "output,fedavgg"), "--strategies: unknown server strategy 'fedavgg'"),
+    ("paper --dry-run with a strategy nobody registered", lambda t, p, f, c:
+     _paper(p, "--strategies", "nosuch", "--dry-run"), "--strategies: unknown server strategy 'nosuch'"),
+    ("paper with a misspelt plugin strategy", lambda t, p, f, c:
+     _paper(p, "--strategies", "demo_countz", "--dry-run", "plugins=[flare_demo_plugin]"),
+     "--strategies: unknown server strategy 'demo_countz' (did you mean demo_counts"),
+    ("paper with a strategy Table 1's runs cannot serve", lambda t, p, f, c:
+     _paper(p, "--strategies", "feddf"), "--strategies: server strategy 'feddf' cannot fuse Table 1's run"),
+    ("paper --dry-run with a strategy Table 1's runs cannot serve", lambda t, p, f, c:
+     _paper(p, "--strategies", "output,bnrecal", "--dry-run"), "--strategies: server strategy 'bnrecal' cannot fuse"),
+    ("paper with an empty strategy", lambda t, p, f, c: _paper(p, "--strategies", "output,,fedproto"),
+     "--strategies 'output,,fedproto' has an empty element"),
+    ("paper with a baseline no experiment runs", lambda t, p, f, c: _paper(p, "--baseline", "nosuch"),
+     "--baseline: --baseline nosuch is not among the methods these experiments run"),
+    ("paper --dry-run with a baseline outside the selected experiments", lambda t, p, f, c:
+     _paper(p, "--only", "ablation", "--baseline", "fedavg", "--dry-run"), "--baseline fedavg is not among"),
+    ("paper with an unknown experiment", lambda t, p, f, c: _paper(p, "--only", "table1,tabel2"),
+     "--only: --only names unknown experiments: tabel2"),
+    ("paper --dry-run with an empty experiment", lambda t, p, f, c:
+     _paper(p, "--only", "table1,,ablation", "--dry-run"), "--only 'table1,,ablation' has an empty element"),
+    ("paper with an unknown protocol", lambda t, p, f, c: _paper(p, "--protocol", "clean,dirty"),
+     "--protocol: --protocol clean,dirty: unknown protocol(s) dirty"),
+    ("paper --dry-run with an empty protocol", lambda t, p, f, c:
+     _paper(p, "--protocol", "clean,,reference", "--dry-run"), "--protocol 'clean,,reference' has an empty element"),
+    ("paper with an empty dataset", lambda t, p, f, c: _paper(p, "--datasets", "fmnist,,cifar10"),
+     "--datasets 'fmnist,,cifar10' has an empty element"),
+    ("paper --dry-run with an unknown dataset", lambda t, p, f, c: _paper(p, "--datasets", "imagenet", "--dry-run"),
+     "--datasets: unknown dataset 'imagenet'"),
+    ("paper with a seed that is no integer", lambda t, p, f, c: _paper(p, "--seeds", "1,x"),
+     "--seeds '1,x': 'x' is not a valid element"),
+    ("paper --dry-run with an empty seed", lambda t, p, f, c: _paper(p, "--seeds", "1,,2", "--dry-run"),
+     "--seeds '1,,2' has an empty element"),
+    ("paper with a data root for an unknown dataset", lambda t, p, f, c:
+     _paper(p, "--data-root", "imagenet=/data/imagenet"), "--data-root 'imagenet=/data/imagenet' names the unknown"),
+    ("paper --dry-run with a data root without a path", lambda t, p, f, c:
+     _paper(p, "--data-root", "cifar10=", "--dry-run"), "--data-root 'cifar10=' is not of the form NAME=PATH"),
+    ("paper with a dataset given two roots", lambda t, p, f, c:
+     _paper(p, "--data-root", "cifar10=/a", "--data-root", "cifar10=/b"), "--data-root gives 'cifar10' twice"),
+    ("paper with no workers", lambda t, p, f, c: _paper(p, "--workers", "0"), "--workers: --workers 0"),
+    ("paper with an empty --out", lambda t, p, f, c: ["paper", "--scale", "smoke", "--out", "", "--quiet"],
+     "--out: --out is empty"),
 ]
 
 
@@ -192,6 +240,8 @@ def test_bad_input_is_exit_2_with_a_message_naming_it(name, build, names, tiny_o
     assert "Traceback" not in err, err
     assert names in err, (name, err)
     assert "Fix:" in err or "fix" in err.lower(), err
+    if argv[0] == "paper":  # refused before the first run: nothing trained, nothing written
+        assert not (tmp_path / "paper").exists() and not list(tmp_path.rglob("metrics.jsonl"))
 
 
 def test_device_cuda_without_a_gpu(tiny_overrides, tmp_path, capsys):

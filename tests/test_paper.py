@@ -7,9 +7,8 @@ import pytest
 from flare.cli import main
 from flare.errors import FlareError
 from flare.rundir import read_jsonl
-from flare.experiments import paper
-from flare.report import paper as paper_report
-from flare.report import reference
+from flare.paper import reference, scales, suite
+from flare.paper import report as paper_report
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
 
@@ -84,13 +83,13 @@ def test_full_scale_applies_the_notes_per_dataset_settings():
     from flare.experiments.execute import Point
     from flare.experiments.sweep import expand, unflatten
 
-    s = paper.SCALES["full"]
-    exps = paper.experiments(s, ["cifar10", "cifar100", "svhn"], [1, 2], {d: {"root": f"/d/{d}"} for d in
+    s = scales.SCALES["full"]
+    exps = suite.experiments(s, ["cifar10", "cifar100", "svhn"], [1, 2], {d: {"root": f"/d/{d}"} for d in
                                                                         ("cifar10", "cifar100", "svhn")}, {})
     t1 = exps[0]
     t1.spec.base = {**s.common, **t1.spec.base}
     pts: list[Point] = expand(t1.spec, unflatten(t1.spec.base), {})
-    paper.apply_rules(s.rules, pts, set())
+    suite.apply_rules(s.rules, pts, set())
     by = {p.name: p.config for p in pts}
     assert by["etf-anneal_alpha=0.05_name=cifar100_seed=1"].align.lambda0 == 20.0
     assert by["flare_alpha=0.05_name=cifar100_seed=1"].align.lambda_max == 20.0
@@ -101,15 +100,15 @@ def test_full_scale_applies_the_notes_per_dataset_settings():
     assert (by["flare_alpha=0.1_name=svhn_seed=1"].seed, by["flare_alpha=0.1_name=svhn_seed=1"].batch_size) == (1, 512)
     # a key given on the command line wins over the scale's rule
     pts = expand(t1.spec, unflatten(t1.spec.base), {"batch_size": 128})
-    paper.apply_rules(s.rules, pts, {"batch_size"})
+    suite.apply_rules(s.rules, pts, {"batch_size"})
     assert {p.config.batch_size for p in pts} == {128}
 
 
 def test_full_scale_uses_the_notes_settings():
-    s = paper.SCALES["full"]
-    m = paper.dataset_mapping(s, "cifar100", {})
+    s = scales.SCALES["full"]
+    m = suite.dataset_mapping(s, "cifar100", {})
     assert (m["rounds"], m["local_epochs"]) == (10, 10)
-    m = paper.dataset_mapping(s, "svhn", {"svhn": {"root": "/data/svhn"}})
+    m = suite.dataset_mapping(s, "svhn", {"svhn": {"root": "/data/svhn"}})
     assert (m["rounds"], m["local_epochs"], m["dataset.root"], m["dataset.train_subset"]) == (50, 1, "/data/svhn", None)
     assert s.common["model"] == {"name": "resnet18", "width": 1.0} and s.common["num_clients"] == 5
 
@@ -201,7 +200,7 @@ def test_reproduce_plan_at_full_scale(capsys, tmp_path):
 @pytest.mark.skipif(not FMNIST.exists(), reason="Fashion-MNIST (Debian's dataset-fashion-mnist) is not installed")
 def test_reproduce_end_to_end_at_smoke_scale(tmp_path, capsys):
     """The reproduction pipeline of the full-scale table, tiny: both protocols, the ablation, the report."""
-    from flare.report.reproduction import write_reproduction_report
+    from flare.paper.reproduction import write_reproduction_report
 
     out = tmp_path / "rep"
     assert main(["paper", "--scale", "smoke", "--only", "reproduce", "--out", str(out), "--quiet", "device=cpu"]) == 0

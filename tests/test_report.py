@@ -109,3 +109,31 @@ def test_every_preset_has_its_own_colour():
 
     colours = {p: figures.method_colour(p) for p in list_presets()}
     assert len(set(colours.values())) == len(colours), colours
+    assert all(m.get("label") and m.get("color") for m in list_presets().values())
+
+
+def test_a_new_preset_brings_its_own_label_and_colour(runs, tmp_path, monkeypatch):
+    """A preset the report code has never seen: its YAML's label and colour reach the figures, its config holds
+    neither; a method no preset describes gets a fixed colour from matplotlib's cycle."""
+    import matplotlib
+
+    from flare.config import load as config_load, preset_mapping
+    from flare.report import style
+
+    presets = tmp_path / "presets"
+    shutil.copytree(config_load._preset_dir(), presets)
+    (presets / "zz-novel.yaml").write_text('notes_name: V99\nlabel: Novel (V99)\ncolor: "#123456"\n'
+                                           "description: a method added after the report code was written.\n"
+                                           "loss: {objective: fafi}\n")
+    monkeypatch.setattr(config_load, "_preset_dir", lambda: presets)
+    assert style.method_label("zz-novel") == "Novel (V99)" and style.method_colour("zz-novel") == "#123456"
+    assert "label" not in preset_mapping("zz-novel") and load_config(None, "zz-novel").method == "zz-novel"
+    drawn = []
+    monkeypatch.setattr(figures, "_save", lambda fig, path, dpi=120: drawn.append(fig))
+    row = rp.Row("novel", "zz-novel", {}, [RunData.load(runs / "a" / "fafi-seed=1")])
+    figures.plot_accuracy_curves([row], tmp_path / "f.png", "a new preset")
+    assert matplotlib.colors.to_hex(drawn[0].axes[0].lines[0].get_color()) == "#123456"
+    cycle = [matplotlib.colors.to_hex(c) for c in matplotlib.rcParamsDefault["axes.prop_cycle"].by_key()["color"]]
+    assert style.method_colour("a-plugins-method") in cycle
+    assert style.method_colour("a-plugins-method") == style.method_colour("a-plugins-method")
+    assert style.method_label("a-plugins-method") == "a-plugins-method"

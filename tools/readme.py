@@ -35,7 +35,8 @@ sys.path.insert(0, str(ROOT / "src"))
 import torch  # noqa: E402
 
 from flare.config import config_reference, config_reference_markdown, list_presets  # noqa: E402,F401 (tests read tool.config_reference)
-from flare.report.reproduction import reproduction_markdown  # noqa: E402
+from flare.config import preset_mapping  # noqa: E402
+from flare.paper.reproduction import reproduction_markdown  # noqa: E402
 from flare.report.compare import compare_markdown, compare_rows  # noqa: E402
 from flare.report.fused import fused_table, fused_vs_table  # noqa: E402
 from flare.report.tables import fmt_ms  # noqa: E402
@@ -64,7 +65,8 @@ def methods_table() -> str:
                 yield f"`{prefix}{k}={v}`"
 
     rows = ["| notes | preset | config it sets (over the defaults) |", "| --- | --- | --- |"]
-    for name, m in list_presets().items():
+    for name in list_presets():
+        m = preset_mapping(name)  # without the report metadata (label, color): what a run is configured with
         rows.append(f"| {m.get('notes_name', '')} | `{name}` | {', '.join(flat(m))} |")
     return "\n".join(rows) + "\n"
 

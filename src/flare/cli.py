@@ -40,11 +40,11 @@ from flare.config import (Config, build_config, config_reference_markdown, deep_
 from flare.data.datasets import list_datasets  # noqa: E402
 from flare.errors import FlareError  # noqa: E402
 from flare.experiments.compare import parse_presets, parse_seeds, run_compare  # noqa: E402
-from flare.experiments.paper import run_paper  # noqa: E402
 from flare.experiments.sweep import run_sweep  # noqa: E402
 from flare.fuse import fuse_runs  # noqa: E402
 from flare.lrprobe import format_probe, probe  # noqa: E402
 from flare.models import list_models  # noqa: E402
+from flare.paper.suite import run_paper  # noqa: E402
 from flare.registry import REGISTRIES, load_plugins  # noqa: E402
 from flare.report.report import write_report  # noqa: E402
 from flare.rundir import RunDir, config_differences, extension_problem  # noqa: E402

@@ -48,6 +48,11 @@ def load_yaml_text(text: str):
 # presets
 
 
+# How reports draw a preset's runs (`label`, `color`): read by the reports through `preset_metadata`, never part of
+# a run's config, so a new preset brings its own label and colour and a run's config.yaml holds only what it ran.
+PRESET_METADATA = ("label", "color")
+
+
 def _preset_dir():
     return resources.files("flare") / "presets"
 
@@ -68,10 +73,19 @@ def preset_mapping(name: str) -> dict:
         hint = f" Did you mean {', '.join(close)}?" if close else ""
         raise FlareError(f"unknown preset '{name}'.{hint}", key="preset",
                          fix=f"use one of: {', '.join(presets)} (`flare presets` lists them).")
-    m = presets[name]
+    m = {k: v for k, v in presets[name].items() if k not in PRESET_METADATA}
     m.setdefault("method", name)
     m["preset"] = name
     return m
+
+
+def preset_metadata(name: str) -> dict:
+    """The report metadata (`PRESET_METADATA`) of preset `name`; {} for a name no preset has (a plugin's method)."""
+    f = _preset_dir() / f"{name}.yaml"
+    if "/" in name or not f.is_file():
+        return {}
+    m = load_yaml_text(f.read_text()) or {}
+    return {k: m[k] for k in PRESET_METADATA if k in m}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,16 +1,16 @@
 """Every figure FLARE draws: one run's plots (accuracy, label distribution, diagnostics, λ), the comparison of
 methods, and the report figures over rows of runs (accuracy curves, learned λ, parameter sweeps).
 
-Conventions shared by every figure: a method has one colour everywhere (`method_colour`), rounds are counted from
-1 (round r = the evaluation after r rounds of training) and ticked at integers, legends sit outside the axes so
-they never cover data, and a curve over seeds is the mean with a ±std band.
+Conventions shared by every figure: a method has one colour everywhere (its preset's: `style.method_colour`), rounds
+are counted from 1 (round r = the evaluation after r rounds of training) and ticked at integers, legends sit outside
+the axes so they never cover data, and a curve over seeds is the mean with a ±std band.
 """
 from __future__ import annotations
 
 import math
 import textwrap
-import zlib
 from pathlib import Path
+from typing import Callable
 
 import matplotlib
 
@@ -21,32 +21,26 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from flare.config import preset_mapping  # noqa: E402
 from flare.report.runs import Row, SweepLine, fmt_value, short_key  # noqa: E402
+from flare.report.style import method_colour  # noqa: E402
 from flare.rundata import RunData  # noqa: E402
 from flare.rundir import DIAG, acc_keys  # noqa: E402
+from flare.schedules import get_schedule, progress  # noqa: E402
 
 COMPARE_DIAG = ("g_protos_std", "inter_client_proto_std")
-# One colour per method in every figure; the methods of Table 1 and the main job get the most distinct ones.
-METHOD_COLOURS = {
-    "fedavg": "#7f7f7f", "ensemble": "#ff7f0e", "fafi": "#1f77b4", "etf-anneal": "#2ca02c", "flare": "#d62728",
-    "drcl": "#17becf", "drcl-anneal": "#9467bd", "progressive": "#8c564b", "entropy-lambda": "#bcbd22",
-    "server-protos": "#e377c2", "entropy-server-protos": "#f7b6d2", "pcgrad": "#98df8a", "memory-bank": "#c7c7c7",
-    "public-bank": "#dbdb8d", "two-stage": "#9edae5", "uw": "#c5b0d5", "uw-rescaled": "#aec7e8",
-    "uw-anneal-linear": "#ffbb78", "uw-anneal-cosine": "#c49c94", "decoupled": "#ff9896", "decoupled-stable": "#393b79",
-    "fedproto": "#637939", "fedetf": "#843c39",
-}
 _RULE_COLOURS = {"feature": "C0", "iffi": "C1", "iffi_reference": "C2", "output": "C3", "fedavg": "C4"}
 
 
-def method_colour(method: str):
-    """The method's colour (a stable pick from a palette for a method that is not a preset)."""
-    if method in METHOD_COLOURS:
-        return METHOD_COLOURS[method]
-    return plt.get_cmap("tab20b")(zlib.crc32(method.encode()) % 20)
-
-
 def v7_lambda0() -> float:
-    """V7's λ0 (its preset's): the hand-made schedule λ0(1 − p) that learned-λ plots are drawn beside."""
+    """V7's λ0 (its preset's): the hand-made schedule λ0·a(p) that learned-λ plots are drawn beside."""
     return float(preset_mapping("etf-anneal")["align"]["lambda0"])
+
+
+def v7_weight() -> Callable[[float], float]:
+    """V7's λ as a function of the progress p: λ0·a(p) with its preset's λ0 and schedule a, through the same
+    `flare.schedules` its runs train with."""
+    align = preset_mapping("etf-anneal")["align"]
+    lam0, a = float(align["lambda0"]), get_schedule(align["schedule"])
+    return lambda p: lam0 * a(p)
 
 
 def integer_rounds(*axes) -> None:
@@ -163,10 +157,9 @@ def plot_lambda(run: RunData, path: Path) -> bool:
             ax.plot([r for r, _ in pts], [v for _, v in pts], marker="o", ms=2, color=f"C{i % 10}", label=label)
         shared_any |= len(distinct) == 1 and len(ids) > 1
         if k == "lambda_eff" and run.learner != "none":
-            R = int(run.cfg["rounds"])
-            lam0 = v7_lambda0()
-            p = np.arange(R) / R  # progress at the start of each round
-            ax.plot(np.arange(1, R + 1), lam0 * (1 - p), "k--", label=f"V7: λ0(1−p), λ0={lam0:g}")
+            R, w = int(run.cfg["rounds"]), v7_weight()  # λ at the start of each round
+            ax.plot(np.arange(1, R + 1), [w(progress(r, R)) for r in range(R)], "k--",
+                    label=f"V7: λ0(1−p), λ0={v7_lambda0():g}")
         finite = [v for v in vals if math.isfinite(v) and v > 0]
         if finite and max(finite) / max(min(finite), 1e-12) > 100:
             ax.set_yscale("log")
@@ -250,9 +243,8 @@ def plot_compare_diagnostics(rows: list[Row], path: Path, title: str = "") -> bo
 
 def v7_schedule(cfg: dict, n_rounds: int) -> np.ndarray:
     """V7's hand-made λ0(1 − p), averaged over each round's epochs as the trainer logs it."""
-    R, E = int(cfg.get("rounds", n_rounds)), int(cfg.get("local_epochs", 1))
-    lam0 = v7_lambda0()
-    return np.array([np.mean([lam0 * (1 - e / (R * E)) for e in range(r * E, (r + 1) * E)]) for r in range(n_rounds)])
+    R, E, w = int(cfg.get("rounds", n_rounds)), int(cfg.get("local_epochs", 1)), v7_weight()
+    return np.array([np.mean([w(progress(e, R * E)) for e in range(r * E, (r + 1) * E)]) for r in range(n_rounds)])
 
 
 def plot_lambda_eff(rows: list[Row], path: Path, title: str, v7_rows: list[Row] | None = None) -> bool:

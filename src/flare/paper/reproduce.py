@@ -14,7 +14,7 @@ Runs (all on one dataset, CIFAR-10 unless --datasets says otherwise; seeds from 
   item can change (`AFFECTS`); the bases are the main table's runs.
 
 `reproduce.json` in the output directory lists every point with its role, setting, item and run directory;
-`flare.report.reproduction.write_reproduction_report(out)` turns it into `report/reproduction.md` (the table, the
+`flare.paper.reproduction.write_reproduction_report(out)` turns it into `report/reproduction.md` (the table, the
 ablation, the figure of every fusion rule against rounds, the protocol of each column and the command).
 """
 from __future__ import annotations
@@ -29,11 +29,11 @@ from flare.config import config_for_preset
 from flare.config.protocol import ITEM_KEYS, ITEMS, ProtocolItem
 from flare.errors import FlareError
 from flare.experiments.sweep import SweepSpec, unflatten
-from flare.report.reproduction import MANIFEST
+from flare.paper.reproduction import MANIFEST
 from flare.rundir import atomic_write_text, flatten
 
 METHODS = ["fedavg", "ensemble", "fafi", "etf-anneal", "flare"]
-# the config keys the report needs to match a point with the notes' numbers (report/reference.py)
+# the config keys the report needs to match a point with the notes' numbers (paper/reference.py)
 MATCH_KEYS = ("preset", "protocol", "dataset.name", "partition.", "progress", "rounds", "local_epochs", "batch_size",
               "seed", "align.", "lam.") + ITEM_KEYS
 
@@ -103,7 +103,7 @@ def _flip(item: ProtocolItem, base_name: str, preset: str, base_flat: dict) -> o
 def plan(scale, dataset: str, zip_values: dict, seeds: list[int], protocols: list[str], common: dict,
          overrides: dict) -> list[Planned]:
     """Every experiment of the reproduction as sweeps. `zip_values`: the flat dataset keys of the scale
-    (`paper.dataset_mapping`); `common`: the scale's common keys; `overrides`: the user's KEY=VALUE."""
+    (`suite.dataset_mapping`); `common`: the scale's common keys; `overrides`: the user's KEY=VALUE."""
     names = settings_for(protocols)
     methods = list(scale.reproduce_methods)
     base = {**common, **zip_values}

@@ -1,14 +1,14 @@
 """The paper suite's report (`flare paper`): Tables 1–3, Figures 1–3, the λ0 and α sweeps and the server
 strategies, with the notes' reference numbers beside ours at `--scale full`. It reads run directories only;
-`experiments.paper` plans and runs them and hands over, per experiment, each point's values and directory."""
+`paper.suite` plans and runs them and hands over, per experiment, each point's values and directory."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flare.paper.reference import REFERENCE_NOTE, REFS, SETTINGS, Ref, matches, references_for
 from flare.report.figures import (plot_acc_lambda_raw, plot_accuracy_curves, plot_label_distributions,
                                   plot_lambda_eff, plot_param_sweep)
-from flare.report.reference import REFERENCE_NOTE, REFS, SETTINGS, Ref, matches, references_for
 from flare.report.fused import fused_table
 from flare.report.runs import Row, SweepLine, describe_setting, protocols_line
 from flare.report.tables import (PAIRED_EXPLAIN, default_baseline, fmt_big, fmt_ms, md_table, paired_rows,
@@ -40,6 +40,7 @@ class PaperRuns:
     seeds: list[int]
     points: list[tuple[dict, Path]] = field(default_factory=list)
     seconds: float = 0.0
+    names: dict[str, str] = field(default_factory=dict)  # preset -> its role here (Table 2: what FLARE lacks)
 
 
 def _load_all(exps: list[PaperRuns]) -> dict[str, RunData]:
@@ -140,7 +141,7 @@ def write_paper_report(scale: PaperScale, datasets: list[str], exps: list[PaperR
           f"{', '.join(str(s) for s in E['table1'].seeds or [])}. Accuracies are the primary global "
           "predictor's final test accuracy in % (mean ± std over seeds where there are several). "
           + ("Beside each of our numbers, in brackets, the notes' number for the same setting, with that setting "
-             "(partition, annealing, R × E: `report/reference.py`); none where the notes have no number in the "
+             "(partition, annealing, R × E: `paper/reference.py`); none where the notes have no number in the "
              "run's setting." if show else
              "The notes' reference numbers are shown at `--scale full` only: other scales use other models and data "
              "sizes."), ""]
@@ -184,8 +185,7 @@ def write_paper_report(scale: PaperScale, datasets: list[str], exps: list[PaperR
     # Table 2 -------------------------------------------------------------------------------
     ab = _runs(E["ablation"].points, loaded)
     ab_rows = list(_rows(ab, ("preset", "protocol")).values())
-    names = {"flare": "FLARE (V14)", "decoupled": "w/o safety valve (V12)", "uw-rescaled":
-             "w/o meta-annealing (V10-rescaled)", "etf-anneal": "w/o learned λ (V7)", "fafi": "FAFI (V4)"}
+    names = E["ablation"].names
     body = []
     for row in ab_rows:
         pk, pr, psd = row.peak()

@@ -5,7 +5,7 @@ every fusion rule against rounds for FAFI and FLARE.
 It reads only `reproduce.json` (what each point stands for, and the command that made them) and the run
 directories it names, so it works on a partial reproduction too (missing runs show as "—" and are counted).
 
-    from flare.report.reproduction import reproduction_markdown, write_reproduction_report
+    from flare.paper.reproduction import reproduction_markdown, write_reproduction_report
     md = reproduction_markdown("runs/reproduce-full", image_dir="docs/figures")   # for the README generator
     path = write_reproduction_report("runs/reproduce-full")    # <out>/report/reproduction.md (+ its figure)
 """
@@ -18,10 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from flare.errors import FlareError
+from flare.paper.reference import SETTINGS as NOTE_SETTINGS
+from flare.paper.reference import REFS, Ref, matches
 from flare.report.figures import plot_rule_panels
-from flare.report.reference import SETTINGS as NOTE_SETTINGS
-from flare.report.reference import REFS, Ref, matches
 from flare.report.runs import Row
+from flare.report.style import method_label
 from flare.report.tables import fmt_ms, md_table
 from flare.rundata import RunData
 from flare.rundir import atomic_write_text
@@ -31,7 +32,6 @@ REPORT = "reproduction.md"
 FIGURE = "reproduction_rules.png"
 COLUMNS = ("clean", "reference", "reference-later")
 COLUMN_TITLE = {"clean": "clean", "reference": "reference · first batch", "reference-later": "reference · later batch"}
-NAMES = {"fedavg": "FedAvg", "ensemble": "Ensemble", "fafi": "FAFI (V4)", "etf-anneal": "V7", "flare": "FLARE (V14)"}
 RULES = {"fedavg": ("fedavg",), "ensemble": ("output",),
          "default": ("feature", "iffi", "iffi_reference", "output")}
 RULE_TITLE = {"feature": "feature (primary)", "iffi": "IFFI", "iffi_reference": "IFFI (seeds' code = uniform)",
@@ -116,7 +116,7 @@ def _main_table(runs: _Runs, alpha: float, present: list[str], strict: bool) -> 
                 refs = [r for r in _notes(cfg, "primary" if key == "acc" else rule, strict)
                         if r.setting.startswith(batch)]
                 notes[batch] = "; ".join(f"{r.value:.2f}" + (f" ({r.note})" if r.note else "") for r in refs) or "—"
-            body.append([NAMES.get(m, m), RULE_TITLE.get(rule, rule)] + [_cell(rows[c], key) for c in present]
+            body.append([method_label(m), RULE_TITLE.get(rule, rule)] + [_cell(rows[c], key) for c in present]
                         + [notes["first"], notes["later"]])
     return md_table(head, body)
 
@@ -129,7 +129,7 @@ def _ablation(runs: _Runs, alpha: float) -> tuple[str, str]:
         keyed.setdefault((p["item"], p["preset"]), {})[p["from"]] = p
     body, effect = [], {}
     for (item, preset), by_from in keyed.items():
-        cells = [f"`{item}`", NAMES.get(preset, preset)]
+        cells = [f"`{item}`", method_label(preset)]
         for base in ("clean", "reference"):
             p = by_from.get(base)
             if p is None:
@@ -195,7 +195,7 @@ def reproduction_markdown(out: str | Path, image_dir: str | Path | None = None) 
            "accuracy; Δ = flipped − base.", "", table, "", line, ""]
     planned = {p["preset"] for p in runs.points if p["role"] == "main"}
     shown = [m for m in ("fafi", "flare") if m in planned]
-    panels = [(f"{NAMES[m]} — {COLUMN_TITLE[c]}", runs.row(role="main", setting=c, preset=m, alpha=hard))
+    panels = [(f"{method_label(m)} — {COLUMN_TITLE[c]}", runs.row(role="main", setting=c, preset=m, alpha=hard))
               for c in present for m in shown]
     if panels and plot_rule_panels(panels, len(shown), img / FIGURE, f"every fusion rule against rounds, α = {hard:g}, "
                                                  f"{doc.get('dataset')} (scale {doc.get('scale')})"):
