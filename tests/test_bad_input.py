@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from flare.cli import main
+from flare.rundir import read_jsonl
 
 
 def cli(argv, capsys):
@@ -225,7 +226,36 @@ ROWS = [
     ("paper with no workers", lambda t, p, f, c: _paper(p, "--workers", "0"), "--workers: --workers 0"),
     ("paper with an empty --out", lambda t, p, f, c: ["paper", "--scale", "smoke", "--out", "", "--quiet"],
      "--out: --out is empty"),
+    # --- a strategy whose output cannot be scored (tests/plugins/flare_bad_strategies.py): no accuracy for it
+    ("run: a strategy whose predictor() is not a predictor", lambda t, p, f, c:
+     ["run", *t, "plugins=[flare_bad_strategies]", "eval.rules=[primary,bad_not_predictor]"],
+     "server.strategies.bad_not_predictor: server strategy 'bad_not_predictor' (plugin module "
+     "'flare_bad_strategies') in round 1: predictor() returned Tensor"),
+    ("run: a strategy scoring batch x (classes - 1)", lambda t, p, f, c:
+     ["run", *t, "plugins=[flare_bad_strategies]", "eval.rules=[primary,bad_shape]"],
+     "server strategy 'bad_shape' (plugin module 'flare_bad_strategies') in round 1: its predictor's scores have "
+     "shape"),
+    ("run: a strategy scoring NaN", lambda t, p, f, c:
+     ["run", *t, "plugins=[flare_bad_strategies]", "eval.rules=[primary,bad_nan]"],
+     "server.strategies.bad_nan: server strategy 'bad_nan' (plugin module 'flare_bad_strategies') in round 1: "
+     "its predictor's scores hold"),
+    ("fuse: a strategy whose predictor() is not a predictor", lambda t, p, f, c:
+     ["fuse", _finished_run(t, p, c), "--strategies", "bad_not_predictor", "--plugin", "flare_bad_strategies"],
+     "server.strategies.bad_not_predictor: server strategy 'bad_not_predictor' (plugin module "
+     "'flare_bad_strategies') in round 1: predictor() returned Tensor"),
+    ("fuse: a strategy scoring batch x (classes - 1)", lambda t, p, f, c:
+     ["fuse", _finished_run(t, p, c), "--strategies", "bad_shape", "--plugin", "flare_bad_strategies"],
+     "server.strategies.bad_shape: server strategy 'bad_shape' (plugin module 'flare_bad_strategies') in round 1: "
+     "its predictor's scores have shape"),
+    ("fuse: a strategy scoring NaN", lambda t, p, f, c:
+     ["fuse", _finished_run(t, p, c), "--strategies", "bad_nan", "--plugin", "flare_bad_strategies"],
+     "server.strategies.bad_nan: server strategy 'bad_nan' (plugin module 'flare_bad_strategies') in round 1: "
+     "its predictor's scores hold"),
 ]
+# rows whose strategy must leave no accuracy behind: no acc_<name> in metrics.jsonl, no fuse.jsonl record, not
+# in summary.md
+REFUSED_STRATEGY = {r[0]: r[2].split("server strategy '")[1].split("'")[0] for r in ROWS if
+                    r[0].startswith(("run: a strategy", "fuse: a strategy"))}
 
 
 @pytest.mark.parametrize("name,build,names", ROWS, ids=[r[0] for r in ROWS])
@@ -242,6 +272,13 @@ def test_bad_input_is_exit_2_with_a_message_naming_it(name, build, names, tiny_o
     assert "Fix:" in err or "fix" in err.lower(), err
     if argv[0] == "paper":  # refused before the first run: nothing trained, nothing written
         assert not (tmp_path / "paper").exists() and not list(tmp_path.rglob("metrics.jsonl"))
+    if name in REFUSED_STRATEGY:
+        refused = REFUSED_STRATEGY[name]
+        for f in [*tmp_path.rglob("metrics.jsonl"), *tmp_path.rglob("fuse.jsonl")]:
+            recs = read_jsonl(f)
+            assert not any(f"acc_{refused}" in r or r.get("strategy") == refused for r in recs), (f, recs)
+        for f in tmp_path.rglob("summary.md"):
+            assert refused not in f.read_text(), f
 
 
 def test_device_cuda_without_a_gpu(tiny_overrides, tmp_path, capsys):

@@ -18,7 +18,7 @@ from flare.errors import FlareError
 from flare.models import create_model
 from flare.rundir import read_jsonl
 from flare.runner import Run
-from flare.server.fusion import fedavg_model
+from flare.server.rules import fedavg_model
 from flare.server.rounds import rules_for
 from flare.server.strategy import ServerContext, make_strategy
 

@@ -423,7 +423,8 @@ def test_reference_protocol_federation_reproduces_flare_run_and_its_predictor(ti
     (last,) = rounds_of(tmp_path / "fed")
     assert strip(last) == strip(rounds_of(tmp_path / "inproc")[-1])
     info = json.loads((tmp_path / "fed" / "predictor.json").read_text())
-    assert info["rule"] == "fedavg" and info["mean"] == [0.0] and info["std"] == [1.0]  # [0, 1]: x/255
+    assert info["rule"] == "model" and info["strategy"] == "fedavg" and info["states"] == ["model"]  # the averaged one
+    assert info["mean"] == [0.0] and info["std"] == [1.0]  # [0, 1]: x/255
     pred = load_predictor(tmp_path / "fed")
     data = load_dataset("imagefolder", tiny_folder, cache_dir=tmp_path / "cache")
     assert float((pred.predict(data.test_x) == data.test_y).float().mean()) == pytest.approx(last["acc"], abs=1e-9)

@@ -16,8 +16,10 @@ from flare.data.partition import make_partition
 from flare.errors import FlareError
 from flare.rundir import read_jsonl
 from flare.runner import Run
-from flare.server.evaluator import evaluate
-from flare.server.fusion import fedavg_model, fuse_outputs, rule_scores
+from flare.server.evaluator import evaluate_predictors
+from flare.server.fusion import ClientOutputs
+from flare.server.rules import FeatureRule, OutputRule, fedavg_model, fuse_outputs
+from flare.server.strategy import ServerContext, make_strategy
 from flare.server.rounds import evaluate_uploads
 from flare.setup import DataMeta, RunSetup, amp_dtype_for, make_augment, normalizer
 from flare.server.protos import mean_prototypes, train_global_prototypes
@@ -175,6 +177,13 @@ class _BNNet(nn.Module):
         return f, self.fc(f)
 
 
+def evaluate(models, w, G, x, y, norm, *, rules, **kw):
+    """The built-in rules by name over the models, through their strategies (softmax ensemble, averaged buffers)."""
+    cfg = load_config(None, "fafi", ["server.ensemble=softmax", "server.fedavg_buffers=average"])
+    preds = {n: make_strategy(cfg, n).predictor(ServerContext(cfg, 0, [], models, w, G, None)) for n in rules}
+    return evaluate_predictors(models, preds, x, y, norm, **kw)
+
+
 def test_batch_bn_changes_feature_rules_only_and_keeps_running_statistics():
     models = [_BNNet(0), _BNNet(1)]
     before = [{k: v.clone() for k, v in m.state_dict().items()} for m in models]
@@ -220,8 +229,9 @@ def test_batch_bn_changes_feature_rules_only_and_keeps_running_statistics():
             feats.append(m(norm(x[ix]))[0])
             m.eval()
         h = 0.5 * feats[0] + 0.5 * feats[1]
-        correct += int((rule_scores("feature", torch.stack(feats), None, w, G).argmax(1) == y[ix]).sum())
-        assert torch.equal(rule_scores("feature", torch.stack(feats), None, w, G),
+        scores = FeatureRule.scores(ClientOutputs(torch.stack(feats), None), w, G, "softmax")
+        correct += int((scores.argmax(1) == y[ix]).sum())
+        assert torch.equal(scores,
                            torch.nn.functional.normalize(h, dim=1) @ G.T)
     for m, b in zip(models, before):
         m.load_state_dict(b)
@@ -236,7 +246,7 @@ def test_logit_sum_ensemble_is_the_weighted_sum_of_raw_logits():
     assert torch.allclose(soft, 0.75 * logits[0].softmax(-1) + 0.25 * logits[1].softmax(-1))
     # a confident client dominates a sum of raw logits, not a sum of probabilities
     assert soft.argmax(1).item() == 0 and fuse_outputs(logits, w, "logits").argmax(1).item() == 1
-    scores = rule_scores("output", None, logits, w, None, ensemble="logits")
+    scores = OutputRule.scores(ClientOutputs(None, logits), w, None, "logits")
     assert torch.equal(scores, fuse_outputs(logits, w, "logits"))
 
 

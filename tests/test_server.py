@@ -4,8 +4,9 @@ import torch.nn.functional as F
 
 from flare.metrics import g_protos_std, inter_client_proto_std, model_variance_mean
 from flare.server.fedavg import average_state_dicts
-from flare.server.fusion import (aggregation_weights, fuse_features, fuse_outputs, iffi_reference_features,
-                                 iffi_weights, prototype_scores)
+from flare.server.fusion import aggregation_weights
+from flare.server.rules import (fuse_features, fuse_outputs, iffi_reference_features, iffi_weights,
+                                prototype_scores)
 from flare.server.protos import mean_prototypes
 
 

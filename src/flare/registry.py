@@ -28,7 +28,7 @@ from flare.errors import FlareError, KeyedValueError
 # The modules that register the built-in parts (imported on the first lookup of any registry).
 BUILTIN_MODULES = ("flare.models", "flare.schedules", "flare.data.datasets", "flare.data.partition",
                    "flare.client.terms.align", "flare.client.lam", "flare.client.surgery", "flare.client.objective",
-                   "flare.client.terms.banks", "flare.client.terms.extra", "flare.server.strategy",
+                   "flare.client.terms.banks", "flare.client.terms.extra", "flare.server.rules",
                    "flare.baselines")
 ENTRY_POINT_GROUP = "flare.plugins"
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -50,6 +50,12 @@ class Entry:
     obj: Any
     options: type[BaseModel] | None
     description: str
+    module: str = ""  # where `obj` was defined: error messages name a plugin's module
+
+    @property
+    def plugin(self) -> str | None:
+        """The module of a part that did not come with FLARE (a plugin's), else None."""
+        return None if not self.module or self.module.split(".")[0] == "flare" else self.module
 
 
 class Registry:
@@ -77,7 +83,8 @@ class Registry:
                                  fix=f"choose another name, or pass overwrite=True to replace it on purpose.")
             warnings.warn(f"{self.kind} '{name}' replaced by a new registration (overwrite=True).", stacklevel=2)
         doc = (getattr(obj, "__doc__", None) or "").strip().splitlines()
-        self._entries[name] = Entry(name, obj, options, description or (doc[0] if doc else ""))
+        self._entries[name] = Entry(name, obj, options, description or (doc[0] if doc else ""),
+                                    getattr(obj, "__module__", None) or "")
         return obj
 
     def __contains__(self, name: object) -> bool:

@@ -43,6 +43,7 @@ from flare.config import Config, config_to_yaml
 from flare.durable import (atomic_torch_save, atomic_write_text, encode_record, parse_jsonl,  # noqa: F401
                            read_jsonl)
 from flare.errors import FlareError
+from flare.registry import STRATEGIES
 
 try:  # POSIX advisory locks; without fcntl (Windows) runs are not locked
     import fcntl
@@ -52,7 +53,6 @@ except ImportError:  # pragma: no cover
 CONFIG, PARTITION, METRICS, STATE = "config.yaml", "partition.json", "metrics.jsonl", "state.json"
 CHECKPOINT, PREV_CHECKPOINT, LOCK, SUMMARY = "checkpoint.pt", "checkpoint.prev.pt", ".lock", "summary.md"
 FUSE = "fuse.jsonl"
-ACC_ORDER = ("acc_feature", "acc_iffi", "acc_iffi_reference", "acc_output", "acc_fedavg")  # the built-in strategies
 DIAG = ("g_protos_std", "inter_client_proto_std", "model_variance_mean")                   # docs/method.md#metrics
 
 
@@ -61,9 +61,9 @@ DIAG = ("g_protos_std", "inter_client_proto_std", "model_variance_mean")        
 
 
 def acc_keys(records: list[dict]) -> list[str]:
-    """The records' `acc_<strategy>` keys: the built-in ones in ACC_ORDER, then others (plugins') as first seen."""
-    seen = [k for r in records for k in r if k.startswith("acc_")]
-    return [k for k in ACC_ORDER if k in seen] + list(dict.fromkeys(k for k in seen if k not in ACC_ORDER))
+    """The records' `acc_<strategy>` keys in registration order (built-in rules first), then unregistered ones."""
+    seen, order = dict.fromkeys(k for r in records for k in r if k.startswith("acc_")), STRATEGIES.names()
+    return [f"acc_{n}" for n in order if f"acc_{n}" in seen] + [k for k in seen if k[4:] not in order]
 
 
 def flatten(m: dict, prefix: str = "") -> dict:

@@ -16,7 +16,8 @@ the test set, and then applies a fusion rule to the K recalibrated models:
   variances would miss the spread of the batch means;
 * `rule`: `feature` (Σ_k w_k f_k matched to the global prototypes G: FAFI's server; prototype heads), `output`
   (Σ_k w_k softmax(z_k), or raw logits with server.ensemble=logits) or `auto` (feature for prototype heads,
-  output otherwise), with fusion.py's `rule_scores`, the weights `server.weights` and the round's G.
+  output otherwise) — the built-in rule itself (server/rules.py) over the recalibrated models' outputs
+  (server/fusion.py `client_outputs`), with the weights `server.weights` and the round's G.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ from torch import Tensor, nn
 from flare.baselines.kd import Cost, public_slice, require_public
 from flare.errors import FlareError
 from flare.registry import STRATEGIES
-from flare.server.fusion import rule_scores
+from flare.server.fusion import client_outputs
+from flare.server.rules import RulePredictor
 from flare.server.strategy import ModelPredictor, ServerContext, Strategy
 
 BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -97,19 +99,15 @@ def recalibrate(model: nn.Module, x: Tensor, normalize, batch_size: int = 256) -
 
 
 class RecalibratedPredictor(ModelPredictor):
-    """Scores a batch with a fusion rule over the K recalibrated models' features and logits. `model` holds them as
-    one ModuleList (so a Flower run, which saves one model of the run's architecture, declines to save it)."""
+    """Scores a batch with a built-in rule over the K recalibrated models' outputs. `model` holds them as one
+    ModuleList (so a Flower run, which saves one model of the run's architecture, declines to save it)."""
 
-    def __init__(self, models: list[nn.Module], rule: str, weights: Tensor, G: Tensor | None, ensemble: str,
-                 logs: dict[str, float]):
+    def __init__(self, models: list[nn.Module], rule: RulePredictor, logs: dict[str, float]):
         super().__init__(nn.ModuleList(models), logs)
-        self.models, self.rule, self.weights, self.G, self.ensemble = models, rule, weights, G, ensemble
+        self.models, self.rule = models, rule
 
     def scores(self, x: Tensor) -> Tensor:
-        outs = [m(x) for m in self.models]
-        feats = torch.stack([o[0].float() for o in outs])
-        logits = torch.stack([o[1].float() for o in outs])
-        return rule_scores(self.rule, feats, logits, self.weights.to(x.device), self.G, None, self.ensemble)
+        return self.rule.scores(client_outputs(self.models, x))
 
 
 @STRATEGIES.register("bnrecal", options=BNRecalOptions)
@@ -135,4 +133,5 @@ class BNRecal(Strategy):
         models = [recalibrate(m, pub, ctx.normalize, self.options.batch_size) for m in ctx.models]
         size = sum(t.numel() * t.element_size() for m in models for t in [*m.parameters(), *m.buffers()])
         logs = {**cost.logs(), "public": float(pub.shape[0]), "copies_mb": size / 2 ** 20}
-        return RecalibratedPredictor(models, self.rule, ctx.weights, ctx.G, self.cfg.server.ensemble, logs)
+        rule = RulePredictor(STRATEGIES.get(self.rule), ctx.weights, ctx.G, self.cfg.server.ensemble)
+        return RecalibratedPredictor(models, rule, logs)

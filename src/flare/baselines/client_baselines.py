@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from flare.client.objective import Objective
 from flare.client.terms.fafi import ce_terms
 from flare.registry import OBJECTIVES, STRATEGIES
-from flare.server.fusion import fedavg_model
+from flare.server.rules import fedavg_model
 from flare.server.strategy import ClientOutputs, ClientPredictor, ModelPredictor, ServerContext, Strategy
 
 OBJECTIVES.register("fedetf", Objective(lambda loss, feat, logits, y, prototypes, bank: ce_terms(logits, y), "etf"),

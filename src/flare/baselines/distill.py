@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from flare.baselines.kd import (Cost, agreement, client_logits, crop_flip, eval_mode, generator, kd_loss,
                                 public_slice, require_public)
 from flare.registry import STRATEGIES
-from flare.server.fusion import fedavg_model
+from flare.server.rules import fedavg_model
 from flare.server.strategy import ModelPredictor, ServerContext, Strategy
 
 TAG = 2101  # this strategy's seed stream

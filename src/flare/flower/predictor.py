@@ -1,7 +1,7 @@
 """The global predictor a federated run ends with, saved and loaded without pickles.
 
 `predictor.pt` holds tensors only (`torch.load(..., weights_only=True)` reads it): the state dict of every
-client encoder that took part in the last round (or, for the `fedavg` rule, the one averaged state), the
+client encoder that took part in the last round (or the one model a strategy such as `fedavg` built), the
 aggregation weights and the global prototypes G. `predictor.json` says how to rebuild and use it: the
 rule, the model (name, width, head, channels, classes, feature dimension), the input size, the
 normalisation statistics, the class names, which clients it holds, and the accuracy the server measured.
@@ -25,8 +25,9 @@ from flare.config import Config
 from flare.data.augment import normalize
 from flare.models import create_model
 from flare.rundir import RunDir
-from flare.server.fedavg import average_state_dicts
-from flare.server.fusion import rule_scores
+from flare.registry import STRATEGIES
+from flare.server.fusion import client_outputs
+from flare.server.rules import ClientRule, RulePredictor
 from flare.server.strategy import ModelPredictor
 from flare.server.upload import Upload
 from flare.server.rounds import primary_rule
@@ -35,12 +36,10 @@ from flare.setup import DataMeta, scaling
 FORMAT = 1
 
 
-BUILT_IN = ("feature", "iffi", "iffi_reference", "output", "fedavg")
-
-
 class GlobalPredictor(nn.Module):
-    """Applies one server rule (docs/method.md#server-rules) to uint8 images: `feature`, `iffi`, `iffi_reference`,
-    `output` or `fedavg` — or `model`: the one model a model-building strategy (a plugin's, OTFusion, FedLPA …) built,
+    """Applies the run's primary strategy to uint8 images: a built-in rule over the client models' outputs
+    (`feature`, `iffi`, `iffi_reference`, `output`: a `ClientRule`, rebuilt from the weights, G and the ensemble
+    mode) — or `model`: the one model a model-building strategy (FedAvg, a plugin's, OTFusion, FedLPA …) built,
     scored by its logits. The IFFI noise inputs are drawn from a generator seeded with `noise_seed` on every call."""
 
     def __init__(self, rule: str, models: list[nn.Module], weights: Tensor, G: Tensor | None,
@@ -56,17 +55,12 @@ class GlobalPredictor(nn.Module):
     def forward(self, x_uint8: Tensor) -> Tensor:
         self.eval()
         x = normalize(x_uint8.to(self.weights.device), self.mean, self.std)
-        outs = [m(x) for m in self.models]
-        if self.rule == "model":
-            return outs[0][1].float()
-        feats = torch.stack([o[0].float() for o in outs])
-        logits = torch.stack([o[1].float() for o in outs])
-        noise = None
-        if self.rule in ("iffi", "iffi_reference"):
-            gen = torch.Generator(device=x.device).manual_seed(self.noise_seed)
-            eps = torch.randn(x.shape, generator=gen, device=x.device, dtype=x.dtype)
-            noise = torch.stack([m(eps)[0].float() for m in self.models])
-        return rule_scores(self.rule, feats, logits, self.weights, self.G, noise, self.ensemble)
+        rule = STRATEGIES.get(self.rule) if self.rule in STRATEGIES else None
+        if not (isinstance(rule, type) and issubclass(rule, ClientRule)):  # "model" (older files: "fedavg")
+            return ModelPredictor(self.models[0]).scores(x)
+        p = RulePredictor(rule, self.weights, self.G, self.ensemble)
+        noise = torch.Generator(device=x.device).manual_seed(self.noise_seed) if p.needs_noise else None
+        return p.scores(client_outputs(list(self.models), x, noise=noise))
 
     def predict(self, x_uint8: Tensor) -> Tensor:
         return self(x_uint8).argmax(1)
@@ -74,37 +68,33 @@ class GlobalPredictor(nn.Module):
 
 def save_predictor(out: RunDir, cfg: Config, meta: DataMeta, uploads: list[Upload], weights: Tensor,
                    G: Tensor | None, record: dict, feature_dim: int, predictors: dict | None = None) -> Path | str:
-    """Write predictor.pt and predictor.json for the run's primary rule from the last round's uploads, with the
-    aggregation weights and global prototypes G that round's evaluation used. A primary strategy that is not a
-    built-in rule is saved when it built one model of the run's architecture (`predictors[primary]` a
-    ModelPredictor); otherwise nothing is written and the reason is returned (a strategy scoring the clients'
-    outputs with its own code cannot travel as tensors)."""
-    rule = primary_rule(cfg)
+    """Write predictor.pt and predictor.json for the run's primary strategy from the last round, with the
+    aggregation weights and global prototypes G that round's evaluation used. A rule over the client outputs
+    (`ClientRule`) is saved as every client's state; a strategy that built one model of the run's architecture
+    (`predictors[primary]` a ModelPredictor: FedAvg, a plugin's) as that model (`"rule": "model"`); otherwise
+    nothing is written and the reason is returned (a strategy scoring the clients' outputs with its own code cannot
+    travel as tensors)."""
+    strategy = primary_rule(cfg)
     template = create_model(cfg.model.name, meta.in_channels, meta.num_classes, cfg.model.width, head=cfg.head,
                             options=cfg.model.options)
-    if rule not in BUILT_IN:
-        pred = (predictors or {}).get(rule)
+    if issubclass(STRATEGIES.get(strategy), ClientRule):
+        rule = strategy
+        states = {str(u.client): {k: v.detach().cpu() for k, v in u.state.items()} for u in uploads}
+    else:
+        pred = (predictors or {}).get(strategy)
         state = pred.model.state_dict() if isinstance(pred, ModelPredictor) else None
         want = {k: tuple(v.shape) for k, v in template.state_dict().items()}
         if state is None or {k: tuple(v.shape) for k, v in state.items()} != want:
-            return (f"no predictor saved: the primary strategy '{rule}' did not build one model of the run's "
+            return (f"no predictor saved: the primary strategy '{strategy}' did not build one model of the run's "
                     "architecture (a strategy scoring the clients' outputs with its own code cannot be saved as "
                     "tensors); score it with `flare fuse` on an in-process run.")
-        states = {"model": {k: v.detach().cpu() for k, v in state.items()}}
-        rule = "model"
-    elif rule == "fedavg":
-        params = None
-        if cfg.server.fedavg_buffers == "first":  # parameters only averaged, the first client's buffers
-            params = {k for k, _ in template.named_parameters()}
-        states = {"avg": average_state_dicts([{k: v.cpu() for k, v in u.state.items()} for u in uploads], weights,
-                                             only=params)}
-    else:
-        states = {str(u.client): {k: v.detach().cpu() for k, v in u.state.items()} for u in uploads}
+        rule, states = "model", {"model": {k: v.detach().cpu() for k, v in state.items()}}
     G = G.detach().cpu() if G is not None else None
     test_mean, test_std = scaling(cfg, meta).test  # the evaluation transform (augment.input_scaling)
     out.save_torch("predictor.pt", {"format": FORMAT, "states": states, "weights": weights, "G": G})
     info = {
-        "format": FORMAT, "rule": rule, "strategy": primary_rule(cfg), "method": cfg.method, "seed": cfg.seed, "round": record["round"],
+        "format": FORMAT, "rule": rule, "strategy": strategy, "method": cfg.method, "seed": cfg.seed,
+        "round": record["round"],
         "accuracy": record.get("acc"), "accuracies": {k: v for k, v in record.items() if k.startswith("acc_")},
         "clients": [u.client for u in uploads], "weights": weights.tolist(),
         "model": {"name": cfg.model.name, "width": cfg.model.width, "head": cfg.head, "options": cfg.model.options,

@@ -1,6 +1,12 @@
 """One batched test pass that scores every strategy's predictor (server/strategy.py): the K client models run once
-per batch (and once on IFFI's noise input when a predictor asks), every `ClientPredictor` reads those tensors, and
-every `ModelPredictor` scores the same normalised batch with its own model. eval.bn: see server/fusion.py.
+per batch (and once on IFFI's noise input when a predictor asks: server/fusion.py `client_outputs`), every
+`ClientPredictor` reads those tensors, and every `ModelPredictor` scores the same normalised batch with its own
+model. eval.bn: see server/fusion.py.
+
+Every evaluation — `flare run`, `flare fuse`, the Flower server — goes through `evaluate_predictors`, so it is where
+a strategy's output is checked before anything is written from it: a predictor of one of the two kinds, whose
+scores are a finite batch × classes tensor. Anything else is a FlareError naming the strategy, its plugin module,
+the round and what was wrong — never a traceback after all the training, nor a NaN written as an accuracy.
 """
 from __future__ import annotations
 
@@ -9,22 +15,52 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor
 
-from flare.server.fusion import batch_statistics, snapshot_buffers
-from flare.server.strategy import ClientOutputs, ClientPredictor, Predictor, rule_predictor
+from flare.errors import FlareError
+from flare.registry import STRATEGIES
+from flare.server.fusion import client_outputs, snapshot_buffers
+from flare.server.strategy import ClientPredictor, ModelPredictor, Predictor
+
+
+def refuse(name: str, round_idx: int | None, what: str) -> FlareError:
+    """The error for a strategy whose output cannot be scored (`round_idx` 0-based, as in metrics.jsonl)."""
+    entry = STRATEGIES.entry(name) if name in STRATEGIES else None
+    origin = f" (plugin module '{entry.plugin}')" if entry is not None and entry.plugin else ""
+    when = f" in round {round_idx + 1}" if round_idx is not None else ""
+    return FlareError(f"server strategy '{name}'{origin}{when}: {what}; no accuracy is written for it.",
+                      key=f"server.strategies.{name}",
+                      fix="make its predictor() return a ClientPredictor or ModelPredictor (flare.server.strategy) "
+                          "whose scores(...) are a finite batch × classes tensor (docs/extending.md).")
+
+
+def check_predictor(name: str, p: object, round_idx: int | None = None) -> None:
+    """A strategy's `predictor()` returned one of the two predictor kinds."""
+    if not isinstance(p, (ClientPredictor, ModelPredictor)):
+        raise refuse(name, round_idx, f"predictor() returned {type(p).__name__}, which is not a ClientPredictor "
+                                      "or ModelPredictor")
+
+
+def _check_scores(name: str, scores: object, batch: int, classes: int, round_idx: int | None) -> None:
+    if not isinstance(scores, Tensor):
+        raise refuse(name, round_idx, f"its predictor's scores are a {type(scores).__name__}, not a tensor")
+    if tuple(scores.shape) != (batch, classes):
+        raise refuse(name, round_idx, f"its predictor's scores have shape {tuple(scores.shape)} for a batch of "
+                                      f"{batch} images of {classes} classes (want {batch} × {classes})")
 
 
 @torch.no_grad()
 def evaluate_predictors(models: list[torch.nn.Module], predictors: dict[str, Predictor], test_x: Tensor,
                         test_y: Tensor, normalize, *, batch_size: int = 256, noise_seed: int = 0,
                         amp_dtype: torch.dtype | None = None, channels_last: bool = False, bn: str = "running",
-                        shuffle_seed: int = 0) -> dict:
+                        shuffle_seed: int = 0, round_idx: int | None = None) -> dict:
     """`acc_<name>` of every predictor plus `client_acc`, each client model alone (its own head).
 
     `normalize` maps a uint8 batch to the model's input. The IFFI noise ε ~ N(0, I) has the input's shape and is
     drawn from its own seeded generator, the same for every round and method. `bn="batch"`: the predictors that
     read features (`batch_bn`) get a train-mode pass, and the test order is the permutation seeded by
-    `shuffle_seed`."""
+    `shuffle_seed`. `round_idx` names the round in the error of a strategy whose output is refused."""
     device = test_x.device
+    for name, p in predictors.items():
+        check_predictor(name, p, round_idx)
     for m in models:
         m.eval()
     on_clients = [p for p in predictors.values() if isinstance(p, ClientPredictor)]
@@ -36,6 +72,7 @@ def evaluate_predictors(models: list[torch.nn.Module], predictors: dict[str, Pre
              if batch_bn else None)
     saved = snapshot_buffers(models) if batch_bn else None
     correct = {name: 0 for name in predictors}
+    nonfinite = {name: torch.zeros((), dtype=torch.long, device=device) for name in predictors}
     client_correct = torch.zeros(len(models), dtype=torch.long, device=device)
     n = 0
     for s in range(0, test_x.shape[0], batch_size):
@@ -44,42 +81,22 @@ def evaluate_predictors(models: list[torch.nn.Module], predictors: dict[str, Pre
         if channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         y = test_y[ix]
-        with amp:
-            outs = [m(x) for m in models]
-        feats = torch.stack([o[0].float() for o in outs])   # K×B×d
-        logits = torch.stack([o[1].float() for o in outs])  # K×B×C
-        client_correct += (logits.argmax(-1) == y).sum(1)
-        noise_feats = None
-        eps = None
-        if need_noise:
-            eps = torch.randn(x.shape, generator=gen, device=device, dtype=x.dtype)
-            if channels_last:
-                eps = eps.contiguous(memory_format=torch.channels_last)
-            if not batch_bn:
-                with amp:
-                    noise_feats = torch.stack([m(eps)[0].float() for m in models])
-        if batch_bn:  # the reference's train-mode BN: the clean batch and the noise batch, each on its own
-            with batch_statistics(models, saved), amp:
-                feats = torch.stack([m(x)[0].float() for m in models])
-                if eps is not None:
-                    noise_feats = torch.stack([m(eps)[0].float() for m in models])
-        out = ClientOutputs(feats, logits, noise_feats)
+        out = client_outputs(models, x, noise=gen, batch_bn=saved, amp=amp, channels_last=channels_last)
+        client_correct += (out.logits.argmax(-1) == y).sum(1)
         for name, p in predictors.items():
             if isinstance(p, ClientPredictor):
                 scores = p.scores(out)
             else:
                 with amp:
                     scores = p.scores(x)
+            _check_scores(name, scores, y.numel(), out.logits.shape[-1], round_idx)
+            nonfinite[name] += (~torch.isfinite(scores)).sum()  # read once at the end: no sync per batch
             correct[name] += (scores.argmax(1) == y).sum()
         n += y.numel()
+    for name, c in nonfinite.items():
+        if int(c):
+            raise refuse(name, round_idx, f"its predictor's scores hold {int(c)} non-finite values (NaN or ±inf) "
+                                          f"over the {n} test images")
     res = {f"acc_{name}": float(c) / n for name, c in correct.items()}
     res["client_acc"] = (client_correct.float() / n).tolist()
     return res
-
-
-def evaluate(models: list[torch.nn.Module], weights: Tensor, G: Tensor | None, test_x: Tensor, test_y: Tensor,
-             normalize, *, rules: tuple[str, ...], ensemble: str = "softmax", fedavg_buffers: str = "average",
-             **kw) -> dict:
-    """The built-in rules by name (`evaluate_predictors`' keywords pass through): for tests and scripts."""
-    preds = {r: rule_predictor(r, models, weights, G, ensemble, fedavg_buffers) for r in rules}
-    return evaluate_predictors(models, preds, test_x, test_y, normalize, **kw)

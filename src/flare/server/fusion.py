@@ -1,6 +1,7 @@
-"""The server's rules (docs/method.md#built-in-rules) as small pure functions, so that tests can pin them; the
-strategies that use them are server/strategy.py, and the one batched test pass that scores them all is
-server/evaluator.py.
+"""The K client models on one batch, the way every server reads them: `client_outputs` is the one forward pass
+the evaluator (server/evaluator.py), the saved global predictor (flower/predictor.py) and BN recalibration
+(baselines/bnrecal.py) run, so a rule scores the same tensors wherever it is applied. The rules themselves are
+server/rules.py; the aggregation weights they share are here.
 
 BatchNorm at evaluation (`eval.bn`). `running` evaluates every model in eval mode. `batch` reproduces the
 reference: its feature and IFFI servers held the clients in a plain Python list, so `model.eval()` never reached
@@ -12,16 +13,11 @@ saved before and restored after, so the clients' running statistics are never to
 """
 from __future__ import annotations
 
-import copy
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-
-from flare.server.fedavg import average_state_dicts
-
-FEATURE_RULES = ("feature", "iffi", "iffi_reference")  # the rules eval.bn=batch evaluates with batch statistics
 
 
 def aggregation_weights(sizes: list[int], mode: str) -> Tensor:
@@ -32,69 +28,42 @@ def aggregation_weights(sizes: list[int], mode: str) -> Tensor:
     return n / n.sum()
 
 
-def fuse_features(feats: Tensor, weights: Tensor) -> Tensor:
-    """feats K×B×d, weights K (global) or K×B (per sample) → h = Σ_i w_i f_i (B×d)."""
-    w = weights if weights.dim() == 2 else weights[:, None].expand(feats.shape[:2])
-    return (w[..., None].to(feats.dtype) * feats).sum(0)
+@dataclass
+class ClientOutputs:
+    """The K client models' outputs on one test batch: features K×B×d, logits K×B×C and, when a predictor asked
+    for them, the features of the IFFI noise input K×B×d (under eval.bn=batch `feats` is the train-mode pass)."""
+
+    feats: Tensor
+    logits: Tensor
+    noise_feats: Tensor | None = None
 
 
-def informativeness(feats: Tensor, noise_feats: Tensor) -> Tensor:
-    """u_i(x) = 1 − cos(f_i(x), f_i(ε)): K×B."""
-    return 1.0 - F.cosine_similarity(feats, noise_feats, dim=-1)
-
-
-def iffi_weights(feats: Tensor, noise_feats: Tensor) -> Tensor:
-    """Per-model, per-sample weights u_i(x) / Σ_j u_j(x) (K×B)."""
-    u = informativeness(feats, noise_feats)
-    return u / u.sum(0, keepdim=True).clamp_min(1e-12)
-
-
-def iffi_reference_features(feats: Tensor, noise_feats: Tensor) -> Tensor:
-    """The seeds' code: the mean of u_i over models scales the *plain sum* of features. The scalar per
-    sample is cancelled by the normalisation before the prototype match, so this is exactly uniform
-    feature fusion — kept to reproduce the seeds' "IFFI" numbers."""
-    u_mean = informativeness(feats, noise_feats).mean(0)  # B
-    return u_mean[:, None] * feats.sum(0)
-
-
-def prototype_scores(h: Tensor, G: Tensor) -> Tensor:
-    """(h/‖h‖) Gᵀ: B×C; the prediction is its argmax."""
-    return F.normalize(h.float(), dim=1) @ G.float().T
-
-
-def fuse_outputs(logits: Tensor, weights: Tensor, mode: str = "softmax") -> Tensor:
-    """Σ_i w_i softmax(logits_i) (`softmax`), or Σ_i w_i logits_i (`logits`: the reference's Ensemble): B×C."""
-    x = logits.float().softmax(-1) if mode == "softmax" else logits.float()
-    return (weights.to(logits.device)[:, None, None] * x).sum(0)
-
-
-def rule_scores(rule: str, feats: Tensor, logits: Tensor, weights: Tensor, G: Tensor | None,
-                noise_feats: Tensor | None = None, ensemble: str = "softmax") -> Tensor:
-    """B×C scores of one server rule (docs/method.md#built-in-rules) from the client models' outputs on a batch — the
-    one dispatch used by the evaluation and by the saved global predictor. `feats` K×B×d and `logits` K×B×C are the K
-    models' outputs; for `fedavg` they are the single averaged model's (K = 1); IFFI rules need the models' features
-    of the noise input, `noise_feats` K×B×d."""
-    if rule == "fedavg":
-        return logits[0]
-    if rule == "output":
-        return fuse_outputs(logits, weights, ensemble)
-    if rule == "feature":
-        h = fuse_features(feats, weights)
-    elif rule == "iffi":
-        h = fuse_features(feats, iffi_weights(feats, noise_feats))
-    elif rule == "iffi_reference":
-        h = iffi_reference_features(feats, noise_feats)
-    else:
-        raise ValueError(f"unknown server rule {rule!r}")
-    return prototype_scores(h, G)
-
-
-def fedavg_model(models: list[torch.nn.Module], weights: Tensor, buffers: str = "average") -> torch.nn.Module:
-    """The one-shot FedAvg model; `buffers="first"` keeps the first model's BN buffers (parameters only averaged)."""
-    avg = copy.deepcopy(models[0])
-    params = {k for k, _ in avg.named_parameters()} if buffers == "first" else None
-    avg.load_state_dict(average_state_dicts([m.state_dict() for m in models], weights, only=params))
-    return avg.eval()
+def client_outputs(models: list[torch.nn.Module], x: Tensor, *, noise: torch.Generator | None = None,
+                   batch_bn: list[dict[str, Tensor]] | None = None, amp=None,
+                   channels_last: bool = False) -> ClientOutputs:
+    """Run the K models (eval mode) on the normalised batch `x`. `noise`: also draw the IFFI noise input
+    ε ~ N(0, I) of x's shape from this generator and read the models' features of it. `batch_bn`: the buffer
+    snapshot (`snapshot_buffers`) of eval.bn=batch — the features (clean and noise) come from a train-mode pass,
+    the logits stay the eval-mode pass's. `amp`: the autocast context of the run (None: full precision)."""
+    amp = amp if amp is not None else nullcontext()
+    with amp:
+        outs = [m(x) for m in models]
+    feats = torch.stack([o[0].float() for o in outs])   # K×B×d
+    logits = torch.stack([o[1].float() for o in outs])  # K×B×C
+    eps = noise_feats = None
+    if noise is not None:
+        eps = torch.randn(x.shape, generator=noise, device=x.device, dtype=x.dtype)
+        if channels_last:
+            eps = eps.contiguous(memory_format=torch.channels_last)
+        if batch_bn is None:
+            with amp:
+                noise_feats = torch.stack([m(eps)[0].float() for m in models])
+    if batch_bn is not None:  # the reference's train-mode BN: the clean batch and the noise batch, each on its own
+        with batch_statistics(models, batch_bn), amp:
+            feats = torch.stack([m(x)[0].float() for m in models])
+            if eps is not None:
+                noise_feats = torch.stack([m(eps)[0].float() for m in models])
+    return ClientOutputs(feats, logits, noise_feats)
 
 
 @contextmanager

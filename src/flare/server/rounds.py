@@ -15,7 +15,7 @@ from flare.config import Config
 from flare.metrics import g_protos_std, inter_client_proto_std, model_variance_mean
 from flare.registry import STRATEGIES
 from flare.rng import derived_seed
-from flare.server.evaluator import evaluate_predictors
+from flare.server.evaluator import check_predictor, evaluate_predictors
 from flare.server.extras import own_extras
 from flare.server.fusion import aggregation_weights
 from flare.server.protos import global_prototypes, mean_prototypes, train_global_prototypes
@@ -95,7 +95,7 @@ def server_prototypes(cfg: Config, r: int, protos: list[Tensor], anchors: Tensor
 def eval_options(cfg: Config, r: int, amp_dtype=None, channels_last: bool = False) -> dict:
     """The keywords of `evaluate_predictors` a run's config fixes for round r."""
     return dict(batch_size=cfg.test_batch_size, noise_seed=cfg.eval.noise_seed, amp_dtype=amp_dtype,
-                channels_last=channels_last, bn=cfg.eval.bn, shuffle_seed=_shuffle_seed(cfg, r))
+                channels_last=channels_last, bn=cfg.eval.bn, shuffle_seed=_shuffle_seed(cfg, r), round_idx=r)
 
 
 def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[torch.nn.Module],
@@ -117,15 +117,18 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
     rec.update(server_logs)
     t_agg = time.perf_counter() - t0
     t1 = time.perf_counter()
-    preds: dict = {}
+    states = strategy_state if strategy_state is not None else {}
+    for m in models:  # as ServerContext promises (the runner's live client models come in train mode)
+        m.eval()
+    shape = tuple(int(s) for s in test_x.shape[1:]) if test_x is not None else None
+    # without a test set only the primary is built: it is what a Flower server saves as the run's predictor
+    names = rules_for(cfg, r) if test_x is not None else tuple(n for n in rules_for(cfg, r) if n == prim)
+    preds = {n: make_strategy(cfg, n).predictor(ServerContext(
+        cfg, r, uploads, models, weights, G, anchors, states.setdefault(n, {}), own_extras(uploads, n), public_x,
+        norm, shape)) for n in names}
+    for n, p in preds.items():
+        check_predictor(n, p, r)
     if test_x is not None:
-        states = strategy_state if strategy_state is not None else {}
-        for m in models:  # as ServerContext promises (the runner's live client models come in train mode)
-            m.eval()
-        shape = tuple(int(s) for s in test_x.shape[1:])
-        preds = {n: make_strategy(cfg, n).predictor(ServerContext(
-            cfg, r, uploads, models, weights, G, anchors, states.setdefault(n, {}), own_extras(uploads, n),
-            public_x, norm, shape)) for n in rules_for(cfg, r)}
         rec.update(evaluate_predictors(models, preds, test_x, test_y, norm, **eval_options(cfg, r, amp_dtype,
                                                                                           channels_last)))
         rec.update({f"{n}.{k}": v for n, p in preds.items() for k, v in p.logs.items()})

@@ -6,12 +6,13 @@ Two kinds of predictor keep ONE test pass for every strategy of an evaluation (s
 
 * `ClientPredictor` reads the K client models' outputs on the batch (features, logits, IFFI's noise features),
   which the evaluator computes once and hands to every such predictor — the ensemble-style rules;
-* `ModelPredictor` owns a model built from the uploads (FedAvg here; the weight-fusion, distillation and
-  BN-recalibration baselines in src/flare/baselines) and scores the normalised batch itself.
+* `ModelPredictor` owns a model built from the uploads (FedAvg, OTFusion, FedLPA, FedDF …) and scores
+  the normalised batch itself.
 
 A strategy is registered in `flare.registry.STRATEGIES` (a plugin registers its own the same way), chosen by
 `server.primary` and `eval.rules`, and its options model is validated from `server.strategies.<name>`. The
-built-in rules (docs/method.md#built-in-rules) are registered here; their arithmetic stays in server/fusion.py.
+built-in rules are strategies written exactly so, in server/rules.py; `ClientOutputs` (the tensors a
+`ClientPredictor` reads) comes from server/fusion.py, which computes them.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from torch import Tensor, nn
 
 from flare.config import Config
 from flare.registry import STRATEGIES
-from flare.server.fusion import FEATURE_RULES, fedavg_model, rule_scores
+from flare.server.fusion import ClientOutputs
 from flare.server.upload import Upload
 
 
@@ -53,16 +54,6 @@ class ServerContext:
     @property
     def device(self) -> torch.device:
         return self.weights.device if not self.models else next(self.models[0].parameters()).device
-
-
-@dataclass
-class ClientOutputs:
-    """The K client models' outputs on one test batch: features K×B×d, logits K×B×C and, when a predictor asked
-    for them, the features of the IFFI noise input K×B×d (under eval.bn=batch `feats` is the train-mode pass)."""
-
-    feats: Tensor
-    logits: Tensor
-    noise_feats: Tensor | None = None
 
 
 class ClientPredictor:
@@ -135,52 +126,3 @@ def make_strategy(cfg: Config, name: str, key: str = "server.primary") -> Strate
     cls = STRATEGIES.get(name, key)
     opts = STRATEGIES.options(name, cfg.server.strategies.get(name), f"server.strategies.{name}")
     return cls(cfg, opts)
-
-
-# ----------------------------------------------------------------------------------------------
-# the built-in rules (docs/method.md#built-in-rules)
-
-
-class RulePredictor(ClientPredictor):
-    """One of fusion.py's rules over the client outputs, with the weights and G moved to the batch's device."""
-
-    def __init__(self, rule: str, weights: Tensor, G: Tensor | None, ensemble: str = "softmax"):
-        self.rule, self.weights, self.G, self.ensemble = rule, weights, G, ensemble
-        self.needs_noise = rule in ("iffi", "iffi_reference")
-        self.batch_bn = rule in FEATURE_RULES
-
-    def scores(self, out: ClientOutputs) -> Tensor:
-        w = self.weights.to(out.logits.device)
-        return rule_scores(self.rule, out.feats, out.logits, w, self.G, out.noise_feats, self.ensemble)
-
-
-def rule_predictor(rule: str, models: list[nn.Module], weights: Tensor, G: Tensor | None, ensemble: str = "softmax",
-                   fedavg_buffers: str = "average") -> Predictor:
-    """The predictor of a built-in rule (also used by `evaluator.evaluate`, which takes rule names)."""
-    if rule == "fedavg":
-        return ModelPredictor(fedavg_model(models, weights, fedavg_buffers))
-    if rule not in ("feature", "iffi", "iffi_reference", "output"):
-        raise ValueError(f"unknown server rule {rule!r}")
-    return RulePredictor(rule, weights, G, ensemble)
-
-
-class _Rule(Strategy):
-    rule = ""
-    default = True
-
-    def predictor(self, ctx: ServerContext) -> Predictor:
-        s = self.cfg.server
-        return rule_predictor(self.rule, ctx.models, ctx.weights, ctx.G, s.ensemble, s.fedavg_buffers)
-
-
-def _register(name: str, needs_prototypes: bool, doc: str) -> None:
-    cls = type(f"{name.title().replace('_', '')}Strategy", (_Rule,),
-               {"rule": name, "needs_prototypes": needs_prototypes, "__doc__": doc})
-    STRATEGIES.register(name, cls)
-
-
-_register("feature", True, "Σ_i w_i f_i(x) matched to the global prototypes G (FAFI's server).")
-_register("iffi", True, "Features weighted per sample by their informativeness against a noise input.")
-_register("iffi_reference", True, "The seeds' IFFI code: exactly uniform feature fusion (reproduces their numbers).")
-_register("output", False, "Σ_i w_i softmax(logits_i) (or raw logits: server.ensemble) — the output ensemble.")
-_register("fedavg", False, "One-shot FedAvg: the weighted average of the uploaded models (server.fedavg_buffers).")

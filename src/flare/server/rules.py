@@ -1,0 +1,163 @@
+"""The built-in server rules (docs/method.md#server-rules), each a strategy registered exactly as a plugin's is
+(docs/extending.md), with its arithmetic beside it: adding a rule is one class in this file.
+
+Four rules score the K client models' outputs on a batch (`ClientRule`: feature, iffi, iffi_reference, output);
+their scores depend on the aggregation weights, the global prototypes G and `server.ensemble` only, so the saved
+global predictor (flower/predictor.py) and BN recalibration (baselines/bnrecal.py) rebuild them from those tensors
+through `RulePredictor`. FedAvg builds one model (`ModelPredictor`). The registration order here is the order of
+the accuracy columns in every table (rundir.acc_keys).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from flare.registry import STRATEGIES
+from flare.server.fedavg import average_state_dicts
+from flare.server.fusion import ClientOutputs
+from flare.server.strategy import ClientPredictor, ModelPredictor, ServerContext, Strategy
+
+
+# ----------------------------------------------------------------------------------------------
+# the arithmetic, as pure functions that tests pin
+
+
+def fuse_features(feats: Tensor, weights: Tensor) -> Tensor:
+    """feats K×B×d, weights K (global) or K×B (per sample) → h = Σ_i w_i f_i (B×d)."""
+    w = weights if weights.dim() == 2 else weights[:, None].expand(feats.shape[:2])
+    return (w[..., None].to(feats.dtype) * feats).sum(0)
+
+
+def informativeness(feats: Tensor, noise_feats: Tensor) -> Tensor:
+    """u_i(x) = 1 − cos(f_i(x), f_i(ε)): K×B."""
+    return 1.0 - F.cosine_similarity(feats, noise_feats, dim=-1)
+
+
+def iffi_weights(feats: Tensor, noise_feats: Tensor) -> Tensor:
+    """Per-model, per-sample weights u_i(x) / Σ_j u_j(x) (K×B)."""
+    u = informativeness(feats, noise_feats)
+    return u / u.sum(0, keepdim=True).clamp_min(1e-12)
+
+
+def iffi_reference_features(feats: Tensor, noise_feats: Tensor) -> Tensor:
+    """The seeds' code: the mean of u_i over models scales the *plain sum* of features. The scalar per
+    sample is cancelled by the normalisation before the prototype match, so this is exactly uniform
+    feature fusion — kept to reproduce the seeds' "IFFI" numbers."""
+    u_mean = informativeness(feats, noise_feats).mean(0)  # B
+    return u_mean[:, None] * feats.sum(0)
+
+
+def prototype_scores(h: Tensor, G: Tensor) -> Tensor:
+    """(h/‖h‖) Gᵀ: B×C; the prediction is its argmax."""
+    return F.normalize(h.float(), dim=1) @ G.float().T
+
+
+def fuse_outputs(logits: Tensor, weights: Tensor, mode: str = "softmax") -> Tensor:
+    """Σ_i w_i softmax(logits_i) (`softmax`), or Σ_i w_i logits_i (`logits`: the reference's Ensemble): B×C."""
+    x = logits.float().softmax(-1) if mode == "softmax" else logits.float()
+    return (weights.to(logits.device)[:, None, None] * x).sum(0)
+
+
+def fedavg_model(models: list[nn.Module], weights: Tensor, buffers: str = "average") -> nn.Module:
+    """The one-shot FedAvg model; `buffers="first"` keeps the first model's BN buffers (parameters only averaged)."""
+    avg = copy.deepcopy(models[0])
+    params = {k for k, _ in avg.named_parameters()} if buffers == "first" else None
+    avg.load_state_dict(average_state_dicts([m.state_dict() for m in models], weights, only=params))
+    return avg.eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# the rules over the client models' outputs
+
+
+class ClientRule(Strategy):
+    """A built-in rule over the client outputs: `scores` is its arithmetic. `needs_noise`: it reads the features
+    of the IFFI noise input; `batch_bn`: eval.bn=batch gives it the train-mode (batch-statistics) features."""
+
+    default = True
+    needs_noise = False
+    batch_bn = False
+
+    @staticmethod
+    def scores(out: ClientOutputs, weights: Tensor, G: Tensor | None, ensemble: str) -> Tensor:
+        """B×C scores from the K models' outputs, the aggregation weights (on the batch's device), G and
+        `server.ensemble`."""
+        raise NotImplementedError
+
+    def predictor(self, ctx: ServerContext) -> RulePredictor:
+        return RulePredictor(type(self), ctx.weights, ctx.G, self.cfg.server.ensemble)
+
+
+class RulePredictor(ClientPredictor):
+    """A `ClientRule` applied with fixed weights, G and ensemble mode — built in an evaluation, by the saved global
+    predictor from its tensors, or by BN recalibration over its recalibrated models."""
+
+    def __init__(self, rule: type[ClientRule], weights: Tensor, G: Tensor | None, ensemble: str = "softmax"):
+        self.rule, self.weights, self.G, self.ensemble = rule, weights, G, ensemble
+        self.needs_noise, self.batch_bn = rule.needs_noise, rule.batch_bn
+
+    def scores(self, out: ClientOutputs) -> Tensor:
+        return self.rule.scores(out, self.weights.to(out.logits.device), self.G, self.ensemble)
+
+
+@STRATEGIES.register("feature")
+class FeatureRule(ClientRule):
+    """Σ_i w_i f_i(x) matched to the global prototypes G (FAFI's server)."""
+
+    needs_prototypes = True
+    batch_bn = True
+
+    @staticmethod
+    def scores(out, weights, G, ensemble):
+        return prototype_scores(fuse_features(out.feats, weights), G)
+
+
+@STRATEGIES.register("iffi")
+class IffiRule(ClientRule):
+    """Features weighted per sample by their informativeness against a noise input."""
+
+    needs_prototypes = True
+    needs_noise = True
+    batch_bn = True
+
+    @staticmethod
+    def scores(out, weights, G, ensemble):
+        return prototype_scores(fuse_features(out.feats, iffi_weights(out.feats, out.noise_feats)), G)
+
+
+@STRATEGIES.register("iffi_reference")
+class IffiReferenceRule(ClientRule):
+    """The seeds' IFFI code: exactly uniform feature fusion (reproduces their numbers)."""
+
+    needs_prototypes = True
+    needs_noise = True
+    batch_bn = True
+
+    @staticmethod
+    def scores(out, weights, G, ensemble):
+        return prototype_scores(iffi_reference_features(out.feats, out.noise_feats), G)
+
+
+@STRATEGIES.register("output")
+class OutputRule(ClientRule):
+    """Σ_i w_i softmax(logits_i) (or raw logits: server.ensemble) — the output ensemble."""
+
+    @staticmethod
+    def scores(out, weights, G, ensemble):
+        return fuse_outputs(out.logits, weights, ensemble)
+
+
+# ----------------------------------------------------------------------------------------------
+# a rule that builds one model
+
+
+@STRATEGIES.register("fedavg")
+class FedAvgRule(Strategy):
+    """One-shot FedAvg: the weighted average of the uploaded models (server.fedavg_buffers)."""
+
+    default = True
+
+    def predictor(self, ctx: ServerContext) -> ModelPredictor:
+        return ModelPredictor(fedavg_model(ctx.models, ctx.weights, self.cfg.server.fedavg_buffers))
