@@ -182,7 +182,8 @@ def test_listings_include_plugin_parts(capsys):
     out = capsys.readouterr().out
     for name in ("demo_center", "demo_constant", "demo_mlp", "demo_blobs", "demo_round_robin"):
         assert re.search(rf"^\s+{name}\s", out, re.M), name
-    assert "[options: weight, radius]" in out
+    assert "options: weight: float = 1.0, radius: float = 1.0" in out  # each option's name, type and default
+    assert "loss-terms (loss.terms): fn(batch: TermBatch, options: TermOptions) -> Tensor" in out  # what it is
     assert main(["models", "--plugin", "flare_demo_plugin"]) == 0
     assert "demo_mlp" in capsys.readouterr().out.split()
 
