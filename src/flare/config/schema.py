@@ -2,10 +2,12 @@
 cross-key check (so a bad combination fails before any data is loaded).
 
 Keys that name a *part* (model.name, dataset.name, partition.kind, loss.objective, loss.contrast, loss.terms,
-align.anchors, align.schedule, align.surgery, lam.learner, lam.anneal, server.primary, eval.rules) are strings
-checked against the part's registry (`flare.registry`, so plugins can add parts); a part that declares options reads
-them from its section's `options` mapping (`loss.terms.<name>` for loss terms, `server.strategies.<name>` for
-server strategies), validated by the part's options model. Keys that choose
+align.anchors, align.schedule, align.surgery, lam.learner, lam.anneal, server.primary, eval.rules) are strings of a
+field type built from the part's registry (`part(REGISTRY)`, config/sections.py; `flare.registry`, so plugins can
+add parts); a part that declares options reads them from its section's `options` mapping (`loss.terms.<name>` for
+loss terms, `server.strategies.<name>` for server strategies), validated by the part's options model. What a part
+needs of the rest of the config is its own `check(cfg)`, which `_compatible_parts` runs for every chosen part; the
+checks here are the framework's own. Keys that choose
 between fixed behaviours of the framework itself stay closed `Literal`s: protocol, progress, amp, client_engine,
 dataset.format (a built-in dataset's file reader; a plugin dataset brings its own loader), partition.rng,
 lr_schedule.kind (the LR schedule with SGDR's restarts and momentum reset, which the engines implement),
@@ -14,7 +16,7 @@ an input of every λ provider), the server's prototype and aggregation settings,
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -75,14 +77,14 @@ def fill_speed(data):
 
 
 class LossCfg(Strict):
-    objective: ObjectiveName = Field("fafi", description="fafi (prototype head), ce (plain classifier: fedavg/ensemble "
-                                               "baselines) or a plugin's")
+    objective: ObjectiveName = Field("fafi", description="fafi (prototype head), ce (plain classifier: "
+                                                         "fedavg/ensemble baselines) or a plugin's")
     tau_con: float = Field(0.07, gt=0, description="SupCon temperature τ")
     base_tau: float = Field(0.07, gt=0, description="SupCon base temperature")
     tau_pf: float = Field(1.0, gt=0, description="prototype–feature temperature")
     tau_pp: float = Field(1.0, gt=0, description="prototype–prototype temperature")
-    contrast: ContrastName = Field("none", description="contrast-set extension: none, memory-bank, public-bank, two-stage "
-                                              "or a plugin's")
+    contrast: ContrastName = Field("none", description="contrast-set extension: none, memory-bank, public-bank, "
+                                                       "two-stage or a plugin's")
     bank_size: int = Field(4096, ge=1, description="memory bank FIFO size")
     bank_tau: float = Field(0.5, gt=0, description="temperature of the bank terms")
     public_stage_epochs: int = Field(1, ge=0, description="two-stage: the first local epochs, which use the "
@@ -105,7 +107,8 @@ class AlignCfg(Strict):
                                                                           "(V9: λ_min + H/log2C·(λ_max − λ_min))")
     lambda_min: float = Field(0.1, ge=0, description="entropy rule λ_min")
     lambda_max: float = Field(10.0, ge=0, description="entropy rule λ_max")
-    schedule: ScheduleName = Field("constant", description="annealing a(p) of λ: constant, linear, cosine or a plugin's")
+    schedule: ScheduleName = Field("constant", description="annealing a(p) of λ: constant, linear, cosine or a "
+                                                           "plugin's")
     surgery: SurgeryName = Field("none", description="gradient surgery: none, pcgrad (Plan C) or a plugin's")
     target_progress: Literal["global", "round-reset"] = Field(
         "global", description="progress of V8's target: global (the run's `progress`) or round-reset (j/E, j the "
@@ -124,8 +127,8 @@ class AlignCfg(Strict):
 class LamCfg(Strict):
     """The λ learner of SPEC §7 (V10–V14)."""
 
-    learner: LamLearnerName = Field("none", description="λ provider (SPEC §7): none, uw (V10), uw-rescaled (V10r/V11), "
-                                             "decoupled (V12–V14) or a plugin's")
+    learner: LamLearnerName = Field("none", description="λ provider (SPEC §7): none, uw (V10), uw-rescaled "
+                                                        "(V10r/V11), decoupled (V12–V14) or a plugin's")
     sigma_lr: float = Field(0.005, gt=0, description="SGD lr of the log-variances s_l, s_a")
     anneal: AnnealName = Field("constant", description="V11: external a(p) on L_align; V12+: meta s(p) (a schedule)")
     gamma_reg: float = Field(0.0, ge=0, description="V13 stability anchor γ_reg·e^{-s_a}")
@@ -167,9 +170,9 @@ class ServerCfg(Strict):
 class EvalCfg(Strict):
     every: int = Field(1, ge=1, description="evaluate every N-th round (the last round always); reports show the "
                                             "evaluated rounds")
-    rules: list[EvalRule] | None = Field(None, description="the fusion rules to evaluate (null: every rule that applies; "
-                                                      "`primary` names the method's own): skipping iffi saves its "
-                                                      "noise pass, skipping fedavg a model pass")
+    rules: list[EvalRule] | None = Field(None, description="the fusion rules to evaluate (null: every rule that "
+                                                           "applies; `primary` names the method's own): skipping iffi "
+                                                           "saves its noise pass, skipping fedavg a model pass")
     noise_seed: int = Field(0, description="seed of IFFI's noise inputs (and of the test order with bn=batch)")
     bn: Literal["running", "batch"] = Field(
         "running", description="BatchNorm of the feature/IFFI rules at evaluation: running statistics, or the "

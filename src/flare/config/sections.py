@@ -65,8 +65,8 @@ OPTIONS_DESCRIPTION = "options of the chosen part, when it declares an options m
 
 
 class DatasetCfg(Strict):
-    name: DatasetName = Field("fmnist", description="fmnist, mnist, cifar10, cifar100, svhn, tinyimagenet, imagefolder "
-                                            "or a plugin's (`flare datasets`)")
+    name: DatasetName = Field("fmnist", description="fmnist, mnist, cifar10, cifar100, svhn, tinyimagenet, "
+                                                    "imagefolder or a plugin's (`flare datasets`)")
     root: str | None = Field(None, description="where the data lives (a folder, or a .tar/.tar.gz for imagefolder)")
     format: Literal["auto", "torchvision", "imagefolder", "idx"] = Field(
         "auto", description="auto, torchvision, imagefolder or idx")
@@ -96,8 +96,8 @@ class PartitionCfg(Strict):
 
 
 class ModelCfg(Strict):
-    name: ModelName = Field("resnet18", description="resnet18, resnet34, resnet50 (CIFAR-style), cnn or a plugin's "
-                                                "(`flare models`)")
+    name: ModelName = Field("resnet18", description="resnet18, resnet34, resnet50 (CIFAR-style), cnn or a "
+                                                      "plugin's (`flare models`)")
     width: float = Field(1.0, gt=0, description="channel width multiplier (0.25 → d = 128 for resnet18)")
     options: ModelOptions = Field({}, description=OPTIONS_DESCRIPTION)
 
