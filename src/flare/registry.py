@@ -221,7 +221,7 @@ class Registry:
         return f" (did you mean {', '.join(close)}?)" if close else ""
 
     def _choices(self, also: tuple[str, ...] = ()) -> str:
-        words = f"{' or '.join(also)}, or a " if also else ""
+        words = f"{' or '.join(also)} or " if also else ""
         return (f"{words}registered: {', '.join(self.names()) or '(none)'} (`flare parts` lists every part; a "
                 "plugin's parts need its module in `plugins`)")
 

@@ -258,8 +258,8 @@ def _learner(mode: str):
 def _learner_check(mode: str):
     """What a learner needs of the config: anchors (it weighs L_align), its own annealing (lam.anneal, so
     align.schedule stays constant), the decoupled σ objective's coefficients only for `decoupled`, and a positive
-    λ_init = exp(s_l − s_a) (s_a = −log λ_init), whose smallest value is align.lambda_min (entropy rule) or
-    align.lambda0 (fixed rule)."""
+    finite λ_init = exp(s_l − s_a) (s_a = −log λ_init), which lies between align.lambda_min and align.lambda_max
+    (entropy rule) or is align.lambda0 (fixed rule)."""
     def check(cfg: Config) -> None:
         cfg.require_anchors(f"lam.learner={mode}")
         a, lm = cfg.align, cfg.lam
@@ -271,11 +271,13 @@ def _learner_check(mode: str):
             raise FlareError(f"lam.gamma_reg, lam.beta and lam.gamma_lambda act on the decoupled σ objective "
                              f"(V13/V14), not on lam.learner={mode}.", key="lam.learner",
                              fix="use lam.learner=decoupled, or set those coefficients to 0.")
-        key = "align.lambda_min" if a.lambda_rule == "entropy" else "align.lambda0"
-        first = a.lambda_min if a.lambda_rule == "entropy" else a.lambda0
-        if not first > 0:
-            raise FlareError(f"the λ learner starts from λ_init = exp(s_l − s_a) > 0, so {key} must be > 0 (got "
-                             f"{first}).", key=key, fix=f"set {key} > 0.")
+        bounds = ("align.lambda_min", "align.lambda_max") if a.lambda_rule == "entropy" else ("align.lambda0",)
+        for key in bounds:
+            value = getattr(a, key.split(".")[1])
+            if not (math.isfinite(value) and value > 0):
+                raise FlareError(f"the λ learner starts from λ_init = exp(s_l − s_a), positive and finite, so "
+                                 f"{key} must be a positive finite number (got {value}).", key=key,
+                                 fix=f"set {key} to a finite number > 0.")
     return check
 
 
