@@ -196,7 +196,7 @@ ROWS = [
     ("paper --dry-run with a strategy Table 1's runs cannot serve", lambda t, p, f, c:
      _paper(p, "--strategies", "output,bnrecal", "--dry-run"), "--strategies: server strategy 'bnrecal' cannot fuse"),
     ("paper with an empty strategy", lambda t, p, f, c: _paper(p, "--strategies", "output,,fedproto"),
-     "--strategies 'output,,fedproto' has an empty element"),
+     "--strategies: 'output,,fedproto' has an empty element"),
     ("paper with a baseline no experiment runs", lambda t, p, f, c: _paper(p, "--baseline", "nosuch"),
      "--baseline: --baseline nosuch is not among the methods these experiments run"),
     ("paper --dry-run with a baseline outside the selected experiments", lambda t, p, f, c:
@@ -204,19 +204,19 @@ ROWS = [
     ("paper with an unknown experiment", lambda t, p, f, c: _paper(p, "--only", "table1,tabel2"),
      "--only: --only names unknown experiments: tabel2"),
     ("paper --dry-run with an empty experiment", lambda t, p, f, c:
-     _paper(p, "--only", "table1,,ablation", "--dry-run"), "--only 'table1,,ablation' has an empty element"),
+     _paper(p, "--only", "table1,,ablation", "--dry-run"), "--only: 'table1,,ablation' has an empty element"),
     ("paper with an unknown protocol", lambda t, p, f, c: _paper(p, "--protocol", "clean,dirty"),
      "--protocol: --protocol clean,dirty: unknown protocol(s) dirty"),
     ("paper --dry-run with an empty protocol", lambda t, p, f, c:
-     _paper(p, "--protocol", "clean,,reference", "--dry-run"), "--protocol 'clean,,reference' has an empty element"),
+     _paper(p, "--protocol", "clean,,reference", "--dry-run"), "--protocol: 'clean,,reference' has an empty element"),
     ("paper with an empty dataset", lambda t, p, f, c: _paper(p, "--datasets", "fmnist,,cifar10"),
-     "--datasets 'fmnist,,cifar10' has an empty element"),
+     "--datasets: 'fmnist,,cifar10' has an empty element"),
     ("paper --dry-run with an unknown dataset", lambda t, p, f, c: _paper(p, "--datasets", "imagenet", "--dry-run"),
      "--datasets: unknown dataset 'imagenet'"),
     ("paper with a seed that is no integer", lambda t, p, f, c: _paper(p, "--seeds", "1,x"),
-     "--seeds '1,x': 'x' is not a valid element"),
+     "--seeds: '1,x': 'x' is not a valid element"),
     ("paper --dry-run with an empty seed", lambda t, p, f, c: _paper(p, "--seeds", "1,,2", "--dry-run"),
-     "--seeds '1,,2' has an empty element"),
+     "--seeds: '1,,2' has an empty element"),
     ("paper with a data root for an unknown dataset", lambda t, p, f, c:
      _paper(p, "--data-root", "imagenet=/data/imagenet"), "--data-root 'imagenet=/data/imagenet' names the unknown"),
     ("paper --dry-run with a data root without a path", lambda t, p, f, c:

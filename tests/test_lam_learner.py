@@ -349,8 +349,9 @@ def test_config_mistakes_are_flare_errors():
     with pytest.raises(FlareError) as e:
         load_config(preset="flare", overrides=["align.lambda_min=0"])
     assert e.value.key == "align.lambda_min"
-    with pytest.raises(FlareError):
-        LamLearner("decoupled", 0.0)
+    with pytest.raises(FlareError) as e:  # the learners' own check, run once, by the config
+        load_config(preset="flare", overrides=["align.lambda_rule=fixed", "align.lambda0=0"])
+    assert e.value.key == "align.lambda0"
 
 
 # ---------------------------------------------------------------------------------------------------

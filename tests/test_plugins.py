@@ -13,7 +13,7 @@ import yaml
 from flare.cli import main
 from flare.config import build_config
 from flare.errors import FlareError
-from flare.registry import MODELS, Registry
+from flare.registry import MODELS, Registry, ScheduleFn
 from flare.rundir import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +42,7 @@ def assert_plugin_parts_ran(run_dir: Path) -> None:
 
 
 def test_reregistering_a_name_raises_unless_overwrite():
-    reg = Registry("thing", "demo.key")
+    reg = Registry("thing", "demo.key", ScheduleFn)
     reg.register("a", 1)
     with pytest.raises(FlareError) as e:
         reg.register("a", 2)
@@ -182,7 +182,8 @@ def test_listings_include_plugin_parts(capsys):
     out = capsys.readouterr().out
     for name in ("demo_center", "demo_constant", "demo_mlp", "demo_blobs", "demo_round_robin"):
         assert re.search(rf"^\s+{name}\s", out, re.M), name
-    assert "[options: weight, radius]" in out
+    assert "options: weight: float = 1.0, radius: float = 1.0" in out  # each option's name, type and default
+    assert "loss-terms (loss.terms): fn(batch: TermBatch, options: TermOptions) -> Tensor" in out  # what it is
     assert main(["models", "--plugin", "flare_demo_plugin"]) == 0
     assert "demo_mlp" in capsys.readouterr().out.split()
 
@@ -209,3 +210,49 @@ def test_the_extending_page_runs(tmp_path):
     assert last["primary"] == "vote" and last["acc"] == last["acc_vote"], last  # the doc's strategies ran
     assert last["vote.samples"] == 96.0  # the clients' class counts arrived as extras: the demo dataset's 96 samples
     assert set(k for k in last if k.startswith("acc_")) == {"acc_vote", "acc_soup", "acc_feature"}, last
+
+
+# One picky part of every kind (tests/plugins/flare_picky_plugin.py): each refuses seed=13 through its own check.
+PICKY = [("model", {"model": {"name": "picky_model"}}),
+         ("dataset", {"dataset": {"name": "picky_data"}}),
+         ("partition", {"partition": {"kind": "picky_partition"}}),
+         ("anchors", {"align": {"anchors": "picky_anchors"}}),
+         ("λ provider", {"align": {"anchors": "etf"}, "lam": {"learner": "picky_lam"}}),
+         ("schedule", {"align": {"anchors": "etf", "schedule": "picky_schedule"}}),
+         ("surgery", {"align": {"anchors": "etf", "surgery": "picky_surgery"}}),
+         ("contrast bank", {"loss": {"contrast": "picky_bank"}}),
+         ("objective", {"loss": {"objective": "picky_objective"}}),
+         ("loss term", {"loss": {"terms": {"picky_term": {"weight": 0.1}}}}),
+         ("strategy", {"eval": {"rules": ["primary", "picky_strategy"]}})]
+
+
+@pytest.mark.parametrize("kind,mapping", PICKY, ids=[k for k, _ in PICKY])
+def test_a_plugin_part_of_every_kind_refuses_a_config_it_cannot_serve(kind, mapping):
+    cfg = {"plugins": ["flare_picky_plugin"], **mapping}
+    build_config({**cfg, "seed": 1})  # a config the part serves
+    with pytest.raises(FlareError) as e:
+        build_config({**cfg, "seed": 13})
+    assert e.value.key == "seed" and f"the picky {kind} cannot serve seed=13" in e.value.message
+
+
+def test_a_part_checks_both_its_own_rule_and_its_registration():
+    """An object's own `check` (e.g. an Objective's head rule) and the `check=` it is registered with both run."""
+    from flare.client.objective import Objective
+    from flare.registry import OBJECTIVES
+
+    seen = []
+    reg = Registry("objective", "loss.objective", OBJECTIVES.signature)
+    reg.register("linear", Objective(lambda *a: {}, "linear"), check=lambda cfg: seen.append(cfg.seed))
+    with pytest.raises(FlareError) as e:  # the Objective's own rule first: alignment needs the prototype head
+        reg.check("linear", build_config({"align": {"anchors": "etf"}}))
+    assert e.value.key == "loss.objective" and not seen
+    reg.check("linear", build_config({"seed": 7}))
+    assert seen == [7]
+
+
+def test_every_registry_states_what_its_entries_are():
+    from flare.registry import REGISTRIES
+
+    for kind, reg in REGISTRIES.items():
+        assert getattr(reg.signature, "_is_protocol", False), kind
+        assert reg.call_signature().startswith(("fn(", "an object with")), kind

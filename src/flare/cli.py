@@ -124,14 +124,16 @@ def cmd_models(args) -> int:
 
 
 def cmd_parts(args) -> int:
-    """Every registry with its parts (built-in, entry-point plugins and --plugin modules) and their options."""
+    """Every registry with what its entries are, its parts (built-in, entry-point plugins and --plugin modules) and
+    each part's options (name: type = default)."""
     load_plugins(args.plugin, key="--plugin")
     for kind, reg in REGISTRIES.items():
-        print(f"{kind} ({reg.key}):")
+        print(f"{kind} ({reg.key}): {reg.call_signature()}")
         for name in reg.names():
-            e = reg.entry(name)
-            opts = f"  [options: {', '.join(e.options.model_fields)}]" if e.options is not None else ""
-            print(f"  {name:<16}  {e.description}{opts}")
+            print(f"  {name:<16}  {reg.entry(name).description}")
+            rows = reg.option_rows(name)
+            if rows:
+                print(f"  {'':<16}  options: " + ", ".join(f"{o}: {t} = {d}" for o, t, d in rows))
     return 0
 
 

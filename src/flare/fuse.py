@@ -75,7 +75,7 @@ def check(run_dir: str | Path, names: list[str], round_: int | None) -> FuseJob:
         raise FlareError(f"--round {round_}: only the states after the last round ({cfg.rounds}) are saved in "
                          f"'{rd.path}'.", key="--round", fix=f"leave --round out, or give --round {cfg.rounds}.")
     for n in names:
-        STRATEGIES.get(n).check(cfg)
+        STRATEGIES.check(n, cfg)
         if STRATEGIES.get(n).needs_prototypes and cfg.head != "prototype":
             raise FlareError(f"strategy '{n}' reads prototypes, which the run '{rd.path}' (loss.objective="
                              f"{cfg.loss.objective}) has not.", key="--strategies",

@@ -6,6 +6,12 @@ replaced by accident (`overwrite=True` says so, and warns), a part may declare i
 (validated with the config, errors naming `<key>.<option>`), and an unknown name is a `FlareError` that names the
 config key and lists the registered names.
 
+Each registry states what its entries are (`signature`, a `typing.Protocol` below: what the code that uses the part
+calls it with), and every part may state what it needs of a config (`check(cfg)`: the `check=` argument of
+`register`, or the part's own `check` attribute, e.g. a `Strategy`'s classmethod). The config calls every chosen
+part's checks from one place (`Config._compatible_parts`), so a rule about a part lives with that part, and a plugin
+part refuses a config it cannot serve exactly as a built-in one does.
+
 The built-in parts register themselves in the modules that implement them; those modules import the config, so the
 registries load them by name on the first lookup (`load_builtins`) instead of importing them here — the same way
 plugin modules are imported (`load_plugins`, the config's `plugins` key, and the `flare.plugins` entry points).
@@ -14,16 +20,30 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 import re
 import sys
 import warnings
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic_core import PydanticUndefined
 
 from flare.errors import FlareError, KeyedValueError
+
+if TYPE_CHECKING:  # the signatures' types only: the modules that define them import this one
+    import numpy as np
+    import torch
+    from torch import Tensor, nn
+
+    from flare.client.lam import LamProvider
+    from flare.client.terms.extra import TermBatch
+    from flare.config import Config
+    from flare.data.datasets import ImageData
+    from flare.data.partition import Partition
+    from flare.server.strategy import Strategy
 
 # The modules that register the built-in parts (imported on the first lookup of any registry).
 BUILTIN_MODULES = ("flare.models", "flare.schedules", "flare.data.datasets", "flare.data.partition",
@@ -41,6 +61,71 @@ class TermOptions(BaseModel):
     weight: float = 1.0
 
 
+# ------------------------------------------------------------------ what each registry's entries are called with
+class ModelBuilder(Protocol):
+    """An encoder with a `feature_dim` attribute; `options` (the validated `model.options`) is passed only to a
+    builder that declares an options model. `create_model` adds the head the objective trains."""
+    def __call__(self, in_channels: int, width: float, *options: BaseModel) -> nn.Module: ...
+
+
+class DatasetSource(Protocol):
+    """A dataset entry (`register_dataset` makes one from `build(options) -> ImageData`; the built-in ones are
+    read from files by `locate`)."""
+    description: str
+    num_classes: int | None
+    build: Callable[[BaseModel | None], ImageData] | None
+
+
+class PartitionFn(Protocol):
+    def __call__(self, labels: np.ndarray, num_clients: int, seed: int, num_classes: int | None, *, alpha: float,
+                 shards_per_client: int, legacy: bool, options: BaseModel | None) -> Partition: ...
+
+
+class AnchorFn(Protocol):
+    """C×d anchors (the entry `none` is None: no anchors, no alignment term)."""
+    def __call__(self, num_classes: int, dim: int, generator: torch.Generator | None) -> Tensor: ...
+
+
+class LamProviderBuilder(Protocol):
+    def __call__(self, cfg: Config, lambda_init: float, device: torch.device,
+                 options: BaseModel | None) -> LamProvider: ...
+
+
+class ScheduleFn(Protocol):
+    """a(p) of progress p ∈ [0, 1] (align.schedule, lam.anneal)."""
+    def __call__(self, p: float) -> float: ...
+
+
+class SurgeryFn(Protocol):
+    """Writes `.grad` of `params` from the two weight losses (and the λ provider's σ loss `extra`); the entry
+    `none` is None: one plain backward."""
+    def __call__(self, local: Tensor, align: Tensor, params: list[Tensor],
+                 extra: Tensor | None = None) -> dict[str, Tensor]: ...
+
+
+class ContrastBankFn(Protocol):
+    """A per-client extension builder `(client, ctx) -> extension` (the entry `none` is None)."""
+    def __call__(self, cfg: Config, public_bank: Tensor | None, device: torch.device) -> Callable: ...
+
+
+class ObjectiveEntry(Protocol):
+    """`flare.client.objective.Objective`: the base terms `terms(loss_cfg, feat, logits, y, prototypes, bank)` and
+    the head they train (prototype, linear or etf)."""
+    terms: Callable[..., dict[str, Tensor]]
+    head: str
+
+
+class LossTermFn(Protocol):
+    """A scalar added to the local loss as `weight · fn(batch, options)`."""
+    def __call__(self, batch: TermBatch, options: TermOptions) -> Tensor: ...
+
+
+class StrategyClass(Protocol):
+    """A `flare.server.strategy.Strategy` subclass, built once per run and asked for a predictor per evaluation."""
+    def __call__(self, cfg: Config, options: BaseModel | None) -> Strategy: ...
+
+
+CheckFn = Callable[["Config"], None]  # raises a FlareError naming the key when the config cannot serve the part
 _DECORATE = object()  # register(name) without an object: a decorator (None is a part: e.g. anchors "none")
 
 
@@ -50,6 +135,7 @@ class Entry:
     obj: Any
     options: type[BaseModel] | None
     description: str
+    checks: tuple[CheckFn, ...] = ()  # the part's own `check` attribute, then the `check=` it was registered with
     module: str = ""  # where `obj` was defined: error messages name a plugin's module
 
     @property
@@ -59,23 +145,30 @@ class Entry:
 
 
 class Registry:
-    """Named parts of one kind. `key` is the config key that picks a part of this kind (used in error messages)."""
+    """Named parts of one kind. `key` is the config key that picks a part of this kind (used in error messages);
+    `signature` says what an entry is (a Protocol above); `default_options` is the options model of the entries
+    that declare none (loss terms: `TermOptions`, every term has a weight)."""
 
-    def __init__(self, kind: str, key: str):
-        self.kind, self.key = kind, key
+    def __init__(self, kind: str, key: str, signature: type, default_options: type[BaseModel] | None = None):
+        self.kind, self.key, self.signature, self.default_options = kind, key, signature, default_options
         self._entries: dict[str, Entry] = {}
 
     def register(self, name: str, obj: Any = _DECORATE, *, options: type[BaseModel] | None = None,
-                 description: str = "", overwrite: bool = False):
+                 description: str = "", check: CheckFn | None = None, overwrite: bool = False):
         """Register `obj` under `name` (None may stand for "no such part", e.g. anchors `none`); without `obj`, a
-        decorator. A taken name raises unless `overwrite=True`."""
+        decorator. `check(cfg)` raises a FlareError for a config the part cannot serve (run when the config is
+        validated, with the `check` attribute the object may carry itself). A taken name raises unless
+        `overwrite=True`."""
         if obj is _DECORATE:
-            return lambda o: self.register(name, o, options=options, description=description,
+            return lambda o: self.register(name, o, options=options, description=description, check=check,
                                            overwrite=overwrite)
         if not isinstance(name, str) or not name:
             raise FlareError(f"a {self.kind} needs a non-empty string name, got {name!r}.", key=self.key)
         if options is not None and not (isinstance(options, type) and issubclass(options, BaseModel)):
             raise FlareError(f"{self.kind} '{name}': options must be a pydantic model class, got {options!r}.",
+                             key=self.key)
+        if check is not None and not callable(check):
+            raise FlareError(f"{self.kind} '{name}': check must be a function of the config, got {check!r}.",
                              key=self.key)
         if name in self._entries:
             if not overwrite:
@@ -83,7 +176,9 @@ class Registry:
                                  fix=f"choose another name, or pass overwrite=True to replace it on purpose.")
             warnings.warn(f"{self.kind} '{name}' replaced by a new registration (overwrite=True).", stacklevel=2)
         doc = (getattr(obj, "__doc__", None) or "").strip().splitlines()
-        self._entries[name] = Entry(name, obj, options, description or (doc[0] if doc else ""),
+        own = getattr(obj, "check", None)
+        checks = tuple(c for c in (own if callable(own) else None, check) if c is not None)
+        self._entries[name] = Entry(name, obj, options, description or (doc[0] if doc else ""), checks,
                                     getattr(obj, "__module__", None) or "")
         return obj
 
@@ -100,17 +195,42 @@ class Registry:
         load_builtins()
         return [(e.name, e.description) for e in self._entries.values()]
 
-    def unknown(self, name: object, key: str | None = None) -> str:
-        """The message for a name nobody registered: the key, the close matches, the registered names."""
-        return f"unknown {self.kind} {name!r} for {key or self.key}{self._hint(name)}; {self._choices()}"
+    def call_signature(self) -> str:
+        """What an entry is, as one line (`flare parts`): the Protocol's call, or its attributes."""
+        call = self.signature.__dict__.get("__call__")
+        if call is not None:
+            sig = inspect.signature(call)
+            sig = sig.replace(parameters=list(sig.parameters.values())[1:])  # without self
+            return "fn" + str(sig).replace("'", "")  # the annotations are strings (postponed evaluation)
+        fields = ", ".join(f"{n}: {t}" for n, t in self.signature.__annotations__.items())
+        return f"an object with {fields}"
 
-    def _hint(self, name: object) -> str:
-        close = difflib.get_close_matches(str(name), self.names(), n=3)
+    def option_rows(self, name: str) -> list[tuple[str, str, str]]:
+        """(option, type, default) of every option the part takes (`flare parts`)."""
+        model = self.entry(name).options or self.default_options
+        if model is None:
+            return []
+        rows = []
+        for opt, f in model.model_fields.items():
+            t = f.annotation.__name__ if isinstance(f.annotation, type) else str(f.annotation).replace("typing.", "")
+            default = "required" if f.is_required() else (
+                repr(f.default) if f.default is not PydanticUndefined else "(computed)")
+            rows.append((opt, t, default))
+        return rows
+
+    def unknown(self, name: object, key: str | None = None, also: tuple[str, ...] = ()) -> str:
+        """The message for a name nobody registered: the key, the close matches, the registered names (and the
+        other words the key accepts, `also`)."""
+        return f"unknown {self.kind} {name!r} for {key or self.key}{self._hint(name, also)}; {self._choices(also)}"
+
+    def _hint(self, name: object, also: tuple[str, ...] = ()) -> str:
+        close = difflib.get_close_matches(str(name), [*also, *self.names()], n=3)
         return f" (did you mean {', '.join(close)}?)" if close else ""
 
-    def _choices(self) -> str:
-        return (f"registered: {', '.join(self.names()) or '(none)'} (`flare parts` lists every part; a plugin's "
-                "parts need its module in `plugins`)")
+    def _choices(self, also: tuple[str, ...] = ()) -> str:
+        words = f"{' or '.join(also)} or " if also else ""
+        return (f"{words}registered: {', '.join(self.names()) or '(none)'} (`flare parts` lists every part; a "
+                "plugin's parts need its module in `plugins`)")
 
     def entry(self, name: str, key: str | None = None) -> Entry:
         load_builtins()
@@ -123,16 +243,20 @@ class Registry:
         """The registered object, or a FlareError naming `key` and listing the registered names."""
         return self.entry(name, key).obj
 
-    def options(self, name: str, mapping: dict | None, key: str,
-                default: type[BaseModel] | None = None) -> BaseModel | None:
-        """The part's options validated from `mapping` (None when it declares none and none are given; `default`:
-        the model of parts that declare none); errors name `<key>.<option>`. Raises KeyedValueError, a ValueError
-        that carries the key, so the config reports it like any other bad value."""
+    def check(self, name: str, cfg: Config) -> None:
+        """Run the part's checks on the whole config (each raises a FlareError naming the key at fault)."""
+        for fn in self.entry(name).checks:
+            fn(cfg)
+
+    def options(self, name: str, mapping: dict | None, key: str) -> BaseModel | None:
+        """The part's options validated from `mapping` (None when it declares none, the registry has no default
+        model, and none are given); errors name `<key>.<option>`. Raises KeyedValueError, a ValueError that
+        carries the key, so the config reports it like any other bad value."""
         entry = self.entry(name)
         mapping = mapping or {}
         if not isinstance(mapping, dict):
             raise KeyedValueError(key, f"{key} must be a mapping of option: value, got {mapping!r}")
-        model = entry.options or default
+        model = entry.options or self.default_options
         if model is None:
             if mapping:
                 raise KeyedValueError(key, f"{key}: {self.kind} '{name}' takes no options, got {sorted(mapping)}")
@@ -145,17 +269,17 @@ class Registry:
             raise KeyedValueError(where, f"{where}={e.get('input')!r}: {e['msg']}") from None
 
 
-MODELS = Registry("model", "model.name")
-DATASETS = Registry("dataset", "dataset.name")
-PARTITIONS = Registry("partition", "partition.kind")
-ANCHORS = Registry("anchor kind", "align.anchors")
-LAM_PROVIDERS = Registry("λ provider", "lam.learner")
-SCHEDULES = Registry("schedule", "align.schedule")
-SURGERY = Registry("gradient surgery", "align.surgery")
-CONTRAST = Registry("contrast bank", "loss.contrast")
-OBJECTIVES = Registry("local objective", "loss.objective")
-LOSS_TERMS = Registry("loss term", "loss.terms")
-STRATEGIES = Registry("server strategy", "server.primary")
+MODELS = Registry("model", "model.name", ModelBuilder)
+DATASETS = Registry("dataset", "dataset.name", DatasetSource)
+PARTITIONS = Registry("partition", "partition.kind", PartitionFn)
+ANCHORS = Registry("anchor kind", "align.anchors", AnchorFn)
+LAM_PROVIDERS = Registry("λ provider", "lam.learner", LamProviderBuilder)
+SCHEDULES = Registry("schedule", "align.schedule", ScheduleFn)
+SURGERY = Registry("gradient surgery", "align.surgery", SurgeryFn)
+CONTRAST = Registry("contrast bank", "loss.contrast", ContrastBankFn)
+OBJECTIVES = Registry("local objective", "loss.objective", ObjectiveEntry)
+LOSS_TERMS = Registry("loss term", "loss.terms", LossTermFn, default_options=TermOptions)
+STRATEGIES = Registry("server strategy", "server.primary", StrategyClass)
 REGISTRIES = {"models": MODELS, "datasets": DATASETS, "partitions": PARTITIONS, "anchors": ANCHORS,
               "lam-providers": LAM_PROVIDERS, "schedules": SCHEDULES, "surgery": SURGERY, "contrast": CONTRAST,
               "objectives": OBJECTIVES, "loss-terms": LOSS_TERMS, "strategies": STRATEGIES}

@@ -120,14 +120,6 @@ class LamLearner(LamProvider):
         if mode not in MODES:
             raise FlareError(f"unknown λ learner '{mode}'.", key="lam.learner",
                              fix=f"use none or one of: {', '.join(MODES)}.")
-        if not (math.isfinite(lambda_init) and lambda_init > 0):
-            raise FlareError(f"the λ learner needs a positive initial λ (s_a = −log λ_init), got {lambda_init}.",
-                             key="align.lambda_min",
-                             fix="set align.lambda_min > 0 (entropy rule) or align.lambda0 > 0 (fixed rule).")
-        if mode != "decoupled" and (gamma_reg or beta or gamma_lambda):
-            raise FlareError(f"lam.gamma_reg, lam.beta and lam.gamma_lambda act on the decoupled σ objective "
-                             f"(V13/V14), not on lam.learner={mode}.", key="lam.learner",
-                             fix="use lam.learner=decoupled, or set those coefficients to 0.")
         self.mode = mode
         self.lambda_init = float(lambda_init)
         self.schedule = get_schedule(anneal, "lam.anneal")
@@ -262,10 +254,37 @@ def _learner(mode: str):
     return build
 
 
+def _learner_check(mode: str):
+    """What a learner needs of the config: anchors (it weighs L_align), its own annealing (lam.anneal, so
+    align.schedule stays constant), the decoupled σ objective's coefficients only for `decoupled`, and a positive
+    finite λ_init = exp(s_l − s_a) (s_a = −log λ_init), which lies between align.lambda_min and align.lambda_max
+    (entropy rule) or is align.lambda0 (fixed rule)."""
+    def check(cfg: Config) -> None:
+        cfg.require_anchors(f"lam.learner={mode}")
+        a, lm = cfg.align, cfg.lam
+        if a.schedule != "constant":
+            raise FlareError(f"lam.learner={mode} anneals with lam.anneal, so align.schedule={a.schedule} would not "
+                             "be applied.", key="align.schedule",
+                             fix="set align.schedule=constant and choose lam.anneal instead.")
+        if mode != "decoupled" and (lm.gamma_reg or lm.beta or lm.gamma_lambda):
+            raise FlareError(f"lam.gamma_reg, lam.beta and lam.gamma_lambda act on the decoupled σ objective "
+                             f"(V13/V14), not on lam.learner={mode}.", key="lam.learner",
+                             fix="use lam.learner=decoupled, or set those coefficients to 0.")
+        bounds = ("align.lambda_min", "align.lambda_max") if a.lambda_rule == "entropy" else ("align.lambda0",)
+        for key in bounds:
+            value = getattr(a, key.split(".")[1])
+            if not (math.isfinite(value) and value > 0):
+                raise FlareError(f"the λ learner starts from λ_init = exp(s_l − s_a), positive and finite, so "
+                                 f"{key} must be a positive finite number (got {value}).", key=key,
+                                 fix=f"set {key} to a finite number > 0.")
+    return check
+
+
 LAM_PROVIDERS.register("none", _fixed, description="no learner: λ0 (align.lambda_rule) times align.schedule's a(p)")
-LAM_PROVIDERS.register("uw", _learner("uw"), description="V10: uncertainty weighting, one objective")
-LAM_PROVIDERS.register("uw-rescaled", _learner("uw-rescaled"), description="V10r/V11: uw rescaled by sg(e^{s_l})")
-LAM_PROVIDERS.register("decoupled", _learner("decoupled"), description="V12–V14 (FLARE): decoupled σ objective")
+for _mode, _what in (("uw", "V10: uncertainty weighting, one objective"),
+                     ("uw-rescaled", "V10r/V11: uw rescaled by sg(e^{s_l})"),
+                     ("decoupled", "V12–V14 (FLARE): decoupled σ objective")):
+    LAM_PROVIDERS.register(_mode, _learner(_mode), description=_what, check=_learner_check(_mode))
 
 
 def make_lam_provider(cfg: Config, normalized_entropy: float, device: torch.device) -> LamProvider:

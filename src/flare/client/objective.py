@@ -14,7 +14,8 @@ from typing import Callable
 from torch import Tensor
 
 from flare.client.terms.fafi import ce_terms, fafi_terms
-from flare.config import LossCfg
+from flare.config import Config, LossCfg
+from flare.errors import FlareError
 from flare.registry import OBJECTIVES
 
 TermsFn = Callable[..., dict[str, Tensor]]  # (loss cfg, feat, logits, y, prototypes, bank) -> named terms
@@ -23,7 +24,16 @@ TermsFn = Callable[..., dict[str, Tensor]]  # (loss cfg, feat, logits, y, protot
 @dataclass(frozen=True)
 class Objective:
     terms: TermsFn
-    head: str = "prototype"  # "prototype" or "linear" (flare.models.HEADS)
+    head: str = "prototype"  # "prototype", "linear" or "etf" (flare.models.HEADS)
+
+    def check(self, cfg: Config) -> None:
+        """Alignment and Plan B's trainable prototypes act on the prototype head's prototypes: an objective that
+        trains another head refuses them (the registry runs this for every registered Objective)."""
+        if self.head != "prototype" and (cfg.align.anchors != "none" or cfg.server.protos == "trainable"):
+            raise FlareError("alignment and trainable global prototypes need the prototype head, not "
+                             f"loss.objective={cfg.loss.objective}'s {self.head} head.", key="loss.objective",
+                             fix="use a prototype-head objective (e.g. loss.objective=fafi), or set "
+                                 "align.anchors=none and server.protos=mean.")
 
 
 def _fafi(loss: LossCfg, feat, logits, y, prototypes, bank):

@@ -88,4 +88,10 @@ def pcgrad_backward(local: Tensor, align: Tensor, params: list[Tensor],
 
 
 SURGERY.register("none", None, description="one backward of local + align (+ the λ provider's σ loss)")
-SURGERY.register("pcgrad", pcgrad_backward, description="one-sided PCGrad between local and align (Plan C)")
+def _pcgrad_check(cfg) -> None:
+    """PCGrad projects the local gradient against the alignment gradient: without anchors there is none."""
+    cfg.require_anchors("align.surgery=pcgrad")
+
+
+SURGERY.register("pcgrad", pcgrad_backward, description="one-sided PCGrad between local and align (Plan C)",
+                 check=_pcgrad_check)

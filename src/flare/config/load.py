@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 import typing
 from importlib import resources
 from pathlib import Path
@@ -288,6 +289,7 @@ def config_reference() -> list[tuple[str, str, str, str]]:
                 walk(ann, val, prefix + name + ".")
                 continue
             t = str(ann).replace("typing.", "").replace("<class '", "").replace("'>", "")
+            t = re.sub(r"Annotated\[(\w+), [^\]]*\]", r"\1", t)  # a part name inside a list: its plain type
             rows.append((prefix + name, t, repr(val), field.description or ""))
 
     walk(Config, Config(), "")

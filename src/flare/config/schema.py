@@ -2,10 +2,12 @@
 cross-key check (so a bad combination fails before any data is loaded).
 
 Keys that name a *part* (model.name, dataset.name, partition.kind, loss.objective, loss.contrast, loss.terms,
-align.anchors, align.schedule, align.surgery, lam.learner, lam.anneal, server.primary, eval.rules) are strings
-checked against the part's registry (`flare.registry`, so plugins can add parts); a part that declares options reads
-them from its section's `options` mapping (`loss.terms.<name>` for loss terms, `server.strategies.<name>` for
-server strategies), validated by the part's options model. Keys that choose
+align.anchors, align.schedule, align.surgery, lam.learner, lam.anneal, server.primary, eval.rules) are strings of a
+field type built from the part's registry (`part(REGISTRY)`, config/sections.py; `flare.registry`, so plugins can
+add parts); a part that declares options reads them from its section's `options` mapping (`loss.terms.<name>` for
+loss terms, `server.strategies.<name>` for server strategies), validated by the part's options model. What a part
+needs of the rest of the config is its own `check(cfg)`, which `_compatible_parts` runs for every chosen part; the
+checks here are the framework's own. Keys that choose
 between fixed behaviours of the framework itself stay closed `Literal`s: protocol, progress, amp, client_engine,
 dataset.format (a built-in dataset's file reader; a plugin dataset brings its own loader), partition.rng,
 lr_schedule.kind (the LR schedule with SGDR's restarts and momentum reset, which the engines implement),
@@ -14,16 +16,16 @@ an input of every λ provider), the server's prototype and aggregation settings,
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from flare.config.protocol import fill_protocol
 from flare.config.sections import (OPTIONS_DESCRIPTION, AugmentCfg, DatasetCfg, LRScheduleCfg, ModelCfg, OptimCfg,
-                                   PartitionCfg, Strict, part_name, part_options)
-from flare.errors import KeyedValueError
-from flare.registry import (ANCHORS, CONTRAST, LAM_PROVIDERS, LOSS_TERMS, OBJECTIVES, SCHEDULES, STRATEGIES,
-                            SURGERY, TermOptions, load_plugins)
+                                   PartitionCfg, Strict, part, part_options, part_table)
+from flare.errors import FlareError, KeyedValueError
+from flare.registry import (ANCHORS, CONTRAST, DATASETS, LAM_PROVIDERS, LOSS_TERMS, MODELS, OBJECTIVES,
+                            PARTITIONS, SCHEDULES, STRATEGIES, SURGERY, Registry, load_plugins)
 
 __all__ = ["KeyedValueError", "DatasetCfg", "PartitionCfg", "ModelCfg", "OptimCfg", "LRScheduleCfg", "AugmentCfg",
            "LossCfg", "AlignCfg", "LamCfg", "ServerCfg", "EvalCfg", "LoggingCfg", "Config", "RENAMED", "RENAMED_VALUES"]
@@ -38,6 +40,20 @@ RENAMED = {
 RENAMED_VALUES = {
     "concurrent_clients": {True: "threads", False: "sequential"},
 }
+
+# The keys that name a part or hold its options: checked against the part's registry (config/sections.py).
+ObjectiveName = part(OBJECTIVES)
+ContrastName = part(CONTRAST)
+LossTerms = part_table(LOSS_TERMS, "loss.terms")
+AnchorKind = part(ANCHORS)
+ScheduleName = part(SCHEDULES)
+SurgeryName = part(SURGERY)
+LamLearnerName = part(LAM_PROVIDERS)
+AnnealName = part(SCHEDULES, "lam.anneal")
+LamOptions = part_options(LAM_PROVIDERS, "learner")
+PrimaryName = part(STRATEGIES, also=("auto",))
+StrategyTable = part_table(STRATEGIES, "server.strategies")
+EvalRule = part(STRATEGIES, "eval.rules", also=("primary",))
 
 ClientEngine = Literal["sequential", "threads", "batched"]
 
@@ -61,14 +77,14 @@ def fill_speed(data):
 
 
 class LossCfg(Strict):
-    objective: str = Field("fafi", description="fafi (prototype head), ce (plain classifier: fedavg/ensemble "
-                                               "baselines) or a plugin's")
+    objective: ObjectiveName = Field("fafi", description="fafi (prototype head), ce (plain classifier: "
+                                                         "fedavg/ensemble baselines) or a plugin's")
     tau_con: float = Field(0.07, gt=0, description="SupCon temperature τ")
     base_tau: float = Field(0.07, gt=0, description="SupCon base temperature")
     tau_pf: float = Field(1.0, gt=0, description="prototype–feature temperature")
     tau_pp: float = Field(1.0, gt=0, description="prototype–prototype temperature")
-    contrast: str = Field("none", description="contrast-set extension: none, memory-bank, public-bank, two-stage "
-                                              "or a plugin's")
+    contrast: ContrastName = Field("none", description="contrast-set extension: none, memory-bank, public-bank, "
+                                                       "two-stage or a plugin's")
     bank_size: int = Field(4096, ge=1, description="memory bank FIFO size")
     bank_tau: float = Field(0.5, gt=0, description="temperature of the bank terms")
     public_stage_epochs: int = Field(1, ge=0, description="two-stage: the first local epochs, which use the "
@@ -77,35 +93,13 @@ class LossCfg(Strict):
     ce_input: Literal["augmented", "plain"] = Field(
         "augmented", description="objective=ce (FedAvg/Ensemble): two augmented views, or one un-augmented view "
                                  "(the evaluation transform), as the reference trained its baselines")
-    terms: dict[str, dict[str, Any]] = Field(
+    terms: LossTerms = Field(
         {}, description="extra registered loss terms added to the local objective, name: {weight: w, options…} "
                         "(plugins; `flare parts`)")
 
-    @field_validator("objective")
-    @classmethod
-    def _objective(cls, v: str) -> str:
-        return part_name(OBJECTIVES, v, "loss.objective")
-
-    @field_validator("contrast")
-    @classmethod
-    def _contrast(cls, v: str) -> str:
-        return part_name(CONTRAST, v, "loss.contrast")
-
-    @field_validator("terms", mode="before")
-    @classmethod
-    def _terms(cls, v: Any) -> Any:
-        if not isinstance(v, dict):
-            raise KeyedValueError("loss.terms", f"loss.terms must be a mapping of term: {{weight: w}}, got {v!r}")
-        out = {}
-        for name, opts in v.items():
-            key = f"loss.terms.{name}"
-            part_name(LOSS_TERMS, name, key)
-            out[name] = LOSS_TERMS.options(name, opts, key, default=TermOptions).model_dump(mode="json")
-        return out
-
 
 class AlignCfg(Strict):
-    anchors: str = Field("none", description="fixed anchors A: none, random, etf or a plugin's")
+    anchors: AnchorKind = Field("none", description="fixed anchors A: none, random, etf or a plugin's")
     target: Literal["fixed", "progressive"] = Field("fixed", description="fixed (A) or progressive "
                                                                          "((1−p)P⁰ + pA, V8)")
     lambda0: float = Field(1.0, ge=0, description="λ0 for lambda_rule=fixed")
@@ -113,26 +107,12 @@ class AlignCfg(Strict):
                                                                           "(V9: λ_min + H/log2C·(λ_max − λ_min))")
     lambda_min: float = Field(0.1, ge=0, description="entropy rule λ_min")
     lambda_max: float = Field(10.0, ge=0, description="entropy rule λ_max")
-    schedule: str = Field("constant", description="annealing a(p) of λ: constant, linear, cosine or a plugin's")
-    surgery: str = Field("none", description="gradient surgery: none, pcgrad (Plan C) or a plugin's")
+    schedule: ScheduleName = Field("constant", description="annealing a(p) of λ: constant, linear, cosine or a "
+                                                           "plugin's")
+    surgery: SurgeryName = Field("none", description="gradient surgery: none, pcgrad (Plan C) or a plugin's")
     target_progress: Literal["global", "round-reset"] = Field(
         "global", description="progress of V8's target: global (the run's `progress`) or round-reset (j/E, j the "
                               "epoch within the round, as the reference: with E = 1 the target stays at P⁰)")
-
-    @field_validator("anchors")
-    @classmethod
-    def _anchors(cls, v: str) -> str:
-        return part_name(ANCHORS, v, "align.anchors")
-
-    @field_validator("schedule")
-    @classmethod
-    def _schedule(cls, v: str) -> str:
-        return part_name(SCHEDULES, v, "align.schedule")
-
-    @field_validator("surgery")
-    @classmethod
-    def _surgery(cls, v: str) -> str:
-        return part_name(SURGERY, v, "align.surgery")
 
     @model_validator(mode="after")
     def _range(self) -> "AlignCfg":
@@ -147,31 +127,17 @@ class AlignCfg(Strict):
 class LamCfg(Strict):
     """The λ learner (V10–V14; docs/method.md#learned-λ-v10v14)."""
 
-    learner: str = Field("none", description="λ provider (docs/method.md#alignment-strength-λ): none, uw (V10), "
-                                             "uw-rescaled (V10r/V11), decoupled (V12–V14) or a plugin's")
+    learner: LamLearnerName = Field("none", description="λ provider (docs/method.md#alignment-strength-λ): none, uw "
+                                                        "(V10), uw-rescaled (V10r/V11), decoupled (V12–V14) or a "
+                                                        "plugin's")
     sigma_lr: float = Field(0.005, gt=0, description="SGD lr of the log-variances s_l, s_a")
-    anneal: str = Field("constant", description="V11: external a(p) on L_align; V12+: meta s(p) (a schedule)")
+    anneal: AnnealName = Field("constant", description="V11: external a(p) on L_align; V12+: meta s(p) (a schedule)")
     gamma_reg: float = Field(0.0, ge=0, description="V13 stability anchor γ_reg·e^{-s_a}")
     beta: float = Field(0.0, ge=0, description="V14 ceiling β·s_l²")
     gamma_lambda: float = Field(0.0, ge=0, description="V14 safety valve γ_λ·ReLU(λ_raw − valve_threshold)")
     valve_threshold: float = Field(50.0, gt=0, description="V14: λ_raw above this opens the safety valve "
                                                            "(the notes' λ_max = 50)")
-    options: dict[str, Any] = Field({}, description=OPTIONS_DESCRIPTION)
-
-    @field_validator("learner")
-    @classmethod
-    def _learner(cls, v: str) -> str:
-        return part_name(LAM_PROVIDERS, v, "lam.learner")
-
-    @field_validator("anneal")
-    @classmethod
-    def _anneal(cls, v: str) -> str:
-        return part_name(SCHEDULES, v, "lam.anneal")
-
-    @field_validator("options")
-    @classmethod
-    def _opts(cls, v: dict, info: ValidationInfo) -> dict:
-        return part_options(LAM_PROVIDERS, info.data.get("learner"), v, "lam.options")
+    options: LamOptions = Field({}, description=OPTIONS_DESCRIPTION)
 
 
 class ServerCfg(Strict):
@@ -195,38 +161,19 @@ class ServerCfg(Strict):
     fedavg_buffers: Literal["average", "first"] = Field(
         "average", description="one-shot FedAvg: average parameters and BN buffers, or average parameters only "
                                "and keep the first client's buffers (the reference's parameter_averaging)")
-    primary: str = Field(
+    primary: PrimaryName = Field(
         "auto", description="the server strategy whose accuracy is 'the' accuracy: feature, iffi, iffi_reference, "
                             "output, fedavg or a plugin's (auto: feature for prototype heads, output otherwise)")
-    strategies: dict[str, dict[str, Any]] = Field(
+    strategies: StrategyTable = Field(
         {}, description="options of registered server strategies, name: {option: value} (docs/extending.md)")
-
-    @field_validator("primary")
-    @classmethod
-    def _primary(cls, v: str) -> str:
-        return v if v == "auto" else part_name(STRATEGIES, v, "server.primary")
-
-    @field_validator("strategies", mode="before")
-    @classmethod
-    def _strategies(cls, v: Any) -> Any:
-        if not isinstance(v, dict):
-            raise KeyedValueError("server.strategies", f"server.strategies must be a mapping of strategy: "
-                                  f"{{option: value}}, got {v!r}")
-        out = {}
-        for name, opts in v.items():
-            key = f"server.strategies.{name}"
-            part_name(STRATEGIES, name, key)
-            o = STRATEGIES.options(name, opts, key)
-            out[name] = o.model_dump(mode="json") if o is not None else {}
-        return out
 
 
 class EvalCfg(Strict):
     every: int = Field(1, ge=1, description="evaluate every N-th round (the last round always); reports show the "
                                             "evaluated rounds")
-    rules: list[str] | None = Field(None, description="the fusion rules to evaluate (null: every rule that applies; "
-                                                      "`primary` names the method's own): skipping iffi saves its "
-                                                      "noise pass, skipping fedavg a model pass")
+    rules: list[EvalRule] | None = Field(None, description="the fusion rules to evaluate (null: every rule that "
+                                                           "applies; `primary` names the method's own): skipping iffi "
+                                                           "saves its noise pass, skipping fedavg a model pass")
     noise_seed: int = Field(0, description="seed of IFFI's noise inputs (and of the test order with bn=batch)")
     bn: Literal["running", "batch"] = Field(
         "running", description="BatchNorm of the feature/IFFI rules at evaluation: running statistics, or the "
@@ -313,54 +260,19 @@ class Config(Strict):
 
     @model_validator(mode="after")
     def _compatible_parts(self) -> "Config":
-        """Cross-key checks, so a bad combination fails before any data is loaded."""
-        needs_anchors = []
-        if self.align.surgery != "none":
-            needs_anchors.append(f"align.surgery={self.align.surgery}")
-        if self.lam.learner != "none":
-            needs_anchors.append(f"lam.learner={self.lam.learner}")
+        """Cross-key checks, so a bad combination fails before any data is loaded: the framework's own settings
+        here, and every chosen part's own requirements through its registry (`check(cfg)`, which lives with the
+        part: docs/extending.md)."""
         if self.server.protos == "trainable" and self.server.protos_init == "anchors":
-            needs_anchors.append("server.protos_init=anchors")
+            self.require_anchors("server.protos_init=anchors")
         if self.server.protos == "trainable" and self.server.protos_flow == "reference":
-            needs_anchors.append("server.protos_flow=reference")
-        if needs_anchors and self.align.anchors == "none":
-            raise KeyedValueError("align.anchors", f"{', '.join(needs_anchors)} needs anchors to align to, but "
-                                  "align.anchors=none; set align.anchors=etf (or random)")
-        if self.head != "prototype" and (self.align.anchors != "none" or self.server.protos == "trainable"):
-            raise KeyedValueError("loss.objective", "alignment and trainable global prototypes need the "
-                                  f"prototype head (e.g. loss.objective=fafi), not loss.objective="
-                                  f"{self.loss.objective}'s plain classifier")
-        if self.loss.contrast in ("public-bank", "two-stage") and self.dataset.public_size == 0:
-            raise KeyedValueError("dataset.public_size", f"loss.contrast={self.loss.contrast} needs a public "
-                                  "slice held out by the server; set dataset.public_size (e.g. 1000)")
-        if self.partition.rng == "legacy" and self.partition.kind == "shards":
-            raise KeyedValueError("partition.rng", "partition.rng=legacy draws the reference's dirichlet and iid "
-                                  "partitions; kind=shards has no reference counterpart; set "
-                                  "partition.rng=generator")
-        lam = self.lam
-        if lam.learner != "none":
-            if self.align.schedule != "constant":
-                raise KeyedValueError("align.schedule", f"lam.learner={lam.learner} anneals with lam.anneal, so "
-                                      f"align.schedule={self.align.schedule} would not be applied; set "
-                                      "align.schedule=constant and choose lam.anneal instead")
-            if lam.learner != "decoupled" and (lam.gamma_reg or lam.beta or lam.gamma_lambda):
-                raise KeyedValueError("lam.learner", "lam.gamma_reg, lam.beta and lam.gamma_lambda act on the "
-                                      f"decoupled σ objective (V13/V14), not on lam.learner={lam.learner}; use "
-                                      "lam.learner=decoupled or set them to 0")
-            first = self.align.lambda_min if self.align.lambda_rule == "entropy" else self.align.lambda0
-            if first <= 0:
-                key = "align.lambda_min" if self.align.lambda_rule == "entropy" else "align.lambda0"
-                raise KeyedValueError(key, f"the λ learner starts from λ_init = exp(s_l − s_a) > 0, so {key} "
-                                      f"must be > 0 (got {first})")
+            self.require_anchors("server.protos_flow=reference")
+        for registry, name in self.chosen_parts():
+            registry.check(name, self)
         for rule in self.eval.rules or []:
-            if rule != "primary" and rule not in STRATEGIES:
-                raise KeyedValueError("eval.rules", f"unknown rule {rule!r}; the rules are primary or a registered "
-                                      f"server strategy: {', '.join(STRATEGIES.names())}")
             if self.head != "prototype" and rule != "primary" and STRATEGIES.get(rule).needs_prototypes:
                 raise KeyedValueError("eval.rules", f"rule {rule!r} reads prototypes, which "
                                       f"loss.objective={self.loss.objective} has not; use output, fedavg or primary")
-        for name in sorted({n for n in (self.eval.rules or []) if n != "primary"} | {self.server.primary} - {"auto"}):
-            STRATEGIES.get(name).check(self)  # a strategy's own requirements (e.g. a public slice), before training
         if self.eval.every > 1 and self.server.protos == "trainable" and self.server.protos_flow == "reference":
             by_speed = (" (speed=fast sets eval.every=5 unless the config sets eval.every itself)"
                         if self.speed == "fast" else "")
@@ -377,6 +289,22 @@ class Config(Strict):
                                       f"and why this is not among it); use client_engine=sequential (or threads) "
                                       f"for {key}={value}")
         return self
+
+    def chosen_parts(self) -> list[tuple[Registry, str]]:
+        """(registry, name) of every part this config chooses, each once: the parts whose `check` it must pass."""
+        strategies = sorted({n for n in (self.eval.rules or []) if n != "primary"} | {self.server.primary} - {"auto"})
+        chosen = [(MODELS, self.model.name), (DATASETS, self.dataset.name), (PARTITIONS, self.partition.kind),
+                  (OBJECTIVES, self.loss.objective), (CONTRAST, self.loss.contrast),
+                  *((LOSS_TERMS, t) for t in self.loss.terms), (ANCHORS, self.align.anchors),
+                  (SCHEDULES, self.align.schedule), (SURGERY, self.align.surgery), (LAM_PROVIDERS, self.lam.learner),
+                  (SCHEDULES, self.lam.anneal), *((STRATEGIES, n) for n in strategies)]
+        return list(dict.fromkeys(chosen))
+
+    def require_anchors(self, setting: str) -> None:
+        """Refuse `setting` (e.g. `align.surgery=pcgrad`) when the config has no anchors to align to."""
+        if self.align.anchors == "none":
+            raise FlareError(f"{setting} needs anchors to align to, but align.anchors=none.", key="align.anchors",
+                             fix="set align.anchors=etf (or random).")
 
     def batched_engine_blockers(self) -> list[tuple[str, object]]:
         """(key, value) of every setting the batched client engine does not implement, and why (docs/performance.md):

@@ -1,11 +1,11 @@
-"""The config's sections for data, model and optimisation, and the helpers every section uses to check a part's
-name against its registry and validate the part's `options` (the loss, alignment, λ and server sections and the
-cross-key checks are in `schema.py`)."""
+"""The config's sections for data, model and optimisation, and the field types every section uses for a key that
+names a part or holds a part's options (`part`, `part_options`, `part_table`: the registry checks the name and
+validates the options); the loss, alignment, λ and server sections and the cross-key checks are in `schema.py`."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from flare.errors import KeyedValueError
 from flare.registry import DATASETS, MODELS, PARTITIONS, Registry
@@ -15,28 +15,58 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-def part_name(registry: Registry, name: str, key: str) -> str:
-    """A part name checked against its registry (an unknown one lists the registered names)."""
-    if name not in registry:
-        raise KeyedValueError(key, registry.unknown(name, key))
-    return name
+def part(registry: Registry, key: str | None = None, also: tuple[str, ...] = ()) -> Any:
+    """The type of a key that names a part of `registry` (`key`: the config key, the registry's own by default;
+    `also`: other words it accepts, e.g. `auto`). An unknown name lists the registered ones."""
+    key = key or registry.key
+
+    def known(name: str) -> str:
+        if name not in also and name not in registry:
+            raise KeyedValueError(key, registry.unknown(name, key, also))
+        return name
+    return Annotated[str, AfterValidator(known)]
 
 
-def part_options(registry: Registry, name: str | None, options: dict, key: str) -> dict:
-    """The section's `options` validated by the chosen part's options model, with its defaults filled in (so
-    config.yaml records them); `name` None when the part's own key already failed."""
-    if name is None:
-        return options
-    opts = registry.options(name, options, key)
-    return opts.model_dump(mode="json") if opts is not None else {}
+def part_options(registry: Registry, name_field: str) -> Any:
+    """The type of a section's `options`: validated by the options model of the part its `name_field` names, with
+    the defaults filled in (so config.yaml records them); left alone when that name already failed."""
+    key = registry.key.rsplit(".", 1)[0] + ".options"
+
+    def validate(options: dict, info: ValidationInfo) -> dict:
+        name = info.data.get(name_field)
+        if name is None:
+            return options
+        opts = registry.options(name, options, key)
+        return opts.model_dump(mode="json") if opts is not None else {}
+    return Annotated[dict[str, Any], AfterValidator(validate)]
 
 
+def part_table(registry: Registry, key: str) -> Any:
+    """The type of a mapping `part name: {option: value}` (`loss.terms`, `server.strategies`): every name checked
+    against `registry`, its options validated and filled in."""
+    def validate(table: Any) -> Any:
+        if not isinstance(table, dict):
+            raise KeyedValueError(key, f"{key} must be a mapping of {registry.kind}: {{option: value}}, got {table!r}")
+        out = {}
+        for name, opts in table.items():
+            where = f"{key}.{name}"
+            if name not in registry:
+                raise KeyedValueError(where, registry.unknown(name, where))
+            o = registry.options(name, opts, where)
+            out[name] = o.model_dump(mode="json") if o is not None else {}
+        return out
+    return Annotated[dict[str, dict[str, Any]], BeforeValidator(validate)]
+
+
+DatasetName, DatasetOptions = part(DATASETS), part_options(DATASETS, "name")
+PartitionKind, PartitionOptions = part(PARTITIONS), part_options(PARTITIONS, "kind")
+ModelName, ModelOptions = part(MODELS), part_options(MODELS, "name")
 OPTIONS_DESCRIPTION = "options of the chosen part, when it declares an options model (plugins; docs/extending.md)"
 
 
 class DatasetCfg(Strict):
-    name: str = Field("fmnist", description="fmnist, mnist, cifar10, cifar100, svhn, tinyimagenet, imagefolder "
-                                            "or a plugin's (`flare datasets`)")
+    name: DatasetName = Field("fmnist", description="fmnist, mnist, cifar10, cifar100, svhn, tinyimagenet, "
+                                                    "imagefolder or a plugin's (`flare datasets`)")
     root: str | None = Field(None, description="where the data lives (a folder, or a .tar/.tar.gz for imagefolder)")
     format: Literal["auto", "torchvision", "imagefolder", "idx"] = Field(
         "auto", description="auto, torchvision, imagefolder or idx")
@@ -48,21 +78,11 @@ class DatasetCfg(Strict):
     cache_dir: str | None = Field(None, description="where decoded uint8 tensors are cached (default $FLARE_CACHE "
                                                     "or ~/.cache/flare)")
     public_size: int = Field(0, ge=0, description="samples held out for the server's public bank")
-    options: dict[str, Any] = Field({}, description=OPTIONS_DESCRIPTION)
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        return part_name(DATASETS, v, "dataset.name")
-
-    @field_validator("options")
-    @classmethod
-    def _opts(cls, v: dict, info: ValidationInfo) -> dict:
-        return part_options(DATASETS, info.data.get("name"), v, "dataset.options")
+    options: DatasetOptions = Field({}, description=OPTIONS_DESCRIPTION)
 
 
 class PartitionCfg(Strict):
-    kind: str = Field(
+    kind: PartitionKind = Field(
         "dirichlet", description="dirichlet (card dealer: every sample once), dirichlet-fafi (the official FAFI "
                                  "partition: min(N_c, round(10·N_0·q)) samples of class c, overlapping across "
                                  "clients), iid, shards or a plugin's (`flare parts`)")
@@ -72,34 +92,14 @@ class PartitionCfg(Strict):
                                  "dirichlet kinds and iid)")
     alpha: float = Field(0.05, gt=0, description="Dirichlet concentration (smaller = more skew)")
     shards_per_client: int = Field(2, ge=1, description="classes per client for kind=shards")
-    options: dict[str, Any] = Field({}, description=OPTIONS_DESCRIPTION)
-
-    @field_validator("kind")
-    @classmethod
-    def _kind(cls, v: str) -> str:
-        return part_name(PARTITIONS, v, "partition.kind")
-
-    @field_validator("options")
-    @classmethod
-    def _opts(cls, v: dict, info: ValidationInfo) -> dict:
-        return part_options(PARTITIONS, info.data.get("kind"), v, "partition.options")
+    options: PartitionOptions = Field({}, description=OPTIONS_DESCRIPTION)
 
 
 class ModelCfg(Strict):
-    name: str = Field("resnet18", description="resnet18, resnet34, resnet50 (CIFAR-style), cnn or a plugin's "
-                                                "(`flare models`)")
+    name: ModelName = Field("resnet18", description="resnet18, resnet34, resnet50 (CIFAR-style), cnn or a "
+                                                      "plugin's (`flare models`)")
     width: float = Field(1.0, gt=0, description="channel width multiplier (0.25 → d = 128 for resnet18)")
-    options: dict[str, Any] = Field({}, description=OPTIONS_DESCRIPTION)
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        return part_name(MODELS, v, "model.name")
-
-    @field_validator("options")
-    @classmethod
-    def _opts(cls, v: dict, info: ValidationInfo) -> dict:
-        return part_options(MODELS, info.data.get("name"), v, "model.options")
+    options: ModelOptions = Field({}, description=OPTIONS_DESCRIPTION)
 
 
 class OptimCfg(Strict):

@@ -80,16 +80,17 @@ class DatasetInfo:
 
 
 def register_dataset(name: str, build: Callable | None = None, *, options=None, description: str = "",
-                     num_classes: int | None = None, overwrite: bool = False):
+                     num_classes: int | None = None, check=None, overwrite: bool = False):
     """Register a dataset built in memory, `build(options) -> ImageData` (`options`: `dataset.options` validated
-    by the `options` model, or None); usable as a decorator. Built-in datasets are read from files instead."""
+    by the `options` model, or None); usable as a decorator; `check(cfg)` refuses a config the dataset cannot
+    serve (`Registry.register`). Built-in datasets are read from files instead."""
     if build is None:
         return lambda fn: register_dataset(name, fn, options=options, description=description,
-                                           num_classes=num_classes, overwrite=overwrite)
+                                           num_classes=num_classes, check=check, overwrite=overwrite)
     doc = (build.__doc__ or "").strip().splitlines()
     desc = description or (doc[0] if doc else "")
     DATASETS.register(name, DatasetInfo(desc, (), num_classes, None, build), options=options, description=desc,
-                      overwrite=overwrite)
+                      check=check, overwrite=overwrite)
     return build
 
 

@@ -248,4 +248,12 @@ def _shards(labels, k, seed, num_classes, *, shards_per_client, legacy, **_):
 PARTITIONS.register("dirichlet", _dirichlet, description="card dealer: every sample once, Dir(α) class shares")
 PARTITIONS.register("dirichlet-fafi", _dirichlet_fafi, description="the official FAFI partition (overlapping)")
 PARTITIONS.register("iid", _iid, description="uniform random split")
-PARTITIONS.register("shards", _shards, description="partition.shards_per_client classes per client")
+def _shards_check(cfg) -> None:
+    """partition.rng=legacy replays the reference's draws, and the reference has no shards partition."""
+    if cfg.partition.rng == "legacy":
+        raise FlareError("partition.rng=legacy draws the reference's dirichlet and iid partitions; kind=shards has "
+                         "no reference counterpart.", key="partition.rng", fix="set partition.rng=generator.")
+
+
+PARTITIONS.register("shards", _shards, description="partition.shards_per_client classes per client",
+                    check=_shards_check)

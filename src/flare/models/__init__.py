@@ -38,18 +38,20 @@ HEADS: dict[str, type[nn.Module]] = {"prototype": PrototypeHead, "linear": Linea
 
 
 def register_model(name_or_fn, *, options: type[BaseModel] | None = None, description: str = "",
-                   overwrite: bool = False):
+                   check=None, overwrite: bool = False):
     """Register an encoder builder `fn(in_channels, width[, options]) -> encoder` (encoder has `.feature_dim`) in
     `flare.registry.MODELS`.
 
     Use as `@register_model` (name = function name) or `@register_model("name", options=MyOptions)`; a builder
-    that declares options receives them (validated from `model.options`) as a third argument. Re-registering a
-    name raises unless `overwrite=True`.
+    that declares options receives them (validated from `model.options`) as a third argument; `check(cfg)`
+    refuses a config the model cannot serve (`Registry.register`). Re-registering a name raises unless
+    `overwrite=True`.
     """
     if callable(name_or_fn):
         return MODELS.register(name_or_fn.__name__, name_or_fn, options=options, description=description,
-                               overwrite=overwrite)
-    return MODELS.register(str(name_or_fn), options=options, description=description, overwrite=overwrite)
+                               check=check, overwrite=overwrite)
+    return MODELS.register(str(name_or_fn), options=options, description=description, check=check,
+                           overwrite=overwrite)
 
 
 def list_models() -> list[str]:

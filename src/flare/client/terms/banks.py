@@ -254,8 +254,17 @@ def _public_bank(cfg: Config, bank: Tensor | None, device: torch.device):
     return public_ext
 
 
+def _public_check(cfg: Config) -> None:
+    """The teacher bank is trained on the public slice the server holds out of the training set."""
+    if cfg.dataset.public_size == 0:
+        raise FlareError(f"loss.contrast={cfg.loss.contrast} needs a public slice held out by the server.",
+                         key="dataset.public_size", fix="set dataset.public_size (e.g. 1000).")
+
+
 # A contrast bank is `fn(cfg, public_bank, device) -> (client, ctx) -> extension` (the interface above).
 CONTRAST.register("none", None, description="no contrast-set extension")
 CONTRAST.register("memory-bank", _memory_bank, description="per-client FIFO of recent features in SupCon")
-CONTRAST.register("public-bank", _public_bank, description="InfoNCE against the server's public teacher bank")
-CONTRAST.register("two-stage", _public_bank, description="public-bank term alone first, then the base loss")
+CONTRAST.register("public-bank", _public_bank, description="InfoNCE against the server's public teacher bank",
+                  check=_public_check)
+CONTRAST.register("two-stage", _public_bank, description="public-bank term alone first, then the base loss",
+                  check=_public_check)

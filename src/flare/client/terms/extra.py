@@ -6,7 +6,7 @@
 
 A term is `fn(batch: TermBatch, options) -> scalar tensor`, registered in `flare.registry.LOSS_TERMS` with an
 options model that subclasses `TermOptions` (so every term has a `weight`; a term without options gets
-`TermOptions`). The trainer adds `weight · fn(batch, options)` to the base loss and logs it as `term_<name>`
+`TermOptions`, the registry's default options model). The trainer adds `weight · fn(batch, options)` to the base loss and logs it as `term_<name>`
 in every engine and the LR probe (client/step.py `local_loss`; under client_engine=batched the term is vmapped, so it
 must not read values back to the host).
 """
@@ -40,6 +40,6 @@ def extra_terms(loss: LossCfg, feat: Tensor, logits: Tensor, y: Tensor,
     batch = TermBatch(feat, logits, y, prototypes)
     out = {}
     for name, mapping in loss.terms.items():
-        opts = LOSS_TERMS.options(name, mapping, f"loss.terms.{name}", default=TermOptions)
+        opts = LOSS_TERMS.options(name, mapping, f"loss.terms.{name}")
         out[f"term_{name}"] = getattr(opts, "weight", 1.0) * LOSS_TERMS.get(name)(batch, opts)
     return out
