@@ -44,8 +44,7 @@ from flare.experiments.paper import run_paper  # noqa: E402
 from flare.experiments.sweep import run_sweep  # noqa: E402
 from flare.fuse import fuse_runs  # noqa: E402
 from flare.lrprobe import format_probe, probe  # noqa: E402
-from flare.models import list_models  # noqa: E402
-from flare.registry import REGISTRIES, load_plugins  # noqa: E402
+from flare.registry import MODELS, REGISTRIES, load_plugins  # noqa: E402
 from flare.report.report import write_report  # noqa: E402
 from flare.rundir import RunDir, config_differences, extension_problem  # noqa: E402
 from flare.runner import Run  # noqa: E402
@@ -118,8 +117,10 @@ def cmd_datasets(args) -> int:
 
 
 def cmd_models(args) -> int:
+    """Every model with what it is; a library's catalogue as one row (`timm/<any of N names>`)."""
     load_plugins(args.plugin, key="--plugin")
-    print("\n".join(list_models()))
+    for name, desc in MODELS.describe():
+        print(f"{name:<24}  {desc}")
     return 0
 
 
@@ -132,6 +133,8 @@ def cmd_parts(args) -> int:
             e = reg.entry(name)
             opts = f"  [options: {', '.join(e.options.model_fields)}]" if e.options is not None else ""
             print(f"  {name:<16}  {e.description}{opts}")
+        for name, desc in reg.namespaces():
+            print(f"  {name:<16}  {desc}")
     return 0
 
 
