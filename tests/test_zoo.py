@@ -42,6 +42,13 @@ def test_cifar_networks(name, d, channels, size):
     assert feat.shape == (2, d // 2) and torch.isfinite(feat).all()
 
 
+def test_the_papers_cnns_refuse_images_too_small_for_them():
+    create_model("cnn_dense", 3, 10)(torch.randn(1, 3, 18, 18))
+    with pytest.raises(FlareError, match="at least 18×18.*got 16×16") as e:
+        create_model("cnn_coboost", 3, 10)(torch.randn(1, 3, 16, 16))
+    assert e.value.key == "model.name"
+
+
 def test_wrn_depths_and_init():
     def convs(name):
         return sum(isinstance(x, torch.nn.Conv2d) for x in create_model(name, 3, 10).encoder.modules())

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..errors import FlareError
 from .resnet import conv1x1, conv3x3, scaled
 
 __all__ = ["WideResNet", "PaperCNN", "wrn16_1", "wrn40_1", "cnn_dense", "cnn_coboost"]
@@ -105,6 +106,10 @@ class PaperCNN(nn.Module):
         _init(self)
 
     def forward(self, x: Tensor) -> Tensor:
+        if min(x.shape[-2:]) < 18:  # else a conv fails deep inside with torch's message about kernel sizes
+            raise FlareError(f"this CNN needs images of at least 18×18 (three unpadded 3×3 convolutions, two 2×2 "
+                             f"pools), got {x.shape[-2]}×{x.shape[-1]}.", key="model.name",
+                             fix="pick another model for these images (e.g. cnn or wrn16_1).")
         return self.fc(self.body(x))
 
 
