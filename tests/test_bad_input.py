@@ -157,6 +157,14 @@ ROWS = [
      "plugins: plugin './my_methods.py' looks like a file path"),
     ("a part name nobody registered", lambda t, p, f, c: ["run", *t, "align.surgery=pcgradd"],
      "unknown gradient surgery 'pcgradd' for align.surgery (did you mean pcgrad?)"),
+    ("a timm name timm does not have", lambda t, p, f, c: ["run", *t, "model.name=timm/resnt18", "model.width=1"],
+     "unknown model 'timm/resnt18' for model.name (did you mean timm/resnet18"),
+    ("a checkpoint that does not fit", lambda t, p, f, c: torch.save(
+        {"encoder.body.0.weight": torch.zeros(16, 3, 3, 3)}, p / "w.pt") or ["run", *t, f"model.checkpoint={p}/w.pt"],
+     "w.pt does not fit the model: tensor 'encoder.body.0.weight' has shape (16, 3, 3, 3) there, the model's is "
+     "(8, 3, 3, 3)"),
+    ("a checkpoint that is not there", lambda t, p, f, c: ["run", *t, "model.checkpoint=/nonexistent/init.pt"],
+     "model.checkpoint: checkpoint /nonexistent/init.pt is not a file"),
     # --- server strategies and `flare fuse` -----------------------------------------------------------
     ("fuse with a strategy nobody registered", lambda t, p, f, c:
      ["fuse", _finished_run(t, p, c), "--strategies", "feature,fedavgg"],

@@ -43,9 +43,8 @@ from flare.experiments.compare import parse_presets, parse_seeds, run_compare  #
 from flare.experiments.sweep import run_sweep  # noqa: E402
 from flare.fuse import fuse_runs  # noqa: E402
 from flare.lrprobe import format_probe, probe  # noqa: E402
-from flare.models import list_models  # noqa: E402
 from flare.paper.suite import run_paper  # noqa: E402
-from flare.registry import REGISTRIES, load_plugins  # noqa: E402
+from flare.registry import MODELS, REGISTRIES, load_plugins  # noqa: E402
 from flare.report.report import write_report  # noqa: E402
 from flare.rundir import RunDir, config_differences, extension_problem  # noqa: E402
 from flare.runner import Run  # noqa: E402
@@ -118,8 +117,10 @@ def cmd_datasets(args) -> int:
 
 
 def cmd_models(args) -> int:
+    """Every model with what it is; a library's catalogue as one row (`timm/<any of N names>`)."""
     load_plugins(args.plugin, key="--plugin")
-    print("\n".join(list_models()))
+    for name, desc in MODELS.describe():
+        print(f"{name:<24}  {desc}")
     return 0
 
 
@@ -134,6 +135,8 @@ def cmd_parts(args) -> int:
             rows = reg.option_rows(name)
             if rows:
                 print(f"  {'':<16}  options: " + ", ".join(f"{o}: {t} = {d}" for o, t, d in rows))
+        for name, desc in reg.namespaces():
+            print(f"  {name:<16}  {desc}")
     return 0
 
 

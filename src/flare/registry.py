@@ -144,6 +144,15 @@ class Entry:
         return None if not self.module or self.module.split(".")[0] == "flare" else self.module
 
 
+@dataclass(frozen=True)
+class Namespace:
+    """Names `prefix<name>` a library's catalogue answers (`Registry.add_namespace`)."""
+    prefix: str
+    names: Callable[[], list[str]]
+    entry: Callable[[str], Entry]
+    description: str
+
+
 class Registry:
     """Named parts of one kind. `key` is the config key that picks a part of this kind (used in error messages);
     `signature` says what an entry is (a Protocol above); `default_options` is the options model of the entries
@@ -152,6 +161,7 @@ class Registry:
     def __init__(self, kind: str, key: str, signature: type, default_options: type[BaseModel] | None = None):
         self.kind, self.key, self.signature, self.default_options = kind, key, signature, default_options
         self._entries: dict[str, Entry] = {}
+        self._spaces: dict[str, Namespace] = {}
 
     def register(self, name: str, obj: Any = _DECORATE, *, options: type[BaseModel] | None = None,
                  description: str = "", check: CheckFn | None = None, overwrite: bool = False):
@@ -173,7 +183,7 @@ class Registry:
         if name in self._entries:
             if not overwrite:
                 raise FlareError(f"{self.kind} '{name}' is already registered.", key=self.key,
-                                 fix=f"choose another name, or pass overwrite=True to replace it on purpose.")
+                                 fix="choose another name, or pass overwrite=True to replace it on purpose.")
             warnings.warn(f"{self.kind} '{name}' replaced by a new registration (overwrite=True).", stacklevel=2)
         doc = (getattr(obj, "__doc__", None) or "").strip().splitlines()
         own = getattr(obj, "check", None)
@@ -182,8 +192,25 @@ class Registry:
                                     getattr(obj, "__module__", None) or "")
         return obj
 
+    def add_namespace(self, prefix: str, *, names: Callable[[], list[str]], entry: Callable[[str], Entry],
+                      description: str) -> None:
+        """Serve every `prefix<name>` from a library's own catalogue (e.g. `timm/<any timm architecture>`) instead
+        of registering its names one by one: `names()` gives the names after the prefix and may import the library
+        (so it runs on the first such lookup, never at registration), `entry(rest)` builds the part."""
+        self._spaces[prefix] = Namespace(prefix, names, entry, description)
+
+    def _space(self, name: object) -> tuple[Namespace, str] | None:
+        """The namespace a name that nobody registered falls in, and the name after its prefix."""
+        if isinstance(name, str) and name not in self._entries:
+            for ns in self._spaces.values():
+                if name.startswith(ns.prefix):
+                    return ns, name[len(ns.prefix):]
+        return None
+
     def __contains__(self, name: object) -> bool:
         load_builtins()
+        if (hit := self._space(name)) is not None:
+            return hit[1] in hit[0].names()
         return name in self._entries
 
     def names(self) -> list[str]:
@@ -191,9 +218,19 @@ class Registry:
         return list(self._entries)
 
     def describe(self) -> list[tuple[str, str]]:
-        """(name, description) of every registered part, in registration order."""
+        """(name, description) of every registered part, in registration order, then one row per namespace."""
         load_builtins()
-        return [(e.name, e.description) for e in self._entries.values()]
+        return [(e.name, e.description) for e in self._entries.values()] + self.namespaces()
+
+    def namespaces(self) -> list[tuple[str, str]]:
+        """(`prefix<any of N names>`, description) of every namespace; `prefix<name>` when its library is missing."""
+        rows = []
+        for ns in self._spaces.values():
+            try:
+                rows.append((f"{ns.prefix}<any of {len(ns.names())} names>", ns.description))
+            except FlareError as e:
+                rows.append((f"{ns.prefix}<name>", f"{ns.description} ({e.message})"))
+        return rows
 
     def call_signature(self) -> str:
         """What an entry is, as one line (`flare parts`): the Protocol's call, or its attributes."""
@@ -224,16 +261,21 @@ class Registry:
         return f"unknown {self.kind} {name!r} for {key or self.key}{self._hint(name, also)}; {self._choices(also)}"
 
     def _hint(self, name: object, also: tuple[str, ...] = ()) -> str:
-        close = difflib.get_close_matches(str(name), [*also, *self.names()], n=3)
+        hit = self._space(name)
+        names = [hit[0].prefix + n for n in hit[0].names()] if hit else [*also, *self.names()]
+        close = difflib.get_close_matches(str(name), names, n=3)
         return f" (did you mean {', '.join(close)}?)" if close else ""
 
     def _choices(self, also: tuple[str, ...] = ()) -> str:
         words = f"{' or '.join(also)} or " if also else ""
-        return (f"{words}registered: {', '.join(self.names()) or '(none)'} (`flare parts` lists every part; a "
+        spaces = "".join(f", {ns.prefix}<name> ({ns.description})" for ns in self._spaces.values())
+        return (f"{words}registered: {', '.join(self.names()) or '(none)'}{spaces} (`flare parts` lists every part; a "
                 "plugin's parts need its module in `plugins`)")
 
     def entry(self, name: str, key: str | None = None) -> Entry:
         load_builtins()
+        if (hit := self._space(name)) is not None and hit[1] in hit[0].names():
+            return hit[0].entry(hit[1])
         if name not in self._entries:
             raise FlareError(f"unknown {self.kind} {name!r}{self._hint(name)}.", key=key or self.key,
                              fix=f"use a {self._choices()}.")

@@ -27,7 +27,7 @@ from flare.data.datasets import ImageData, load_dataset, stratified_subset
 from flare.data.scaling import InputScaling, input_scaling
 from flare.data.partition import Partition, make_partition
 from flare.errors import FlareError
-from flare.models import FlareNet, create_model
+from flare.models import FlareNet, create_model, load_checkpoint
 from flare.schedules import LRSchedule
 from flare.server.extras import ClientData, client_extras, extras_shapes
 from flare.server.rounds import Evaluation, carries_server_protos, evaluate_uploads, rules_for
@@ -197,6 +197,8 @@ def init_global_model(cfg: Config, meta: DataMeta, device: torch.device, channel
     torch.manual_seed(cfg.seed)
     model = create_model(cfg.model.name, meta.in_channels, meta.num_classes, cfg.model.width, head=cfg.head,
                          options=cfg.model.options).to(device)
+    if cfg.model.checkpoint is not None:
+        load_checkpoint(model, cfg.model.checkpoint)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model

@@ -3,23 +3,29 @@
     model = create_model("resnet18", in_channels=3, num_classes=10, width=1.0, head="prototype")
     feat, logits = model(x)        # feat = f(x) (B×d, un-normalised); logits from the head
 
-Registered names: `resnet18`, `resnet34`, `resnet50` (CIFAR-style, see `resnet.py`) and `cnn` (small CPU
-model, see `cnn.py`), in `flare.registry.MODELS`, plus any a plugin registers. A registered builder is
+Registered names: `resnet18`, `resnet34`, `resnet50` (CIFAR-style, see `resnet.py`), `cnn` (small CPU model, see
+`cnn.py`), `wrn16_1`, `wrn40_1`, `cnn_dense`, `cnn_coboost` (the literature's CIFAR networks, see `cifar.py`) and
+`timm/<name>` for any timm architecture (`timm_zoo.py`), in `flare.registry.MODELS`, plus any a plugin registers;
+docs/models.md. `load_checkpoint` starts a model from a local state dict (`model.checkpoint`). A registered builder is
 `fn(in_channels: int, width: float[, options]) -> nn.Module` returning an encoder with a `feature_dim`
 attribute; `create_model` wraps it with a head into a `FlareNet`.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
+import torch
 from pydantic import BaseModel
 from torch import Tensor, nn
 
 from ..errors import FlareError
 from ..registry import MODELS
+from . import cifar as _cifar
 from . import cnn as _cnn
 from . import resnet as _resnet
 from .heads import ETFHead, LinearHead, PrototypeHead
+from .timm_zoo import timm_names  # registers the timm/ namespace (timm itself is imported on first use)
 
 __all__ = [
     "FlareNet",
@@ -30,6 +36,8 @@ __all__ = [
     "register_model",
     "HEADS",
     "check_state_fits",
+    "load_checkpoint",
+    "timm_names",
 ]
 
 EncoderBuilder = Callable[..., nn.Module]
@@ -119,6 +127,10 @@ register_model("resnet18", description="CIFAR-style ResNet-18 (d = 512·width)")
 register_model("resnet34", description="CIFAR-style ResNet-34 (d = 512·width)")(_resnet.resnet34)
 register_model("resnet50", description="CIFAR-style ResNet-50 (d = 2048·width)")(_resnet.resnet50)
 register_model("cnn", description="small CNN for CPU runs")(_cnn.cnn)
+register_model("wrn16_1", description="CIFAR WideResNet-16-1 (d = 64·width)")(_cifar.wrn16_1)
+register_model("wrn40_1", description="CIFAR WideResNet-40-1 (d = 64·width)")(_cifar.wrn40_1)
+register_model("cnn_dense", description="DENSE's small CIFAR CNN (d = 64·width)")(_cifar.cnn_dense)
+register_model("cnn_coboost", description="Co-Boosting's CIFAR CNN (d = 2048·width)")(_cifar.cnn_coboost)
 
 
 def check_state_fits(model: nn.Module, state: dict, source: str, *, key: str, fix: str) -> None:
@@ -141,3 +153,30 @@ def check_state_fits(model: nn.Module, state: dict, source: str, *, key: str, fi
     if extra:
         raise FlareError(f"{source} does not fit the model: it holds tensor '{extra[0]}', which the model has not "
                          f"({len(extra)} such).", key=key, fix=fix)
+
+
+def load_checkpoint(model: FlareNet, path: str) -> None:
+    """Load the local state dict at `path` into `model` (`model.checkpoint`): a raw state dict or one under
+    "model" / "state_dict", of the whole model (encoder + head) or of its encoder alone (the head then keeps its
+    seeded init). `weights_only=True`, so the file can hold tensors but no code; nothing is downloaded."""
+    key = "model.checkpoint"
+    fix = "give a state dict saved from the same model.name, model.width, model.head and dataset (channels, classes)."
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FlareError(f"checkpoint {path} is not a file.", key=key, fix="give the path of a local .pt file "
+                                                                          "saved with torch.save(state_dict).")
+    try:
+        obj = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 — any unreadable file is the user's, reported without a traceback
+        raise FlareError(f"checkpoint {path} cannot be read as tensors ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}).", key=key,
+                         fix="save it with torch.save(model.state_dict(), path); files that need code to load "
+                             "(weights_only=False) are refused.") from None
+    state = obj
+    if isinstance(obj, dict):
+        state = next((obj[k] for k in ("model", "state_dict") if isinstance(obj.get(k), dict)), obj)
+    whole = isinstance(state, dict) and any(str(k).startswith(("encoder.", "head.")) for k in state)
+    target = model if whole or not isinstance(state, dict) else model.encoder
+    check_state_fits(target, state, f"checkpoint {path}" + ("" if target is model else " (an encoder's state)"),
+                     key=key, fix=fix)
+    target.load_state_dict(state)

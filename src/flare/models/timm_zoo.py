@@ -1,0 +1,122 @@
+"""`model.name=timm/<name>`: any architecture timm knows, as a FLARE encoder (docs/models.md#timm).
+
+timm is an optional extra (`pip install 'flare-ofl[zoo]'`), imported on the first `timm/` lookup, so the core
+runs without it. The encoder is `timm.create_model(name, pretrained=False, num_classes=0, in_chans=C, **options)`:
+its pooled features are f(x), and FLARE's prototype, linear or ETF head goes on top as on every model. Nothing is
+ever downloaded: `pretrained` is always False, no pretrained config is overlaid, and the names are those of
+`timm.list_models()` (no `hf-hub:` names); weights come from `model.checkpoint` (a local file) only.
+
+Small inputs. timm's architectures are ImageNet's: their stem divides a 224×224 input by 4 before the first stage,
+which leaves a 32×32 or 28×28 input 8×8 or 7×7 there and 1×1 at the end. With `stem: small` (the default) the stem
+keeps the input's resolution, by one rule for every family: the stem is everything timm registers before the first
+stage at reduction ≥ 4 (per the model's `feature_info`; without it, the model's first convolution), and in it every
+strided convolution gets stride 1 and every max-pool becomes an Identity — for a ResNet exactly the CIFAR-style
+stem of `resnet.py`. A patchify stem (kernel = stride: ViT, DeiT, ConvNeXt, Swin) is left alone: it has no
+overlap to keep, and the transformers among them take `img_size` (and `patch_size`) in `model.options` instead.
+
+Width. A timm name fixes its width (`mobilenetv3_small_050` is MobileNetV3-Small at 0.5), and timm's families
+spell a width argument differently or not at all, so `model.width` must stay 1 for a timm model: pick the
+variant, or pass the family's own argument in `model.options`.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from ..errors import FlareError
+from ..registry import MODELS, Entry
+
+__all__ = ["PREFIX", "TimmOptions", "small_stem", "timm_names"]
+
+PREFIX = "timm/"
+INSTALL = "pip install 'flare-ofl[zoo]' (or pip install timm)"
+# create_model's own arguments, which FLARE sets: an option may not override them.
+RESERVED = ("pretrained", "num_classes", "in_chans", "pretrained_cfg", "pretrained_cfg_overlay", "checkpoint_path",
+            "cache_dir")
+
+
+class TimmOptions(BaseModel):
+    """`model.options` of a timm model: `stem`, plus any keyword of the family's constructor (drop_rate,
+    drop_path_rate, img_size, patch_size, ...), passed to `timm.create_model` as they are."""
+
+    model_config = ConfigDict(extra="allow")
+    stem: Literal["small", "timm"] = Field("small", description="small: the stem keeps a 32×32/28×28 input's "
+                                                                "resolution (docs/models.md#timm); timm: as built")
+
+
+def _timm():
+    try:
+        import timm  # lazy: the optional zoo extra, imported on the first timm/ name
+    except ImportError as e:
+        raise FlareError(f"timm/ model names need timm, which is not installed ({e}).", key="model.name",
+                         fix=f"{INSTALL}, or pick a built-in model (`flare models`).") from None
+    return timm
+
+
+@lru_cache(maxsize=1)
+def _names() -> tuple[str, ...]:
+    return tuple(_timm().list_models())
+
+
+def timm_names() -> list[str]:
+    """Every architecture name timm has (`timm.list_models()`), without the `timm/` prefix."""
+    return list(_names())
+
+
+def small_stem(model: nn.Module) -> nn.Module:
+    """The small-input stem rule (module docstring), in place: the stem's strided convolutions (patchify ones
+    excepted) get stride 1 and its max-pools become Identity. Returns the model."""
+    modules = list(model.named_modules())
+    stages = [f["module"] for f in getattr(model, "feature_info", None) or [] if f.get("reduction", 0) >= 4]
+    names = [n for n, _ in modules]
+    if stages and stages[0] in names:
+        stem = modules[:names.index(stages[0])]
+    else:
+        first_conv = (getattr(model, "pretrained_cfg", None) or {}).get("first_conv")
+        stem = [(n, m) for n, m in modules if n == first_conv]
+    for name, m in stem:
+        if isinstance(m, nn.Conv2d) and max(m.stride) > 1 and tuple(m.kernel_size) != tuple(m.stride):
+            m.stride = (1, 1)
+        elif isinstance(m, nn.MaxPool2d):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, nn.Identity())
+    return model
+
+
+def _builder(name: str):
+    def build(in_channels: int, width: float, options: TimmOptions) -> nn.Module:
+        if width != 1:
+            raise FlareError(f"timm/{name} has the width its name gives; model.width={width:g} cannot scale it.",
+                             key="model.width", fix="set model.width=1 and pick a narrower variant (e.g. "
+                                                    "timm/mobilenetv3_small_050), or pass the family's own width "
+                                                    "argument in model.options.")
+        kwargs: dict[str, Any] = {k: v for k, v in options.model_dump().items() if k != "stem"}
+        bad = [k for k in kwargs if k in RESERVED]
+        if bad:
+            raise FlareError(f"model.options.{bad[0]} is set by FLARE for a timm model.", key=f"model.options.{bad[0]}",
+                             fix="remove it (weights come from model.checkpoint; classes and channels from the "
+                                 "dataset).")
+        try:
+            model = _timm().create_model(name, pretrained=False, num_classes=0, in_chans=int(in_channels), **kwargs)
+        except (TypeError, ValueError, AssertionError) as e:
+            raise FlareError(f"timm could not build {name} with options {kwargs}: {type(e).__name__}: {e}.",
+                             key="model.options", fix="pass only keywords the family's constructor takes "
+                                                      "(see timm's model source), or none.") from None
+        if options.stem == "small":
+            small_stem(model)
+        # the pooled feature size: head_hidden_size where a pre-logits layer follows the pooling (MobileNetV3)
+        model.feature_dim = int(getattr(model, "head_hidden_size", None) or model.num_features)
+        return model
+
+    return build
+
+
+def _entry(name: str) -> Entry:
+    return Entry(PREFIX + name, _builder(name), TimmOptions, f"timm's {name} (pooled features, pretrained=False)")
+
+
+MODELS.add_namespace(PREFIX, names=timm_names, entry=_entry,
+                     description="any name timm.list_models() gives, with a small-input stem; the zoo extra")
