@@ -1,6 +1,7 @@
 """The server's evaluation checkpoint (SPEC §4–5), engine-free: which strategies a round scores, the global
 prototypes, every strategy's predictor scored in one test pass, and the round's diagnostics. The in-process runner
-(setup.RunSetup), the Flower server and `flare fuse` call these functions, so a round is evaluated one way.
+(setup.RunSetup), the Flower server and `flare fuse` call these through `setup.ServerSetup.evaluate`, so a round is
+evaluated one way.
 """
 from __future__ import annotations
 
@@ -100,13 +101,15 @@ def eval_options(cfg: Config, r: int, amp_dtype=None, channels_last: bool = Fals
 def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[torch.nn.Module],
                      anchors: Tensor | None, test_x: Tensor | None, test_y: Tensor | None, norm, *,
                      amp_dtype=None, channels_last: bool = False, server_G: Tensor | None = None,
-                     strategy_state: dict | None = None, public_x: Tensor | None = None) -> Evaluation:
+                     strategy_state: dict | None = None, public_x: Tensor | None = None,
+                     rules: tuple[str, ...] | None = None) -> Evaluation:
     """One evaluation checkpoint (SPEC §4–5) from the uploads alone: global prototypes, every fusion rule scored on
     the test set (skipped when `test_x` is None: a server without a test set), diagnostics. `models[i]` holds
     `uploads[i].state` (the in-process runner passes the live client models). `server_G`: the G Plan B continues
     from under protos_flow=reference (the anchors in round 0). `strategy_state`: name → each strategy's own state,
     kept by the caller across rounds. `uploads[i].extras` carry the statistics the strategies asked for
-    (server/extras.py); `public_x` is the server's unlabeled public slice, when the run has one."""
+    (server/extras.py); `public_x` is the server's unlabeled public slice, when the run has one. `rules`: the
+    strategies to score (`flare fuse`'s one), else the round's own (`rules_for`)."""
     t0 = time.perf_counter()
     weights = aggregation_weights([u.num_samples for u in uploads], cfg.server.weights)
     protos = [u.prototypes for u in uploads if u.prototypes is not None]
@@ -124,7 +127,7 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
         shape = tuple(int(s) for s in test_x.shape[1:])
         preds = {n: make_strategy(cfg, n).predictor(ServerContext(
             cfg, r, uploads, models, weights, G, anchors, states.setdefault(n, {}), own_extras(uploads, n),
-            public_x, norm, shape)) for n in rules_for(cfg, r)}
+            public_x, norm, shape)) for n in (rules if rules is not None else rules_for(cfg, r))}
         rec.update(evaluate_predictors(models, preds, test_x, test_y, norm, **eval_options(cfg, r, amp_dtype,
                                                                                           channels_last)))
         rec.update({f"{n}.{k}": v for n, p in preds.items() for k, v in p.logs.items()})
