@@ -323,7 +323,7 @@ MALFORMED = {
 
 @pytest.mark.parametrize("kind", list(MALFORMED))
 def test_malformed_upload_is_rejected_and_never_aggregated(kind, one_round, tmp_path, shared_cache, monkeypatch):
-    import flare.flower.server as server
+    import flare.setup as server  # the Flower server evaluates through setup.ServerSetup, as every run does
 
     seen = []
     real = server.evaluate_uploads

@@ -2,9 +2,9 @@
 retraining a client. A run's checkpoint.pt holds every client's state after the last round, so any strategy — a
 built-in rule, or a model-building method a plugin registers — can be scored on the run's test set afterwards.
 
-The test set, normalisation, anchors, aggregation weights and global prototypes are rebuilt from the run's
-config.yaml through the same `setup` functions a run uses, and each strategy is scored by the same evaluator with
-the last round's evaluation settings: a built-in strategy reproduces the run's own last-round accuracy exactly.
+The run's server is rebuilt from its config.yaml by the one builder a run uses (`setup.ServerSetup`), and each
+strategy is scored by that server's own evaluation at the last round (`ServerSetup.evaluate`, the one strategy
+alone): a built-in strategy reproduces the run's own last-round accuracy exactly.
 Results are appended to fuse.jsonl (one record per strategy, under the run directory's lock); a rerun skips the
 strategies already there, so an interrupted fuse resumes. summary.md is rewritten with them.
 """
@@ -17,20 +17,15 @@ from pathlib import Path
 
 import torch
 
-from flare import cpu
 from flare.config import Config, build_config, parse_list
 from flare.errors import FlareError
 from flare.models import check_state_fits
 from flare.registry import STRATEGIES, load_plugins
 from flare.report.run_report import write_run_report
 from flare.rundir import CHECKPOINT, FUSE, RunDir, read_jsonl
-from flare.server.evaluator import evaluate_predictors
-from flare.server.extras import ClientData, client_extras, extras_shapes, own_extras
-from flare.server.fusion import aggregation_weights
-from flare.server.strategy import ServerContext, make_strategy
+from flare.server.extras import ClientData, client_extras, extras_shapes
 from flare.server.upload import Upload
-from flare.server.rounds import eval_options, server_prototypes
-from flare.setup import DataMeta, backend, init_global_model, make_augment, normalizer, prepare_data, run_anchors, split
+from flare.setup import ServerSetup, split
 
 KEY = "RUN_DIR"
 
@@ -108,16 +103,14 @@ def fuse_runs(dirs: list[str], strategies: str, round_: int | None = None,
 
 
 def _score(job: FuseJob, names: list[str]) -> None:
-    """Rebuild the last round's server from the checkpoint and score each strategy, one record as each finishes."""
+    """Rebuild the run's server from its config, load the clients' states from the checkpoint, and score each
+    strategy through the server's own evaluation at the last round — one record as each finishes."""
     cfg, rd = job.cfg, job.dir
-    cpu.pin(cfg.cpu_isa)
-    be = backend(cfg)
-    data, public = prepare_data(cfg)
-    meta = DataMeta.from_data(data)
+    server = ServerSetup.build(cfg, bank=False)
+    data = server.take_data()
     parts = split(cfg, data.train_y, data.num_classes).client_indices
-    template = init_global_model(cfg, meta, be.device, channels_last=be.channels_last)
-    anchors = run_anchors(cfg, meta.num_classes, template.feature_dim, be.device)
-    ck = rd.load_checkpoint(be.device, lambda w: None)
+    template, device = server.template, server.backend.device
+    ck = rd.load_checkpoint(device, lambda w: None)
     if ck is None or "clients" not in ck or int(ck["rounds_done"]) < cfg.rounds:
         raise FlareError(f"'{rd.path}/{CHECKPOINT}' is unreadable, holds no client states or does not cover the "
                          "last round.", key=KEY,
@@ -130,8 +123,6 @@ def _score(job: FuseJob, names: list[str]) -> None:
     for i, st in enumerate(ck["clients"]):
         check_state_fits(template, st.get("model") if isinstance(st, dict) else st,
                          f"'{rd.path}/{CHECKPOINT}' (client {i})", key=KEY, fix=fix)
-    norm = normalizer(cfg, meta)
-    augment = make_augment(cfg, meta, be.device) if extras_shapes(cfg, names, template) else None
     models, uploads, owners = [], [], []
     for i, (ix, st) in enumerate(zip(parts, ck["clients"])):
         if len(ix) == 0:  # the runner leaves clients without samples out of every evaluation
@@ -146,27 +137,21 @@ def _score(job: FuseJob, names: list[str]) -> None:
 
     def statistics(name: str) -> list[dict]:
         """What `name` asks each client for, from its saved state and its data (timed with the strategy)."""
-        if augment is None or not extras_shapes(cfg, [name], template):
+        if not extras_shapes(cfg, [name], template):
             return [{} for _ in uploads]
-        return [client_extras(cfg, [name], ClientData(cfg, u.client, copy.deepcopy(m), data.train_x[ix].to(be.device),
-                                                      data.train_y[ix].to(be.device), norm, augment, be.device))
+        return [client_extras(cfg, [name], ClientData(cfg, u.client, copy.deepcopy(m), data.train_x[ix].to(device),
+                                                      data.train_y[ix].to(device), server.norm, server.augment,
+                                                      device))
                 for u, m, ix in zip(uploads, models, owners)]
 
     r = cfg.rounds - 1
-    weights = aggregation_weights([u.num_samples for u in uploads], cfg.server.weights)
-    protos = [u.prototypes for u in uploads if u.prototypes is not None]
-    G, _, _ = server_prototypes(cfg, r, protos, anchors, (ck.get("server") or {}).get("G"))
-    test_x, test_y = data.test_x.to(be.device), data.test_y.to(be.device)
-    public_x = public[0].to(be.device) if public is not None else None
+    server.load_server_state(ck.get("server"))  # Plan B's G as the last round left it
     for name in names:
         t0 = time.perf_counter()
         for u, ex in zip(uploads, statistics(name)):
             u.extras = ex
-        pred = make_strategy(cfg, name, key="--strategies").predictor(
-            ServerContext(cfg, r, uploads, models, weights, G, anchors, {}, own_extras(uploads, name), public_x, norm,
-                          tuple(int(s) for s in data.test_x.shape[1:])))
-        res = evaluate_predictors(models, {name: pred}, test_x, test_y, norm,
-                                  **eval_options(cfg, r, be.amp_dtype, be.channels_last))
+        ev = server.evaluate(r, uploads, models, rules=(name,))
         # seconds: the clients' statistics, the strategy's build and its test pass
-        rd.append([{"kind": "fuse", "strategy": name, "round": r, "acc": res[f"acc_{name}"],
-                    "seconds": time.perf_counter() - t0, **{f"{name}.{k}": v for k, v in pred.logs.items()}}], FUSE)
+        rd.append([{"kind": "fuse", "strategy": name, "round": r, "acc": ev.record[f"acc_{name}"],
+                    "seconds": time.perf_counter() - t0,
+                    **{f"{name}.{k}": v for k, v in ev.predictors[name].logs.items()}}], FUSE)

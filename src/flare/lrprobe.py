@@ -33,7 +33,7 @@ from flare.config import Config
 from flare.errors import FlareError
 from flare.progress import Counter
 from flare.rng import derived_seed
-from flare.setup import DataMeta, backend, init_global_model, make_augment, prepare_data, run_anchors, split
+from flare.setup import ServerSetup, split
 
 
 @dataclass
@@ -142,11 +142,13 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 2
         raise FlareError(f"--batch-size must be at least 1, got {batch_size}.", key="--batch-size")
     if not 0 <= tol < 1:
         raise FlareError(f"--tol must be in [0, 1), got {tol}.", key="--tol")
-    device = backend(cfg).device
-    data, _public = prepare_data(cfg)
-    meta = DataMeta.from_data(data)
+    if not all_data and not 0 <= client < cfg.num_clients:
+        raise FlareError(f"--client {client} is not a client of this run (0..{cfg.num_clients - 1}).",
+                         key="--client")
+    server = ServerSetup.build(cfg, bank=False)  # the run's data, seeded global init, anchors and augmentation
+    device, augment = server.backend.device, server.augment
+    data = server.take_data()
     part = split(cfg, data.train_y, data.num_classes)
-    report = part.report()
     if all_data:
         ix = torch.arange(len(data.train_y))
         q = torch.bincount(data.train_y, minlength=data.num_classes).double()
@@ -154,21 +156,16 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 2
         ent = float(-(q * q.log2()).sum()) / math.log2(data.num_classes) if data.num_classes > 1 else 0.0
         who = "the whole training set"
     else:
-        if not 0 <= client < cfg.num_clients:
-            raise FlareError(f"--client {client} is not a client of this run (0..{cfg.num_clients - 1}).",
-                             key="--client")
         ix = torch.as_tensor(part.client_indices[client])
-        ent = report["clients"][client]["normalized_entropy"]
+        ent = part.report()["clients"][client]["normalized_entropy"]
         who = f"client {client}"
         if len(ix) == 0:
             raise FlareError(f"client {client} holds no samples under this partition.", key="--client",
                              fix="probe another client or use --all-data.")
-    model = init_global_model(cfg, meta, device)  # the run's seeded global init
+    model, anchors = server.template, server.anchors
     model.train()
-    anchors = run_anchors(cfg, meta.num_classes, model.feature_dim, device)
     lam = initial_lambda(cfg, ent) if anchors is not None else 0.0
     provider = make_lam_provider(cfg, ent, device)  # the client's λ provider at p = 0 (`probe_loss`)
-    augment = make_augment(cfg, meta, device)
 
     order = torch.Generator().manual_seed(derived_seed(cfg.seed, 31337, 0))
     perm = ix[torch.randperm(len(ix), generator=order)]

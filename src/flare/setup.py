@@ -1,17 +1,20 @@
-"""Everything a run is built from — the one place where the in-process runner, the Flower apps and the LR probe
-build a run: device and precision, the data and its split, the seeded global init, the anchors, the
+"""Everything a run is built from — the one place where the in-process runner, the Flower apps, `flare fuse` and the
+LR probe build a run: device and precision, the data and its split, the seeded global init, the anchors, the
 augmentation, the server's public bank and the clients' training context (the evaluation checkpoint itself is
 server/rounds.py).
 
-The engines differ only in where the pieces run: `RunSetup.build` composes them for the in-process runner; the
-LR probe (its own data and client choice) and a Flower node (with the dataset facts, `DataMeta`, the server sent)
-call the same functions.
+A run has two sides, each built by one function: `ServerSetup.build` (backend, data, test set, seeded init,
+anchors, public bank; its `evaluate` scores a round) and `client_context` (a client's training context). The
+engines differ only in where the sides run: `RunSetup.build` composes both in one process; the Flower server builds
+the server side, a Flower node the client side (with the dataset facts, `DataMeta`, and anchor seed the server
+sent); `flare fuse` and the LR probe build the server side and take the clients' samples from its data.
 """
 from __future__ import annotations
 
 import copy
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -31,6 +34,7 @@ from flare.models import FlareNet, create_model, load_checkpoint
 from flare.schedules import LRSchedule
 from flare.server.extras import ClientData, client_extras, extras_shapes
 from flare.server.rounds import Evaluation, carries_server_protos, evaluate_uploads, rules_for
+from flare.server.upload import Upload
 
 # ----------------------------------------------------------------------------------------------
 # device and precision
@@ -251,50 +255,141 @@ def make_train_context(cfg: Config, train_x: Tensor, train_y: Tensor, augment, a
 
 
 # ----------------------------------------------------------------------------------------------
+# the two sides of a run: what the server holds, what a client trains with
+
+
+@dataclass
+class ServerSetup:
+    """The server's side of a run: the backend, the dataset facts, the test set, the normalisation, the seeded
+    global init (`template`), the anchors, the augmentation, the public bank it sends and the public slice its
+    strategies read, each strategy's state and Plan B's G across rounds. Built by `build` alone — for the
+    in-process runner (inside `RunSetup`), the Flower server, `flare fuse` and the LR probe — and scored by
+    `evaluate` alone, so a run, a federation and a fuse evaluate one way."""
+
+    cfg: Config
+    backend: Backend
+    meta: DataMeta
+    norm: Callable[[Tensor], Tensor]
+    template: FlareNet
+    anchors: Tensor | None
+    augment: TwoViewAugment
+    bank: Tensor | None                # the public bank the clients contrast against (public-bank / two-stage)
+    test_x: Tensor | None              # on the device; None on a Flower server without the dataset
+    test_y: Tensor | None
+    public_x: Tensor | None            # the server's unlabeled public slice (dataset.public_size), on the device
+    data: ImageData | None             # the prepared dataset on the host, until a caller `take_data`s it
+    warnings: list[str]                # the backend's, and why a Flower server evaluates nothing
+    strategy_state: dict = field(default_factory=dict)  # each server strategy's own state across rounds
+    server_G: Tensor | None = None     # Plan B's G under protos_flow=reference (round 0: the anchors)
+
+    @classmethod
+    def build(cls, cfg: Config, dataset_meta: str | None = None, bank: bool = True) -> "ServerSetup":
+        """Every server piece, in a fixed order (the seeded init resets torch's generator; what follows draws from
+        it). `dataset_meta`: a DataMeta JSON file a Flower server without the dataset falls back to (it then
+        evaluates nothing). `bank=False` leaves the public bank out (its teacher trains on the public slice): fuse
+        and the LR probe send nothing to clients."""
+        be = backend(cfg)  # first: it pins the CPU kernels, and fails on a bad device before anything is loaded
+        device, warnings = be.device, list(be.warnings)
+        data, public = None, None
+        try:
+            data, public = prepare_data(cfg)
+            meta = DataMeta.from_data(data)
+        except FlareError as e:
+            if not dataset_meta:
+                raise
+            meta = DataMeta.from_json(Path(dataset_meta).read_text())
+            warnings.append(f"the server has no dataset ({e.message}); it evaluates nothing and uses the dataset "
+                            f"facts in {dataset_meta}.")
+        norm = normalizer(cfg, meta)
+        model = init_global_model(cfg, meta, device, channels_last=be.channels_last)
+        anchors = run_anchors(cfg, meta.num_classes, model.feature_dim, device)
+        augment = make_augment(cfg, meta, device)
+        pb = build_public_bank(cfg, public, model, augment, norm, device) if bank else None
+        test = (data.test_x.to(device), data.test_y.to(device)) if data is not None else (None, None)
+        s = cls(cfg, be, meta, norm, model, anchors, augment, pb, *test,
+                public[0].to(device) if public is not None else None, data, warnings)
+        if carries_server_protos(cfg):  # Plan B as the reference: round 0's target and G are the anchors
+            s.load_server_state({"G": anchors})
+        return s
+
+    def take_data(self) -> ImageData:
+        """The prepared dataset, handed over once: the caller takes the clients' samples from it (and the host
+        copy is not kept beside the device copies)."""
+        data, self.data = self.data, None
+        return data
+
+    def load_server_state(self, state: dict | None) -> None:
+        G = (state or {}).get("G")
+        self.server_G = G.detach().float().to(self.backend.device) if G is not None else None
+
+    def evaluate(self, r: int, uploads: list[Upload], models: list[torch.nn.Module],
+                 rules: tuple[str, ...] | None = None) -> Evaluation:
+        """Round r's evaluation checkpoint of `uploads` (`models[i]` holds `uploads[i].state`), with this server's
+        test set, anchors, G and strategy states; `rules`: only these strategies (fuse), else the round's own.
+        Plan B's new G is in the result: the caller decides whether the run carries it on."""
+        be = self.backend
+        return evaluate_uploads(self.cfg, r, uploads, models, self.anchors, self.test_x, self.test_y, self.norm,
+                                amp_dtype=be.amp_dtype, channels_last=be.channels_last, server_G=self.server_G,
+                                strategy_state=self.strategy_state, public_x=self.public_x, rules=rules)
+
+
+def client_context(cfg: Config, meta: DataMeta, be: Backend, feature_dim: int, train_x: Tensor, train_y: Tensor,
+                   bank: Tensor | None, anchor_seed: int | None = None) -> TrainContext:
+    """A client's side of a run: the training context over its samples (moved to the device), with the run's
+    augmentation, normalisation and anchors. In `flare run` one context over the whole training set that every
+    client indexes; on a Flower node its own samples, with the anchor seed and public bank the server sent."""
+    if cfg.loss.contrast in ("public-bank", "two-stage") and bank is None:
+        raise FlareError(f"loss.contrast={cfg.loss.contrast} needs the server's public bank, which did not arrive "
+                         "with the task.")
+    dev = be.device
+    anchors = run_anchors(cfg, meta.num_classes, feature_dim, dev, seed=anchor_seed)
+    return make_train_context(cfg, train_x.to(dev), train_y.to(dev), make_augment(cfg, meta, dev), anchors, dev,
+                              be.amp_dtype, be.channels_last, bank, plain=normalizer(cfg, meta))
+
+
+# ----------------------------------------------------------------------------------------------
 # the whole run, in one process
 
 
 @dataclass
 class RunSetup:
-    """Every piece of one in-process run, built in a fixed order (the order fixes the random numbers)."""
+    """One in-process run: the server's side, the split, and the training context every client shares."""
 
-    cfg: Config
-    device: torch.device
-    amp_dtype: torch.dtype | None
-    channels_last: bool
-    backend: Backend
+    server: ServerSetup
     partition: Partition
     partition_report: dict
-    global_model: FlareNet
-    anchors: Tensor | None
-    norm: Callable[[Tensor], Tensor]
     ctx: TrainContext
-    test_x: Tensor
-    test_y: Tensor
-    public_x: Tensor | None = None  # the server's unlabeled public slice (dataset.public_size), on the device
-    strategy_state: dict = field(default_factory=dict)  # each server strategy's own state across rounds
 
     @classmethod
     def build(cls, cfg: Config) -> "RunSetup":
-        be = backend(cfg)  # first: it pins the CPU kernels, and fails on a bad device before anything is loaded
-        device, amp_dtype, cl = be.device, be.amp_dtype, be.channels_last
-        data, public = prepare_data(cfg)
-        meta = DataMeta.from_data(data)
+        server = ServerSetup.build(cfg)
+        data = server.take_data()
         part = split(cfg, data.train_y, data.num_classes)
-        augment = make_augment(cfg, meta, device)
-        norm = normalizer(cfg, meta)
-        model = init_global_model(cfg, meta, device, channels_last=cl)
-        anchors = run_anchors(cfg, meta.num_classes, model.feature_dim, device)
-        bank = build_public_bank(cfg, public, model, augment, norm, device)
-        ctx = make_train_context(cfg, data.train_x.to(device), data.train_y.to(device), augment, anchors, device,
-                                 amp_dtype, cl, bank, plain=norm)
-        # The host copies of the data are not kept: ctx and test_x/test_y hold the device copies.
-        run = cls(cfg, device, amp_dtype, cl, be, part, describe_partition(cfg, part, data.classes), model,
-                  anchors, norm, ctx, data.test_x.to(device), data.test_y.to(device),
-                  public[0].to(device) if public is not None else None)
-        if carries_server_protos(cfg):  # Plan B as the reference: round 0's target and G are the anchors
-            run.load_server_state({"G": anchors})
+        ctx = client_context(cfg, server.meta, server.backend, server.template.feature_dim, data.train_x,
+                             data.train_y, server.bank)
+        run = cls(server, part, describe_partition(cfg, part, data.classes), ctx)
+        ctx.server_target = server.server_G
         return run
+
+    @property
+    def cfg(self) -> Config:
+        return self.server.cfg
+
+    @property
+    def backend(self) -> Backend:
+        return self.server.backend
+
+    @property
+    def device(self) -> torch.device:
+        return self.server.backend.device
+
+    @property
+    def anchors(self) -> Tensor | None:
+        return self.server.anchors
+
+    @property
+    def norm(self) -> Callable[[Tensor], Tensor]:
+        return self.server.norm
 
     # -- the server's state between rounds (Plan B's G under protos_flow=reference) ------------------
     def server_state(self) -> dict:
@@ -302,8 +397,9 @@ class RunSetup:
         return {"G": self.ctx.server_target.detach().cpu()} if self.ctx.server_target is not None else {}
 
     def load_server_state(self, state: dict | None) -> None:
-        G = (state or {}).get("G")
-        self.ctx.server_target = G.detach().float().to(self.device) if G is not None else None
+        """The server's G is the clients' target too (one tensor, in both)."""
+        self.server.load_server_state(state)
+        self.ctx.server_target = self.server.server_G
 
     def make_clients(self, warn: Callable[[str], None], note: Callable[[str], None]) -> list[Client]:
         """Every client with a deep copy of the global init; clients without samples are warned about (they are
@@ -319,8 +415,8 @@ class RunSetup:
                 note(f"note: client {i} holds {len(ix)} samples, fewer than batch_size={self.cfg.batch_size}; "
                      "it trains on one smaller batch per epoch.")
             ent = self.partition_report["clients"][i]["normalized_entropy"]
-            out.append(Client(i, torch.as_tensor(ix, device=self.device), copy.deepcopy(self.global_model), self.ctx,
-                              ent))
+            out.append(Client(i, torch.as_tensor(ix, device=self.device), copy.deepcopy(self.server.template),
+                              self.ctx, ent))
         return out
 
     def client_data(self, c: Client) -> ClientData:
@@ -331,12 +427,9 @@ class RunSetup:
 
     def evaluate(self, r: int, clients: list[Client]) -> Evaluation:
         names = rules_for(self.cfg, r)
-        asks = bool(extras_shapes(self.cfg, names, self.global_model))
+        asks = bool(extras_shapes(self.cfg, names, self.server.template))
         uploads = [c.upload(client_extras(self.cfg, names, self.client_data(c)) if asks else None) for c in clients]
-        ev = evaluate_uploads(self.cfg, r, uploads, [c.model for c in clients], self.anchors,
-                              self.test_x, self.test_y, self.norm, amp_dtype=self.amp_dtype,
-                              channels_last=self.channels_last, server_G=self.ctx.server_target,
-                              strategy_state=self.strategy_state, public_x=self.public_x)
+        ev = self.server.evaluate(r, uploads, [c.model for c in clients])
         if ev.server_G is not None:  # the clients align to it in the next round
             self.load_server_state({"G": ev.server_G})
         return ev

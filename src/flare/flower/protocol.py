@@ -1,9 +1,9 @@
 """The one-shot protocol on a node, engine-free: what the server sends (`Task`), a node's own data, and what a
 FLARE client does with a task. `client_app.py` wraps it in Flower's Message API; tests drive it directly.
 
-Same code paths as `flare run`: the client is `flare.client.trainer.Client`, built from `flare.setup` (training
-context, augmentation, anchors from the server's anchor seed), so a federation of the same config and seed
-computes the same numbers as the in-process runner.
+Same code paths as `flare run`: the client is `flare.client.trainer.Client` with the training context of
+`flare.setup.client_context` (augmentation, anchors from the server's anchor seed), so a federation of the same
+config and seed computes the same numbers as the in-process runner.
 """
 from __future__ import annotations
 
@@ -24,8 +24,7 @@ from flare.errors import FlareError
 from flare.models import create_model
 from flare.server.extras import ClientData, client_extras, extras_shapes
 from flare.server.rounds import evaluated_round, rules_for
-from flare.setup import (DataMeta, backend, make_augment, make_train_context, normalizer, prepare_data, run_anchors,
-                         split)
+from flare.setup import DataMeta, backend, client_context, prepare_data, split
 
 PROTOCOL_VERSION = 1
 
@@ -169,21 +168,15 @@ def client_train(task: Task, local: LocalData, init_state: dict[str, Tensor], re
     if local.num_samples == 0:
         return ClientResult(local.cid, 0, hist, None, [], None)
     be = backend(cfg, device)
-    dev, cl = be.device, be.channels_last
     model = create_model(cfg.model.name, meta.in_channels, meta.num_classes, cfg.model.width, head=cfg.head,
                          options=cfg.model.options)
     model.load_state_dict(init_state)
-    model = model.to(dev)
-    if cl:
+    model = model.to(be.device)
+    if be.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    augment = make_augment(cfg, meta, dev)
-    anchors = run_anchors(cfg, meta.num_classes, model.feature_dim, dev, seed=task.anchor_seed)
-    if cfg.loss.contrast in ("public-bank", "two-stage") and bank is None:
-        raise FlareError(f"loss.contrast={cfg.loss.contrast} needs the server's public bank, which did not arrive "
-                         "with the task.")
-    ctx = make_train_context(cfg, local.x.to(dev), local.y.to(dev), augment, anchors, dev, be.amp_dtype,
-                             cl, bank, plain=normalizer(cfg, meta))
-    client = Client(local.cid, torch.arange(local.num_samples, device=dev), model, ctx, local.normalized_entropy())
+    ctx = client_context(cfg, meta, be, model.feature_dim, local.x, local.y, bank, anchor_seed=task.anchor_seed)
+    client = Client(local.cid, torch.arange(local.num_samples, device=be.device), model, ctx,
+                    local.normalized_entropy())
     if resume is not None:
         client.load_state_dict(resume)
     if client.epochs_done != task.round_start * cfg.local_epochs:

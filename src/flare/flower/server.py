@@ -2,8 +2,8 @@
 evaluation checkpoint and the run directory. `server_app.py` wraps it in Flower's Message API; tests drive it
 directly and through Flower.
 
-The server builds what it sends (global init, anchor seed, public bank) and evaluates with the same functions as
-`flare run` (`flare.setup`), and writes the same run directory (through `flare.rundir.RunDir`, locked while it
+The server is built, and evaluates, exactly as `flare run`'s (`flare.setup.ServerSetup`: global init, anchor seed,
+public bank, test set), and writes the same run directory (through `flare.rundir.RunDir`, locked while it
 runs) plus federation.json and the saved global predictor.
 """
 from __future__ import annotations
@@ -16,10 +16,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from flare.client.lam import runaway_warnings
-from flare.client.terms.banks import build_public_bank
 from flare.config import Config, load_config
 from flare.data.partition import Partition
 from flare.errors import FlareError
@@ -30,10 +28,8 @@ from flare.rundata import RunData
 from flare.rundir import RunDir, config_differences
 from flare.server.upload import Upload, UploadSpec, validate_upload
 from flare.server.extras import extras_shapes
-from flare.server.rounds import (Evaluation, carries_server_protos, evaluate_uploads, evaluated_round, rules_for,
-                                 skipped_round_record)
-from flare.setup import (DataMeta, anchor_seed, backend, describe_partition, init_global_model, make_augment,
-                         normalizer, prepare_data, run_anchors)
+from flare.server.rounds import Evaluation, carries_server_protos, evaluated_round, rules_for, skipped_round_record
+from flare.setup import ServerSetup, anchor_seed, describe_partition
 
 MAX_RECORDS_BYTES = 4_000_000  # a client's per-round training logs, as JSON text
 
@@ -135,34 +131,15 @@ class ServerSession:
                                  and self.dir.read_state().get("status") == "finished")
         if self.finished_already:
             return
-        be = backend(cfg)
-        self.device, self.amp_dtype, self.channels_last = be.device, be.amp_dtype, be.channels_last
-        for w in be.warnings:
+        self.setup = ServerSetup.build(cfg, dataset_meta=fed.dataset_meta or None)
+        for w in self.setup.warnings:
             self._warn(w)
-        self.test_x = self.test_y = None
-        public = None
-        try:
-            data, public = prepare_data(cfg)
-            self.meta = DataMeta.from_data(data)
-            self.test_x, self.test_y = data.test_x.to(self.device), data.test_y.to(self.device)
-        except FlareError as e:
-            if not fed.dataset_meta:
-                raise
-            self.meta = DataMeta.from_json(Path(fed.dataset_meta).read_text())
-            self._warn(f"the server has no dataset ({e.message}); it evaluates nothing and uses the dataset "
-                       f"facts in {fed.dataset_meta}.")
-        meta = self.meta
-        self.norm = normalizer(cfg, meta)
-        self.template = init_global_model(cfg, meta, self.device)
+        self.setup.take_data()  # the clients' samples are on the nodes
+        self.meta, self.template, bank = self.setup.meta, self.setup.template, self.setup.bank
         self.init_state = {k: v.detach().cpu().clone() for k, v in self.template.state_dict().items()}
         self.anchor_seed = anchor_seed(cfg)
-        self.anchors = run_anchors(cfg, meta.num_classes, self.template.feature_dim, self.device)
-        self.strategy_state: dict = {}  # each server strategy's own state across rounds
-        bank = build_public_bank(cfg, public, self.template, make_augment(cfg, meta, self.device), self.norm,
-                                 self.device)
         self.bank = bank.cpu() if bank is not None else None
-        self.public_x = public[0].to(self.device) if public is not None else None  # for data-using strategies
-        self.spec = UploadSpec.from_model(self.template, meta.num_classes)
+        self.spec = UploadSpec.from_model(self.template, self.meta.num_classes)
         protos = getattr(self.template, "prototypes", None)
         self.proto_key = next((k for k, p in self.template.named_parameters() if p is protos), None)
         self.node_client: dict[int, int] = {}   # node id -> client id (fixed by its first reply)
@@ -290,15 +267,11 @@ class ServerSession:
         t0 = time.perf_counter()
         models = []
         for u in uploads:
-            m = copy.deepcopy(self.template)
+            m = copy.deepcopy(self.template)  # in the backend's layout already
             m.load_state_dict(u.state)
-            if self.channels_last:
-                m = m.to(memory_format=torch.channels_last)
-            models.append(m.to(self.device))
+            models.append(m)
         if evaluated_round(self.cfg, round_idx):
-            ev = evaluate_uploads(self.cfg, round_idx, uploads, models, self.anchors, self.test_x, self.test_y,
-                                  self.norm, amp_dtype=self.amp_dtype, channels_last=self.channels_last,
-                                  strategy_state=self.strategy_state, public_x=self.public_x)
+            ev = self.setup.evaluate(round_idx, uploads, models)
             rec, self.last = ev.record, ev
         else:  # eval.every: the last round is always evaluated, so self.last ends as the final predictor
             rec = skipped_round_record(self.cfg, round_idx)
@@ -344,7 +317,7 @@ class ServerSession:
                 self._warn(saved)
         self.dir.write_state("finished", self.cfg.rounds, self.warnings, self.cfg.model_dump(mode="json"))
         write_run_report(self.out)
-        if self.test_x is None:  # nothing was scored
+        if self.setup.test_x is None:  # nothing was scored
             return {"method": self.cfg.method, "primary": self.last.record["primary"], "acc": None,
                     "rounds": len(self.blocks())}
         return RunData.load(self.out).summary()

@@ -1,7 +1,7 @@
 """The server's evaluation checkpoint (docs/method.md#server-rules, #metrics), engine-free: which strategies a round
 scores, the global prototypes, every strategy's predictor scored in one test pass, and the round's diagnostics. The
-in-process runner (setup.RunSetup), the Flower server and `flare fuse` call these functions, so a round is evaluated
-one way.
+in-process runner (setup.RunSetup), the Flower server and `flare fuse` call these through
+`setup.ServerSetup.evaluate`, so a round is evaluated one way.
 """
 from __future__ import annotations
 
@@ -101,13 +101,15 @@ def eval_options(cfg: Config, r: int, amp_dtype=None, channels_last: bool = Fals
 def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[torch.nn.Module],
                      anchors: Tensor | None, test_x: Tensor | None, test_y: Tensor | None, norm, *,
                      amp_dtype=None, channels_last: bool = False, server_G: Tensor | None = None,
-                     strategy_state: dict | None = None, public_x: Tensor | None = None) -> Evaluation:
+                     strategy_state: dict | None = None, public_x: Tensor | None = None,
+                     rules: tuple[str, ...] | None = None) -> Evaluation:
     """One evaluation checkpoint (docs/method.md#server-rules) from the uploads alone: global prototypes, every fusion
     rule scored on the test set (skipped when `test_x` is None: a server without a test set), diagnostics. `models[i]`
     holds `uploads[i].state` (the in-process runner passes the live client models). `server_G`: the G Plan B continues
     from under protos_flow=reference (the anchors in round 0). `strategy_state`: name → each strategy's own state,
     kept by the caller across rounds. `uploads[i].extras` carry the statistics the strategies asked for
-    (server/extras.py); `public_x` is the server's unlabeled public slice, when the run has one."""
+    (server/extras.py); `public_x` is the server's unlabeled public slice, when the run has one. `rules`: the
+    strategies to score (`flare fuse`'s one), else the round's own (`rules_for`)."""
     t0 = time.perf_counter()
     weights = aggregation_weights([u.num_samples for u in uploads], cfg.server.weights)
     protos = [u.prototypes for u in uploads if u.prototypes is not None]
@@ -122,7 +124,9 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
         m.eval()
     shape = tuple(int(s) for s in test_x.shape[1:]) if test_x is not None else None
     # without a test set only the primary is built: it is what a Flower server saves as the run's predictor
-    names = rules_for(cfg, r) if test_x is not None else tuple(n for n in rules_for(cfg, r) if n == prim)
+    names = rules if rules is not None else rules_for(cfg, r)
+    if test_x is None:
+        names = tuple(n for n in names if n == prim)
     preds = {n: make_strategy(cfg, n).predictor(ServerContext(
         cfg, r, uploads, models, weights, G, anchors, states.setdefault(n, {}), own_extras(uploads, n), public_x,
         norm, shape)) for n in names}
