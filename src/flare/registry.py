@@ -28,8 +28,8 @@ from flare.errors import FlareError, KeyedValueError
 # The modules that register the built-in parts (imported on the first lookup of any registry).
 BUILTIN_MODULES = ("flare.models", "flare.schedules", "flare.data.datasets", "flare.data.partition",
                    "flare.client.terms.align", "flare.client.lam", "flare.client.surgery", "flare.client.objective",
-                   "flare.client.terms.banks", "flare.client.terms.extra", "flare.server.strategy",
-                   "flare.baselines")
+                   "flare.client.terms.banks", "flare.client.terms.extra", "flare.client.trainer",
+                   "flare.client.batched", "flare.server.strategy", "flare.baselines")
 ENTRY_POINT_GROUP = "flare.plugins"
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
@@ -149,6 +149,9 @@ CONTRAST = Registry("contrast bank", "loss.contrast")
 OBJECTIVES = Registry("local objective", "loss.objective")
 LOSS_TERMS = Registry("loss term", "loss.terms")
 STRATEGIES = Registry("server strategy", "server.primary")
+# The client engines (`client_engine`, a closed choice: not a plugin point, so not in REGISTRIES): each engine's
+# class states what it cannot run with `check(cfg)`, which the config's validation calls.
+CLIENT_ENGINES = Registry("client engine", "client_engine")
 REGISTRIES = {"models": MODELS, "datasets": DATASETS, "partitions": PARTITIONS, "anchors": ANCHORS,
               "lam-providers": LAM_PROVIDERS, "schedules": SCHEDULES, "surgery": SURGERY, "contrast": CONTRAST,
               "objectives": OBJECTIVES, "loss-terms": LOSS_TERMS, "strategies": STRATEGIES}
