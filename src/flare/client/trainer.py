@@ -2,7 +2,9 @@
 
 The trainer never asks "is this V7?": it composes the parts the config picked — the objective's terms,
 the anchors and their target, a λ provider, gradient surgery, a contrast extension — and logs every
-named loss as it is. Data stays on the training device; a batch is a gather by index.
+named loss as it is. Data stays on the training device; a batch is a gather by index. What a client does in a
+round — its random streams, batch order, per-step progress and lr, views, and how its logs are summed and averaged
+— is its `RoundPlan` (client/plan.py), the plan the batched engine runs too.
 """
 from __future__ import annotations
 
