@@ -94,14 +94,15 @@ def test_batched_engine_names_a_part_it_cannot_vmap(tmp_path):
 
 
 def test_batched_engine_refuses_a_lam_provider_with_its_own_step(tmp_path):
-    from flare.client.lam import LamProvider, batched_unsupported
+    from flare.client.batched import BatchedClients
+    from flare.client.lam import LamProvider
 
     class Stepping(LamProvider):
         def step(self):
             self.lambda0 *= 0.9
 
-    assert "step()" in batched_unsupported(Stepping(0.5))
-    assert batched_unsupported(LamProvider(0.5)) is None
+    assert "step()" in BatchedClients.lam_unsupported(Stepping(0.5))
+    assert BatchedClients.lam_unsupported(LamProvider(0.5)) is None
 
 
 def test_flare_run_with_a_plugin(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from flare.client.plan import progress_at
 from flare.client.terms.align import align_target
 from flare.config import build_config, load_config
 from flare.config.protocol import ITEMS, ITEM_KEYS, protocol_label
@@ -351,17 +352,12 @@ def test_round_reset_keeps_lambda_constant_with_one_epoch_and_the_v8_target_at_p
     # V8: the target's progress restarts every round: j/E with j the epoch in the round (E = 1: always P⁰)
     cfg = load_config(None, "progressive", ov + ["protocol=reference", "local_epochs=2"])
     setup = RunSetup.build(cfg)
-    c = setup.make_clients(lambda m: None, lambda m: None)[0]
-    c.epochs_done = 4  # round 2 of 3
-    assert c.progress_at(setup.ctx, 0, 0, 1)[1] == 0.0 and c.progress_at(setup.ctx, 1, 0, 1)[1] == 0.5
-    P0, A = c.initial_prototypes, setup.anchors
+    assert progress_at(cfg, 0, 0, 1, 4)[1] == 0.0 and progress_at(cfg, 1, 0, 1, 5)[1] == 0.5  # round 2 of 3
+    P0, A = setup.make_clients(lambda m: None, lambda m: None)[0].initial_prototypes, setup.anchors
     assert torch.equal(align_target(A, "progressive", 0.0, P0), P0)
     e1 = load_config(None, "progressive", ov + ["protocol=reference"])
-    s1 = RunSetup.build(e1)
-    c1 = s1.make_clients(lambda m: None, lambda m: None)[0]
     for done in range(3):
-        c1.epochs_done = done
-        assert c1.progress_at(s1.ctx, 0, 0, 1)[1] == 0.0
+        assert progress_at(e1, 0, 0, 1, done)[1] == 0.0
 
 
 def test_epoch_end_progress_logs_s_equal_one_minus_r_plus_one_over_r(tiny_overrides, tmp_path):

@@ -48,8 +48,8 @@ if TYPE_CHECKING:  # the signatures' types only: the modules that define them im
 # The modules that register the built-in parts (imported on the first lookup of any registry).
 BUILTIN_MODULES = ("flare.models", "flare.schedules", "flare.data.datasets", "flare.data.partition",
                    "flare.client.terms.align", "flare.client.lam", "flare.client.surgery", "flare.client.objective",
-                   "flare.client.terms.banks", "flare.client.terms.extra", "flare.server.rules",
-                   "flare.baselines")
+                   "flare.client.terms.banks", "flare.client.terms.extra", "flare.client.trainer",
+                   "flare.client.batched", "flare.server.rules", "flare.baselines")
 ENTRY_POINT_GROUP = "flare.plugins"
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
@@ -123,6 +123,12 @@ class LossTermFn(Protocol):
 class StrategyClass(Protocol):
     """A `flare.server.strategy.Strategy` subclass, built once per run and asked for a predictor per evaluation."""
     def __call__(self, cfg: Config, options: BaseModel | None) -> Strategy: ...
+
+
+class ClientEngineClass(Protocol):
+    """A client engine (client/trainer.py's Client, client/batched.py's BatchedClients): `check(cfg)` refuses what the
+    engine cannot run."""
+    check: Callable[[Config], None]
 
 
 CheckFn = Callable[["Config"], None]  # raises a FlareError naming the key when the config cannot serve the part
@@ -322,6 +328,9 @@ CONTRAST = Registry("contrast bank", "loss.contrast", ContrastBankFn)
 OBJECTIVES = Registry("local objective", "loss.objective", ObjectiveEntry)
 LOSS_TERMS = Registry("loss term", "loss.terms", LossTermFn, default_options=TermOptions)
 STRATEGIES = Registry("server strategy", "server.primary", StrategyClass)
+# The client engines (`client_engine`, a closed choice: not a plugin point, so not in REGISTRIES): each engine's
+# class states what it cannot run with `check(cfg)`, which the config's validation calls.
+CLIENT_ENGINES = Registry("client engine", "client_engine", ClientEngineClass)
 REGISTRIES = {"models": MODELS, "datasets": DATASETS, "partitions": PARTITIONS, "anchors": ANCHORS,
               "lam-providers": LAM_PROVIDERS, "schedules": SCHEDULES, "surgery": SURGERY, "contrast": CONTRAST,
               "objectives": OBJECTIVES, "loss-terms": LOSS_TERMS, "strategies": STRATEGIES}

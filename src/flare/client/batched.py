@@ -8,29 +8,30 @@ grouped convolution; BatchNorm updates each client's own running statistics, sin
 then a per-client functional SGD updates the stack. `compile=true` wraps the vmapped step and the update with
 `torch.compile`.
 
-The same math per client as `Client.train_round` (tests/test_batched.py holds the two to float tolerance on CPU):
+Each client runs its own round plan (`client/plan.py`: its streams, batch order, per-step clock, progress and lr,
+the plain-view test, and the step logs' sums and averages), the plan `Client.train_round` runs, so the two engines
+compute the same math per client (tests/test_batched.py holds them to float tolerance on CPU):
 
-* every client draws its batch order from its own order generator and its augmentation from its own
-  `RngStreams`, exactly as in sequential mode: the augmentation runs per client under that client's streams, and
-  only its views are stacked, so the draws match one for one;
+* each client's augmentation runs under its own streams and only its views are stacked, so the draws match one
+  for one;
 * clients hold different sample counts: at global step t only the clients that still have a batch take part, and
   clients whose batch sizes differ (a ragged last batch) are never mixed in one vmapped call — a step makes one
   call per batch size present;
-* per client: its lr schedule, its λ (λ0·a(p), fixed or from the entropy rule, or the decoupled learner with its
-  own σ and σ-SGD), its own global gradient norm for clipping, and SGD with momentum and weight decay computed as
-  `torch.optim.SGD` computes them (a fresh momentum buffer is a zero buffer: 0·m + g is g exactly).
+* per client: its lr, its λ (λ0·a(p), fixed or from the entropy rule, or the learner with its own σ, stepped by
+  `lam.sigma_sgd` as `LamLearner.step` steps it), its own global gradient norm for clipping, and SGD with momentum
+  and weight decay computed as `torch.optim.SGD` computes them (a fresh momentum buffer is a zero buffer: 0·m + g
+  is g exactly).
 
 The clients stay the home of every state: the stack is built from their models, optimizers and λ providers when a
 round starts and written back when it ends, so uploads, evaluation, checkpoints (`Client.state_dict`) and resume
 are those of the sequential engine. No host sync per step: a round's per-step numbers (lr, λ strength) are one
 table copied to the device once, and the step logs are summed on the device and read once per round. What the
-engine does not implement fails at config validation (`Config.batched_engine_blockers`); channels_last is not
-used (vmap cannot query an NHWC layout).
+engine does not implement it states itself (`BatchedClients.check`, `BatchedClients.lam_unsupported`);
+channels_last is not used (vmap cannot query an NHWC layout).
 """
 from __future__ import annotations
 
 import copy
-import math
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -39,73 +40,106 @@ from torch import Tensor
 from torch.func import functional_call, stack_module_state
 from torch.profiler import record_function
 
-from flare.client.lam import batched_unsupported
+from flare.client.lam import LamLearner, LamProvider, sigma_sgd
+from flare.client.plan import RoundLogs, RoundPlan
 from flare.client.step import local_loss
-from flare.client.trainer import Client, StepLogs, TrainContext
-from flare.errors import FlareError
-from flare.rng import RngStreams, augmentation_generators, derived_seed
+from flare.client.trainer import Client, TrainContext
+from flare.config import Config
+from flare.errors import FlareError, KeyedValueError
+from flare.registry import CLIENT_ENGINES
 
 
-class RoundPlan:
-    """Who trains on what at each global step of one round: per client its steps, batch slices, lr and λ strength.
+class _StepTable:
+    """The clients' round plans laid side by side by global step: at its step t client i is at `plans[i].steps[t]`,
+    so clients in different epochs at the same t keep their own progress. Per step one row of lr, λ strength and
+    which log row and epoch step each client writes, copied to the device once per round."""
 
-    Client i has `spe_i = ceil(n_i / B)` steps per epoch and `E·spe_i` steps in the round; at its step t it is in
-    epoch `t // spe_i` at batch `t % spe_i`, exactly as its own loop in `Client.train_round` would be."""
-
-    def __init__(self, clients: list[Client], ctx: TrainContext, round_idx: int):
-        cfg = ctx.cfg
-        B, E = cfg.batch_size, cfg.local_epochs
-        self.B, self.E = B, E
-        self.n = [c.num_samples for c in clients]
-        # steps per epoch as the client's own loop counts them: floor(n/B) with drop_last (n < B: no step)
-        self.spe = [n // B if cfg.drop_last else math.ceil(n / B) for n in self.n]
-        self.steps = [E * s for s in self.spe]
-        self.T = max(self.steps)
-        K = len(clients)
-        # the batch orders: E permutations per client from its order generator, as its own loop draws them
-        self.perms = []
-        for c in clients:
-            gen = torch.Generator().manual_seed(derived_seed(cfg.seed, round_idx, c.cid, 2))
-            self.perms.append(torch.cat([torch.randperm(c.num_samples, generator=gen) for _ in range(E)])
-                              .to(c.indices.device))
+    def __init__(self, plans: list[RoundPlan], clients: list[Client], ctx: TrainContext):
+        self.plans = plans
+        self.T = max(len(pl.steps) for pl in plans)
+        K, E = len(plans), ctx.cfg.local_epochs
         lr = [[0.0] * K for _ in range(self.T)]
         strength = [[0.0] * K for _ in range(self.T)]
         rows = [[0] * K for _ in range(self.T)]
         batch = [[0] * K for _ in range(self.T)]
-        self.last_lr = [cfg.base_lr] * K
-        for i, c in enumerate(clients):
-            for t in range(self.steps[i]):
-                e, b = divmod(t, self.spe[i])
-                epochs = c.epochs_done + e
-                lr[t][i] = ctx.lr_schedule(epochs + b / self.spe[i], round_idx)
-                strength[t][i] = c.lam.strength(c.progress_at(ctx, e, b, self.spe[i], epochs)[0])
-                rows[t][i], batch[t][i] = i * E + e, b
-            if self.steps[i]:
-                self.last_lr[i] = lr[self.steps[i] - 1][i]
+        for i, (pl, c) in enumerate(zip(plans, clients)):
+            for t, s in enumerate(pl.steps):
+                lr[t][i], strength[t][i] = s.lr, c.lam.strength(s.p)
+                rows[t][i], batch[t][i] = i * E + s.epoch, s.batch
         dev = ctx.device
-        self.lr = torch.tensor(lr, dtype=torch.float32).to(dev)                  # T×K, one copy per round
-        self.strength = torch.tensor(strength, dtype=torch.float32).to(dev)      # T×K
-        self.rows = torch.tensor(rows, dtype=torch.long).to(dev)                  # T×K: client-epoch row of the logs
-        self.batch = torch.tensor(batch, dtype=torch.long).to(dev)                # T×K: step within the epoch
+        self.lr = torch.tensor(lr, dtype=torch.float32).to(dev)              # T×K
+        self.strength = torch.tensor(strength, dtype=torch.float32).to(dev)  # T×K
+        self.rows = torch.tensor(rows, dtype=torch.long).to(dev)              # T×K: the client-epoch row of the logs
+        self.batch = torch.tensor(batch, dtype=torch.long).to(dev)            # T×K: the step within the epoch
 
     def groups(self, t: int) -> dict[int, list[int]]:
         """Batch size → the clients (positions) that train at global step t with batches of that size."""
         out: dict[int, list[int]] = {}
-        for i, (n, spe) in enumerate(zip(self.n, self.spe)):
-            if t < self.steps[i]:
-                size = min(self.B, n - (t % spe) * self.B)
-                out.setdefault(size, []).append(i)
+        for i, pl in enumerate(self.plans):
+            if t < len(pl.steps):
+                out.setdefault(pl.size(t), []).append(i)
         return out
 
-    def batch_positions(self, i: int, t: int) -> Tensor:
-        """Client i's permuted positions of its batch at step t (a slice: no copy, no sync)."""
-        e, b = divmod(t, self.spe[i])
-        n = self.n[i]
-        return self.perms[i][e * n + b * self.B: e * n + min((b + 1) * self.B, n)]
 
-
+@CLIENT_ENGINES.register("batched")
 class BatchedClients:
-    """Trains `clients` (all active clients of a run, in a fixed order) one round at a time as one batched program."""
+    """Trains `clients` (all active clients of a run, in a fixed order) one round at a time as one batched program.
+
+    What it cannot run is stated here, beside the code that would have to run it: settings (`check`, which the
+    config's validation calls, so a run fails before any data is read) and λ providers (`lam_unsupported`, when
+    the engine is built); a loss term that cannot be vmapped fails at its first step (`_vmap_errors`)."""
+
+    @staticmethod
+    def blockers(cfg: Config) -> list[tuple[str, object]]:
+        """(key, value) of every setting of `cfg` the engine does not implement, and why (docs/performance.md):
+        gradient surgery needs each client's two gradients apart, the engine takes one backward of all clients'
+        summed loss; the contrast banks are per-client queues rewritten after every step; a moving alignment
+        target starts from each client's own initial prototypes at its own progress (the engine plans strengths
+        only); SGDR's momentum reset and Plan B's carried G change state between steps or rounds the stack does
+        not hold."""
+        out: list[tuple[str, object]] = []
+        if cfg.align.surgery != "none":
+            out.append(("align.surgery", cfg.align.surgery))
+        if cfg.loss.contrast != "none":
+            out.append(("loss.contrast", cfg.loss.contrast))
+        if cfg.align.anchors != "none" and cfg.align.target != "fixed":
+            out.append(("align.target", cfg.align.target))
+        if cfg.lr_schedule.kind == "sgdr" and cfg.lr_schedule.reset_momentum:
+            out.append(("lr_schedule.reset_momentum", True))
+        if cfg.server.protos == "trainable" and cfg.server.protos_flow != "spec":
+            out.append(("server.protos_flow", cfg.server.protos_flow))
+        return out
+
+    @classmethod
+    def check(cls, cfg: Config) -> None:
+        """Refuse a config with a setting the engine does not implement, naming the first one and the way out."""
+        blocked = cls.blockers(cfg)
+        if blocked:
+            key, value = blocked[0]
+            raise KeyedValueError(key, f"client_engine=batched does not support {key}={value} (it trains "
+                                  "every client as one vmapped program; docs/performance.md lists what it runs "
+                                  f"and why this is not among it); use client_engine=sequential (or threads) "
+                                  f"for {key}={value}")
+
+    @staticmethod
+    def lam_unsupported(provider: LamProvider) -> str | None:
+        """Why the engine cannot run `provider`, or None. It plans a round's `strength(p)` ahead, calls
+        `weigh(base, align, strength, state)` under vmap with the clients' stacked `sigma_state()`, and updates σ
+        with `sigma_sgd` at the provider's optimizer lr (what `LamLearner.step` does); a provider whose step is more
+        than that (its own `__call__` or `step`, or an optimizer with momentum) needs the sequential engine."""
+        cls = type(provider)
+        if cls.__call__ is not LamProvider.__call__:
+            return f"{cls.__name__} overrides __call__ (the engine calls strength() and weigh())"
+        if provider.sigma_state():
+            opt = getattr(provider, "optimizer", None)
+            if not isinstance(opt, torch.optim.SGD) or any(g.get("momentum") or g.get("weight_decay")
+                                                           for g in opt.param_groups):
+                return f"{cls.__name__} has σ parameters without a plain SGD optimizer (the engine's σ update)"
+            if cls.step is not LamLearner.step:
+                return f"{cls.__name__} overrides step() (the engine updates σ itself)"
+        elif cls.step is not LamProvider.step:
+            return f"{cls.__name__} overrides step() (the engine never calls it)"
+        return None
 
     def __init__(self, clients: list[Client], ctx: TrainContext, compile: bool = False):
         if not clients:
@@ -117,7 +151,7 @@ class BatchedClients:
         self.template = copy.deepcopy(clients[0].model)
         self.proto_name = "head.prototypes" if self.template.prototypes is not None else None
         self.lam = clients[0].lam  # the λ arithmetic (its coefficients are the config's, the same for every client)
-        why = batched_unsupported(self.lam)
+        why = self.lam_unsupported(self.lam)
         if why:
             raise FlareError(f"client_engine=batched cannot run the λ provider lam.learner={self.cfg.lam.learner}: "
                              f"{why}.", key="lam.learner",
@@ -149,11 +183,10 @@ class BatchedClients:
     def train_round(self, round_idx: int, on_step=None) -> list[dict]:
         cfg, ctx, clients = self.cfg, self.ctx, self.clients
         t0 = time.perf_counter()
-        K, E = len(clients), cfg.local_epochs
-        plan = RoundPlan(clients, ctx, round_idx)
-        gens = augmentation_generators(ctx.device)
-        streams = [RngStreams(gens, [derived_seed(cfg.seed, round_idx, c.cid, 1, *([k] if k else []))
-                                     for k in range(len(gens))]) for c in clients]
+        K = len(clients)
+        plans = [RoundPlan(c, ctx, round_idx) for c in clients]
+        table = _StepTable(plans, clients, ctx)
+        logs = RoundLogs([c.cid for c in clients], cfg.local_epochs, round_idx, ctx.device)
         params, buffers = stack_module_state([c.model for c in clients])
         names = list(params)
         momentum = cfg.optim.momentum
@@ -161,22 +194,18 @@ class BatchedClients:
         sigma = tuple(torch.stack([s.detach() for s in ss]).requires_grad_()
                       for ss in zip(*(c.lam.sigma_state() for c in clients)))
         sigma_lr = clients[0].lam.optimizer.param_groups[0]["lr"] if sigma else 0.0
-        keys: list[str] | None = None
-        sums = first_bad = None
-        for t in range(plan.T):
-            groups = plan.groups(t)
+        for t in range(table.T):
+            groups = table.groups(t)
             for p in params.values():
                 p.grad = None
-            for s in sigma:
-                s.grad = None
             for size, members in groups.items():
                 gi = None if len(members) == K else self._gidx(members, params[names[0]].device)
-                imgs, y2 = self._views(plan, streams, members, t)
+                imgs, y2 = self._views(plans, members, t)
                 pick = (lambda v: v) if gi is None else (lambda v: v.index_select(0, gi))
                 b_g = buffers if gi is None else {n: pick(v) for n, v in buffers.items()}
                 with record_function("flare.forward_loss"), _vmap_errors(self.cfg):
-                    total, logs = self._step({n: pick(v) for n, v in params.items()}, b_g,
-                                             tuple(pick(s) for s in sigma), pick(plan.strength[t]), imgs, y2)
+                    total, step_logs = self._step({n: pick(v) for n, v in params.items()}, b_g,
+                                                  tuple(pick(s) for s in sigma), pick(table.strength[t]), imgs, y2)
                 self.calls += 1
                 with record_function("flare.backward"):
                     total.sum().backward()
@@ -184,12 +213,7 @@ class BatchedClients:
                     with torch.no_grad():
                         for n, v in buffers.items():
                             v.index_copy_(0, gi, b_g[n])
-                if keys is None:
-                    keys = list(logs)
-                    sums = torch.zeros(K * E, len(keys), device=ctx.device)
-                    first_bad = torch.full((K * E, len(keys)), -1, dtype=torch.long, device=ctx.device)
-                _add_logs(sums, first_bad, torch.stack([logs[k].float() for k in keys], dim=1),
-                          pick(plan.rows[t]), pick(plan.batch[t]))
+                logs.add(step_logs, pick(table.rows[t]), pick(table.batch[t]))
                 if on_step is not None:
                     for _ in members:
                         on_step()
@@ -202,31 +226,21 @@ class BatchedClients:
                     raise RuntimeError(f"batched clients: parameters without a gradient: {missing}")
                 with torch.no_grad():
                     plist = [params[n] for n in names]
-                    new_p, new_b = self._update(plist, grads, bufs, plan.lr[t], mask, cfg.optim.grad_clip,
+                    new_p, new_b = self._update(plist, grads, bufs, table.lr[t], mask, cfg.optim.grad_clip,
                                                 momentum, cfg.optim.weight_decay)
                     torch._foreach_copy_(plist, new_p)
                     if bufs is not None:
                         torch._foreach_copy_(bufs, new_b)
-                    for s in sigma:  # the σ-SGD of the λ learner (no momentum, no clipping)
-                        _masked_set(s, s - sigma_lr * s.grad, mask)
-        return self._finish(round_idx, plan, params, buffers, bufs, sigma, keys, sums, first_bad,
-                            time.perf_counter() - t0)
+                sigma_sgd(sigma, sigma_lr, mask)  # the λ learner's σ step, as `LamLearner.step` takes it
+        logs.close(range(K * cfg.local_epochs))  # one device read; stops at the first diverged client-epoch
+        return self._finish(plans, params, buffers, bufs, sigma, logs, time.perf_counter() - t0)
 
-    def _finish(self, round_idx, plan, params, buffers, bufs, sigma, keys, sums, first_bad, seconds) -> list[dict]:
-        """Judge and sum the round's logs (one device read), then write every state back into its client."""
+    def _finish(self, plans, params, buffers, bufs, sigma, logs: RoundLogs, seconds: float) -> list[dict]:
+        """Write every state back into its client, and its record."""
         cfg, ctx = self.cfg, self.ctx
-        E = cfg.local_epochs
-        sums, first_bad = (sums.cpu(), first_bad.cpu()) if keys is not None else (None, None)
-        round_sums = []
-        for i, c in enumerate(self.clients):
-            acc: dict[str, float] = {}
-            for e in range(E if keys is not None else 0):  # no step at all this round (drop_last, n < B)
-                for k, v in StepLogs.of(keys, sums[i * E + e], first_bad[i * E + e]).finish(c.cid, round_idx).items():
-                    acc[k] = acc.get(k, 0.0) + v
-            round_sums.append(acc)
         records = []
         with torch.no_grad():
-            for i, c in enumerate(self.clients):
+            for i, (c, plan) in enumerate(zip(self.clients, plans)):
                 for n, p in c.model.named_parameters():
                     p.copy_(params[n][i])
                 for n, b in c.model.named_buffers():
@@ -234,15 +248,14 @@ class BatchedClients:
                 if c.optimizer is None or cfg.optim.reset_each_round:
                     c.optimizer = c._make_optimizer()
                 for g in c.optimizer.param_groups:
-                    g["lr"] = plan.last_lr[i]
+                    g["lr"] = plan.last_lr
                 if bufs is not None:
                     for (n, p), buf in zip(c.model.named_parameters(), bufs):
                         c.optimizer.state[p]["momentum_buffer"] = buf[i].clone()
                 for own, stacked in zip(c.lam.sigma_state(), sigma):
                     own.copy_(stacked[i])
-                c.epochs_done += E
-                records.append(c.round_record(ctx, round_idx, plan.last_lr[i], plan.steps[i], round_sums[i],
-                                              seconds))
+                c.epochs_done += plan.E
+                records.append(c.round_record(ctx, plan, logs.means(i, len(plan.steps)), seconds))
         return records
 
     # -- helpers ---------------------------------------------------------------------------------------------
@@ -271,24 +284,15 @@ class BatchedClients:
                 self.ctx.device)
         return self._index[key]
 
-    def _views(self, plan: RoundPlan, streams: list[RngStreams], members: list[int], t: int) -> tuple[Tensor, Tensor]:
-        """Each member's two views, drawn from its own streams as in sequential mode, stacked: K×2B×C×H×W (the
-        reference's CE baselines, `loss.ce_input=plain`: one un-augmented view, K×B×C×H×W, as `Client._step`)."""
-        ctx = self.ctx
-        plain = self.cfg.loss.objective == "ce" and self.cfg.loss.ce_input == "plain"
+    def _views(self, plans: list[RoundPlan], members: list[int], t: int) -> tuple[Tensor, Tensor]:
+        """Each member's step-t input and labels from its own plan (`RoundPlan.views`: its own streams, or the plain
+        view), stacked: k×2B×C×H×W (plain: k×B×C×H×W)."""
         views, labels = [], []
         with record_function("flare.augment"):
             for i in members:
-                idx = self.clients[i].indices[plan.batch_positions(i, t)]
-                xb, yb = ctx.train_x[idx], ctx.train_y[idx]
-                if plain:
-                    views.append(ctx.plain(xb))
-                    labels.append(yb)
-                    continue
-                with streams[i].active():
-                    v1, v2 = ctx.augment(xb)
-                views.append(torch.cat([v1, v2]))
-                labels.append(torch.cat([yb, yb]))
+                v, y = plans[i].views(self.ctx, t)
+                views.append(v)
+                labels.append(y)
         return torch.stack(views), torch.stack(labels)
 
 
@@ -307,22 +311,6 @@ def _vmap_errors(cfg):
                          key=f"loss.terms.{next(iter(cfg.loss.terms))}" if cfg.loss.terms else "lam.learner",
                          fix="use client_engine=sequential (or threads), or write the part without .item() and "
                              "data-dependent branches.") from None
-
-
-def _add_logs(sums: Tensor, first_bad: Tensor, v: Tensor, rows: Tensor, batch: Tensor) -> None:
-    """Add one call's step logs (k×n_keys) to their clients' epoch rows, and note where an entry first went
-    non-finite (the step within the epoch, as `StepLogs.add` does)."""
-    sums.index_add_(0, rows, v)
-    cur = first_bad.index_select(0, rows)
-    first_bad.index_copy_(0, rows, torch.where(~torch.isfinite(v) & (cur < 0), batch[:, None], cur))
-
-
-def _masked_set(dst: Tensor, new: Tensor, mask: Tensor | None) -> None:
-    """dst ← new for the clients that took part in the step (all when `mask` is None)."""
-    if mask is None:
-        dst.copy_(new)
-    else:
-        dst.copy_(torch.where(mask.view((-1,) + (1,) * (dst.dim() - 1)), new, dst))
 
 
 def _sgd_update(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor] | None, lr: Tensor,

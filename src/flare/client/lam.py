@@ -190,8 +190,7 @@ class LamLearner(LamProvider):
 
     def step(self) -> None:
         """One σ step with the gradient the trainer's single backward left on s_l, s_a; then clear it."""
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        sigma_sgd(self.sigma_state(), self.optimizer.param_groups[0]["lr"])
 
     def state_logs(self) -> dict[str, float]:
         s_l, s_a = self.s_l.item(), self.s_a.item()
@@ -214,24 +213,19 @@ class LamLearner(LamProvider):
             self.optimizer.load_state_dict(state["optimizer"])
 
 
-def batched_unsupported(provider: LamProvider) -> str | None:
-    """Why the batched engine cannot run `provider`, or None. That engine plans a round's `strength(p)` ahead, calls
-    `weigh(base, align, strength, state)` under vmap with the clients' stacked `sigma_state()`, and updates σ by
-    plain SGD at the provider's optimizer lr (what `LamLearner.step` does); a provider whose step is more than that
-    (its own `__call__` or `step`, or an optimizer with momentum) needs the sequential engine."""
-    cls = type(provider)
-    if cls.__call__ is not LamProvider.__call__:
-        return f"{cls.__name__} overrides __call__ (the engine calls strength() and weigh())"
-    if provider.sigma_state():
-        opt = getattr(provider, "optimizer", None)
-        if not isinstance(opt, torch.optim.SGD) or any(g.get("momentum") or g.get("weight_decay")
-                                                       for g in opt.param_groups):
-            return f"{cls.__name__} has σ parameters without a plain SGD optimizer (the engine's σ update)"
-        if cls.step is not LamLearner.step:
-            return f"{cls.__name__} overrides step() (the engine updates σ itself)"
-    elif cls.step is not LamProvider.step:
-        return f"{cls.__name__} overrides step() (the engine never calls it)"
-    return None
+def sigma_sgd(sigma: tuple[Tensor, ...], lr: float, mask: Tensor | None = None) -> None:
+    """σ ← σ − lr·∇σ, then clear the gradient: the σ step of both client engines — one client's own (s_l, s_a)
+    (`LamLearner.step`), or the batched engine's stacks of every client's, where only the clients in `mask` (all
+    when None) took part in the step. The arithmetic of `torch.optim.SGD` without momentum and weight decay
+    (`param.add_(grad, alpha=-lr)`), which the learner's optimizer is built as: it holds σ's lr and travels in
+    checkpoints. A σ without a gradient (a step without alignment) stays where it is."""
+    with torch.no_grad():
+        for s in sigma:
+            if s.grad is None:
+                continue
+            new = s.add(s.grad, alpha=-lr)
+            s.copy_(new if mask is None else torch.where(mask.view((-1,) + (1,) * (s.dim() - 1)), new, s))
+            s.grad = None
 
 
 def _safe_exp(x: float) -> float:

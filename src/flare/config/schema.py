@@ -24,7 +24,7 @@ from flare.config.protocol import fill_protocol
 from flare.config.sections import (OPTIONS_DESCRIPTION, AugmentCfg, DatasetCfg, LRScheduleCfg, ModelCfg, OptimCfg,
                                    PartitionCfg, Strict, part, part_options, part_table)
 from flare.errors import FlareError, KeyedValueError
-from flare.registry import (ANCHORS, CONTRAST, DATASETS, LAM_PROVIDERS, LOSS_TERMS, MODELS, OBJECTIVES,
+from flare.registry import (ANCHORS, CLIENT_ENGINES, CONTRAST, DATASETS, LAM_PROVIDERS, LOSS_TERMS, MODELS, OBJECTIVES,
                             PARTITIONS, SCHEDULES, STRATEGIES, SURGERY, Registry, load_plugins)
 
 __all__ = ["KeyedValueError", "DatasetCfg", "PartitionCfg", "ModelCfg", "OptimCfg", "LRScheduleCfg", "AugmentCfg",
@@ -280,14 +280,7 @@ class Config(Strict):
                                   "reference the server trains the clients' next target G at every evaluation, so "
                                   "skipping evaluations would change training; set eval.every=1"
                                   + (" next to speed=fast, or drop speed=fast" if by_speed else ""))
-        if self.client_engine == "batched":
-            blocked = self.batched_engine_blockers()
-            if blocked:
-                key, value = blocked[0]
-                raise KeyedValueError(key, f"client_engine=batched does not support {key}={value} (it trains "
-                                      "every client as one vmapped program; docs/performance.md lists what it runs "
-                                      f"and why this is not among it); use client_engine=sequential (or threads) "
-                                      f"for {key}={value}")
+        CLIENT_ENGINES.get(self.client_engine).check(self)  # what the engine cannot run, stated beside its code
         return self
 
     def chosen_parts(self) -> list[tuple[Registry, str]]:
@@ -305,27 +298,6 @@ class Config(Strict):
         if self.align.anchors == "none":
             raise FlareError(f"{setting} needs anchors to align to, but align.anchors=none.", key="align.anchors",
                              fix="set align.anchors=etf (or random).")
-
-    def batched_engine_blockers(self) -> list[tuple[str, object]]:
-        """(key, value) of every setting the batched client engine does not implement, and why (docs/performance.md):
-        gradient surgery needs each client's two gradients apart, the engine takes one backward of all clients'
-        summed loss; the contrast banks are per-client queues rewritten after every step; a moving alignment target
-        starts from each client's own initial prototypes at its own progress (the engine plans strengths only);
-        SGDR's momentum reset and Plan B's carried G change state between steps or rounds the stack does not hold.
-        Loss terms and λ providers are checked where they are built (client/batched.py: `_vmap_errors`,
-        `lam.batched_unsupported`)."""
-        out: list[tuple[str, object]] = []
-        if self.align.surgery != "none":
-            out.append(("align.surgery", self.align.surgery))
-        if self.loss.contrast != "none":
-            out.append(("loss.contrast", self.loss.contrast))
-        if self.align.anchors != "none" and self.align.target != "fixed":
-            out.append(("align.target", self.align.target))
-        if self.lr_schedule.kind == "sgdr" and self.lr_schedule.reset_momentum:
-            out.append(("lr_schedule.reset_momentum", True))
-        if self.server.protos == "trainable" and self.server.protos_flow != "spec":
-            out.append(("server.protos_flow", self.server.protos_flow))
-        return out
 
     @property
     def head(self) -> str:

@@ -1,0 +1,172 @@
+"""A client's round, planned once before its first step, and the round's step logs: what both client engines run.
+
+The sequential (and threads) engine (`Client.train_round`) and the batched engine (`BatchedClients.train_round`)
+differ in how a step is computed — one model, or all clients' models stacked under vmap — but not in what a client
+does in a round. That lives here, so the two engines cannot drift apart: the random streams a client-round draws
+from (`derived_seed(seed, r, i, purpose)`), its steps per epoch and batch order, each step's clock, progress p and
+lr, whether a step sees the plain view or two augmented ones, and how the step logs are summed, judged for
+divergence and averaged into the client's record.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from flare.config import Config
+from flare.errors import TrainingDiverged
+from flare.rng import RngStreams, augmentation_generators, derived_seed
+from flare.schedules import progress
+
+# derived_seed(seed, r, i, purpose, ...): the purposes of a client-round's streams
+_AUGMENT, _ORDER = 1, 2
+
+
+def steps_per_epoch(num_samples: int, cfg: Config) -> int:
+    """ceil(n/B); floor(n/B) with drop_last (the official loader: a client with n < B trains no step)."""
+    B = cfg.batch_size
+    return num_samples // B if cfg.drop_last else math.ceil(num_samples / B)
+
+
+def plain_view(cfg: Config) -> bool:
+    """Whether a step sees one un-augmented view (the reference's CE baselines, `loss.ce_input=plain`) instead of
+    two augmented ones."""
+    return cfg.loss.objective == "ce" and cfg.loss.ce_input == "plain"
+
+
+def progress_at(cfg: Config, epoch: int, batch: int, spe: int, epochs_done: int) -> tuple[float, float]:
+    """(p of λ annealing / s(p), p of V8's target) at step `batch` of the round's epoch `epoch`, `epochs_done`
+    epochs completed before it (`progress`, `align.target_progress`)."""
+    mode, E = cfg.progress, cfg.local_epochs
+    if mode == "step":
+        p = progress(epochs_done + batch / spe, cfg.total_epochs)
+    elif mode == "round-reset":  # the reference's first batch: (e − start_epoch)/E, restarting every round
+        p = epoch / E
+    elif mode == "epoch-end":    # (e+1)/(R·E): V12's logged s(p) = 1 − (r+1)/R
+        p = progress(epochs_done + 1, cfg.total_epochs)
+    else:
+        p = progress(epochs_done, cfg.total_epochs)
+    return p, (epoch / E if cfg.align.target_progress == "round-reset" else p)
+
+
+@dataclass(frozen=True)
+class Step:
+    epoch: int       # the round's epoch
+    batch: int       # the step within the epoch
+    clock: float     # epochs since training began, fractional: the lr schedule's t
+    p: float         # progress of λ annealing / s(p)
+    p_target: float  # progress of V8's moving target
+    lr: float
+
+
+class RoundPlan:
+    """One client's round r: its augmentation streams, its batch order (E permutations from its order generator,
+    drawn before the first step), and every step's clock, progress and lr. `client` needs `cid`, `indices`,
+    `num_samples` and `epochs_done` (the epochs it completed before this round)."""
+
+    def __init__(self, client, ctx, round_idx: int):
+        cfg = ctx.cfg
+        self.round_idx = round_idx
+        self.B, self.E, self.n = cfg.batch_size, cfg.local_epochs, client.num_samples
+        self.spe = steps_per_epoch(self.n, cfg)
+        self.plain = plain_view(cfg)
+        # the augmentation's streams: the CPU generator's seed (…, 1), on CUDA the GPU's (…, 1, 1)
+        gens = augmentation_generators(ctx.device)
+        self.streams = RngStreams(gens, [derived_seed(cfg.seed, round_idx, client.cid, _AUGMENT, *([k] if k else []))
+                                         for k in range(len(gens))])
+        order = torch.Generator().manual_seed(derived_seed(cfg.seed, round_idx, client.cid, _ORDER))
+        perms = torch.cat([torch.randperm(self.n, generator=order) for _ in range(self.E)])
+        self.samples = client.indices[perms.to(client.indices.device)]  # E·n sample ids, epoch after epoch
+        self.steps: list[Step] = []
+        for e in range(self.E):
+            done = client.epochs_done + e
+            for b in range(self.spe):
+                clock = done + b / self.spe
+                p, p_target = progress_at(cfg, e, b, self.spe, done)
+                self.steps.append(Step(e, b, clock, p, p_target, ctx.lr_schedule(clock, round_idx)))
+        self.last_lr = self.steps[-1].lr if self.steps else cfg.base_lr  # the record's lr
+
+    def epoch_steps(self, epoch: int) -> range:
+        return range(epoch * self.spe, (epoch + 1) * self.spe)
+
+    def size(self, t: int) -> int:
+        """The number of samples of step t (B, or fewer in a ragged last batch)."""
+        return min(self.B, self.n - self.steps[t].batch * self.B)
+
+    def batch(self, t: int) -> Tensor:
+        """The sample ids of step t (a slice: no copy, no sync)."""
+        s = self.steps[t]
+        start = s.epoch * self.n + s.batch * self.B
+        return self.samples[start:start + self.size(t)]
+
+    def views(self, ctx, t: int) -> tuple[Tensor, Tensor]:
+        """Step t's input and labels: the two augmented views [v1; v2] drawn from this client-round's streams and
+        the labels twice, or (`plain_view`) the evaluation transform's one view and the labels."""
+        idx = self.batch(t)
+        xb, yb = ctx.train_x[idx], ctx.train_y[idx]
+        if self.plain:
+            if ctx.plain is None:
+                raise RuntimeError("loss.ce_input=plain needs TrainContext.plain (the evaluation transform)")
+            return ctx.plain(xb), yb
+        with self.streams.active():
+            v1, v2 = ctx.augment(xb)
+        return torch.cat([v1, v2]), torch.cat([yb, yb])
+
+
+class RoundLogs:
+    """The step logs of a round for clients `cids`: one row per (client, epoch) — row i·E + e — summed on the
+    device (no sync per step), with the step at which each entry first went non-finite, so a NaN is blamed on the
+    term where it started, not on the terms it contaminated afterwards. Each engine adds every step's logs and
+    closes rows (one device read each time): the sequential engine an epoch's row when the epoch ends, so it stops
+    at the first diverged epoch, the batched engine all rows when the round ends. Closed rows are summed per client
+    over the epochs and averaged per step into its record (`means`)."""
+
+    def __init__(self, cids: list[int], epochs: int, round_idx: int, device: torch.device):
+        self.cids, self.E, self.round_idx, self.device = list(cids), epochs, round_idx, device
+        self.keys: list[str] | None = None
+        self.sum: Tensor | None = None
+        self.first_bad: Tensor | None = None
+        self.totals: list[dict[str, float]] = [{} for _ in self.cids]
+
+    def add(self, logs: dict[str, Tensor], rows: slice | Tensor, batch: int | Tensor) -> None:
+        """Add one step's logs — 0-d tensors of one client, or vectors of k clients under vmap — to their rows (a
+        slice of one row, or a k-vector of rows), at the step `batch` within the epoch (an int, or a k-vector)."""
+        if self.keys is None:
+            self.keys = list(logs)
+            # −0.0, the exact identity of float addition: a row's sum is its first step's value bit for bit
+            self.sum = torch.full((len(self.cids) * self.E, len(self.keys)), -0.0, device=self.device)
+            self.first_bad = torch.full(self.sum.shape, -1, dtype=torch.long, device=self.device)
+        elif list(logs) != self.keys:
+            raise RuntimeError(f"step logs changed keys within a round: {self.keys} -> {list(logs)}")
+        v = torch.stack([t.float().reshape(-1) for t in logs.values()], dim=1)  # k × keys
+        if isinstance(batch, Tensor):
+            batch = batch[:, None]
+        self.sum[rows] += v
+        cur = self.first_bad[rows]
+        self.first_bad[rows] = torch.where(~torch.isfinite(v) & (cur < 0), batch, cur)
+
+    def close(self, rows: range) -> None:
+        """Read `rows` (one device sync), stop at the first non-finite entry in row order, add them to their clients'
+        totals. Nothing to read before the first step (no client trained a step yet)."""
+        if self.keys is None:
+            return
+        sums = self.sum[rows.start:rows.stop].tolist()
+        first = self.first_bad[rows.start:rows.stop].tolist()
+        for row, s, f in zip(rows, sums, first):
+            i, e = divmod(row, self.E)
+            bad = [(step, j) for j, step in enumerate(f) if step >= 0]
+            if bad:
+                step, j = min(bad)
+                raise TrainingDiverged(
+                    f"loss term '{self.keys[j]}' became {s[j]} for client {self.cids[i]} in round "
+                    f"{self.round_idx + 1} (epoch step {step}); the run stopped here and the metrics of earlier "
+                    "rounds are intact.",
+                    key="lr", fix="lower lr, keep optim.grad_clip on, or check the λ settings of this method.")
+            for k, v in zip(self.keys, s):
+                self.totals[i][k] = self.totals[i].get(k, 0.0) + v
+
+    def means(self, i: int, steps: int) -> dict[str, float]:
+        """Client i's logs averaged over its `steps` steps of the round (none without a step)."""
+        return {k: v / steps for k, v in self.totals[i].items()} if steps else {}
