@@ -71,3 +71,25 @@ def tiny_overrides(tiny_folder, tmp_path):
     return [f"dataset.name=imagefolder", f"dataset.root={tiny_folder}", f"dataset.cache_dir={tmp_path / 'cache'}",
             "model.name=cnn", "model.width=0.25", "num_clients=3", "rounds=2", "batch_size=16",
             "partition.alpha=0.5", "device=cpu", "test_batch_size=32"]
+
+
+_FINISHED: dict[str, Path] = {}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _finished_runs_dir(tmp_path_factory):
+    _FINISHED["dir"] = tmp_path_factory.mktemp("finished-runs")
+
+
+def copy_of_finished_run(key: str, dest: Path, make) -> Path:
+    """A finished run that `make(run_dir)` trains once per session (per `key`), copied to `dest` for each test:
+    the tests that only read, fuse or resume a finished run need not train their own. The copy's config.yaml
+    still names the first caller's dataset cache, which lives as long as the session."""
+    import shutil
+
+    src = _FINISHED["dir"] / key
+    if key not in _FINISHED:
+        make(src)
+        _FINISHED[key] = src
+    shutil.copytree(src, dest)
+    return dest

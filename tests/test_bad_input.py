@@ -9,6 +9,7 @@ import tarfile
 import pytest
 import torch
 
+from conftest import copy_of_finished_run
 from flare.cli import main
 from flare.rundir import read_jsonl
 
@@ -38,10 +39,11 @@ def _misplaced_tar(tiny_folder, tmp_path):
 
 
 def _finished_run(tiny, tmp_path, capsys):
-    d = tmp_path / "done"
-    assert main(["run", "--preset", "etf-anneal", *tiny, "rounds=1", "--out", str(d), "--quiet"]) == 0
-    capsys.readouterr()
-    return str(d)
+    def make(d):
+        assert main(["run", "--preset", "etf-anneal", *tiny, "rounds=1", "--out", str(d), "--quiet"]) == 0
+        capsys.readouterr()
+
+    return str(copy_of_finished_run("etf-anneal-1-round", tmp_path / "done", make))
 
 
 def _paper(tmp_path, *args):

@@ -1,9 +1,12 @@
+import contextlib
+import io
 import os
 import subprocess
 import sys
 
 import pytest
 
+from flare.cli import main
 from flare.config import list_presets, load_config, parse_overrides
 from flare.errors import FlareError
 
@@ -55,7 +58,14 @@ def test_presets_have_descriptions():
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "flare.cli", *args], capture_output=True, text=True)
+    """`flare ARGS` in this process (test_bad_input checks a real process): its exit code and what it printed."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(list(args))
+        except SystemExit as e:  # argparse's own errors exit through SystemExit
+            rc = e.code
+    return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
 
 
 def test_cli_bad_input_exit_2_without_traceback(tmp_path):

@@ -1,4 +1,5 @@
 """`flare report`: tables (mean ± std over seeds), λ tables and figures, parameter sweeps, partial runs."""
+import functools
 import json
 import shutil
 
@@ -126,6 +127,8 @@ def test_a_new_preset_brings_its_own_label_and_colour(runs, tmp_path, monkeypatc
                                            "description: a method added after the report code was written.\n"
                                            "loss: {objective: fafi}\n")
     monkeypatch.setattr(config_load, "_preset_dir", lambda: presets)
+    # the presets are parsed once per process: a fresh cache for this test's folder, the old one back after it
+    monkeypatch.setattr(config_load, "_parsed_presets", functools.cache(config_load._parsed_presets.__wrapped__))
     assert style.method_label("zz-novel") == "Novel (V99)" and style.method_colour("zz-novel") == "#123456"
     assert "label" not in preset_mapping("zz-novel") and load_config(None, "zz-novel").method == "zz-novel"
     drawn = []

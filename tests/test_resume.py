@@ -38,7 +38,7 @@ def _state(d):
 def test_sigkill_mid_round_then_resume_equals_uninterrupted(tiny_folder, tmp_path):
     # FLARE's λ learner and momentum kept across rounds: every piece of client state must survive the kill.
     # Small batches and several local epochs make a round last long enough to be killed in its middle.
-    ov = _overrides(tiny_folder, tmp_path, ["rounds=3", "local_epochs=6", "batch_size=4",
+    ov = _overrides(tiny_folder, tmp_path, ["rounds=3", "local_epochs=3", "batch_size=4",
                                             "optim.reset_each_round=false"])
     killed = tmp_path / "killed"
     env = dict(os.environ, FLARE_QUIET="1", OMP_NUM_THREADS=str(torch.get_num_threads()),

@@ -143,20 +143,38 @@ def test_a_different_experiment_in_the_directory_is_refused(cfg, tmp_path):
     assert e.value.key == "--out" and "lr" in e.value.message
 
 
-def _spawn(ov, out):
+# `flare run` whose clients stop at the start of round 1 (round 0 checkpointed, the lock held) until the process is
+# killed, having touched the file argv[1]: the test kills it mid-run at a known point instead of racing a timer.
+_BLOCKED_AT_ROUND_1 = """
+import pathlib, sys, time
+marker, sys.argv = sys.argv[1], ["flare", *sys.argv[2:]]
+from flare.cli import main
+import flare.client.trainer as trainer
+real = trainer.Client.train_round
+def blocked(self, ctx, round_idx, on_step=None):
+    if round_idx == 1:
+        pathlib.Path(marker).touch()
+        time.sleep(3600)
+    return real(self, ctx, round_idx, on_step)
+trainer.Client.train_round = blocked
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _spawn(ov, out, blocked_marker=None):
     env = dict(os.environ, FLARE_QUIET="1", OMP_NUM_THREADS=str(torch.get_num_threads()), OMP_WAIT_POLICY="PASSIVE")
-    return subprocess.Popen([sys.executable, "-m", "flare.cli", "run", "--preset", "fafi", *ov, "--out", str(out),
+    cmd = ["-m", "flare.cli"] if blocked_marker is None else ["-c", _BLOCKED_AT_ROUND_1, str(blocked_marker)]
+    return subprocess.Popen([sys.executable, *cmd, "run", "--preset", "fafi", *ov, "--out", str(out),
                              "--quiet"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_a_second_writer_is_refused_while_the_first_runs_and_not_after_it_was_killed(tiny_folder, tmp_path):
-    ov = _overrides(tiny_folder, tmp_path, ["rounds=3", "local_epochs=6", "batch_size=4",
-                                            "optim.reset_each_round=false"])
+    ov = _overrides(tiny_folder, tmp_path, ["rounds=3", "optim.reset_each_round=false"])
     d = tmp_path / "run"
-    first = _spawn(ov, d)
+    first = _spawn(ov, d, blocked_marker=tmp_path / "in-round-1")
     try:
         deadline = time.time() + 300
-        while not (d / "config.yaml").exists():  # the first process holds the lock and has begun
+        while not (tmp_path / "in-round-1").exists():  # the first process holds the lock and is mid-run
             assert first.poll() is None, first.communicate()[1][-2000:]
             assert time.time() < deadline
             time.sleep(0.05)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import copy_of_finished_run
 from flare.config import load_config
 from flare.errors import FlareError
 from flare.registry import STRATEGIES
@@ -38,9 +39,8 @@ def test_the_builtin_rules_are_registered_in_their_order():
 
 @pytest.fixture
 def finished_run(tiny_overrides, tmp_path):
-    d = tmp_path / "fafi"
-    Run(load_config(None, "fafi", tiny_overrides), d, quiet=True).execute()
-    return d
+    return copy_of_finished_run("fafi", tmp_path / "fafi",
+                                lambda d: Run(load_config(None, "fafi", tiny_overrides), d, quiet=True).execute())
 
 
 def test_fuse_reproduces_the_runs_last_round_and_resumes(finished_run):

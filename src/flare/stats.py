@@ -17,7 +17,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats
 
 ALPHA = 0.05
 
@@ -52,6 +51,8 @@ def paired(method: dict, baseline: dict, confidence: float = 1 - ALPHA) -> Paire
     sd = float(d.std(ddof=1))
     if sd == 0.0:  # every seed moved by exactly the same amount: no spread to test against (scipy gives nan)
         return Paired(n, mean, mean, mean, 1.0 if mean == 0 else 0.0)
+    from scipy import stats  # lazy: scipy.stats is a second of start-up for every `flare` command otherwise
+
     half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
     p = float(stats.ttest_rel([method[s] for s in seeds], [baseline[s] for s in seeds]).pvalue)
     return Paired(n, mean, mean - half, mean + half, p)

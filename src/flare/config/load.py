@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import re
 import typing
 from importlib import resources
@@ -58,13 +59,20 @@ def _preset_dir():
     return resources.files("flare") / "presets"
 
 
-def list_presets() -> dict[str, dict]:
-    """name -> the preset's YAML mapping (with its description and the notes' V-number)."""
+@functools.cache
+def _parsed_presets() -> dict[str, dict]:
+    """The package's preset files never change while a process runs: parsed once, not on every config built (a
+    sweep builds one per point; parsing every preset was nearly all of `load_config`'s time)."""
     out = {}
     for f in sorted(_preset_dir().iterdir(), key=lambda p: p.name):
         if f.name.endswith(".yaml"):
             out[f.name[:-5]] = load_yaml_text(f.read_text()) or {}
     return out
+
+
+def list_presets() -> dict[str, dict]:
+    """name -> the preset's YAML mapping (with its description and the notes' V-number); the caller's own copy."""
+    return copy.deepcopy(_parsed_presets())
 
 
 def preset_mapping(name: str) -> dict:

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from torchvision.io import ImageReadMode, decode_jpeg
 from tqdm import tqdm
 
 from flare.errors import FlareError
@@ -29,6 +28,10 @@ def decode_image(data: bytes, where: str) -> torch.Tensor:
     palettes, BMP, TIFF, ...) goes through Pillow.
     """
     if data[:3] == b"\xff\xd8\xff":
+        # lazy: imported on the first JPEG, not with the module: torchvision pulls in torch._dynamo, seconds
+        # of start-up for every process that never decodes one
+        from torchvision.io import ImageReadMode, decode_jpeg
+
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         try:
             img = decode_jpeg(buf, mode=ImageReadMode.UNCHANGED)

@@ -17,10 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import scipy.io
 import torch
-import torchvision.datasets
-from torchvision.datasets.utils import download_and_extract_archive
 
 from flare.data.decode import Arrays, decode_splits
 from flare.errors import FlareError
@@ -199,6 +196,8 @@ def _locate_svhn(name: str, root: Path | None, fmt: str, download: bool) -> _Sou
         raise FlareError(f"svhn not found under {root} (missing {', '.join(missing)}).", key="dataset.root", fix=fix)
 
     def read_split(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+        import scipy.io  # lazy: see _torchvision_class
+
         try:
             mat = scipy.io.loadmat(str(path))
             x = np.ascontiguousarray(np.transpose(mat["X"], (3, 2, 0, 1)), dtype=np.uint8)  # H×W×C×N -> N×C×H×W
@@ -225,6 +224,8 @@ def _locate_tiny(name: str, root: Path | None, fmt: str, download: bool) -> _Sou
         raise FlareError("tinyimagenet needs dataset.root.", key="dataset.root", fix=fix)
     base = _tiny_base(root)
     if base is None and download:
+        from torchvision.datasets.utils import download_and_extract_archive  # lazy: see _torchvision_class
+
         _download(name, root, lambda: download_and_extract_archive(TINY_URL, str(root), md5=TINY_MD5))
         base = _tiny_base(root)
     if base is None:
@@ -371,6 +372,10 @@ def _download(name: str, root: Path, fetch: Callable[[], object]) -> None:
 
 
 def _torchvision_class(name: str):
+    """Imported only when a download needs it: importing torchvision pulls in torch._dynamo,
+    seconds of start-up for every `flare` process (Flower nodes, sweep workers) that only reads local files."""
+    import torchvision.datasets  # lazy: see the docstring
+
     return getattr(torchvision.datasets, name)
 
 
