@@ -141,14 +141,14 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(out / "trace.json"))
     dev = torch.cuda.get_device_name(setup.device) if on_gpu else f"CPU ({torch.get_num_threads()} threads)"
-    print(f"device: {dev}   torch {torch.__version__}   amp: {setup.amp_dtype}   channels_last: {setup.channels_last}")
+    print(f"device: {dev}   torch {torch.__version__}   amp: {setup.backend.amp_dtype}   channels_last: {setup.backend.channels_last}")
     print(f"config: {cfg.method} ({cfg.client_engine} engine{', compiled' if cfg.compile else ''}), {cfg.model.name} "
           f"width {cfg.model.width}, {len(active)} clients, batch {cfg.batch_size}, round {r} after {args.warmup} "
           f"warm-up round(s)")
     print(f"round {r}: train {t1 - t0:.3f} s ({steps} client steps), evaluation {t2 - t1:.3f} s")
-    if setup.amp_dtype is not None:
-        s["conv_dtype_under_vmap"] = str(conv_dtype_under_vmap(setup.device, setup.amp_dtype))
-        print(f"autocast {setup.amp_dtype}: a convolution under vmap (the batched engine) computes in "
+    if setup.backend.amp_dtype is not None:
+        s["conv_dtype_under_vmap"] = str(conv_dtype_under_vmap(setup.device, setup.backend.amp_dtype))
+        print(f"autocast {setup.backend.amp_dtype}: a convolution under vmap (the batched engine) computes in "
               f"{s['conv_dtype_under_vmap']}")
     print(f"\n{'phase':22s} {'host ms':>10s} {'device ms':>10s} {'calls':>7s}")
     for k, (cpu_ms, dev_ms, n) in s["phases"].items():
