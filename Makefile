@@ -37,15 +37,16 @@ run: setup data
 	     extra="dataset.root=data dataset.download=true"; fi; \
 	$(BIN)/flare compare --config configs/main.yaml --presets $(PRESETS) --seeds $(SEEDS) --out $(OUT) $$extra
 
+# -n 2: two test processes, one per core (the suite's tests train with one torch thread each)
 test: setup data
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q -n 2 -m "not slow" tests
 
 # A real Flower deployment on loopback: a SuperLink and 3 SuperNodes as processes, one run, then stopped.
 federation: setup data
 	$(BIN)/flare federate --preset fafi --clients 3 --local-data model.name=cnn rounds=2 dataset.train_subset=2000
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -x -m "not slow" tests
+	$(BIN)/python -m pytest -q -x -n 2 -m "not slow" tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -268,7 +268,7 @@ RESULTS = {r.id: r for r in [
                 f"eval.bn=batch --out runs/readme/baselines-a{a}-bnbatch")],
             baselines_block),
     # The one deselected test checks the README's blocks, this one included: it cannot pass before this block exists.
-    Results("tests", ["python -m pytest -q -p no:cacheprovider -m 'not slow' tests "
+    Results("tests", ["python -m pytest -q -p no:cacheprovider -n 2 -m 'not slow' tests "
                       "--deselect tests/test_readme.py::test_generated_blocks_are_current_and_untouched "
                       "> runs/readme/tests.log"],
             pytest_summary),
