@@ -294,11 +294,11 @@ class RunDir:
 
     # -- consistency ----------------------------------------------------------------------------
     def check_consistent(self, key: str = "--out", checkpoint: dict | None = None,
-                         extension_ok: Callable[[dict, dict], bool] | None = None) -> None:
+                         resuming: Config | None = None) -> None:
         """Refuse a directory whose config.yaml is not the config its files were computed with.
 
         state.json (and `checkpoint`, when the caller has loaded it) record that config; a run from before they did
-        records none and is taken as it is. `extension_ok(recorded, current)`: for a resume, a difference in
+        records none and is taken as it is. `resuming`: the config a resume continues with, for which a difference in
         `rounds` alone may be a legitimate extension (`flare run --resume DIR rounds=N`) caught between writing
         config.yaml and state.json; every other difference, and any for reports and fuse, is refused."""
         current = self.read_config()
@@ -311,7 +311,8 @@ class RunDir:
             if not isinstance(recorded, dict) or config_fingerprint(recorded) == config_fingerprint(current):
                 continue
             diff = config_differences(recorded, current)
-            if not diff or (diff == ["rounds"] and extension_ok is not None and extension_ok(recorded, current)):
+            if not diff or (diff == ["rounds"] and resuming is not None
+                            and extension_problem(recorded, resuming) is None):
                 continue
             a, b = flatten(recorded), flatten(current)
             shown = ", ".join(f"{k} ({_shown(a.get(k))} → {_shown(b.get(k))})" for k in diff[:8])
@@ -331,7 +332,7 @@ class RunDir:
         old = self.read_config()
         if old is None:
             return []
-        self.check_consistent(key, extension_ok=lambda rec, cur: extension_problem(rec, cfg) is None)
+        self.check_consistent(key, resuming=cfg)
         diff = config_differences(old, cfg.model_dump(mode="json"))
         if diff:
             why = extension_problem(old, cfg) if diff == ["rounds"] else None
@@ -356,7 +357,7 @@ class RunDir:
         state = self.read_state()
         warn = rp.warnings.append
         ck = self.load_checkpoint("cpu", warn)
-        self.check_consistent(key, ck, extension_ok=lambda rec, cur: extension_problem(rec, cfg) is None)
+        self.check_consistent(key, ck, resuming=cfg)
         records, torn = self.read_metrics()
         for line in torn:
             warn(f"{self.metrics_path}: line {line} is torn or unreadable (cut mid-line?); dropped.")

@@ -127,7 +127,8 @@ class ServerSession:
         self.out = Path(fed.out_dir or f"runs/flower-{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
         self.dir = RunDir(self.out).lock(key="out-dir")
         old = self.dir.read_config()
-        self.finished_already = (old is not None and not config_differences(old, cfg.model_dump(mode="json"))
+        self.config = cfg.model_dump(mode="json")  # the resolved config, recorded in state.json (rundir.py)
+        self.finished_already = (old is not None and not config_differences(old, self.config)
                                  and self.dir.read_state().get("status") == "finished")
         if self.finished_already:
             return
@@ -151,7 +152,7 @@ class ServerSession:
         self.dir.write_config(cfg)
         self.dir.clear_checkpoints()
         self.dir.write_metrics([])
-        self.dir.write_state("running", 0, self.warnings, self.cfg.model_dump(mode="json"))
+        self.dir.write_state("running", 0, self.warnings, self.config)
 
     def close(self) -> None:
         self.dir.unlock()
@@ -282,7 +283,7 @@ class ServerSession:
         for w in runaway_warnings(self.cfg, client_logs):
             self._warn(w)
         self.dir.append(client_logs + [rec])
-        self.dir.write_state("running", round_idx + 1, self.warnings, self.cfg.model_dump(mode="json"))
+        self.dir.write_state("running", round_idx + 1, self.warnings, self.config)
         self.last_uploads = uploads
         acc = rec.get("acc")
         self.log(f"round {round_idx + 1}: {len(uploads)} upload(s)"
@@ -315,7 +316,7 @@ class ServerSession:
                                    self.last.record, self.template.feature_dim, self.last.predictors)
             if isinstance(saved, str):
                 self._warn(saved)
-        self.dir.write_state("finished", self.cfg.rounds, self.warnings, self.cfg.model_dump(mode="json"))
+        self.dir.write_state("finished", self.cfg.rounds, self.warnings, self.config)
         write_run_report(self.out)
         if self.setup.test_x is None:  # nothing was scored
             return {"method": self.cfg.method, "primary": self.last.record["primary"], "acc": None,
@@ -337,7 +338,7 @@ class ServerSession:
             self.write_partition()
         self._write_federation("failed", msg)
         self.dir.write_state("failed", self.dir.read_state().get("rounds_done", 0), self.warnings,
-                             self.cfg.model_dump(mode="json"), error=msg)
+                             self.config, error=msg)
 
     def _event(self, kind: str, round_idx: int, node: int, cid, reasons: list[str]) -> None:
         who = f"client {cid}" if cid is not None else f"node {node}"
