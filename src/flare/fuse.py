@@ -71,6 +71,7 @@ def check(run_dir: str | Path, names: list[str], round_: int | None) -> FuseJob:
                          f"'{rd.path}'.", key="--round", fix=f"leave --round out, or give --round {cfg.rounds}.")
     for n in names:
         STRATEGIES.check(n, cfg)
+        cfg.check_fuses_mixed(n, "--strategies")
         if STRATEGIES.get(n).needs_prototypes and cfg.head != "prototype":
             raise FlareError(f"strategy '{n}' reads prototypes, which the run '{rd.path}' (loss.objective="
                              f"{cfg.loss.objective}) has not.", key="--strategies",
@@ -109,7 +110,7 @@ def _score(job: FuseJob, names: list[str]) -> None:
     server = ServerSetup.build(cfg, bank=False)
     data = server.take_data()
     parts = split(cfg, data.train_y, data.num_classes).client_indices
-    template, device = server.template, server.backend.device
+    template, device = server.template, server.backend.device  # extras' shapes: their callers pass client models
     ck = rd.load_checkpoint(device, lambda w: None)
     if ck is None or "clients" not in ck or int(ck["rounds_done"]) < cfg.rounds:
         raise FlareError(f"'{rd.path}/{CHECKPOINT}' is unreadable, holds no client states or does not cover the "
@@ -121,13 +122,13 @@ def _score(job: FuseJob, names: list[str]) -> None:
         raise FlareError(f"'{rd.path}/{CHECKPOINT}' holds {len(ck['clients'])} clients, the run has {len(parts)}.",
                          key=KEY, fix=fix)
     for i, st in enumerate(ck["clients"]):
-        check_state_fits(template, st.get("model") if isinstance(st, dict) else st,
+        check_state_fits(server.client_init(i), st.get("model") if isinstance(st, dict) else st,
                          f"'{rd.path}/{CHECKPOINT}' (client {i})", key=KEY, fix=fix)
     models, uploads, owners = [], [], []
     for i, (ix, st) in enumerate(zip(parts, ck["clients"])):
         if len(ix) == 0:  # the runner leaves clients without samples out of every evaluation
             continue
-        m = copy.deepcopy(template)
+        m = copy.deepcopy(server.client_init(i))
         m.load_state_dict(st["model"])
         m.eval()
         P = getattr(m, "prototypes", None)

@@ -7,11 +7,16 @@ from torch import Tensor
 
 def model_variance_mean(models: list[torch.nn.Module]) -> float:
     """Stack the clients' flattened *parameters* (no buffers), unbiased std over clients per
-    coordinate, mean over coordinates."""
-    if len(models) < 2:
-        return 0.0
-    flat = torch.stack([torch.cat([p.detach().float().reshape(-1) for p in m.parameters()]) for m in models])
-    return float(flat.std(dim=0, unbiased=True).mean())
+    coordinate, mean over coordinates. Clients of different architectures have no common coordinates: then the
+    mean of this number over the architectures that two or more clients run (NaN when none does)."""
+    flats = [torch.cat([p.detach().float().reshape(-1) for p in m.parameters()]) for m in models]
+    layouts: dict[tuple, list[Tensor]] = {}
+    for m, f in zip(models, flats):
+        layouts.setdefault(tuple(tuple(p.shape) for p in m.parameters()), []).append(f)
+    if len(layouts) == 1:
+        return float(torch.stack(flats).std(dim=0, unbiased=True).mean()) if len(models) >= 2 else 0.0
+    per = [float(torch.stack(g).std(dim=0, unbiased=True).mean()) for g in layouts.values() if len(g) >= 2]
+    return sum(per) / len(per) if per else float("nan")
 
 
 def g_protos_std(G: Tensor) -> float:

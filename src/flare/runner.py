@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from flare import cpu
-from flare.client.batched import BatchedClients
+from flare.client.batched import BatchedClients, by_architecture
 from flare.client.lam import runaway_warnings
 from flare.client.trainer import Client, TrainContext
 from flare.config import Config
@@ -89,7 +89,7 @@ class Run:
             self.dir.clear_checkpoints()
         self.dir.write_metrics(records)
         config = cfg.model_dump(mode="json")
-        batched = BatchedClients(active, setup.ctx, compile=cfg.compile) if cfg.client_engine == "batched" else None
+        batched = by_architecture(active, setup.ctx, compile=cfg.compile) if cfg.client_engine == "batched" else None
         start = rp.rounds_done
         steps_per_round = sum(c.steps_per_epoch for c in active) * cfg.local_epochs
         tb = self._tensorboard()
@@ -157,16 +157,18 @@ class Run:
         return RunData.load(self.out).summary()
 
     def _train_clients(self, active: list[Client], ctx: TrainContext, r: int, bar: Progress,
-                       batched: BatchedClients | None = None) -> list[dict]:
+                       batched: list[BatchedClients] | None = None) -> list[dict]:
         """By `client_engine`: sequentially; in threads, one per client, each on its own CUDA stream so that the
         GPU overlaps the clients' kernels; or batched, all clients as one vmapped program (`client/batched.py`).
         Each client draws its augmentation from its own streams (`rng.RngStreams`: the CPU generator and, on a
         GPU, the GPU's), so on CPU threads give exactly the sequential numbers and the batched engine the same up
-        to float rounding (tested); on a GPU they agree up to the order in which kernels reduce."""
+        to float rounding (tested); on a GPU they agree up to the order in which kernels reduce. `batched`: one
+        engine per client architecture (`by_architecture`), trained one after the other."""
         if batched is not None:
             self.train_mode = "batched"
             bar.client(-1)
-            return batched.train_round(r, on_step=bar.step)
+            out = [rec for group in batched for rec in group.train_round(r, on_step=bar.step)]
+            return sorted(out, key=lambda rec: rec["client"])
         if self.cfg.client_engine == "sequential" or len(active) == 1:
             self.train_mode = "sequential"
             out = []

@@ -20,97 +20,22 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from flare import cpu
+from flare.backend import Backend, amp_dtype_for, backend, resolve_device, use_channels_last  # noqa: F401 (re-exported)
 from flare.client.terms.align import make_anchors
 from flare.client.terms.banks import build_public_bank, extension_factory
 from flare.client.trainer import Client, TrainContext
 from flare.config import Config
+from flare.config.architectures import Architecture, server_architecture
 from flare.data.augment import TwoViewAugment, normalize
 from flare.data.datasets import ImageData, load_dataset, stratified_subset
 from flare.data.scaling import InputScaling, input_scaling
 from flare.data.partition import Partition, make_partition
 from flare.errors import FlareError
-from flare.models import FlareNet, create_model, load_checkpoint
+from flare.models import FlareNet, create_architecture
 from flare.schedules import LRSchedule
 from flare.server.extras import ClientData, client_extras, extras_shapes
 from flare.server.rounds import Evaluation, carries_server_protos, evaluate_uploads, rules_for
 from flare.server.upload import Upload
-
-# ----------------------------------------------------------------------------------------------
-# device and precision
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise FlareError(f"device={name} was asked for, but torch sees no CUDA GPU on this machine.",
-                             key="device", fix="use device=auto or device=cpu, or install a CUDA build of torch.")
-        return torch.device(name)
-    if name == "mps" and not torch.backends.mps.is_available():
-        raise FlareError("device=mps was asked for, but MPS is not available.", key="device",
-                         fix="use device=auto or device=cpu.")
-    return torch.device(name)
-
-
-def amp_dtype_for(cfg: Config, device: torch.device) -> torch.dtype | None:
-    if cfg.amp == "off":
-        return None
-    if cfg.amp == "bf16":
-        return torch.bfloat16
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return None
-
-
-def use_channels_last(cfg: Config, device: torch.device) -> bool:
-    """NHWC pays off on GPUs (tensor cores); on CPU only where asked for (`cpu_channels_last`: oneDNN's NHWC
-    convolutions, measured faster, other digits)."""
-    if device.type == "cpu":
-        return cfg.cpu_channels_last
-    return cfg.channels_last and device.type == "cuda"
-
-
-@dataclass
-class Backend:
-    """Where and how a process computes (device, kernels, precision, layout): decided once, recorded (`facts`)."""
-    device: torch.device
-    amp_dtype: torch.dtype | None
-    channels_last: bool
-    cpu_kernels: str
-    warnings: list[str]
-
-    def facts(self, cfg: Config) -> dict:
-        return {"speed": cfg.speed, "cpu_isa": cfg.cpu_isa, "cpu_kernels": self.cpu_kernels,
-                "amp": "bf16" if self.amp_dtype == torch.bfloat16 else "off", "channels_last": self.channels_last,
-                "eval_every": cfg.eval.every, "eval_rules": list(rules_for(cfg))}
-
-
-def backend(cfg: Config, device: str | None = None) -> Backend:
-    """Pin the CPU kernels (`cpu_isa`), resolve the device, and turn bf16 autocast off — with a warning — on a CPU
-    where it would be emulated (no AVX512-BF16/AMX, or kernels pinned below AVX512): there it is ~50× slower."""
-    kernels, warn = cpu.apply(cfg.cpu_isa)
-    warns, device = [warn] if warn else [], resolve_device(device or cfg.device)
-    if cfg.compile and device.type == "cpu" and cpu.is_x86() and kernels != cpu.native_level():
-        # Measured with torch 2.14.1 on an AVX512 VM: inductor's CPU code under ATEN_CPU_CAPABILITY=avx2 turned the
-        # first step's loss into NaN (the same test passes at native kernels), so this is refused, not risked.
-        raise FlareError(f"compile=true on CPU with the kernels pinned to {kernels} below this CPU's own "
-                         f"{cpu.native_level()} (cpu_isa={cfg.cpu_isa}): torch.compile's CPU code then produced NaN "
-                         "losses here.", key="compile", fix="add cpu_isa=native to compile on CPU (other digits), "
-                                                            "or leave compile=false.")
-    amp = amp_dtype_for(cfg, device)
-    if amp == torch.bfloat16 and device.type == "cpu" and not cpu.bf16_supported():
-        warns.append(f"amp=bf16 on a CPU without native bf16 under {kernels} kernels (it needs AVX512-BF16 or AMX "
-                     "and cpu_isa=native or avx512): torch would emulate it, far slower; training and evaluating "
-                     "in fp32 instead")
-        amp = None
-    cl = use_channels_last(cfg, device)
-    if cl and cfg.client_engine == "batched":
-        warns.append("client_engine=batched trains in NCHW (vmap cannot use an NHWC layout); channels_last applies "
-                     "to evaluation only")
-    return Backend(device, amp, cl, kernels, warns)
-
 
 # ----------------------------------------------------------------------------------------------
 # data
@@ -185,8 +110,11 @@ def split(cfg: Config, labels: Tensor, num_classes: int) -> Partition:
 
 
 def describe_partition(cfg: Config, part: Partition, classes: list[str]) -> dict:
-    """partition.json: per-client counts, class histograms, label entropies, and the setting that made them."""
+    """partition.json: per-client counts, class histograms, label entropies, the architecture each client runs, and
+    the setting that made them."""
     report = part.report()
+    for c, arch in zip(report["clients"], cfg.client_architectures()):
+        c["model"] = arch.label
     report.update({"dataset": cfg.dataset.name, "kind": cfg.partition.kind, "alpha": cfg.partition.alpha,
                    "rng": cfg.partition.rng, "seed": cfg.seed, "classes": list(classes)})
     return report
@@ -196,16 +124,36 @@ def describe_partition(cfg: Config, part: Partition, classes: list[str]) -> dict
 # model, anchors, augmentation, training context
 
 
+def init_models(cfg: Config, meta: DataMeta, device: torch.device,
+                channels_last: bool = False) -> tuple[FlareNet, dict[Architecture, FlareNet]]:
+    """The seeded inits: the server architecture's (`template`) and one per client architecture — clients of one
+    architecture start from one init, as one-shot FL shares nothing else before training. Each is drawn from
+    torch's generator seeded with `seed`, the server's last, so what follows draws as after a run of that one
+    architecture (a run of one architecture builds exactly one model). Every architecture must end in one d."""
+    def build(arch: Architecture) -> FlareNet:
+        torch.manual_seed(cfg.seed)
+        model = create_architecture(arch, meta.in_channels, meta.num_classes, cfg.head, cfg.model.feature_dim)
+        model = model.to(device)
+        return model.to(memory_format=torch.channels_last) if channels_last else model
+
+    archs, own = cfg.client_architectures(), server_architecture(cfg)
+    inits = {a: build(a) for a in dict.fromkeys(archs) if a != own}
+    template = build(own)
+    if own in archs:
+        inits[own] = template
+    dims = {a.label: m.feature_dim for a, m in [*inits.items(), (own, template)]}
+    if len(set(dims.values())) > 1:
+        raise FlareError("the run's architectures end in different feature dimensions ("
+                         + ", ".join(f"{n}: d = {d}" for n, d in dims.items()) + "), so prototypes, anchors and "
+                         "features would not be comparable across clients.", key="model.feature_dim",
+                         fix=f"set model.feature_dim (e.g. model.feature_dim={min(dims.values())}): every client then "
+                             "projects its encoder's feature to that shared d.")
+    return template, inits
+
+
 def init_global_model(cfg: Config, meta: DataMeta, device: torch.device, channels_last: bool = False) -> FlareNet:
-    """One seeded global init shared by every client: one-shot FL shares nothing else before training."""
-    torch.manual_seed(cfg.seed)
-    model = create_model(cfg.model.name, meta.in_channels, meta.num_classes, cfg.model.width, head=cfg.head,
-                         options=cfg.model.options).to(device)
-    if cfg.model.checkpoint is not None:
-        load_checkpoint(model, cfg.model.checkpoint)
-    if channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    return model
+    """The server architecture's seeded init (a run of one architecture: every client's)."""
+    return init_models(cfg, meta, device, channels_last)[0]
 
 
 def anchor_seed(cfg: Config) -> int:
@@ -270,7 +218,8 @@ class ServerSetup:
     backend: Backend
     meta: DataMeta
     norm: Callable[[Tensor], Tensor]
-    template: FlareNet
+    template: FlareNet                 # the server architecture's seeded init (every client's, in one-model runs)
+    inits: dict[Architecture, FlareNet]  # each client architecture's seeded init
     anchors: Tensor | None
     augment: TwoViewAugment
     bank: Tensor | None                # the public bank the clients contrast against (public-bank / two-stage)
@@ -301,16 +250,20 @@ class ServerSetup:
             warnings.append(f"the server has no dataset ({e.message}); it evaluates nothing and uses the dataset "
                             f"facts in {dataset_meta}.")
         norm = normalizer(cfg, meta)
-        model = init_global_model(cfg, meta, device, channels_last=be.channels_last)
+        model, inits = init_models(cfg, meta, device, channels_last=be.channels_last)
         anchors = run_anchors(cfg, meta.num_classes, model.feature_dim, device)
         augment = make_augment(cfg, meta, device)
         pb = build_public_bank(cfg, public, model, augment, norm, device) if bank else None
         test = (data.test_x.to(device), data.test_y.to(device)) if data is not None else (None, None)
-        s = cls(cfg, be, meta, norm, model, anchors, augment, pb, *test,
+        s = cls(cfg, be, meta, norm, model, inits, anchors, augment, pb, *test,
                 public[0].to(device) if public is not None else None, data, warnings)
         if carries_server_protos(cfg):  # Plan B as the reference: round 0's target and G are the anchors
             s.load_server_state({"G": anchors})
         return s
+
+    def client_init(self, i: int) -> FlareNet:
+        """Client i's seeded init (its architecture's; not a copy)."""
+        return self.inits[self.cfg.client_architectures()[i]]
 
     def take_data(self) -> ImageData:
         """The prepared dataset, handed over once: the caller takes the clients' samples from it (and the host
@@ -415,7 +368,7 @@ class RunSetup:
                 note(f"note: client {i} holds {len(ix)} samples, fewer than batch_size={self.cfg.batch_size}; "
                      "it trains on one smaller batch per epoch.")
             ent = self.partition_report["clients"][i]["normalized_entropy"]
-            out.append(Client(i, torch.as_tensor(ix, device=self.device), copy.deepcopy(self.server.template),
+            out.append(Client(i, torch.as_tensor(ix, device=self.device), copy.deepcopy(self.server.client_init(i)),
                               self.ctx, ent))
         return out
 

@@ -114,6 +114,8 @@ class RecalibratedPredictor(ModelPredictor):
 class BNRecal(Strategy):
     """The clients' BatchNorm statistics re-estimated on the public slice, then the feature or output rule."""
 
+    mixed_architectures = True  # each client model is recalibrated on its own
+
     @classmethod
     def check(cls, cfg) -> None:  # at config validation: before any client trains
         require_public(cfg, "bnrecal")

@@ -58,6 +58,7 @@ class FedProto(Strategy):
     """Nearest global class prototype on the FedAvg encoder's features (the reference's one-shot FedProto)."""
 
     fused = False
+    one_architecture_why = "it reads features through the FedAvg of the clients' encoders (fedproto_fused fuses mixed clients)"
 
     def extras_shapes(self, template: nn.Module) -> dict:
         C, d = template.num_classes, template.feature_dim
@@ -96,6 +97,7 @@ class FedProtoFused(FedProto):
     """Nearest global class prototype on the weighted sum of the client encoders' features."""
 
     fused = True
+    mixed_architectures = True  # each client's features, in the shared d
 
 
 STRATEGIES.register("fedproto", FedProto, description="one-shot FedProto: nearest class prototype, FedAvg encoder")

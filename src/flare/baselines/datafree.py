@@ -303,6 +303,7 @@ class Synthesis:
 
 class _DataFree(Strategy):
     every_round = False
+    mixed_architectures = True  # the ensemble teaches a fresh student of the server architecture (server.model)
     tag, coboost = 0, False
 
     def predictor(self, ctx: ServerContext) -> ModelPredictor:

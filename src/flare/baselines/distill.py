@@ -27,8 +27,9 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from flare.baselines.kd import (Cost, agreement, client_logits, crop_flip, eval_mode, generator, kd_loss,
-                                public_slice, require_public)
+from flare.baselines.kd import (Cost, agreement, client_logits, crop_flip, eval_mode, fresh_model, generator, kd_loss,
+                                public_slice, require_public, same_layout)
+from flare.rng import derived_seed
 from flare.registry import STRATEGIES
 from flare.server.rules import fedavg_model
 from flare.server.strategy import ModelPredictor, ServerContext, Strategy
@@ -66,6 +67,7 @@ class FedDF(Strategy):
     """FedDF: the FedAvg model distilled from the weighted client ensemble on the server's unlabeled public slice."""
 
     every_round = False
+    mixed_architectures = True  # the student is the server architecture (server.model)
 
     @classmethod
     def check(cls, cfg) -> None:  # at config validation: before any client trains
@@ -78,12 +80,27 @@ class FedDF(Strategy):
         with eval_mode(ctx.models), torch.enable_grad():  # frozen teachers; the student trains whatever the caller set
             return self._distil(ctx)
 
+    def _start(self, ctx: ServerContext, pub) -> torch.nn.Module:
+        """The student's start: the FedAvg of the uploads; with clients of different architectures (or a
+        `server.model` of its own), the FedAvg of the clients that run the server architecture, or its fresh init
+        when none does (FedDF distils each architecture from the average of its own clients)."""
+        cfg = self.cfg
+        if not cfg.mixed_architectures and cfg.server.model is None:
+            return fedavg_model(ctx.models, ctx.weights, cfg.server.fedavg_buffers)
+        fresh = fresh_model(cfg, int(pub.shape[1]), int(ctx.models[0].num_classes),
+                            derived_seed(cfg.seed, ctx.round, TAG, 2), ctx.device)
+        own = [i for i, m in enumerate(ctx.models) if same_layout(m, fresh)]
+        if not own:
+            return fresh
+        w = ctx.weights[own] / ctx.weights[own].sum()
+        return fedavg_model([ctx.models[i] for i in own], w, cfg.server.fedavg_buffers)
+
     def _distil(self, ctx: ServerContext) -> ModelPredictor:
         o, cost = self.options, Cost(ctx.device)
         pub = public_slice(ctx, "feddf")
         gen = generator(self.cfg, ctx.round, TAG)
         w = ctx.weights.to(ctx.device, torch.float32)
-        student = fedavg_model(ctx.models, ctx.weights, self.cfg.server.fedavg_buffers).requires_grad_(True)
+        student = self._start(ctx, pub).requires_grad_(True)
         plain = ctx.normalize(pub)
         before = agreement(student.eval(), ctx.models, w, plain)
         opt = torch.optim.Adam(student.parameters(), lr=o.lr)

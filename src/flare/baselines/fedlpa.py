@@ -328,6 +328,7 @@ class _Factors(Strategy):
 
     every_round = False
     use_g = False
+    one_architecture_why = "it merges the clients' weights layer by layer, which needs one layout"
 
     @property
     def _name(self) -> str:

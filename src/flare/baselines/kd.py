@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -15,7 +16,8 @@ from torch import Tensor, nn
 
 from flare.config import Config
 from flare.errors import FlareError
-from flare.models import create_model
+from flare.config.architectures import server_architecture
+from flare.models import create_architecture
 from flare.rng import RngStreams, derived_seed
 
 
@@ -55,12 +57,24 @@ def private_stream(seed: int):
 
 
 def fresh_model(cfg: Config, in_channels: int, num_classes: int, seed: int, device: torch.device) -> nn.Module:
-    """A newly initialised model of the run's architecture and head (create_model's init draws from torch's default
-    generator, so it runs inside a private stream seeded with `seed`: the global state is left as it was)."""
+    """A newly initialised model of the server architecture (`server.model`, by default the most common client
+    architecture) and the run's head; it starts from a checkpoint only where `server.model` names one.
+    create_model's init draws from torch's default generator, so it runs inside a private stream seeded with `seed`:
+    the global state is left as it was."""
+    arch = server_architecture(cfg)
+    if cfg.server.model is None or cfg.server.model.checkpoint is None:
+        arch = replace(arch, checkpoint=None)
     with private_stream(seed):
-        model = create_model(cfg.model.name, in_channels, num_classes, cfg.model.width, head=cfg.head,
-                             options=cfg.model.options)
+        model = create_architecture(arch, in_channels, num_classes, cfg.head, cfg.model.feature_dim,
+                                    key="server.model.checkpoint")
     return model.to(device)
+
+
+def same_layout(a: nn.Module, b: nn.Module) -> bool:
+    """Whether two models hold the same tensors (names and shapes): parameters of one can be averaged into the
+    other."""
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(sa[k].shape == sb[k].shape for k in sa)
 
 
 @contextmanager

@@ -270,6 +270,7 @@ class OTFusion(Strategy):
     """OTFusion: every client's neurons aligned to a pivot client by exact OT, layer by layer, then averaged."""
 
     every_round = False
+    one_architecture_why = "it matches the clients' neurons layer by layer and averages them, which needs one layout"
 
     def predictor(self, ctx: ServerContext) -> ModelPredictor:
         t0 = time.perf_counter()

@@ -296,6 +296,17 @@ class BatchedClients:
         return torch.stack(views), torch.stack(labels)
 
 
+def by_architecture(clients: list[Client], ctx: TrainContext, compile: bool = False) -> list["BatchedClients"]:
+    """One batched engine per architecture among `clients` (clients whose models hold the same tensors): vmap
+    stacks the clients' parameters, so one program trains clients of one layout; the groups train one after the
+    other, each client on its own streams, so the numbers are those of one engine over every client."""
+    groups: dict[tuple, list[Client]] = {}
+    for c in clients:
+        layout = tuple((k, tuple(v.shape)) for k, v in c.model.state_dict().items())
+        groups.setdefault(layout, []).append(c)
+    return [BatchedClients(g, ctx, compile=compile) for g in groups.values()]
+
+
 @contextmanager
 def _vmap_errors(cfg):
     """A registered loss term or λ provider that cannot run under vmap (a `.item()`, data-dependent control flow)

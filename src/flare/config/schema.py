@@ -20,9 +20,10 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from flare.config.architectures import architecture_table, client_architectures, is_mixed
 from flare.config.protocol import fill_protocol
-from flare.config.sections import (OPTIONS_DESCRIPTION, AugmentCfg, DatasetCfg, LRScheduleCfg, ModelCfg, OptimCfg,
-                                   PartitionCfg, Strict, part, part_options, part_table)
+from flare.config.sections import (OPTIONS_DESCRIPTION, AugmentCfg, DatasetCfg, LRScheduleCfg, ModelCfg,
+                                   OptimCfg, PartitionCfg, Strict, architecture, part, part_options, part_table)
 from flare.errors import FlareError, KeyedValueError
 from flare.registry import (ANCHORS, CLIENT_ENGINES, CONTRAST, DATASETS, LAM_PROVIDERS, LOSS_TERMS, MODELS, OBJECTIVES,
                             PARTITIONS, SCHEDULES, STRATEGIES, SURGERY, Registry, load_plugins)
@@ -166,6 +167,10 @@ class ServerCfg(Strict):
                             "output, fedavg or a plugin's (auto: feature for prototype heads, output otherwise)")
     strategies: StrategyTable = Field(
         {}, description="options of registered server strategies, name: {option: value} (docs/extending.md)")
+    model: architecture("server.model") = Field(
+        None, description="the architecture a server that trains its own model builds (FedDF, DENSE, Co-Boosting, "
+                          "the public bank's teacher): a model name or {name, width, options, checkpoint} (null: "
+                          "the most common client architecture; docs/heterogeneous.md)")
 
 
 class EvalCfg(Strict):
@@ -267,6 +272,7 @@ class Config(Strict):
             self.require_anchors("server.protos_init=anchors")
         if self.server.protos == "trainable" and self.server.protos_flow == "reference":
             self.require_anchors("server.protos_flow=reference")
+        self._check_architectures()
         for registry, name in self.chosen_parts():
             registry.check(name, self)
         for rule in self.eval.rules or []:
@@ -283,10 +289,61 @@ class Config(Strict):
         CLIENT_ENGINES.get(self.client_engine).check(self)  # what the engine cannot run, stated beside its code
         return self
 
+    def _check_architectures(self) -> None:
+        """`model.clients` / `model.mix` must name one architecture per client, and every strategy the config names
+        must fuse them (config/architectures.py)."""
+        m, k = self.model, self.num_clients
+        if m.clients is not None and m.mix is not None:
+            raise KeyedValueError("model.mix", "model.clients and model.mix both say which client runs what; set one")
+        if isinstance(m.clients, list) and len(m.clients) != k:
+            raise KeyedValueError("model.clients", f"model.clients lists {len(m.clients)} architectures for "
+                                  f"num_clients={k}; give one entry per client (or a mapping client index → entry)")
+        if isinstance(m.clients, dict):
+            bad = sorted(i for i in m.clients if not 0 <= i < k)
+            if bad:
+                raise KeyedValueError("model.clients", f"model.clients names client {bad[0]}, but the clients are "
+                                      f"0 … {k - 1} (num_clients={k})")
+        if m.mix is not None:
+            if any(n < 0 for n in m.mix.values()) or sum(m.mix.values()) != k:
+                raise KeyedValueError("model.mix", f"model.mix deals {sum(m.mix.values())} clients "
+                                      f"({', '.join(f'{n}: {c}' for n, c in m.mix.items())}), num_clients={k}; the "
+                                      "counts must be ≥ 0 and sum to num_clients")
+        if self.mixed_architectures:
+            for name in self.named_strategies():
+                self.check_fuses_mixed(name, "eval.rules" if name != self.server.primary else "server.primary")
+
+    def check_fuses_mixed(self, name: str, key: str) -> None:
+        """Refuse strategy `name` when the clients run different architectures and it cannot fuse them."""
+        cls = STRATEGIES.get(name, key)
+        if self.mixed_architectures and not getattr(cls, "mixed_architectures", False):
+            why = getattr(cls, "one_architecture_why", "") or "it does not declare mixed_architectures = True"
+            raise FlareError(f"server strategy '{name}' cannot fuse clients of different architectures "
+                             f"({architecture_table(self)}): {why}.", key=key,
+                             fix="drop it from eval.rules / server.primary / --strategies, or give every client one "
+                                 "architecture; strategies that fuse mixed clients: " + ", ".join(
+                                     n for n in STRATEGIES.names() if getattr(STRATEGIES.get(n),
+                                                                               "mixed_architectures", False)) + ".")
+
+    @property
+    def mixed_architectures(self) -> bool:
+        """Whether the clients run more than one architecture (`model.clients` / `model.mix`)."""
+        return is_mixed(self)
+
+    def client_architectures(self):
+        """One `config.architectures.Architecture` per client."""
+        return client_architectures(self)
+
+    def named_strategies(self) -> list[str]:
+        """The strategies this config names itself (eval.rules, server.primary), each once."""
+        return sorted({n for n in (self.eval.rules or []) if n != "primary"} | {self.server.primary} - {"auto"})
+
     def chosen_parts(self) -> list[tuple[Registry, str]]:
         """(registry, name) of every part this config chooses, each once: the parts whose `check` it must pass."""
-        strategies = sorted({n for n in (self.eval.rules or []) if n != "primary"} | {self.server.primary} - {"auto"})
-        chosen = [(MODELS, self.model.name), (DATASETS, self.dataset.name), (PARTITIONS, self.partition.kind),
+        strategies = self.named_strategies()
+        models = [(MODELS, a.name) for a in self.client_architectures()]
+        if self.server.model is not None:
+            models.append((MODELS, self.server.model.name))
+        chosen = [(MODELS, self.model.name), *models, (DATASETS, self.dataset.name), (PARTITIONS, self.partition.kind),
                   (OBJECTIVES, self.loss.objective), (CONTRAST, self.loss.contrast),
                   *((LOSS_TERMS, t) for t in self.loss.terms), (ANCHORS, self.align.anchors),
                   (SCHEDULES, self.align.schedule), (SURGERY, self.align.surgery), (LAM_PROVIDERS, self.lam.learner),

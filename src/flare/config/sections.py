@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo,
+                      field_validator)
 
 from flare.errors import KeyedValueError
 from flare.registry import DATASETS, MODELS, PARTITIONS, Registry
@@ -95,6 +96,76 @@ class PartitionCfg(Strict):
     options: PartitionOptions = Field({}, description=OPTIONS_DESCRIPTION)
 
 
+class ArchitectureCfg(Strict):
+    """One client's network in `model.clients` / `model.mix`, or the server's in `server.model` (a bare name is
+    read as `{name: NAME}`); what it leaves out is taken from `model` (config/architectures.py)."""
+
+    name: ModelName = Field(description="a registered model (`flare models`)")
+    width: float | None = Field(None, gt=0, description="its width (null: model.width)")
+    options: ModelOptions = Field({}, description=OPTIONS_DESCRIPTION)
+    checkpoint: str | None = Field(None, description="a local state dict it starts from (null: model.checkpoint "
+                                                     "when the name is model.name, else the seeded init)")
+
+
+def _architecture(where: str, value: Any) -> ArchitectureCfg:
+    """One entry (a model name, or a mapping), validated with its errors keyed `where` (model.clients[2] …)."""
+    if isinstance(value, ArchitectureCfg):
+        return value
+    try:
+        return ArchitectureCfg.model_validate({"name": value} if isinstance(value, str) else value)
+    except ValidationError as err:
+        msgs = []
+        for e in err.errors():
+            msg = e["msg"].removeprefix("Value error, ").replace("for model.name", f"for {where}")
+            keyed = isinstance((e.get("ctx") or {}).get("error"), KeyedValueError)
+            at = ".".join(str(x) for x in e["loc"])
+            msgs.append(msg if keyed else f"{where}.{at}={e.get('input')!r}: {msg}")
+        raise KeyedValueError(where, "; ".join(msgs)) from None
+
+
+def architecture(key: str) -> Any:
+    """The type of a key holding one architecture (`server.model`)."""
+    return Annotated[Any, BeforeValidator(lambda v: None if v is None else _architecture(key, v))]
+
+
+def _client_entries(value: Any) -> Any:
+    key = "model.clients"
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return [_architecture(f"{key}[{i}]", e) for i, e in enumerate(value)]
+    if isinstance(value, dict):
+        out = {}
+        for k, e in value.items():
+            if isinstance(k, bool) or not str(k).lstrip("-").isdigit():
+                raise KeyedValueError(key, f"{key} maps client indices to architectures, but {k!r} is not a client "
+                                           "index (0, 1, …)")
+            out[int(k)] = _architecture(f"{key}.{k}", e)
+        return out
+    raise KeyedValueError(key, f"{key} must be a list with one architecture per client, or a mapping client index → "
+                               f"architecture; got {value!r}")
+
+
+def _mix(value: Any) -> Any:
+    key = "model.mix"
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not value:
+        raise KeyedValueError(key, f"{key} must be a mapping model name → number of clients, e.g. "
+                                   f"{{resnet18: 3, cnn: 2}}; got {value!r}")
+    for name, count in value.items():
+        if name not in MODELS:
+            raise KeyedValueError(f"{key}.{name}", MODELS.unknown(str(name), f"{key}"))
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise KeyedValueError(f"{key}.{name}", f"{key}.{name}={count!r}: a number of clients must be an "
+                                                   "integer ≥ 0")
+    return value
+
+
+ClientArchitectures = Annotated[Any, BeforeValidator(_client_entries)]
+ModelMix = Annotated[Any, BeforeValidator(_mix)]
+
+
 class ModelCfg(Strict):
     name: ModelName = Field("resnet18", description="resnet18, resnet34, resnet50 (CIFAR-style), cnn, wrn16_1, "
                                                       "wrn40_1, cnn_dense, cnn_coboost, timm/<any timm name> or a "
@@ -104,6 +175,17 @@ class ModelCfg(Strict):
     checkpoint: str | None = Field(None, description="a local state dict every client starts from, loaded "
                                                      "weights_only into the seeded init (null: the seeded init; "
                                                      "docs/models.md#checkpoint)")
+    clients: ClientArchitectures = Field(
+        None, description="per-client architectures: a list of num_clients entries, or a mapping client index → "
+                          "entry (the others run `model`); an entry is a model name or {name, width, options, "
+                          "checkpoint} (docs/heterogeneous.md)")
+    mix: ModelMix = Field(
+        None, description="a named mix, model name → number of clients (summing to num_clients), dealt to the "
+                          "clients by a permutation seeded with `seed`")
+    feature_dim: int | None = Field(None, ge=1, description="shared feature dimension d: a linear projection of "
+                                                            "the encoder's pooled feature to d before the head "
+                                                            "(null: the encoder's own d; clients whose encoders' d "
+                                                            "differ need it)")
 
 
 class OptimCfg(Strict):

@@ -37,6 +37,7 @@ __all__ = [
     "HEADS",
     "check_state_fits",
     "load_checkpoint",
+    "create_architecture",
     "timm_names",
 ]
 
@@ -70,17 +71,20 @@ def list_models() -> list[str]:
 class FlareNet(nn.Module):
     """Encoder f plus a head. `forward(x) -> (feat, logits)` with feat = f(x) (raw, un-normalised)."""
 
-    def __init__(self, encoder: nn.Module, head: nn.Module, *, name: str = ""):
+    def __init__(self, encoder: nn.Module, head: nn.Module, *, name: str = "", proj: nn.Linear | None = None):
         super().__init__()
         self.encoder = encoder
+        self.proj = proj  # None adds no tensor: a model without model.feature_dim keeps its state dict
         self.head = head
         self.name = name
-        self.feature_dim: int = int(encoder.feature_dim)
+        self.feature_dim: int = int(proj.out_features if proj is not None else encoder.feature_dim)
         self.num_classes: int = int(head.num_classes)
         self.head_kind: str = getattr(head, "kind", "linear")
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         feat = self.encoder(x)
+        if self.proj is not None:
+            feat = self.proj(feat)
         return feat, self.head(feat)
 
     @property
@@ -96,8 +100,11 @@ def create_model(
     width: float = 1.0,
     head: str = "prototype",
     options: dict | None = None,
+    feature_dim: int | None = None,
 ) -> FlareNet:
-    """Build a registered encoder + head. Unknown names raise `FlareError` (key `model.name`)."""
+    """Build a registered encoder + head. Unknown names raise `FlareError` (key `model.name`). `feature_dim`: a
+    linear projection of the encoder's feature to that d before the head (`model.feature_dim`: the shared d that
+    makes prototypes, anchors and features of different encoders comparable)."""
     entry = MODELS.entry(name)
     if head not in HEADS:
         raise FlareError(
@@ -120,7 +127,9 @@ def create_model(
         )
     opts = MODELS.options(name, options, "model.options") if entry.options is not None else None
     encoder = entry.obj(int(in_channels), width, *([opts] if opts is not None else []))
-    return FlareNet(encoder, HEADS[head](int(num_classes), int(encoder.feature_dim)), name=name)
+    proj = nn.Linear(int(encoder.feature_dim), int(feature_dim)) if feature_dim is not None else None
+    d = int(feature_dim) if feature_dim is not None else int(encoder.feature_dim)
+    return FlareNet(encoder, HEADS[head](int(num_classes), d), name=name, proj=proj)
 
 
 register_model("resnet18", description="CIFAR-style ResNet-18 (d = 512·width)")(_resnet.resnet18)
@@ -155,11 +164,21 @@ def check_state_fits(model: nn.Module, state: dict, source: str, *, key: str, fi
                          f"({len(extra)} such).", key=key, fix=fix)
 
 
-def load_checkpoint(model: FlareNet, path: str) -> None:
+def create_architecture(arch, in_channels: int, num_classes: int, head: str, feature_dim: int | None = None,
+                        key: str = "model.checkpoint") -> FlareNet:
+    """The model of one `config.architectures.Architecture` (a client's, or the server's), started from its
+    checkpoint when it names one; its init draws from torch's global generator, which the caller seeds."""
+    model = create_model(arch.name, in_channels, num_classes, arch.width, head=head, options=arch.options,
+                         feature_dim=feature_dim)
+    if arch.checkpoint is not None:
+        load_checkpoint(model, arch.checkpoint, key=key)
+    return model
+
+
+def load_checkpoint(model: FlareNet, path: str, key: str = "model.checkpoint") -> None:
     """Load the local state dict at `path` into `model` (`model.checkpoint`): a raw state dict or one under
     "model" / "state_dict", of the whole model (encoder + head) or of its encoder alone (the head then keeps its
     seeded init). `weights_only=True`, so the file can hold tensors but no code; nothing is downloaded."""
-    key = "model.checkpoint"
     fix = "give a state dict saved from the same model.name, model.width, model.head and dataset (channels, classes)."
     p = Path(path).expanduser()
     if not p.is_file():
@@ -175,7 +194,7 @@ def load_checkpoint(model: FlareNet, path: str) -> None:
     state = obj
     if isinstance(obj, dict):
         state = next((obj[k] for k in ("model", "state_dict") if isinstance(obj.get(k), dict)), obj)
-    whole = isinstance(state, dict) and any(str(k).startswith(("encoder.", "head.")) for k in state)
+    whole = isinstance(state, dict) and any(str(k).startswith(("encoder.", "proj.", "head.")) for k in state)
     target = model if whole or not isinstance(state, dict) else model.encoder
     check_state_fits(target, state, f"checkpoint {path}" + ("" if target is model else " (an encoder's state)"),
                      key=key, fix=fix)

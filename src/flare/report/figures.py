@@ -115,7 +115,10 @@ def plot_label_distribution(partition: dict, path: Path) -> None:
     if C <= 60:  # every class ticked and named; beyond that the names would overlap
         ax.set_xticks(range(C), classes, rotation=45 if max(map(len, classes)) > 3 else 0, ha="right"
                       if max(map(len, classes)) > 3 else "center", fontsize=7)
-    ax.set_yticks(range(K), [f"{i} (n={hist[i].sum()})" for i in range(K)], fontsize=8)
+    models = [c.get("model", "") for c in partition["clients"]]
+    who = models if len(set(models)) > 1 else [""] * K  # clients of different architectures: each one's named
+    ax.set_yticks(range(K), [f"{i} {m} (n={hist[i].sum()})".replace("  ", " ") for i, m in zip(range(K), who)],
+                  fontsize=8)
     fig.colorbar(im, ax=ax, label="samples")
     _save(fig, path)
 

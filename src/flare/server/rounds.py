@@ -33,10 +33,13 @@ def primary_rule(cfg: Config) -> str:
 
 def rules_for(cfg: Config, r: int | None = None) -> tuple[str, ...]:
     """The server strategies an evaluation scores (registered order): every default one that applies to the head
-    (the built-in rules), or the subset `eval.rules` names, and always the primary; with a round index `r`, those
+    and, when the clients run different architectures, fuses them (the built-in rules), or the subset `eval.rules` names, and always the primary; with a round index `r`, those
     that run only at the last round (`every_round=False`) are left out of the other rounds."""
-    def applies(n: str) -> bool:
-        return cfg.head == "prototype" or not STRATEGIES.get(n).needs_prototypes
+    mixed = cfg.mixed_architectures
+
+    def applies(n: str) -> bool:  # a named strategy that cannot fuse mixed clients was refused by the config
+        s = STRATEGIES.get(n)
+        return (cfg.head == "prototype" or not s.needs_prototypes) and (not mixed or s.mixed_architectures)
 
     prim = primary_rule(cfg)
     if cfg.eval.rules is None:

@@ -79,6 +79,7 @@ class ClientRule(Strategy):
     default = True
     needs_noise = False
     batch_bn = False
+    mixed_architectures = True  # it reads each client model's outputs (features in the shared d)
 
     @staticmethod
     def scores(out: ClientOutputs, weights: Tensor, G: Tensor | None, ensemble: str) -> Tensor:
@@ -158,6 +159,7 @@ class FedAvgRule(Strategy):
     """One-shot FedAvg: the weighted average of the uploaded models (server.fedavg_buffers)."""
 
     default = True
+    one_architecture_why = "it averages the clients' parameters tensor by tensor"
 
     def predictor(self, ctx: ServerContext) -> ModelPredictor:
         return ModelPredictor(fedavg_model(ctx.models, ctx.weights, self.cfg.server.fedavg_buffers))

@@ -1,0 +1,84 @@
+"""Where and how a process computes: the device, the pinned CPU kernels, bf16 autocast and the memory layout,
+decided once per process from the config (`backend`) and recorded with the run (`Backend.facts`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flare import cpu
+from flare.config import Config
+from flare.errors import FlareError
+from flare.server.rounds import rules_for
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise FlareError(f"device={name} was asked for, but torch sees no CUDA GPU on this machine.",
+                             key="device", fix="use device=auto or device=cpu, or install a CUDA build of torch.")
+        return torch.device(name)
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise FlareError("device=mps was asked for, but MPS is not available.", key="device",
+                         fix="use device=auto or device=cpu.")
+    return torch.device(name)
+
+
+def amp_dtype_for(cfg: Config, device: torch.device) -> torch.dtype | None:
+    if cfg.amp == "off":
+        return None
+    if cfg.amp == "bf16":
+        return torch.bfloat16
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return None
+
+
+def use_channels_last(cfg: Config, device: torch.device) -> bool:
+    """NHWC pays off on GPUs (tensor cores); on CPU only where asked for (`cpu_channels_last`: oneDNN's NHWC
+    convolutions, measured faster, other digits)."""
+    if device.type == "cpu":
+        return cfg.cpu_channels_last
+    return cfg.channels_last and device.type == "cuda"
+
+
+@dataclass
+class Backend:
+    """Where and how a process computes (device, kernels, precision, layout): decided once, recorded (`facts`)."""
+    device: torch.device
+    amp_dtype: torch.dtype | None
+    channels_last: bool
+    cpu_kernels: str
+    warnings: list[str]
+
+    def facts(self, cfg: Config) -> dict:
+        return {"speed": cfg.speed, "cpu_isa": cfg.cpu_isa, "cpu_kernels": self.cpu_kernels,
+                "amp": "bf16" if self.amp_dtype == torch.bfloat16 else "off", "channels_last": self.channels_last,
+                "eval_every": cfg.eval.every, "eval_rules": list(rules_for(cfg))}
+
+
+def backend(cfg: Config, device: str | None = None) -> Backend:
+    """Pin the CPU kernels (`cpu_isa`), resolve the device, and turn bf16 autocast off — with a warning — on a CPU
+    where it would be emulated (no AVX512-BF16/AMX, or kernels pinned below AVX512): there it is ~50× slower."""
+    kernels, warn = cpu.apply(cfg.cpu_isa)
+    warns, device = [warn] if warn else [], resolve_device(device or cfg.device)
+    if cfg.compile and device.type == "cpu" and cpu.is_x86() and kernels != cpu.native_level():
+        # Measured with torch 2.14.1 on an AVX512 VM: inductor's CPU code under ATEN_CPU_CAPABILITY=avx2 turned the
+        # first step's loss into NaN (the same test passes at native kernels), so this is refused, not risked.
+        raise FlareError(f"compile=true on CPU with the kernels pinned to {kernels} below this CPU's own "
+                         f"{cpu.native_level()} (cpu_isa={cfg.cpu_isa}): torch.compile's CPU code then produced NaN "
+                         "losses here.", key="compile", fix="add cpu_isa=native to compile on CPU (other digits), "
+                                                            "or leave compile=false.")
+    amp = amp_dtype_for(cfg, device)
+    if amp == torch.bfloat16 and device.type == "cpu" and not cpu.bf16_supported():
+        warns.append(f"amp=bf16 on a CPU without native bf16 under {kernels} kernels (it needs AVX512-BF16 or AMX "
+                     "and cpu_isa=native or avx512): torch would emulate it, far slower; training and evaluating "
+                     "in fp32 instead")
+        amp = None
+    cl = use_channels_last(cfg, device)
+    if cl and cfg.client_engine == "batched":
+        warns.append("client_engine=batched trains in NCHW (vmap cannot use an NHWC layout); channels_last applies "
+                     "to evaluation only")
+    return Backend(device, amp, cl, kernels, warns)
