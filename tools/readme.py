@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import platform
 import re
@@ -32,16 +33,18 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from flare.config import config_reference, config_reference_markdown, list_presets  # noqa: E402,F401 (tests read tool.config_reference)
 from flare.config import preset_mapping  # noqa: E402
 from flare.paper.reproduction import reproduction_markdown  # noqa: E402
 from flare.report.compare import compare_markdown, compare_rows  # noqa: E402
-from flare.report.fused import fused_table, fused_vs_table  # noqa: E402
-from flare.report.tables import fmt_ms  # noqa: E402
+from flare.report.fused import fused_table, fused_values, fused_vs_table  # noqa: E402
+from flare.report.tables import fmt_ms, md_table  # noqa: E402
 from flare.report.runs import Row  # noqa: E402
 from flare.rundata import RunData  # noqa: E402
+from flare.stats import holm, paired, verdict  # noqa: E402
 
 README = ROOT / "README.md"
 PATTERN = re.compile(r"<!-- BEGIN (?P<id>[\w-]+) sha=(?P<sha>\w+) -->\n(?P<body>.*?)<!-- END (?P=id) -->", re.S)
@@ -212,6 +215,62 @@ def baselines_block() -> str:
     return "\n".join(out)
 
 
+# Clients of different architectures (docs/heterogeneous.md): DENSE's five-network setting against five ResNet-18
+# clients, each client method through feature fusion and the output ensemble, and the distilling servers over the
+# plain (CE) clients; paired by seed (a seed fixes the partition, the test subset and the public slice).
+HETERO_PRESETS = ["fafi", "etf-anneal", "flare", "ensemble"]
+HETERO_RUNS = {"homogeneous": "runs/readme/hetero-homogeneous", "mixed": "runs/readme/hetero-mixed"}
+HETERO_CELLS = [(p, s) for p in ("fafi", "etf-anneal", "flare") for s in ("feature", "output", "bnrecal")] + \
+    [("ensemble", s) for s in ("output", "feddf", "dense", "coboosting", "bnrecal")]
+
+
+def heterogeneous_block() -> str:
+    """Each (clients, server) cell over both settings with the mixed − homogeneous difference paired by seed, then
+    feature fusion of V7 and FLARE clients against FAFI's in each setting — and what that says, in words."""
+    rows = {k: dict(zip(HETERO_PRESETS, (row for _, row in _compare_rows(out, HETERO_PRESETS, [1, 2, 3]))))
+            for k, out in HETERO_RUNS.items()}
+    vals = {(k, p, s): fused_values(rows[k][p], s) for k in HETERO_RUNS for p, s in HETERO_CELLS}
+    label = {p: rows["mixed"][p].runs[0].cfg.get("notes_name") or p for p in HETERO_PRESETS}
+
+    def ms(v: dict) -> str:
+        x = list(v.values())
+        return fmt_ms(float(np.mean(x)), float(np.std(x, ddof=1)) if len(x) > 1 else math.nan) if x else "—"
+
+    def tested(pairs):  # [(a, b)] → [(Paired, Holm-adjusted p)], adjusted over the table
+        ts = [paired(a, b) for a, b in pairs]
+        return list(zip(ts, holm([t.p for t in ts])))
+
+    def cells(t, pa):
+        ci = f"[{100 * t.low:+.2f}, {100 * t.high:+.2f}]" if t.testable else "—"
+        return [f"{100 * t.mean:+.2f}", ci, f"{t.p:.3g}" if t.testable else "—", f"{pa:.3g}" if t.testable else "—",
+                verdict(t, pa)]
+
+    diff = tested([(vals["mixed", p, s], vals["homogeneous", p, s]) for p, s in HETERO_CELLS])
+    body = [[label[p], s, ms(vals["homogeneous", p, s]), ms(vals["mixed", p, s]), *cells(t, pa)]
+            for (p, s), (t, pa) in zip(HETERO_CELLS, diff)]
+    t1 = md_table(["clients", "server", "homogeneous (5 × ResNet-18)", "mixed (5 architectures)",
+                   "Δ mixed − homogeneous (points)", "95 % CI", "p (paired t)", "p (Holm)", "difference"], body)
+    vs = [(k, p) for k in HETERO_RUNS for p in ("etf-anneal", "flare")]
+    anchor = tested([(vals[k, p, "feature"], vals[k, "fafi", "feature"]) for k, p in vs])
+    t2 = md_table(["setting", "clients", "Δ feature fusion vs FAFI's (points)", "95 % CI", "p (paired t)", "p (Holm)",
+                   "difference"], [[k, label[p], *cells(t, pa)] for (k, p), (t, pa) in zip(vs, anchor)])
+    mean = lambda k, p, s: 100 * float(np.mean(list(vals[k, p, s].values())))  # noqa: E731
+    gap = {p: (mean("mixed", p, "feature") - mean("homogeneous", p, "feature"),
+               mean("mixed", p, "feature") - mean("mixed", p, "output")) for p in ("fafi", "etf-anneal", "flare")}
+    found = {(k, p): verdict(t, pa) for (k, p), (t, pa) in zip(vs, anchor)}
+    text = ("Feature fusion across architectures, mixed − homogeneous (points): "
+            + ", ".join(f"{label[p]} {gap[p][0]:+.2f}" for p in gap) + "; mixed feature fusion − mixed output "
+            "ensemble over the same clients: " + ", ".join(f"{label[p]} {gap[p][1]:+.2f}" for p in gap) + ". "
+            "Anchored clients against FAFI's feature fusion, mixed: " + ", ".join(
+                f"{label[p]} {found['mixed', p]}" for p in ("etf-anneal", "flare")) + "; homogeneous: " + ", ".join(
+                f"{label[p]} {found['homogeneous', p]}" for p in ("etf-anneal", "flare")) + " (3 seeds).")
+    return ("Accuracy (%) after the last round, mean ± std over seeds 1–3; the servers a run does not evaluate itself "
+            "(FedDF, DENSE, Co-Boosting, BN recalibration) are `flare fuse` over its saved clients. Paired by seed "
+            "(same partition, test subset and public slice), Holm-adjusted over each table:\n\n" + t1
+            + "\nDo the anchors make feature fusion work across architectures? V7 and FLARE clients against FAFI "
+            "clients, feature fusion, paired by seed:\n\n" + t2 + "\n" + text + "\n")
+
+
 RESULTS = {r.id: r for r in [
     Results("main", ["flare compare --config configs/main.yaml --presets " + ",".join(MAIN_PRESETS) +
                      " --seeds 1,2,3 --out runs/main"],
@@ -267,6 +326,15 @@ RESULTS = {r.id: r for r in [
                 f"flare compare --presets {','.join(BNBATCH_PRESETS)} --seeds 1,2,3 {BASELINE_ARGS} partition.alpha={a} "
                 f"eval.bn=batch --out runs/readme/baselines-a{a}-bnbatch")],
             baselines_block),
+    Results("heterogeneous",
+            [f"flare compare --config configs/heterogeneous.yaml --presets {','.join(HETERO_PRESETS)} --seeds 1,2,3 "
+             "--out runs/readme/hetero-mixed",
+             f"flare compare --config configs/heterogeneous.yaml --presets {','.join(HETERO_PRESETS)} --seeds 1,2,3 "
+             "model.clients=null --out runs/readme/hetero-homogeneous",
+             "flare fuse runs/readme/hetero-*/ensemble/seed=* --strategies feddf,dense,coboosting,bnrecal",
+             "flare fuse runs/readme/hetero-*/fafi/seed=* runs/readme/hetero-*/etf-anneal/seed=* "
+             "runs/readme/hetero-*/flare/seed=* --strategies bnrecal"],
+            heterogeneous_block),
     # The one deselected test checks the README's blocks, this one included: it cannot pass before this block exists.
     Results("tests", ["python -m pytest -q -p no:cacheprovider -n 2 -m 'not slow' tests "
                       "--deselect tests/test_readme.py::test_generated_blocks_are_current_and_untouched "
