@@ -1,7 +1,7 @@
 """Everything a run is built from — the one place where the in-process runner, the Flower apps, `flare fuse` and the
-LR probe build a run: device and precision, the data and its split, the seeded global init, the anchors, the
-augmentation, the server's public bank and the clients' training context (the evaluation checkpoint itself is
-server/rounds.py).
+LR probe build a run: the data and its split, the seeded inits (one per client architecture, and the server's), the
+anchors, the augmentation, the server's public bank and the clients' training context (the device and precision are
+flare/backend.py; the evaluation checkpoint itself is server/rounds.py).
 
 A run has two sides, each built by one function: `ServerSetup.build` (backend, data, test set, seeded init,
 anchors, public bank; its `evaluate` scores a round) and `client_context` (a client's training context). The

@@ -19,6 +19,10 @@ Departure: the reference distils for up to 10 000 batches and keeps the student 
 validation split, stopping after 1 000 batches without improvement (`early_stopping_server_batches`). A one-shot
 server here selects nothing on labels: it runs a fixed `steps` (the reference's cap by default) and returns the
 last student. The weights w_k are the run's `server.weights` (the reference's avg_logits used 1/K).
+
+Clients of different architectures (docs/heterogeneous.md): the student is the server architecture (`server.model`)
+and starts from the FedAvg of the clients that run it, as FedDF distils each architecture from its own clients'
+average; the teacher is every client's logits.
 """
 from __future__ import annotations
 
