@@ -67,6 +67,30 @@ def _edited_run(tiny, tmp_path, capsys):
     return d
 
 
+# clients of different architectures (docs/heterogeneous.md): refused before anything is written
+ARCHITECTURE_ROWS = [
+    ("per-client architectures of the wrong length", lambda t, p, f, c: ["run", *t, "model.clients=[cnn,wrn16_1]"],
+     "model.clients: invalid configuration: model.clients lists 2 architectures for num_clients=3"),
+    ("model.clients naming a client that does not exist", lambda t, p, f, c:
+     ["run", *t, "model.clients={5: wrn16_1}"], "model.clients names client 5, but the clients are 0 … 2"),
+    ("model.mix not summing to num_clients", lambda t, p, f, c: ["run", *t, "model.mix={cnn: 2, wrn16_1: 2}"],
+     "model.mix: invalid configuration: model.mix deals 4 clients (cnn: 2, wrn16_1: 2), num_clients=3"),
+    ("model.mix naming an unknown model", lambda t, p, f, c: ["run", *t, "model.mix={cnn: 2, wrn16_2: 1}"],
+     "model.mix.wrn16_2: invalid configuration: unknown model 'wrn16_2' for model.mix (did you mean wrn16_1?)"),
+    ("model.clients and model.mix both set", lambda t, p, f, c:
+     ["run", *t, "model.clients=[cnn,wrn16_1,cnn]", "model.mix={cnn: 3}"],
+     "model.mix: invalid configuration: model.clients and model.mix both say which client runs what"),
+    ("fedavg in eval.rules with mixed clients", lambda t, p, f, c:
+     ["run", *t, "model.clients=[cnn,wrn16_1,cnn]", "model.feature_dim=8", "eval.rules=[primary,fedavg]"],
+     "eval.rules: server strategy 'fedavg' cannot fuse clients of different architectures (2 × cnn, 1 × wrn16_1)"),
+    ("otfusion as server.primary with mixed clients", lambda t, p, f, c:
+     ["run", *t, "model.clients={1: wrn16_1}", "model.feature_dim=8", "server.primary=otfusion"],
+     "server.primary: server strategy 'otfusion' cannot fuse clients of different architectures"),
+    ("encoders of different d without model.feature_dim", lambda t, p, f, c:
+     ["run", *t, "model.clients=[cnn,wrn16_1,cnn]"], "model.feature_dim: the run's architectures end in different "
+                                                     "feature dimensions (wrn16_1: d = 16, cnn: d = 32)"),
+]
+
 # (id, argv builder (tiny overrides, tmp_path, tiny_folder, capsys) -> argv, what stderr must name)
 ROWS = [
     # --- found by the reliability issue ---------------------------------------------------------
@@ -261,7 +285,10 @@ ROWS = [
      ["fuse", _finished_run(t, p, c), "--strategies", "bad_nan", "--plugin", "flare_bad_strategies"],
      "server.strategies.bad_nan: server strategy 'bad_nan' (plugin module 'flare_bad_strategies') in round 1: "
      "its predictor's scores hold"),
+    *ARCHITECTURE_ROWS,
 ]
+# rows refused before the run directory exists: one paragraph, and no --out written
+NOTHING_WRITTEN = {r[0] for r in ARCHITECTURE_ROWS}
 # rows whose strategy must leave no accuracy behind: no acc_<name> in metrics.jsonl, no fuse.jsonl record, not
 # in summary.md
 REFUSED_STRATEGY = {r[0]: r[2].split("server strategy '")[1].split("'")[0] for r in ROWS if
@@ -280,6 +307,8 @@ def test_bad_input_is_exit_2_with_a_message_naming_it(name, build, names, tiny_o
     assert "Traceback" not in err, err
     assert names in err, (name, err)
     assert "Fix:" in err or "fix" in err.lower(), err
+    if name in NOTHING_WRITTEN:
+        assert "\n\n" not in err.strip() and not (tmp_path / "out").exists(), err
     if argv[0] == "paper":  # refused before the first run: nothing trained, nothing written
         assert not (tmp_path / "paper").exists() and not list(tmp_path.rglob("metrics.jsonl"))
     if name in REFUSED_STRATEGY:
