@@ -45,7 +45,8 @@ class Nodes:
     def exchange(self, task, include_init, nodes, session):
         content = RecordDict({"task": ConfigRecord(task.to_config())})
         if include_init:
-            content["init"] = state_to_record(session.init_state)
+            for key, state in session.init_states.items():  # every client architecture's seeded init
+                content[key] = state_to_record(state)
         out = []
         for n in nodes:
             if n in self.silent:

@@ -1,12 +1,13 @@
 """FLARE's Flower ClientApp (`flare.flower.client_app:app`).
 
 A node answers `train` messages. The first message of a run carries the run's config, the dataset facts,
-the anchor seed and the global init weights; the node loads its own data — from `data-path` in its node
-config (an .npz of its samples) or, in simulation and loopback federations, its part of the run's split
-(`partition-id`, with the same partitioner and seed as `flare run`) — trains the asked rounds with
-`flare.client.trainer.Client`, and replies with its weights (an ArrayRecord), its sample count, class
-histogram and training logs. Between per-round messages (simulation) its state (model, optimizer, λ
-learner) waits in `context.state` as arrays plus a JSON skeleton.
+the anchor seed and the seeded init weights of every client architecture (`protocol.init_key`: with
+`model.clients` / `model.mix` the node takes its own client's); the node loads its own data — from
+`data-path` in its node config (an .npz of its samples) or, in simulation and loopback federations, its
+part of the run's split (`partition-id`, with the same partitioner and seed as `flare run`) — trains the
+asked rounds with `flare.client.trainer.Client` on its client's architecture, and replies with its weights
+(an ArrayRecord), its sample count, class histogram and training logs. Between per-round messages
+(simulation) its state (model, optimizer, λ learner) waits in `context.state` as arrays plus a JSON skeleton.
 
 Node config keys: `partition-id` (the client id, required), `num-partitions` (checked against
 num_clients), `data-path` (deployment), `dataset-root` / `cache-dir` (where this node finds the
@@ -22,7 +23,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from flare.errors import FlareError
-from flare.flower.protocol import ClientResult, Task, client_train, file_data, partition_data
+from flare.flower.protocol import ClientResult, Task, client_train, file_data, init_key, partition_data
 from flare.flower.records import pack_nested, record_to_state, state_to_record, unpack_nested
 
 app = ClientApp()
@@ -65,7 +66,11 @@ def handle_train(content: RecordDict, context: Context) -> RecordDict:
 
     state = context.state
     if task.round_start == 0:
-        init_rec = content.array_records["init"]
+        key = init_key(cfg, cid)
+        if key not in content.array_records:
+            raise FlareError(f"the first message carries no init weights '{key}' for client {cid}'s architecture.",
+                             fix="install the same flare-ofl version on the server and every node.")
+        init_rec = content.array_records[key]
         bank_rec = content.array_records.get("bank")
         for key in (_INIT, _BANK, _CARRY):
             if key in state:

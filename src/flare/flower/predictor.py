@@ -3,7 +3,8 @@
 `predictor.pt` holds tensors only (`torch.load(..., weights_only=True)` reads it): the state dict of every
 client encoder that took part in the last round (or the one model a strategy such as `fedavg` built), the
 aggregation weights and the global prototypes G. `predictor.json` says how to rebuild and use it: the
-rule, the model (name, width, head, channels, classes, feature dimension), the input size, the
+rule, the model (name, width, head, channels, classes, feature dimension; with clients of different
+architectures, `models` gives each state's), the input size, the
 normalisation statistics, the class names, which clients it holds, and the accuracy the server measured.
 It applies the run's evaluation transform (`augment.input_scaling`) and output fusion (`server.ensemble`), and
 always normalises with running BN statistics (eval mode), also for runs evaluated with `eval.bn=batch`: a
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from flare.config import Config
+from flare.config.architectures import Architecture, server_architecture
 from flare.data.augment import normalize
 from flare.models import create_model
 from flare.rundir import RunDir
@@ -66,29 +68,45 @@ class GlobalPredictor(nn.Module):
         return self(x_uint8).argmax(1)
 
 
+def _architecture_of(state: dict, cfg: Config, meta: DataMeta) -> Architecture | None:
+    """The architecture of a strategy's one model: the server's (a student: FedDF, DENSE …) or a client's (an
+    average, a pick), the first whose tensors `state` fits; None when none does (BN recalibration's K models)."""
+    want = {k: tuple(v.shape) for k, v in state.items()}
+    for arch in dict.fromkeys([server_architecture(cfg), *cfg.client_architectures()]):
+        net = create_model(arch.name, meta.in_channels, meta.num_classes, arch.width, head=cfg.head,
+                           options=arch.options, feature_dim=cfg.model.feature_dim)
+        if {k: tuple(v.shape) for k, v in net.state_dict().items()} == want:
+            return arch
+    return None
+
+
 def save_predictor(out: RunDir, cfg: Config, meta: DataMeta, uploads: list[Upload], weights: Tensor,
                    G: Tensor | None, record: dict, feature_dim: int, predictors: dict | None = None) -> Path | str:
     """Write predictor.pt and predictor.json for the run's primary strategy from the last round, with the
     aggregation weights and global prototypes G that round's evaluation used. A rule over the client outputs
-    (`ClientRule`) is saved as every client's state; a strategy that built one model of the run's architecture
-    (`predictors[primary]` a ModelPredictor: FedAvg, a plugin's) as that model (`"rule": "model"`); otherwise
-    nothing is written and the reason is returned (a strategy scoring the clients' outputs with its own code cannot
-    travel as tensors)."""
+    (`ClientRule`) is saved as every client's state, each with its client's architecture; a strategy that built one
+    model of the server's or a client's architecture (`predictors[primary]` a ModelPredictor: FedAvg, FedDF's
+    student, a plugin's) as that model (`"rule": "model"`); otherwise nothing is written and the reason is returned
+    (a strategy scoring the clients' outputs with its own code cannot travel as tensors)."""
+    def describe(arch: Architecture) -> dict:
+        return {"name": arch.name, "width": arch.width, "head": cfg.head, "options": arch.options,
+                "in_channels": meta.in_channels, "num_classes": meta.num_classes, "feature_dim": int(feature_dim)}
+
     strategy = primary_rule(cfg)
-    template = create_model(cfg.model.name, meta.in_channels, meta.num_classes, cfg.model.width, head=cfg.head,
-                            options=cfg.model.options)
     if issubclass(STRATEGIES.get(strategy), ClientRule):
-        rule = strategy
+        rule, client_archs = strategy, cfg.client_architectures()
         states = {str(u.client): {k: v.detach().cpu() for k, v in u.state.items()} for u in uploads}
+        archs = {str(u.client): client_archs[u.client] for u in uploads}
     else:
         pred = (predictors or {}).get(strategy)
         state = pred.model.state_dict() if isinstance(pred, ModelPredictor) else None
-        want = {k: tuple(v.shape) for k, v in template.state_dict().items()}
-        if state is None or {k: tuple(v.shape) for k, v in state.items()} != want:
+        arch = _architecture_of(state, cfg, meta) if state is not None else None
+        if arch is None:
             return (f"no predictor saved: the primary strategy '{strategy}' did not build one model of the run's "
                     "architecture (a strategy scoring the clients' outputs with its own code cannot be saved as "
                     "tensors); score it with `flare fuse` on an in-process run.")
         rule, states = "model", {"model": {k: v.detach().cpu() for k, v in state.items()}}
+        archs = {"model": arch}
     G = G.detach().cpu() if G is not None else None
     test_mean, test_std = scaling(cfg, meta).test  # the evaluation transform (augment.input_scaling)
     out.save_torch("predictor.pt", {"format": FORMAT, "states": states, "weights": weights, "G": G})
@@ -97,12 +115,13 @@ def save_predictor(out: RunDir, cfg: Config, meta: DataMeta, uploads: list[Uploa
         "round": record["round"],
         "accuracy": record.get("acc"), "accuracies": {k: v for k, v in record.items() if k.startswith("acc_")},
         "clients": [u.client for u in uploads], "weights": weights.tolist(),
-        "model": {"name": cfg.model.name, "width": cfg.model.width, "head": cfg.head, "options": cfg.model.options,
-                  "in_channels": meta.in_channels, "num_classes": meta.num_classes, "feature_dim": int(feature_dim)},
+        "model": describe(next(iter(archs.values()))),
         "image_size": meta.image_size, "mean": list(test_mean), "std": list(test_std), "classes": meta.classes,
         "dataset": cfg.dataset.name, "noise_seed": cfg.eval.noise_seed, "states": list(states),
         "ensemble": cfg.server.ensemble, "bn": "running",
     }
+    if len(set(archs.values())) > 1:  # clients of different architectures: each state's own
+        info["models"] = {key: describe(a) for key, a in archs.items()}
     out.write_text("predictor.json", json.dumps(info, indent=1))
     return out.path / "predictor.pt"
 
@@ -113,12 +132,13 @@ def load_predictor(run_dir: str | Path, device: str | torch.device = "cpu") -> G
     if info.get("format") != FORMAT:
         raise ValueError(f"{d / 'predictor.json'}: format {info.get('format')} is not {FORMAT}")
     blob = torch.load(d / "predictor.pt", map_location=device, weights_only=True)
-    m = info["model"]
     models = []
     for key in info["states"]:
+        m, state = info.get("models", {}).get(key, info["model"]), blob["states"][key]
+        projected = any(k.startswith("proj.") for k in state)  # model.feature_dim: a projection to the shared d
         net = create_model(m["name"], m["in_channels"], m["num_classes"], m["width"], head=m["head"],
-                           options=m.get("options"))
-        net.load_state_dict(blob["states"][key])
+                           options=m.get("options"), feature_dim=m["feature_dim"] if projected else None)
+        net.load_state_dict(state)
         models.append(net.to(device).eval())
     return GlobalPredictor(info["rule"], models, blob["weights"].to(device),
                            blob["G"].to(device) if blob["G"] is not None else None, info["mean"], info["std"],

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from flare.client.trainer import Client
 from flare.config import Config, build_config, config_to_yaml
+from flare.config.architectures import Architecture
 from flare.data.partition import Partition
 from flare.errors import FlareError
 from flare.models import create_model
@@ -57,6 +58,23 @@ class Task:
         if not 0 <= t.round_start < t.round_end <= cfg.rounds:
             raise FlareError(f"task rounds [{t.round_start}, {t.round_end}) are outside 0..{cfg.rounds}.")
         return t
+
+
+def client_architecture(cfg: Config, cid: int) -> Architecture:
+    """The architecture client `cid` trains (`model.clients` / `model.mix`). An id outside the run gets the first
+    client's: the node still trains and answers, and the server's gate rejects the reply with the reason."""
+    archs = cfg.client_architectures()
+    return archs[cid] if 0 <= cid < len(archs) else archs[0]
+
+
+def init_key(cfg: Config, cid: int) -> str:
+    """The record of the first message that holds client `cid`'s seeded init: `init` for the first client
+    architecture, `init-J` for the J-th other (in client order). A node knows its client id from its node config and
+    the server learns it only from the first reply, so the first message carries every architecture's init and each
+    node takes its own; a run of one architecture sends `init` alone."""
+    archs = list(dict.fromkeys(cfg.client_architectures()))
+    j = archs.index(client_architecture(cfg, cid))
+    return "init" if j == 0 else f"init-{j}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -162,14 +180,16 @@ class ClientResult:
 
 def client_train(task: Task, local: LocalData, init_state: dict[str, Tensor], resume: dict | None = None,
                  bank: Tensor | None = None, device: str | None = None) -> ClientResult:
-    """Train rounds [task.round_start, task.round_end) of one client exactly as `flare run` does."""
+    """Train rounds [task.round_start, task.round_end) of one client exactly as `flare run` does, from `init_state`:
+    the seeded init of its own architecture (`init_key`)."""
     cfg, meta = task.cfg, task.meta
     hist = local.class_histogram()
     if local.num_samples == 0:
         return ClientResult(local.cid, 0, hist, None, [], None)
     be = backend(cfg, device)
-    model = create_model(cfg.model.name, meta.in_channels, meta.num_classes, cfg.model.width, head=cfg.head,
-                         options=cfg.model.options)
+    arch = client_architecture(cfg, local.cid)  # its checkpoint, if any, is in init_state already
+    model = create_model(arch.name, meta.in_channels, meta.num_classes, arch.width, head=cfg.head,
+                         options=arch.options, feature_dim=cfg.model.feature_dim)
     model.load_state_dict(init_state)
     model = model.to(be.device)
     if be.channels_last:

@@ -2,8 +2,8 @@
 evaluation checkpoint and the run directory. `server_app.py` wraps it in Flower's Message API; tests drive it
 directly and through Flower.
 
-The server is built, and evaluates, exactly as `flare run`'s (`flare.setup.ServerSetup`: global init, anchor seed,
-public bank, test set), and writes the same run directory (through `flare.rundir.RunDir`, locked while it
+The server is built, and evaluates, exactly as `flare run`'s (`flare.setup.ServerSetup`: the seeded inits, anchor
+seed, public bank, test set), and writes the same run directory (through `flare.rundir.RunDir`, locked while it
 runs) plus federation.json and the saved global predictor.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from flare.config import Config, load_config
 from flare.data.partition import Partition
 from flare.errors import FlareError
 from flare.flower.predictor import save_predictor
-from flare.flower.protocol import Task
+from flare.flower.protocol import Task, init_key
 from flare.report.run_report import write_run_report
 from flare.rundata import RunData
 from flare.rundir import RunDir, config_differences
@@ -112,9 +112,19 @@ def _sanitize_records(text, cid: int, rounds: range) -> tuple[list[dict], str | 
     return out, None
 
 
+def _cpu_state(model) -> dict:
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def _proto_key(model) -> str | None:
+    """The state-dict name of a prototype head's prototypes (None: no prototypes)."""
+    protos = getattr(model, "prototypes", None)
+    return next((k for k, p in model.named_parameters() if p is protos), None)
+
+
 class ServerSession:
     """The server of one federated run: it owns the run directory (the same files as `flare run`, minus
-    the client checkpoint), the test set (when it has one), the global init, the anchors, the upload gate,
+    the client checkpoint), the test set (when it has one), the seeded inits, the anchors, the upload gate,
     and every evaluation checkpoint."""
 
     def __init__(self, cfg: Config, fed: FederationSettings, log=print):
@@ -137,12 +147,18 @@ class ServerSession:
             self._warn(w)
         self.setup.take_data()  # the clients' samples are on the nodes
         self.meta, self.template, bank = self.setup.meta, self.setup.template, self.setup.bank
-        self.init_state = {k: v.detach().cpu().clone() for k, v in self.template.state_dict().items()}
+        # Each client trains its own architecture (model.clients / model.mix): the first message carries every
+        # client architecture's seeded init under `init_key`, and client i's upload is gated against, and loaded
+        # into, its architecture's init. A run of one architecture has one of each.
+        self.archs = cfg.client_architectures()
+        first: dict[str, int] = {}  # init record -> the first client of that architecture
+        for i in range(cfg.num_clients):
+            first.setdefault(init_key(cfg, i), i)
+        self.init_states = {key: _cpu_state(self.setup.client_init(i)) for key, i in first.items()}
         self.anchor_seed = anchor_seed(cfg)
         self.bank = bank.cpu() if bank is not None else None
-        self.spec = UploadSpec.from_model(self.template, self.meta.num_classes)
-        protos = getattr(self.template, "prototypes", None)
-        self.proto_key = next((k for k, p in self.template.named_parameters() if p is protos), None)
+        self.specs = {a: UploadSpec.from_model(m, self.meta.num_classes) for a, m in self.setup.inits.items()}
+        self.proto_keys = {a: _proto_key(m) for a, m in self.setup.inits.items()}
         self.node_client: dict[int, int] = {}   # node id -> client id (fixed by its first reply)
         self.histograms: dict[int, list[int]] = {}
         self.empty: set[int] = set()
@@ -170,12 +186,13 @@ class ServerSession:
         return [(r, r + 1) for r in range(R)] if self.fed.upload == "per-round" else [(0, R)]
 
     # -- the gate ---------------------------------------------------------------------------------
-    def spec_for(self, last_round: int) -> UploadSpec:
-        """The gate of a block ending at `last_round`: the weights' template, plus the statistics the strategies
-        scored after it ask for (server/extras.py; none on a round `eval.every` skips)."""
+    def spec_for(self, last_round: int, cid: int) -> UploadSpec:
+        """The gate of client `cid`'s upload of a block ending at `last_round`: its architecture's weights, plus the
+        statistics the strategies scored after it ask for (server/extras.py; none on a round `eval.every` skips)."""
+        init, spec = self.setup.client_init(cid), self.specs[self.archs[cid]]
         if not evaluated_round(self.cfg, last_round):
-            return self.spec
-        return replace(self.spec, extras=extras_shapes(self.cfg, rules_for(self.cfg, last_round), self.template))
+            return spec
+        return replace(spec, extras=extras_shapes(self.cfg, rules_for(self.cfg, last_round), init))
 
     def accept(self, round_start: int, round_end: int, nodes: list[int], replies: list[Reply]):
         """Check every reply of one block; returns (uploads sorted by client id, their training logs, the
@@ -230,10 +247,12 @@ class ServerSession:
                 self._event("rejected", round_end - 1, node, cid,
                             [f"upload could not be decoded: {rep.decode_error or 'no weights'}"])
                 continue
+            proto_key = self.proto_keys[self.archs[cid]]
             up = Upload(client=cid, state=rep.state, num_samples=n,
-                        prototypes=rep.state.get(self.proto_key) if self.proto_key else None,
-                        extras=rep.extras or {})
-            reasons = validate_upload(up, self.spec_for(round_end - 1))
+                        prototypes=rep.state.get(proto_key) if proto_key else None, extras=rep.extras or {})
+            reasons = validate_upload(up, self.spec_for(round_end - 1, cid))
+            if reasons:
+                reasons = self._other_architecture(cid, up.state) + reasons
             recs, why = _sanitize_records(m.get("records"), cid, rounds)
             if why:
                 reasons.append(why)
@@ -246,6 +265,15 @@ class ServerSession:
         order = sorted(uploads)  # the in-process runner's order: fusion sums in client order
         recs = sorted((rec for c in order for rec in logs[c]), key=lambda rec: (rec["round"], rec["client"]))
         return [uploads[c] for c in order], recs, keep
+
+    def _other_architecture(self, cid: int, state: dict) -> list[str]:
+        """The reason a rejected upload holds the network of another client architecture, if it does (a node
+        started with the wrong partition-id, or of another run)."""
+        own = self.archs[cid]
+        if not isinstance(state, dict):
+            return []
+        other = next((a for a, spec in self.specs.items() if a != own and spec.shapes.keys() == state.keys()), None)
+        return [f"it holds a {other.label} network, but client {cid} runs {own.label}"] if other else []
 
     def heard_from(self, uploads) -> int:
         return len(uploads) + len(self.empty)
@@ -268,7 +296,7 @@ class ServerSession:
         t0 = time.perf_counter()
         models = []
         for u in uploads:
-            m = copy.deepcopy(self.template)  # in the backend's layout already
+            m = copy.deepcopy(self.setup.client_init(u.client))  # in the backend's layout already
             m.load_state_dict(u.state)
             models.append(m)
         if evaluated_round(self.cfg, round_idx):

@@ -2,7 +2,8 @@
 
 The server builds the run's config from the app's run config (`preset`, `config-file`, `overrides`),
 waits for the nodes, sends each a `train` message (the config, the dataset facts, the anchor seed and,
-in the first message, the global init weights), validates every reply (`flare.server.upload.
+in the first message, the seeded init weights of every client architecture, of which each node takes its own
+client's), validates every reply (`flare.server.upload.
 validate_upload`), evaluates every configured fusion rule on its test set with the same code as
 `flare run`, and writes the same run directory plus federation.json (who answered, who was missing or
 rejected, and why) and the global predictor (predictor.pt + predictor.json).
@@ -69,13 +70,12 @@ def make_exchange(grid: Grid, timeout: float):
     def exchange(task, include_init: bool, nodes: list[int], session: ServerSession) -> list[Reply]:
         content = RecordDict({"task": ConfigRecord(task.to_config())})
         if include_init:
-            if "init" not in init_cache:
-                init_cache["init"] = state_to_record(session.init_state)
+            if not init_cache:
+                init_cache.update({key: state_to_record(st) for key, st in session.init_states.items()})
                 if session.bank is not None:
                     init_cache["bank"] = state_to_record({"bank": session.bank})
-            content["init"] = init_cache["init"]
-            if "bank" in init_cache:
-                content["bank"] = init_cache["bank"]
+            for key, rec in init_cache.items():
+                content[key] = rec
         msgs = [Message(content=content, dst_node_id=n, message_type="train", group_id=str(task.round_start))
                 for n in nodes]
         replies = grid.send_and_receive(msgs, timeout=timeout)
