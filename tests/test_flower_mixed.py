@@ -131,3 +131,21 @@ def test_the_predictor_of_a_model_building_primary_is_its_architectures_or_decli
     why = save_predictor(RunDir(tmp_path / "q"), cfg, meta, [], w, None, record, 16,
                          {"feddf": ModelPredictor(ensemble)})
     assert isinstance(why, str) and "no predictor saved" in why and "feddf" in why
+
+
+def test_a_federation_with_feature_dim_and_its_own_server_model_reproduces_flare_run(tiny_overrides, tiny_folder,
+                                                                                     tmp_path):
+    """The nodes build the clients' architecture with its projection (not server.model's), and predictor.json
+    loads back with it."""
+    from flare.data.datasets import load_dataset
+
+    ov = tiny_overrides + ["rounds=1", "model.feature_dim=16", "server.model=wrn16_1"]  # d: cnn 32, wrn16_1 16
+    Run(load_config(None, "fafi", ov), tmp_path / "inproc", quiet=True).execute()
+    Nodes().federate(ov, tmp_path / "fed")
+    (last,) = rounds_of(tmp_path / "fed")
+    assert strip(last) == strip(rounds_of(tmp_path / "inproc")[-1])
+    pred = load_predictor(tmp_path / "fed")
+    cnn = type(create_model("cnn", 3, 4).encoder)
+    assert pred.models and all(m.proj is not None and type(m.encoder) is cnn for m in pred.models)
+    data = load_dataset("imagefolder", tiny_folder, cache_dir=tmp_path / "cache")
+    assert float((pred.predict(data.test_x) == data.test_y).float().mean()) == pytest.approx(last["acc"], abs=1e-9)
