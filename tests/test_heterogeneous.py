@@ -119,6 +119,13 @@ def test_an_entry_takes_what_it_leaves_out_from_model():
     assert len({cnn, half, other, own}) == 4 and cfg.mixed_architectures
 
 
+def test_an_entry_spelling_out_the_default_options_is_the_same_architecture():
+    pytest.importorskip("timm")
+    cfg = load_config(None, "fafi", ["num_clients=3", "model.name=timm/resnet18", "model.clients=[timm/resnet18, "
+                                     "{name: timm/resnet18, options: {stem: small}}, timm/resnet18]"])
+    assert len(set(cfg.client_architectures())) == 1 and not cfg.mixed_architectures
+
+
 def test_the_server_architecture():
     assert server_architecture(archs("model.clients=[wrn16_1,cnn_dense,cnn_dense]")[0]).name == "cnn_dense"
     assert server_architecture(archs("model.clients=[wrn16_1,cnn,cnn_dense]")[0]).name == "wrn16_1"  # tie: lowest

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from flare.registry import MODELS
 from flare.rng import derived_seed
 
 MIX_STREAM = 4101  # the seed stream of model.mix's assignment
@@ -50,7 +51,9 @@ def _architecture(model, entry) -> Architecture:
         options = entry.options if entry.options or not same else model.options
         checkpoint = entry.checkpoint if entry.checkpoint is not None else (model.checkpoint if same else None)
     label = name if width == model.width else f"{name}@{width:g}"
-    return Architecture(name, float(width), json.dumps(options or {}, sort_keys=True), checkpoint, label)
+    opts = MODELS.options(name, options, "model.options")  # defaults filled: a spelled-out default is the same net
+    return Architecture(name, float(width), json.dumps(opts.model_dump(mode="json") if opts is not None else {},
+                                                       sort_keys=True), checkpoint, label)
 
 
 def client_architectures(cfg) -> list[Architecture]:
