@@ -172,7 +172,7 @@ def test_a_mixed_run_writes_each_clients_architecture(mixed_run, mixed_ov):
     part = json.loads((d / "partition.json").read_text())
     assert [c["model"] for c in part["clients"]] == NAMES
     summary = (d / "summary.md").read_text()
-    assert "models 1 × cnn, 1 × wrn16_1, 1 × cnn_dense (width 0.125, shared d = 16)" in summary, summary
+    assert "model 1 × cnn, 1 × wrn16_1, 1 × cnn_dense (width 0.125 → d=16)" in summary, summary
     for i, n in enumerate(NAMES):
         assert f"| {i} | {n} | {part['clients'][i]['num_samples']} |" in summary
     ck = torch.load(d / "checkpoint.pt", weights_only=True)

@@ -88,6 +88,18 @@ class RunData:
         return str(self.flat.get("protocol", "clean"))
 
     @property
+    def models(self) -> str:
+        """Which network the clients ran: `cnn×0.125` for one architecture, else who ran what from partition.json
+        (`1 × cnn, 2 × wrn16_1`); `→ d` when model.feature_dim projects to a shared d."""
+        m = self.cfg.get("model", {})
+        labels = [c["model"] for c in (self.partition or {}).get("clients", []) if "model" in c]
+        d = f" → d={m['feature_dim']}" if m.get("feature_dim") else ""
+        if len(set(labels)) > 1:
+            return ", ".join(f"{labels.count(a)} × {a}" for a in dict.fromkeys(labels)) + f" (width {m.get('width')}{d})"
+        width = m.get("width")
+        return f"{m.get('name')}" + (f"×{width:g}" if isinstance(width, (int, float)) and width != 1.0 else "") + d
+
+    @property
     def notes_name(self) -> str:
         return str(self.cfg.get("notes_name") or "")
 

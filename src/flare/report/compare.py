@@ -22,12 +22,12 @@ EXPLAIN = ("`acc` is the primary global predictor's test accuracy at the last ro
 
 def compare_title(run: RunData, seeds: list | None = None) -> str:
     c = run.cfg
-    part, model = c.get("partition", {}), c.get("model", {})
+    part = c.get("partition", {})
     R, E = c.get("rounds"), c.get("local_epochs")
     seed_text = f"seeds {', '.join(map(str, seeds))}" if seeds and len(seeds) > 1 else f"seed {c.get('seed')}"
     return (f"{c.get('dataset', {}).get('name')}, {c.get('num_clients')} clients, {part.get('kind')} "
             f"α={part.get('alpha')}, {R} round{'s' if R != 1 else ''} × {E} local epoch{'s' if E != 1 else ''}, "
-            f"{model.get('name')} (width {model.get('width')}), {seed_text}")
+            f"{run.models}, {seed_text}")
 
 
 def compare_rows(methods: list[tuple[str, list[Path]]]) -> list[tuple[dict, Row]]:

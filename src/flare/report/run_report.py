@@ -25,7 +25,7 @@ def summary_markdown(run: RunData) -> str:
     lines += [
         f"- clients {cfg.get('num_clients')}, partition {cfg.get('partition', {}).get('kind')} "
         f"α={cfg.get('partition', {}).get('alpha')}, rounds {cfg.get('rounds')} × local epochs "
-        f"{cfg.get('local_epochs')}, batch {cfg.get('batch_size')}, lr {cfg.get('lr')}, {_models(cfg, part)}, seed "
+        f"{cfg.get('local_epochs')}, batch {cfg.get('batch_size')}, lr {cfg.get('lr')}, model {run.models}, seed "
         f"{cfg.get('seed')}",
         f"- protocol: `{run.protocol}` (config/protocol.py; docs/reproduction.md lists what each item changes)",
         f"- status: {run.state.get('status', 'unknown')}, rounds done: {run.state.get('rounds_done', len(rounds))}",
@@ -75,17 +75,6 @@ def summary_markdown(run: RunData) -> str:
     if (run.dir / "plots" / "lambda.png").exists():
         lines += ["![lambda](plots/lambda.png)", ""]
     return "\n".join(lines)
-
-
-def _models(cfg: dict, part: dict | None) -> str:
-    """"model cnn (width 0.125)", or who runs what when the clients' architectures differ (partition.json)."""
-    m = cfg.get("model", {})
-    labels = [c["model"] for c in (part or {}).get("clients", []) if "model" in c]
-    d = f", shared d = {m['feature_dim']}" if m.get("feature_dim") else ""
-    if len(set(labels)) > 1:
-        counts = {label: labels.count(label) for label in labels}
-        return "models " + ", ".join(f"{n} × {label}" for label, n in counts.items()) + f" (width {m.get('width')}{d})"
-    return f"model {m.get('name')} (width {m.get('width')}{d})"
 
 
 def _strategy_logs(rec: dict) -> dict[str, str]:

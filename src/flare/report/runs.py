@@ -96,7 +96,7 @@ def protocols_line(runs: list[RunData]) -> str:
 
 def describe_setting(r: RunData) -> str:
     c = r.cfg
-    ds, part, model = c.get("dataset", {}), c.get("partition", {}), c.get("model", {})
+    ds, part = c.get("dataset", {}), c.get("partition", {})
     p = f"{part.get('kind')}"
     if part.get("kind") == "dirichlet":
         p = f"α={fmt_value(part.get('alpha'))}"
@@ -108,7 +108,7 @@ def describe_setting(r: RunData) -> str:
     if ds.get("train_subset") or ds.get("test_subset"):
         sub = f" ({ds.get('train_subset') or 'all'}/{ds.get('test_subset') or 'all'} samples)"
     return (f"{ds.get('name')}{sub}, {p}, {c.get('num_clients')} clients, R={c.get('rounds')}×E={c.get('local_epochs')}, "
-            f"{model.get('name')}" + (f"×{fmt_value(model.get('width'))}" if model.get("width") != 1.0 else ""))
+            f"{r.models}")
 
 
 @dataclass
