@@ -225,6 +225,29 @@ HETERO_CELLS = [(p, s) for p in ("fafi", "etf-anneal", "flare") for s in ("featu
     [("ensemble", s) for s in ("output", "feddf", "dense", "coboosting", "bnrecal")]
 
 
+def _heterogeneous_figure(vals: dict, path: Path) -> None:
+    """One bar pair per (clients, server): homogeneous and mixed, mean over seeds with each seed as a dot."""
+    import matplotlib.pyplot as plt  # lazy: only this block draws here
+    from flare.report.figures import _save
+
+    fig, ax = plt.subplots(figsize=(11, 3.8))
+    for j, (k, colour) in enumerate((("homogeneous", "#4c72b0"), ("mixed", "#dd8452"))):
+        xs = [i + (j - 0.5) * 0.38 for i in range(len(HETERO_CELLS))]
+        ys = [100 * float(np.mean(list(vals[k, p, s].values()))) for p, s in HETERO_CELLS]
+        ax.bar(xs, ys, width=0.36, color=colour, label=f"{k} ({'5 × ResNet-18' if k == 'homogeneous' else '5 architectures'})")
+        for x, (p, s) in zip(xs, HETERO_CELLS):
+            pts = [100 * v for v in vals[k, p, s].values()]
+            ax.plot([x] * len(pts), pts, "o", color="black", ms=2.5)
+    short = {"fafi": "FAFI", "etf-anneal": "V7", "flare": "FLARE", "ensemble": "CE clients"}
+    ax.set_xticks(range(len(HETERO_CELLS)), [f"{short.get(p, p)}\n{s}" for p, s in HETERO_CELLS], fontsize=7)
+    ax.set(ylabel="test accuracy (%)", title="Clients of different architectures: each server over the same "
+                                              "clients, 3 seeds (dots)")
+    ax.title.set_fontsize(10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _save(fig, path)
+
+
 def heterogeneous_block() -> str:
     """Each (clients, server) cell over both settings with the mixed − homogeneous difference paired by seed, then
     feature fusion of V7 and FLARE clients against FAFI's in each setting — and what that says, in words."""
@@ -277,9 +300,11 @@ def heterogeneous_block() -> str:
         text += (f" {' and '.join(idle)} stay near chance ({chance:.0f} %) in both settings: "
                  f"{HETERO_DATAFREE} leave their students untrained at this budget, so those rows say nothing about "
                  "architectures.")
+    _heterogeneous_figure(vals, IMG / "heterogeneous.png")
     return ("Accuracy (%) after the last round, mean ± std over seeds 1–3; the servers a run does not evaluate itself "
             "(FedDF, DENSE, Co-Boosting, BN recalibration) are `flare fuse` over its saved clients. Paired by seed "
-            "(same partition, test subset and public slice), Holm-adjusted over each table:\n\n" + t1
+            "(same partition, test subset and public slice), Holm-adjusted over each table:\n\n"
+            "![every server over homogeneous and mixed clients](docs/img/heterogeneous.png)\n\n" + t1
             + "\n\nDo the anchors make feature fusion work across architectures? V7 and FLARE clients against FAFI "
             "clients, feature fusion, paired by seed:\n\n" + t2 + "\n\n" + text + "\n")
 
