@@ -185,6 +185,9 @@ ROWS = [
      "unknown gradient surgery 'pcgradd' for align.surgery (did you mean pcgrad?)"),
     ("a timm name timm does not have", lambda t, p, f, c: ["run", *t, "model.name=timm/resnt18", "model.width=1"],
      "unknown model 'timm/resnt18' for model.name (did you mean timm/resnet18"),
+    ("a timm model whose downsampling outgrows the images", lambda t, p, f, c:
+     ["run", *t, "model.name=timm/convnext_atto", "model.width=1"],
+     "model timm/convnext_atto cannot take the dataset's 3×"),
     ("a checkpoint that does not fit", lambda t, p, f, c: torch.save(
         {"encoder.body.0.weight": torch.zeros(16, 3, 3, 3)}, p / "w.pt") or ["run", *t, f"model.checkpoint={p}/w.pt"],
      "w.pt does not fit the model: tensor 'encoder.body.0.weight' has shape (16, 3, 3, 3) there, the model's is "

@@ -31,7 +31,7 @@ from flare.data.datasets import ImageData, load_dataset, stratified_subset
 from flare.data.scaling import InputScaling, input_scaling
 from flare.data.partition import Partition, make_partition
 from flare.errors import FlareError
-from flare.models import FlareNet, create_architecture
+from flare.models import FlareNet, check_input_fits, create_architecture
 from flare.schedules import LRSchedule
 from flare.server.extras import ClientData, client_extras, extras_shapes
 from flare.server.rounds import Evaluation, carries_server_protos, evaluate_uploads, rules_for
@@ -133,6 +133,7 @@ def init_models(cfg: Config, meta: DataMeta, device: torch.device,
     def build(arch: Architecture) -> FlareNet:
         torch.manual_seed(cfg.seed)
         model = create_architecture(arch, meta.in_channels, meta.num_classes, cfg.head, cfg.model.feature_dim)
+        check_input_fits(model, meta.in_channels, meta.image_size, arch.label)
         model = model.to(device)
         return model.to(memory_format=torch.channels_last) if channels_last else model
 

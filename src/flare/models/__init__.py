@@ -38,6 +38,7 @@ __all__ = [
     "check_state_fits",
     "load_checkpoint",
     "create_architecture",
+    "check_input_fits",
     "timm_names",
 ]
 
@@ -162,6 +163,26 @@ def check_state_fits(model: nn.Module, state: dict, source: str, *, key: str, fi
     if extra:
         raise FlareError(f"{source} does not fit the model: it holds tensor '{extra[0]}', which the model has not "
                          f"({len(extra)} such).", key=key, fix=fix)
+
+
+def check_input_fits(model: FlareNet, in_channels: int, image_size: int, label: str) -> None:
+    """Refuse a model that cannot take the run's inputs (a timm family whose downsampling shrinks a 28×28 image below
+    a kernel, say) with a FlareError before any file is written, instead of a traceback in the first step: one
+    eval-mode forward of two blank images, under no_grad, so no state (BatchNorm statistics, the RNG) moves."""
+    was = model.training
+    x = torch.zeros(2, int(in_channels), int(image_size), int(image_size),
+                    device=next(model.parameters()).device)
+    try:
+        with torch.no_grad():
+            model.eval()(x)
+    except RuntimeError as e:
+        raise FlareError(f"model {label} cannot take the dataset's {in_channels}×{image_size}×{image_size} inputs: "
+                         f"{str(e).splitlines()[0]}.", key="model.name",
+                         fix="choose a model whose downsampling fits the image size, or a timm model's options that "
+                             "shrink less (model.options.patch_size, e.g. 1 for ConvNeXt at 28×28; docs/models.md, "
+                             "\"Stem for small inputs\").") from None
+    finally:
+        model.train(was)
 
 
 def create_architecture(arch, in_channels: int, num_classes: int, head: str, feature_dim: int | None = None,
