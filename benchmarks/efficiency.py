@@ -32,8 +32,8 @@ from flare.client.trainer import Client
 from flare.config import load_config
 from flare.data.augment import normalize
 from flare.models import create_model
-from flare.setup import (DataMeta, amp_dtype_for, make_augment, make_train_context, prepare_data, resolve_device,
-                         use_channels_last)
+from flare.backend import amp_dtype_for, resolve_device, use_channels_last
+from flare.setup import DataMeta, make_augment, make_train_context, prepare_data
 
 
 def sync(device):

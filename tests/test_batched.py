@@ -198,7 +198,7 @@ def test_compile_wraps_the_batched_step(tiny_overrides, tmp_path, monkeypatch):
     cold cache. The numbers stay those of the eager batched engine to float rounding."""
     from flare import cpu
     if cpu.is_x86() and cpu.kernels() != cpu.native_level():
-        pytest.skip("compile on CPU is refused under kernels pinned below the CPU's own (setup.backend); run this "
+        pytest.skip("compile on CPU is refused under kernels pinned below the CPU's own (flare.backend); run this "
                     "test with FLARE_CPU_ISA=native")
     compiled = []
     real = torch.compile

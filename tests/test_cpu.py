@@ -11,7 +11,7 @@ from flare import cpu
 from flare.config import load_config
 from flare.rundata import RunData
 from flare.server.rounds import rules_for
-from flare.setup import backend
+from flare.backend import backend
 
 CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", cpu._MARK)}
 x86_avx2 = pytest.mark.skipif(not cpu.is_x86() or "avx2" not in open("/proc/cpuinfo").read(),

@@ -22,7 +22,8 @@ from flare.server.fusion import ClientOutputs
 from flare.server.rules import FeatureRule, OutputRule, fedavg_model, fuse_outputs
 from flare.server.strategy import ServerContext, make_strategy
 from flare.server.rounds import evaluate_uploads
-from flare.setup import DataMeta, RunSetup, amp_dtype_for, make_augment, normalizer
+from flare.backend import amp_dtype_for
+from flare.setup import DataMeta, RunSetup, make_augment, normalizer
 from flare.server.protos import mean_prototypes, train_global_prototypes
 
 

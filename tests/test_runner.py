@@ -174,7 +174,7 @@ print(json.dumps(last))
 
 def test_compile_switch_trains_the_same_model(tiny_overrides, tmp_path):
     """compile=true (torch.compile, inductor on CPU: ~40 s of compiling here) changes speed, not the numbers. In its
-    own process at native kernels: compile under a pinned lower level is refused (setup.backend says why)."""
+    own process at native kernels: compile under a pinned lower level is refused (flare.backend says why)."""
     env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
                                                             "FLARE_CPU_ISA_PINNED")}
     r = subprocess.run([sys.executable, "-c", COMPILE_SWITCH, str(tmp_path), *tiny_overrides], capture_output=True,

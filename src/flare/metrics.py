@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from flare.models import layout
+
 
 def model_variance_mean(models: list[torch.nn.Module]) -> float:
     """Stack the clients' flattened *parameters* (no buffers), unbiased std over clients per
@@ -12,7 +14,7 @@ def model_variance_mean(models: list[torch.nn.Module]) -> float:
     flats = [torch.cat([p.detach().float().reshape(-1) for p in m.parameters()]) for m in models]
     layouts: dict[tuple, list[Tensor]] = {}
     for m, f in zip(models, flats):
-        layouts.setdefault(tuple(tuple(p.shape) for p in m.parameters()), []).append(f)
+        layouts.setdefault(layout(m), []).append(f)
     if len(layouts) == 1:
         return float(torch.stack(flats).std(dim=0, unbiased=True).mean()) if len(models) >= 2 else 0.0
     per = [float(torch.stack(g).std(dim=0, unbiased=True).mean()) for g in layouts.values() if len(g) >= 2]

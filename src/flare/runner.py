@@ -39,7 +39,7 @@ class Run:
         self.quiet = quiet
         self.label = label or cfg.method  # how progress lines name the run
         self.warnings: list[str] = []
-        self.facts: dict = {}  # how this invocation computed (setup.Backend.facts), kept in state.json
+        self.facts: dict = {}  # how this invocation computed (backend.Backend.facts), kept in state.json
         self.train_mode = "sequential"  # the engine that trained the last round's clients (see _train_clients)
 
     @property

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from flare.backend import Backend, amp_dtype_for, backend, resolve_device, use_channels_last  # noqa: F401 (re-exported)
+from flare.backend import Backend, backend
 from flare.client.terms.align import make_anchors
 from flare.client.terms.banks import build_public_bank, extension_factory
 from flare.client.trainer import Client, TrainContext
@@ -221,6 +221,7 @@ class ServerSetup:
     norm: Callable[[Tensor], Tensor]
     template: FlareNet                 # the server architecture's seeded init (every client's, in one-model runs)
     inits: dict[Architecture, FlareNet]  # each client architecture's seeded init
+    architectures: list[Architecture]    # client i's is architectures[i] (`cfg.client_architectures()`, resolved once)
     anchors: Tensor | None
     augment: TwoViewAugment
     bank: Tensor | None                # the public bank the clients contrast against (public-bank / two-stage)
@@ -256,7 +257,7 @@ class ServerSetup:
         augment = make_augment(cfg, meta, device)
         pb = build_public_bank(cfg, public, model, augment, norm, device) if bank else None
         test = (data.test_x.to(device), data.test_y.to(device)) if data is not None else (None, None)
-        s = cls(cfg, be, meta, norm, model, inits, anchors, augment, pb, *test,
+        s = cls(cfg, be, meta, norm, model, inits, cfg.client_architectures(), anchors, augment, pb, *test,
                 public[0].to(device) if public is not None else None, data, warnings)
         if carries_server_protos(cfg):  # Plan B as the reference: round 0's target and G are the anchors
             s.load_server_state({"G": anchors})
@@ -264,7 +265,7 @@ class ServerSetup:
 
     def client_init(self, i: int) -> FlareNet:
         """Client i's seeded init (its architecture's; not a copy)."""
-        return self.inits[self.cfg.client_architectures()[i]]
+        return self.inits[self.architectures[i]]
 
     def take_data(self) -> ImageData:
         """The prepared dataset, handed over once: the caller takes the clients' samples from it (and the host

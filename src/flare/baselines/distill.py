@@ -32,7 +32,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from flare.baselines.kd import (Cost, agreement, client_logits, crop_flip, eval_mode, fresh_model, generator, kd_loss,
-                                public_slice, require_public, same_layout)
+                                public_slice, require_public)
+from flare.models import layout
 from flare.rng import derived_seed
 from flare.registry import STRATEGIES
 from flare.server.rules import fedavg_model
@@ -93,7 +94,7 @@ class FedDF(Strategy):
             return fedavg_model(ctx.models, ctx.weights, cfg.server.fedavg_buffers)
         fresh = fresh_model(cfg, int(pub.shape[1]), int(ctx.models[0].num_classes),
                             derived_seed(cfg.seed, ctx.round, TAG, 2), ctx.device)
-        own = [i for i, m in enumerate(ctx.models) if same_layout(m, fresh)]
+        own = [i for i, m in enumerate(ctx.models) if layout(m) == layout(fresh)]
         if not own:
             return fresh
         w = ctx.weights[own] / ctx.weights[own].sum()

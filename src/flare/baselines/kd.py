@@ -70,12 +70,6 @@ def fresh_model(cfg: Config, in_channels: int, num_classes: int, seed: int, devi
     return model.to(device)
 
 
-def same_layout(a: nn.Module, b: nn.Module) -> bool:
-    """Whether two models hold the same tensors (names and shapes): parameters of one can be averaged into the
-    other."""
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(sa[k].shape == sb[k].shape for k in sa)
-
 
 @contextmanager
 def eval_mode(models: list[nn.Module]):

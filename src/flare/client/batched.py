@@ -46,6 +46,7 @@ from flare.client.step import local_loss
 from flare.client.trainer import Client, TrainContext
 from flare.config import Config
 from flare.errors import FlareError, KeyedValueError
+from flare.models import layout
 from flare.registry import CLIENT_ENGINES
 
 
@@ -302,8 +303,7 @@ def by_architecture(clients: list[Client], ctx: TrainContext, compile: bool = Fa
     other, each client on its own streams, so the numbers are those of one engine over every client."""
     groups: dict[tuple, list[Client]] = {}
     for c in clients:
-        layout = tuple((k, tuple(v.shape)) for k, v in c.model.state_dict().items())
-        groups.setdefault(layout, []).append(c)
+        groups.setdefault(layout(c.model), []).append(c)
     return [BatchedClients(g, ctx, compile=compile) for g in groups.values()]
 
 

@@ -39,7 +39,7 @@ class TrainContext:
     device: torch.device
     amp_dtype: torch.dtype | None
     lr_schedule: LRSchedule
-    channels_last: bool = False               # NHWC inputs (decided once, by `setup.use_channels_last`)
+    channels_last: bool = False               # NHWC inputs (decided once, by `backend.use_channels_last`)
     extension_factory: object | None = None  # builds a per-client contrast extension (banks)
     plain: Callable[[Tensor], Tensor] | None = None  # uint8 batch → the un-augmented input (loss.ce_input=plain)
     server_target: Tensor | None = None      # Plan B under protos_flow=reference: the server's G, set between rounds

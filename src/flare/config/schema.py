@@ -55,6 +55,7 @@ LamOptions = part_options(LAM_PROVIDERS, "learner")
 PrimaryName = part(STRATEGIES, also=("auto",))
 StrategyTable = part_table(STRATEGIES, "server.strategies")
 EvalRule = part(STRATEGIES, "eval.rules", also=("primary",))
+ServerModel = architecture("server.model")
 
 ClientEngine = Literal["sequential", "threads", "batched"]
 
@@ -167,7 +168,7 @@ class ServerCfg(Strict):
                             "output, fedavg or a plugin's (auto: feature for prototype heads, output otherwise)")
     strategies: StrategyTable = Field(
         {}, description="options of registered server strategies, name: {option: value} (docs/extending.md)")
-    model: architecture("server.model") = Field(
+    model: ServerModel = Field(
         None, description="the architecture a server that trains its own model builds (FedDF, DENSE, Co-Boosting, "
                           "the public bank's teacher): a model name or {name, width, options, checkpoint} (null: "
                           "the most common client architecture; docs/heterogeneous.md)")
@@ -304,10 +305,10 @@ class Config(Strict):
                 raise KeyedValueError("model.clients", f"model.clients names client {bad[0]}, but the clients are "
                                       f"0 … {k - 1} (num_clients={k})")
         if m.mix is not None:
-            if any(n < 0 for n in m.mix.values()) or sum(m.mix.values()) != k:
+            if sum(m.mix.values()) != k:  # each count is an integer ≥ 0 already (config/sections.py)
                 raise KeyedValueError("model.mix", f"model.mix deals {sum(m.mix.values())} clients "
                                       f"({', '.join(f'{n}: {c}' for n, c in m.mix.items())}), num_clients={k}; the "
-                                      "counts must be ≥ 0 and sum to num_clients")
+                                      "counts must sum to num_clients")
         if self.mixed_architectures:
             for name in self.named_strategies():
                 self.check_fuses_mixed(name, "eval.rules" if name != self.server.primary else "server.primary")

@@ -25,7 +25,8 @@ from flare.errors import FlareError
 from flare.models import create_model
 from flare.server.extras import ClientData, client_extras, extras_shapes
 from flare.server.rounds import evaluated_round, rules_for
-from flare.setup import DataMeta, backend, client_context, prepare_data, split
+from flare.backend import backend
+from flare.setup import DataMeta, client_context, prepare_data, split
 
 PROTOCOL_VERSION = 1
 

@@ -150,7 +150,7 @@ class ServerSession:
         # Each client trains its own architecture (model.clients / model.mix): the first message carries every
         # client architecture's seeded init under `init_key`, and client i's upload is gated against, and loaded
         # into, its architecture's init. A run of one architecture has one of each.
-        self.archs = cfg.client_architectures()
+        self.archs = self.setup.architectures
         first: dict[str, int] = {}  # init record -> the first client of that architecture
         for i in range(cfg.num_clients):
             first.setdefault(init_key(cfg, i), i)

@@ -36,6 +36,7 @@ __all__ = [
     "register_model",
     "HEADS",
     "check_state_fits",
+    "layout",
     "load_checkpoint",
     "create_architecture",
     "check_input_fits",
@@ -141,6 +142,12 @@ register_model("wrn16_1", description="CIFAR WideResNet-16-1 (d = 64·width)")(_
 register_model("wrn40_1", description="CIFAR WideResNet-40-1 (d = 64·width)")(_cifar.wrn40_1)
 register_model("cnn_dense", description="DENSE's small CIFAR CNN (d = 64·width)")(_cifar.cnn_dense)
 register_model("cnn_coboost", description="Co-Boosting's CIFAR CNN (d = 2048·width)")(_cifar.cnn_coboost)
+
+
+def layout(model: nn.Module) -> tuple:
+    """The names and shapes of a model's tensors: models of one layout can be stacked (the batched engine) or
+    averaged tensor by tensor (FedAvg, FedDF's start); clients of different architectures differ in it."""
+    return tuple((k, tuple(v.shape)) for k, v in model.state_dict().items())
 
 
 def check_state_fits(model: nn.Module, state: dict, source: str, *, key: str, fix: str) -> None:

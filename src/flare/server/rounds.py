@@ -33,8 +33,9 @@ def primary_rule(cfg: Config) -> str:
 
 def rules_for(cfg: Config, r: int | None = None) -> tuple[str, ...]:
     """The server strategies an evaluation scores (registered order): every default one that applies to the head
-    and, when the clients run different architectures, fuses them (the built-in rules), or the subset `eval.rules` names, and always the primary; with a round index `r`, those
-    that run only at the last round (`every_round=False`) are left out of the other rounds."""
+    and, when the clients run different architectures, fuses them (the built-in rules), or the subset `eval.rules`
+    names, and always the primary; with a round index `r`, those that run only at the last round
+    (`every_round=False`) are left out of the other rounds."""
     mixed = cfg.mixed_architectures
 
     def applies(n: str) -> bool:  # a named strategy that cannot fuse mixed clients was refused by the config

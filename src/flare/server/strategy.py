@@ -91,8 +91,8 @@ class Strategy:
     """Builds the predictor of one server method from the uploads. Class attributes: `needs_prototypes` (only for
     prototype heads), `every_round` (False: an expensive method runs at the last round only), `default` (evaluated
     when `eval.rules` is unset; the built-in rules are, a plugin's strategy only when named), `mixed_architectures`
-(it fuses clients of different architectures — a run whose clients differ refuses it otherwise, with
-`one_architecture_why`).
+    (it fuses clients of different architectures — a run whose clients differ refuses it otherwise, with
+    `one_architecture_why`).
 
     A strategy that needs client statistics beyond the weights overrides `extras_shapes` and `client_extras`
     (server/extras.py): the clients compute them after training, the gate checks them against the declaration,
