@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -61,12 +60,10 @@ def fresh_model(cfg: Config, in_channels: int, num_classes: int, seed: int, devi
     architecture) and the run's head; it starts from a checkpoint only where `server.model` names one.
     create_model's init draws from torch's default generator, so it runs inside a private stream seeded with `seed`:
     the global state is left as it was."""
-    arch = server_architecture(cfg)
-    if cfg.server.model is None or cfg.server.model.checkpoint is None:
-        arch = replace(arch, checkpoint=None)
+    own = cfg.server.model is not None and cfg.server.model.checkpoint is not None
     with private_stream(seed):
-        model = create_architecture(arch, in_channels, num_classes, cfg.head, cfg.model.feature_dim,
-                                    key="server.model.checkpoint")
+        model = create_architecture(server_architecture(cfg), in_channels, num_classes, cfg.head,
+                                    cfg.model.feature_dim, key="server.model.checkpoint", checkpoint=own)
     return model.to(device)
 
 

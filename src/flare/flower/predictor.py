@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from flare.config import Config
 from flare.config.architectures import Architecture, server_architecture
 from flare.data.augment import normalize
-from flare.models import create_model
+from flare.models import create_architecture, create_model, layout
 from flare.rundir import RunDir
 from flare.registry import STRATEGIES
 from flare.server.fusion import client_outputs
@@ -71,11 +71,10 @@ class GlobalPredictor(nn.Module):
 def _architecture_of(state: dict, cfg: Config, meta: DataMeta) -> Architecture | None:
     """The architecture of a strategy's one model: the server's (a student: FedDF, DENSE …) or a client's (an
     average, a pick), the first whose tensors `state` fits; None when none does (BN recalibration's K models)."""
-    want = {k: tuple(v.shape) for k, v in state.items()}
     for arch in dict.fromkeys([server_architecture(cfg), *cfg.client_architectures()]):
-        net = create_model(arch.name, meta.in_channels, meta.num_classes, arch.width, head=cfg.head,
-                           options=arch.options, feature_dim=cfg.model.feature_dim)
-        if {k: tuple(v.shape) for k, v in net.state_dict().items()} == want:
+        net = create_architecture(arch, meta.in_channels, meta.num_classes, cfg.head, cfg.model.feature_dim,
+                                  checkpoint=False)
+        if layout(net) == layout(state):
             return arch
     return None
 

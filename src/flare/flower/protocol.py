@@ -22,7 +22,7 @@ from flare.config import Config, build_config, config_to_yaml
 from flare.config.architectures import Architecture
 from flare.data.partition import Partition
 from flare.errors import FlareError
-from flare.models import create_model
+from flare.models import create_architecture
 from flare.server.extras import ClientData, client_extras, extras_shapes
 from flare.server.rounds import evaluated_round, rules_for
 from flare.backend import backend
@@ -189,8 +189,8 @@ def client_train(task: Task, local: LocalData, init_state: dict[str, Tensor], re
         return ClientResult(local.cid, 0, hist, None, [], None)
     be = backend(cfg, device)
     arch = client_architecture(cfg, local.cid)  # its checkpoint, if any, is in init_state already
-    model = create_model(arch.name, meta.in_channels, meta.num_classes, arch.width, head=cfg.head,
-                         options=arch.options, feature_dim=cfg.model.feature_dim)
+    model = create_architecture(arch, meta.in_channels, meta.num_classes, cfg.head, cfg.model.feature_dim,
+                                checkpoint=False)
     model.load_state_dict(init_state)
     model = model.to(be.device)
     if be.channels_last:

@@ -144,10 +144,12 @@ register_model("cnn_dense", description="DENSE's small CIFAR CNN (d = 64·width)
 register_model("cnn_coboost", description="Co-Boosting's CIFAR CNN (d = 2048·width)")(_cifar.cnn_coboost)
 
 
-def layout(model: nn.Module) -> tuple:
-    """The names and shapes of a model's tensors: models of one layout can be stacked (the batched engine) or
-    averaged tensor by tensor (FedAvg, FedDF's start); clients of different architectures differ in it."""
-    return tuple((k, tuple(v.shape)) for k, v in model.state_dict().items())
+def layout(model: nn.Module | dict) -> tuple:
+    """The names and shapes of a model's (or a state dict's) tensors: models of one layout can be stacked (the
+    batched engine) or averaged tensor by tensor (FedAvg, FedDF's start); clients of different architectures differ
+    in it."""
+    state = model.state_dict() if isinstance(model, nn.Module) else model
+    return tuple((k, tuple(v.shape)) for k, v in state.items())
 
 
 def check_state_fits(model: nn.Module, state: dict, source: str, *, key: str, fix: str) -> None:
@@ -193,12 +195,13 @@ def check_input_fits(model: FlareNet, in_channels: int, image_size: int, label: 
 
 
 def create_architecture(arch, in_channels: int, num_classes: int, head: str, feature_dim: int | None = None,
-                        key: str = "model.checkpoint") -> FlareNet:
+                        key: str = "model.checkpoint", checkpoint: bool = True) -> FlareNet:
     """The model of one `config.architectures.Architecture` (a client's, or the server's), started from its
-    checkpoint when it names one; its init draws from torch's global generator, which the caller seeds."""
+    checkpoint when it names one and `checkpoint` is True (False: weights that will be loaded anyway, or a fresh
+    student); its init draws from torch's global generator, which the caller seeds."""
     model = create_model(arch.name, in_channels, num_classes, arch.width, head=head, options=arch.options,
                          feature_dim=feature_dim)
-    if arch.checkpoint is not None:
+    if checkpoint and arch.checkpoint is not None:
         load_checkpoint(model, arch.checkpoint, key=key)
     return model
 
