@@ -6,6 +6,7 @@ BIN := $(VENV)/bin
 FMNIST_DEB := /usr/share/datasets/fashion-mnist
 PRESETS ?= fafi,fedavg,ensemble,etf-anneal,flare
 SEEDS ?= 1,2,3
+WORKERS ?= 2
 OUT ?= runs/main
 
 .PHONY: setup data run test test-fast federation clean
@@ -35,7 +36,7 @@ run: setup data
 	@if [ -f $(FMNIST_DEB)/train-images-idx3-ubyte.gz ]; then extra=""; \
 	else echo "Fashion-MNIST: falling back to torchvision's download (dataset.root=data dataset.download=true)"; \
 	     extra="dataset.root=data dataset.download=true"; fi; \
-	$(BIN)/flare compare --config configs/main.yaml --presets $(PRESETS) --seeds $(SEEDS) --out $(OUT) $$extra
+	$(BIN)/flare compare --config configs/main.yaml --presets $(PRESETS) --seeds $(SEEDS) --workers $(WORKERS) --out $(OUT) $$extra
 
 # -n 2: two test processes, one per core (the suite's tests train with one torch thread each)
 test: setup data

@@ -55,3 +55,54 @@ def test_compare_checks_every_preset_before_running_any(tiny_overrides, tmp_path
     assert main(["compare", "--presets", "fafi,no-such-method", "--out", str(out), *tiny_overrides]) == 2
     assert "no-such-method" in capsys.readouterr().err
     assert not (out / "fafi").exists()
+
+
+def test_final_rounds_averages_the_tail_everywhere_a_final_accuracy_is_read(tiny_overrides, tmp_path):
+    """eval.final_rounds=2: the run's summary, its summary.md and the compare table all read the mean of the last
+    two evaluated rounds of the primary rule, and say so; peak and diagnostics are untouched."""
+    out = tmp_path / "cmp"
+    tiny = [o for o in tiny_overrides if not o.startswith("rounds=")]
+    assert main(["compare", "--quiet", "--presets", "fafi", "--out", str(out), *tiny, "rounds=3",
+                 "eval.final_rounds=2"]) == 0
+    recs = [json.loads(l) for l in (out / "fafi" / "metrics.jsonl").read_text().splitlines()]
+    rounds = [r for r in recs if r["kind"] == "round"]
+    tail = (rounds[1]["acc_feature"] + rounds[2]["acc_feature"]) / 2
+    assert rounds[1]["acc_feature"] != rounds[2]["acc_feature"] or rounds[0]["acc_feature"] != tail  # a real mean
+    from flare.rundata import RunData
+    run = RunData.load(out / "fafi")
+    assert run.final("acc") == tail and run.final_label == "mean of rounds 2–3"
+    assert run.final("g_protos_std") == rounds[2]["g_protos_std"]
+    assert run.summary()["acc_output"] == (rounds[1]["acc_output"] + rounds[2]["acc_output"]) / 2
+    md = (out / "compare.md").read_text()
+    head = [c.strip() for c in md.splitlines()[2].strip("|").split("|")]
+    assert "acc (primary; mean of rounds 2–3)" in head
+    assert dict(zip(head, _row(md, "fafi")))["acc (primary; mean of rounds 2–3)"].split()[0] == f"{100 * tail:.2f}"
+    assert "| rule | final (mean of rounds 2–3) |" in (out / "fafi" / "summary.md").read_text()
+
+
+def test_compare_with_two_workers_gives_one_thread_runs_of_the_same_plan(tiny_overrides, tmp_path):
+    """--workers 2 runs the plan in two one-thread processes: the same records as running each run alone at one
+    thread, and the same table."""
+    par, seq = tmp_path / "par", tmp_path / "seq"
+    assert main(["compare", "--quiet", "--presets", "fafi,fedavg", "--seeds", "1,2", "--workers", "2", "--out",
+                 str(par), *tiny_overrides, "rounds=1"]) == 0
+    import torch
+    assert torch.get_num_threads() == 1  # the tests' own setting: the sequential side runs at one thread too
+    assert main(["compare", "--quiet", "--presets", "fafi,fedavg", "--seeds", "1,2", "--out", str(seq),
+                 *tiny_overrides, "rounds=1"]) == 0
+    for m in ("fafi", "fedavg"):
+        for s in (1, 2):
+            a, b = (d / m / f"seed={s}" / "metrics.jsonl" for d in (par, seq))
+            strip = lambda p: [{k: v for k, v in json.loads(l).items() if not k.startswith("seconds")}
+                               for l in p.read_text().splitlines()]
+            assert strip(a) == strip(b), (m, s)
+    assert json.loads((par / "fafi" / "seed=1" / "sweep_point.json").read_text())["threads"] == 1
+
+
+def test_compare_workers_must_be_a_positive_count(tiny_overrides, tmp_path, capsys):
+    import pytest
+    for bad in ("0", "two", "-1"):
+        with pytest.raises(SystemExit) as e:
+            main(["compare", "--presets", "fafi", "--workers", bad, "--out", str(tmp_path / "x"), *tiny_overrides])
+        assert e.value.code == 2 and "--workers" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

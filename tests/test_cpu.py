@@ -13,7 +13,7 @@ from flare.rundata import RunData
 from flare.server.rounds import rules_for
 from flare.backend import backend
 
-CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", cpu._MARK)}
+CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in (*cpu._ENV, cpu._MARK)}
 x86_avx2 = pytest.mark.skipif(not cpu.is_x86() or "avx2" not in open("/proc/cpuinfo").read(),
                               reason="needs an x86-64 CPU with AVX2")
 
@@ -30,12 +30,44 @@ def _flare_run(tiny, out, *extra, env=None):
 def test_default_pins_avx2_and_forcing_it_by_hand_gives_the_same_digits(tiny_overrides, tmp_path):
     by_default = _flare_run(tiny_overrides, tmp_path / "a")
     forced = _flare_run(tiny_overrides, tmp_path / "b",
-                        env={"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"})
+                        env={"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "AVX2,STRICT",
+                             "MKL_ENABLE_INSTRUCTIONS": "AVX2"})
     assert by_default == forced
     st = json.loads((tmp_path / "a" / "state.json").read_text())
     assert st["backend"]["cpu_isa"] == "avx2" and st["backend"]["cpu_kernels"] == "AVX2"
+    assert st["backend"]["mkl"] == ("AVX2,STRICT" if torch.backends.mkl.is_available() else "no MKL")
     assert st["warnings"] == []
     assert "AVX2 CPU kernels" in (tmp_path / "a" / "summary.md").read_text()
+    if torch.backends.mkl.is_available():
+        assert "(MKL: AVX2,STRICT)" in (tmp_path / "a" / "summary.md").read_text()
+
+
+_ADDMM_BITS = ("import hashlib, torch; torch.manual_seed(0); torch.set_num_threads(1); "
+               "a, b, c = torch.randn(64, 300), torch.randn(300, 257), torch.randn(64, 257); "
+               "print(hashlib.md5(torch.addmm(c, a, b).numpy().tobytes()).hexdigest())")
+
+
+@x86_avx2
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="this torch build has no MKL")
+def test_the_pin_reaches_mkl_and_is_read_back_after_the_first_call():
+    """A linear layer's digits follow MKL's branch: pinned, they are those of an environment that names the branch
+    by hand, and the run's check reads the branch MKL took."""
+    def child(code, env):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**CLEAN_ENV, **env})
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+
+    pinned = child("import flare; " + _ADDMM_BITS, {"FLARE_CPU_ISA": "avx2"})
+    by_hand = child(_ADDMM_BITS, {"MKL_CBWR": "AVX2,STRICT", "MKL_ENABLE_INSTRUCTIONS": "AVX2"})
+    assert pinned == by_hand
+    assert child("import flare; from flare import cpu; print(cpu.mkl_mode())", {"FLARE_CPU_ISA": "avx2"}) == "AVX2,STRICT"
+    assert child("import flare; from flare import cpu; print(cpu.mkl_mode())", {"FLARE_CPU_ISA": "native"}) == "unpinned"
+    # a matrix product before the pin leaves MKL on its automatic branch: the check says so
+    late = child("import torch; torch.addmm(torch.ones(2, 2), torch.ones(2, 2), torch.ones(2, 2)); import os; "
+                 "os.environ['FLARE_CPU_ISA_PINNED'] = 'x'; from flare import cpu; cpu.pin('avx2'); "
+                 "print(cpu.check('avx2')[1])", {"FLARE_CPU_ISA": "native", "ATEN_CPU_CAPABILITY": "avx2",
+                                                 "ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert "asked MKL for its AVX2,STRICT branch, but MKL runs unpinned" in late
 
 
 @x86_avx2
@@ -61,14 +93,16 @@ def test_early_level_reads_the_command_line_before_torch(tmp_path):
     assert cpu.early_level(["--config", str(tmp_path / "missing.yaml")], env={}) == "avx2"
 
 
-def test_pin_sets_both_libraries_and_native_undoes_only_its_own(monkeypatch):
-    for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", cpu._MARK):
+def test_pin_sets_every_library_and_native_undoes_only_its_own(monkeypatch):
+    for k in (*cpu._ENV, cpu._MARK):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setattr(cpu, "is_x86", lambda: True)
     cpu.pin("avx512")
-    assert (os.environ["ATEN_CPU_CAPABILITY"], os.environ["ONEDNN_MAX_CPU_ISA"]) == ("avx512", "AVX512_CORE")
+    assert [os.environ[k] for k in cpu._ENV] == ["avx512", "AVX512_CORE", "AVX512,STRICT", "AVX512"]
+    cpu.pin("avx2")
+    assert [os.environ[k] for k in cpu._ENV] == ["avx2", "AVX2", "AVX2,STRICT", "AVX2"]
     cpu.pin("native")
-    assert "ATEN_CPU_CAPABILITY" not in os.environ and os.environ[cpu._MARK] == "native"
+    assert not any(k in os.environ for k in cpu._ENV) and os.environ[cpu._MARK] == "native"
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # the user's own: native leaves it
     cpu.pin("native")
     assert os.environ["ATEN_CPU_CAPABILITY"] == "avx2"

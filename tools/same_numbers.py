@@ -24,8 +24,9 @@ What it does
 
 Same CPU kernels in both revisions. A CPU run's digits follow the kernel level ATen and oneDNN dispatch to.
 Newer revisions pin it to AVX2 by default (src/flare/cpu.py), older ones (e.g. beff429) let torch pick the
-CPU's best (AVX512 on this workplace's VMs), so every child process of *both* revisions runs with
-    ATEN_CPU_CAPABILITY=avx2  ONEDNN_MAX_CPU_ISA=AVX2
+CPU's best (AVX512 on this workplace's VMs), and only the newest pin MKL's branch too, so every child process of
+*both* revisions runs with
+    ATEN_CPU_CAPABILITY=avx2  ONEDNN_MAX_CPU_ISA=AVX2  MKL_CBWR=AVX2,STRICT  MKL_ENABLE_INSTRUCTIONS=AVX2
 and also with OMP_NUM_THREADS=MKL_NUM_THREADS=--threads (default 1; the thread count changes float summation
 order), PYTHONPATH=<tree>/src (checked: `flare` must import from that tree, not from the venv's editable
 install), FLARE_CACHE=OUT/cache/<sha12> (decoded datasets, one cache per revision), FLARE_QUIET=1,
@@ -71,7 +72,8 @@ TINY = ["dataset.name=fmnist", "dataset.train_subset=600", "dataset.test_subset=
         "partition.alpha=0.5", "rounds=2", "local_epochs=1", "model.name=cnn", "model.width=0.125",
         "batch_size=32", "test_batch_size=100", "device=cpu", "seed=1"]
 PUBLIC = ["dataset.public_size=100"]  # for presets that hold out a public slice (their YAML sets public_size)
-KERNEL_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+KERNEL_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "AVX2,STRICT",
+              "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 TIMING_NAMES = {"time", "wall", "timestamp"}
 ALLOWED_NEW_KEYS = {"evaluated": "set to false on round records eval.every skips (newer code only)"}
 MAIN_PRESETS_DEFAULT = "fafi,fedavg,ensemble,etf-anneal,flare"

@@ -52,9 +52,10 @@ class Backend:
     channels_last: bool
     cpu_kernels: str
     warnings: list[str]
+    mkl: str = "no MKL"
 
     def facts(self, cfg: Config) -> dict:
-        return {"speed": cfg.speed, "cpu_isa": cfg.cpu_isa, "cpu_kernels": self.cpu_kernels,
+        return {"speed": cfg.speed, "cpu_isa": cfg.cpu_isa, "cpu_kernels": self.cpu_kernels, "mkl": self.mkl,
                 "amp": "bf16" if self.amp_dtype == torch.bfloat16 else "off", "channels_last": self.channels_last,
                 "eval_every": cfg.eval.every, "eval_rules": list(rules_for(cfg))}
 
@@ -81,4 +82,4 @@ def backend(cfg: Config, device: str | None = None) -> Backend:
     if cl and cfg.client_engine == "batched":
         warns.append("client_engine=batched trains in NCHW (vmap cannot use an NHWC layout); channels_last applies "
                      "to evaluation only")
-    return Backend(device, amp, cl, kernels, warns)
+    return Backend(device, amp, cl, kernels, warns, cpu.mkl_mode())

@@ -50,6 +50,17 @@ from flare.rundir import RunDir, config_differences, extension_problem  # noqa: 
 from flare.runner import Run  # noqa: E402
 
 
+def _count(text: str) -> int:
+    """A positive count on the command line (argparse reports a bad one as a usage error, exit 2)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= n <= 256:
+        raise argparse.ArgumentTypeError(f"{n} is not between 1 and 256")
+    return n
+
+
 def _default_out(name: str) -> Path:
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -87,7 +98,8 @@ def cmd_run(args) -> int:
         cfg = load_config(args.config, args.preset, args.overrides)
         out = Path(args.out) if args.out else _default_out(cfg.method)
     s = Run(cfg, out, quiet=args.quiet).execute()
-    print(f"{cfg.method}: final acc ({s.get('primary')}) = {100 * s.get('acc', float('nan')):.2f}%  "
+    final = "" if s.get("final", "last round") == "last round" else f", {s['final']}"
+    print(f"{cfg.method}: final acc ({s.get('primary')}{final}) = {100 * s.get('acc', float('nan')):.2f}%  "
           f"peak {100 * s.get('peak_acc', float('nan')):.2f}% at round {s.get('peak_round')}  → {out}")
     return 0
 
@@ -96,7 +108,7 @@ def cmd_compare(args) -> int:
     names = parse_presets(args.presets)
     out = Path(args.out) if args.out else _default_out("compare")
     title, table = run_compare(names, out, args.config, args.overrides, seeds=parse_seeds(args.seeds),
-                               quiet=args.quiet, baseline=args.baseline)
+                               quiet=args.quiet, baseline=args.baseline, workers=args.workers)
     print(f"\n{title}\n\n{table}\n\nrun directories and plots: {out}")
     return 0
 
@@ -253,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", help="output directory (one run directory per preset inside)")
     c.add_argument("--seeds", help="comma-separated seeds: every method runs once per seed, the table shows mean ± std")
     c.add_argument("--baseline", help="the method every other is tested against, paired by seed (default: fafi if present, else the first)")
+    c.add_argument("--workers", type=_count, default=1,
+                   help="runs at once, each in its own process with one torch thread (default 1: one run at a time "
+                        "with torch's threads); the thread count changes the digits")
     c.add_argument("--quiet", action="store_true")
     c.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     c.set_defaults(fn=cmd_compare)

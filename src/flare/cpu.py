@@ -1,12 +1,18 @@
 """Which CPU kernels torch runs, and the CPU speed switches.
 
-A CPU run's digits follow the instruction set that ATen's and oneDNN's kernels dispatch to: the same command on
-the same "AMD EPYC" VM type printed 34.85 % with AVX512 kernels and 32.70 % with AVX2 ones (README,
-"Reproducibility"). Both libraries choose their level once, at their first kernel call, from the environment
-(`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`) capped by what the CPU supports. So FLARE pins a level every x86-64
-machine of this workplace supports (`cpu_isa=avx2`, the default) before a run's first tensor operation, checks
-afterwards that torch really dispatches there, and records the level in the run (state.json, summary.md).
-`cpu_isa=native` lets torch pick the highest level (faster on AVX512 machines, other digits).
+A CPU run's digits follow the instruction set that torch's three kernel libraries dispatch to: ATen (elementwise
+and reductions), oneDNN (convolutions) and, on x86 builds, Intel MKL (the BLAS behind `linear`/`addmm`). The same
+command on the same "AMD EPYC" VM type printed 34.85 % with AVX512 kernels and 32.70 % with AVX2 ones; an Intel
+AVX512 VM printed a third answer until MKL was pinned too. All three libraries choose their code path once, at
+their first kernel call, from the environment (`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`, and MKL's conditional
+numerical reproducibility switch `MKL_CBWR` with `MKL_ENABLE_INSTRUCTIONS`) capped by what the CPU supports. So
+FLARE pins a level every x86-64 machine of this workplace supports (`cpu_isa=avx2`, the default) before a run's
+first tensor operation, checks afterwards that the libraries really dispatch there, and records the level in the
+run (state.json, summary.md). `cpu_isa=native` lets each library pick the CPU's best (faster, other digits).
+
+What the pin does not buy: MKL's `STRICT` branch promises the same bits on every CPU of a branch, but ATen's and
+oneDNN's kernels are only capped, not made identical, across CPU vendors; the same digits are promised on the
+same CPU type only (docs/reproducibility.md says which claims hold where).
 
 GPU kernels are not covered: CUDA runs reorder reductions by their own rules (docs/performance.md).
 """
@@ -15,15 +21,16 @@ from __future__ import annotations
 import os
 import platform
 
-# cpu_isa -> (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, what torch.backends.cpu.get_cpu_capability() then says)
-LEVELS: dict[str, tuple[str, str, str] | None] = {
-    "default": ("default", "SSE41", "DEFAULT"),
-    "avx2": ("avx2", "AVX2", "AVX2"),
-    "avx512": ("avx512", "AVX512_CORE", "AVX512"),
-    "native": None,  # whatever the CPU (and any ATEN_CPU_CAPABILITY the user exported) gives
+# cpu_isa -> (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, what torch.backends.cpu.get_cpu_capability() then says,
+#             MKL_CBWR, MKL_ENABLE_INSTRUCTIONS)
+LEVELS: dict[str, tuple[str, str, str, str, str] | None] = {
+    "default": ("default", "SSE41", "DEFAULT", "COMPATIBLE", "SSE4_2"),
+    "avx2": ("avx2", "AVX2", "AVX2", "AVX2,STRICT", "AVX2"),
+    "avx512": ("avx512", "AVX512_CORE", "AVX512", "AVX512,STRICT", "AVX512"),
+    "native": None,  # whatever the CPU (and any ATEN_CPU_CAPABILITY / MKL_CBWR the user exported) gives
 }
 DEFAULT_ISA = "avx2"
-_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS")
 _MARK = "FLARE_CPU_ISA_PINNED"  # the level FLARE pinned: children keep it, and `native` knows the pin was ours
 
 
@@ -47,7 +54,8 @@ def pin(level: str) -> None:
                 os.environ.pop(k, None)
         return
     if is_x86():
-        os.environ["ATEN_CPU_CAPABILITY"], os.environ["ONEDNN_MAX_CPU_ISA"] = spec[0], spec[1]
+        for k, v in zip(_ENV, (spec[0], spec[1], spec[3], spec[4])):
+            os.environ[k] = v
 
 
 def kernels() -> str:
@@ -66,8 +74,40 @@ def native_level() -> str:
     return "DEFAULT"
 
 
+def _mkl_library():
+    """torch's own copy of MKL (linked into libtorch_cpu), or None where this torch build has no MKL."""
+    import ctypes
+
+    import torch  # lazy: see kernels()
+    if not torch.backends.mkl.is_available():
+        return None
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        return lib if hasattr(lib, "mkl_serv_cbwr_get") else None
+    except OSError:
+        return None
+
+
+def mkl_mode() -> str:
+    """The MKL reproducibility branch in force in this process: the `MKL_CBWR` value MKL took at its first call,
+    "unpinned" when MKL runs its automatic (CPU-dependent) dispatch, or "no MKL" for a build without it.
+
+    MKL's public `mkl_cbwr_get` is not exported by torch's library, so this reads the service routine behind it,
+    which (measured with torch 2.11 and 2.14, MKL 2024.2) answers 1 while no branch is set and another value once
+    MKL_CBWR took; it runs a small `addmm` first so that MKL has read its environment."""
+    lib = _mkl_library()
+    if lib is None:
+        return "no MKL"
+    import torch  # lazy: see kernels()
+    a = torch.ones(2, 2)
+    torch.addmm(a, a, a)
+    branch = lib.mkl_serv_cbwr_get(1)
+    return "unpinned" if branch == 1 else (os.environ.get("MKL_CBWR") or f"branch {branch}")
+
+
 def check(level: str) -> tuple[str, str | None]:
-    """(the level torch dispatches to, a warning when that is not what `level` asked for)."""
+    """(the level torch dispatches to, a warning when that — ATen's level or MKL's branch — is not what `level`
+    asked for)."""
     got = kernels()
     spec = LEVELS.get(level)
     if spec is None:
@@ -75,11 +115,16 @@ def check(level: str) -> tuple[str, str | None]:
     if not is_x86():
         return got, (f"cpu_isa={level} names an x86-64 instruction set, but this machine is {platform.machine()}; "
                      f"torch runs its native {got} kernels, so digits can differ from x86-64 machines'")
-    if got == spec[2]:
-        return got, None
-    return got, (f"cpu_isa={level} asked for {spec[2]} kernels, but torch dispatches to {got} in this process "
-                 "(the CPU lacks that level, or a tensor operation ran before the run pinned it); digits can "
-                 "differ from the README's")
+    if got != spec[2]:
+        return got, (f"cpu_isa={level} asked for {spec[2]} kernels, but torch dispatches to {got} in this process "
+                     "(the CPU lacks that level, or a tensor operation ran before the run pinned it); digits can "
+                     "differ from the README's")
+    mkl = mkl_mode()
+    if mkl not in ("no MKL", spec[3]):
+        return got, (f"cpu_isa={level} asked MKL for its {spec[3]} branch, but MKL runs {mkl} in this process "
+                     "(a matrix product ran before the run pinned it, or MKL_CBWR was changed after); the linear "
+                     "layers' digits can differ from the README's")
+    return got, None
 
 
 def apply(level: str) -> tuple[str, str | None]:

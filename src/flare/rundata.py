@@ -4,6 +4,7 @@ whose config.yaml disagrees with the config its results were computed with (`Run
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,7 +111,8 @@ class RunData:
         if not b:
             return "not recorded (a run from before kernels were pinned)"
         rules = ", ".join(b.get("eval_rules") or [])
-        return (f"speed={b.get('speed')}, cpu_isa={b.get('cpu_isa')} → {b.get('cpu_kernels')} CPU kernels, "
+        mkl = f" (MKL: {b['mkl']})" if "mkl" in b else ""
+        return (f"speed={b.get('speed')}, cpu_isa={b.get('cpu_isa')} → {b.get('cpu_kernels')} CPU kernels{mkl}, "
                 f"amp={b.get('amp')}, channels_last={b.get('channels_last')}, evaluated every "
                 f"{b.get('eval_every')} round(s) (the last always), rules: {rules}")
 
@@ -159,7 +161,25 @@ class RunData:
             src = "lambda_raw_end" if key == "lambda_raw" and self.client_curve("lambda_raw_end") is not None else key
             cc = self.client_curve(src)
             return float(np.nanmean(cc[-1])) if cc is not None and np.isfinite(cc[-1]).any() else float("nan")
-        return num(self.rounds[-1].get(self._key(key)))
+        if not (key == "acc" or key.startswith("acc_")):  # diagnostics: the last round's state
+            return num(self.rounds[-1].get(key))
+        tail = [num(r.get(self._key(key))) for r in self.rounds[-self.final_rounds:]]
+        tail = [v for v in tail if math.isfinite(v)]
+        return float(np.mean(tail)) if tail else float("nan")
+
+    @property
+    def final_rounds(self) -> int:
+        """How many of the last evaluated rounds the final accuracy averages (config `eval.final_rounds`; 1 for a
+        run from before the key existed)."""
+        return max(1, int((self.cfg.get("eval") or {}).get("final_rounds") or 1))
+
+    @property
+    def final_label(self) -> str:
+        """What "final" means for this run, in words: the last round, or the mean of rounds a–b."""
+        rounds = self.round_numbers()[-self.final_rounds:]
+        if len(rounds) <= 1:
+            return "last round"
+        return f"mean of rounds {rounds[0]}–{rounds[-1]}"
 
     def peak(self, key: str = "acc") -> tuple[float, int | None]:
         """The best value of a round metric and the round it was reached in (`peak_index`)."""
@@ -175,7 +195,8 @@ class RunData:
         out = {"method": self.method, "primary": self.primary, "rounds": len(self.rounds)}
         for k, v in last.items():
             if k.startswith("acc_") or k in DIAG:
-                out[k] = v
+                out[k] = self.final(k) if k.startswith("acc_") else v
         out["acc"] = self.final("acc")
+        out["final"] = self.final_label
         out["peak_acc"], out["peak_round"] = self.peak("acc")
         return out

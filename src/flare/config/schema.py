@@ -180,6 +180,10 @@ class EvalCfg(Strict):
     rules: list[EvalRule] | None = Field(None, description="the fusion rules to evaluate (null: every rule that "
                                                            "applies; `primary` names the method's own): skipping iffi "
                                                            "saves its noise pass, skipping fedavg a model pass")
+    final_rounds: int = Field(1, ge=1, le=100_000, description="a run's final accuracy is the mean over its last N "
+                                                               "evaluated rounds (1: the last round alone). One "
+                                                               "round's value is one sample of a noisy curve; the "
+                                                               "notes read theirs as the mean of rounds 43–47")
     noise_seed: int = Field(0, description="seed of IFFI's noise inputs (and of the test order with bn=batch)")
     bn: Literal["running", "batch"] = Field(
         "running", description="BatchNorm of the feature/IFFI rules at evaluation: running statistics, or the "

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from flare.config import config_for_preset, deep_merge, parse_list, parse_overrides, read_yaml_mapping
 from flare.errors import FlareError
+from flare.experiments.execute import Point, execute_points
 from flare.report.compare import write_compare_report
 from flare.rundir import RunDir
 from flare.runner import Run
@@ -22,9 +23,13 @@ def parse_seeds(text: str | None) -> list[int] | None:
 
 def run_compare(presets: list[str], out: Path, config_file: str | None = None, overrides: list[str] | None = None,
                 seeds: list[int] | None = None, quiet: bool = False, log=print,
-                baseline: str | None = None) -> tuple[str, str]:
+                baseline: str | None = None, workers: int = 1) -> tuple[str, str]:
     """Run (or resume) every preset into `out/<preset>` (with `seeds`: `out/<preset>/seed=<s>`, one run each), then
-    write compare.md and its figures; returns the title and the table."""
+    write compare.md and its figures; returns the title and the table.
+
+    `workers` > 1 runs that many runs at once in local processes of one torch thread each (`execute_points`): on a
+    CPU the small networks of a comparison use two threads poorly, so two one-thread runs side by side finish the
+    table sooner. A run's digits follow its thread count, so a table states its workers (compare.md's command)."""
     if baseline is not None and baseline not in presets:
         raise FlareError(f"--baseline {baseline} is not among --presets {','.join(presets)}.", key="--baseline",
                          fix="add it to --presets, or name one of them.")
@@ -45,6 +50,16 @@ def run_compare(presets: list[str], out: Path, config_file: str | None = None, o
     for _, d, cfg in plan:  # every run directory it would continue, checked before any is written
         RunDir(d).check_continues(cfg)
     RunDir(out).create()
-    for name, d, cfg in plan:
-        Run(cfg, d, quiet=quiet, label=name if seeds is None else f"{name} seed {cfg.seed}").execute()
+    if workers > 1:
+        points = [Point(name if seeds is None else f"{name} seed {cfg.seed}", {}, cfg, d) for name, d, cfg in plan]
+        ran = execute_points(points, workers=workers, quiet=quiet, desc="compare", log=log, ray=False)
+        failed = [f"{n}: {r.get('error', '')}" for n, r in ran.items() if r.get("status") == "failed"]
+        if failed:
+            raise RuntimeError("compare runs failed:\n" + "\n".join(failed))
+        diverged = [f"{n}: {r.get('error', '')}" for n, r in ran.items() if r.get("status") == "diverged"]
+        if diverged:  # as one run at a time would stop on its TrainingDiverged, with what it wrote kept
+            raise FlareError("a run diverged — " + "; ".join(diverged))
+    else:
+        for name, d, cfg in plan:
+            Run(cfg, d, quiet=quiet, label=name if seeds is None else f"{name} seed {cfg.seed}").execute()
     return write_compare_report([(n, [d for m, d, _ in plan if m == n]) for n in presets], out, baseline)

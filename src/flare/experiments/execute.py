@@ -157,9 +157,12 @@ def format_throughput(t: dict) -> str:
 
 def execute_points(points: list[Point], *, workers: int = 1, address: str | None = None,
                    cpus_per_point: float = 1.0, gpus_per_point: float | None = None, quiet: bool = False,
-                   desc: str = "sweep", log: Callable[[str], None] | None = None) -> dict[str, dict]:
+                   desc: str = "sweep", log: Callable[[str], None] | None = None,
+                   ray: bool = True) -> dict[str, dict]:
     """Run every unfinished point; returns name -> outcome ({'status': ..., ...}). Raises FlareError for a
-    user mistake that a point reports at run time (e.g. a missing dataset), after stopping the others."""
+    user mistake that a point reports at run time (e.g. a missing dataset), after stopping the others.
+    `ray=False` keeps parallel points in plain local processes even where Ray is installed (a command whose
+    workers never leave this machine need not pay Ray's start-up)."""
     log = log or (lambda m: None if quiet else print(m, flush=True))
     results: dict[str, dict] = {}
     todo = []
@@ -180,7 +183,7 @@ def execute_points(points: list[Point], *, workers: int = 1, address: str | None
         return results
     threads = max(1, int(cpus_per_point)) if (workers > 1 or address) else None
     ran = None
-    if workers > 1 or address:
+    if (workers > 1 and ray) or address:
         ran = _execute_ray([p for p, _ in todo], workers, address, cpus_per_point, gpus_per_point, threads,
                            quiet, desc, n_skip, len(points), log)
     if ran is None and workers > 1 and not address:

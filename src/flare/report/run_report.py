@@ -35,7 +35,7 @@ def summary_markdown(run: RunData) -> str:
     if rounds:
         primary = rounds[-1].get("primary", "feature")
         lines += ["## Accuracy of every global predictor", "",
-                  "| rule | final | peak | peak round |", "| --- | --- | --- | --- |"]
+                  f"| rule | final ({run.final_label}) | peak | peak round |", "| --- | --- | --- | --- |"]
         for k in acc_keys(rounds[-1:]):
             if k in rounds[-1]:
                 best, at = run.peak(k)

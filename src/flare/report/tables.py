@@ -101,7 +101,9 @@ def compare_table(rows: list[tuple[dict, Row]]) -> str:
     """One row per method of a `flare compare` (seeds aggregated): the primary accuracy first, then every rule and
     diagnostic at the last round, mean ± std when there are several seeds."""
     cols = acc_keys([r.rounds[-1] for _, row in rows for r in row.runs if r.rounds])
-    head = ["method", "notes", "seeds", "acc (primary)", "peak (round)"] + [c.removeprefix("acc_") for c in cols] + [
+    finals = {r.final_label for _, row in rows for r in row.runs if r.rounds}
+    acc_head = "acc (primary)" if finals <= {"last round"} else f"acc (primary; {', '.join(sorted(finals))})"
+    head = ["method", "notes", "seeds", acc_head, "peak (round)"] + [c.removeprefix("acc_") for c in cols] + [
         "g_protos_std", "inter_client_proto_std"]
     body = []
     for preset, row in rows:
