@@ -171,8 +171,7 @@ def labeldir_partition(labels: np.ndarray, num_clients: int, alpha: float, seed:
         raise FlareError(f"noniid-labeldir needs at least min_size={min_size} samples per client, but "
                          f"{N} samples cannot give {K} clients that many.", key="partition.options.min_size",
                          fix="lower partition.options.min_size or use fewer clients.")
-    smallest = 0
-    while smallest < min_size:
+    while True:  # the reference's `while min_size < min_require_size`, which always draws once
         batches: list[list[int]] = [[] for _ in range(K)]
         for c in range(C):
             idx = np.flatnonzero(labels == c)
@@ -182,7 +181,8 @@ def labeldir_partition(labels: np.ndarray, num_clients: int, alpha: float, seed:
             q = q / q.sum()
             cuts = (np.cumsum(q) * len(idx)).astype(int)[:-1]
             batches = [b + part.tolist() for b, part in zip(batches, np.split(idx, cuts))]
-            smallest = min(len(b) for b in batches)
+        if min(len(b) for b in batches) >= min_size:
+            break
     for b in batches:
         draw.shuffle(b)
     return Partition([np.asarray(b, dtype=np.int64) for b in batches], C, labels)
