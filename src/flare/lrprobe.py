@@ -29,6 +29,7 @@ from torch import Tensor
 
 from flare.client.lam import LamStep, initial_lambda, make_lam_provider
 from flare.client.step import local_loss
+from flare.client.terms.extra import uses_params
 from flare.config import Config
 from flare.errors import FlareError
 from flare.progress import Counter
@@ -187,10 +188,15 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 2
     def weigh(base: Tensor, align: Tensor | None) -> LamStep:  # the weights' loss at p = 0, no σ step
         return LamStep(provider.probe_loss(base, align), None)
 
+    start = ({n: q.detach().clone() for n, q in model.named_parameters() if q.requires_grad}
+             if uses_params(cfg.loss) else None)  # the probe's model is the start (FedProx's w_global)
+
     def make_loss(imgs: Tensor, y2: Tensor) -> Callable[[], Tensor]:
         def loss() -> Tensor:
             feat, logits = model(imgs)
-            return local_loss(cfg, feat, logits, y2, model.prototypes, target=anchors, weigh=weigh).total()
+            params = {n: q for n, q in model.named_parameters() if n in start} if start is not None else None
+            return local_loss(cfg, feat, logits, y2, model.prototypes, target=anchors, weigh=weigh, params=params,
+                              start=start).total()
 
         return loss
 

@@ -48,15 +48,18 @@ class StepLoss:
 
 def local_loss(cfg: Config, feat: Tensor, logits: Tensor, y: Tensor, prototypes: Tensor | None, *,
                target: Tensor | None, weigh: Callable[[Tensor, Tensor | None], LamStep], extension=None,
-               epoch: int = 0) -> StepLoss:
+               epoch: int = 0, params: dict[str, Tensor] | None = None,
+               start: dict[str, Tensor] | None = None) -> StepLoss:
     """The step's loss from a batch laid out as [view1; view2] (or one plain view): `target` is what the prototypes
     align to (None: no alignment), `weigh(base, align)` the λ provider at this step, `extension` a client's contrast
-    extension (its bank joins FAFI's SupCon term; `adjust_terms` may rewrite the terms at `epoch`)."""
+    extension (its bank joins FAFI's SupCon term; `adjust_terms` may rewrite the terms at `epoch`); `params` and
+    `start` the model's trainable parameters and their start values, for the terms that read weights
+    (`terms.extra.uses_params`)."""
     bank = extension.contrast_bank() if extension is not None else None
     terms = base_terms(cfg.loss, feat, logits, y, prototypes, bank)
     if extension is not None:
         terms = extension.adjust_terms(terms, feat, y, epoch)
-    terms.update(extra_terms(cfg.loss, feat, logits, y, prototypes))  # loss.terms (plugins)
+    terms.update(extra_terms(cfg.loss, feat, logits, y, prototypes, params, start))  # loss.terms (plugins)
     base = sum(terms.values())
     align = align_loss(prototypes, target) if target is not None else None
     return StepLoss(terms, base, align, weigh(base, align))

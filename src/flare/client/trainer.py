@@ -20,6 +20,7 @@ from torch.profiler import record_function
 from flare.client.lam import LamProvider, make_lam_provider
 from flare.client.plan import RoundLogs, RoundPlan, Step, steps_per_epoch
 from flare.client.step import local_loss
+from flare.client.terms.extra import uses_params
 from flare.client.terms.align import align_target
 from flare.config import Config
 from flare.registry import CLIENT_ENGINES, SURGERY
@@ -78,6 +79,9 @@ class Client:
         self.epochs_done = 0
         protos = getattr(model, "prototypes", None)
         self.initial_prototypes = protos.detach().clone() if protos is not None else None
+        # the model the client started from (FedProx's w_global), kept only when a loss term reads weights
+        self.start_params = ({n: q.detach().clone() for n, q in model.named_parameters() if q.requires_grad}
+                             if uses_params(ctx.cfg.loss) else None)
         self.extension = ctx.extension_factory(self, ctx) if ctx.extension_factory else None
         self._sgdr_cycle = 0
 
@@ -154,9 +158,11 @@ class Client:
             target = None
             if ctx.anchors is not None:
                 target = align_target(ctx.align_anchors, cfg.align.target, step.p_target, self.initial_prototypes)
+            params = (dict((n, q) for n, q in self.model.named_parameters() if q.requires_grad)
+                      if self.start_params is not None else None)
             loss = local_loss(cfg, feat, logits, y2, self.model.prototypes, target=target,
                               weigh=lambda base, align: self.lam(base, align, step.p), extension=self.extension,
-                              epoch=self.epochs_done)
+                              epoch=self.epochs_done, params=params, start=self.start_params)
             st = loss.lam
 
         self.optimizer.zero_grad(set_to_none=True)

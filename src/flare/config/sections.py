@@ -217,8 +217,10 @@ class LRScheduleCfg(Strict):
 
 class AugmentCfg(Strict):
     per_image: bool = Field(True, description="False: one parameter set per batch, as the seeds' code did")
-    input_scaling: Literal["dataset", "reference"] = Field(
+    input_scaling: Literal["dataset", "reference", "none"] = Field(
         "dataset", description="dataset: (x − mean)/std of the training set for training and test; reference: the "
                                "reference's transforms (CIFAR-10, Tiny and datasets it lacks: train views "
                                "Normalize(0.5) → [−1, 1], test [0, 1]; CIFAR-100, SVHN: normalised by the dataset "
-                               "and again by the augmentation, the colour jitter clamping to [0, 1] when it fires)")
+                               "and again by the augmentation, the colour jitter clamping to [0, 1] when it fires); "
+                               "none: x/255 only (ToTensor), training and test — NIID-Bench's, FedLPA's and DENSE's "
+                               "Fashion-MNIST")

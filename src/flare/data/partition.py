@@ -12,6 +12,14 @@ reference's only if the training set is in the same order (torchvision's); the c
 size of class 0, client u gets min(N_n, round(10·N_0·q_u)) samples, q ~ Dir(α·1_K), each client drawing from its
 own reshuffle of the class — so clients overlap (never within a client) and a client with q_u ≥ 0.1 gets the
 whole class.
+
+`noniid-labeldir` is NIID-Bench's Dirichlet label split (`utils.py::partition_data`), which FedLPA's code
+copies and DENSE's `dirichlet` partition restates: per class, shuffle the class, draw q ~ Dir(β·1_K), zero the
+share of every client that already holds N/K samples or more, renormalise, and cut the class at
+floor(cumsum(q)·N_c); redraw the whole split until every client has at least `min_size` samples; finally shuffle
+every client's list. Every sample is used once. With rng="legacy" all draws come from a numpy RandomState seeded
+with the seed — the references' `np.random.seed(seed)` before `partition_data`, nothing drawn in between — so the
+same seed gives the references' client index sets (the training set in torchvision's order).
 """
 from __future__ import annotations
 
@@ -21,6 +29,7 @@ import warnings
 from dataclasses import dataclass
 
 import numpy as np
+from pydantic import BaseModel, Field
 
 from flare.errors import FlareError
 from flare.registry import PARTITIONS
@@ -151,6 +160,34 @@ def dirichlet_fafi_partition(labels: np.ndarray, num_clients: int, alpha: float,
     return Partition([np.asarray(b, dtype=np.int64) for b in buckets], C, labels)
 
 
+def labeldir_partition(labels: np.ndarray, num_clients: int, alpha: float, seed: int,
+                       num_classes: int | None = None, *, min_size: int = 10, rng: str = "legacy") -> Partition:
+    """NIID-Bench's `noniid-labeldir` (see the module docstring). rng="legacy": the references' RandomState
+    stream; "generator": the same algorithm drawing from a numpy Generator."""
+    C = int(num_classes or labels.max() + 1)
+    draw = np.random.RandomState(seed) if rng == "legacy" else np.random.default_rng(seed)
+    N, K = len(labels), num_clients
+    if K * min_size > N:
+        raise FlareError(f"noniid-labeldir needs at least min_size={min_size} samples per client, but "
+                         f"{N} samples cannot give {K} clients that many.", key="partition.options.min_size",
+                         fix="lower partition.options.min_size or use fewer clients.")
+    while True:  # the reference's `while min_size < min_require_size`, which always draws once
+        batches: list[list[int]] = [[] for _ in range(K)]
+        for c in range(C):
+            idx = np.flatnonzero(labels == c)
+            draw.shuffle(idx)
+            q = draw.dirichlet(np.repeat(alpha, K))
+            q = np.array([p * (len(b) < N / K) for p, b in zip(q, batches)])
+            q = q / q.sum()
+            cuts = (np.cumsum(q) * len(idx)).astype(int)[:-1]
+            batches = [b + part.tolist() for b, part in zip(batches, np.split(idx, cuts))]
+        if min(len(b) for b in batches) >= min_size:
+            break
+    for b in batches:
+        draw.shuffle(b)
+    return Partition([np.asarray(b, dtype=np.int64) for b in batches], C, labels)
+
+
 def iid_partition_legacy(labels: np.ndarray, num_clients: int, seed: int,
                          num_classes: int | None = None) -> Partition:
     """The reference's iid split: `np.random.permutation(N)` from the legacy RandomState, `array_split` in K."""
@@ -215,7 +252,7 @@ def make_partition(labels: np.ndarray, num_clients: int, kind: str, seed: int, *
     if rng not in ("generator", "legacy"):
         raise FlareError(f"unknown partition rng '{rng}'.", key="partition.rng", fix="use generator or legacy.")
     legacy = rng == "legacy"
-    if kind in ("dirichlet", "dirichlet-fafi") and alpha <= 0:
+    if kind in ("dirichlet", "dirichlet-fafi", "noniid-labeldir") and alpha <= 0:
         raise FlareError(f"alpha must be > 0 (got {alpha}).", key="partition.alpha", fix="use e.g. 0.05, 0.1, 0.5.")
     opts = PARTITIONS.options(kind, options, "partition.options")
     return PARTITIONS.get(kind)(labels, num_clients, seed, num_classes, alpha=alpha,
@@ -234,6 +271,16 @@ def _dirichlet_fafi(labels, k, seed, num_classes, *, alpha, legacy, **_):
     return dirichlet_fafi_partition(labels, k, alpha, seed, num_classes, rng="legacy" if legacy else "generator")
 
 
+class LabeldirOptions(BaseModel):
+    min_size: int = Field(10, ge=0, description="redraw the split until every client holds at least this many "
+                                                "samples (NIID-Bench's min_require_size)")
+
+
+def _labeldir(labels, k, seed, num_classes, *, alpha, legacy, options, **_):
+    return labeldir_partition(labels, k, alpha, seed, num_classes, min_size=options.min_size,
+                              rng="legacy" if legacy else "generator")
+
+
 def _iid(labels, k, seed, num_classes, *, legacy, **_):
     return (iid_partition_legacy if legacy else iid_partition)(labels, k, seed, num_classes)
 
@@ -247,6 +294,9 @@ def _shards(labels, k, seed, num_classes, *, shards_per_client, legacy, **_):
 
 PARTITIONS.register("dirichlet", _dirichlet, description="card dealer: every sample once, Dir(α) class shares")
 PARTITIONS.register("dirichlet-fafi", _dirichlet_fafi, description="the official FAFI partition (overlapping)")
+PARTITIONS.register("noniid-labeldir", _labeldir, options=LabeldirOptions,
+                    description="NIID-Bench's Dirichlet label split (FedLPA, DENSE): balanced, redrawn until every "
+                                "client has min_size samples")
 PARTITIONS.register("iid", _iid, description="uniform random split")
 def _shards_check(cfg) -> None:
     """partition.rng=legacy replays the reference's draws, and the reference has no shards partition."""

@@ -21,6 +21,9 @@ dataset-transformed tensor: for CIFAR-100 and SVHN the colour jitter (kornia's, 
 backend, clamps every jitter op to [0, 1]) clamps the images it fires on, the others keep their range. The
 un-augmented view (the baselines' `loss.ce_input=plain`, the server's public bank, evaluation) is the dataset
 transform alone.
+
+`augment.input_scaling=none`: x/255 and nothing else — torchvision's `ToTensor()` alone, for training views and
+test images alike, as NIID-Bench, FedLPA and DENSE feed Fashion-MNIST and MNIST (docs/papers.md).
 """
 from __future__ import annotations
 
@@ -48,6 +51,8 @@ def input_scaling(mode: str, dataset: str, mean, std) -> InputScaling:
     if mode == "dataset":
         stats = (tuple(mean), tuple(std))
         return InputScaling(None, stats, stats)
+    if mode == "none":
+        return InputScaling(None, IDENTITY, IDENTITY)
     if mode != "reference":
         raise ValueError(f"unknown input scaling {mode!r}")
     if dataset == "cifar100":

@@ -4,7 +4,8 @@
     feat, logits = model(x)        # feat = f(x) (B×d, un-normalised); logits from the head
 
 Registered names: `resnet18`, `resnet34`, `resnet50` (CIFAR-style, see `resnet.py`), `cnn` (small CPU model, see
-`cnn.py`), `wrn16_1`, `wrn40_1`, `cnn_dense`, `cnn_coboost` (the literature's CIFAR networks, see `cifar.py`) and
+`cnn.py`), `wrn16_1`, `wrn40_1`, `cnn_dense`, `cnn_coboost` (the literature's CIFAR networks, see `cifar.py`), `simple-cnn`,
+`cnn_mnist_dense` (the 28×28 networks of FedLPA's and DENSE's tables, see `small.py`) and
 `timm/<name>` for any timm architecture (`timm_zoo.py`), in `flare.registry.MODELS`, plus any a plugin registers;
 docs/models.md. `load_checkpoint` starts a model from a local state dict (`model.checkpoint`). A registered builder is
 `fn(in_channels: int, width: float[, options]) -> nn.Module` returning an encoder with a `feature_dim`
@@ -24,6 +25,7 @@ from ..registry import MODELS
 from . import cifar as _cifar
 from . import cnn as _cnn
 from . import resnet as _resnet
+from . import small as _small
 from .heads import ETFHead, LinearHead, PrototypeHead
 from .timm_zoo import timm_names  # registers the timm/ namespace (timm itself is imported on first use)
 
@@ -142,6 +144,10 @@ register_model("wrn16_1", description="CIFAR WideResNet-16-1 (d = 64·width)")(_
 register_model("wrn40_1", description="CIFAR WideResNet-40-1 (d = 64·width)")(_cifar.wrn40_1)
 register_model("cnn_dense", description="DENSE's small CIFAR CNN (d = 64·width)")(_cifar.cnn_dense)
 register_model("cnn_coboost", description="Co-Boosting's CIFAR CNN (d = 2048·width)")(_cifar.cnn_coboost)
+register_model("simple-cnn", description="NIID-Bench's simple-cnn, FedLPA's clients (no BN; d = 84·width)")(
+    _small.simple_cnn)
+register_model("cnn_mnist_dense", description="DENSE's FMNIST/MNIST CNN (BN; d = 1568·width at 28×28)")(
+    _small.cnn_mnist_dense)
 
 
 def layout(model: nn.Module | dict) -> tuple:

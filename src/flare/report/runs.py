@@ -100,8 +100,8 @@ def describe_setting(r: RunData) -> str:
     p = f"{part.get('kind')}"
     if part.get("kind") == "dirichlet":
         p = f"α={fmt_value(part.get('alpha'))}"
-    elif part.get("kind") == "dirichlet-fafi":
-        p = f"dirichlet-fafi α={fmt_value(part.get('alpha'))}"
+    elif part.get("kind") in ("dirichlet-fafi", "noniid-labeldir"):
+        p = f"{part.get('kind')} α={fmt_value(part.get('alpha'))}"
     elif part.get("kind") == "shards":
         p = f"shards({part.get('shards_per_client')})"
     sub = ""

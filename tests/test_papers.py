@@ -1,0 +1,217 @@
+"""The parts of other papers' tables at their own settings (docs/papers.md) and tools/papers.py's block."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+from flare.client.step import local_loss
+from flare.client.lam import LamStep
+from flare.config import build_config
+from flare.data.partition import labeldir_partition, make_partition
+from flare.data.scaling import IDENTITY, input_scaling
+from flare.errors import FlareError
+from flare.models import create_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _papers():
+    spec = importlib.util.spec_from_file_location("papers_tool", ROOT / "tools" / "papers.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["papers_tool"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ------------------------------------------------------------------------------------- noniid-labeldir
+def test_labeldir_hand_derived_small_case():
+    """Two classes of four samples, two clients, seed 3: the draws spelled out in the reference's order."""
+    labels = np.array([0, 1, 0, 1, 0, 1, 0, 1])
+    rs = np.random.RandomState(3)
+    batches = [[], []]
+    for c in range(2):
+        idx = np.flatnonzero(labels == c)
+        rs.shuffle(idx)
+        q = rs.dirichlet([0.5, 0.5])
+        q = np.array([p * (len(b) < 8 / 2) for p, b in zip(q, batches)])
+        q = q / q.sum()
+        cut = int(q[0] * 4)  # cumsum(q)[:-1]·N_c, truncated
+        batches = [batches[0] + idx[:cut].tolist(), batches[1] + idx[cut:].tolist()]
+    for b in batches:
+        rs.shuffle(b)
+    got = labeldir_partition(labels, 2, 0.5, 3, 2, min_size=0)
+    assert [ix.tolist() for ix in got.client_indices] == batches
+
+
+def test_labeldir_balance_rule_closes_a_full_client():
+    """A client that already holds N/K samples gets no share of a later class: every client held fewer than N/K
+    samples before the last class it received."""
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 10, 3000)
+    p = labeldir_partition(labels, 5, 0.1, 7, 10, min_size=10)
+    N, K = len(labels), 5
+    hist = p.histogram()
+    for k in range(K):
+        received = np.flatnonzero(hist[k])
+        if len(received):
+            before_last = hist[k, :received[-1]].sum()
+            assert before_last < N / K
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_labeldir_invariants(seed):
+    labels = np.repeat(np.arange(10), 200)
+    a = make_partition(labels, 10, "noniid-labeldir", seed, alpha=0.1, rng="legacy")
+    b = make_partition(labels, 10, "noniid-labeldir", seed, alpha=0.1, rng="legacy")
+    allix = np.concatenate(a.client_indices)
+    assert sorted(allix.tolist()) == list(range(len(labels)))           # every sample exactly once
+    assert min(a.sizes) >= 10                                           # min_require_size
+    assert all((x == y).all() for x, y in zip(a.client_indices, b.client_indices))  # same seed, same sets
+    c = make_partition(labels, 10, "noniid-labeldir", seed + 10, alpha=0.1, rng="legacy")
+    assert any(len(x) != len(y) or (x != y).any() for x, y in zip(a.client_indices, c.client_indices))
+    g = make_partition(labels, 10, "noniid-labeldir", seed, alpha=0.1, rng="generator")
+    assert sorted(np.concatenate(g.client_indices).tolist()) == list(range(len(labels)))
+
+
+def test_labeldir_refuses_an_impossible_min_size():
+    with pytest.raises(FlareError) as e:
+        make_partition(np.zeros(20, dtype=np.int64), 5, "noniid-labeldir", 0, alpha=0.5,
+                       options={"min_size": 10})
+    assert e.value.key == "partition.options.min_size"
+
+
+# ------------------------------------------------------------------------------------------- networks
+def test_simple_cnn_parameter_count_and_no_batchnorm():
+    m = create_model("simple-cnn", 1, 10, head="linear")
+    # conv 1→6 5×5: 6·25+6; conv 6→16 5×5: 16·150+16; fc 256→120; fc 120→84; head 84→10
+    expected = (6 * 25 + 6) + (16 * 6 * 25 + 16) + (256 * 120 + 120) + (120 * 84 + 84) + (84 * 10 + 10)
+    assert sum(p.numel() for p in m.parameters()) == expected == 44426
+    assert not any(isinstance(x, torch.nn.modules.batchnorm._BatchNorm) for x in m.modules())
+    assert m(torch.zeros(2, 1, 28, 28))[1].shape == (2, 10)
+    cifar = create_model("simple-cnn", 3, 10, head="linear")  # NIID-Bench's SimpleCNN: 16·5·5 flattened
+    assert cifar.encoder.fc1.in_features == 400 and cifar(torch.zeros(1, 3, 32, 32))[1].shape == (1, 10)
+
+
+def test_dense_mnist_cnn_parameter_count():
+    m = create_model("cnn_mnist_dense", 1, 10, head="linear")
+    # conv 1→16 5×5 + BN(16); conv 16→32 5×5 + BN(32); fc 32·7·7 → 10
+    expected = (16 * 25 + 16) + 32 + (32 * 16 * 25 + 32) + 64 + (1568 * 10 + 10)
+    assert sum(p.numel() for p in m.parameters()) == expected == 29034
+    assert m.feature_dim == 1568
+
+
+def test_input_scaling_none_is_to_tensor_alone():
+    s = input_scaling("none", "fmnist", (0.286,), (0.353,))
+    assert s.pre is None and s.post == IDENTITY and s.test == IDENTITY
+    assert build_config({"augment": {"input_scaling": "none"}}).augment.input_scaling == "none"
+
+
+# --------------------------------------------------------------------------------------------- FedProx
+def _plain(base, align):
+    return LamStep(base, None)
+
+
+def _loss(cfg, model, x, y, start):
+    feat, logits = model(x)
+    params = {n: q for n, q in model.named_parameters() if q.requires_grad}
+    return local_loss(cfg, feat, logits, y, None, target=None, weigh=_plain, params=params, start=start)
+
+
+def test_fedprox_mu_zero_is_plain_ce():
+    torch.manual_seed(0)
+    model = create_model("simple-cnn", 1, 10, head="linear")
+    start = {n: q.detach().clone() + 0.1 for n, q in model.named_parameters()}
+    x, y = torch.rand(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    cfg = build_config({"preset": "fedavg", "loss": {"objective": "ce", "ce_input": "plain", "terms": {"fedprox": {"mu": 0.0}}}})
+    total = _loss(cfg, model, x, y, start).total()
+    assert torch.allclose(total, F.cross_entropy(model(x)[1], y))
+
+
+def test_fedprox_gradient_is_mu_times_drift():
+    torch.manual_seed(0)
+    mu = 0.3
+    model = create_model("simple-cnn", 1, 10, head="linear")
+    start = {n: q.detach().clone() + 0.05 * torch.randn_like(q) for n, q in model.named_parameters()}
+    x, y = torch.rand(4, 1, 28, 28), torch.randint(0, 10, (4,))
+    plain = build_config({"preset": "fedavg", "loss": {"objective": "ce", "ce_input": "plain"}})
+    prox = build_config({"preset": "fedavg", "loss": {"objective": "ce", "ce_input": "plain", "terms": {"fedprox": {"mu": mu}}}})
+    params = [q for q in model.parameters()]
+    g_plain = torch.autograd.grad(_loss(plain, model, x, y, start).total(), params)
+    g_prox = torch.autograd.grad(_loss(prox, model, x, y, start).total(), params)
+    for (n, q), a, b in zip(model.named_parameters(), g_plain, g_prox):
+        assert torch.allclose(b - a, mu * (q.detach() - start[n]), atol=1e-6), n
+
+
+def test_fedprox_refused_by_the_batched_engine():
+    with pytest.raises(FlareError) as e:
+        build_config({"preset": "fedavg", "client_engine": "batched", "loss": {"terms": {"fedprox": {"mu": 0.01}}}})
+    assert e.value.key == "client_engine"
+
+
+def test_uses_params_marks_only_weight_terms():
+    """Only a config with a weight-reading term makes the clients keep a copy of their start weights."""
+    from flare.client.terms.extra import uses_params
+    cfg = build_config({"preset": "fedavg", "loss": {"terms": {"fedprox": {"mu": 0.01}}}})
+    assert uses_params(cfg.loss) and not uses_params(build_config({"preset": "fedavg"}).loss)
+
+
+# ------------------------------------------------------------------------------------ tools/papers.py
+def test_table_configs_build_valid_flare_configs():
+    papers = _papers()
+    for f in sorted((ROOT / "configs" / "papers").glob("*.yaml")):
+        spec = papers.load_table(f)
+        cs = papers.cells(spec)
+        assert len(cs) == len(spec["alphas"]) * len(spec["seeds"]) * len(spec["methods"])
+        for c in cs[:len(spec["methods"])]:
+            cfg = build_config(dict(c["config"]))
+            assert cfg.partition.kind == "noniid-labeldir" and cfg.augment.input_scaling == "none"
+        assert set(spec.get("published", {})) <= set(spec["columns"])
+
+
+def _fake_cell(root: Path, table: str, method: str, alpha: float, seed: int, curve: list[float],
+               fuse: dict | None = None) -> None:
+    d = root / table / f"{method}-a{alpha:g}-s{seed}"
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"kind": "round", "round": i, "acc_fedavg": v}) + "\n"
+                                             for i, v in enumerate(curve)))
+    (d / "fuse.jsonl").write_text("".join(json.dumps({"kind": "fuse", "strategy": k, "acc": v}) + "\n"
+                                          for k, v in (fuse or {}).items()))
+    (d / "cell.json").write_text(json.dumps({"method": method, "alpha": alpha, "seed": seed, "table": table}))
+
+
+def test_render_on_synthetic_records(tmp_path):
+    papers = _papers()
+    spec = {"table": "t", "paper": "P, Table 1", "alphas": [0.1], "seeds": [0, 1, 2],
+            "columns": {"FedAvg": {"method": "fedavg", "key": "acc_fedavg", "paper_rule": "peak"},
+                        "DENSE": {"method": "fedavg", "key": "fuse:dense", "paper_rule": "final"}},
+            "published": {"FedAvg": {0.1: 55.0}, "DENSE": {0.1: None}}}
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "table.yaml").write_text(yaml.safe_dump(spec))
+    for s, (last, best, dense) in enumerate([(0.50, 0.60, 0.7), (0.52, 0.62, 0.7), (0.54, 0.64, 0.7)]):
+        _fake_cell(tmp_path, "t", "fedavg", 0.1, s, [0.1, best, last], {"dense": dense})
+    out = papers.render(tmp_path)
+    row = next(line for line in out.splitlines() if line.startswith("| FedAvg"))
+    # final 50, 52, 54 → 52 ± 2; peak 60, 62, 64 → 62 ± 2; 95 % half-width 4.303·2/√3 = 4.97 → 55 is inside
+    assert "| 0,1,2 | 52.00 ± 2.00 | 62.00 ± 2.00 (peak) | 55.00 | -3.00 | yes |" in row
+    dense = next(line for line in out.splitlines() if line.startswith("| DENSE"))
+    assert "70.00 ± 0.00" in dense and "not found" in dense
+    # a published value outside the interval
+    spec["published"]["FedAvg"][0.1] = 60.0
+    (tmp_path / "t" / "table.yaml").write_text(yaml.safe_dump(spec))
+    assert "| -8.00 | no |" in papers.render(tmp_path)
+
+
+def test_committed_block_equals_the_records():
+    """docs/papers.md's block is what tools/papers.py renders from results/papers/ (vacuous while no cell has
+    finished: then both say so)."""
+    papers = _papers()
+    text = (ROOT / "docs" / "papers.md").read_text()
+    assert papers.committed_block(text) == papers.render(papers.RESULTS)

@@ -1,0 +1,290 @@
+"""Other papers' tables at their own settings (docs/papers.md): run the cells, keep their records, render the
+comparison with the published numbers.
+
+    python tools/papers.py run configs/papers/fedlpa-fmnist.yaml [--commit] [--runs runs/papers] [--dry-run]
+                                                                 [--set KEY=VALUE ...]
+    python tools/papers.py render                    # rewrite docs/papers.md's "Against the published numbers"
+    python tools/papers.py render --check            # exit 1 if the committed block differs from the records
+
+A table file (configs/papers/*.yaml) names the base config, the methods (a preset, overrides and the server
+strategies scored afterwards with `flare fuse`), the α and seed grid, the columns and the paper's printed numbers.
+A cell is one method at one (α, seed): one `flare run` into runs/papers/<table>/<cell> — rerunning resumes an
+unfinished one, a finished one is not recomputed — then `flare fuse` for its strategies (already fused ones are
+skipped). Cells run one at a time. A finished cell's records (config, partition, metrics, fuse records, state,
+summary; never a checkpoint) are copied to results/papers/<table>/<cell>/ with the table's spec beside them, and
+`--commit` commits that directory alone. `render` reads results/papers/ only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "results" / "papers"
+DOC = ROOT / "docs" / "papers.md"
+RECORDS = ("config.yaml", "partition.json", "metrics.jsonl", "fuse.jsonl", "state.json", "summary.md")
+BEGIN, END = "<!-- BEGIN published -->", "<!-- END published -->"
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+# ------------------------------------------------------------------------------------------------ the cells
+def load_table(path: str | Path) -> dict:
+    spec = yaml.safe_load(Path(path).read_text())
+    for k in ("table", "alphas", "seeds", "base", "methods", "columns"):
+        if k not in spec:
+            raise SystemExit(f"papers: {path} lacks '{k}'")
+    return spec
+
+
+def cell_name(method: str, alpha: float, seed: int) -> str:
+    return f"{method}-a{alpha:g}-s{seed}"
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in (b or {}).items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def cells(spec: dict) -> list[dict]:
+    """Every (method, α, seed) of the table with its flare config (the base, the method's preset and overrides,
+    α and seed), in the order they run: seeds outermost, so a partial table already pairs its methods by seed."""
+    out = []
+    for seed in spec["seeds"]:
+        for alpha in spec["alphas"]:
+            for method, m in spec["methods"].items():
+                cfg = _merge(spec["base"], m.get("config", {}))
+                cfg = _merge(cfg, {"preset": m["preset"], "seed": seed, "partition": {"alpha": alpha}})
+                out.append({"name": cell_name(method, alpha, seed), "method": method, "alpha": alpha, "seed": seed,
+                            "config": cfg, "fuse": list(m.get("fuse", []))})
+    return out
+
+
+def finished(run_dir: Path) -> bool:
+    state = run_dir / "state.json"
+    if not state.is_file():
+        return False
+    try:
+        return json.loads(state.read_text()).get("status") == "finished"
+    except ValueError:
+        return False
+
+
+def fused(run_dir: Path) -> set[str]:
+    f = run_dir / "fuse.jsonl"
+    if not f.is_file():
+        return set()
+    out = set()
+    for line in f.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if r.get("kind") == "fuse":
+            out.add(r.get("strategy"))
+    return out
+
+
+def copy_records(spec: dict, cell: dict, run_dir: Path, dest: Path) -> Path:
+    """The cell's records (never a checkpoint) and what the cell is, under dest/<cell>/."""
+    d = dest / spec["table"] / cell["name"]
+    d.mkdir(parents=True, exist_ok=True)
+    for name in RECORDS:
+        if (run_dir / name).is_file():
+            shutil.copy2(run_dir / name, d / name)
+    meta = {k: cell[k] for k in ("method", "alpha", "seed", "fuse")}
+    meta["table"] = spec["table"]
+    (d / "cell.json").write_text(json.dumps(meta, indent=1) + "\n")
+    (dest / spec["table"] / "table.yaml").write_text(yaml.safe_dump(
+        {k: spec[k] for k in ("table", "paper", "alphas", "seeds", "columns", "published") if k in spec},
+        sort_keys=False))
+    return d
+
+
+def _log(log: Path, msg: str) -> None:
+    line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}"
+    print(line, flush=True)
+    with log.open("a") as f:
+        f.write(line + "\n")
+
+
+def _flare(*args: str) -> list[str]:
+    return [sys.executable, "-m", "flare.cli", *args]
+
+
+def run(spec: dict, runs: Path, *, commit: bool, dry_run: bool, overrides: list[str], dest: Path = RESULTS) -> int:
+    table_runs = runs / spec["table"]
+    table_runs.mkdir(parents=True, exist_ok=True)
+    log = table_runs / "progress.log"
+    todo = cells(spec)
+    for i, cell in enumerate(todo, 1):
+        run_dir = table_runs / cell["name"]
+        done = (dest / spec["table"] / cell["name"] / "cell.json").is_file()
+        status = "recorded" if done else ("finished" if finished(run_dir) else
+                                          "partial" if run_dir.exists() else "new")
+        if dry_run:
+            print(f"[{i}/{len(todo)}] {cell['name']}: {status}")
+            continue
+        if done:
+            _log(log, f"[{i}/{len(todo)}] {cell['name']}: recorded, skipped")
+            continue
+        cfg_path = table_runs / f"{cell['name']}.yaml"
+        cfg_path.write_text(yaml.safe_dump(cell["config"], sort_keys=False))
+        t0 = time.time()
+        _log(log, f"[{i}/{len(todo)}] {cell['name']}: {status}, training")
+        rc = subprocess.call(_flare("run", "--config", str(cfg_path), "--out", str(run_dir), *overrides), cwd=ROOT)
+        if rc != 0:
+            _log(log, f"[{i}/{len(todo)}] {cell['name']}: flare run exited {rc}; stopping")
+            return rc
+        for s in cell["fuse"]:
+            if s in fused(run_dir):
+                continue
+            _log(log, f"[{i}/{len(todo)}] {cell['name']}: fusing {s}")
+            rc = subprocess.call(_flare("fuse", str(run_dir), "--strategies", s), cwd=ROOT)
+            if rc != 0:
+                _log(log, f"[{i}/{len(todo)}] {cell['name']}: flare fuse {s} exited {rc}; stopping")
+                return rc
+        d = copy_records(spec, cell, run_dir, dest)
+        _log(log, f"[{i}/{len(todo)}] {cell['name']}: done in {time.time() - t0:.0f} s → {d.relative_to(ROOT)}"
+             if d.is_relative_to(ROOT) else f"[{i}/{len(todo)}] {cell['name']}: done → {d}")
+        if commit:
+            subprocess.check_call(["git", "add", "--", str(d), str(d.parent / "table.yaml")], cwd=ROOT)
+            subprocess.check_call(["git", "commit", "-q", "-m", f"papers: {spec['table']} {cell['name']} records",
+                                   "--", str(d), str(d.parent / "table.yaml")], cwd=ROOT)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ the block
+def _jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def cell_value(cell_dir: Path, key: str, rule: str) -> float:
+    """The accuracy (percent) of one column in one cell: `key` a round record's key (acc_fedavg, acc_output, acc)
+    or `fuse:<strategy>`; `rule` final (the last round's / the fused model) or peak (the best evaluated round —
+    a selection on the test set)."""
+    if key.startswith("fuse:"):
+        vals = [r["acc"] for r in _jsonl(cell_dir / "fuse.jsonl")
+                if r.get("kind") == "fuse" and r.get("strategy") == key[5:]]
+        return 100 * float(vals[-1]) if vals else float("nan")
+    curve = [r.get(key) for r in _jsonl(cell_dir / "metrics.jsonl") if r.get("kind") == "round"]
+    curve = [float(v) for v in curve if isinstance(v, (int, float))]
+    if not curve:
+        return float("nan")
+    return 100 * (max(curve) if rule == "peak" else curve[-1])
+
+
+def summarise(values: list[float]) -> tuple[float, float, float, int]:
+    """mean, std (n − 1), half-width of the 95 % t interval, n — over the finite values."""
+    v = np.array([x for x in values if math.isfinite(x)], dtype=float)
+    n = len(v)
+    if n == 0:
+        return float("nan"), float("nan"), float("nan"), 0
+    if n == 1:
+        return float(v[0]), float("nan"), float("nan"), 1
+    sd = float(v.std(ddof=1))
+    return float(v.mean()), sd, T975.get(n - 1, 1.96) * sd / math.sqrt(n), n
+
+
+def _ms(m: float, sd: float, n: int) -> str:
+    if n == 0:
+        return "—"
+    return f"{m:.2f}" if n == 1 else f"{m:.2f} ± {sd:.2f}"
+
+
+def render(results: Path = RESULTS) -> str:
+    """The markdown block: per table, column and α, ours (final / the paper's rule) beside the printed number."""
+    lines = []
+    tables = sorted(p for p in results.iterdir() if (p / "table.yaml").is_file()) if results.is_dir() else []
+    if not tables:
+        return "No cell has finished yet: the tables appear here as results/papers/ fills.\n"
+    for tdir in tables:
+        spec = yaml.safe_load((tdir / "table.yaml").read_text())
+        metas = [(d, json.loads((d / "cell.json").read_text())) for d in sorted(tdir.iterdir())
+                 if (d / "cell.json").is_file()]
+        lines += [f"### {spec['table']} — {spec.get('paper', '')}", "",
+                  "| column | α | seeds | ours: final | ours: paper's rule | paper | ours − paper | paper in our 95 % CI |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        published = spec.get("published") or {}
+        for col, c in spec["columns"].items():
+            for alpha in spec["alphas"]:
+                dirs = sorted(((m["seed"], d) for d, m in metas if m["method"] == c["method"]
+                               and float(m["alpha"]) == float(alpha)), key=lambda t: t[0])
+                final = [cell_value(d, c["key"], "final") for _, d in dirs]
+                rule = [cell_value(d, c["key"], c.get("paper_rule", "final")) for _, d in dirs]
+                mf, sf, hf, n = summarise(final)
+                mr, sr, hr, nr = summarise(rule)
+                seeds = ",".join(str(s) for s, d in dirs if math.isfinite(cell_value(d, c["key"], "final")))
+                pub = (published.get(col) or {}).get(alpha)
+                if pub is None:
+                    pub = (published.get(col) or {}).get(str(alpha))
+                rule_txt = f"{_ms(mr, sr, nr)} ({c.get('paper_rule', 'final')})"
+                if pub is None or n == 0:
+                    diff, inci = "—", "—"
+                else:
+                    diff = f"{mf - float(pub):+.2f}"
+                    inci = "—" if not math.isfinite(hf) else ("yes" if abs(mf - float(pub)) <= hf else "no")
+                lines.append(f"| {col} | {alpha:g} | {seeds or '—'} | {_ms(mf, sf, n)} | {rule_txt} | "
+                             f"{'not found' if pub is None else f'{float(pub):.2f}'} | {diff} | {inci} |")
+        lines.append("")
+    lines.append("final: the last round's model (or the fused model); peak: the best evaluated round, a selection "
+                 "on the test set. The difference and the CI use the final column.")
+    return "\n".join(lines) + "\n"
+
+
+def replace_block(text: str, body: str) -> str:
+    i, j = text.index(BEGIN), text.index(END)
+    return text[:i + len(BEGIN)] + "\n" + body + text[j:]
+
+
+def committed_block(text: str) -> str:
+    i, j = text.index(BEGIN), text.index(END)
+    return text[i + len(BEGIN) + 1:j]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tools/papers.py", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run a table's cells one at a time, resumably")
+    r.add_argument("table")
+    r.add_argument("--runs", default=str(ROOT / "runs" / "papers"))
+    r.add_argument("--commit", action="store_true", help="git-commit each finished cell's records directory")
+    r.add_argument("--dry-run", action="store_true", help="list the cells and their status, run nothing")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a flare override for every cell (a shortened budget: it lands in each cell's config)")
+    g = sub.add_parser("render", help="rewrite docs/papers.md's block from results/papers/")
+    g.add_argument("--check", action="store_true", help="exit 1 if the committed block is stale")
+    a = ap.parse_args(argv)
+    if a.cmd == "run":
+        return run(load_table(a.table), Path(a.runs), commit=a.commit, dry_run=a.dry_run, overrides=a.set)
+    text = DOC.read_text()
+    body = render()
+    if a.check:
+        if committed_block(text) != body:
+            print("papers: docs/papers.md's block differs from results/papers/ (run tools/papers.py render)")
+            return 1
+        return 0
+    DOC.write_text(replace_block(text, body))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
