@@ -11,6 +11,7 @@ import torch
 
 from conftest import copy_of_finished_run
 from flare.cli import main
+from flare.models import create_model
 from flare.rundir import read_jsonl
 
 
@@ -89,6 +90,87 @@ ARCHITECTURE_ROWS = [
     ("encoders of different d without model.feature_dim", lambda t, p, f, c:
      ["run", *t, "model.clients=[cnn,wrn16_1,cnn]"], "model.feature_dim: the run's architectures end in different "
                                                      "feature dimensions (wrn16_1: d = 16, cnn: d = 32)"),
+]
+
+def _yaml(p, name, text):
+    (p / name).write_text(text)
+    return str(p / name)
+
+
+def _encoder_state(p, name, spoil=None):
+    """A cnn encoder's state dict that fits the tiny runs' model (width 0.25, 3 channels), saved to p/name; `spoil`:
+    a tensor name whose first value becomes NaN."""
+    state = create_model("cnn", 3, 2, 0.25).encoder.state_dict()
+    if spoil:
+        state[spoil].view(-1)[0] = float("nan")
+    torch.save(state, p / name)
+    return str(p / name)
+
+
+def _federate(t):
+    """`flare federate` with the tiny overrides (it takes no --quiet) and a workdir that must stay unmade."""
+    return ["federate", *[o for o in t if o != "--quiet"]]
+
+
+# refused before any file is written or any process started: one paragraph, the key, the fix, no --out
+BEFORE_WRITING_ROWS = [
+    ("a command-line mapping with a duplicate key", lambda t, p, f, c:
+     ["run", *t, "model.clients={0: cnn, 0: wrn16_1}"],
+     "model.clients: override 'model.clients={0: cnn, 0: wrn16_1}' sets the key 0 twice"),
+    ("a config file giving client 0 as 0 and as '0'", lambda t, p, f, c:
+     ["run", "--config", _yaml(p, "c.yaml", "model:\n  clients:\n    0: cnn\n    '0': wrn16_1\n"), *t],
+     "model.clients.0: invalid configuration: model.clients gives client 0 twice (as 0 and '0')"),
+    ("a timm ViT asserting on its input size as model.name", lambda t, p, f, c:
+     ["run", *t, "model.name=timm/vit_tiny_patch16_224", "model.width=1"],
+     "model.name: model timm/vit_tiny_patch16_224 cannot take the dataset's 3×"),
+    ("a timm Swin asserting on its input size as a model.clients entry", lambda t, p, f, c:
+     ["run", *t, "model.width=1", "model.feature_dim=8", "model.clients={1: timm/swin_tiny_patch4_window7_224}"],
+     "model.clients.1.name: model timm/swin_tiny_patch4_window7_224 cannot take the dataset's 3×"),
+    ("a timm ViT asserting on its input size as server.model", lambda t, p, f, c:
+     ["run", *t, "model.feature_dim=8", "server.model={name: timm/vit_tiny_patch16_224, width: 1}"],
+     "server.model.name: model timm/vit_tiny_patch16_224 cannot take the dataset's 3×"),
+    ("a timm model.clients entry under a model.width it cannot take", lambda t, p, f, c:
+     ["run", *t, "model.feature_dim=8", "model.clients={1: timm/resnet18}"],
+     "model.clients.1.width: timm/resnet18 has the width its name gives; model.clients.1.width=0.25 cannot scale it. "
+     "Fix: set model.clients.1.width=1"),
+    ("an absurd model.feature_dim", lambda t, p, f, c: ["run", *t, "model.feature_dim=100000000000000"],
+     "model.feature_dim=100000000000000: Input should be less than or equal to 65536"),
+    ("an absurd model.width", lambda t, p, f, c: ["run", *t, "model.width=1000000"],
+     "model.width=1000000: Input should be less than or equal to 16"),
+    ("an absurd width of a model.clients entry", lambda t, p, f, c:
+     ["run", *t, "model.clients={1: {name: cnn, width: 100000}}"], "model.clients.1.width=100000: Input should be"),
+    ("an absurd loss.bank_size", lambda t, p, f, c: ["run", *t, "loss.bank_size=100000000000000"],
+     "loss.bank_size=100000000000000: Input should be less than or equal to 1048576"),
+    ("a boolean model.feature_dim", lambda t, p, f, c: ["run", *t, "model.feature_dim=true"],
+     "model.feature_dim: invalid configuration: model.feature_dim=True: a boolean is not an integer"),
+    ("a boolean rounds", lambda t, p, f, c: ["run", *t, "rounds=true"],
+     "rounds: invalid configuration: rounds=True: a boolean is not an integer"),
+    ("a boolean num_clients in a config file", lambda t, p, f, c:
+     ["run", *[o for o in t if not o.startswith("num_clients=")], "--config", _yaml(p, "k.yaml", "num_clients: true\n")],
+     "num_clients: invalid configuration: num_clients=True: a boolean is not an integer"),
+    ("a boolean lr", lambda t, p, f, c: ["run", *t, "lr=yes"], "lr=True: a boolean is not a number"),
+    ("a boolean option of a part", lambda t, p, f, c:
+     ["run", *t, "dataset.public_size=20", "eval.rules=[primary,feddf]", "server.strategies.feddf.steps=true"],
+     "server.strategies.feddf.steps=True: a boolean is not an integer"),
+    ("a checkpoint holding a NaN weight", lambda t, p, f, c:
+     ["run", *t, f"model.checkpoint={_encoder_state(p, 'nan.pt', 'body.0.weight')}"],
+     "model.checkpoint: checkpoint {p}/nan.pt holds non-finite values (NaN or Inf) in tensor 'body.0.weight'"),
+    ("a checkpoint holding a NaN BatchNorm running_var", lambda t, p, f, c:
+     ["run", *t, f"model.checkpoint={_encoder_state(p, 'var.pt', 'body.1.running_var')}"],
+     "holds non-finite values (NaN or Inf) in tensor 'body.1.running_var' (1 of"),
+    ("a model.clients entry's checkpoint that is not there", lambda t, p, f, c:
+     ["run", *t, "model.clients={1: {name: cnn, checkpoint: /nonexistent/c.pt}}"],
+     "model.clients.1.checkpoint: checkpoint /nonexistent/c.pt is not a file"),
+    ("a model.clients entry's checkpoint holding NaN", lambda t, p, f, c:
+     ["run", *t, f"model.clients={{2: {{name: cnn, checkpoint: {_encoder_state(p, 'n2.pt', 'body.0.weight')}}}}}"],
+     "model.clients.2.checkpoint: checkpoint {p}/n2.pt holds non-finite values"),
+    ("server.model's checkpoint that does not fit", lambda t, p, f, c:
+     ["run", *t, "model.feature_dim=8", f"server.model={{name: wrn16_1, checkpoint: {_encoder_state(p, 's.pt')}}}"],
+     "server.model.checkpoint: checkpoint {p}/s.pt does not fit the model"),
+    ("federate with a checkpoint of another architecture", lambda t, p, f, c:
+     [*_federate(t), f"model.checkpoint={_encoder_state(p, 'other.pt')}", "model.name=wrn16_1",
+      "--out", str(p / "out"), "--workdir", str(p / "wd")],
+     "model.checkpoint: checkpoint {p}/other.pt does not fit the model"),
 ]
 
 # (id, argv builder (tiny overrides, tmp_path, tiny_folder, capsys) -> argv, what stderr must name)
@@ -289,9 +371,10 @@ ROWS = [
      "server.strategies.bad_nan: server strategy 'bad_nan' (plugin module 'flare_bad_strategies') in round 1: "
      "its predictor's scores hold"),
     *ARCHITECTURE_ROWS,
+    *BEFORE_WRITING_ROWS,
 ]
-# rows refused before the run directory exists: one paragraph, and no --out written
-NOTHING_WRITTEN = {r[0] for r in ARCHITECTURE_ROWS}
+# rows refused before the run directory exists: one paragraph, and no --out written (nor a federation's workdir)
+NOTHING_WRITTEN = {r[0] for r in [*ARCHITECTURE_ROWS, *BEFORE_WRITING_ROWS]}
 # rows whose strategy must leave no accuracy behind: no acc_<name> in metrics.jsonl, no fuse.jsonl record, not
 # in summary.md
 REFUSED_STRATEGY = {r[0]: r[2].split("server strategy '")[1].split("'")[0] for r in ROWS if
@@ -308,10 +391,11 @@ def test_bad_input_is_exit_2_with_a_message_naming_it(name, build, names, tiny_o
     rc, err = cli(argv, capsys)
     assert rc == 2, (name, err)
     assert "Traceback" not in err, err
-    assert names in err, (name, err)
+    assert names.replace("{p}", str(tmp_path)) in err, (name, err)
     assert "Fix:" in err or "fix" in err.lower(), err
     if name in NOTHING_WRITTEN:
         assert "\n\n" not in err.strip() and not (tmp_path / "out").exists(), err
+        assert not (tmp_path / "wd").exists() and "Traceback" not in err, err
     if argv[0] == "paper":  # refused before the first run: nothing trained, nothing written
         assert not (tmp_path / "paper").exists() and not list(tmp_path.rglob("metrics.jsonl"))
     if name in REFUSED_STRATEGY:

@@ -58,6 +58,7 @@ EvalRule = part(STRATEGIES, "eval.rules", also=("primary",))
 ServerModel = architecture("server.model")
 
 ClientEngine = Literal["sequential", "threads", "batched"]
+MAX_BANK_SIZE = 1 << 20  # features a memory bank keeps (bank_size × d floats per client, allocated as it stands)
 
 # `speed=fast`: the CPU speed switches at once, each also its own key (a key the config sets itself wins). Never a
 # default: it changes digits (native kernels, bf16) and what is evaluated (README, "Performance").
@@ -87,7 +88,7 @@ class LossCfg(Strict):
     tau_pp: float = Field(1.0, gt=0, description="prototype–prototype temperature")
     contrast: ContrastName = Field("none", description="contrast-set extension: none, memory-bank, public-bank, "
                                                        "two-stage or a plugin's")
-    bank_size: int = Field(4096, ge=1, description="memory bank FIFO size")
+    bank_size: int = Field(4096, ge=1, le=MAX_BANK_SIZE, description="memory bank FIFO size")
     bank_tau: float = Field(0.5, gt=0, description="temperature of the bank terms")
     public_stage_epochs: int = Field(1, ge=0, description="two-stage: the first local epochs, which use the "
                                                           "public-bank term alone")
