@@ -128,7 +128,7 @@ BEFORE_WRITING_ROWS = [
      "model.clients.1.name: model timm/swin_tiny_patch4_window7_224 cannot take the dataset's 3×"),
     ("a timm ViT asserting on its input size as server.model", lambda t, p, f, c:
      ["run", *t, "model.feature_dim=8", "server.model={name: timm/vit_tiny_patch16_224, width: 1}"],
-     "server.model.name: model timm/vit_tiny_patch16_224 cannot take the dataset's 3×"),
+     "server.model.name: model timm/vit_tiny_patch16_224@1 cannot take the dataset's 3×"),
     ("a timm model.clients entry under a model.width it cannot take", lambda t, p, f, c:
      ["run", *t, "model.feature_dim=8", "model.clients={1: timm/resnet18}"],
      "model.clients.1.width: timm/resnet18 has the width its name gives; model.clients.1.width=0.25 cannot scale it. "
@@ -166,11 +166,11 @@ BEFORE_WRITING_ROWS = [
      "model.clients.2.checkpoint: checkpoint {p}/n2.pt holds non-finite values"),
     ("server.model's checkpoint that does not fit", lambda t, p, f, c:
      ["run", *t, "model.feature_dim=8", f"server.model={{name: wrn16_1, checkpoint: {_encoder_state(p, 's.pt')}}}"],
-     "server.model.checkpoint: checkpoint {p}/s.pt does not fit the model"),
+     "server.model.checkpoint: checkpoint {p}/s.pt (an encoder's state) does not fit the model"),
     ("federate with a checkpoint of another architecture", lambda t, p, f, c:
      [*_federate(t), f"model.checkpoint={_encoder_state(p, 'other.pt')}", "model.name=wrn16_1",
       "--out", str(p / "out"), "--workdir", str(p / "wd")],
-     "model.checkpoint: checkpoint {p}/other.pt does not fit the model"),
+     "model.checkpoint: checkpoint {p}/other.pt (an encoder's state) does not fit the model"),
 ]
 
 # (id, argv builder (tiny overrides, tmp_path, tiny_folder, capsys) -> argv, what stderr must name)
@@ -420,3 +420,71 @@ def test_a_real_process_prints_no_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-m", "flare.cli", "run", "--config", str(tmp_path / "b.yaml")],
                        capture_output=True, text=True, env=dict(os.environ, FLARE_QUIET="1"))
     assert r.returncode == 2 and "Traceback" not in r.stderr and str(tmp_path / "b.yaml") in r.stderr
+
+
+def test_a_run_that_failed_in_its_first_round_does_not_lock_its_directory(tiny_overrides, tmp_path, capsys):
+    """A run that failed before its first round ended (here: a strategy scoring NaN in round 1) leaves config.yaml,
+    partition.json and an empty metrics.jsonl; the corrected command, a different config, runs into the same --out."""
+    out = str(tmp_path / "out")
+    rc, err = cli(["run", *tiny_overrides, "rounds=1", "plugins=[flare_bad_strategies]",
+                   "eval.rules=[primary,bad_nan]", "--out", out, "--quiet"], capsys)
+    assert rc == 2 and (tmp_path / "out" / "config.yaml").exists(), err
+    rc, err = cli(["run", *tiny_overrides, "rounds=1", "--out", out, "--quiet"], capsys)
+    assert rc == 0, err
+    assert "bad_nan" not in (tmp_path / "out" / "config.yaml").read_text()
+    assert [r["round"] for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if r.get("kind") == "round"] == [0]
+
+
+def test_a_run_with_a_round_still_refuses_another_experiment(tiny, tmp_path, capsys):
+    d = _finished_run(tiny, tmp_path, capsys)
+    rc, err = cli(["run", "--preset", "etf-anneal", *tiny, "rounds=1", "lr=0.1", "--out", d, "--quiet"], capsys)
+    assert rc == 2 and "holds a different experiment (keys differ: lr)" in err, err
+
+
+@pytest.fixture
+def tiny(tiny_overrides):
+    return [o for o in tiny_overrides if not o.startswith("rounds=")]
+
+
+@pytest.mark.parametrize("command", ["fuse", "report"])
+def test_an_edited_partition_json_is_refused_and_nothing_rewritten(command, tiny, tmp_path, capsys):
+    """partition.json (who ran what on which classes) is fingerprinted in state.json like config.yaml: an edited one
+    is refused by every command that reads the run, and summary.md is not rewritten from it."""
+    d = tmp_path / "done"
+    _finished_run(tiny, tmp_path, capsys)
+    part = json.loads((d / "partition.json").read_text())
+    part["clients"][1]["model"] = "wrn16_1"
+    (d / "partition.json").write_text(json.dumps(part, indent=1))
+    before = {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()}
+    argv = ["fuse", str(d), "--strategies", "output"] if command == "fuse" else ["report", str(d)]
+    rc, err = cli(argv, capsys)
+    assert rc == 2 and "Traceback" not in err, err
+    assert f"run directory '{d}' disagrees with itself: its partition.json is not the one its run wrote" in err, err
+    assert "Fix: restore partition.json" in err, err
+    assert {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()} == before
+
+
+def test_lr_probe_probes_the_clients_own_architecture(tiny, capsys):
+    mixed = [*tiny, "model.clients={1: wrn16_1}", "model.feature_dim=8"]
+    for client, name in ((1, "wrn16_1"), (0, "cnn")):
+        assert main(["lr-probe", *mixed, "--client", str(client), "--iters", "2", "--batches", "1"]) == 0
+        head = capsys.readouterr().out.splitlines()[0]
+        assert f"client {client} (" in head and f"), {name} (width 0.25)" in head, head
+
+
+def test_one_layout_from_different_checkpoints_is_one_architecture(tiny, tmp_path, capsys):
+    """An architecture, for fusion rules, is the layout (name, width, options), not the init: FedAvg fuses clients
+    of one layout whatever checkpoints they start from, and refuses clients of different layouts naming them. The
+    finished run is then fused after its checkpoint file has moved: fuse reads the run's own checkpoint.pt."""
+    ck = _encoder_state(tmp_path, "init.pt")
+    one = ["--preset", "fedavg", *tiny, "rounds=1", f"model.clients={{0: {{name: cnn, checkpoint: {ck}}}}}"]
+    rc, err = cli(["run", *one, "--out", str(tmp_path / "r"), "--quiet"], capsys)
+    assert rc == 0, err
+    assert "acc_fedavg" in read_jsonl(tmp_path / "r" / "metrics.jsonl")[-1]
+    rc, err = cli(["run", "--preset", "fedavg", *tiny, "rounds=1", "model.clients={0: {name: cnn, width: 0.5}}",
+                   "model.feature_dim=8", "--out", str(tmp_path / "m"), "--quiet"], capsys)
+    assert rc == 2 and "cannot fuse clients of different architectures (1 × cnn@0.5, 2 × cnn)" in err, err
+    os.rename(ck, tmp_path / "moved.pt")
+    rc, err = cli(["fuse", str(tmp_path / "r"), "--strategies", "output"], capsys)
+    assert rc == 0, err
+    assert [f["strategy"] for f in read_jsonl(tmp_path / "r" / "fuse.jsonl")] == ["output"]
