@@ -82,8 +82,8 @@ def client_architectures(cfg) -> list[Architecture]:
         return [from_mix[names[j]] for j in order]
     if isinstance(m.clients, list):
         return [_architecture(m, e, f"model.clients[{i}]") for i, e in enumerate(m.clients)]
-    entries = m.clients or {}
-    return [_architecture(m, entries.get(i), f"model.clients.{i}") for i in range(k)]
+    entries, default = m.clients or {}, _architecture(m, None)  # the clients no entry names run `model`
+    return [_architecture(m, entries[i], f"model.clients.{i}") if i in entries else default for i in range(k)]
 
 
 @dataclass

@@ -59,6 +59,7 @@ ServerModel = architecture("server.model")
 
 ClientEngine = Literal["sequential", "threads", "batched"]
 MAX_BANK_SIZE = 1 << 20  # features a memory bank keeps (bank_size × d floats per client, allocated as it stands)
+MAX_CLIENTS = 1 << 20  # K: one architecture, one partition slot and one model per client are made as it stands
 
 # `speed=fast`: the CPU speed switches at once, each also its own key (a key the config sets itself wins). Never a
 # default: it changes digits (native kernels, bf16) and what is evaluated (README, "Performance").
@@ -207,7 +208,7 @@ class Config(Strict):
     seed: int = Field(1, description="seeds the partition, the global init, the anchors and every client's "
                                      "random streams")
     device: str = Field("auto", description="auto (the GPU when there is one), cpu, cuda, cuda:N")
-    num_clients: int = Field(5, ge=1, description="K, the number of clients")
+    num_clients: int = Field(5, ge=1, le=MAX_CLIENTS, description="K, the number of clients")
     rounds: int = Field(50, ge=1, description="R, evaluation checkpoints (rounds) of local training")
     local_epochs: int = Field(1, ge=1, description="E, local epochs per round (R·E epochs in total per client)")
     batch_size: int = Field(512, ge=1, description="B, local batch size (two views each: 2B images per step)")
