@@ -233,9 +233,13 @@ def _keyed(e: FlareError, key: str) -> FlareError:
     then changes that entry, not every client that runs the top-level model."""
     if key == "model":
         return e
-    def own(text):
-        return re.sub(r"(?<![\w.])model\.(width|options|name)\b", lambda m: f"{key}.{m.group(1)}", text) if text else text
+
+    def own(text: str | None) -> str | None:
+        return _MODEL_KEY.sub(lambda m: f"{key}.{m.group(1)}", text) if text else text
     return FlareError(own(e.message), key=own(e.key), fix=own(e.fix))
+
+
+_MODEL_KEY = re.compile(r"(?<![\w.])model\.(width|options|name)\b")  # not inside server.model.width
 
 
 def load_checkpoint(model: FlareNet, path: str, key: str = "model.checkpoint") -> None:
