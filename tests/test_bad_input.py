@@ -148,7 +148,8 @@ BEFORE_WRITING_ROWS = [
     ("a boolean rounds", lambda t, p, f, c: ["run", *t, "rounds=true"],
      "rounds: invalid configuration: rounds=True: a boolean is not an integer"),
     ("a boolean num_clients in a config file", lambda t, p, f, c:
-     ["run", *[o for o in t if not o.startswith("num_clients=")], "--config", _yaml(p, "k.yaml", "num_clients: true\n")],
+     ["run", *[o for o in t if not o.startswith("num_clients=")], "--config",
+      _yaml(p, "k.yaml", "num_clients: true\n")],
      "num_clients: invalid configuration: num_clients=True: a boolean is not an integer"),
     ("a boolean lr", lambda t, p, f, c: ["run", *t, "lr=yes"], "lr=True: a boolean is not a number"),
     ("a boolean option of a part", lambda t, p, f, c:
