@@ -11,6 +11,7 @@ import torch
 
 from conftest import copy_of_finished_run
 from flare.cli import main
+from flare.models import create_model
 from flare.rundir import read_jsonl
 
 
@@ -89,6 +90,90 @@ ARCHITECTURE_ROWS = [
     ("encoders of different d without model.feature_dim", lambda t, p, f, c:
      ["run", *t, "model.clients=[cnn,wrn16_1,cnn]"], "model.feature_dim: the run's architectures end in different "
                                                      "feature dimensions (wrn16_1: d = 16, cnn: d = 32)"),
+]
+
+def _yaml(p, name, text):
+    (p / name).write_text(text)
+    return str(p / name)
+
+
+def _encoder_state(p, name, spoil=None):
+    """A cnn encoder's state dict that fits the tiny runs' model (width 0.25, 3 channels), saved to p/name; `spoil`:
+    a tensor name whose first value becomes NaN."""
+    state = create_model("cnn", 3, 2, 0.25).encoder.state_dict()
+    if spoil:
+        state[spoil].view(-1)[0] = float("nan")
+    torch.save(state, p / name)
+    return str(p / name)
+
+
+def _federate(t):
+    """`flare federate` with the tiny overrides (it takes no --quiet) and a workdir that must stay unmade."""
+    return ["federate", *[o for o in t if o != "--quiet"]]
+
+
+# refused before any file is written or any process started: one paragraph, the key, the fix, no --out
+BEFORE_WRITING_ROWS = [
+    ("a command-line mapping with a duplicate key", lambda t, p, f, c:
+     ["run", *t, "model.clients={0: cnn, 0: wrn16_1}"],
+     "model.clients: override 'model.clients={0: cnn, 0: wrn16_1}' sets the key 0 twice"),
+    ("a config file giving client 0 as 0 and as '0'", lambda t, p, f, c:
+     ["run", "--config", _yaml(p, "c.yaml", "model:\n  clients:\n    0: cnn\n    '0': wrn16_1\n"), *t],
+     "model.clients.0: invalid configuration: model.clients gives client 0 twice (as 0 and '0')"),
+    ("a timm ViT asserting on its input size as model.name", lambda t, p, f, c:
+     ["run", *t, "model.name=timm/vit_tiny_patch16_224", "model.width=1"],
+     "model.name: model timm/vit_tiny_patch16_224 cannot take the dataset's 3×"),
+    ("a timm Swin asserting on its input size as a model.clients entry", lambda t, p, f, c:
+     ["run", *t, "model.width=1", "model.feature_dim=8", "model.clients={1: timm/swin_tiny_patch4_window7_224}"],
+     "model.clients.1.name: model timm/swin_tiny_patch4_window7_224 cannot take the dataset's 3×"),
+    ("a timm ViT asserting on its input size as server.model", lambda t, p, f, c:
+     ["run", *t, "model.feature_dim=8", "server.model={name: timm/vit_tiny_patch16_224, width: 1}"],
+     "server.model.name: model timm/vit_tiny_patch16_224@1 cannot take the dataset's 3×"),
+    ("a timm model.clients entry under a model.width it cannot take", lambda t, p, f, c:
+     ["run", *t, "model.feature_dim=8", "model.clients={1: timm/resnet18}"],
+     "model.clients.1.width: timm/resnet18 has the width its name gives; model.clients.1.width=0.25 cannot scale it. "
+     "Fix: set model.clients.1.width=1"),
+    ("an absurd model.feature_dim", lambda t, p, f, c: ["run", *t, "model.feature_dim=100000000000000"],
+     "model.feature_dim=100000000000000: Input should be less than or equal to 65536"),
+    ("an absurd model.width", lambda t, p, f, c: ["run", *t, "model.width=1000000"],
+     "model.width=1000000: Input should be less than or equal to 16"),
+    ("an absurd width of a model.clients entry", lambda t, p, f, c:
+     ["run", *t, "model.clients={1: {name: cnn, width: 100000}}"], "model.clients.1.width=100000: Input should be"),
+    ("an absurd num_clients", lambda t, p, f, c: ["run", *t, "num_clients=100000000000000"],
+     "num_clients=100000000000000: Input should be less than or equal to 1048576"),
+    ("an absurd loss.bank_size", lambda t, p, f, c: ["run", *t, "loss.bank_size=100000000000000"],
+     "loss.bank_size=100000000000000: Input should be less than or equal to 1048576"),
+    ("a boolean model.feature_dim", lambda t, p, f, c: ["run", *t, "model.feature_dim=true"],
+     "model.feature_dim: invalid configuration: model.feature_dim=True: a boolean is not an integer"),
+    ("a boolean rounds", lambda t, p, f, c: ["run", *t, "rounds=true"],
+     "rounds: invalid configuration: rounds=True: a boolean is not an integer"),
+    ("a boolean num_clients in a config file", lambda t, p, f, c:
+     ["run", *[o for o in t if not o.startswith("num_clients=")], "--config",
+      _yaml(p, "k.yaml", "num_clients: true\n")],
+     "num_clients: invalid configuration: num_clients=True: a boolean is not an integer"),
+    ("a boolean lr", lambda t, p, f, c: ["run", *t, "lr=yes"], "lr=True: a boolean is not a number"),
+    ("a boolean option of a part", lambda t, p, f, c:
+     ["run", *t, "dataset.public_size=20", "eval.rules=[primary,feddf]", "server.strategies.feddf.steps=true"],
+     "server.strategies.feddf.steps=True: a boolean is not an integer"),
+    ("a checkpoint holding a NaN weight", lambda t, p, f, c:
+     ["run", *t, f"model.checkpoint={_encoder_state(p, 'nan.pt', 'body.0.weight')}"],
+     "model.checkpoint: checkpoint {p}/nan.pt holds non-finite values (NaN or Inf) in tensor 'body.0.weight'"),
+    ("a checkpoint holding a NaN BatchNorm running_var", lambda t, p, f, c:
+     ["run", *t, f"model.checkpoint={_encoder_state(p, 'var.pt', 'body.1.running_var')}"],
+     "holds non-finite values (NaN or Inf) in tensor 'body.1.running_var' (1 of"),
+    ("a model.clients entry's checkpoint that is not there", lambda t, p, f, c:
+     ["run", *t, "model.clients={1: {name: cnn, checkpoint: /nonexistent/c.pt}}"],
+     "model.clients.1.checkpoint: checkpoint /nonexistent/c.pt is not a file"),
+    ("a model.clients entry's checkpoint holding NaN", lambda t, p, f, c:
+     ["run", *t, f"model.clients={{2: {{name: cnn, checkpoint: {_encoder_state(p, 'n2.pt', 'body.0.weight')}}}}}"],
+     "model.clients.2.checkpoint: checkpoint {p}/n2.pt holds non-finite values"),
+    ("server.model's checkpoint that does not fit", lambda t, p, f, c:
+     ["run", *t, "model.feature_dim=8", f"server.model={{name: wrn16_1, checkpoint: {_encoder_state(p, 's.pt')}}}"],
+     "server.model.checkpoint: checkpoint {p}/s.pt (an encoder's state) does not fit the model"),
+    ("federate with a checkpoint of another architecture", lambda t, p, f, c:
+     [*_federate(t), f"model.checkpoint={_encoder_state(p, 'other.pt')}", "model.name=wrn16_1",
+      "--out", str(p / "out"), "--workdir", str(p / "wd")],
+     "model.checkpoint: checkpoint {p}/other.pt (an encoder's state) does not fit the model"),
 ]
 
 # (id, argv builder (tiny overrides, tmp_path, tiny_folder, capsys) -> argv, what stderr must name)
@@ -289,9 +374,10 @@ ROWS = [
      "server.strategies.bad_nan: server strategy 'bad_nan' (plugin module 'flare_bad_strategies') in round 1: "
      "its predictor's scores hold"),
     *ARCHITECTURE_ROWS,
+    *BEFORE_WRITING_ROWS,
 ]
-# rows refused before the run directory exists: one paragraph, and no --out written
-NOTHING_WRITTEN = {r[0] for r in ARCHITECTURE_ROWS}
+# rows refused before the run directory exists: one paragraph, and no --out written (nor a federation's workdir)
+NOTHING_WRITTEN = {r[0] for r in [*ARCHITECTURE_ROWS, *BEFORE_WRITING_ROWS]}
 # rows whose strategy must leave no accuracy behind: no acc_<name> in metrics.jsonl, no fuse.jsonl record, not
 # in summary.md
 REFUSED_STRATEGY = {r[0]: r[2].split("server strategy '")[1].split("'")[0] for r in ROWS if
@@ -308,10 +394,11 @@ def test_bad_input_is_exit_2_with_a_message_naming_it(name, build, names, tiny_o
     rc, err = cli(argv, capsys)
     assert rc == 2, (name, err)
     assert "Traceback" not in err, err
-    assert names in err, (name, err)
+    assert names.replace("{p}", str(tmp_path)) in err, (name, err)
     assert "Fix:" in err or "fix" in err.lower(), err
     if name in NOTHING_WRITTEN:
         assert "\n\n" not in err.strip() and not (tmp_path / "out").exists(), err
+        assert not (tmp_path / "wd").exists() and "Traceback" not in err, err
     if argv[0] == "paper":  # refused before the first run: nothing trained, nothing written
         assert not (tmp_path / "paper").exists() and not list(tmp_path.rglob("metrics.jsonl"))
     if name in REFUSED_STRATEGY:
@@ -336,3 +423,71 @@ def test_a_real_process_prints_no_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-m", "flare.cli", "run", "--config", str(tmp_path / "b.yaml")],
                        capture_output=True, text=True, env=dict(os.environ, FLARE_QUIET="1"))
     assert r.returncode == 2 and "Traceback" not in r.stderr and str(tmp_path / "b.yaml") in r.stderr
+
+
+def test_a_run_that_failed_in_its_first_round_does_not_lock_its_directory(tiny_overrides, tmp_path, capsys):
+    """A run that failed before its first round ended (here: a strategy scoring NaN in round 1) leaves config.yaml,
+    partition.json and an empty metrics.jsonl; the corrected command, a different config, runs into the same --out."""
+    out = str(tmp_path / "out")
+    rc, err = cli(["run", *tiny_overrides, "rounds=1", "plugins=[flare_bad_strategies]",
+                   "eval.rules=[primary,bad_nan]", "--out", out, "--quiet"], capsys)
+    assert rc == 2 and (tmp_path / "out" / "config.yaml").exists(), err
+    rc, err = cli(["run", *tiny_overrides, "rounds=1", "--out", out, "--quiet"], capsys)
+    assert rc == 0, err
+    assert "bad_nan" not in (tmp_path / "out" / "config.yaml").read_text()
+    assert [r["round"] for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if r.get("kind") == "round"] == [0]
+
+
+def test_a_run_with_a_round_still_refuses_another_experiment(tiny, tmp_path, capsys):
+    d = _finished_run(tiny, tmp_path, capsys)
+    rc, err = cli(["run", "--preset", "etf-anneal", *tiny, "rounds=1", "lr=0.1", "--out", d, "--quiet"], capsys)
+    assert rc == 2 and "holds a different experiment (keys differ: " in err and " lr)" in err, err
+
+
+@pytest.fixture
+def tiny(tiny_overrides):
+    return [o for o in tiny_overrides if not o.startswith("rounds=")]
+
+
+@pytest.mark.parametrize("command", ["fuse", "report"])
+def test_an_edited_partition_json_is_refused_and_nothing_rewritten(command, tiny, tmp_path, capsys):
+    """partition.json (who ran what on which classes) is fingerprinted in state.json like config.yaml: an edited one
+    is refused by every command that reads the run, and summary.md is not rewritten from it."""
+    d = tmp_path / "done"
+    _finished_run(tiny, tmp_path, capsys)
+    part = json.loads((d / "partition.json").read_text())
+    part["clients"][1]["model"] = "wrn16_1"
+    (d / "partition.json").write_text(json.dumps(part, indent=1))
+    before = {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()}
+    argv = ["fuse", str(d), "--strategies", "output"] if command == "fuse" else ["report", str(d)]
+    rc, err = cli(argv, capsys)
+    assert rc == 2 and "Traceback" not in err, err
+    assert f"run directory '{d}' disagrees with itself: its partition.json is not the one its run wrote" in err, err
+    assert "Fix: restore partition.json" in err, err
+    assert {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()} == before
+
+
+def test_lr_probe_probes_the_clients_own_architecture(tiny, capsys):
+    mixed = [*tiny, "model.clients={1: wrn16_1}", "model.feature_dim=8"]
+    for client, name in ((1, "wrn16_1"), (0, "cnn")):
+        assert main(["lr-probe", *mixed, "--client", str(client), "--iters", "2", "--batches", "1"]) == 0
+        head = capsys.readouterr().out.splitlines()[0]
+        assert f"client {client} (" in head and f"), {name} (width 0.25)" in head, head
+
+
+def test_one_layout_from_different_checkpoints_is_one_architecture(tiny, tmp_path, capsys):
+    """An architecture, for fusion rules, is the layout (name, width, options), not the init: FedAvg fuses clients
+    of one layout whatever checkpoints they start from, and refuses clients of different layouts naming them. The
+    finished run is then fused after its checkpoint file has moved: fuse reads the run's own checkpoint.pt."""
+    ck = _encoder_state(tmp_path, "init.pt")
+    one = ["--preset", "fedavg", *tiny, "rounds=1", f"model.clients={{0: {{name: cnn, checkpoint: {ck}}}}}"]
+    rc, err = cli(["run", *one, "--out", str(tmp_path / "r"), "--quiet"], capsys)
+    assert rc == 0, err
+    assert "acc_fedavg" in read_jsonl(tmp_path / "r" / "metrics.jsonl")[-1]
+    rc, err = cli(["run", "--preset", "fedavg", *tiny, "rounds=1", "model.clients={0: {name: cnn, width: 0.5}}",
+                   "model.feature_dim=8", "--out", str(tmp_path / "m"), "--quiet"], capsys)
+    assert rc == 2 and "cannot fuse clients of different architectures (1 × cnn@0.5, 2 × cnn)" in err, err
+    os.rename(ck, tmp_path / "moved.pt")
+    rc, err = cli(["fuse", str(tmp_path / "r"), "--strategies", "output"], capsys)
+    assert rc == 0, err
+    assert [f["strategy"] for f in read_jsonl(tmp_path / "r" / "fuse.jsonl")] == ["output"]

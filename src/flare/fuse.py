@@ -107,7 +107,7 @@ def _score(job: FuseJob, names: list[str]) -> None:
     """Rebuild the run's server from its config, load the clients' states from the checkpoint, and score each
     strategy through the server's own evaluation at the last round — one record as each finishes."""
     cfg, rd = job.cfg, job.dir
-    server = ServerSetup.build(cfg, bank=False)
+    server = ServerSetup.build(cfg, bank=False, checkpoints=False)  # the clients' states come from checkpoint.pt
     data = server.take_data()
     parts = split(cfg, data.train_y, data.num_classes).client_indices
     template, device = server.template, server.backend.device  # extras' shapes: their callers pass client models

@@ -31,6 +31,7 @@ from flare.client.lam import LamStep, initial_lambda, make_lam_provider
 from flare.client.step import local_loss
 from flare.client.terms.extra import uses_params
 from flare.config import Config
+from flare.config.architectures import server_architecture
 from flare.errors import FlareError
 from flare.progress import Counter
 from flare.rng import derived_seed
@@ -163,7 +164,9 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 2
         if len(ix) == 0:
             raise FlareError(f"client {client} holds no samples under this partition.", key="--client",
                              fix="probe another client or use --all-data.")
-    model, anchors = server.template, server.anchors
+    # the probed client's own architecture (its seeded init); the whole training set: the server architecture's
+    model, anchors = (server.template if all_data else server.client_init(client)), server.anchors
+    arch = server_architecture(cfg) if all_data else server.architectures[client]
     model.train()
     lam = initial_lambda(cfg, ent) if anchors is not None else 0.0
     provider = make_lam_provider(cfg, ent, device)  # the client's λ provider at p = 0 (`probe_loss`)
@@ -213,13 +216,13 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 2
     return {"L": L, "eta_crit": 2.0 / L if L > 0 else float("inf"), "lr": cfg.base_lr,
             "history": est.history, "rel_change": est.rel_change, "who": who, "samples": int(len(ix)),
             "batches": nb, "batch_size": B, "images": sum(len(y) // 2 for _, y in fixed), "config_batch_size": cfg.batch_size, "iters": len(est.history),
-            "max_iters": iters, "tol": tol, "lambda": lam}
+            "max_iters": iters, "tol": tol, "lambda": lam, "model": arch.name, "width": arch.width}
 
 
 def format_probe(cfg: Config, r: dict) -> str:
     lines = [
-        f"lr-probe: {cfg.dataset.name}, {r['who']} ({r['samples']} samples), {cfg.model.name} "
-        f"(width {cfg.model.width}), objective {cfg.loss.objective}"
+        f"lr-probe: {cfg.dataset.name}, {r['who']} ({r['samples']} samples), {r['model']} "
+        f"(width {r['width']}), objective {cfg.loss.objective}"
         + (f" + {r['lambda']:.4g}·L_align" if r["lambda"] else "")
         + f"; {r['batches']} fixed batch(es) of {r['batch_size']} ({r['images']} images)"
         + (f" (config batch_size {r['config_batch_size']}; --batch-size to change)"

@@ -23,6 +23,8 @@ import importlib
 import inspect
 import re
 import sys
+import types
+import typing
 import warnings
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -52,6 +54,22 @@ BUILTIN_MODULES = ("flare.models", "flare.schedules", "flare.data.datasets", "fl
                    "flare.client.batched", "flare.server.rules", "flare.baselines")
 ENTRY_POINT_GROUP = "flare.plugins"
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def boolean_number(model: type[BaseModel], field: str, value: Any) -> str | None:
+    """Why `value` cannot be `model`'s field `field`: a boolean where the field holds a number (int or float,
+    `X | None` included), which pydantic would read as 1 or 0 — `rounds: true` is a slip, not a number. None when
+    it can (or `field` is not one of `model`'s). The one rule for the config's sections and every part's options."""
+    info = model.model_fields.get(field) if isinstance(value, bool) else None
+    if info is None:
+        return None
+    ann = info.annotation
+    args = typing.get_args(ann) if typing.get_origin(ann) in (typing.Union, types.UnionType) else (ann,)
+    if int in args:
+        return "a boolean is not an integer; give a whole number"
+    if float in args:
+        return "a boolean is not a number; give a number"
+    return None
 
 
 class TermOptions(BaseModel):
@@ -309,6 +327,10 @@ class Registry:
             if mapping:
                 raise KeyedValueError(key, f"{key}: {self.kind} '{name}' takes no options, got {sorted(mapping)}")
             return None
+        for option, value in mapping.items():
+            why = boolean_number(model, option, value)
+            if why:
+                raise KeyedValueError(f"{key}.{option}", f"{key}.{option}={value!r}: {why}")
         try:
             return model.model_validate(mapping)
         except ValidationError as err:

@@ -7,7 +7,8 @@
                         the random generators' state (atomic; torch.load(weights_only=True) reads it)
     checkpoint.prev.pt  the checkpoint one round earlier (the fallback when the newest is unreadable)
     state.json          {"status": ..., "rounds_done": r, "warnings": [...], "backend": how it computed,
-                        "config": the config the files were computed with, "config_fingerprint": its hash}
+                        "config": the config the files were computed with, "config_fingerprint": its hash,
+                        "files": the hash of each other record a later command trusts (partition.json)}
     fuse.jsonl          one {"kind": "fuse", "strategy": s, "round": R-1, "acc": a} line per strategy of `flare fuse`
     summary.md, plots/  written by `flare.report.run_report` from the files above; .lock: the one writer's flock
 
@@ -18,9 +19,14 @@ a single write. The checkpoint is the source of truth: it carries the records of
 `resume_point` can check metrics.jsonl against it and rebuild what a torn or truncated log lost.
 
 A run directory never disagrees with itself: state.json and the checkpoint record the config they were computed
-with (and its fingerprint), and every command that reads a run compares config.yaml with that record first
-(`RunDir.check_consistent`): a hand-edited config.yaml is refused, naming the keys, instead of resuming, fusing or
-reporting numbers of one experiment under the description of another.
+with (and its fingerprint), state.json the fingerprint of every other record a later command trusts (`RECORDS`:
+partition.json, which says who ran what on which classes), and every command that reads a run compares config.yaml
+and those files with that record first (`RunDir.check_consistent`): a hand-edited config.yaml or partition.json is
+refused, naming the keys or the file, instead of resuming, fusing or reporting numbers of one experiment under the
+description of another.
+
+A directory whose run never completed a round (it failed in its first, or before it) holds no result: rerunning any
+config into it starts afresh (`RunDir.holds_rounds`), so a failed first attempt never locks its --out.
 
 `rundata.RunData` is the one reader for reports.
 """
@@ -53,6 +59,7 @@ except ImportError:  # pragma: no cover
 CONFIG, PARTITION, METRICS, STATE = "config.yaml", "partition.json", "metrics.jsonl", "state.json"
 CHECKPOINT, PREV_CHECKPOINT, LOCK, SUMMARY = "checkpoint.pt", "checkpoint.prev.pt", ".lock", "summary.md"
 FUSE = "fuse.jsonl"
+RECORDS = (PARTITION,)  # records besides config.yaml that later commands trust, fingerprinted in state.json
 DIAG = ("g_protos_std", "inter_client_proto_std", "model_variance_mean")                   # docs/method.md#metrics
 
 
@@ -86,6 +93,14 @@ def config_differences(old: dict, new: dict) -> list[str]:
 def config_fingerprint(mapping: dict) -> str:
     """A short hash of a resolved config (key order and YAML formatting do not matter; values do)."""
     return hashlib.sha256(json.dumps(mapping, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def file_fingerprint(path: Path) -> str | None:
+    """A short hash of a file's bytes (None: no such file)."""
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    except FileNotFoundError:
+        return None
 
 
 def _shown(v) -> str:
@@ -236,8 +251,11 @@ class RunDir:
     def write_state(self, status: str, rounds_done: int, warnings: list[str], config: dict | None = None,
                     **extra) -> None:
         """state.json; `config` (the resolved config mapping the files were computed with) is recorded with its
-        fingerprint, for `check_consistent`."""
+        fingerprint, and the `RECORDS` there are with theirs, for `check_consistent`."""
         recorded = {"config_fingerprint": config_fingerprint(config), "config": config} if config is not None else {}
+        files = {name: fp for name in RECORDS if (fp := file_fingerprint(self.path / name)) is not None}
+        if files:
+            recorded["files"] = files
         self.write_text(STATE, json.dumps({"status": status, "rounds_done": rounds_done, "warnings": warnings,
                                            **extra, **recorded}, indent=1))
 
@@ -322,6 +340,27 @@ class RunDir:
                 f"were computed with (recorded in {name}); keys that differ: {shown}{more}. Nothing was changed.",
                 key=key, fix=f"restore {CONFIG} to the recorded values, or run the edited experiment as a new run: "
                              f"`flare run --config {self.path / CONFIG} --out NEW_DIR`.")
+        files = self.read_state().get("files")
+        for name in RECORDS:
+            recorded = files.get(name) if isinstance(files, dict) else None
+            if recorded is not None and file_fingerprint(self.path / name) != recorded:
+                raise FlareError(
+                    f"run directory '{self.path}' disagrees with itself: its {name} is not the one its run wrote "
+                    f"(its fingerprint is recorded in {STATE}); it was edited, replaced or removed. Nothing was "
+                    "changed.", key=key,
+                    fix=f"restore {name}, or rerun the experiment into a new directory (runs are deterministic: "
+                        f"`flare run --config {self.path / CONFIG} --out NEW_DIR` writes it again).")
+
+    def holds_rounds(self) -> bool:
+        """Whether the directory holds the result of a round: a checkpoint, a round recorded in state.json or in
+        metrics.jsonl. One that holds none (its run failed before its first round ended) is no experiment to
+        protect: any config may start afresh in it."""
+        if any((self.path / name).exists() for name in (CHECKPOINT, PREV_CHECKPOINT)):
+            return True
+        done = self.read_state().get("rounds_done")
+        if isinstance(done, int) and done > 0:
+            return True
+        return any(r.get("kind") == "round" for r in self.read_metrics()[0])
 
     # -- resuming -------------------------------------------------------------------------------
     def check_continues(self, cfg: Config, key: str = "--out") -> list[str]:
@@ -330,7 +369,7 @@ class RunDir:
         Returns the keys in which config.yaml and `cfg` differ ([] or ["rounds"]). Cheap: reads no checkpoint, so
         `flare compare` checks every run directory with it before running any."""
         old = self.read_config()
-        if old is None:
+        if old is None or not self.holds_rounds():
             return []
         self.check_consistent(key, resuming=cfg)
         diff = config_differences(old, cfg.model_dump(mode="json"))
@@ -351,7 +390,7 @@ class RunDir:
         and the log is rebuilt from the checkpoint. An unreadable checkpoint falls back to the previous one."""
         rp = ResumePoint()
         old = self.read_config()
-        if old is None:
+        if old is None or not self.holds_rounds():
             return rp
         diff = self.check_continues(cfg, key)
         state = self.read_state()

@@ -124,16 +124,19 @@ def describe_partition(cfg: Config, part: Partition, classes: list[str]) -> dict
 # model, anchors, augmentation, training context
 
 
-def init_models(cfg: Config, meta: DataMeta, device: torch.device,
-                channels_last: bool = False) -> tuple[FlareNet, dict[Architecture, FlareNet]]:
+def init_models(cfg: Config, meta: DataMeta, device: torch.device, channels_last: bool = False,
+                checkpoints: bool = True) -> tuple[FlareNet, dict[Architecture, FlareNet]]:
     """The seeded inits: the server architecture's (`template`) and one per client architecture — clients of one
     architecture start from one init, as one-shot FL shares nothing else before training. Each is drawn from
     torch's generator seeded with `seed`, the server's last, so what follows draws as after a run of that one
-    architecture (a run of one architecture builds exactly one model). Every architecture must end in one d."""
+    architecture (a run of one architecture builds exactly one model). Every architecture must end in one d.
+    `checkpoints=False`: the seeded inits alone, for a caller that loads every model's weights from a run's own
+    checkpoint.pt (`flare fuse`)."""
     def build(arch: Architecture) -> FlareNet:
         torch.manual_seed(cfg.seed)
-        model = create_architecture(arch, meta.in_channels, meta.num_classes, cfg.head, cfg.model.feature_dim)
-        check_input_fits(model, meta.in_channels, meta.image_size, arch.label)
+        model = create_architecture(arch, meta.in_channels, meta.num_classes, cfg.head, cfg.model.feature_dim,
+                                    checkpoint=checkpoints)
+        check_input_fits(model, meta.in_channels, meta.image_size, arch.label, arch.key)
         model = model.to(device)
         return model.to(memory_format=torch.channels_last) if channels_last else model
 
@@ -234,11 +237,13 @@ class ServerSetup:
     server_G: Tensor | None = None     # Plan B's G under protos_flow=reference (round 0: the anchors)
 
     @classmethod
-    def build(cls, cfg: Config, dataset_meta: str | None = None, bank: bool = True) -> "ServerSetup":
+    def build(cls, cfg: Config, dataset_meta: str | None = None, bank: bool = True,
+              checkpoints: bool = True) -> "ServerSetup":
         """Every server piece, in a fixed order (the seeded init resets torch's generator; what follows draws from
         it). `dataset_meta`: a DataMeta JSON file a Flower server without the dataset falls back to (it then
         evaluates nothing). `bank=False` leaves the public bank out (its teacher trains on the public slice): fuse
-        and the LR probe send nothing to clients."""
+        and the LR probe send nothing to clients. `checkpoints=False` leaves the architectures' `checkpoint` files
+        unread (`init_models`): fuse loads every client's state from the run's own checkpoint.pt."""
         be = backend(cfg)  # first: it pins the CPU kernels, and fails on a bad device before anything is loaded
         device, warnings = be.device, list(be.warnings)
         data, public = None, None
@@ -252,7 +257,7 @@ class ServerSetup:
             warnings.append(f"the server has no dataset ({e.message}); it evaluates nothing and uses the dataset "
                             f"facts in {dataset_meta}.")
         norm = normalizer(cfg, meta)
-        model, inits = init_models(cfg, meta, device, channels_last=be.channels_last)
+        model, inits = init_models(cfg, meta, device, channels_last=be.channels_last, checkpoints=checkpoints)
         anchors = run_anchors(cfg, meta.num_classes, model.feature_dim, device)
         augment = make_augment(cfg, meta, device)
         pb = build_public_bank(cfg, public, model, augment, norm, device) if bank else None
@@ -300,6 +305,17 @@ def client_context(cfg: Config, meta: DataMeta, be: Backend, feature_dim: int, t
     anchors = run_anchors(cfg, meta.num_classes, feature_dim, dev, seed=anchor_seed)
     return make_train_context(cfg, train_x.to(dev), train_y.to(dev), make_augment(cfg, meta, dev), anchors, dev,
                               be.amp_dtype, be.channels_last, bank, plain=normalizer(cfg, meta))
+
+
+def check_buildable(cfg: Config) -> None:
+    """Refuse, in this process and before anything is written or started, what `flare run` refuses before it writes
+    a file: the device, the data and its subsets, the split, every architecture's init, checkpoint and input size,
+    one feature dimension. For a caller that hands the run to other processes (`flare federate`), where the same
+    mistake would otherwise surface as a server process's traceback after every process has started. The public
+    bank's teacher is not trained (it needs nothing the config could get wrong beyond what is checked here)."""
+    server = ServerSetup.build(cfg, bank=False)
+    data = server.take_data()
+    split(cfg, data.train_y, data.num_classes)
 
 
 # ----------------------------------------------------------------------------------------------

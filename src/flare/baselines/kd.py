@@ -63,7 +63,7 @@ def fresh_model(cfg: Config, in_channels: int, num_classes: int, seed: int, devi
     own = cfg.server.model is not None and cfg.server.model.checkpoint is not None
     with private_stream(seed):
         model = create_architecture(server_architecture(cfg), in_channels, num_classes, cfg.head,
-                                    cfg.model.feature_dim, key="server.model.checkpoint", checkpoint=own)
+                                    cfg.model.feature_dim, checkpoint=own)
     return model.to(device)
 
 

@@ -112,7 +112,8 @@ def deep_merge(base: dict, extra: dict) -> dict:
 
 
 def parse_overrides(items: list[str]) -> dict:
-    """`a.b=3 c=[1,2]` -> {'a': {'b': 3}, 'c': [1, 2]} (values parsed as YAML scalars)."""
+    """`a.b=3 c=[1,2]` -> {'a': {'b': 3}, 'c': [1, 2]} (values parsed as YAML, every mapping's keys unique, as in a
+    config file)."""
     out: dict = {}
     for item in items:
         if "=" not in item:
@@ -123,7 +124,10 @@ def parse_overrides(items: list[str]) -> dict:
         if not key:
             raise FlareError(f"override '{item}' has an empty key.", fix="write e.g. rounds=5")
         try:
-            value = yaml.safe_load(raw) if raw.strip() != "" else None
+            value = load_yaml_text(raw) if raw.strip() != "" else None
+        except DuplicateKey as e:  # `model.clients={0: cnn, 0: wrn16_1}`: refused as in a config file
+            raise FlareError(f"override '{item}' sets the key {e.key!r} twice; YAML would silently keep the last.",
+                             key=key, fix="give each key once.") from None
         except yaml.YAMLError:
             value = raw
         node = out

@@ -58,6 +58,8 @@ EvalRule = part(STRATEGIES, "eval.rules", also=("primary",))
 ServerModel = architecture("server.model")
 
 ClientEngine = Literal["sequential", "threads", "batched"]
+MAX_BANK_SIZE = 1 << 20  # features a memory bank keeps (bank_size × d floats per client, allocated as it stands)
+MAX_CLIENTS = 1 << 20  # K: one architecture, one partition slot and one model per client are made as it stands
 
 # `speed=fast`: the CPU speed switches at once, each also its own key (a key the config sets itself wins). Never a
 # default: it changes digits (native kernels, bf16) and what is evaluated (README, "Performance").
@@ -87,7 +89,7 @@ class LossCfg(Strict):
     tau_pp: float = Field(1.0, gt=0, description="prototype–prototype temperature")
     contrast: ContrastName = Field("none", description="contrast-set extension: none, memory-bank, public-bank, "
                                                        "two-stage or a plugin's")
-    bank_size: int = Field(4096, ge=1, description="memory bank FIFO size")
+    bank_size: int = Field(4096, ge=1, le=MAX_BANK_SIZE, description="memory bank FIFO size")
     bank_tau: float = Field(0.5, gt=0, description="temperature of the bank terms")
     public_stage_epochs: int = Field(1, ge=0, description="two-stage: the first local epochs, which use the "
                                                           "public-bank term alone")
@@ -210,7 +212,7 @@ class Config(Strict):
     seed: int = Field(1, description="seeds the partition, the global init, the anchors and every client's "
                                      "random streams")
     device: str = Field("auto", description="auto (the GPU when there is one), cpu, cuda, cuda:N")
-    num_clients: int = Field(5, ge=1, description="K, the number of clients")
+    num_clients: int = Field(5, ge=1, le=MAX_CLIENTS, description="K, the number of clients")
     rounds: int = Field(50, ge=1, description="R, evaluation checkpoints (rounds) of local training")
     local_epochs: int = Field(1, ge=1, description="E, local epochs per round (R·E epochs in total per client)")
     batch_size: int = Field(512, ge=1, description="B, local batch size (two views each: 2B images per step)")

@@ -9,11 +9,23 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       field_validator)
 
 from flare.errors import KeyedValueError
-from flare.registry import DATASETS, MODELS, PARTITIONS, Registry
+from flare.registry import DATASETS, MODELS, PARTITIONS, Registry, boolean_number
 
 
 class Strict(BaseModel):
+    """Every config section: unknown keys are refused, and a number is never a boolean (pydantic would read
+    `rounds: true` as 1 and `lr: true` as 1.0; YAML writes true for yes, on and y as well, so such a value is a
+    slip, not a number)."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        why = boolean_number(cls, info.field_name, value)
+        if why:
+            raise ValueError(why)
+        return value
 
 
 def part(registry: Registry, key: str | None = None, also: tuple[str, ...] = ()) -> Any:
@@ -62,6 +74,11 @@ def part_table(registry: Registry, key: str) -> Any:
 DatasetName, DatasetOptions = part(DATASETS), part_options(DATASETS, "name")
 PartitionKind, PartitionOptions = part(PARTITIONS), part_options(PARTITIONS, "kind")
 ModelName, ModelOptions = part(MODELS), part_options(MODELS, "name")
+# Bounds of the size-like keys whose value is allocated as it stands (a 10¹⁴-wide projection fails in the
+# allocator with a traceback): far above any network these datasets train (resnet18 at width 16 has 2.9·10⁹
+# weights), far below what an allocator refuses.
+MAX_WIDTH = 16.0
+MAX_FEATURE_DIM = 65536
 OPTIONS_DESCRIPTION = "options of the chosen part, when it declares an options model (plugins; docs/extending.md)"
 
 
@@ -101,7 +118,7 @@ class ArchitectureCfg(Strict):
     read as `{name: NAME}`); what it leaves out is taken from `model` (config/architectures.py)."""
 
     name: ModelName = Field(description="a registered model (`flare models`)")
-    width: float | None = Field(None, gt=0, description="its width (null: model.width)")
+    width: float | None = Field(None, gt=0, le=MAX_WIDTH, description="its width (null: model.width)")
     options: ModelOptions = Field({}, description=OPTIONS_DESCRIPTION)
     checkpoint: str | None = Field(None, description="a local state dict it starts from (null: model.checkpoint "
                                                      "when the name is model.name, else the seeded init)")
@@ -140,6 +157,11 @@ def _client_entries(value: Any) -> Any:
             if isinstance(k, bool) or not str(k).lstrip("-").isdigit():
                 raise KeyedValueError(key, f"{key} maps client indices to architectures, but {k!r} is not a client "
                                            "index (0, 1, …)")
+            if int(k) in out:  # 0 and "0" (or 00) are one client: which entry wins must not be guessed
+                first = next(j for j in value if not isinstance(j, bool) and str(j).lstrip("-").isdigit()
+                             and int(j) == int(k))
+                raise KeyedValueError(f"{key}.{int(k)}", f"{key} gives client {int(k)} twice (as {first!r} and "
+                                                         f"{k!r}); give each client one entry")
             out[int(k)] = _architecture(f"{key}.{k}", e)
         return out
     raise KeyedValueError(key, f"{key} must be a list with one architecture per client, or a mapping client index → "
@@ -170,7 +192,8 @@ class ModelCfg(Strict):
     name: ModelName = Field("resnet18", description="resnet18, resnet34, resnet50 (CIFAR-style), cnn, wrn16_1, "
                                                       "wrn40_1, cnn_dense, cnn_coboost, timm/<any timm name> or a "
                                                       "plugin's (`flare models`; docs/models.md)")
-    width: float = Field(1.0, gt=0, description="channel width multiplier (0.25 → d = 128 for resnet18)")
+    width: float = Field(1.0, gt=0, le=MAX_WIDTH, description="channel width multiplier (0.25 → d = 128 for "
+                                                                 "resnet18)")
     options: ModelOptions = Field({}, description=OPTIONS_DESCRIPTION)
     checkpoint: str | None = Field(None, description="a local state dict every client starts from, loaded "
                                                      "weights_only into the seeded init (null: the seeded init; "
@@ -182,10 +205,10 @@ class ModelCfg(Strict):
     mix: ModelMix = Field(
         None, description="a named mix, model name → number of clients (summing to num_clients), dealt to the "
                           "clients by a permutation seeded with `seed`")
-    feature_dim: int | None = Field(None, ge=1, description="shared feature dimension d: a linear projection of "
-                                                            "the encoder's pooled feature to d before the head "
-                                                            "(null: the encoder's own d; clients whose encoders' d "
-                                                            "differ need it)")
+    feature_dim: int | None = Field(None, ge=1, le=MAX_FEATURE_DIM,
+                                    description="shared feature dimension d: a linear projection of the encoder's "
+                                                "pooled feature to d before the head (null: the encoder's own d; "
+                                                "clients whose encoders' d differ need it)")
 
 
 class OptimCfg(Strict):

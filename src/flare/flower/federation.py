@@ -28,6 +28,7 @@ from flare.config import load_config
 from flare.errors import FlareError
 from flare.flower.protocol import export_partitions
 from flare.rundata import RunData
+from flare.setup import check_buildable
 
 def app_dir() -> Path:
     """The Flower app directory `flwr run` reads: its pyproject.toml ships inside the package (flare/flower/app/),
@@ -264,6 +265,7 @@ def federate(cfg_file: str | None, preset: str | None, overrides: list[str], *, 
         overrides = [o for o in overrides if not o.startswith("num_clients=")] + [f"num_clients={clients}"]
     upload = upload or ("per-round" if simulation else "once")
     cfg = load_config(cfg_file, preset, overrides)  # validate before starting anything
+    check_buildable(cfg)  # and refuse what `flare run` refuses before writing (data, checkpoints, input sizes)
     K = cfg.num_clients
     out = Path(out) if out else Path("runs") / f"federate-{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}"
     out = out.resolve()
@@ -293,8 +295,9 @@ def federate(cfg_file: str | None, preset: str | None, overrides: list[str], *, 
     if state.get("status") != "finished":
         err = state.get("error") or f"the run did not finish (flwr run exit code {res.returncode})"
         tail = "\n".join(res.stdout.strip().splitlines()[-15:])
+        where = f"federation.json in {out} and " if (out / "federation.json").exists() else ""
         raise FlareError(f"federated run failed: {err}\nlast lines of flwr run:\n{tail}",
-                         fix=f"see federation.json in {out} and the process logs in {wd}.")
+                         fix=f"see {where}the process logs in {wd}.")
     summary = RunData.load(out).summary()
     summary["out"] = str(out)
     summary["logs"] = str(wd)

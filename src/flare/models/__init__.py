@@ -13,6 +13,7 @@ attribute; `create_model` wraps it with a head into a `FlareNet`.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -130,10 +131,19 @@ def create_model(
             fix="check the dataset: 1 channel for Fashion-MNIST, 3 for CIFAR.",
         )
     opts = MODELS.options(name, options, "model.options") if entry.options is not None else None
-    encoder = entry.obj(int(in_channels), width, *([opts] if opts is not None else []))
-    proj = nn.Linear(int(encoder.feature_dim), int(feature_dim)) if feature_dim is not None else None
-    d = int(feature_dim) if feature_dim is not None else int(encoder.feature_dim)
-    return FlareNet(encoder, HEADS[head](int(num_classes), d), name=name, proj=proj)
+    try:
+        encoder = entry.obj(int(in_channels), width, *([opts] if opts is not None else []))
+        proj = nn.Linear(int(encoder.feature_dim), int(feature_dim)) if feature_dim is not None else None
+        d = int(feature_dim) if feature_dim is not None else int(encoder.feature_dim)
+        return FlareNet(encoder, HEADS[head](int(num_classes), d), name=name, proj=proj)
+    except (MemoryError, RuntimeError) as e:  # a size no allocator grants (a plugin's or timm's own size option)
+        if not isinstance(e, MemoryError) and "alloc" not in str(e).lower():
+            raise
+        raise FlareError(f"model {name} at width {width:g}" + (f" with options {options}" if options else "")
+                         + (f" and feature_dim {feature_dim}" if feature_dim is not None else "")
+                         + f" needs more memory than this machine can allocate ({str(e).splitlines()[0][:160]}).",
+                         key="model.width", fix="use a smaller model.width, model.feature_dim or size in "
+                                                "model.options.") from None
 
 
 register_model("resnet18", description="CIFAR-style ResNet-18 (d = 512·width)")(_resnet.resnet18)
@@ -180,43 +190,70 @@ def check_state_fits(model: nn.Module, state: dict, source: str, *, key: str, fi
                          f"({len(extra)} such).", key=key, fix=fix)
 
 
-def check_input_fits(model: FlareNet, in_channels: int, image_size: int, label: str) -> None:
+def check_input_fits(model: FlareNet, in_channels: int, image_size: int, label: str, key: str = "model") -> None:
     """Refuse a model that cannot take the run's inputs (a timm family whose downsampling shrinks a 28×28 image below
-    a kernel, say) with a FlareError before any file is written, instead of a traceback in the first step: one
-    eval-mode forward of two blank images, under no_grad, so no state (BatchNorm statistics, the RNG) moves."""
+    a kernel, or a ViT that asserts on its 224×224 input size, say) with a FlareError keyed by the architecture's
+    config key (`key`: `model`, `model.clients.1`, `server.model`) before any file is written, instead of a
+    traceback in the first step: one eval-mode forward of two blank images, under no_grad, so no state (BatchNorm
+    statistics, the RNG) moves. Whatever that forward raises is the model's refusal of the input: networks say so by
+    RuntimeError (a kernel larger than its input), AssertionError (timm's size checks) or ValueError alike."""
     was = model.training
     x = torch.zeros(2, int(in_channels), int(image_size), int(image_size),
                     device=next(model.parameters()).device)
     try:
         with torch.no_grad():
             model.eval()(x)
-    except RuntimeError as e:
-        raise FlareError(f"model {label} cannot take the dataset's {in_channels}×{image_size}×{image_size} inputs: "
-                         f"{str(e).splitlines()[0]}.", key="model.name",
-                         fix="choose a model whose downsampling fits the image size, or a timm model's options that "
-                             "shrink less (model.options.patch_size, e.g. 1 for ConvNeXt at 28×28; docs/models.md, "
+    except FlareError:
+        raise
+    except Exception as e:  # noqa: BLE001 — see the docstring
+        why = str(e).splitlines()[0].rstrip(".") if str(e).strip() else "no message"
+        raise FlareError(f"model {label} cannot take the dataset's {in_channels}×{image_size}×{image_size} inputs "
+                         f"({type(e).__name__}: {why}).", key=f"{key}.name",
+                         fix=f"choose a model whose downsampling fits the image size, or a timm model's options that "
+                             f"fit it ({key}.options.patch_size, e.g. 1 for ConvNeXt at 28×28; for a ViT or Swin, "
+                             f"{key}.options.img_size={image_size} and a patch_size that divides it; docs/models.md, "
                              "\"Stem for small inputs\").") from None
     finally:
         model.train(was)
 
 
 def create_architecture(arch, in_channels: int, num_classes: int, head: str, feature_dim: int | None = None,
-                        key: str = "model.checkpoint", checkpoint: bool = True) -> FlareNet:
+                        checkpoint: bool = True) -> FlareNet:
     """The model of one `config.architectures.Architecture` (a client's, or the server's), started from its
     checkpoint when it names one and `checkpoint` is True (False: weights that will be loaded anyway, or a fresh
-    student); its init draws from torch's global generator, which the caller seeds."""
-    model = create_model(arch.name, in_channels, num_classes, arch.width, head=head, options=arch.options,
-                         feature_dim=feature_dim)
+    student); its init draws from torch's global generator, which the caller seeds. An error names the
+    architecture's own keys (`model.clients.1.width`, `server.model.checkpoint`), not the top-level model's."""
+    try:
+        model = create_model(arch.name, in_channels, num_classes, arch.width, head=head, options=arch.options,
+                             feature_dim=feature_dim)
+    except FlareError as e:
+        raise _keyed(e, arch.key) from None
     if checkpoint and arch.checkpoint is not None:
-        load_checkpoint(model, arch.checkpoint, key=key)
+        load_checkpoint(model, arch.checkpoint, key=arch.checkpoint_key)
     return model
+
+
+def _keyed(e: FlareError, key: str) -> FlareError:
+    """`e`, raised while building the model of the architecture at config key `key`, with its `model.width`,
+    `model.options` … (what a builder knows itself as) renamed to that key's own (`model.clients.1.width`): the fix
+    then changes that entry, not every client that runs the top-level model."""
+    if key == "model":
+        return e
+
+    def own(text: str | None) -> str | None:
+        return _MODEL_KEY.sub(lambda m: f"{key}.{m.group(1)}", text) if text else text
+    return FlareError(own(e.message), key=own(e.key), fix=own(e.fix))
+
+
+_MODEL_KEY = re.compile(r"(?<![\w.])model\.(width|options|name)\b")  # not inside server.model.width
 
 
 def load_checkpoint(model: FlareNet, path: str, key: str = "model.checkpoint") -> None:
     """Load the local state dict at `path` into `model` (`model.checkpoint`): a raw state dict or one under
     "model" / "state_dict", of the whole model (encoder + head) or of its encoder alone (the head then keeps its
     seeded init). `weights_only=True`, so the file can hold tensors but no code; nothing is downloaded."""
-    fix = "give a state dict saved from the same model.name, model.width, model.head and dataset (channels, classes)."
+    own = key.removesuffix(".checkpoint")
+    fix = f"give a state dict saved from the same {own}.name, {own}.width, head and dataset (channels, classes)."
     p = Path(path).expanduser()
     if not p.is_file():
         raise FlareError(f"checkpoint {path} is not a file.", key=key, fix="give the path of a local .pt file "
@@ -235,4 +272,11 @@ def load_checkpoint(model: FlareNet, path: str, key: str = "model.checkpoint") -
     target = model if whole or not isinstance(state, dict) else model.encoder
     check_state_fits(target, state, f"checkpoint {path}" + ("" if target is model else " (an encoder's state)"),
                      key=key, fix=fix)
+    for name, t in state.items():  # a NaN weight or running_var would surface only as a diverged loss, later
+        if torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all():
+            bad = int((~torch.isfinite(t)).sum())
+            raise FlareError(f"checkpoint {path} holds non-finite values (NaN or Inf) in tensor '{name}' ({bad} of "
+                             f"{t.numel()}); a model started from it cannot train.", key=key,
+                             fix="give a checkpoint saved before training diverged, or leave the key null to start "
+                                 "from the seeded init.")
     target.load_state_dict(state)
