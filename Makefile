@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 FMNIST_DEB := /usr/share/datasets/fashion-mnist
 PRESETS ?= fafi,fedavg,ensemble,etf-anneal,flare
-SEEDS ?= 1,2,3
+SEEDS ?= 1,2,3,4,5
 WORKERS ?= 2
 OUT ?= runs/main
 
