@@ -5,6 +5,7 @@ import copy
 import io
 import json
 import pickle
+import sys
 
 import numpy as np
 import pytest
@@ -361,18 +362,44 @@ def test_pickled_upload_is_rejected_without_running_it(one_round, tmp_path, shar
     assert not (tmp_path / "pwned").exists()
 
 
-def test_pickle_module_is_never_used_to_read_peer_bytes():
-    import flare.flower.client_app as ca
-    import flare.flower.protocol as protocol
-    import flare.flower.records as rec
-    import flare.flower.server_app as sa
+def test_a_federation_decodes_every_peer_message_without_unpickling(tiny_overrides, tmp_path, monkeypatch):
+    """Two rounds, a message per round: the clients decode the server's task and initial states and their own
+    carried state, the server decodes every reply, all with Python's unpickler replaced by a tripwire (numpy's
+    unpickling of an object array trips it: the control). The wire format carrying a pickle anywhere (a state,
+    the carried skeleton, torch.load of bytes) fails here, however the decoder was written; an object array
+    where a number belongs is refused by the tests above."""
+    tripped = []
 
-    import flare.flower.server as server
+    def tripwire(*a, **k):
+        tripped.append(a)
+        raise pickle.UnpicklingError("a peer's bytes reached the unpickler")
 
-    for mod in (ca, protocol, rec, sa, server):
-        src = open(mod.__file__).read()
-        assert "import pickle" not in src and "pickle.load" not in src and "allow_pickle=True" not in src
-    assert pickle  # the test module itself only uses pickle to build the hostile payload
+    class TrippingUnpickler(pickle.Unpickler):  # a class: modules imported later subclass pickle.Unpickler
+        def __init__(self, *a, **k):
+            tripwire(*a, **k)
+
+    for name in ("load", "loads"):
+        monkeypatch.setattr(pickle, name, tripwire)
+    monkeypatch.setattr(pickle, "Unpickler", TrippingUnpickler)
+    with pytest.raises(pickle.UnpicklingError):  # the control: numpy unpickles through these names
+        np.load(io.BytesIO(pickled_array(tmp_path).data), allow_pickle=True)
+    assert len(tripped) == 1 and not (tmp_path / "pwned").exists()
+    tripped.clear()
+    decoded = {"carry": 0, "replies": 0}
+    real_unpack, real_decode = unpack_nested, decode_content
+
+    def count(key, fn):
+        def wrapped(*a, **k):
+            decoded[key] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr("flare.flower.client_app.unpack_nested", count("carry", real_unpack))
+    monkeypatch.setattr(sys.modules[__name__], "decode_content", count("replies", real_decode))
+    Nodes().federate(tiny_overrides + ["rounds=2"], tmp_path / "run", upload="per-round", min_clients=K)
+    assert tripped == []
+    assert decoded == {"carry": K, "replies": 2 * K}  # round 2 resumed every client from its carried state
+    assert [r["clients"] for r in rounds_of(tmp_path / "run")] == [[0, 1, 2]] * 2
 
 
 def test_export_partitions_cli_and_a_server_without_a_test_set(tiny_overrides, tmp_path):

@@ -15,6 +15,7 @@ from flare.models import (
     list_models,
     register_model,
 )
+from flare.registry import MODELS
 
 # resnet50 is only run at a small width to keep CPU time low.
 SHAPE_CASES = [
@@ -31,9 +32,26 @@ def expected_dim(name: str, width: float) -> int:
     return round(base * width)
 
 
+BUILTIN_MODELS = {"resnet18", "resnet34", "resnet50", "cnn", "wrn16_1", "wrn40_1", "cnn_dense", "cnn_coboost"}
+
+
 def test_registry_names():
-    assert {"resnet18", "resnet34", "resnet50", "cnn"} <= set(list_models())
-    assert list_models() == sorted(list_models())
+    """flare.models registers exactly these networks (whatever else a test or plugin registers in this process is
+    defined outside it), and each is created by its name through the one calling convention of a builder
+    `(in_channels, width)`: create_model's network is the builder's, tensor for tensor under the same seed."""
+    builtin = {n for n in list_models() if MODELS.entry(n).module.startswith("flare.models")}
+    assert builtin == BUILTIN_MODELS
+    for name in sorted(builtin):
+        torch.manual_seed(0)
+        m = create_model(name, in_channels=3, num_classes=4, width=0.25)
+        torch.manual_seed(0)
+        encoder = MODELS.entry(name).obj(3, 0.25)
+        assert m.name == name and type(m.encoder) is type(encoder)
+        mine, theirs = m.encoder.state_dict(), encoder.state_dict()
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), name
+    with pytest.raises(FlareError) as e:
+        create_model("resnet19", 3, 4)
+    assert e.value.key == "model.name"
 
 
 @pytest.mark.parametrize("name,width", SHAPE_CASES)

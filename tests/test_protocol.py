@@ -24,7 +24,7 @@ from flare.server.strategy import ServerContext, make_strategy
 from flare.server.rounds import evaluate_uploads
 from flare.backend import amp_dtype_for
 from flare.setup import DataMeta, RunSetup, make_augment, normalizer
-from flare.server.protos import mean_prototypes, train_global_prototypes
+from flare.server.protos import train_global_prototypes
 
 
 def _get(cfg, key):
@@ -389,15 +389,26 @@ def test_plan_b_reference_starts_at_the_anchors_keeps_g_and_predicts_with_the_me
     ov = tiny_overrides + ["server.server_epochs=2", "rounds=2"]
     cfg = load_config(None, "server-protos", ov + ["server.protos_flow=reference"])
     setup = RunSetup.build(cfg)
-    assert torch.equal(setup.ctx.server_target, setup.anchors)          # round 0: G = A, the clients' target
+    A = setup.anchors
+    C = A.shape[0]  # the anchors by their definition: a simplex ETF, unit rows at pairwise cosine −1/(C−1)
+    assert torch.allclose(A @ A.T, (C * torch.eye(C) - torch.ones(C, C)) / (C - 1), atol=1e-5)
+    assert torch.equal(setup.ctx.server_target, A)                      # round 0: G = A, the clients' target
     assert setup.ctx.align_anchors is setup.ctx.server_target
     clients = setup.make_clients(lambda m: None, lambda m: None)
     for c in clients:
         c.train_round(setup.ctx, 0)
     protos = [c.upload().prototypes for c in clients]
     ev = setup.evaluate(0, clients)
-    want, _ = train_global_prototypes(protos, cfg.server, setup.anchors, init=setup.anchors)
-    assert torch.allclose(ev.server_G, want) and torch.allclose(ev.G, mean_prototypes(protos))
+    # Started at A, G can have moved no farther than Adam's steps allow: step t moves a coordinate by at most
+    # lr·sqrt(Σ_i a_i²/b_i) (Cauchy–Schwarz on m̂_t/√v̂_t, a and b the bias-corrected weights of g_i in m̂ and v̂).
+    (b1, b2), steps = (0.9, 0.999), cfg.server.server_epochs * len(protos)
+    reach = cfg.server.server_lr * sum(
+        math.sqrt(sum(((1 - b1) * b1 ** (t - i) / (1 - b1 ** t)) ** 2 / ((1 - b2) * b2 ** (t - i) / (1 - b2 ** t))
+                      for i in range(1, t + 1))) for t in range(1, steps + 1))
+    mean = torch.stack([p.float() for p in protos]).mean(0)
+    assert (ev.server_G - A).abs().max() <= reach + 1e-6
+    assert (mean - A).abs().max() > 2 * reach  # so a G started at the clients' mean could not pass the line above
+    assert torch.allclose(ev.G, mean)                                   # the prediction uses the plain mean
     assert torch.equal(setup.ctx.server_target, ev.server_G)            # the next round aligns to the trained G
     ev2 = evaluate_uploads(cfg, 1, [c.upload() for c in clients], [c.model for c in clients], setup.anchors,
                            None, None, setup.norm, server_G=ev.server_G)

@@ -1,5 +1,7 @@
 """The README's generated blocks are current and untouched by hand (so docs cannot fall behind the code)."""
 import importlib.util
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -43,3 +45,64 @@ def test_make_run_is_the_command_of_the_main_results_block():
         recipe = recipe.replace(f"$({k})", v)
     (block_cmd,) = tool.RESULTS["main"].commands
     assert recipe == block_cmd, (recipe, block_cmd)
+
+
+# ----------------------------------------------------------------------------------------------
+# results blocks rendered from their committed records (results/<block>/)
+
+
+def test_every_recorded_block_is_what_its_records_render_to():
+    """A hash only proves the text came from the generator; the committed records prove where its numbers came
+    from. The cheap blocks have records (kernels: two 5-round runs), and the README shows exactly their rendering."""
+    assert "kernels" in tool.recorded()
+    for b in tool.recorded():
+        block, base = tool.RESULTS[b], tool.records_of(tool.RESULTS[b])
+        assert tool.blocks(README)[b][1] == tool.render_block(block, base, copy_figures=False), b
+
+
+def _round_records(path):
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def test_an_edited_record_or_a_block_from_older_runs_is_caught(tmp_path):
+    block = tool.RESULTS["kernels"]
+    records = shutil.copytree(tool.records_of(block), tmp_path / "kernels")
+    _, body = tool.blocks(README)["kernels"]
+    assert tool.render_block(block, records, copy_figures=False) == body
+    # one record edited: the pinned run's last evaluated accuracy moves by a point
+    metrics = records / "runs/readme/ux-pinned/metrics.jsonl"
+    recs = _round_records(metrics)
+    last = max(i for i, r in enumerate(recs) if r["kind"] == "round")
+    recs[last]["acc_feature"] += 0.01  # the primary rule's accuracy, which the table's final column shows
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert tool.render_block(block, records, copy_figures=False) != body
+    # a block whose numbers are not its records' (as if rendered from older runs), regenerated so its hash matches
+    older = tool.replace_block(README, "kernels", body.replace("| 32.70 |", "| 32.75 |"))
+    assert older != README and tool.blocks(older)["kernels"][0] == tool._digest(tool.blocks(older)["kernels"][1])
+    assert any("not what its records" in p for p in tool.problems(older))
+
+
+def test_records_are_what_a_block_renders_from_and_never_checkpoints(tmp_path, monkeypatch):
+    """`--run` copies configs, partitions, metrics, fuse records, states and summaries, and the figures the block
+    shows; checkpoints, plots and lock files stay behind."""
+    monkeypatch.setattr(tool, "ROOT", tmp_path)
+    monkeypatch.setattr(tool, "OUT", tmp_path / "runs" / "readme")
+    monkeypatch.setattr(tool, "RESULTS_DIR", tmp_path / "results")
+    run = tmp_path / "runs" / "x" / "fafi" / "seed=1"
+    kept = ["config.yaml", "partition.json", "metrics.jsonl", "fuse.jsonl", "state.json", "summary.md"]
+    for name in kept + ["checkpoint.pt", "checkpoints/round_1.pt", "plots/accuracy.png", ".lock"]:
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(name)
+    (tmp_path / "runs" / "x" / "compare_accuracy.png").write_text("figure")
+    (tmp_path / "runs" / "readme").mkdir(parents=True)
+    (tmp_path / "runs" / "readme" / "x.json").write_text("{}")
+    (tmp_path / "runs" / "readme" / "x.out").write_text("printed")
+    block = tool.Results("x", ["flare compare --out runs/x", "python bench.py > runs/readme/x.out"], lambda base: "",
+                         {"runs/x/compare_accuracy.png": "x.png"})
+    dest = tool.record(block)
+    got = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
+    assert got == sorted([f"runs/x/fafi/seed=1/{k}" for k in kept] + ["runs/x/compare_accuracy.png",
+                                                                        "runs/readme/x.json", "runs/readme/x.out"])
+    assert all((dest / g).read_bytes() == (tmp_path / g).read_bytes() for g in got)
+    (dest / "runs/x/fafi/seed=1/stale.json").write_text("{}")  # a record the next run no longer writes
+    assert not (tool.record(block) / "runs/x/fafi/seed=1/stale.json").exists()

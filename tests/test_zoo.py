@@ -200,3 +200,55 @@ def test_a_run_with_a_timm_model_from_a_checkpoint(tiny_overrides, tmp_path, cap
             f"model.checkpoint={tmp_path / 'enc.pt'}", "--out", str(tmp_path / "run"), "--quiet"]
     assert main(argv) == 0, capsys.readouterr().err
     assert "checkpoint:" in (tmp_path / "run" / "config.yaml").read_text()
+
+
+# --- the literature's sizes ---------------------------------------------------------------------------------
+
+# Parameter counts of the reference networks at width 1 for 3×32×32 inputs and 10 classes with a linear classifier
+# (the published ResNet-18 for CIFAR, WRN-16-1 and WRN-40-1 of Zagoruyko & Komodakis, DENSE's and Co-Boosting's
+# CNNs): a layer added, dropped or resized anywhere changes the count.
+REFERENCE_PARAMETERS = {"resnet18": 11_173_962, "wrn16_1": 175_066, "wrn40_1": 563_930, "cnn_dense": 122_570,
+                        "cnn_coboost": 319_242}
+
+
+@pytest.mark.parametrize("name,count", REFERENCE_PARAMETERS.items())
+def test_the_zoo_has_the_references_parameter_counts(name, count):
+    m = create_model(name, 3, 10, width=1.0, head="linear")
+    assert sum(p.numel() for p in m.parameters()) == count
+    m.eval()
+    with torch.no_grad():  # and it is the network for that input: one CIFAR image in, ten logits out
+        assert m(torch.zeros(1, 3, 32, 32))[1].shape == (1, 10)
+
+
+# --- a run from a checkpoint ----------------------------------------------------------------------------------
+
+
+def _starting_states(overrides, out, monkeypatch):
+    """Every client's model at the start of its first round, in a real run (what training starts from)."""
+    from flare.client.trainer import Client
+    from flare.runner import Run
+    seen, real = {}, Client.train_round
+
+    def spy(self, ctx, round_idx, *a, **k):
+        if round_idx == 0:
+            seen[self.cid] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return real(self, ctx, round_idx, *a, **k)
+
+    monkeypatch.setattr(Client, "train_round", spy)
+    Run(load_config(None, "fafi", overrides), out, quiet=True).execute()
+    monkeypatch.setattr(Client, "train_round", real)
+    return seen
+
+
+def test_a_run_from_a_checkpoint_trains_every_client_from_its_tensors(tiny_overrides, tmp_path, monkeypatch):
+    """config.yaml naming the file is not enough: the weights each client trains from are the file's."""
+    torch.manual_seed(12345)
+    ckpt = create_model("cnn", 3, 4, width=0.25).state_dict()  # the tiny dataset: 3 channels, 4 classes
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    ov = tiny_overrides + ["rounds=1", "client_engine=sequential"]
+    loaded = _starting_states(ov + [f"model.checkpoint={tmp_path / 'ckpt.pt'}"], tmp_path / "from", monkeypatch)
+    seeded = _starting_states(ov, tmp_path / "seeded", monkeypatch)
+    assert len(loaded) == len(seeded) == 3
+    for cid, state in loaded.items():
+        assert state.keys() == ckpt.keys() and all(torch.equal(state[k], ckpt[k]) for k in ckpt), cid
+        assert not all(torch.equal(seeded[cid][k], ckpt[k]) for k in ckpt)  # the seeded init is another start

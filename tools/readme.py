@@ -1,9 +1,11 @@
 """Every generated block of the README, between markers, so that no table can drift from its source.
 
     python tools/readme.py                 # rewrite the static blocks (methods table, config reference)
-                                           # and re-render every results block whose runs exist
-    python tools/readme.py --run main      # run a results block's commands first (finished runs are kept)
+                                           # and re-render every results block from its records or runs
+    python tools/readme.py --run main      # run a results block's commands first (finished runs are kept),
+                                           # then copy what it renders from into results/main/
     python tools/readme.py --run all       # every results block (about an hour on 2 CPU cores)
+    python tools/readme.py --rebuild main  # render a block from results/main/ alone, running nothing (or `all`)
     python tools/readme.py --list          # the blocks and their commands
     python tools/readme.py --check         # exit 1 if a block is stale or was edited by hand (the tests run this)
 
@@ -11,6 +13,16 @@ A block is `<!-- BEGIN id sha=… -->` … `<!-- END id -->`; `sha` is a hash of
 caught. A results block shows the exact commands it ran, the table rendered from their run directories, and
 the machine it ran on (torch, threads, CPU): the same command gives the same digits only with the same torch
 build, thread count and CPU kernels (README, "Reproducibility").
+
+A hash only says the text is what the generator once wrote, not that it is what today's records say. So a block's
+records are committed: `--run` copies every file the block renders from (each command's `--out` directory and
+`> file`, the figures it shows, the machine facts of the run) into `results/<block>/`, under the same relative paths,
+keeping the runs' configs, partitions, metrics, fuse records, states and summaries but never checkpoints or plots.
+A block with a `results/<block>/` directory is rendered from it alone, and `--check` (the tests) renders it again
+and fails when the README's text differs — an edited record, or a block left from older runs. Converting a block
+that has no records yet (the long ones: main, main-seeds, baselines, heterogeneous, cpu-speed, ...) is
+`python tools/readme.py --run <block>` then committing `results/<block>/` with the README; if the block's numbers
+changed, that is a finding to report before committing.
 """
 from __future__ import annotations
 
@@ -95,12 +107,12 @@ CIFAR_ARGS = f"dataset.name=cifar10 dataset.format=imagefolder dataset.root={CIF
 class Results:
     id: str
     commands: list[str]
-    render: Callable[[], str]
+    render: Callable[[Path], str]  # the block's body from the files under a base (ROOT, or its records directory)
     figures: dict[str, str] = field(default_factory=dict)  # run-directory file -> docs/img name
 
 
-def _compare_rows(out: str, presets: list[str], seeds: list[int] | None = None) -> list[tuple[dict, Row]]:
-    rows = compare_rows([(p, [ROOT / out / p] if not seeds else [ROOT / out / p / f"seed={s}" for s in seeds])
+def _compare_rows(base: Path, out: str, presets: list[str], seeds: list[int] | None = None) -> list[tuple[dict, Row]]:
+    rows = compare_rows([(p, [base / out / p] if not seeds else [base / out / p / f"seed={s}" for s in seeds])
                          for p in presets])
     for _, row in rows:
         if not all(r.rounds for r in row.runs):
@@ -108,39 +120,39 @@ def _compare_rows(out: str, presets: list[str], seeds: list[int] | None = None) 
     return rows
 
 
-def compare_block(out: str, presets: list[str], seeds: list[int] | None = None) -> Callable[[], str]:
+def compare_block(out: str, presets: list[str], seeds: list[int] | None = None) -> Callable[[Path], str]:
     """What `flare compare` printed: the table, then each method against FAFI, paired by seed."""
-    return lambda: compare_markdown(_compare_rows(out, presets, seeds)) + "\n"
+    return lambda base: compare_markdown(_compare_rows(base, out, presets, seeds)) + "\n"
 
 
-def section_of(report: str, heading: str) -> Callable[[], str]:
+def section_of(report: str, heading: str) -> Callable[[Path], str]:
     """The table under `## heading` of a report.md (what the command printed)."""
-    def render() -> str:
-        text = (ROOT / report).read_text()
+    def render(base: Path) -> str:
+        text = (base / report).read_text()
         part = text.split(f"## {heading}", 1)[1].split("\n## ", 1)[0]
         return "\n".join(ln for ln in part.splitlines() if ln.startswith("|")) + "\n"
     return render
 
 
-def reproduction(out: str) -> Callable[[], str]:
+def reproduction(out: str) -> Callable[[Path], str]:
     """The reproduction report's markdown, its headings moved under the README's section, its figure in docs/img."""
-    def render() -> str:
-        md = reproduction_markdown(ROOT / out, image_dir=IMG)
+    def render(base: Path) -> str:
+        md = reproduction_markdown(base / out, image_dir=IMG)
         md = re.sub(r"^(#+) ", lambda m: "#" * (len(m[1]) + 2) + " ", md, flags=re.M)
         return md.replace(f"]({IMG.name}/", f"](docs/{IMG.name}/") + "\n"
     return render
 
 
-def pytest_summary() -> str:
-    log = (OUT / "tests.log").read_text().strip().splitlines()
+def pytest_summary(base: Path) -> str:
+    log = (base / OUT.relative_to(ROOT) / "tests.log").read_text().strip().splitlines()
     return f"`{log[-1].strip('= ')}`\n"
 
 
-def efficiency_table() -> str:
+def efficiency_table(base: Path) -> str:
     rows = ["| config | bare fwd+bwd+step (samples/s) | end-to-end local training (samples/s) | efficiency |",
             "| --- | --- | --- | --- |"]
     for name in ("efficiency-resnet18", "efficiency-cnn"):
-        text = (OUT / f"{name}.out").read_text()
+        text = (base / OUT.relative_to(ROOT) / f"{name}.out").read_text()
         conf = re.search(r"config: (.*)", text).group(1)
         bare, e2e, eff = (re.search(rf"{k}\s*:\s*([\d.]+)", text).group(1)
                           for k in ("bare fwd\+bwd\+step|bare forward\+backward\+step", "end-to-end local training",
@@ -149,14 +161,14 @@ def efficiency_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-def kernels_table(dirs: dict[str, str]) -> Callable[[], str]:
+def kernels_table(dirs: dict[str, str]) -> Callable[[Path], str]:
     """The same command under each kernel level: what torch dispatched to (state.json) and the digits it gave."""
-    def render() -> str:
+    def render(base: Path) -> str:
         rows = ["| run | cpu_isa | CPU kernels torch dispatched to | final acc (feature) | peak (round) |",
                 "| --- | --- | --- | --- | --- |"]
         for label, d in dirs.items():
-            b = json.loads((ROOT / d / "state.json").read_text()).get("backend", {})
-            run = RunData.load(ROOT / d)
+            b = json.loads((base / d / "state.json").read_text()).get("backend", {})
+            run = RunData.load(base / d)
             best, at = run.peak("acc")
             rows.append(f"| {label} | `{b.get('cpu_isa')}` | {b.get('cpu_kernels')} | {100 * run.final('acc'):.2f} | "
                         f"{100 * best:.2f} ({at}) |")
@@ -164,8 +176,8 @@ def kernels_table(dirs: dict[str, str]) -> Callable[[], str]:
     return render
 
 
-def file_text(path: str) -> Callable[[], str]:
-    return lambda: (ROOT / path).read_text().strip() + "\n"
+def file_text(path: str) -> Callable[[Path], str]:
+    return lambda base: (base / path).read_text().strip() + "\n"
 
 
 MAIN_PRESETS = ["fafi", "fedavg", "ensemble", "etf-anneal", "flare"]
@@ -189,18 +201,18 @@ BASELINE_ARGS = (f"{CIFAR_ARGS} dataset.train_subset=10000 dataset.test_subset=2
                  "server.strategies.coboosting.epochs=3 server.strategies.coboosting.g_steps=8")
 
 
-def baselines_block() -> str:
+def baselines_block(base: Path) -> str:
     """Per α: every strategy's accuracy over each method's clients (mean ± std over 3 seeds) and its cost, then every
     cell against FAFI's own feature fusion over FAFI clients, paired by seed — and what that says, in words."""
     out = []
     for a in (0.05, 0.5):
-        rows = [row for _, row in _compare_rows(f"runs/readme/baselines-a{a}", BASELINE_PRESETS, [1, 2, 3])]
+        rows = [row for _, row in _compare_rows(base, f"runs/readme/baselines-a{a}", BASELINE_PRESETS, [1, 2, 3])]
         names = ["feature", "output", "fedavg", *BASELINE_STRATEGIES]
         vs = fused_vs_table(rows, names)
         # the same clients (training does not read eval.bn) evaluated with per-batch BN statistics, the reference's
         # accident that BN recalibration answers: its feature fusion beside bnrecal's
-        batch = {row.label: row for _, row in _compare_rows(f"runs/readme/baselines-a{a}-bnbatch", BNBATCH_PRESETS,
-                                                             [1, 2, 3])}
+        batch = {row.label: row for _, row in _compare_rows(base, f"runs/readme/baselines-a{a}-bnbatch",
+                                                             BNBATCH_PRESETS, [1, 2, 3])}
         bn_cells = [fmt_ms(*batch[r.label].stat("acc_feature")[:2]) if r.label in batch else "—" for r in rows]
         table = fused_table(rows, names).rstrip("\n") + "\n| feature, eval.bn=batch | " + " | ".join(bn_cells) + " | — |"
         up = [ln.split(" | ")[:2] for ln in vs.splitlines() if "higher (significant)" in ln]
@@ -248,10 +260,10 @@ def _heterogeneous_figure(vals: dict, path: Path) -> None:
     _save(fig, path)
 
 
-def heterogeneous_block() -> str:
+def heterogeneous_block(base: Path) -> str:
     """Each (clients, server) cell over both settings with the mixed − homogeneous difference paired by seed, then
     feature fusion of V7 and FLARE clients against FAFI's in each setting — and what that says, in words."""
-    rows = {k: dict(zip(HETERO_PRESETS, (row for _, row in _compare_rows(out, HETERO_PRESETS, [1, 2, 3]))))
+    rows = {k: dict(zip(HETERO_PRESETS, (row for _, row in _compare_rows(base, out, HETERO_PRESETS, [1, 2, 3]))))
             for k, out in HETERO_RUNS.items()}
     vals = {(k, p, s): fused_values(rows[k][p], s) for k in HETERO_RUNS for p, s in HETERO_CELLS}
     label = {p: rows["mixed"][p].runs[0].cfg.get("notes_name") or p for p in HETERO_PRESETS}
@@ -317,8 +329,9 @@ RESULTS = {r.id: r for r in [
     Results("cifar-baselines",
             [f"flare compare --presets fafi,fedavg,ensemble {CIFAR_SMALL} partition.alpha={a} --out runs/readme/cifar-a{a}"
              for a in (0.05, 0.5)],
-            lambda: "\n".join(f"α = {a}:\n\n" + compare_block(f"runs/readme/cifar-a{a}", ["fafi", "fedavg", "ensemble"])()
-                              for a in (0.05, 0.5))),
+            lambda base: "\n".join(f"α = {a}:\n\n" + compare_block(f"runs/readme/cifar-a{a}",
+                                                                        ["fafi", "fedavg", "ensemble"])(base)
+                                   for a in (0.05, 0.5))),
     Results("alignment",
             [f"flare compare --presets {','.join(ALIGN_PRESETS)} {CIFAR_SMALL} partition.alpha=0.05 "
              "--out runs/readme/alignment"],
@@ -410,6 +423,57 @@ def run_block(block: Results) -> None:
             raise SystemExit(f"[{block.id}] command failed with exit code {r.returncode}: {cmd}")
     facts = {**machine(), "wall_seconds": time.perf_counter() - t0}
     (OUT / f"{block.id}.json").write_text(json.dumps(facts, indent=1))
+    record(block)
+
+
+# ----------------------------------------------------------------------------------------------
+# committed records: results/<block>/ holds the files a block is rendered from, so the README can be rebuilt
+
+
+RESULTS_DIR = ROOT / "results"
+# What a run's records are: its config, partition, metrics, fuse records, state and summaries, reports; never its
+# checkpoints (tens of MB, and nothing a table reads) nor its plots (the figures a block shows are copied by name).
+RECORD_SUFFIXES = (".yaml", ".json", ".jsonl", ".md", ".csv", ".txt", ".log", ".out")
+
+
+def record_paths(block: Results) -> list[str]:
+    """The paths (relative to the checkout) a block is rendered from: each command's `--out` and `> file`, the
+    figures it shows and the machine facts of its last --run."""
+    paths = [str(OUT.relative_to(ROOT) / f"{block.id}.json"), *block.figures]
+    for cmd in block.commands:
+        paths += re.findall(r"--out (\S+)", cmd) + re.findall(r"> (\S+)", cmd)
+    return list(dict.fromkeys(paths))
+
+
+def records_of(block: Results) -> Path:
+    return RESULTS_DIR / block.id
+
+
+def _is_record(path: Path) -> bool:
+    return path.suffix in RECORD_SUFFIXES and not any(part.startswith(".") for part in path.parts)
+
+
+def record(block: Results) -> Path:
+    """Copy what the block renders from into results/<block>/, under the same relative paths (a fresh copy: a file
+    the last run no longer wrote must not linger)."""
+    dest = records_of(block)
+    shutil.rmtree(dest, ignore_errors=True)
+    for rel in record_paths(block):
+        src = ROOT / rel
+        files = [src] if src.is_file() else sorted(f for f in src.rglob("*") if f.is_file()
+                                                  and _is_record(f.relative_to(src)))
+        if not files:
+            raise SystemExit(f"[{block.id}] nothing to record at {rel}: did the commands write it?")
+        for f in files:
+            target = dest / f.relative_to(ROOT)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, target)
+    return dest
+
+
+def base_of(block: Results) -> Path:
+    """Where the block is rendered from: its committed records when it has them, else the checkout's runs."""
+    return records_of(block) if records_of(block).is_dir() else ROOT
 
 
 def _wrap_command(cmd: str, width: int = 110) -> str:
@@ -424,12 +488,12 @@ def _wrap_command(cmd: str, width: int = 110) -> str:
     return "\n".join(lines + [cur])
 
 
-def run_kernels(block: Results) -> list[str]:
+def run_kernels(block: Results, base: Path) -> list[str]:
     """The CPU kernel levels the block's runs recorded (state.json's backend), found under each command's --out."""
     found = set()
     for cmd in block.commands:
         for out in re.findall(r"--out (\S+)", cmd):
-            for st in (ROOT / out).rglob("state.json"):
+            for st in (base / out).rglob("state.json"):
                 try:
                     level = (json.loads(st.read_text()).get("backend") or {}).get("cpu_kernels")
                 except (OSError, json.JSONDecodeError):
@@ -439,14 +503,17 @@ def run_kernels(block: Results) -> list[str]:
     return sorted(found)
 
 
-def render_block(block: Results) -> str:
-    facts = json.loads((OUT / f"{block.id}.json").read_text())
-    body = block.render()
-    for src, name in block.figures.items():
+def render_block(block: Results, base: Path | None = None, copy_figures: bool = True) -> str:
+    """The block's text from the files under `base` (default: its records if committed, else the checkout's runs);
+    the figures it shows are copied into docs/img (not by a check, which compares them instead: `problems`)."""
+    base = base_of(block) if base is None else base
+    facts = json.loads((base / OUT.relative_to(ROOT) / f"{block.id}.json").read_text())
+    body = block.render(base)
+    for src, name in block.figures.items() if copy_figures else ():
         IMG.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(ROOT / src, IMG / name)
+        shutil.copyfile(base / src, IMG / name)
     cmds = "\n".join(_wrap_command(c) for c in block.commands)
-    levels = run_kernels(block)  # what the runs dispatched to; else (no runs) the generator's own process
+    levels = run_kernels(block, base)  # what the runs dispatched to; else (no runs) the generator's own process
     cap = (f", runs on {' and '.join(levels)} kernels" if levels else
            f", {facts['cpu_capability']} kernels" if facts.get("cpu_capability") else "")
     where = facts["gpu"] or f"{facts['cpus']}-core CPU ({facts['cpu']}{cap})"
@@ -475,22 +542,40 @@ def replace_block(text: str, block_id: str, body: str) -> str:
 
 
 def problems(text: str) -> list[str]:
-    """Stale static blocks and blocks whose content does not match their hash (edited by hand)."""
+    """Stale static blocks, blocks whose content does not match their hash (edited by hand), and results blocks
+    that differ from what their committed records render to (records edited, or a block left from older runs)."""
     found = blocks(text)
     out = [f"block '{b}' is missing" for b in STATIC if b not in found]
+    out += [f"block '{b}' has records in {records_of(RESULTS[b]).relative_to(ROOT)}/ but no place in README.md"
+            for b in recorded() if b not in found]
     for b, (sha, body) in found.items():
         if sha != _digest(body):
             out.append(f"block '{b}' was edited by hand (its hash does not match): regenerate it with "
                        f"`python tools/readme.py{' --run ' + b if b not in STATIC else ''}`")
         elif b in STATIC and body != STATIC[b]():
             out.append(f"block '{b}' is stale: run `python tools/readme.py`")
+        elif b in recorded():
+            block, base = RESULTS[b], records_of(RESULTS[b])
+            fix = f"`python tools/readme.py --rebuild {b}` (or --run {b} for fresh records)"
+            if body != render_block(block, base, copy_figures=False):
+                out.append(f"block '{b}' is not what its records in {base.relative_to(ROOT)}/ render to: {fix}")
+            out += [f"docs/img/{name} is not the figure recorded at {base.relative_to(ROOT)}/{src}: {fix}"
+                    for src, name in block.figures.items()
+                    if not (IMG / name).is_file() or (IMG / name).read_bytes() != (base / src).read_bytes()]
     return out
+
+
+def recorded() -> list[str]:
+    """The results blocks with committed records (results/<block>/)."""
+    return [b for b in RESULTS if records_of(RESULTS[b]).is_dir()]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="report stale or hand-edited blocks, change nothing")
     ap.add_argument("--run", metavar="ID", help="run a results block's commands first (or `all`)")
+    ap.add_argument("--rebuild", metavar="ID", help="render results blocks from their records in results/ alone, "
+                    "running nothing (`all`: every block that has records)")
     ap.add_argument("--list", action="store_true", help="list the results blocks and their commands")
     args = ap.parse_args(argv)
     text = README.read_text()
@@ -503,6 +588,15 @@ def main(argv=None) -> int:
         for p in bad:
             print(f"README.md: {p}", file=sys.stderr)
         return 1 if bad else 0
+    if args.rebuild:
+        ids = recorded() if args.rebuild == "all" else args.rebuild.split(",")
+        missing = [i for i in ids if i not in RESULTS or not records_of(RESULTS[i]).is_dir()]
+        if missing:
+            raise SystemExit(f"no records in results/ for {missing}: `--run` a block first (--list shows them)")
+        for i in ids:
+            text = replace_block(text, i, render_block(RESULTS[i]))
+        README.write_text(text)
+        return 0
     if args.run:
         ids = list(RESULTS) if args.run == "all" else args.run.split(",")
         unknown = [i for i in ids if i not in RESULTS]
