@@ -20,7 +20,7 @@ records are committed: `--run` copies every file the block renders from (each co
 keeping the runs' configs, partitions, metrics, fuse records, states and summaries but never checkpoints or plots.
 A block with a `results/<block>/` directory is rendered from it alone, and `--check` (the tests) renders it again
 and fails when the README's text differs — an edited record, or a block left from older runs. Converting a block
-that has no records yet (the long ones: main, main-seeds, baselines, heterogeneous, cpu-speed, ...) is
+that has no records yet (the long ones: baselines, heterogeneous, cpu-speed, ...) is
 `python tools/readme.py --run <block>` then committing `results/<block>/` with the README; if the block's numbers
 changed, that is a finding to report before committing.
 """
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -109,6 +110,7 @@ class Results:
     commands: list[str]
     render: Callable[[Path], str]  # the block's body from the files under a base (ROOT, or its records directory)
     figures: dict[str, str] = field(default_factory=dict)  # run-directory file -> docs/img name
+    page: str = "README.md"  # the file (relative to the checkout) whose markers hold the block
 
 
 def _compare_rows(base: Path, out: str, presets: list[str], seeds: list[int] | None = None) -> list[tuple[dict, Row]]:
@@ -176,11 +178,25 @@ def kernels_table(dirs: dict[str, str]) -> Callable[[Path], str]:
     return render
 
 
+def kernel_paths_table(out: str, paths: list[str]) -> Callable[[Path], str]:
+    """tools/kernel_paths.py's table, computed again from the runs under `out` (not from its printed copy)."""
+    def render(base: Path) -> str:
+        spec = importlib.util.spec_from_file_location("kernel_paths", ROOT / "tools" / "kernel_paths.py")
+        kp = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(kp)
+        results = {p: kp.path_results(base / out, p, MAIN_PRESETS) for p in paths}
+        rows = kp.analyse(results, MAIN_PRESETS)
+        final = ", ".join(sorted({results[p]["final"] for p in paths}))
+        return kp.markdown(rows, results, [], final) + "\n"
+    return render
+
+
 def file_text(path: str) -> Callable[[Path], str]:
     return lambda base: (base / path).read_text().strip() + "\n"
 
 
 MAIN_PRESETS = ["fafi", "fedavg", "ensemble", "etf-anneal", "flare"]
+MAIN_SEEDS = [1, 2, 3, 4, 5]
 UX = ("flare run --preset fafi dataset.name=fmnist num_clients=5 rounds=5 batch_size=64 model.name=cnn "
       "model.width=0.5 dataset.train_subset=10000 dataset.test_subset=2000 partition.alpha=0.05 seed=1")
 ALIGN_PRESETS = ["fafi", "drcl", "drcl-anneal", "etf-anneal", "entropy-lambda", "decoupled", "flare"]
@@ -323,9 +339,12 @@ def heterogeneous_block(base: Path) -> str:
 
 RESULTS = {r.id: r for r in [
     Results("main", ["flare compare --config configs/main.yaml --presets " + ",".join(MAIN_PRESETS) +
-                     " --seeds 1,2,3 --out runs/main"],
-            compare_block("runs/main", MAIN_PRESETS, [1, 2, 3]),
+                     f" --seeds {','.join(map(str, MAIN_SEEDS))} --workers 2 --out runs/main"],
+            compare_block("runs/main", MAIN_PRESETS, MAIN_SEEDS),
             {"runs/main/compare_accuracy.png": "main-accuracy.png"}),
+    Results("kernel-paths", ["python tools/kernel_paths.py --paths avx2,avx512,default --out runs/kernel-paths"],
+            kernel_paths_table("runs/kernel-paths", ["avx2", "avx512", "default"]),
+            page="docs/reproducibility.md"),
     Results("cifar-baselines",
             [f"flare compare --presets fafi,fedavg,ensemble {CIFAR_SMALL} partition.alpha={a} --out runs/readme/cifar-a{a}"
              for a in (0.05, 0.5)],
@@ -361,14 +380,6 @@ RESULTS = {r.id: r for r in [
             [f"python benchmarks/cpu_profile.py --data-root {CIFAR} --out runs/readme/cpu-speed > "
              "runs/readme/cpu-speed.md"],
             file_text("runs/readme/cpu-speed.md")),
-    Results("main-seeds",
-            ["flare compare --config configs/main.yaml --presets fafi,etf-anneal,flare --seeds 1,2,3,4,5 "
-             "--out runs/main-seeds"],
-            compare_block("runs/main-seeds", ["fafi", "etf-anneal", "flare"], [1, 2, 3, 4, 5])),
-    Results("main-fast",
-            ["flare compare --config configs/main.yaml --presets " + ",".join(MAIN_PRESETS) +
-             " --seeds 1,2,3 speed=fast --out runs/main-fast"],
-            compare_block("runs/main-fast", MAIN_PRESETS, [1, 2, 3])),
     Results("baselines",
             [cmd for a in (0.05, 0.5) for cmd in (
                 f"flare compare --presets {','.join(BASELINE_PRESETS)} --seeds 1,2,3 {BASELINE_ARGS} "
@@ -536,18 +547,24 @@ def replace_block(text: str, block_id: str, body: str) -> str:
     new = f"<!-- BEGIN {block_id} sha={_digest(body)} -->\n{body}<!-- END {block_id} -->"
     out, n = PATTERN.subn(lambda m: new if m["id"] == block_id else m[0], text)
     if block_id not in blocks(text):
-        raise SystemExit(f"README.md has no block '{block_id}': add <!-- BEGIN {block_id} sha=0 --> ... "
+        raise SystemExit(f"the page has no block '{block_id}': add <!-- BEGIN {block_id} sha=0 --> ... "
                          f"<!-- END {block_id} --> where it belongs")
     return out
 
 
-def problems(text: str) -> list[str]:
+def pages() -> list[str]:
+    """Every file that holds generated blocks: the README and the docs pages results blocks name."""
+    return list(dict.fromkeys(["README.md", *(b.page for b in RESULTS.values())]))
+
+
+def problems(text: str, page: str = "README.md") -> list[str]:
     """Stale static blocks, blocks whose content does not match their hash (edited by hand), and results blocks
-    that differ from what their committed records render to (records edited, or a block left from older runs)."""
+    that differ from what their committed records render to (records edited, or a block left from older runs) —
+    of one page (`text` is its content)."""
     found = blocks(text)
-    out = [f"block '{b}' is missing" for b in STATIC if b not in found]
-    out += [f"block '{b}' has records in {records_of(RESULTS[b]).relative_to(ROOT)}/ but no place in README.md"
-            for b in recorded() if b not in found]
+    out = [f"block '{b}' is missing" for b in STATIC if b not in found] if page == "README.md" else []
+    out += [f"block '{b}' has records in {records_of(RESULTS[b]).relative_to(ROOT)}/ but no place in {page}"
+            for b in recorded() if b not in found and RESULTS[b].page == page]
     for b, (sha, body) in found.items():
         if sha != _digest(body):
             out.append(f"block '{b}' was edited by hand (its hash does not match): regenerate it with "
@@ -578,15 +595,14 @@ def main(argv=None) -> int:
                     "running nothing (`all`: every block that has records)")
     ap.add_argument("--list", action="store_true", help="list the results blocks and their commands")
     args = ap.parse_args(argv)
-    text = README.read_text()
     if args.list:
         for b in RESULTS.values():
-            print(f"{b.id}:\n  " + "\n  ".join(b.commands))
+            print(f"{b.id} ({b.page}):\n  " + "\n  ".join(b.commands))
         return 0
     if args.check:
-        bad = problems(text)
+        bad = [f"{page}: {p}" for page in pages() for p in problems((ROOT / page).read_text(), page)]
         for p in bad:
-            print(f"README.md: {p}", file=sys.stderr)
+            print(p, file=sys.stderr)
         return 1 if bad else 0
     if args.rebuild:
         ids = recorded() if args.rebuild == "all" else args.rebuild.split(",")
@@ -594,8 +610,8 @@ def main(argv=None) -> int:
         if missing:
             raise SystemExit(f"no records in results/ for {missing}: `--run` a block first (--list shows them)")
         for i in ids:
-            text = replace_block(text, i, render_block(RESULTS[i]))
-        README.write_text(text)
+            page = ROOT / RESULTS[i].page
+            page.write_text(replace_block(page.read_text(), i, render_block(RESULTS[i])))
         return 0
     if args.run:
         ids = list(RESULTS) if args.run == "all" else args.run.split(",")
@@ -604,18 +620,22 @@ def main(argv=None) -> int:
             raise SystemExit(f"unknown results block(s) {unknown}; --list shows them")
         for i in ids:
             run_block(RESULTS[i])
-        text = README.read_text()  # read again: the README may have been edited while the blocks ran
-    for b, render in STATIC.items():
-        text = replace_block(text, b, render())
-    for b in RESULTS.values():
-        if b.id not in blocks(text):
-            print(f"README.md has no block '{b.id}'; skipped", file=sys.stderr)
-            continue
-        try:
-            text = replace_block(text, b.id, render_block(b))
-        except (FileNotFoundError, IndexError) as e:
-            print(f"[{b.id}] not rendered (run it with --run {b.id}): {e}", file=sys.stderr)
-    README.write_text(text)
+    for page in pages():  # read now: a page may have been edited while the blocks ran
+        text = (ROOT / page).read_text()
+        if page == "README.md":
+            for b, render in STATIC.items():
+                text = replace_block(text, b, render())
+        for b in RESULTS.values():
+            if b.page != page:
+                continue
+            if b.id not in blocks(text):
+                print(f"{page} has no block '{b.id}'; skipped", file=sys.stderr)
+                continue
+            try:
+                text = replace_block(text, b.id, render_block(b))
+            except (FileNotFoundError, IndexError) as e:
+                print(f"[{b.id}] not rendered (run it with --run {b.id}): {e}", file=sys.stderr)
+        (ROOT / page).write_text(text)
     return 0
 
 
