@@ -77,7 +77,7 @@ def test_the_circle_detector_can_fail():
         del GRAPH["flare._probe_a"], GRAPH["flare._probe_b"]
 
 
-READERS = ("flare.rundata", "flare.rundir", "flare.durable", "flare.config", "flare.errors", "flare.report",
+READERS = ("flare.rundata", "flare.rundir", "flare.records", "flare.durable", "flare.config", "flare.errors", "flare.report",
            "flare.stats",
            "flare.schedules")
 PAPER_READERS = ("report.py", "reproduction.py", "reference.py")  # flare.paper's reports

@@ -32,7 +32,8 @@ def expected_dim(name: str, width: float) -> int:
     return round(base * width)
 
 
-BUILTIN_MODELS = {"resnet18", "resnet34", "resnet50", "cnn", "wrn16_1", "wrn40_1", "cnn_dense", "cnn_coboost"}
+BUILTIN_MODELS = {"resnet18", "resnet34", "resnet50", "cnn", "wrn16_1", "wrn40_1", "cnn_dense", "cnn_coboost",
+                  "simple-cnn", "cnn_mnist_dense"}
 
 
 def test_registry_names():

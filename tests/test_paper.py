@@ -131,7 +131,7 @@ def test_reference_numbers_are_the_notes_with_their_settings():
 
 def _flat(preset, kind="dirichlet", progress="epoch", alpha=0.05, rounds=50, **extra):
     from flare.config import load_config
-    from flare.rundir import flatten
+    from flare.records import flatten
 
     ov = [f"partition.kind={kind}", f"progress={progress}", f"partition.alpha={alpha}", f"rounds={rounds}",
           "dataset.name=cifar10"] + [f"{k.replace('__', '.')}={v}" for k, v in extra.items()]

@@ -200,7 +200,7 @@ def test_a_second_writer_is_refused_while_the_first_runs_and_not_after_it_was_ki
 
 def test_a_key_added_since_and_left_empty_is_no_difference():
     """A run directory made before `plugins` existed is the same experiment as a config that leaves it empty."""
-    from flare.rundir import config_differences
+    from flare.records import config_differences
     assert config_differences({"seed": 1}, {"seed": 1, "plugins": [], "server": {"strategies": {}}}) == []
     assert config_differences({"seed": 1}, {"seed": 1, "eval": {"rules": None}}) == []
     assert config_differences({"seed": 1}, {"seed": 1, "plugins": ["m"]}) == ["plugins"]

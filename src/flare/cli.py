@@ -46,7 +46,8 @@ from flare.lrprobe import format_probe, probe  # noqa: E402
 from flare.paper.suite import run_paper  # noqa: E402
 from flare.registry import MODELS, REGISTRIES, load_plugins  # noqa: E402
 from flare.report.report import write_report  # noqa: E402
-from flare.rundir import RunDir, config_differences, extension_problem  # noqa: E402
+from flare.records import config_differences  # noqa: E402
+from flare.rundir import RunDir, extension_problem  # noqa: E402
 from flare.runner import Run  # noqa: E402
 
 

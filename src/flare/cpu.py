@@ -18,6 +18,7 @@ GPU kernels are not covered: CUDA runs reorder reductions by their own rules (do
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 
@@ -76,8 +77,6 @@ def native_level() -> str:
 
 def _mkl_library():
     """torch's own copy of MKL (linked into libtorch_cpu), or None where this torch build has no MKL."""
-    import ctypes
-
     import torch  # lazy: see kernels()
     if not torch.backends.mkl.is_available():
         return None

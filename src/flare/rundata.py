@@ -13,7 +13,8 @@ import numpy as np
 
 from flare.config.protocol import protocol_label
 from flare.errors import FlareError
-from flare.rundir import DIAG, FUSE, PARTITION, RunDir, flatten, read_jsonl
+from flare.records import flatten
+from flare.rundir import DIAG, FUSE, PARTITION, RunDir, read_jsonl
 
 
 def num(v: Any) -> float:

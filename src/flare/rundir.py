@@ -33,7 +33,6 @@ config into it starts afresh (`RunDir.holds_rounds`), so a failed first attempt 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import socket
@@ -49,7 +48,7 @@ from flare.config import Config, config_to_yaml
 from flare.durable import (atomic_torch_save, atomic_write_text, encode_record, parse_jsonl,  # noqa: F401
                            read_jsonl)
 from flare.errors import FlareError
-from flare.registry import STRATEGIES
+from flare.records import config_differences, config_fingerprint, file_fingerprint, flatten, shown
 
 try:  # POSIX advisory locks; without fcntl (Windows) runs are not locked
     import fcntl
@@ -61,51 +60,6 @@ CHECKPOINT, PREV_CHECKPOINT, LOCK, SUMMARY = "checkpoint.pt", "checkpoint.prev.p
 FUSE = "fuse.jsonl"
 RECORDS = (PARTITION,)  # records besides config.yaml that later commands trust, fingerprinted in state.json
 DIAG = ("g_protos_std", "inter_client_proto_std", "model_variance_mean")                   # docs/method.md#metrics
-
-
-# ----------------------------------------------------------------------------------------------
-# what the directory holds
-
-
-def acc_keys(records: list[dict]) -> list[str]:
-    """The records' `acc_<strategy>` keys in registration order (built-in rules first), then unregistered ones."""
-    seen, order = dict.fromkeys(k for r in records for k in r if k.startswith("acc_")), STRATEGIES.names()
-    return [f"acc_{n}" for n in order if f"acc_{n}" in seen] + [k for k in seen if k[4:] not in order]
-
-
-def flatten(m: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in m.items():
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def config_differences(old: dict, new: dict) -> list[str]:
-    """Dotted keys whose values differ; a key one side lacks and the other leaves empty (None, [], {}) is none."""
-    a, b = flatten(old or {}), flatten(new or {})
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)
-                  and not all(v is None or v in ([], {}) for v in (a.get(k), b.get(k))))
-
-
-def config_fingerprint(mapping: dict) -> str:
-    """A short hash of a resolved config (key order and YAML formatting do not matter; values do)."""
-    return hashlib.sha256(json.dumps(mapping, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def file_fingerprint(path: Path) -> str | None:
-    """A short hash of a file's bytes (None: no such file)."""
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-    except FileNotFoundError:
-        return None
-
-
-def _shown(v) -> str:
-    text = json.dumps(v, default=str)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 # ----------------------------------------------------------------------------------------------
@@ -333,7 +287,7 @@ class RunDir:
                             and extension_problem(recorded, resuming) is None):
                 continue
             a, b = flatten(recorded), flatten(current)
-            shown = ", ".join(f"{k} ({_shown(a.get(k))} → {_shown(b.get(k))})" for k in diff[:8])
+            shown = ", ".join(f"{k} ({shown(a.get(k))} → {shown(b.get(k))})" for k in diff[:8])
             more = f" and {len(diff) - 8} more" if len(diff) > 8 else ""
             raise FlareError(
                 f"run directory '{self.path}' disagrees with itself: its {CONFIG} is not the config its results "

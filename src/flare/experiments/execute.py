@@ -24,7 +24,8 @@ import torch
 from flare.config import build_config
 from flare.errors import FlareError, TrainingDiverged
 from flare.progress import Counter
-from flare.rundir import RunDir, atomic_write_text, config_differences
+from flare.records import config_differences
+from flare.rundir import RunDir, atomic_write_text
 from flare.runner import Run
 
 POINT_FILE = "sweep_point.json"  # per run directory: start/end wall-clock times, pid, host, outcome

@@ -25,7 +25,8 @@ from flare.flower.predictor import save_predictor
 from flare.flower.protocol import Task, init_key
 from flare.report.run_report import write_run_report
 from flare.rundata import RunData
-from flare.rundir import RunDir, config_differences
+from flare.records import config_differences
+from flare.rundir import RunDir
 from flare.server.upload import Upload, UploadSpec, validate_upload
 from flare.server.extras import extras_shapes
 from flare.server.rounds import Evaluation, carries_server_protos, evaluated_round, rules_for, skipped_round_record

@@ -30,7 +30,8 @@ from flare.config.protocol import ITEM_KEYS, ITEMS, ProtocolItem
 from flare.errors import FlareError
 from flare.experiments.sweep import SweepSpec, unflatten
 from flare.paper.reproduction import MANIFEST
-from flare.rundir import atomic_write_text, flatten
+from flare.records import flatten
+from flare.rundir import atomic_write_text
 
 METHODS = ["fedavg", "ensemble", "fafi", "etf-anneal", "flare"]
 # the config keys the report needs to match a point with the notes' numbers (paper/reference.py)

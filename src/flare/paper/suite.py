@@ -43,7 +43,8 @@ from flare.paper.reproduction import write_reproduction_report
 from flare.paper.scales import ABLATION_VARIANTS, DATASET_DEFAULTS, Scale, ScaleRule
 from flare.registry import STRATEGIES
 from flare.rundata import num
-from flare.rundir import RunDir, atomic_write_text, flatten
+from flare.records import flatten
+from flare.rundir import RunDir, atomic_write_text
 
 # ----------------------------------------------------------------------------------------------
 # the experiments as sweeps

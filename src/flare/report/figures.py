@@ -23,7 +23,8 @@ from flare.config import preset_mapping  # noqa: E402
 from flare.report.runs import Row, SweepLine, fmt_value, short_key  # noqa: E402
 from flare.report.style import method_colour  # noqa: E402
 from flare.rundata import RunData  # noqa: E402
-from flare.rundir import DIAG, acc_keys  # noqa: E402
+from flare.records import acc_keys  # noqa: E402
+from flare.rundir import DIAG  # noqa: E402
 from flare.schedules import get_schedule, progress  # noqa: E402
 
 COMPARE_DIAG = ("g_protos_std", "inter_client_proto_std")

@@ -6,7 +6,8 @@ from pathlib import Path
 
 from flare.report.figures import plot_accuracy, plot_diagnostics, plot_label_distribution, plot_lambda
 from flare.rundata import RunData, num
-from flare.rundir import DIAG, SUMMARY, acc_keys, atomic_write_text
+from flare.records import acc_keys
+from flare.rundir import DIAG, SUMMARY, atomic_write_text
 
 
 def _f(v, digits=4):

@@ -10,7 +10,7 @@ import numpy as np
 
 from flare.report.runs import RULE_NAMES, Row, SweepLine, short_key, fmt_value
 from flare.rundata import RunData
-from flare.rundir import acc_keys
+from flare.records import acc_keys
 from flare.stats import ALPHA, holm, paired, verdict
 
 PAIRED_EXPLAIN = ("Each method minus the baseline, paired by seed (runs of one seed share the partition, the initial "

@@ -1,0 +1,52 @@
+"""What a run's records say, read and compared as plain data: the accuracy keys a set of round records holds, a
+config flattened to dotted keys, the keys two configs differ in, and the fingerprints a run directory keeps of its
+config and records. No file is owned here (`flare.rundir` owns the run directory); these are the comparisons every
+command that trusts a run's files makes the same way."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from flare.registry import STRATEGIES
+
+
+def acc_keys(records: list[dict]) -> list[str]:
+    """The records' `acc_<strategy>` keys in registration order (built-in rules first), then unregistered ones."""
+    seen, order = dict.fromkeys(k for r in records for k in r if k.startswith("acc_")), STRATEGIES.names()
+    return [f"acc_{n}" for n in order if f"acc_{n}" in seen] + [k for k in seen if k[4:] not in order]
+
+
+def flatten(m: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in m.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_differences(old: dict, new: dict) -> list[str]:
+    """Dotted keys whose values differ; a key one side lacks and the other leaves empty (None, [], {}) is none."""
+    a, b = flatten(old or {}), flatten(new or {})
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)
+                  and not all(v is None or v in ([], {}) for v in (a.get(k), b.get(k))))
+
+
+def config_fingerprint(mapping: dict) -> str:
+    """A short hash of a resolved config (key order and YAML formatting do not matter; values do)."""
+    return hashlib.sha256(json.dumps(mapping, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def file_fingerprint(path: Path) -> str | None:
+    """A short hash of a file's bytes (None: no such file)."""
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    except FileNotFoundError:
+        return None
+
+
+def shown(v) -> str:
+    text = json.dumps(v, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
