@@ -135,6 +135,15 @@ def markdown(rows: list[dict], results: dict[str, dict], skipped: list[str], fin
         cells = [r["method"], str(r["seeds"])] + [f"{r['means'][p]:.2f}" for p in paths]
         cells += [f"{r['spread']:.2f}", f"±{r['half_width']:.2f}", "yes" if r["robust"] else "**no**"]
         lines.append("| " + " | ".join(cells) + " |")
+    per_run = sorted((max(v) - min(v), name, seed) for name in [r["method"] for r in rows]
+                     for seed in results[paths[0]]["acc"].get(name, {})
+                     if len(v := [results[p]["acc"][name][seed] for p in paths
+                                  if seed in results[p]["acc"].get(name, {})]) > 1)
+    if per_run:
+        worst = per_run[-1]
+        lines += ["", f"One run, by contrast: the final accuracy of one (method, seed) moved by "
+                  f"{per_run[len(per_run) // 2][0]:.2f} points at the median of the {len(per_run)} pairs and by "
+                  f"{worst[0]:.2f} at the most ({worst[1]}, seed {worst[2]})."]
     lines += ["", "Kernels each path's runs recorded (state.json): "
               + "; ".join(f"`{p}` → {results[p]['kernels']}" for p in paths) + "."]
     if skipped:
