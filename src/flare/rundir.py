@@ -287,11 +287,11 @@ class RunDir:
                             and extension_problem(recorded, resuming) is None):
                 continue
             a, b = flatten(recorded), flatten(current)
-            shown = ", ".join(f"{k} ({shown(a.get(k))} → {shown(b.get(k))})" for k in diff[:8])
+            listed = ", ".join(f"{k} ({shown(a.get(k))} → {shown(b.get(k))})" for k in diff[:8])
             more = f" and {len(diff) - 8} more" if len(diff) > 8 else ""
             raise FlareError(
                 f"run directory '{self.path}' disagrees with itself: its {CONFIG} is not the config its results "
-                f"were computed with (recorded in {name}); keys that differ: {shown}{more}. Nothing was changed.",
+                f"were computed with (recorded in {name}); keys that differ: {listed}{more}. Nothing was changed.",
                 key=key, fix=f"restore {CONFIG} to the recorded values, or run the edited experiment as a new run: "
                              f"`flare run --config {self.path / CONFIG} --out NEW_DIR`.")
         files = self.read_state().get("files")
