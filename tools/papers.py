@@ -122,14 +122,31 @@ def _flare(*args: str) -> list[str]:
     return [sys.executable, "-m", "flare.cli", *args]
 
 
-def run(spec: dict, runs: Path, *, commit: bool, dry_run: bool, overrides: list[str], dest: Path = RESULTS) -> int:
+def _git_commit(paths: list[str], message: str, attempts: int = 20) -> None:
+    """Commit these paths alone. A session may be committing in the same checkout while a table runs for hours:
+    git's index lock is then held for a moment, so a refused commit is retried rather than ending the table."""
+    for k in range(attempts):
+        add = subprocess.call(["git", "add", "--", *paths], cwd=ROOT)
+        if add == 0 and subprocess.call(["git", "commit", "-q", "-m", message, "--", *paths], cwd=ROOT) == 0:
+            return
+        time.sleep(min(60, 2 ** k))
+    raise SystemExit(f"papers: could not commit {paths} after {attempts} attempts")
+
+
+def run(spec: dict, runs: Path, *, commit: bool, dry_run: bool, overrides: list[str], dest: Path = RESULTS,
+        defer: tuple[str, ...] = ()) -> int:
+    """Run every cell not yet recorded. `defer` names server strategies left for a later pass (the data-free
+    servers cost hours per cell): the cell is recorded without them, and a pass without `defer` fuses them over
+    the kept run directory and records the cell again."""
     table_runs = runs / spec["table"]
     table_runs.mkdir(parents=True, exist_ok=True)
     log = table_runs / "progress.log"
     todo = cells(spec)
     for i, cell in enumerate(todo, 1):
         run_dir = table_runs / cell["name"]
-        done = (dest / spec["table"] / cell["name"] / "cell.json").is_file()
+        rec = dest / spec["table"] / cell["name"]
+        todo_fuse = [f for f in cell["fuse"] if f not in defer]
+        done = (rec / "cell.json").is_file() and set(todo_fuse) <= fused(rec)
         status = "recorded" if done else ("finished" if finished(run_dir) else
                                           "partial" if run_dir.exists() else "new")
         if dry_run:
@@ -146,7 +163,7 @@ def run(spec: dict, runs: Path, *, commit: bool, dry_run: bool, overrides: list[
         if rc != 0:
             _log(log, f"[{i}/{len(todo)}] {cell['name']}: flare run exited {rc}; stopping")
             return rc
-        for s in cell["fuse"]:
+        for s in todo_fuse:
             if s in fused(run_dir):
                 continue
             _log(log, f"[{i}/{len(todo)}] {cell['name']}: fusing {s}")
@@ -158,9 +175,7 @@ def run(spec: dict, runs: Path, *, commit: bool, dry_run: bool, overrides: list[
         _log(log, f"[{i}/{len(todo)}] {cell['name']}: done in {time.time() - t0:.0f} s → {d.relative_to(ROOT)}"
              if d.is_relative_to(ROOT) else f"[{i}/{len(todo)}] {cell['name']}: done → {d}")
         if commit:
-            subprocess.check_call(["git", "add", "--", str(d), str(d.parent / "table.yaml")], cwd=ROOT)
-            subprocess.check_call(["git", "commit", "-q", "-m", f"papers: {spec['table']} {cell['name']} records",
-                                   "--", str(d), str(d.parent / "table.yaml")], cwd=ROOT)
+            _git_commit([str(d), str(d.parent / "table.yaml")], f"papers: {spec['table']} {cell['name']} records")
     return 0
 
 
@@ -268,13 +283,16 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--runs", default=str(ROOT / "runs" / "papers"))
     r.add_argument("--commit", action="store_true", help="git-commit each finished cell's records directory")
     r.add_argument("--dry-run", action="store_true", help="list the cells and their status, run nothing")
+    r.add_argument("--defer", action="append", default=[], metavar="STRATEGY",
+                   help="leave this server strategy for a later pass; the cell is recorded without it")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a flare override for every cell (a shortened budget: it lands in each cell's config)")
     g = sub.add_parser("render", help="rewrite docs/papers.md's block from results/papers/")
     g.add_argument("--check", action="store_true", help="exit 1 if the committed block is stale")
     a = ap.parse_args(argv)
     if a.cmd == "run":
-        return run(load_table(a.table), Path(a.runs), commit=a.commit, dry_run=a.dry_run, overrides=a.set)
+        return run(load_table(a.table), Path(a.runs), commit=a.commit, dry_run=a.dry_run, overrides=a.set,
+                   defer=tuple(a.defer))
     text = DOC.read_text()
     body = render()
     if a.check:
