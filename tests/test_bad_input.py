@@ -289,7 +289,7 @@ ROWS = [
      ["fuse", _finished_run(t, p, c), "--strategies", "feature", "--round", "0"],
      "only the states after the last round (1) are saved"),
     ("fuse with an override", lambda t, p, f, c: ["fuse", _finished_run(t, p, c), "--strategies", "feature",
-                                                  "lr=0.1"], "takes no KEY=VALUE overrides"),
+                                                  "lr=0.1"], "takes only server-strategy options as overrides"),
     ("a primary strategy nobody registered", lambda t, p, f, c: ["run", *t, "server.primary=bogus"],
      "unknown server strategy 'bogus' for server.primary"),
     ("a server that distils on public data without dataset.public_size", lambda t, p, f, c:

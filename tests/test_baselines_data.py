@@ -231,3 +231,43 @@ def test_the_strategies_compose_with_every_client_kind(preset, rule):
     cfg = load_config(None, preset, ["dataset.public_size=8", "eval.rules=[primary,feddf,dense,coboosting,bnrecal]"])
     assert {"feddf", "dense", "coboosting", "bnrecal"} <= set(rules_for(cfg, cfg.rounds - 1))
     assert make_strategy(cfg, "bnrecal").rule == rule
+
+
+def test_fuse_gives_a_data_free_server_another_budget_and_its_curve(tiny_overrides, tmp_path, capsys):
+    """`flare fuse` takes server-strategy options anew (the clients are the checkpoint's): the record names them,
+    the same options count as fused, others fuse again; the budget curve scores the student on the way without
+    changing it (its last point is the fused accuracy, and the accuracy is that of a fuse without a curve)."""
+    from flare.cli import main
+
+    cfg = load_config(None, "fedavg", tiny_overrides + ["rounds=1"])
+    d = tmp_path / "ce"
+    Run(cfg, d, quiet=True).execute()
+    opts = [f"server.strategies.dense.{k}={v}" for k, v in TINY["dense"].items()]
+    assert main(["fuse", str(d), "--strategies", "dense", *opts, "server.strategies.dense.curve_every=1"]) == 0
+    assert "[epochs=3 g_steps=6" in capsys.readouterr().out
+    assert main(["fuse", str(d), "--strategies", "dense", *opts, "server.strategies.dense.curve_every=1"]) == 0
+    (rec,) = [f for f in read_jsonl(d / "fuse.jsonl") if f["kind"] == "fuse"]  # the same options: not again
+    assert rec["options"]["curve_every"] == 1 and rec["options"]["epochs"] == 3
+    curve = rec["dense.curve"]
+    assert [c[:2] for c in curve] == [[1, 6], [2, 12], [3, 18]]
+    assert curve[-1][2] == rec["acc"]
+    assert rec["dense.best_epoch_acc"] == max(c[2] for c in curve)
+    assert main(["fuse", str(d), "--strategies", "dense", *opts]) == 0
+    plain = [f for f in read_jsonl(d / "fuse.jsonl") if f["kind"] == "fuse"][-1]
+    assert "dense.curve" not in plain and plain["acc"] == rec["acc"] and plain["options"] != rec["options"]
+
+
+@pytest.mark.parametrize("override,message", [
+    ("lr=0.1", "takes only server-strategy options"),
+    ("server.weights=uniform", "takes only server-strategy options"),
+    ("server.strategies.coboosting.epochs=2", "'coboosting' is not among --strategies"),
+    ("server.strategies.dense.epochs=0", "server.strategies.dense.epochs")])
+def test_fuse_refuses_an_override_that_is_not_an_option_of_a_fused_strategy(override, message, tiny_overrides,
+                                                                              tmp_path):
+    cfg = load_config(None, "fedavg", tiny_overrides + ["rounds=1"])
+    d = tmp_path / "ce"
+    Run(cfg, d, quiet=True).execute()
+    r = subprocess.run([sys.executable, "-m", "flare.cli", "fuse", str(d), "--strategies", "dense", override],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (d / "fuse.jsonl").exists()

@@ -5,7 +5,7 @@
   flare lr-probe [--config FILE] [--preset NAME] [--client N | --all-data] [--batches 2] [--batch-size B] [--iters 30] [--tol 1e-3] [KEY=VALUE ...]
   flare sweep    --config SWEEP.yaml [--out DIR] [--workers N] [--address ADDR] [--dry-run] [KEY=VALUE ...]
   flare report   DIR... [--out REPORT_DIR]
-  flare fuse     RUN_DIR... --strategies a,b [--round R] [--plugin MODULE]
+  flare fuse     RUN_DIR... --strategies a,b [--round R] [--plugin MODULE] [server.strategies.S.OPT=V ...]
   flare paper    --scale smoke|cpu|full [--datasets a,b] [--seeds 1,2] [--only EXP,...] [--protocol clean,reference]
                  [--strategies a,b]
                  [--out DIR] [--workers N]
@@ -191,16 +191,15 @@ def cmd_report(args) -> int:
 
 
 def cmd_fuse(args) -> int:
-    """Server strategies over finished runs' saved client states (flare/fuse.py); no KEY=VALUE overrides: the run's
-    own config.yaml is the experiment."""
-    for d in args.dirs:
-        if "=" in d and not Path(d).exists():
-            raise FlareError(f"flare fuse takes no KEY=VALUE overrides ({d}): it rebuilds each run from its own "
-                             "config.yaml.", key="fuse", fix="give only run directories, --strategies, --round and "
-                                                            "--plugin.")
-    for path, recs in fuse_runs(args.dirs, args.strategies, args.round, args.plugin):
+    """Server strategies over finished runs' saved client states (flare/fuse.py). The run's own config.yaml is the
+    experiment: the only KEY=VALUE overrides are server-strategy options (server.strategies.<name>.<option>)."""
+    dirs = [d for d in args.dirs if not ("=" in d and not Path(d).exists())]
+    overrides = [d for d in args.dirs if d not in dirs]
+    for path, recs in fuse_runs(dirs, args.strategies, args.round, args.plugin, overrides):
         for f in recs:
-            print(f"{path}: {f['strategy']} acc = {100 * float(f['acc']):.2f}% ({float(f['seconds']):.1f} s)")
+            opts = " ".join(f"{k}={v}" for k, v in f.get("options", {}).items())
+            print(f"{path}: {f['strategy']} acc = {100 * float(f['acc']):.2f}% ({float(f['seconds']):.1f} s)"
+                  + (f" [{opts}]" if opts else ""))
     return 0
 
 
@@ -310,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     fu = sub.add_parser("fuse", help="score server strategies over finished runs' saved client states (no client "
                                      "retrained); results in RUN_DIR/fuse.jsonl and summary.md")
-    fu.add_argument("dirs", nargs="+", metavar="RUN_DIR", help="finished run directories")
+    fu.add_argument("dirs", nargs="+", metavar="RUN_DIR", help="finished run directories, and server-strategy "
+                    "options given anew (server.strategies.<name>.<option>=VALUE: the one override fuse takes)")
     fu.add_argument("--strategies", required=True, help="comma-separated registered server strategies "
                                                         "(`flare parts` lists them); those fused before are skipped")
     fu.add_argument("--round", type=int, help="the round whose states to fuse: only the last round's are saved")

@@ -7,17 +7,23 @@ strategy is scored by that server's own evaluation at the last round (`ServerSet
 alone): a built-in strategy reproduces the run's own last-round accuracy exactly.
 Results are appended to fuse.jsonl (one record per strategy, under the run directory's lock); a rerun skips the
 strategies already there, so an interrupted fuse resumes. summary.md is rewritten with them.
+
+A server strategy's options (`server.strategies.<name>.<option>=VALUE`) may be given anew: they change only what
+the server builds from the same clients — a data-free server's budget, say — never the clients, so they are the one
+override `flare fuse` takes. They are written into the fuse record (`options`), and a strategy counts as fused
+only with the same options.
 """
 from __future__ import annotations
 
 import copy
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from flare.config import Config, build_config, parse_list
+from flare.config import Config, build_config, deep_merge, parse_list, parse_overrides
 from flare.errors import FlareError
 from flare.models import check_state_fits
 from flare.registry import STRATEGIES, load_plugins
@@ -37,6 +43,7 @@ class FuseJob:
     dir: RunDir
     cfg: Config
     names: list[str]
+    options: dict  # name → the strategy options given anew (server.strategies.<name>), {} for none
 
 
 def parse_strategies(text: str) -> list[str]:
@@ -44,7 +51,28 @@ def parse_strategies(text: str) -> list[str]:
     return parse_list(text, "--strategies", duplicates="drop", example="feature,fedavg")
 
 
-def check(run_dir: str | Path, names: list[str], round_: int | None) -> FuseJob:
+def strategy_overrides(items: list[str], names: list[str]) -> dict:
+    """KEY=VALUE items as {strategy: {option: value}}: only `server.strategies.<a strategy being fused>.<option>`,
+    since anything else would make the clients another experiment's."""
+    if not items:
+        return {}
+    tree = parse_overrides(items)
+    server = tree.get("server")
+    if not (set(tree) == {"server"} and isinstance(server, dict) and set(server) == {"strategies"}
+            and isinstance(server["strategies"], dict)):
+        raise FlareError(f"flare fuse takes only server-strategy options as overrides ({' '.join(items)}): anything "
+                         "else would change the clients, which it reads from the run's checkpoint.", key="fuse",
+                         fix="give server.strategies.<name>.<option>=VALUE, or rerun the experiment with `flare run`.")
+    out = server["strategies"]
+    for n in out:
+        if n not in names or not isinstance(out[n], dict):
+            raise FlareError(f"override server.strategies.{n}: '{n}' is not among --strategies ({','.join(names)}), "
+                             "or gives no option.", key=f"server.strategies.{n}",
+                             fix="name the strategy in --strategies and give server.strategies.<name>.<option>=VALUE.")
+    return out
+
+
+def check(run_dir: str | Path, names: list[str], round_: int | None, options: dict | None = None) -> FuseJob:
     """Everything that can be refused before any computation: not a run, not finished, no checkpoint, a round
     other than the last, a strategy the run's head cannot serve."""
     rd = RunDir(run_dir)
@@ -63,7 +91,9 @@ def check(run_dir: str | Path, names: list[str], round_: int | None) -> FuseJob:
                                       "deterministic; a Flower run keeps no client states) and fuse that one.")
     # the checkpoint's own record of its config too (loaded once here, dropped: fuse reloads it to score)
     rd.check_consistent(KEY, rd.load_checkpoint("cpu", lambda w: None))
-    cfg = build_config(old)  # imports the run's own plugins, whose strategies may be named
+    options = options or {}
+    # imports the run's own plugins, whose strategies may be named; the strategies' new options validated with it
+    cfg = build_config(deep_merge(old, {"server": {"strategies": options}}) if options else old)
     for n in names:
         STRATEGIES.entry(n, key="--strategies")
     if round_ is not None and round_ != cfg.rounds:
@@ -76,21 +106,24 @@ def check(run_dir: str | Path, names: list[str], round_: int | None) -> FuseJob:
             raise FlareError(f"strategy '{n}' reads prototypes, which the run '{rd.path}' (loss.objective="
                              f"{cfg.loss.objective}) has not.", key="--strategies",
                              fix="choose strategies for a plain classifier, e.g. output or fedavg.")
-    return FuseJob(rd, cfg, names)
+    return FuseJob(rd, cfg, names, {n: options.get(n, {}) for n in names})
 
 
 def _not_fused(job: FuseJob) -> list[str]:
-    done = {f.get("strategy") for f in read_jsonl(job.dir.file(FUSE)) if f.get("kind") == "fuse"}
-    return [n for n in job.names if n not in done]
+    done = {(f.get("strategy"), json.dumps(f.get("options", {}), sort_keys=True))
+            for f in read_jsonl(job.dir.file(FUSE)) if f.get("kind") == "fuse"}
+    return [n for n in job.names if (n, json.dumps(job.options[n], sort_keys=True)) not in done]
 
 
 def fuse_runs(dirs: list[str], strategies: str, round_: int | None = None,
-              plugins: list[str] | None = None) -> list[tuple[Path, list[dict]]]:
-    """Check every directory, then score the strategies (comma-separated) not yet fused in each; returns (dir, its
-    fuse records of those strategies)."""
+              plugins: list[str] | None = None, overrides: list[str] | None = None) -> list[tuple[Path, list[dict]]]:
+    """Check every directory, then score the strategies (comma-separated) not yet fused in each, with their
+    options given anew (`overrides`, server.strategies.<name>.<option>=VALUE); returns (dir, its fuse records of
+    those strategies)."""
     load_plugins(plugins or [], key="--plugin")
     names = parse_strategies(strategies)
-    jobs = [check(d, names, round_) for d in dirs]
+    options = strategy_overrides(overrides or [], names)
+    jobs = [check(d, names, round_, options) for d in dirs]
     out = []
     for job in jobs:
         with job.dir.lock(key=KEY):
@@ -154,5 +187,5 @@ def _score(job: FuseJob, names: list[str]) -> None:
         ev = server.evaluate(r, uploads, models, rules=(name,))
         # seconds: the clients' statistics, the strategy's build and its test pass
         rd.append([{"kind": "fuse", "strategy": name, "round": r, "acc": ev.record[f"acc_{name}"],
-                    "seconds": time.perf_counter() - t0,
+                    "seconds": time.perf_counter() - t0, **({"options": job.options[name]} if job.options[name] else {}),
                     **{f"{name}.{k}": v for k, v in ev.predictors[name].logs.items()}}], FUSE)

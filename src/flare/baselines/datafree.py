@@ -69,6 +69,9 @@ class DenseOptions(BaseModel):
     momentum: float = Field(0.9, ge=0, description="student SGD momentum")
     weight_decay: float = Field(0.0, ge=0, description="student SGD weight decay")
     cosine: bool = Field(False, description="cosine-anneal the student's learning rate over the epochs")
+    curve_every: int = Field(0, ge=0, description="score the student on the test set every this many epochs, "
+                             "for the record only (`curve`: accuracy against the server's budget; the best point is "
+                             "the references' test-selected epoch, reported as such, never used); 0: off")
     clip: float | None = Field(None, gt=0, description="gradient-norm clip of generator and student (null: none)")
     pool_size: int | None = Field(None, ge=1, description="keep the newest N synthetic images (null: all)")
     augment: bool = Field(True, description="crop (4-pixel padding) + flip of the images the student sees")
@@ -285,11 +288,15 @@ class Synthesis:
 
     def _run(self) -> tuple[nn.Module, dict[str, float]]:
         cost = Cost(self.dev)
+        curve: list[list[float]] = []  # [epoch, generator steps so far, test accuracy]
+        every = self.o.curve_every
         for epoch in range(self.o.epochs):
             self.synthesize()
             if self.coboost and epoch > 0:
                 self.reweight(epoch)
             self.distil()
+            if every and self.ctx.score is not None and ((epoch + 1) % every == 0 or epoch + 1 == self.o.epochs):
+                curve.append([epoch + 1, (epoch + 1) * self.o.g_steps, self.ctx.score(self.student)])
         self.student.eval().requires_grad_(False)
         n = len(self.g_losses)  # the generator restarts every epoch: its first and last steps, averaged
         logs = {**cost.logs(), "epochs": float(self.o.epochs), "g_loss_first": sum(g[0] for g in self.g_losses) / n,
@@ -298,6 +305,9 @@ class Synthesis:
                 "pool": float(self.pool_x.shape[0]), "pool_mb": self.pool_x.numel() / 2 ** 20}
         if self.coboost:
             logs.update(w_min=float(self.w.min()), w_max=float(self.w.max()))
+        if curve:
+            best = max(curve, key=lambda c: c[2])
+            logs.update(curve=curve, best_epoch=float(best[0]), best_epoch_acc=best[2])
         return self.student, logs
 
 

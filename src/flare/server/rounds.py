@@ -19,7 +19,7 @@ from flare.server.evaluator import check_predictor, evaluate_predictors
 from flare.server.extras import own_extras
 from flare.server.fusion import aggregation_weights
 from flare.server.protos import global_prototypes, mean_prototypes, train_global_prototypes
-from flare.server.strategy import ServerContext, make_strategy
+from flare.server.strategy import ModelPredictor, ServerContext, make_strategy
 from flare.server.upload import Upload
 
 
@@ -102,6 +102,32 @@ def eval_options(cfg: Config, r: int, amp_dtype=None, channels_last: bool = Fals
                 channels_last=channels_last, bn=cfg.eval.bn, shuffle_seed=_shuffle_seed(cfg, r), round_idx=r)
 
 
+def test_accuracy(model: torch.nn.Module, test_x: Tensor, test_y: Tensor, norm, *, batch_size: int,
+                  amp_dtype=None, channels_last: bool = False) -> float:
+    """One model's test accuracy with the batches, precision and layout a round's `ModelPredictor` is scored with
+    (`evaluate_predictors`), so a strategy's intermediate score is comparable with its final one; without the
+    client models' pass that evaluation also makes. The model is left in the mode it came in."""
+    was_training = model.training
+    model.eval()
+    amp = torch.autocast(device_type=test_x.device.type, dtype=amp_dtype) if amp_dtype is not None else None
+    correct = torch.zeros((), dtype=torch.long, device=test_x.device)
+    try:
+        with torch.no_grad():
+            for s in range(0, test_x.shape[0], batch_size):
+                x = norm(test_x[s:s + batch_size])
+                if channels_last:
+                    x = x.contiguous(memory_format=torch.channels_last)
+                if amp is not None:
+                    with amp:
+                        scores = ModelPredictor(model).scores(x)
+                else:
+                    scores = ModelPredictor(model).scores(x)
+                correct += (scores.argmax(1) == test_y[s:s + batch_size]).sum()
+    finally:
+        model.train(was_training)
+    return float(correct) / test_x.shape[0]
+
+
 def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[torch.nn.Module],
                      anchors: Tensor | None, test_x: Tensor | None, test_y: Tensor | None, norm, *,
                      amp_dtype=None, channels_last: bool = False, server_G: Tensor | None = None,
@@ -131,9 +157,11 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
     names = rules if rules is not None else rules_for(cfg, r)
     if test_x is None:
         names = tuple(n for n in names if n == prim)
+    score = None if test_x is None else (lambda model: test_accuracy(
+        model, test_x, test_y, norm, batch_size=cfg.test_batch_size, amp_dtype=amp_dtype, channels_last=channels_last))
     preds = {n: make_strategy(cfg, n).predictor(ServerContext(
         cfg, r, uploads, models, weights, G, anchors, states.setdefault(n, {}), own_extras(uploads, n), public_x,
-        norm, shape)) for n in names}
+        norm, shape, score)) for n in names}
     for n, p in preds.items():
         check_predictor(n, p, r)
     if test_x is not None:

@@ -36,7 +36,8 @@ class ServerContext:
     round, and `state`, the strategy's own dict kept across the rounds of one process (not in checkpoints).
     `extras[i]`: the statistics this strategy asked client i for (`Strategy.client_extras`), without the prefix.
     `public_x`: the server's unlabeled public slice (uint8 images, `dataset.public_size`; None without one) and
-    `normalize`, the run's uint8 → model-input map — for servers that distil or recalibrate on data."""
+    `normalize`, the run's uint8 → model-input map — for servers that distil or recalibrate on data. `score`: the
+    test accuracy of an intermediate model, for the record only."""
 
     cfg: Config
     round: int
@@ -50,6 +51,9 @@ class ServerContext:
     public_x: Tensor | None = None
     normalize: Callable[[Tensor], Tensor] | None = None
     input_shape: tuple[int, int, int] | None = None  # C×H×W of one input image (synthetic-data servers)
+    # the test accuracy of a model the strategy is still building, for a record of how it progressed (a curve of
+    # accuracy against the server's budget); a strategy must never choose with it. None without a test set.
+    score: Callable[[nn.Module], float] | None = None
 
     @property
     def device(self) -> torch.device:
