@@ -215,3 +215,59 @@ def test_committed_block_equals_the_records():
     papers = _papers()
     text = (ROOT / "docs" / "papers.md").read_text()
     assert papers.committed_block(text) == papers.render(papers.RESULTS)
+
+
+def test_render_budget_curve_and_pairing(tmp_path):
+    """A shortened data-free budget is stated against the paper's, its best test-curve epoch is the paper's-rule
+    column, the curve is drawn, and a table with `paired_with` prints its differences seed by seed."""
+    papers = _papers()
+    res, img = tmp_path / "res", tmp_path / "img"
+    spec = {"table": "t", "paper": "P", "alphas": [0.1], "seeds": [0, 1],
+            "columns": {"DENSE": {"method": "fedavg", "key": "fuse:dense", "paper_rule": "peak"},
+                        "FedAvg": {"method": "fedavg", "key": "acc_fedavg", "paper_rule": "final"}},
+            "published": {"DENSE": {0.1: 50.0}}}
+    (res / "t").mkdir(parents=True)
+    (res / "t" / "table.yaml").write_text(yaml.safe_dump(spec))
+    opts = {"epochs": 2, "curve_every": 1}
+    for s, accs in enumerate([(0.30, 0.40), (0.36, 0.34)]):
+        _fake_cell(res, "t", "fedavg", 0.1, s, [0.2 + s / 10])
+        d = res / "t" / f"fedavg-a0.1-s{s}"
+        curve = [[1, 30, accs[0]], [2, 60, accs[1]]]
+        recs = [{"kind": "fuse", "strategy": "dense", "acc": 0.99},  # the run's own budget: not the table's
+                {"kind": "fuse", "strategy": "dense", "acc": accs[1], "options": opts, "dense.curve": curve,
+                 "dense.best_epoch_acc": max(accs)}]
+        (d / "fuse.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        meta = json.loads((d / "cell.json").read_text())
+        (d / "cell.json").write_text(json.dumps({**meta, "fuse_options": {"dense": opts}}))
+        (d / "config.yaml").write_text(yaml.safe_dump({"server": {"strategies": {"dense": {"epochs": 200,
+                                                                                            "g_steps": 30}}}}))
+    other = {"table": "u", "paper": "P", "alphas": [0.1], "seeds": [0, 1],
+             "columns": {"FAFI": {"method": "fafi", "key": "acc_fedavg", "paper_rule": "final"}},
+             "paired_with": {"table": "t", "columns": ["FedAvg"]}}
+    (res / "u").mkdir()
+    (res / "u" / "table.yaml").write_text(yaml.safe_dump(other))
+    for s in (0, 1):
+        _fake_cell(res, "u", "fafi", 0.1, s, [0.5 + s / 10])
+    out = papers.render(res, img_dir=img)
+    dense = next(line for line in out.splitlines() if line.startswith("| DENSE"))
+    # final 40 and 34 → 37 ± 4.24; the best curve epochs 40 and 36 → 38 ± 2.83
+    assert "| 37.00 ± 4.24 | 38.00 ± 2.83 (peak) | 50.00 | -13.00 |" in dense
+    assert "2 epochs × 30 generator steps = 60 (the paper's: 200 × 30 = 6,000) — **a shortened budget**" in out
+    assert (img / "papers-t-curve.png").stat().st_size > 0 and "(img/papers-t-curve.png)" in out
+    assert out == papers.render(res)  # the check renders the same text without drawing
+    # FAFI − FedAvg: seed 0 50 − 20, seed 1 60 − 30 → +30 ± 0
+    assert "| FAFI | FedAvg | 0.1 | 0,1 | +30.00 ± 0.00 | ±0.00 |" in out
+
+
+def test_a_cell_counts_as_fused_only_with_the_tables_server_options(tmp_path):
+    papers = _papers()
+    spec = papers.load_table(ROOT / "configs" / "papers" / "dense-fmnist.yaml")
+    cell = papers.cells(spec)[0]
+    args = papers.fuse_args(cell, "dense")
+    assert "server.strategies.dense.epochs=20" in args and "server.strategies.dense.curve_every=2" in args
+    (tmp_path / "fuse.jsonl").write_text(json.dumps({"kind": "fuse", "strategy": "dense", "acc": 0.5}) + "\n")
+    assert papers._key("dense", cell["fuse_options"]["dense"]) not in papers.fused(tmp_path)  # the run's budget
+    with (tmp_path / "fuse.jsonl").open("a") as f:
+        f.write(json.dumps({"kind": "fuse", "strategy": "dense", "acc": 0.4,
+                            "options": dict(reversed(list(cell["fuse_options"]["dense"].items())))}) + "\n")
+    assert papers._key("dense", cell["fuse_options"]["dense"]) in papers.fused(tmp_path)

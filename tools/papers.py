@@ -66,7 +66,8 @@ def cells(spec: dict) -> list[dict]:
                 cfg = _merge(spec["base"], m.get("config", {}))
                 cfg = _merge(cfg, {"preset": m["preset"], "seed": seed, "partition": {"alpha": alpha}})
                 out.append({"name": cell_name(method, alpha, seed), "method": method, "alpha": alpha, "seed": seed,
-                            "config": cfg, "fuse": list(m.get("fuse", []))})
+                            "config": cfg, "fuse": list(m.get("fuse", [])),
+                            "fuse_options": {k: dict(v) for k, v in (m.get("fuse_options") or {}).items()}})
     return out
 
 
@@ -80,7 +81,12 @@ def finished(run_dir: Path) -> bool:
         return False
 
 
+def _key(strategy: str, options: dict) -> str:
+    return strategy + json.dumps(options or {}, sort_keys=True)
+
+
 def fused(run_dir: Path) -> set[str]:
+    """The (strategy, options) pairs fused in a run or records directory, as `_key` strings."""
     f = run_dir / "fuse.jsonl"
     if not f.is_file():
         return set()
@@ -91,8 +97,14 @@ def fused(run_dir: Path) -> set[str]:
         except ValueError:
             continue
         if r.get("kind") == "fuse":
-            out.add(r.get("strategy"))
+            out.add(_key(r.get("strategy"), r.get("options")))
     return out
+
+
+def fuse_args(cell: dict, strategy: str) -> list[str]:
+    """`flare fuse`'s overrides for one strategy of a cell: the table's server options given at fuse time (a
+    shortened data-free budget, its curve) — they change what the server builds, never the clients."""
+    return [f"server.strategies.{strategy}.{k}={v}" for k, v in cell["fuse_options"].get(strategy, {}).items()]
 
 
 def copy_records(spec: dict, cell: dict, run_dir: Path, dest: Path) -> Path:
@@ -102,11 +114,12 @@ def copy_records(spec: dict, cell: dict, run_dir: Path, dest: Path) -> Path:
     for name in RECORDS:
         if (run_dir / name).is_file():
             shutil.copy2(run_dir / name, d / name)
-    meta = {k: cell[k] for k in ("method", "alpha", "seed", "fuse")}
+    meta = {k: cell[k] for k in ("method", "alpha", "seed", "fuse", "fuse_options")}
     meta["table"] = spec["table"]
     (d / "cell.json").write_text(json.dumps(meta, indent=1) + "\n")
     (dest / spec["table"] / "table.yaml").write_text(yaml.safe_dump(
-        {k: spec[k] for k in ("table", "paper", "alphas", "seeds", "columns", "published") if k in spec},
+        {k: spec[k] for k in ("table", "paper", "alphas", "seeds", "columns", "published", "paired_with")
+         if k in spec},
         sort_keys=False))
     return d
 
@@ -134,10 +147,11 @@ def _git_commit(paths: list[str], message: str, attempts: int = 20) -> None:
 
 
 def run(spec: dict, runs: Path, *, commit: bool, dry_run: bool, overrides: list[str], dest: Path = RESULTS,
-        defer: tuple[str, ...] = ()) -> int:
+        defer: tuple[str, ...] = (), fuse_only: bool = False) -> int:
     """Run every cell not yet recorded. `defer` names server strategies left for a later pass (the data-free
     servers cost hours per cell): the cell is recorded without them, and a pass without `defer` fuses them over
-    the kept run directory and records the cell again."""
+    the kept run directory and records the cell again. `fuse_only`: train nothing — only fuse the cells whose
+    clients have finished (a second process beside the one training)."""
     table_runs = runs / spec["table"]
     table_runs.mkdir(parents=True, exist_ok=True)
     log = table_runs / "progress.log"
@@ -146,7 +160,7 @@ def run(spec: dict, runs: Path, *, commit: bool, dry_run: bool, overrides: list[
         run_dir = table_runs / cell["name"]
         rec = dest / spec["table"] / cell["name"]
         todo_fuse = [f for f in cell["fuse"] if f not in defer]
-        done = (rec / "cell.json").is_file() and set(todo_fuse) <= fused(rec)
+        done = (rec / "cell.json").is_file() and {_key(f, cell["fuse_options"].get(f)) for f in todo_fuse} <= fused(rec)
         status = "recorded" if done else ("finished" if finished(run_dir) else
                                           "partial" if run_dir.exists() else "new")
         if dry_run:
@@ -155,19 +169,22 @@ def run(spec: dict, runs: Path, *, commit: bool, dry_run: bool, overrides: list[
         if done:
             _log(log, f"[{i}/{len(todo)}] {cell['name']}: recorded, skipped")
             continue
+        if fuse_only and not (rec / "cell.json").is_file():  # the training process records, then fuses it
+            continue
         cfg_path = table_runs / f"{cell['name']}.yaml"
         cfg_path.write_text(yaml.safe_dump(cell["config"], sort_keys=False))
         t0 = time.time()
-        _log(log, f"[{i}/{len(todo)}] {cell['name']}: {status}, training")
-        rc = subprocess.call(_flare("run", "--config", str(cfg_path), "--out", str(run_dir), *overrides), cwd=ROOT)
-        if rc != 0:
-            _log(log, f"[{i}/{len(todo)}] {cell['name']}: flare run exited {rc}; stopping")
-            return rc
+        if not fuse_only:
+            _log(log, f"[{i}/{len(todo)}] {cell['name']}: {status}, training")
+            rc = subprocess.call(_flare("run", "--config", str(cfg_path), "--out", str(run_dir), *overrides), cwd=ROOT)
+            if rc != 0:
+                _log(log, f"[{i}/{len(todo)}] {cell['name']}: flare run exited {rc}; stopping")
+                return rc
         for s in todo_fuse:
-            if s in fused(run_dir):
+            if _key(s, cell["fuse_options"].get(s)) in fused(run_dir):
                 continue
-            _log(log, f"[{i}/{len(todo)}] {cell['name']}: fusing {s}")
-            rc = subprocess.call(_flare("fuse", str(run_dir), "--strategies", s), cwd=ROOT)
+            _log(log, f"[{i}/{len(todo)}] {cell['name']}: fusing {s} {' '.join(fuse_args(cell, s))}")
+            rc = subprocess.call(_flare("fuse", str(run_dir), "--strategies", s, *fuse_args(cell, s)), cwd=ROOT)
             if rc != 0:
                 _log(log, f"[{i}/{len(todo)}] {cell['name']}: flare fuse {s} exited {rc}; stopping")
                 return rc
@@ -192,14 +209,25 @@ def _jsonl(path: Path) -> list[dict]:
     return out
 
 
+def fuse_records(cell_dir: Path, strategy: str) -> list[dict]:
+    """A cell's fuse records of one strategy, oldest first, with the cell's budget options only: the last is the
+    one the table reports."""
+    meta = json.loads((cell_dir / "cell.json").read_text()) if (cell_dir / "cell.json").is_file() else {}
+    want = (meta.get("fuse_options") or {}).get(strategy, {})
+    return [r for r in _jsonl(cell_dir / "fuse.jsonl") if r.get("kind") == "fuse" and r.get("strategy") == strategy
+            and (r.get("options") or {}) == want]
+
+
 def cell_value(cell_dir: Path, key: str, rule: str) -> float:
     """The accuracy (percent) of one column in one cell: `key` a round record's key (acc_fedavg, acc_output, acc)
     or `fuse:<strategy>`; `rule` final (the last round's / the fused model) or peak (the best evaluated round —
     a selection on the test set)."""
     if key.startswith("fuse:"):
-        vals = [r["acc"] for r in _jsonl(cell_dir / "fuse.jsonl")
-                if r.get("kind") == "fuse" and r.get("strategy") == key[5:]]
-        return 100 * float(vals[-1]) if vals else float("nan")
+        recs = fuse_records(cell_dir, key[5:])
+        if not recs:
+            return float("nan")
+        best = recs[-1].get(f"{key[5:]}.best_epoch_acc")  # a data-free server's best epoch on the test curve
+        return 100 * float(best if rule == "peak" and best is not None else recs[-1]["acc"])
     curve = [r.get(key) for r in _jsonl(cell_dir / "metrics.jsonl") if r.get("kind") == "round"]
     curve = [float(v) for v in curve if isinstance(v, (int, float))]
     if not curve:
@@ -225,8 +253,10 @@ def _ms(m: float, sd: float, n: int) -> str:
     return f"{m:.2f}" if n == 1 else f"{m:.2f} ± {sd:.2f}"
 
 
-def render(results: Path = RESULTS) -> str:
-    """The markdown block: per table, column and α, ours (final / the paper's rule) beside the printed number."""
+def render(results: Path = RESULTS, img_dir: Path | None = None) -> str:
+    """The markdown block: per table, column and α, ours (final / the paper's rule) beside the printed number; the
+    data-free servers' budgets and budget curves (figures drawn into `img_dir`; None: only named); FAFI and FLARE
+    paired by seed with the baselines of the table they share a setting with."""
     lines = []
     tables = sorted(p for p in results.iterdir() if (p / "table.yaml").is_file()) if results.is_dir() else []
     if not tables:
@@ -259,10 +289,117 @@ def render(results: Path = RESULTS) -> str:
                     inci = "—" if not math.isfinite(hf) else ("yes" if abs(mf - float(pub)) <= hf else "no")
                 lines.append(f"| {col} | {alpha:g} | {seeds or '—'} | {_ms(mf, sf, n)} | {rule_txt} | "
                              f"{'not found' if pub is None else f'{float(pub):.2f}'} | {diff} | {inci} |")
+        lines += budget_notes(spec, metas)
+        lines += paired_rows(spec, metas, results)
+        fig = curve_figure(spec, metas, img_dir)
+        if fig is not None:
+            lines += [f"![{spec['table']}: test accuracy against the data-free server's generator steps]"
+                      f"(img/{fig.name})", ""]
         lines.append("")
-    lines.append("final: the last round's model (or the fused model); peak: the best evaluated round, a selection "
-                 "on the test set. The difference and the CI use the final column.")
+    lines.append("final: the last round's model (or the fused model); peak: the best evaluated round (a data-free "
+                 "server: its best epoch on the test curve), a selection on the test set. The difference and the CI "
+                 "use the final column.")
     return "\n".join(lines) + "\n"
+
+
+def _cell_config(d: Path) -> dict:
+    return yaml.safe_load((d / "config.yaml").read_text()) if (d / "config.yaml").is_file() else {}
+
+
+def budget_notes(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
+    """One line per fused data-free server: the generator steps it ran (the fuse record's options over the cell's
+    config) against those of the cell's config, which are the paper's."""
+    out = []
+    for col, c in spec["columns"].items():
+        if not c["key"].startswith("fuse:"):
+            continue
+        name = c["key"][5:]
+        ran, paper = set(), set()
+        for d, m in metas:
+            if m["method"] != c["method"]:
+                continue
+            opts = _cell_config(d).get("server", {}).get("strategies", {}).get(name, {})
+            for r in fuse_records(d, name)[-1:]:
+                used = {**opts, **(r.get("options") or {})}
+                if "g_steps" in used or "g_steps" in opts:
+                    ran.add((used.get("epochs"), used.get("g_steps")))
+                    paper.add((opts.get("epochs"), opts.get("g_steps")))
+        for (e, g), (pe, pg) in zip(sorted(ran), sorted(paper)):
+            if None in (e, g, pe, pg):
+                continue
+            short = "" if (e, g) == (pe, pg) else " — **a shortened budget**; the curve below shows where it was heading"
+            out.append(f"{col}'s server: {e} epochs × {g} generator steps = {e * g:,} (the paper's: {pe} × {pg} = "
+                       f"{pe * pg:,}){short}.")
+    return out + ([""] if out else [])
+
+
+def curve_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | None) -> Path | None:
+    """Test accuracy against generator steps of each fused data-free server (the records' `<name>.curve`), one
+    line per α (the mean over the seeds) over thin per-seed lines; None when no record has a curve."""
+    curves: dict[tuple[str, float], list[list]] = {}
+    for col, c in spec["columns"].items():
+        if not c["key"].startswith("fuse:"):
+            continue
+        for d, m in metas:
+            if m["method"] != c["method"]:
+                continue
+            for r in fuse_records(d, c["key"][5:])[-1:]:
+                if r.get(f"{c['key'][5:]}.curve"):
+                    curves.setdefault((col, float(m["alpha"])), []).append(r[f"{c['key'][5:]}.curve"])
+    if not curves:
+        return None
+    out = Path(f"papers-{spec['table']}-curve.png")
+    if img_dir is None:  # the block names the figure; only `render` draws it
+        return out
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for i, ((col, alpha), cs) in enumerate(sorted(curves.items())):
+        colour = f"C{i}"
+        for cv in cs:
+            ax.plot([p[1] for p in cv], [100 * p[2] for p in cv], color=colour, lw=0.6, alpha=0.35)
+        n = min(len(cv) for cv in cs)
+        ax.plot([p[1] for p in cs[0][:n]], [100 * float(np.mean([cv[k][2] for cv in cs])) for k in range(n)],
+                color=colour, lw=2, label=f"{col}, α = {alpha:g} ({len(cs)} seed{'s' if len(cs) > 1 else ''})")
+    ax.set_xlabel("generator steps")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(f"{spec['table']}: the data-free server's student during its budget", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    img_dir.mkdir(parents=True, exist_ok=True)
+    fig.savefig(img_dir / out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def paired_rows(spec: dict, metas: list[tuple[Path, dict]], results: Path) -> list[str]:
+    """`paired_with: {table: T, columns: [...]}`: each of this table's columns minus each of T's, seed by seed
+    at the same α (the same partition and initial weights), final values: mean ± std and the 95 % half-width."""
+    pw = spec.get("paired_with")
+    if not pw or not (results / pw["table"] / "table.yaml").is_file():
+        return []
+    other = yaml.safe_load((results / pw["table"] / "table.yaml").read_text())
+    theirs = [(d, json.loads((d / "cell.json").read_text())) for d in sorted((results / pw["table"]).iterdir())
+              if (d / "cell.json").is_file()]
+    out = [f"Paired with {pw['table']} by seed (ours − theirs, final values):", "",
+           "| ours | theirs | α | seeds | mean difference ± std | 95 % half-width |", "| --- | --- | --- | --- | --- | --- |"]
+    for col, c in spec["columns"].items():
+        for ocol in pw["columns"]:
+            oc = other["columns"][ocol]
+            for alpha in spec["alphas"]:
+                mine = {m["seed"]: cell_value(d, c["key"], "final") for d, m in metas
+                        if m["method"] == c["method"] and float(m["alpha"]) == float(alpha)}
+                them = {m["seed"]: cell_value(d, oc["key"], "final") for d, m in theirs
+                        if m["method"] == oc["method"] and float(m["alpha"]) == float(alpha)}
+                seeds = sorted(k for k in mine.keys() & them.keys() if math.isfinite(mine[k]) and math.isfinite(them[k]))
+                mean, sd, hw, n = summarise([mine[k] - them[k] for k in seeds])
+                out.append(f"| {col} | {ocol} | {alpha:g} | {','.join(map(str, seeds)) or '—'} | "
+                           f"{'—' if n == 0 else (f'{mean:+.2f}' if n == 1 else f'{mean:+.2f} ± {sd:.2f}')} | "
+                           f"{'—' if not math.isfinite(hw) else f'±{hw:.2f}'} |")
+    return out + [""]
 
 
 def replace_block(text: str, body: str) -> str:
@@ -285,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--dry-run", action="store_true", help="list the cells and their status, run nothing")
     r.add_argument("--defer", action="append", default=[], metavar="STRATEGY",
                    help="leave this server strategy for a later pass; the cell is recorded without it")
+    r.add_argument("--fuse-only", action="store_true",
+                   help="train nothing: fuse (and record) only the cells whose clients have finished")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a flare override for every cell (a shortened budget: it lands in each cell's config)")
     g = sub.add_parser("render", help="rewrite docs/papers.md's block from results/papers/")
@@ -292,9 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.cmd == "run":
         return run(load_table(a.table), Path(a.runs), commit=a.commit, dry_run=a.dry_run, overrides=a.set,
-                   defer=tuple(a.defer))
+                   defer=tuple(a.defer), fuse_only=a.fuse_only)
     text = DOC.read_text()
-    body = render()
+    body = render(img_dir=None if a.check else DOC.parent / "img")
     if a.check:
         if committed_block(text) != body:
             print("papers: docs/papers.md's block differs from results/papers/ (run tools/papers.py render)")
