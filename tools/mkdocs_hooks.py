@@ -1,0 +1,28 @@
+"""Build-time hooks of the docs site (mkdocs.yml): the README is the site's front page, read from the checkout.
+
+The README is written for GitHub, where its links to the manual start with `docs/`; on the site it lives at the root
+of `docs/`, so those links lose the prefix. Generating the front page at build time, rather than keeping a copy in
+docs/, leaves one file to edit and nothing that can drift. Nothing here reaches the network.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from mkdocs.structure.files import File, Files
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+FRONT_PAGE = "index.md"
+
+
+def front_page(readme: str) -> str:
+    """The README as a page at the root of docs/: `](docs/x)` links become `](x)`."""
+    return re.sub(r"\]\(docs/", "](", readme)
+
+
+def on_files(files: Files, config) -> Files:
+    if files.get_file_from_path(FRONT_PAGE) is not None:
+        raise SystemExit(f"docs/{FRONT_PAGE} exists, but the front page is generated from README.md: remove it")
+    files.append(File.generated(config, FRONT_PAGE, content=front_page(README.read_text())))
+    return files
