@@ -47,3 +47,24 @@ def test_a_broken_link_or_anchor_fails_the_build(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode != 0
     assert "'method.md#no-such-heading'" in out and "'no-such-page.md'" in out, out
+
+
+def _hooks():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("mkdocs_hooks", ROOT / "tools" / "mkdocs_hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    return hooks
+
+
+def test_links_between_the_readme_and_the_manual_work_on_github_and_on_the_site():
+    """The README links `docs/x.md` (GitHub's view); on the site it is docs/index.md, so the prefix goes. A page links
+    the README as `../README.md` (GitHub's view); on the site that is the front page."""
+    hooks = _hooks()
+    assert hooks.front_page("[m](docs/method.md#x) ![f](docs/img/a.png) [r](results.md)") == \
+        "[m](method.md#x) ![f](img/a.png) [r](results.md)"
+    assert hooks.readme_links_to_front_page("[q](../README.md#quickstart)", "getting-started.md") == \
+        "[q](index.md#quickstart)"
+    assert hooks.readme_links_to_front_page("[q](../../README.md)", "results/index.md") == "[q](../index.md)"
+    # a README elsewhere (another folder's) is left alone
+    assert hooks.readme_links_to_front_page("[q](../README.md)", "results/index.md") == "[q](../README.md)"
