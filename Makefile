@@ -9,13 +9,13 @@ SEEDS ?= 1,2,3,4,5
 WORKERS ?= 2
 OUT ?= runs/main
 
-.PHONY: setup data run test test-fast federation clean
+.PHONY: setup data run test test-fast federation docs clean
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -qq -c constraints.txt -e '.[test,flower,sweep,baselines,zoo]'  # -qq: errors only
+	$(BIN)/python -m pip install -qq -c constraints.txt -e '.[test,flower,sweep,baselines,zoo,docs]'  # -qq: errors only
 	@touch $@
 
 # Fashion-MNIST from Debian's package when we can (root on Debian); otherwise say so and let the
@@ -46,8 +46,12 @@ test: setup data
 federation: setup data
 	$(BIN)/flare federate --preset fafi --clients 3 --local-data model.name=cnn rounds=2 dataset.train_subset=2000
 
+# The manual (mkdocs.yml) on http://127.0.0.1:8000, rebuilt as docs/, the README or the docstrings change.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
+
 test-fast: setup
 	$(BIN)/python -m pytest -q -x -n 2 -m "not slow" tests
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site

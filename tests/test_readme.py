@@ -1,4 +1,5 @@
-"""The README's generated blocks are current and untouched by hand (so docs cannot fall behind the code)."""
+"""The generated blocks of the README and the docs pages are current and untouched by hand (so docs cannot fall
+behind the code), each on its one page."""
 import importlib.util
 import json
 import shutil
@@ -13,22 +14,47 @@ spec.loader.exec_module(tool)
 README = (ROOT / "README.md").read_text()
 
 
+def page_text(block_id: str) -> str:
+    """The text of the page a block lives on."""
+    return (ROOT / tool.page_of(block_id)).read_text()
+
+
 def test_generated_blocks_are_current_and_untouched():
     for page in tool.pages():  # the README and every docs page a results block lives on
         assert tool.problems((ROOT / page).read_text(), page) == [], page
 
 
 def test_a_hand_edit_or_a_schema_change_is_caught():
-    sha, body = tool.blocks(README)["config-reference"]
-    edited = README.replace(body, body.replace("| `seed` | int | `1` |", "| `seed` | int | `2` |"))
-    assert any("edited by hand" in p for p in tool.problems(edited))
-    regenerated_with_a_row_less = tool.replace_block(README, "config-reference", "\n".join(body.splitlines()[:-1]))
-    assert any("stale" in p for p in tool.problems(regenerated_with_a_row_less))
+    page = tool.page_of("config-reference")
+    text = page_text("config-reference")
+    sha, body = tool.blocks(text)["config-reference"]
+    edited = text.replace(body, body.replace("| `seed` | int | `1` |", "| `seed` | int | `2` |"))
+    assert edited != text
+    assert any("edited by hand" in p for p in tool.problems(edited, page))
+    regenerated_with_a_row_less = tool.replace_block(text, "config-reference", "\n".join(body.splitlines()[:-1]))
+    assert any("stale" in p for p in tool.problems(regenerated_with_a_row_less, page))
+    assert any("missing" in p for p in tool.problems(text.replace("config-reference", "config-ref"), page))
 
 
 def test_every_preset_and_config_key_is_documented():
-    assert all(f"| `{p}` |" in README for p in tool.list_presets())
-    assert all(f"`{k}`" in README for k, *_ in tool.config_reference())
+    for block in ("presets", "methods"):  # the README's overview and the methods page's table
+        assert all(f"| `{p}` |" in page_text(block) for p in tool.list_presets()), block
+    assert all(f"`{k}`" in page_text("config-reference") for k, *_ in tool.config_reference())
+
+
+def test_a_block_lives_on_one_page_only():
+    """Moving a block is changing its page in tools/readme.py; a copy left on another page is refused."""
+    readme_with_a_copy = README + "\n" + "".join(
+        m[0] for m in tool.PATTERN.finditer(page_text("methods")) if m["id"] == "methods")
+    assert any("belongs on docs/methods.md" in p for p in tool.problems(readme_with_a_copy, "README.md"))
+
+
+def test_figure_links_are_relative_to_the_block_page():
+    """Renderers write figure links from the checkout's root; a block on docs/results/ reads them from ../img/."""
+    body = "![f](docs/img/x.png)\n"
+    assert tool.relink(body, "README.md") == body
+    assert tool.relink(body, "docs/results/heterogeneous.md") == "![f](../img/x.png)\n"
+    assert tool.relink(body, "docs/reproducibility.md") == "![f](img/x.png)\n"
 
 
 def test_readme_starts_with_the_two_commands():
@@ -68,8 +94,9 @@ def _round_records(path):
 
 def test_an_edited_record_or_a_block_from_older_runs_is_caught(tmp_path):
     block = tool.RESULTS["kernels"]
+    page = page_text("kernels")
     records = shutil.copytree(tool.records_of(block), tmp_path / "kernels")
-    _, body = tool.blocks(README)["kernels"]
+    _, body = tool.blocks(page)["kernels"]
     assert tool.render_block(block, records, copy_figures=False) == body
     # one record edited: the pinned run's last evaluated accuracy moves by a point
     metrics = records / "runs/readme/ux-pinned/metrics.jsonl"
@@ -79,9 +106,9 @@ def test_an_edited_record_or_a_block_from_older_runs_is_caught(tmp_path):
     metrics.write_text("".join(json.dumps(r) + "\n" for r in recs))
     assert tool.render_block(block, records, copy_figures=False) != body
     # a block whose numbers are not its records' (as if rendered from older runs), regenerated so its hash matches
-    older = tool.replace_block(README, "kernels", body.replace("| 32.70 |", "| 32.75 |"))
-    assert older != README and tool.blocks(older)["kernels"][0] == tool._digest(tool.blocks(older)["kernels"][1])
-    assert any("not what its records" in p for p in tool.problems(older))
+    older = tool.replace_block(page, "kernels", body.replace("| 32.70 |", "| 32.75 |"))
+    assert older != page and tool.blocks(older)["kernels"][0] == tool._digest(tool.blocks(older)["kernels"][1])
+    assert any("not what its records" in p for p in tool.problems(older, block.page))
 
 
 def test_records_are_what_a_block_renders_from_and_never_checkpoints(tmp_path, monkeypatch):

@@ -1,6 +1,8 @@
-"""Every generated block of the README, between markers, so that no table can drift from its source.
+"""Every generated block of the README and the docs pages, between markers, so that no table can drift from its
+source. Each block has one page (`Static.page`, `Results.page`): the README keeps the main job's; the rest live on
+the docs site's pages (docs/results/ for the results blocks), where `mkdocs build` shows them as they are.
 
-    python tools/readme.py                 # rewrite the static blocks (methods table, config reference)
+    python tools/readme.py                 # rewrite the static blocks (presets, methods table, config reference)
                                            # and re-render every results block from its records or runs
     python tools/readme.py --run main      # run a results block's commands first (finished runs are kept),
                                            # then copy what it renders from into results/main/
@@ -12,16 +14,16 @@
 A block is `<!-- BEGIN id sha=… -->` … `<!-- END id -->`; `sha` is a hash of its content, so a hand edit is
 caught. A results block shows the exact commands it ran, the table rendered from their run directories, and
 the machine it ran on (torch, threads, CPU): the same command gives the same digits only with the same torch
-build, thread count and CPU kernels (README, "Reproducibility").
+build, thread count and CPU kernels (docs/reproducibility.md).
 
 A hash only says the text is what the generator once wrote, not that it is what today's records say. So a block's
 records are committed: `--run` copies every file the block renders from (each command's `--out` directory and
 `> file`, the figures it shows, the machine facts of the run) into `results/<block>/`, under the same relative paths,
 keeping the runs' configs, partitions, metrics, fuse records, states and summaries but never checkpoints or plots.
 A block with a `results/<block>/` directory is rendered from it alone, and `--check` (the tests) renders it again
-and fails when the README's text differs — an edited record, or a block left from older runs. Converting a block
+and fails when the page's text differs — an edited record, or a block left from older runs. Converting a block
 that has no records yet (the long ones: baselines, heterogeneous, cpu-speed, ...) is
-`python tools/readme.py --run <block>` then committing `results/<block>/` with the README; if the block's numbers
+`python tools/readme.py --run <block>` then committing `results/<block>/` with its page; if the block's numbers
 changed, that is a finding to report before committing.
 """
 from __future__ import annotations
@@ -87,11 +89,28 @@ def methods_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+def methods_at_a_glance() -> str:
+    """Each preset with the notes' name and its one-line description: the README's overview of the methods."""
+    rows = ["| notes | preset | what it is |", "| --- | --- | --- |"]
+    for name, m in list_presets().items():
+        rows.append(f"| {m.get('notes_name', '')} | `{name}` | {' '.join(str(m.get('description', '')).split())} |")
+    return "\n".join(rows) + "\n"
+
+
 def config_table() -> str:
     return config_reference_markdown() + "\n"
 
 
-STATIC = {"methods": methods_table, "config-reference": config_table}
+@dataclass
+class Static:
+    """A block rendered from the code alone (presets, schema), and the page (relative to the checkout) holding it."""
+    render: Callable[[], str]
+    page: str
+
+
+STATIC = {"presets": Static(methods_at_a_glance, "README.md"),
+          "methods": Static(methods_table, "docs/methods.md"),
+          "config-reference": Static(config_table, "docs/configuration.md")}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -99,7 +118,7 @@ STATIC = {"methods": methods_table, "config-reference": config_table}
 
 
 OUT = ROOT / "runs" / "readme"   # logs and machine facts of each block's last --run
-IMG = ROOT / "docs" / "img"      # figures the README shows (copied from the run directories)
+IMG = ROOT / "docs" / "img"      # figures the blocks show (copied from the run directories)
 CIFAR = "../shared/data/cifar10-jpg.tar.gz"
 CIFAR_ARGS = f"dataset.name=cifar10 dataset.format=imagefolder dataset.root={CIFAR}"
 
@@ -137,7 +156,7 @@ def section_of(report: str, heading: str) -> Callable[[Path], str]:
 
 
 def reproduction(out: str) -> Callable[[Path], str]:
-    """The reproduction report's markdown, its headings moved under the README's section, its figure in docs/img."""
+    """The reproduction report's markdown, its headings moved under its page's section, its figure in docs/img."""
     def render(base: Path) -> str:
         md = reproduction_markdown(base / out, image_dir=IMG)
         md = re.sub(r"^(#+) ", lambda m: "#" * (len(m[1]) + 2) + " ", md, flags=re.M)
@@ -350,36 +369,43 @@ RESULTS = {r.id: r for r in [
              for a in (0.05, 0.5)],
             lambda base: "\n".join(f"α = {a}:\n\n" + compare_block(f"runs/readme/cifar-a{a}",
                                                                         ["fafi", "fedavg", "ensemble"])(base)
-                                   for a in (0.05, 0.5))),
+                                   for a in (0.05, 0.5)),
+            page="docs/results/cifar-baselines.md"),
     Results("alignment",
             [f"flare compare --presets {','.join(ALIGN_PRESETS)} {CIFAR_SMALL} partition.alpha=0.05 "
              "--out runs/readme/alignment"],
             compare_block("runs/readme/alignment", ALIGN_PRESETS),
             {"runs/readme/alignment/compare_diagnostics.png": "alignment-diagnostics.png",
-             "runs/readme/alignment/flare/plots/lambda.png": "flare-lambda.png"}),
+             "runs/readme/alignment/flare/plots/lambda.png": "flare-lambda.png"},
+            page="docs/results/alignment.md"),
     Results("paper-cpu",
             [f"flare paper --scale cpu --datasets cifar10 --only table1,ablation --data-root cifar10={CIFAR} "
              "--out runs/readme/paper-cpu"],
             section_of("runs/readme/paper-cpu/report/report.md", "Table 1"),
             {"runs/readme/paper-cpu/report/figure1_accuracy.png": "paper-cpu-figure1.png",
-             "runs/readme/paper-cpu/report/figure2_lambda_eff.png": "paper-cpu-figure2.png"}),
+             "runs/readme/paper-cpu/report/figure2_lambda_eff.png": "paper-cpu-figure2.png"},
+            page="docs/results/paper-cpu.md"),
     Results("reproduce-cpu",
             [f"flare paper --scale cpu --only reproduce --datasets cifar10 --data-root cifar10={CIFAR} "
              "--out runs/readme/reproduce-cpu"],
-            reproduction("runs/readme/reproduce-cpu")),
+            reproduction("runs/readme/reproduce-cpu"),
+            page="docs/results/reproduce-cpu.md"),
     Results("efficiency-cpu",
             ["python benchmarks/efficiency.py model.name=resnet18 model.width=0.25 --steps 6 --repeats 2 "
              "> runs/readme/efficiency-resnet18.out",
              "python benchmarks/efficiency.py model.name=cnn model.width=1.0 --steps 6 --repeats 2 "
              "> runs/readme/efficiency-cnn.out"],
-            efficiency_table),
+            efficiency_table,
+            page="docs/results/efficiency-cpu.md"),
     Results("kernels",
             [f"{UX} --out runs/readme/ux-pinned", f"{UX} cpu_isa=native --out runs/readme/ux-native"],
-            kernels_table({"default": "runs/readme/ux-pinned", "`cpu_isa=native`": "runs/readme/ux-native"})),
+            kernels_table({"default": "runs/readme/ux-pinned", "`cpu_isa=native`": "runs/readme/ux-native"}),
+            page="docs/results/kernels.md"),
     Results("cpu-speed",
             [f"python benchmarks/cpu_profile.py --data-root {CIFAR} --out runs/readme/cpu-speed > "
              "runs/readme/cpu-speed.md"],
-            file_text("runs/readme/cpu-speed.md")),
+            file_text("runs/readme/cpu-speed.md"),
+            page="docs/results/cpu-speed.md"),
     Results("baselines",
             [cmd for a in (0.05, 0.5) for cmd in (
                 f"flare compare --presets {','.join(BASELINE_PRESETS)} --seeds 1,2,3 {BASELINE_ARGS} "
@@ -387,7 +413,8 @@ RESULTS = {r.id: r for r in [
                 f"flare fuse runs/readme/baselines-a{a}/*/seed=* --strategies {','.join(BASELINE_STRATEGIES)}",
                 f"flare compare --presets {','.join(BNBATCH_PRESETS)} --seeds 1,2,3 {BASELINE_ARGS} partition.alpha={a} "
                 f"eval.bn=batch --out runs/readme/baselines-a{a}-bnbatch")],
-            baselines_block),
+            baselines_block,
+            page="docs/results/baselines.md"),
     Results("heterogeneous",
             [f"flare compare --config configs/heterogeneous.yaml --presets {','.join(HETERO_PRESETS)} --seeds 1,2,3 "
              "--out runs/readme/hetero-mixed",
@@ -396,12 +423,14 @@ RESULTS = {r.id: r for r in [
              "flare fuse runs/readme/hetero-*/ensemble/seed=* --strategies feddf,dense,coboosting,bnrecal",
              "flare fuse runs/readme/hetero-*/fafi/seed=* runs/readme/hetero-*/etf-anneal/seed=* "
              "runs/readme/hetero-*/flare/seed=* --strategies bnrecal"],
-            heterogeneous_block),
-    # The one deselected test checks the README's blocks, this one included: it cannot pass before this block exists.
+            heterogeneous_block,
+            page="docs/results/heterogeneous.md"),
+    # The one deselected test checks every page's blocks, this one included: it cannot pass before this block exists.
     Results("tests", ["python -m pytest -q -p no:cacheprovider -n 2 -m 'not slow' tests "
                       "--deselect tests/test_readme.py::test_generated_blocks_are_current_and_untouched "
                       "> runs/readme/tests.log"],
-            pytest_summary),
+            pytest_summary,
+            page="docs/results/tests.md"),
 ]}
 
 
@@ -438,7 +467,7 @@ def run_block(block: Results) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# committed records: results/<block>/ holds the files a block is rendered from, so the README can be rebuilt
+# committed records: results/<block>/ holds the files a block is rendered from, so its page can be rebuilt
 
 
 RESULTS_DIR = ROOT / "results"
@@ -514,12 +543,19 @@ def run_kernels(block: Results, base: Path) -> list[str]:
     return sorted(found)
 
 
+def relink(body: str, page: str) -> str:
+    """A body's figure links as its page needs them: renderers write them relative to the checkout (docs/img/…),
+    which is right for the README only; a block on a docs page reads them relative to that page (../img/…)."""
+    rel = Path(os.path.relpath(IMG, (ROOT / page).parent)).as_posix()
+    return body.replace(f"]({IMG.relative_to(ROOT).as_posix()}/", f"]({rel}/")
+
+
 def render_block(block: Results, base: Path | None = None, copy_figures: bool = True) -> str:
     """The block's text from the files under `base` (default: its records if committed, else the checkout's runs);
     the figures it shows are copied into docs/img (not by a check, which compares them instead: `problems`)."""
     base = base_of(block) if base is None else base
     facts = json.loads((base / OUT.relative_to(ROOT) / f"{block.id}.json").read_text())
-    body = block.render(base)
+    body = relink(block.render(base), block.page)
     for src, name in block.figures.items() if copy_figures else ():
         IMG.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(base / src, IMG / name)
@@ -535,7 +571,7 @@ def render_block(block: Results, base: Path | None = None, copy_figures: bool = 
 
 
 # ----------------------------------------------------------------------------------------------
-# the README
+# the pages
 
 
 def blocks(text: str) -> dict[str, tuple[str, str]]:
@@ -554,8 +590,14 @@ def replace_block(text: str, block_id: str, body: str) -> str:
 
 
 def pages() -> list[str]:
-    """Every file that holds generated blocks: the README and the docs pages results blocks name."""
-    return list(dict.fromkeys(["README.md", *(b.page for b in RESULTS.values())]))
+    """Every file that holds generated blocks: the README and the docs pages the blocks name."""
+    return list(dict.fromkeys(["README.md", *(b.page for b in (*STATIC.values(), *RESULTS.values()))]))
+
+
+def page_of(block_id: str) -> str | None:
+    """The one page a block belongs on (None for an id the generator does not know)."""
+    block = STATIC.get(block_id) or RESULTS.get(block_id)
+    return block.page if block else None
 
 
 def problems(text: str, page: str = "README.md") -> list[str]:
@@ -563,14 +605,16 @@ def problems(text: str, page: str = "README.md") -> list[str]:
     that differ from what their committed records render to (records edited, or a block left from older runs) —
     of one page (`text` is its content)."""
     found = blocks(text)
-    out = [f"block '{b}' is missing" for b in STATIC if b not in found] if page == "README.md" else []
+    out = [f"block '{b}' is missing" for b in STATIC if b not in found and STATIC[b].page == page]
+    # one place per fact: a block copied onto a second page would be checked in neither's name
+    out += [f"block '{b}' belongs on {page_of(b)}, not here" for b in found if page_of(b) not in (page, None)]
     out += [f"block '{b}' has records in {records_of(RESULTS[b]).relative_to(ROOT)}/ but no place in {page}"
             for b in recorded() if b not in found and RESULTS[b].page == page]
     for b, (sha, body) in found.items():
         if sha != _digest(body):
             out.append(f"block '{b}' was edited by hand (its hash does not match): regenerate it with "
                        f"`python tools/readme.py{' --run ' + b if b not in STATIC else ''}`")
-        elif b in STATIC and body != STATIC[b]():
+        elif b in STATIC and body != STATIC[b].render():
             out.append(f"block '{b}' is stale: run `python tools/readme.py`")
         elif b in recorded():
             block, base = RESULTS[b], records_of(RESULTS[b])
@@ -623,9 +667,9 @@ def main(argv=None) -> int:
             run_block(RESULTS[i])
     for page in pages():  # read now: a page may have been edited while the blocks ran
         text = (ROOT / page).read_text()
-        if page == "README.md":
-            for b, render in STATIC.items():
-                text = replace_block(text, b, render())
+        for b, static in STATIC.items():
+            if static.page == page:
+                text = replace_block(text, b, static.render())
         for b in RESULTS.values():
             if b.page != page:
                 continue

@@ -117,12 +117,12 @@ def check(level: str) -> tuple[str, str | None]:
     if got != spec[2]:
         return got, (f"cpu_isa={level} asked for {spec[2]} kernels, but torch dispatches to {got} in this process "
                      "(the CPU lacks that level, or a tensor operation ran before the run pinned it); digits can "
-                     "differ from the README's")
+                     "differ from the documented tables'")
     mkl = mkl_mode()
     if mkl not in ("no MKL", spec[3]):
         return got, (f"cpu_isa={level} asked MKL for its {spec[3]} branch, but MKL runs {mkl} in this process "
                      "(a matrix product ran before the run pinned it, or MKL_CBWR was changed after); the linear "
-                     "layers' digits can differ from the README's")
+                     "layers' digits can differ from the documented tables'")
     return got, None
 
 

@@ -206,11 +206,11 @@ def _explain(err: ValidationError) -> FlareError:
         if e["type"] == "extra_forbidden":
             close = difflib.get_close_matches(key, known, n=1)
             lines.append(f"unknown key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
-            fix = fix or "remove it or correct its spelling; README's config reference lists every key."
+            fix = fix or "remove it or correct its spelling; docs/configuration.md (or `flare config-reference`) lists every key."
         else:
             msg = e["msg"].removeprefix("Value error, ")
             lines.append(f"{msg}" if isinstance(cause, KeyedValueError) else f"{key}={e.get('input')!r}: {msg}")
-            fix = fix or "correct that value (README's config reference gives types and ranges)."
+            fix = fix or "correct that value (docs/configuration.md gives types and ranges)."
     return FlareError("invalid configuration: " + "; ".join(lines) + ".", key=first_key, fix=fix)
 
 
@@ -290,7 +290,7 @@ def config_to_yaml(cfg: Config) -> str:
 
 
 def config_reference() -> list[tuple[str, str, str, str]]:
-    """(key, type, default, description) for every key — the README's config table is built from this."""
+    """(key, type, default, description) for every key — docs/configuration.md's table is built from this."""
     rows = []
 
     def walk(model: type[BaseModel], inst: BaseModel, prefix: str):
@@ -309,7 +309,7 @@ def config_reference() -> list[tuple[str, str, str, str]]:
 
 
 def config_reference_markdown() -> str:
-    """The table `flare config-reference` prints and the README embeds."""
+    """The table `flare config-reference` prints and docs/configuration.md embeds."""
     rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     for k, t, d, desc in config_reference():
         rows.append(f"| `{k}` | {t.replace('|', chr(92) + '|')} | `{d}` | {desc} |")

@@ -62,7 +62,7 @@ MAX_BANK_SIZE = 1 << 20  # features a memory bank keeps (bank_size × d floats p
 MAX_CLIENTS = 1 << 20  # K: one architecture, one partition slot and one model per client are made as it stands
 
 # `speed=fast`: the CPU speed switches at once, each also its own key (a key the config sets itself wins). Never a
-# default: it changes digits (native kernels, bf16) and what is evaluated (README, "Performance").
+# default: it changes digits (native kernels, bf16) and what is evaluated (docs/results/cpu-speed.md).
 SPEED_FAST = {"cpu_isa": "native", "amp": "bf16", "cpu_channels_last": True,
               "eval": {"every": 5, "rules": ["primary"]}}
 
