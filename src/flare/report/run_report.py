@@ -31,8 +31,10 @@ def summary_markdown(run: RunData) -> str:
         f"- protocol: `{run.protocol}` (config/protocol.py; docs/reproduction.md lists what each item changes)",
         f"- status: {run.state.get('status', 'unknown')}, rounds done: {run.state.get('rounds_done', len(rounds))}",
         f"- computed with: {run.backend}",
-        "",
     ]
+    if run.speed_choice:
+        lines.append(f"- speed=fast's choice: {run.speed_choice}")
+    lines.append("")
     if rounds:
         primary = rounds[-1].get("primary", "feature")
         lines += ["## Accuracy of every global predictor", "",
