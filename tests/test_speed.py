@@ -138,3 +138,14 @@ def test_the_exact_profile_is_measured_in_its_own_process():
     cfg = fast_cfg()
     spec = speed.ProbeSpec(cfg.model_dump(mode="json"), SHAPE, 10, 8, 1)
     assert speed.measure_exact(spec, "avx2") > 0
+
+
+def test_a_fast_run_records_its_choice_in_state_and_summary(tiny_overrides, tmp_path):
+    from flare.cli import main
+    out = tmp_path / "r"
+    tiny = [o for o in tiny_overrides if not o.startswith("rounds=")]
+    assert main(["run", "--preset", "fafi", *tiny, "rounds=1", "speed=fast", "--out", str(out), "--quiet"]) == 0
+    choice = json.loads((out / "state.json").read_text())["backend"]["speed_choice"]
+    assert set(choice["samples_per_s"]) >= {"exact", "fp32", "fp32 NHWC"} and choice["probe"]["images_per_step"] == 32
+    assert all(v > 0 for v in choice["samples_per_s"].values())
+    assert "speed=fast's choice: speed=fast runs" in (out / "summary.md").read_text()
