@@ -139,7 +139,7 @@ def bf16_supported(cpuinfo: str = "/proc/cpuinfo") -> bool:
     bf16 there: a ResNet-18 round took 513 s instead of 313 s in fp32 on such an Intel Xeon). Where there is no
     /proc/cpuinfo (not Linux), torch's answer stands."""
     import torch  # lazy: see kernels()
-    from flare.speed import read_cpu  # lazy: it is importable before torch too, but `pin` users need none of it
+    from flare.speed import read_cpu  # lazy: it imports torch and the models; `pin` must load before torch
     facts = read_cpu(cpuinfo)
     if facts.flags:
         hw = facts.native_bf16

@@ -28,6 +28,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+
+from flare import cpu
+from flare.config import Config
+from flare.config.architectures import server_architecture
+from flare.durable import atomic_write_text
+from flare.models import create_architecture
+
 PROBE_VERSION = 1
 MARGIN = 0.05          # a candidate must beat plain fp32 by 5 % (the probe's noise on a shared 2-core VM is ~3 %)
 # Images per timed step: the run's own step (2·batch: two views) up to this. Not fewer: on the AMD EPYC VM
@@ -153,8 +162,6 @@ def step_rate(model, images: int, shape: tuple, num_classes: int, bf16: bool, ch
     input, fastest of `steps` after one warm-up — the kernels alone, without augmentation or the method's loss.
     `beat`: the best rate measured so far; a step slower than it by `GIVE_UP` ends the timing (a clear loser
     need not be timed twice). The model is trained in place: pass a copy."""
-    import torch
-    import torch.nn.functional as F
     gen = torch.Generator().manual_seed(0)  # its own stream: the run's seeded generator is not touched
     x = torch.randn((images, *shape), generator=gen)
     y = torch.randint(0, num_classes, (images,), generator=gen)
@@ -189,10 +196,6 @@ class ProbeSpec:
     steps: int = PROBE_STEPS
 
     def model(self):
-        import torch
-        from flare.config import Config
-        from flare.config.architectures import server_architecture
-        from flare.models import create_architecture
         cfg = Config.model_validate(self.config)
         with torch.random.fork_rng(devices=[]):  # the run's own init draws must not move
             torch.manual_seed(0)
@@ -200,8 +203,6 @@ class ProbeSpec:
                                        cfg.model.feature_dim, checkpoint=False), cfg.lr
 
     def model_key(self) -> dict:
-        from flare.config import Config
-        from flare.config.architectures import server_architecture
         a = server_architecture(Config.model_validate(self.config))
         cfg = Config.model_validate(self.config)
         return {"arch": repr(a), "head": cfg.head, "feature_dim": cfg.model.feature_dim, "shape": list(self.shape),
@@ -216,7 +217,6 @@ def measure_here(spec: ProbeSpec, cand: Candidate, beat: float = 0.0) -> float:
 
 def measure_exact(spec: ProbeSpec, level: str) -> float:
     """The exact profile's step in a child process pinned to `level` (the kernel level is fixed per process)."""
-    from flare import cpu
     env = {k: v for k, v in os.environ.items() if k not in (*cpu._ENV, cpu._MARK)}
     env["FLARE_CPU_ISA"] = level
     payload = json.dumps({"config": spec.config, "shape": list(spec.shape), "num_classes": spec.num_classes,
@@ -236,7 +236,6 @@ def cache_path() -> Path:
 
 
 def cache_key(cpu: CpuFacts, spec: ProbeSpec, cands: list[Candidate], exact_level: str) -> tuple[str, dict]:
-    import torch
     fields = {"version": PROBE_VERSION, "cpu": cpu.model, "flags": sorted(cpu.flags), "torch": torch.__version__,
               "threads": torch.get_num_threads(), "kernels": str(torch.backends.cpu.get_cpu_capability()),
               "exact_level": exact_level, "candidates": [c.name for c in cands], **spec.model_key()}
@@ -275,7 +274,6 @@ def probe(spec: ProbeSpec, cands: list[Candidate], exact_level: str, cpu: CpuFac
         entries[key] = {"key": fields, "figures": figures, "seconds": round(time.perf_counter() - t, 1),
                         "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
         try:
-            from flare.durable import atomic_write_text
             cache.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(cache, json.dumps(entries, indent=1, sort_keys=True))
         except OSError:
