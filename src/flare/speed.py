@@ -39,10 +39,11 @@ from flare.models import create_architecture
 
 PROBE_VERSION = 1
 MARGIN = 0.05          # a candidate must beat plain fp32 by 5 % (the probe's noise on a shared 2-core VM is ~3 %)
-# Images per timed step: the run's own step (2·batch: two views) up to this. Not fewer: on the AMD EPYC VM
-# ResNet-18's fp32 NCHW step ran 15.6 samples/s at 128 images and 35.8 at 1024 while bf16 NHWC stayed flat (109
-# and 98), so a small probe batch would misjudge the candidates against each other.
-PROBE_IMAGES = 1024
+# Images per timed step: the run's own step (2·batch: two views) up to this. A trade-off: at the full 1,024 the
+# first probe of a ResNet-18 cost more than a one-round run's training (five candidates, a warm-up each), which a
+# profile that must never be slower than exact cannot afford; smaller steps can misjudge a layout whose speed grows
+# with the batch (fp32 NCHW did, on a loaded VM), which the margin and the summary's figures leave visible.
+PROBE_IMAGES = 256
 PROBE_STEPS = 2        # timed steps per candidate after one warm-up step; the fastest counts
 GIVE_UP = 1.5          # a candidate whose timed step took this many times the best step so far is not timed again
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
