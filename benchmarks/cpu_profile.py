@@ -1,16 +1,22 @@
-"""The CPU path, exact against fast, side by side with the reference code (docs/performance.md).
+"""The CPU path, exact against fast against the bare kernels, on this machine (docs/performance.md).
 
-The setting the reference's `OursV4` was timed in (453.5 s wall on a 2-core AVX512 VM, 2 threads): FAFI,
-CIFAR-10 export, a stratified 5,000 / 1,000 subset, ResNet-18, 5 clients, α = 0.05, batch 512, one round. Each
-profile runs as its own `flare run` process (the CPU kernel level is fixed per process), so the wall time is
-what a user waits for: start-up, data (from the decode cache), training, evaluation, report.
+The setting the reference's `OursV4` was timed in (453.5 s wall on a 2-core AMD EPYC VM with AVX512 and native
+bf16, 2 threads): FAFI, CIFAR-10 export, a stratified 5,000 / 1,000 subset, ResNet-18, 5 clients, α = 0.05, batch
+512, one round. Each profile runs as its own `flare run` process (the CPU kernel level is fixed per process), so
+the wall time is what a user waits for: start-up, data (from the decode cache), speed=fast's probe (once per
+machine and model: its figures are cached), training, evaluation, report.
 
     python benchmarks/cpu_profile.py --data-root ../shared/data/cifar10-jpg.tar.gz
     python benchmarks/cpu_profile.py --data-root ... --profile "bf16 only=amp=bf16 cpu_isa=native"  # add one
+    python benchmarks/cpu_profile.py --data-root ... --train-subset 1000 --test-subset 200 --set model.width=0.25
 
-Prints a markdown table: wall, training and evaluation seconds, the kernels torch dispatched to, the precision,
-the speed-up over `exact`, and over the reference's recorded wall time (not re-run here: it is the issue's
-measurement on this VM type; our `exact` profile is the like-for-like check of that number).
+Prints, with the CPU named (its model and whether it has native bf16): a table per profile — wall, training and
+evaluation seconds, the kernels, precision and layout it ran, its training throughput against the bare-kernel
+probe's figure for the same configuration (speed=fast's probe: forward, CE, backward and SGD on random input at
+the run's batch, flare/speed.py), and the speed-up over `exact`; then the probe's figures for every candidate, what
+speed=fast chose and why; then the exact profile's evaluation seconds per shared pass and per rule. The reference's
+recorded wall time is shown only for its own setting (no --set, the 5,000 / 1,000 subset), and is an AMD EPYC
+figure: on another CPU compare with the reference timed there.
 """
 from __future__ import annotations
 
@@ -22,6 +28,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import yaml
+
+from flare.speed import read_cpu
 
 REFERENCE_SECONDS = 453.5  # the reference's OursV4, same setting, same VM type
 SETTING = ["--preset", "fafi", "dataset.name=cifar10", "dataset.format=imagefolder", "model.name=resnet18",
@@ -36,7 +46,7 @@ PROFILES = {
 def run_profile(name: str, extra: list[str], args, out: Path) -> dict:
     d = out / name
     cmd = [sys.executable, "-m", "flare.cli", "run", *SETTING, f"dataset.root={args.data_root}",
-           f"dataset.train_subset={args.train_subset}", f"dataset.test_subset={args.test_subset}", *extra,
+           f"dataset.train_subset={args.train_subset}", f"dataset.test_subset={args.test_subset}", *args.set, *extra,
            "--out", str(d), "--quiet"]
     env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
                                                             "FLARE_CPU_ISA_PINNED")}
@@ -48,9 +58,22 @@ def run_profile(name: str, extra: list[str], args, out: Path) -> dict:
     recs = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines()]
     rnd = [x for x in recs if x["kind"] == "round"][-1]
     st = json.loads((d / "state.json").read_text())
+    cfg = yaml.safe_load((d / "config.yaml").read_text())
+    images = 2 * cfg.get("local_epochs", 1) * sum(x["num_samples"] for x in recs if x["kind"] == "client")
     return {"profile": name, "settings": " ".join(extra) or "(defaults)", "wall": wall,
             "train": rnd.get("seconds_train"), "eval": rnd.get("seconds_eval"), "acc": rnd.get("acc"),
+            "train_rate": images / rnd["seconds_train"], "eval_parts": rnd.get("seconds_eval_parts") or {},
+            "eval_rules": rnd.get("seconds_eval_rules") or {},
             "backend": st.get("backend", {}), "warnings": st.get("warnings", [])}
+
+
+def probe_rate(row: dict, choice: dict) -> float | None:
+    """The bare-kernel probe's samples/s for the configuration a profile ran (from speed=fast's probe)."""
+    b, rates = row["backend"], choice.get("samples_per_s", {})
+    if b.get("cpu_kernels") == "AVX2" and b.get("amp") == "off" and not b.get("channels_last"):
+        return rates.get("exact")
+    name = ("bf16" if b.get("amp") == "bf16" else "fp32") + (" NHWC" if b.get("channels_last") else "")
+    return rates.get(name)
 
 
 def main(argv=None) -> int:
@@ -61,6 +84,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="runs/bench-cpu-profile", help="run directories (replaced)")
     ap.add_argument("--profile", action="append", default=[], metavar="NAME=KEY=VALUE ...",
                     help="another profile: a name, '=', then overrides separated by spaces")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="overrides for every profile (a smaller setting; the reference's time is then not shown)")
     args = ap.parse_args(argv)
     profiles = dict(PROFILES)
     for p in args.profile:
@@ -78,17 +103,42 @@ def main(argv=None) -> int:
         raise SystemExit(f"cannot read the dataset: {warm.stderr}")
     rows = [run_profile(n, x, args, out) for n, x in profiles.items()]
     base = rows[0]["wall"]
+    choice = next((r["backend"]["speed_choice"] for r in rows if r["backend"].get("speed_choice")), {})
+    own = args.set == [] and (args.train_subset, args.test_subset) == (5000, 1000)
+    setting = " ".join(args.set)
+    print(f"CPU: {read_cpu().short}, {os.cpu_count()} cores; torch threads "
+          f"{os.environ.get('OMP_NUM_THREADS', 'default')}, each profile its own process.\n")
     print(f"FAFI, CIFAR-10 export {args.train_subset}/{args.test_subset}, ResNet-18, 5 clients, α = 0.05, batch 512, "
-          f"one round; torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}, each profile its own process.\n")
+          f"one round{'; ' + setting if setting else ''}.\n")
+    ref = f" over the reference ({REFERENCE_SECONDS} s, AMD EPYC) |" if own else ""
     print("| profile | settings | CPU kernels | amp | channels_last | rules evaluated | wall (s) | train (s) | "
-          "eval (s) | speed-up over exact | over the reference (453.5 s) | final acc (%) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          f"eval (s) | train (samples/s) | bare-kernel probe (samples/s) | train ÷ probe | speed-up over exact |{ref}")
+    print("| --- " * (13 + bool(ref)) + "|")
     for r in rows:
-        b = r["backend"]
-        print(f"| {r['profile']} | `{r['settings']}` | {b.get('cpu_kernels')} | {b.get('amp')} | "
-              f"{b.get('channels_last')} | {', '.join(b.get('eval_rules') or [])} | {r['wall']:.1f} | "
-              f"{r['train']:.1f} | {r['eval']:.1f} | {base / r['wall']:.2f}× | {REFERENCE_SECONDS / r['wall']:.2f}× | "
-              f"{100 * r['acc']:.2f} |")
+        b, bare = r["backend"], probe_rate(r, choice)
+        cells = [r["profile"], f"`{r['settings']}`", b.get("cpu_kernels"), b.get("amp"), b.get("channels_last"),
+                 ", ".join(b.get("eval_rules") or []), f"{r['wall']:.1f}", f"{r['train']:.1f}", f"{r['eval']:.1f}",
+                 f"{r['train_rate']:.1f}", f"{bare:.1f}" if bare else "—",
+                 f"{r['train_rate'] / bare:.2f}" if bare else "—", f"{base / r['wall']:.2f}×"]
+        cells += [f"{REFERENCE_SECONDS / r['wall']:.2f}×"] if own else []
+        print("| " + " | ".join(map(str, cells)) + " |")
+    if choice:
+        p = choice.get("probe", {})
+        when = "from the cache" if choice.get("cached") else f"measured in {p.get('seconds')} s"
+        print(f"\nspeed=fast's probe ({p.get('images_per_step')} images per step, fastest of {p.get('steps')} timed "
+              f"steps after a warm-up; exact = fp32 NCHW on {p.get('exact_level')} kernels, in its own process; "
+              f"{when}):\n")
+        print("| candidate | samples/s | ÷ exact |\n| --- | --- | --- |")
+        ex = choice["samples_per_s"].get("exact")
+        for k, v in choice["samples_per_s"].items():
+            print(f"| {k}{' (chosen)' if k == choice.get('chosen') else ''} | {v:.1f} | {v / ex:.2f} |")
+        print(f"\n{choice.get('statement')}.")
+    if rows[0]["eval_parts"]:
+        print(f"\nEvaluation of the {rows[0]['profile']} profile, {rows[0]['eval']:.1f} s: seconds per part, and what "
+              "each rule would cost alone (the shared passes it reads plus its own part):\n")
+        print("| part | seconds | rule alone (s) |\n| --- | --- | --- |")
+        for k, v in rows[0]["eval_parts"].items():
+            print(f"| {k} | {v:.2f} | {rows[0]['eval_rules'].get(k, '—')} |")
     for r in rows:
         for w in r["warnings"]:
             print(f"\n{r['profile']}: warning: {w}")

@@ -77,6 +77,19 @@ _FINISHED: dict[str, Path] = {}
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _speed_probe_cache(tmp_path_factory):
+    """speed=fast's probe figures (flare/speed.py) go to a temporary cache, never the user's ~/.cache/flare."""
+    import os
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _finished_runs_dir(tmp_path_factory):
     _FINISHED["dir"] = tmp_path_factory.mktemp("finished-runs")
 

@@ -136,10 +136,11 @@ def test_bf16_is_never_native_under_avx2_kernels(monkeypatch):
 def test_fast_profile_fills_its_items_and_an_explicit_key_wins():
     fast = load_config(None, "fafi", ["speed=fast"])
     assert (fast.cpu_isa, fast.amp, fast.cpu_channels_last, fast.eval.every, fast.eval.rules) == (
-        "native", "bf16", True, 5, ["primary"])
+        "native", "auto", "auto", 5, ["primary"])  # precision and layout: the probe's (tests/test_speed.py)
     assert rules_for(fast) == ("feature",)
-    mine = load_config(None, "fafi", ["speed=fast", "eval.every=1", "cpu_isa=avx2", "eval.rules=[feature,iffi]"])
-    assert (mine.eval.every, mine.cpu_isa, mine.amp) == (1, "avx2", "bf16")
+    mine = load_config(None, "fafi", ["speed=fast", "eval.every=1", "cpu_isa=avx2", "eval.rules=[feature,iffi]",
+                                      "amp=bf16", "cpu_channels_last=false"])
+    assert (mine.eval.every, mine.cpu_isa, mine.amp, mine.cpu_channels_last) == (1, "avx2", "bf16", False)
     assert rules_for(mine) == ("feature", "iffi")
     exact = load_config(None, "fafi", [])
     assert (exact.speed, exact.cpu_isa, exact.amp, exact.cpu_channels_last, exact.eval.every) == (

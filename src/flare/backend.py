@@ -1,12 +1,13 @@
 """Where and how a process computes: the device, the pinned CPU kernels, bf16 autocast and the memory layout,
-decided once per process from the config (`backend`) and recorded with the run (`Backend.facts`)."""
+decided once per process from the config (`backend`), under `speed=fast` on CPU settled by a measured probe once
+the model's input is known (`settle_speed`), and recorded with the run (`Backend.facts`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from flare import cpu
+from flare import cpu, speed
 from flare.config import Config
 from flare.errors import FlareError
 from flare.server.rounds import rules_for
@@ -40,7 +41,7 @@ def use_channels_last(cfg: Config, device: torch.device) -> bool:
     """NHWC pays off on GPUs (tensor cores); on CPU only where asked for (`cpu_channels_last`: oneDNN's NHWC
     convolutions, measured faster, other digits)."""
     if device.type == "cpu":
-        return cfg.cpu_channels_last
+        return cfg.cpu_channels_last is True  # "auto": NCHW unless speed=fast's probe chooses NHWC (settle_speed)
     return cfg.channels_last and device.type == "cuda"
 
 
@@ -53,11 +54,15 @@ class Backend:
     cpu_kernels: str
     warnings: list[str]
     mkl: str = "no MKL"
+    speed_choice: dict | None = None  # speed=fast on CPU: what the probe chose and its figures (flare/speed.py)
 
     def facts(self, cfg: Config) -> dict:
-        return {"speed": cfg.speed, "cpu_isa": cfg.cpu_isa, "cpu_kernels": self.cpu_kernels, "mkl": self.mkl,
-                "amp": "bf16" if self.amp_dtype == torch.bfloat16 else "off", "channels_last": self.channels_last,
-                "eval_every": cfg.eval.every, "eval_rules": list(rules_for(cfg))}
+        facts = {"speed": cfg.speed, "cpu_isa": cfg.cpu_isa, "cpu_kernels": self.cpu_kernels, "mkl": self.mkl,
+                 "amp": "bf16" if self.amp_dtype == torch.bfloat16 else "off", "channels_last": self.channels_last,
+                 "eval_every": cfg.eval.every, "eval_rules": list(rules_for(cfg))}
+        if self.speed_choice is not None:
+            facts["speed_choice"] = self.speed_choice
+        return facts
 
 
 def backend(cfg: Config, device: str | None = None) -> Backend:
@@ -83,3 +88,31 @@ def backend(cfg: Config, device: str | None = None) -> Backend:
         warns.append("client_engine=batched trains in NCHW (vmap cannot use an NHWC layout); channels_last applies "
                      "to evaluation only")
     return Backend(device, amp, cl, kernels, warns, cpu.mkl_mode())
+
+
+def settle_speed(be: Backend, cfg: Config, shape: tuple[int, int, int], num_classes: int, *, cpu_facts=None,
+                 measure=None, cache=None) -> Backend:
+    """`speed=fast` on CPU: the precision (amp=auto) and layout (cpu_channels_last=auto) the probe measures fastest
+    for the run's model at its input `shape` (flare/speed.py), never a candidate that does not beat plain fp32 by
+    the margin; the choice and its figures go into the run's facts. Anything else: `be` unchanged. `cpu_facts`,
+    `measure`, `cache`: injectable for tests."""
+    decide_amp, decide_layout = cfg.amp == "auto", cfg.cpu_channels_last == "auto"
+    if cfg.speed != "fast" or be.device.type != "cpu" or not (decide_amp or decide_layout):
+        return be
+    facts = cpu_facts or speed.read_cpu()
+    cands = speed.candidates(facts, decide_amp=decide_amp, decide_layout=decide_layout,
+                             bf16=be.amp_dtype == torch.bfloat16, channels_last=be.channels_last)
+    images = min(2 * cfg.batch_size, speed.PROBE_IMAGES)
+    spec = speed.ProbeSpec(cfg.model_dump(mode="json"), tuple(shape), num_classes, images)
+    try:
+        choice = speed.probe(spec, cands, cpu.DEFAULT_ISA, facts, measure, cache)
+    except RuntimeError as e:  # the child process of the exact profile failed: fall back to the floor, say so
+        be.warnings.append(f"speed=fast: the probe could not run ({e}); running {cands[1].name}")
+        be.amp_dtype, be.channels_last = (torch.bfloat16 if cands[1].bf16 else None), cands[1].channels_last
+        return be
+    be.amp_dtype = torch.bfloat16 if choice.candidate.bf16 else None
+    be.channels_last = choice.candidate.channels_last
+    be.speed_choice = choice.record()
+    if "slower than exact" in choice.statement:
+        be.warnings.append(choice.statement)
+    return be

@@ -118,6 +118,18 @@ class RunData:
                 f"{b.get('eval_every')} round(s) (the last always), rules: {rules}")
 
     @property
+    def speed_choice(self) -> str | None:
+        """speed=fast on CPU: what its probe chose and the figures it chose from, in one line (None otherwise)."""
+        c = (self.state.get("backend") or {}).get("speed_choice")
+        if not c:
+            return None
+        figures = ", ".join(f"{k} {v:.1f}" for k, v in c.get("samples_per_s", {}).items())
+        p = c.get("probe", {})
+        return (f"{c.get('statement')}. Probe on {c.get('cpu')}: {figures} samples/s ({p.get('images_per_step')} "
+                f"images per step, fastest of {p.get('steps')}; exact = fp32 NCHW on {p.get('exact_level')} kernels; "
+                f"{'from the cache, measured' if c.get('cached') else 'measured'} in {p.get('seconds')} s)")
+
+    @property
     def primary(self) -> str:
         return self.rounds[-1].get("primary", "feature") if self.rounds else "feature"
 

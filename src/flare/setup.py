@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from flare.backend import Backend, backend
+from flare.backend import Backend, backend, settle_speed
 from flare.client.terms.align import make_anchors
 from flare.client.terms.banks import build_public_bank, extension_factory
 from flare.client.trainer import Client, TrainContext
@@ -256,6 +256,9 @@ class ServerSetup:
             meta = DataMeta.from_json(Path(dataset_meta).read_text())
             warnings.append(f"the server has no dataset ({e.message}); it evaluates nothing and uses the dataset "
                             f"facts in {dataset_meta}.")
+        n_before = len(be.warnings)
+        settle_speed(be, cfg, (meta.in_channels, meta.image_size, meta.image_size), meta.num_classes)
+        warnings += be.warnings[n_before:]
         norm = normalizer(cfg, meta)
         model, inits = init_models(cfg, meta, device, channels_last=be.channels_last, checkpoints=checkpoints)
         anchors = run_anchors(cfg, meta.num_classes, model.feature_dim, device)

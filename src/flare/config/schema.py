@@ -62,9 +62,9 @@ MAX_BANK_SIZE = 1 << 20  # features a memory bank keeps (bank_size × d floats p
 MAX_CLIENTS = 1 << 20  # K: one architecture, one partition slot and one model per client are made as it stands
 
 # `speed=fast`: the CPU speed switches at once, each also its own key (a key the config sets itself wins). Never a
-# default: it changes digits (native kernels, bf16) and what is evaluated (docs/results/cpu-speed.md).
-SPEED_FAST = {"cpu_isa": "native", "amp": "bf16", "cpu_channels_last": True,
-              "eval": {"every": 5, "rules": ["primary"]}}
+# default: it changes digits (native kernels, maybe bf16) and what is evaluated (docs/performance.md). Precision
+# and layout are not filled: amp=auto and cpu_channels_last=auto leave them to the measured probe (flare/speed.py).
+SPEED_FAST = {"cpu_isa": "native", "cpu_channels_last": "auto", "eval": {"every": 5, "rules": ["primary"]}}
 
 
 def fill_speed(data):
@@ -226,16 +226,20 @@ class Config(Strict):
                                                "FAFI loader); a client with fewer than batch_size samples then "
                                                "trains no step")
     amp: Literal["auto", "off", "bf16"] = Field("auto", description="bf16 autocast: auto (on GPUs that support "
-                                                                    "it), off, bf16")
+                                                                    "it; on CPU under speed=fast where the probe "
+                                                                    "measures it faster), off, bf16")
     channels_last: bool = Field(True, description="NHWC layout on CUDA (ignored on CPU: see cpu_channels_last)")
-    cpu_channels_last: bool = Field(False, description="NHWC layout on CPU too (faster with oneDNN; other digits)")
+    cpu_channels_last: bool | Literal["auto"] = Field(
+        False, description="NHWC layout on CPU too (other digits): true, false, or auto (speed=fast's: NHWC where "
+                           "the probe measures it faster; false under speed=exact)")
     cpu_isa: Literal["avx2", "avx512", "default", "native"] = Field(
         "avx2", description="the instruction set torch's CPU kernels are pinned to (the digits follow it): avx2 "
                             "(every x86-64 machine here), avx512, default, or native (the CPU's best: faster, other "
                             "digits); flare/cpu.py")
     speed: Literal["exact", "fast"] = Field(
-        "exact", description="fast: cpu_isa=native, amp=bf16 (where the CPU has bf16), cpu_channels_last, "
-                             "eval.every=5, eval.rules=[primary] — each item the config does not set itself")
+        "exact", description="fast: cpu_isa=native, precision (fp32/bf16) and layout (NCHW/NHWC) chosen on CPU by "
+                             "a measured probe of the run's step (flare/speed.py), eval.every=5, "
+                             "eval.rules=[primary] — each item the config does not set itself")
     compile: bool = Field(False, description="torch.compile the client models (client_engine=batched: its "
                                              "batched step)")
     client_engine: ClientEngine = Field(

@@ -25,7 +25,7 @@ from flare.errors import FlareError
 from flare.models import create_architecture
 from flare.server.extras import ClientData, client_extras, extras_shapes
 from flare.server.rounds import evaluated_round, rules_for
-from flare.backend import backend
+from flare.backend import backend, settle_speed
 from flare.setup import DataMeta, client_context, prepare_data, split
 
 PROTOCOL_VERSION = 1
@@ -187,7 +187,8 @@ def client_train(task: Task, local: LocalData, init_state: dict[str, Tensor], re
     hist = local.class_histogram()
     if local.num_samples == 0:
         return ClientResult(local.cid, 0, hist, None, [], None)
-    be = backend(cfg, device)
+    be = settle_speed(backend(cfg, device), cfg, (meta.in_channels, meta.image_size, meta.image_size),
+                      meta.num_classes)
     arch = client_architecture(cfg, local.cid)  # its checkpoint, if any, is in init_state already
     model = create_architecture(arch, meta.in_channels, meta.num_classes, cfg.head, cfg.model.feature_dim,
                                 checkpoint=False)

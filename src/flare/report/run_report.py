@@ -31,8 +31,10 @@ def summary_markdown(run: RunData) -> str:
         f"- protocol: `{run.protocol}` (config/protocol.py; docs/reproduction.md lists what each item changes)",
         f"- status: {run.state.get('status', 'unknown')}, rounds done: {run.state.get('rounds_done', len(rounds))}",
         f"- computed with: {run.backend}",
-        "",
     ]
+    if run.speed_choice:
+        lines.append(f"- speed=fast's choice: {run.speed_choice}")
+    lines.append("")
     if rounds:
         primary = rounds[-1].get("primary", "feature")
         lines += ["## Accuracy of every global predictor", "",
@@ -55,6 +57,8 @@ def summary_markdown(run: RunData) -> str:
             lines += ["## What the server strategies measured at the last round", "",
                       "Their cost (seconds, MiB) and what they minimised, as each strategy logged it.", "",
                       "| strategy | numbers |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in own.items()] + [""]
+    if rounds and rounds[-1].get("seconds_eval_parts"):
+        lines += _eval_cost(rounds[-1])
     if run.fused:
         lines += ["## Server strategies over the saved uploads", "",
                   f"`flare fuse` over every client's state after round {run.fused[0].get('round', 0) + 1} "
@@ -76,6 +80,25 @@ def summary_markdown(run: RunData) -> str:
     if (run.dir / "plots" / "lambda.png").exists():
         lines += ["![lambda](plots/lambda.png)", ""]
     return "\n".join(lines)
+
+
+SHARED_PASSES = {"clients": "the K client models on the test set (every client rule, client_acc)",
+                 "noise": "the K client models on IFFI's noise input (iffi, iffi_reference)",
+                 "batch_bn": "eval.bn=batch's train-mode pass (the feature rules)"}
+
+
+def _eval_cost(rec: dict) -> list[str]:
+    """The last round's evaluation seconds, split into the shared passes and each rule's own part, and what each
+    rule would cost alone (rounds.rule_costs)."""
+    parts, alone = rec["seconds_eval_parts"], rec.get("seconds_eval_rules", {})
+    lines = ["## Evaluation cost at the last round", "",
+             f"{_f(rec.get('seconds_eval'), 2)} s in all (CPU host time). Shared passes are paid once for every rule "
+             "that reads them; a rule's own part is building its predictor and scoring.", "",
+             "| part | seconds | what |", "| --- | --- | --- |"]
+    lines += [f"| {k} | {v:.2f} | {SHARED_PASSES[k]} |" for k, v in parts.items() if k in SHARED_PASSES]
+    lines += [f"| {k} | {v:.2f} | rule {k}'s own part; alone it would cost {alone.get(k, v):.2f} s |"
+              for k, v in parts.items() if k not in SHARED_PASSES]
+    return lines + [""]
 
 
 def _strategy_logs(rec: dict) -> dict[str, str]:

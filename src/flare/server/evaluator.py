@@ -17,7 +17,7 @@ from torch import Tensor
 
 from flare.errors import FlareError
 from flare.registry import STRATEGIES
-from flare.server.fusion import client_outputs, snapshot_buffers
+from flare.server.fusion import Ticker, client_outputs, snapshot_buffers
 from flare.server.strategy import ClientPredictor, ModelPredictor, Predictor
 
 
@@ -52,7 +52,11 @@ def evaluate_predictors(models: list[torch.nn.Module], predictors: dict[str, Pre
                         test_y: Tensor, normalize, *, batch_size: int = 256, noise_seed: int = 0,
                         amp_dtype: torch.dtype | None = None, channels_last: bool = False, bn: str = "running",
                         shuffle_seed: int = 0, round_idx: int | None = None) -> dict:
-    """`acc_<name>` of every predictor plus `client_acc`, each client model alone (its own head).
+    """`acc_<name>` of every predictor plus `client_acc`, each client model alone (its own head), and on CPU
+    `seconds_eval_parts`: the seconds of the shared passes (`clients`: the K models on the test set, which every
+    client rule and client_acc read; `noise`: IFFI's noise pass; `batch_bn`: eval.bn=batch's train-mode pass) and
+    each predictor's own (its scoring; a model predictor's model pass). Off CPU it is left out: a device's
+    kernels run asynchronously, and timing them would mean a host sync per batch.
 
     `normalize` maps a uint8 batch to the model's input. The IFFI noise ε ~ N(0, I) has the input's shape and is
     drawn from its own seeded generator, the same for every round and method. `bn="batch"`: the predictors that
@@ -74,6 +78,7 @@ def evaluate_predictors(models: list[torch.nn.Module], predictors: dict[str, Pre
     correct = {name: 0 for name in predictors}
     nonfinite = {name: torch.zeros((), dtype=torch.long, device=device) for name in predictors}
     client_correct = torch.zeros(len(models), dtype=torch.long, device=device)
+    clock = {} if device.type == "cpu" else None
     n = 0
     for s in range(0, test_x.shape[0], batch_size):
         ix = order[s:s + batch_size] if order is not None else slice(s, s + batch_size)
@@ -81,8 +86,10 @@ def evaluate_predictors(models: list[torch.nn.Module], predictors: dict[str, Pre
         if channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         y = test_y[ix]
-        out = client_outputs(models, x, noise=gen, batch_bn=saved, amp=amp, channels_last=channels_last)
+        out = client_outputs(models, x, noise=gen, batch_bn=saved, amp=amp, channels_last=channels_last,
+                             clock=clock)
         client_correct += (out.logits.argmax(-1) == y).sum(1)
+        tick = Ticker(clock)
         for name, p in predictors.items():
             if isinstance(p, ClientPredictor):
                 scores = p.scores(out)
@@ -92,6 +99,7 @@ def evaluate_predictors(models: list[torch.nn.Module], predictors: dict[str, Pre
             _check_scores(name, scores, y.numel(), out.logits.shape[-1], round_idx)
             nonfinite[name] += (~torch.isfinite(scores)).sum()  # read once at the end: no sync per batch
             correct[name] += (scores.argmax(1) == y).sum()
+            tick(name)
         n += y.numel()
     for name, c in nonfinite.items():
         if int(c):
@@ -99,4 +107,6 @@ def evaluate_predictors(models: list[torch.nn.Module], predictors: dict[str, Pre
                                           f"over the {n} test images")
     res = {f"acc_{name}": float(c) / n for name, c in correct.items()}
     res["client_acc"] = (client_correct.float() / n).tolist()
+    if clock is not None:
+        res["seconds_eval_parts"] = {k: round(v, 4) for k, v in clock.items()}
     return res

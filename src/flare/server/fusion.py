@@ -13,6 +13,7 @@ saved before and restored after, so the clients' running statistics are never to
 """
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -40,16 +41,20 @@ class ClientOutputs:
 
 def client_outputs(models: list[torch.nn.Module], x: Tensor, *, noise: torch.Generator | None = None,
                    batch_bn: list[dict[str, Tensor]] | None = None, amp=None,
-                   channels_last: bool = False) -> ClientOutputs:
+                   channels_last: bool = False, clock: dict | None = None) -> ClientOutputs:
     """Run the K models (eval mode) on the normalised batch `x`. `noise`: also draw the IFFI noise input
     ε ~ N(0, I) of x's shape from this generator and read the models' features of it. `batch_bn`: the buffer
     snapshot (`snapshot_buffers`) of eval.bn=batch — the features (clean and noise) come from a train-mode pass,
-    the logits stay the eval-mode pass's. `amp`: the autocast context of the run (None: full precision)."""
+    the logits stay the eval-mode pass's. `amp`: the autocast context of the run (None: full precision).
+    `clock`: seconds of the clean pass ("clients"), the noise pass ("noise") and eval.bn=batch's train-mode pass
+    ("batch_bn") are added to it (host time: exact on CPU, where every kernel runs before its call returns)."""
     amp = amp if amp is not None else nullcontext()
+    tick = Ticker(clock)
     with amp:
         outs = [m(x) for m in models]
     feats = torch.stack([o[0].float() for o in outs])   # K×B×d
     logits = torch.stack([o[1].float() for o in outs])  # K×B×C
+    tick("clients")
     eps = noise_feats = None
     if noise is not None:
         eps = torch.randn(x.shape, generator=noise, device=x.device, dtype=x.dtype)
@@ -58,12 +63,27 @@ def client_outputs(models: list[torch.nn.Module], x: Tensor, *, noise: torch.Gen
         if batch_bn is None:
             with amp:
                 noise_feats = torch.stack([m(eps)[0].float() for m in models])
+        tick("noise")
     if batch_bn is not None:  # the reference's train-mode BN: the clean batch and the noise batch, each on its own
         with batch_statistics(models, batch_bn), amp:
             feats = torch.stack([m(x)[0].float() for m in models])
             if eps is not None:
                 noise_feats = torch.stack([m(eps)[0].float() for m in models])
+        tick("batch_bn")
     return ClientOutputs(feats, logits, noise_feats)
+
+
+class Ticker:
+    """Adds the seconds since the last tick to `clock[part]` (nothing when `clock` is None)."""
+
+    def __init__(self, clock: dict | None):
+        self.clock, self.t = clock, time.perf_counter()
+
+    def __call__(self, part: str) -> None:
+        if self.clock is not None:
+            now = time.perf_counter()
+            self.clock[part] = self.clock.get(part, 0.0) + now - self.t
+            self.t = now
 
 
 @contextmanager

@@ -19,7 +19,7 @@ from flare.server.evaluator import check_predictor, evaluate_predictors
 from flare.server.extras import own_extras
 from flare.server.fusion import aggregation_weights
 from flare.server.protos import global_prototypes, mean_prototypes, train_global_prototypes
-from flare.server.strategy import ModelPredictor, ServerContext, make_strategy
+from flare.server.strategy import ClientPredictor, ModelPredictor, ServerContext, make_strategy
 from flare.server.upload import Upload
 
 
@@ -128,6 +128,21 @@ def test_accuracy(model: torch.nn.Module, test_x: Tensor, test_y: Tensor, norm, 
     return float(correct) / test_x.shape[0]
 
 
+def rule_costs(parts: dict, preds: dict) -> dict:
+    """Seconds each rule's evaluation would take alone: its own part (building its predictor and scoring), and the
+    shared passes it reads (the client models' pass for every client rule; the noise pass and eval.bn=batch's
+    train-mode pass for the rules that read them). `parts`: `seconds_eval_parts`, the additive split."""
+    out = {}
+    for n, p in preds.items():
+        s = parts.get(n, 0.0)
+        if isinstance(p, ClientPredictor):
+            s += parts.get("clients", 0.0)
+            s += parts.get("noise", 0.0) if p.needs_noise else 0.0
+            s += parts.get("batch_bn", 0.0) if p.batch_bn else 0.0
+        out[n] = round(s, 4)
+    return out
+
+
 def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[torch.nn.Module],
                      anchors: Tensor | None, test_x: Tensor | None, test_y: Tensor | None, norm, *,
                      amp_dtype=None, channels_last: bool = False, server_G: Tensor | None = None,
@@ -159,15 +174,23 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
         names = tuple(n for n in names if n == prim)
     score = None if test_x is None else (lambda model: test_accuracy(
         model, test_x, test_y, norm, batch_size=cfg.test_batch_size, amp_dtype=amp_dtype, channels_last=channels_last))
-    preds = {n: make_strategy(cfg, n).predictor(ServerContext(
-        cfg, r, uploads, models, weights, G, anchors, states.setdefault(n, {}), own_extras(uploads, n), public_x,
-        norm, shape, score)) for n in names}
+    preds, built = {}, {}
+    for n in names:
+        t = time.perf_counter()
+        preds[n] = make_strategy(cfg, n).predictor(ServerContext(
+            cfg, r, uploads, models, weights, G, anchors, states.setdefault(n, {}), own_extras(uploads, n), public_x,
+            norm, shape, score))
+        built[n] = time.perf_counter() - t
     for n, p in preds.items():
         check_predictor(n, p, r)
     if test_x is not None:
         rec.update(evaluate_predictors(models, preds, test_x, test_y, norm, **eval_options(cfg, r, amp_dtype,
                                                                                           channels_last)))
         rec.update({f"{n}.{k}": v for n, p in preds.items() for k, v in p.logs.items()})
+        if "seconds_eval_parts" in rec:  # a rule's own part includes building its predictor (FedAvg: averaging)
+            parts = rec["seconds_eval_parts"]
+            parts.update({n: round(parts.get(n, 0.0) + t, 4) for n, t in built.items()})
+            rec["seconds_eval_rules"] = rule_costs(parts, preds)
     rec["seconds_eval"] = time.perf_counter() - t1
     t2 = time.perf_counter()
     rec["model_variance_mean"] = model_variance_mean(models)
