@@ -102,7 +102,7 @@ def eval_options(cfg: Config, r: int, amp_dtype=None, channels_last: bool = Fals
                 channels_last=channels_last, bn=cfg.eval.bn, shuffle_seed=_shuffle_seed(cfg, r), round_idx=r)
 
 
-def test_accuracy(model: torch.nn.Module, test_x: Tensor, test_y: Tensor, norm, *, batch_size: int,
+def accuracy_on_test(model: torch.nn.Module, test_x: Tensor, test_y: Tensor, norm, *, batch_size: int,
                   amp_dtype=None, channels_last: bool = False) -> float:
     """One model's test accuracy with the batches, precision and layout a round's `ModelPredictor` is scored with
     (`evaluate_predictors`), so a strategy's intermediate score is comparable with its final one; without the
@@ -172,7 +172,7 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
     names = rules if rules is not None else rules_for(cfg, r)
     if test_x is None:
         names = tuple(n for n in names if n == prim)
-    score = None if test_x is None else (lambda model: test_accuracy(
+    score = None if test_x is None else (lambda model: accuracy_on_test(
         model, test_x, test_y, norm, batch_size=cfg.test_batch_size, amp_dtype=amp_dtype, channels_last=channels_last))
     preds, built = {}, {}
     for n in names:
