@@ -227,3 +227,15 @@ def test_fedcgs_accuracy_is_the_centralised_lda_for_every_alpha_and_k(folder, ca
 def test_fedcgs_refuses_an_image_dataset(folder):
     with pytest.raises(FlareError, match="dataset.name=features"):
         load_config(None, "fafi", ["dataset.name=imagefolder", f"dataset.root={folder}", "eval.rules=[fedcgs]"])
+
+
+def test_the_extraction_benchmark_runs(capsys):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "encoder.py"
+    spec = importlib.util.spec_from_file_location("bench_encoder", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = mod.main(["--cpu-smoke"])
+    assert res["extraction_over_bare"] > 0 and len(res["images_per_second"]) == 3
+    assert "extraction / bare forward" in capsys.readouterr().out

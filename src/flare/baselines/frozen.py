@@ -21,6 +21,7 @@ class a client lacks travels as zeros with count 0 and is skipped, as the baseli
 """
 from __future__ import annotations
 
+import time
 from typing import Literal
 
 import numpy as np
@@ -116,10 +117,11 @@ class FedCGS(Strategy):
                 "total": f.sum(0), "second": f.T @ f}
 
     def predictor(self, ctx: ServerContext) -> ModelPredictor:
+        t0 = time.perf_counter()
         stats = {k: sum(e[k] for e in ctx.extras) for k in ("counts", "class_sums", "total", "second")}
         w, b = lda_head(stats["counts"], stats["class_sums"], stats["total"], stats["second"], self.options.gamma)
         return ModelPredictor(FeatureLinear(w.float(), b.float()).to(ctx.device),
-                              {"samples": float(stats["counts"].sum())})
+                              {"samples": float(stats["counts"].sum()), "seconds": time.perf_counter() - t0})
 
 
 # ------------------------------------------------------------------------------------------------ FedPFT
@@ -224,10 +226,12 @@ class FedPFT(Strategy):
                                   self.options)
 
     def predictor(self, ctx: ServerContext) -> ModelPredictor:
+        t0 = time.perf_counter()
         with torch.enable_grad():
             x, y = sample_features(ctx.extras, self.options)
             gen = torch.Generator().manual_seed(derived_seed(self.cfg.seed, ctx.round, TAG))
             head, losses = train_head(torch.from_numpy(x), torch.from_numpy(y), int(ctx.models[0].num_classes),
                                       self.options, gen)
         model = FeatureLinear(head.weight.detach(), head.bias.detach()).to(ctx.device)
-        return ModelPredictor(model, {"synthetic": float(len(y)), "loss_first": losses[0], "loss_last": losses[-1]})
+        return ModelPredictor(model, {"synthetic": float(len(y)), "loss_first": losses[0], "loss_last": losses[-1],
+                                      "seconds": time.perf_counter() - t0})
