@@ -239,3 +239,13 @@ def test_the_extraction_benchmark_runs(capsys):
     res = mod.main(["--cpu-smoke"])
     assert res["extraction_over_bare"] > 0 and len(res["images_per_second"]) == 3
     assert "extraction / bare forward" in capsys.readouterr().out
+
+
+def test_head_only_clients_under_fedavg_the_ensemble_and_feddf(folder, cache_dir, tmp_path):
+    """Head-only clients (no adapter: linear probes) fused by FedAvg, the ensemble and FedDF over public features."""
+    rec = run(folder, cache_dir, tmp_path, "fedavg", "model.options.dim=0", "num_clients=3", "partition.alpha=0.5",
+              "dataset.public_size=20", "server.strategies.feddf.augment=false", "server.strategies.feddf.steps=5",
+              "eval.rules=[primary,output,feddf]")
+    for k in ("acc_fedavg", "acc_output", "acc_feddf"):
+        assert 0 <= rec[k] <= 1
+    assert rec["feddf.steps"] == 5
