@@ -4,18 +4,18 @@ Both read what the clients upload about the *frozen* features — the input of a
 the plain image's feature `normalize(x)` — never the clients' trained adapters, and both end in a linear head over
 those features, scored on the test features (`FeatureLinear`).
 
-FedCGS (Yuqin-G/FedCGS, `main_fedcgs.py` and `utils_fl.eval_lda`): every client uploads, in float64, its per-class
-feature sums and counts, its feature sum and its second moment Σ x xᵀ. The server adds them up — exactly the
-centralised statistics, whatever the split — and builds the Gaussian classifier of the reference: the class means
-μ_c, the covariance of all the features around their global mean, S = (B − μAᵀ − Aμᵀ + N μμᵀ)/(N − 1), plus γI (the
-reference's γ = 0), and the linear head W = M S⁻¹, b_c = −½ μ_cᵀ S⁻¹ μ_c + log(N_c/N). No training, no randomness:
-its accuracy cannot depend on α or K (tests/test_frozen_encoder.py shows it).
+FedCGS (AAAI 2025; its authors' reference code, Yuqin-G/FedCGS on GitHub): every client uploads, in float64,
+its per-class feature sums and counts, its feature sum A and its second moment B = Σ x xᵀ. The server adds them up
+— exactly the centralised statistics, whatever the split — and builds the Gaussian classifier of the reference: the
+class means μ_c, the covariance of all the features around their global mean μ, S = (B − μAᵀ − Aμᵀ + N μμᵀ)/(N − 1),
+plus γI (the reference's γ = 0), and the linear head W = M S⁻¹, b_c = −½ μ_cᵀ S⁻¹ μ_c + log(N_c/N). No training,
+no randomness: its accuracy cannot depend on α or K (tests/test_frozen_encoder.py shows it).
 
-FedPFT (Beitollahi et al. 2024; Flower's `baselines/fedpft`): every client fits, per class it holds more than
+FedPFT (Beitollahi et al. 2024; the Flower baseline of it): every client fits, per class it holds more than
 `n_mixtures` samples of, a Gaussian mixture of its features (scikit-learn's GaussianMixture with the baseline's
 settings) and uploads its means, weights and covariances in float16 and the class's sample count. The server draws
 that many features from each mixture (GaussianMixture.sample, seeded as the baseline) and trains a linear head on them
-with AdamW. The defaults are the baseline's `conf/strategy/fedpft.yaml`: 2 spherical components, tol 1e-12,
+with AdamW. The defaults are the baseline's default configuration: 2 spherical components, tol 1e-12,
 max_iter 10000, seed 0; the head 1 epoch at lr 1e-4, batch 32. Upload shapes are fixed (the gate checks them), so a
 class a client lacks travels as zeros with count 0 and is skipped, as the baseline skips it.
 """
@@ -97,7 +97,7 @@ class FedCGSOptions(BaseModel):
 
 @STRATEGIES.register("fedcgs", options=FedCGSOptions, check=needs_features("fedcgs"))
 class FedCGS(Strategy):
-    """FedCGS: summed per-class first and second moments of the frozen features → a Gaussian (LDA) head; no training."""
+    """FedCGS: summed per-class first and second moments of the frozen features → a Gaussian (LDA) head."""
 
     mixed_architectures = True  # it never reads a client's model
 
@@ -184,7 +184,8 @@ def sample_features(extras: list[dict], o: FedPFTOptions) -> tuple[np.ndarray, n
     return np.concatenate(xs), np.concatenate(ys)
 
 
-def train_head(x: Tensor, y: Tensor, num_classes: int, o: FedPFTOptions, gen: torch.Generator) -> tuple[nn.Linear, list]:
+def train_head(x: Tensor, y: Tensor, num_classes: int, o: FedPFTOptions,
+               gen: torch.Generator) -> tuple[nn.Linear, list]:
     """The baseline's server head: Linear(D, C) under AdamW on shuffled batches, plain cross-entropy."""
     head = nn.Linear(x.shape[1], num_classes)
     with torch.no_grad():  # nn.Linear's own init, drawn from this strategy's stream instead of the global one

@@ -124,7 +124,8 @@ def cache_key(opts: FeatureOptions, data: ImageData, weights_sha: str) -> dict:
 
 def cache_path(cache_dir: Path, key: dict) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir / f"features-{key['dataset']}-{key['encoder']}-{key['resolution']}px-{key['augmentation'] and key['augmentation']['views'] or 0}v-{digest}.pt"
+    views = (key["augmentation"] or {}).get("views", 0)
+    return cache_dir / f"features-{key['dataset']}-{key['encoder']}-{key['resolution']}px-{views}v-{digest}.pt"
 
 
 def read_cache(path: Path, key: dict) -> dict | None:
@@ -139,8 +140,9 @@ def read_cache(path: Path, key: dict) -> dict | None:
         tensors = {k: d[k] for k in ("train", "train_y", "test", "test_y")}
         classes = list(d["classes"])
     except Exception as e:  # noqa: BLE001 — any unreadable file is reported, never used
-        raise FlareError(f"feature cache {path} is corrupt ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}).",
-                         key="dataset.options", fix=fix) from None
+        why = str(e).splitlines()[0][:160] if str(e) else ""
+        raise FlareError(f"feature cache {path} is corrupt ({type(e).__name__}: {why}).", key="dataset.options",
+                         fix=fix) from None
     if stored != key:
         diff = sorted(k for k in set(stored) | set(key) if stored.get(k) != key.get(k))
         raise FlareError(f"feature cache {path} holds features of another setting (its {', '.join(diff)} "
