@@ -249,3 +249,20 @@ def test_head_only_clients_under_fedavg_the_ensemble_and_feddf(folder, cache_dir
     for k in ("acc_fedavg", "acc_output", "acc_feddf"):
         assert 0 <= rec[k] <= 1
     assert rec["feddf.steps"] == 5
+
+
+def test_fedcgs_over_a_constant_feature_is_the_lda_of_the_others():
+    """A feature constant over the training set makes S singular at γ = 0 (the reference's inverse fails there): the
+    classifier is then the LDA of the features that vary, the constant one weighted 0."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(300, 6, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (300,), generator=g)
+    x += y[:, None].double()
+    x[:, 4] = 0.0
+    s = stats_of(x, y, 3)
+    w, b = lda_head(s["counts"], s["class_sums"], s["total"], s["second"], 0.0)
+    keep = [0, 1, 2, 3, 5]
+    w_ref, b_ref = reference_lda(x[:, keep].numpy(), y.numpy(), 3, gamma=0.0)
+    np.testing.assert_allclose(w[:, keep].numpy(), w_ref, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(w[:, 4].numpy(), 0.0, atol=1e-10)
+    np.testing.assert_allclose(b.numpy(), b_ref, rtol=1e-8, atol=1e-10)

@@ -85,7 +85,13 @@ def lda_head(counts: Tensor, class_sums: Tensor, total: Tensor, second: Tensor, 
     cov = (second - torch.outer(mu, total) - torch.outer(total, mu) + n * torch.outer(mu, mu)) / (n - 1)
     cov = cov + gamma * torch.eye(cov.shape[0], dtype=cov.dtype)
     means = class_sums / counts.clamp(min=1)[:, None]
-    solved = torch.linalg.solve(cov, means.T).T          # M S⁻¹ (S symmetric)
+    try:
+        solved = torch.linalg.solve(cov, means.T).T      # M S⁻¹ (S symmetric)
+    except torch.linalg.LinAlgError:
+        # An exactly singular S (a feature that is constant over the whole training set, at γ = 0), where the
+        # reference's inverse fails: the pseudo-inverse is the inverse on the features that vary, and a constant
+        # feature separates no class.
+        solved = (torch.linalg.pinv(cov, hermitian=True) @ means.T).T
     b = -0.5 * (solved * means).sum(1) + torch.log(counts / n)  # a class nobody holds: log 0 = −inf, never predicted
     return solved, b.clamp(min=-1e30)  # finite: the evaluator refuses non-finite scores
 
