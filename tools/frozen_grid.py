@@ -10,7 +10,8 @@ the FAFI run of the cell (FedCGS and FedPFT read the frozen features only), FedA
 clients on the `fedavg` run. Points run in `--workers` one-thread processes (flare.experiments.execute.run_point);
 a killed grid resumes where it stopped. `--record` copies the records (tools/readme.py's `record`: configs,
 partitions, metrics, states, summaries — never checkpoints) into results/frozen-encoder/ and commits them after every
-finished run, so the docs block can be rendered from what finished at any time.
+finished run, so the docs block can be rendered from what finished at any time; while `--out` holds a file named
+`records.hold` nothing is recorded (the runs go on), so a block rendered from the committed records stays current.
 """
 from __future__ import annotations
 
@@ -99,7 +100,12 @@ def commit(paths: list[str], message: str) -> None:
     print(f"frozen_grid: could not commit ({r.stderr.strip()})", file=sys.stderr)
 
 
+HOLD = "records.hold"  # a file of this name in --out pauses --record (the docs block was rendered from what is there)
+
+
 def record(out: Path, wall: float, label: str) -> None:
+    if (out / HOLD).exists():
+        return
     write_facts(out, wall)
     tool = readme_tool()
     dest = tool.record(tool.RESULTS["frozen-encoder"])
