@@ -67,10 +67,13 @@ def finished(d: Path) -> bool:
 
 
 def readme_tool():
-    spec = importlib.util.spec_from_file_location("readme_tool", ROOT / "tools" / "readme.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """tools/readme.py as a module (registered before it runs: its dataclasses look their module up)."""
+    if "readme_tool" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("readme_tool", ROOT / "tools" / "readme.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["readme_tool"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["readme_tool"]
 
 
 def write_facts(out: Path, wall: float) -> None:
