@@ -176,25 +176,32 @@ def render(base: Path) -> str:
     server = {"fedcgs": [], "fedpft": []}
     for a, k in cells:
         for m in METHODS:
-            for r in _runs(out / f"a{a}-K{k}" / m).values():
-                secs[m].append(r.rounds[-1]["seconds"])
+            for s, r in _runs(out / f"a{a}-K{k}" / m).items():
+                point = out / f"a{a}-K{k}" / m / f"seed={s}" / "sweep_point.json"  # run_point's wall, load included
+                secs[m].append(json.loads(point.read_text())["seconds"] if point.exists() else r.rounds[-1]["seconds"])
                 for n in server:
                     if f"{n}.seconds" in r.rounds[-1]:
                         server[n].append(r.rounds[-1][f"{n}.seconds"])
-    med = lambda x: f"{np.median(x):.0f} s (max {max(x):.0f})" if x else "—"  # noqa: E731
+    med = lambda x: f"{np.median(x):.1f} s (max {max(x):.1f})" if x else "—"  # noqa: E731
     cost = md_table(["what", "measured"], [
         *([["feature cache (once): images encoded", f"{cache['extraction']['images']:,}"],
            ["feature cache (once): wall time", f"{cache['extraction']['seconds'] / 60:.1f} min at "
                                                f"{cache['extraction']['images_per_second']:.0f} images/s, "
                                                f"{cache['extraction']['threads']} threads, "
-                                               f"{cache['resolution']} px"]] if cache else []),
-        *[[f"one `{m}` run (train + every strategy it scores), median", med(secs[m])] for m in METHODS],
+                                               f"{cache['resolution']} px, on the CPU shared with other jobs (the "
+                                               "benchmark below: the same path with them paused)"]] if cache else []),
+        *[[f"one `{m}` run, wall (load the cache, train, every strategy it scores), median", med(secs[m])]
+          for m in METHODS],
         ["FedCGS server (sum + solve), median", med(server["fedcgs"])],
         ["FedPFT server (sample + head), median", med(server["fedpft"])]])
-    done = sum(len(v) for c in cells for v in acc[c].values()) // len(ROWS)
+    complete = {c: [s for s in SEEDS if all(finished(out / f"a{c[0]}-K{c[1]}" / m / f"seed={s}") for m in METHODS)]
+                for c in cells}
+    done = sum(len(v) for v in complete.values())
+    missing = [f"α={a} K={k}" + (f" (seeds {', '.join(str(s) for s in SEEDS if s not in complete[(a, k)])})"
+                                 if complete[(a, k)] else "") for a, k in cells if len(complete[(a, k)]) < len(SEEDS)]
     return (f"Test accuracy (%) on all 10,000 CIFAR-10 test images, clients over all 50,000 training images; mean ± "
             f"std over seeds {SEEDS[0]}–{SEEDS[-1]} ({done} of {len(cells) * len(SEEDS)} (cell, seed) points "
-            f"finished).\n\nUpper bounds (one client holding everything, same features):\n\n{t0}\n\n{t1}\n\n"
+            f"finished{'; not yet run: ' + ', '.join(missing) if missing else ''}).\n\nUpper bounds (one client holding everything, same features):\n\n{t0}\n\n{t1}\n\n"
             "Each method against FAFI-adapter, paired by seed (same partition): mean difference in points [95 % CI]; "
             "**bold**: Holm-adjusted p < 0.05 over this table.\n\n" + t2 + "\n\n"
             f"FedCGS's distinct accuracies over every finished (α, K, seed): {', '.join(f'{100 * v:.2f}' for v in cgs)}"
