@@ -11,7 +11,8 @@ clients on the `fedavg` run. Points run in `--workers` one-thread processes (fla
 a killed grid resumes where it stopped. `--record` copies the records (tools/readme.py's `record`: configs,
 partitions, metrics, states, summaries — never checkpoints) into results/frozen-encoder/ and commits them after every
 finished run, so the docs block can be rendered from what finished at any time; while `--out` holds a file named
-`records.hold` nothing is recorded (the runs go on), so a block rendered from the committed records stays current.
+`records.hold` nothing is recorded (the runs go on), so a block rendered from the committed records stays current;
+a later `--record` invocation records everything that finished meanwhile (with nothing left to run, it only records).
 """
 from __future__ import annotations
 
@@ -253,7 +254,9 @@ def main(argv=None) -> int:
                     last = now
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
-    if not args.record:
+    if args.record:  # whatever finished while recording was held (or by another invocation) is recorded now
+        record(out, time.perf_counter() - last, "the finished runs")
+    else:
         write_facts(out, time.perf_counter() - last)
     return 1 if failed else 0
 
