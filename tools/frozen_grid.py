@@ -77,20 +77,24 @@ def readme_tool():
     return sys.modules["readme_tool"]
 
 
-def write_facts(out: Path, wall: float) -> None:
-    """runs/readme/frozen-encoder.json: the machine, the runs' summed wall time, the feature cache's own facts."""
+def write_facts(out: Path) -> None:
+    """runs/readme/frozen-encoder.json: the machine and the finished runs' summed wall time; and, beside the runs, the
+    feature cache's own record of its extraction (the cache of this config's encoder, resolution and copies)."""
     tool = readme_tool()
-    caches = sorted(Path(load_config(CONFIG).dataset.options.get("cache_dir") or os.environ.get(
-        "FLARE_CACHE") or Path.home() / ".cache" / "flare").expanduser().glob("features-cifar10-*.json"))
-    facts_file = tool.OUT / "frozen-encoder.json"
-    old = json.loads(facts_file.read_text()) if facts_file.exists() else {}
-    facts = {**tool.machine(), "wall_seconds": old.get("wall_seconds", 0.0) + wall,
-             "wall_note": "the grid's own wall time, summed over its invocations; two runs at a time on a CPU shared "
-                          "with other jobs"}
+    opts = load_config(CONFIG).dataset.options
+    where = Path(opts.get("cache_dir") or os.environ.get("FLARE_CACHE") or Path.home() / ".cache" / "flare")
+    caches = [json.loads(p.read_text()) for p in sorted(where.expanduser().glob("features-cifar10-*.json"))]
+    caches = [c for c in caches if (c["encoder"], c["resolution"], (c["augmentation"] or {}).get("views", 0))
+              == (opts["encoder"], opts["resolution"], opts["views"])]
+    runs = [json.loads(p.read_text()).get("seconds", 0.0) for p in out.rglob("sweep_point.json")
+            if finished(p.parent)]
+    facts = {**tool.machine(), "wall_seconds": float(sum(runs)),
+             "wall_note": f"the {len(runs)} finished runs' own wall times summed, two running at a time on a CPU "
+                          "shared with other jobs; the one-off feature cache not included"}
     tool.OUT.mkdir(parents=True, exist_ok=True)
-    facts_file.write_text(json.dumps(facts, indent=1) + "\n")
-    if caches:  # the one-off extraction's cost, as the cache recorded it
-        (out / "cache.json").write_text(caches[-1].read_text())
+    (tool.OUT / "frozen-encoder.json").write_text(json.dumps(facts, indent=1) + "\n")
+    if caches:
+        (out / "cache.json").write_text(json.dumps(caches[-1], indent=1) + "\n")
 
 
 def commit(paths: list[str], message: str) -> None:
@@ -107,10 +111,10 @@ def commit(paths: list[str], message: str) -> None:
 HOLD = "records.hold"  # a file of this name in --out pauses --record (the docs block was rendered from what is there)
 
 
-def record(out: Path, wall: float, label: str) -> None:
+def record(out: Path, label: str) -> None:
     if (out / HOLD).exists():
         return
-    write_facts(out, wall)
+    write_facts(out)
     tool = readme_tool()
     dest = tool.record(tool.RESULTS["frozen-encoder"])
     commit([str(dest.relative_to(ROOT))], f"results/frozen-encoder: {label}")
@@ -227,8 +231,6 @@ def main(argv=None) -> int:
     if todo:  # the features once, here, before two workers could both find no cache and both compute it
         from flare.data.features import FeatureOptions, load_features
         load_features(FeatureOptions(**load_config(CONFIG).dataset.options), quiet=False)
-    t0 = time.perf_counter()
-    last = t0
     ex = ProcessPoolExecutor(max_workers=args.workers, mp_context=multiprocessing.get_context("spawn"))
     futures = {}
     queue = list(todo)
@@ -249,15 +251,13 @@ def main(argv=None) -> int:
                     failed += 1
                     print(info.get("error", ""), file=sys.stderr, flush=True)
                 elif args.record:
-                    now = time.perf_counter()
-                    record(out, now - last, str(rel.relative_to(args.out)))
-                    last = now
+                    record(out, str(rel.relative_to(args.out)))
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
     if args.record:  # whatever finished while recording was held (or by another invocation) is recorded now
-        record(out, time.perf_counter() - last, "the finished runs")
+        record(out, "the finished runs")
     else:
-        write_facts(out, time.perf_counter() - last)
+        write_facts(out)
     return 1 if failed else 0
 
 
