@@ -202,11 +202,13 @@ def render(base: Path) -> str:
     complete = {c: [s for s in SEEDS if all(finished(out / f"a{c[0]}-K{c[1]}" / m / f"seed={s}") for m in METHODS)]
                 for c in cells}
     done = sum(len(v) for v in complete.values())
-    missing = [f"α={a} K={k}" + (f" (seeds {', '.join(str(s) for s in SEEDS if s not in complete[(a, k)])})"
-                                 if complete[(a, k)] else "") for a, k in cells if len(complete[(a, k)]) < len(SEEDS)]
+    def lacking(c):
+        gone = [str(s) for s in SEEDS if s not in complete[c]]
+        return f" (seed{'s' if len(gone) > 1 else ''} {', '.join(gone)})" if complete[c] else ""
+    missing = [f"α={a} K={k}{lacking((a, k))}" for a, k in cells if len(complete[(a, k)]) < len(SEEDS)]
     return (f"Test accuracy (%) on all 10,000 CIFAR-10 test images, clients over all 50,000 training images; mean ± "
             f"std over seeds {SEEDS[0]}–{SEEDS[-1]} ({done} of {len(cells) * len(SEEDS)} (cell, seed) points "
-            f"finished{'; not yet run: ' + ', '.join(missing) if missing else ''}).\n\nUpper bounds (one client holding everything, same features):\n\n{t0}\n\n{t1}\n\n"
+            f"finished{'; not yet finished: ' + ', '.join(missing) if missing else ''}).\n\nUpper bounds (one client holding everything, same features):\n\n{t0}\n\n{t1}\n\n"
             "Each method against FAFI-adapter, paired by seed (same partition): mean difference in points [95 % CI]; "
             "**bold**: Holm-adjusted p < 0.05 over this table.\n\n" + t2 + "\n\n"
             f"FedCGS's distinct accuracies over every finished (α, K, seed): {', '.join(f'{100 * v:.2f}' for v in cgs)}"
