@@ -36,6 +36,7 @@ from flare.experiments.execute import run_point  # noqa: E402
 CONFIG = ROOT / "configs" / "frozen-encoder.yaml"
 ALPHAS = (0.05, 0.1, 0.5)
 CLIENTS = (5, 10, 50)
+THREADS = 1  # torch threads per run: two one-thread runs side by side use 2 cores better than one two-thread run
 RUN_ORDER = (10, 5, 50)  # the middle K first: a grid cut short still spans every α at one K
 SEEDS = (1, 2, 3)
 # directory → (preset, overrides): the client objectives of a cell
@@ -88,7 +89,8 @@ def write_facts(out: Path) -> None:
               == (opts["encoder"], opts["resolution"], opts["views"])]
     runs = [json.loads(p.read_text()).get("seconds", 0.0) for p in out.rglob("sweep_point.json")
             if finished(p.parent)]
-    facts = {**tool.machine(), "wall_seconds": float(sum(runs)),
+    facts = {**tool.machine(), "threads": THREADS,  # each run's torch threads, not this process's
+             "wall_seconds": float(sum(runs)),
              "wall_note": f"the {len(runs)} finished runs' own wall times summed, two running at a time on a CPU "
                           "shared with other jobs; the one-off feature cache not included"}
     tool.OUT.mkdir(parents=True, exist_ok=True)
@@ -242,7 +244,7 @@ def main(argv=None) -> int:
             while queue and len(futures) < args.workers:
                 d, preset, ov = queue.pop(0)
                 mapping = load_config(CONFIG, preset, ov).model_dump(mode="json")
-                futures[ex.submit(run_point, mapping, str(d), 1)] = d
+                futures[ex.submit(run_point, mapping, str(d), THREADS)] = d
             done, _ = wait(futures, return_when=FIRST_COMPLETED)
             for f in done:
                 d = futures.pop(f)
