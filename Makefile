@@ -15,7 +15,7 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -qq -c constraints.txt -e '.[test,flower,sweep,baselines,zoo,docs]'  # -qq: errors only
+	$(BIN)/python -m pip install -qq -c constraints.txt -e '.[test,flower,sweep,baselines,zoo,docs,encoders]'  # -qq: errors only
 	@touch $@
 
 # Fashion-MNIST from Debian's package when we can (root on Debian); otherwise say so and let the

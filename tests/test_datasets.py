@@ -437,7 +437,7 @@ def test_list_datasets():
     names = dict(D.list_datasets())
     names.pop("demo_blobs", None)  # tests/plugins/flare_demo_plugin.py's, when an earlier test imported it
     assert set(names) == {"fmnist", "mnist", "cifar10", "cifar100", "svhn", "tinyimagenet", "imagefolder",
-                          "synthetic-cifar10", "synthetic-cifar100"}
+                          "synthetic-cifar10", "synthetic-cifar100", "features"}
     assert all(desc for desc in names.values())
 
 

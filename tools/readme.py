@@ -210,6 +210,14 @@ def kernel_paths_table(out: str, paths: list[str]) -> Callable[[Path], str]:
     return render
 
 
+def frozen_encoder_block(base: Path) -> str:
+    """tools/frozen_grid.py's tables, computed from the finished runs under base (docs/frozen-encoder.md)."""
+    spec = importlib.util.spec_from_file_location("frozen_grid", ROOT / "tools" / "frozen_grid.py")
+    grid = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grid)
+    return grid.render(base)
+
+
 def file_text(path: str) -> Callable[[Path], str]:
     return lambda base: (base / path).read_text().strip() + "\n"
 
@@ -425,6 +433,11 @@ RESULTS = {r.id: r for r in [
              "runs/readme/hetero-*/flare/seed=* --strategies bnrecal"],
             heterogeneous_block,
             page="docs/results/heterogeneous.md"),
+    Results("frozen-encoder", ["python tools/frozen_grid.py --out runs/frozen-encoder"], frozen_encoder_block,
+            page="docs/frozen-encoder.md"),
+    Results("encoder-speed", ["python benchmarks/encoder.py --resolution 64 --images 256 --repeats 3 > "
+                              "runs/readme/encoder-speed.md"], file_text("runs/readme/encoder-speed.md"),
+            page="docs/frozen-encoder.md"),
     # The one deselected test checks every page's blocks, this one included: it cannot pass before this block exists.
     Results("tests", ["python -m pytest -q -p no:cacheprovider -n 2 -m 'not slow' tests "
                       "--deselect tests/test_readme.py::test_generated_blocks_are_current_and_untouched "

@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # the signatures' types only: the modules that define them im
     from flare.server.strategy import Strategy
 
 # The modules that register the built-in parts (imported on the first lookup of any registry).
-BUILTIN_MODULES = ("flare.models", "flare.schedules", "flare.data.datasets", "flare.data.partition",
+BUILTIN_MODULES = ("flare.models", "flare.schedules", "flare.data.datasets", "flare.data.features", "flare.data.partition",
                    "flare.client.terms.align", "flare.client.lam", "flare.client.surgery", "flare.client.objective",
                    "flare.client.terms.banks", "flare.client.terms.extra", "flare.client.trainer",
                    "flare.client.batched", "flare.server.rules", "flare.baselines")

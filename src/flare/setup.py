@@ -28,6 +28,7 @@ from flare.config import Config
 from flare.config.architectures import Architecture, server_architecture
 from flare.data.augment import TwoViewAugment, normalize
 from flare.data.datasets import ImageData, load_dataset, stratified_subset
+from flare.data.features import FeatureData, FeatureViews, first_view
 from flare.data.scaling import InputScaling, input_scaling
 from flare.data.partition import Partition, make_partition
 from flare.errors import FlareError
@@ -52,6 +53,7 @@ class DataMeta:
     image_size: int
     mean: list[float]
     std: list[float]
+    kind: str = "images"  # or "features": a frozen encoder's cached features (data/features.py)
 
     @property
     def num_classes(self) -> int:
@@ -60,7 +62,8 @@ class DataMeta:
     @classmethod
     def from_data(cls, data: ImageData) -> "DataMeta":
         return cls(data.name, list(map(str, data.classes)), int(data.in_channels), int(data.image_size),
-                   [float(v) for v in data.mean], [float(v) for v in data.std])
+                   [float(v) for v in data.mean], [float(v) for v in data.std],
+                   "features" if isinstance(data, FeatureData) else "images")
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -69,7 +72,7 @@ class DataMeta:
     def from_json(cls, text: str) -> "DataMeta":
         d = json.loads(text)
         return cls(str(d["name"]), [str(c) for c in d["classes"]], int(d["in_channels"]), int(d["image_size"]),
-                   [float(v) for v in d["mean"]], [float(v) for v in d["std"]])
+                   [float(v) for v in d["mean"]], [float(v) for v in d["std"]], str(d.get("kind", "images")))
 
 
 def prepare_data(cfg: Config) -> tuple[ImageData, tuple[Tensor, Tensor] | None]:
@@ -177,7 +180,10 @@ def scaling(cfg: Config, meta: DataMeta) -> InputScaling:
     return input_scaling(cfg.augment.input_scaling, cfg.dataset.name, meta.mean, meta.std)
 
 
-def make_augment(cfg: Config, meta: DataMeta, device: torch.device) -> TwoViewAugment:
+def make_augment(cfg: Config, meta: DataMeta, device: torch.device) -> TwoViewAugment | FeatureViews:
+    """The two training views: the SupCon policy on images; on cached features, two of each sample's stored copies."""
+    if meta.kind == "features":
+        return FeatureViews()
     sc = scaling(cfg, meta)
     pre = sc.pre or (None, None)
     return TwoViewAugment(meta.image_size, meta.in_channels, *sc.post, per_image=cfg.augment.per_image,
@@ -185,7 +191,10 @@ def make_augment(cfg: Config, meta: DataMeta, device: torch.device) -> TwoViewAu
 
 
 def normalizer(cfg: Config, meta: DataMeta) -> Callable[[Tensor], Tensor]:
-    """uint8 batch → the model's input (the evaluation transform, and the un-augmented training view)."""
+    """uint8 batch → the model's input (the evaluation transform, and the un-augmented training view); on cached
+    features, the plain image's feature."""
+    if meta.kind == "features":
+        return first_view
     mean, std = scaling(cfg, meta).test
     return lambda x: normalize(x, mean, std)
 

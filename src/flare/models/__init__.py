@@ -27,6 +27,7 @@ from . import cifar as _cifar
 from . import cnn as _cnn
 from . import resnet as _resnet
 from . import small as _small
+from . import pretrained as _pretrained
 from .heads import ETFHead, LinearHead, PrototypeHead
 from .timm_zoo import timm_names  # registers the timm/ namespace (timm itself is imported on first use)
 
@@ -158,6 +159,12 @@ register_model("simple-cnn", description="NIID-Bench's simple-cnn, FedLPA's clie
     _small.simple_cnn)
 register_model("cnn_mnist_dense", description="DENSE's FMNIST/MNIST CNN (BN; d = 1568·width at 28×28)")(
     _small.cnn_mnist_dense)
+register_model("efficientnet_lite0", options=_pretrained.EncoderOptions, check=_pretrained.refuse_image_runs,
+               description="EfficientNet-Lite0 with ImageNet weights (the encoders extra), frozen; read through "
+                           "dataset.name=features (d = 1280)")(_pretrained.efficientnet_lite0)
+register_model("adapter", options=_pretrained.AdapterOptions,
+               description="linear / MLP adapter over cached encoder features (d = dim·width; dim 0: identity)")(
+    _pretrained.adapter)
 
 
 def layout(model: nn.Module | dict) -> tuple:

