@@ -191,8 +191,10 @@ def run(spec: dict, runs: Path, *, commit: bool, dry_run: bool, overrides: list[
         d = copy_records(spec, cell, run_dir, dest)
         _log(log, f"[{i}/{len(todo)}] {cell['name']}: done in {time.time() - t0:.0f} s → {d.relative_to(ROOT)}"
              if d.is_relative_to(ROOT) else f"[{i}/{len(todo)}] {cell['name']}: done → {d}")
-        if commit:
-            _git_commit([str(d), str(d.parent / "table.yaml")], f"papers: {spec['table']} {cell['name']} records")
+        if commit:  # the records and the docs block rendered from them, in one commit: never a stale block
+            DOC.write_text(replace_block(DOC.read_text(), render(dest, img_dir=DOC.parent / "img")))
+            _git_commit([str(d), str(d.parent / "table.yaml"), str(DOC), str(DOC.parent / "img")],
+                        f"papers: {spec['table']} {cell['name']} records")
     return 0
 
 
@@ -330,7 +332,7 @@ def budget_notes(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
             short = "" if (e, g) == (pe, pg) else " — **a shortened budget**; the curve below shows where it was heading"
             out.append(f"{col}'s server: {e} epochs × {g} generator steps = {e * g:,} (the paper's: {pe} × {pg} = "
                        f"{pe * pg:,}){short}.")
-    return out + ([""] if out else [])
+    return ([""] + out + [""]) if out else []
 
 
 def curve_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | None) -> Path | None:
