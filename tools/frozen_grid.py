@@ -91,7 +91,7 @@ def write_facts(out: Path) -> None:
             if finished(p.parent)]
     facts = {**tool.machine(), "threads": THREADS,  # each run's torch threads, not this process's
              "wall_seconds": float(sum(runs)),
-             "wall_note": f"the {len(runs)} finished runs' own wall times summed, two running at a time on a CPU "
+             "wall_note": f"the {len(runs)} finished runs' own wall times summed, one or two running at a time on a CPU "
                           "shared with other jobs; the one-off feature cache not included"}
     tool.OUT.mkdir(parents=True, exist_ok=True)
     (tool.OUT / "frozen-encoder.json").write_text(json.dumps(facts, indent=1) + "\n")
