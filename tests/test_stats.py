@@ -91,3 +91,15 @@ def test_default_baseline():
     assert default_baseline(["fedavg", "ensemble"]) == "fedavg"
     assert default_baseline(["fedavg", "ensemble"], "ensemble") == "ensemble"
     assert default_baseline(["fedavg"], "fafi") is None
+
+
+def test_mean_ci_is_scipys_t_interval_over_the_finite_values():
+    from scipy import stats as st
+    from flare.stats import mean_ci
+    vals = [61.2, 58.9, 63.4, float("nan"), 60.0]
+    mean, sd, half, n = mean_ci(vals)
+    finite = [v for v in vals if v == v]
+    low, high = st.t.interval(0.95, len(finite) - 1, loc=np.mean(finite), scale=st.sem(finite))
+    assert n == 4 and mean == pytest.approx(np.mean(finite)) and sd == pytest.approx(np.std(finite, ddof=1))
+    assert (mean - half, mean + half) == pytest.approx((low, high))
+    assert mean_ci([5.0])[0] == 5.0 and math.isnan(mean_ci([5.0])[2]) and mean_ci([])[3] == 0

@@ -44,8 +44,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 PATHS = ("avx2", "avx512", "default", "native")
-PIN_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "FLARE_CPU_ISA",
-           "FLARE_CPU_ISA_PINNED")
+from flare import cpu  # noqa: E402
+
+PIN_ENV = (*cpu._ENV, "FLARE_CPU_ISA", cpu._MARK)  # every variable a pin sets: cleared so each path starts bare
 SPREAD_LIMIT = 1.0  # points
 
 
@@ -101,13 +102,8 @@ def path_results(out: Path, path: str, presets: list[str]) -> dict:
 
 def half_width(values: list[float]) -> float:
     """Half-width of the 95 % confidence interval of the mean (t distribution, n − 1 degrees of freedom)."""
-    from scipy import stats
-    n = len(values)
-    if n < 2:
-        return math.nan
-    mean = sum(values) / n
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    return float(stats.t.ppf(0.975, n - 1)) * sd / math.sqrt(n)
+    from flare.stats import mean_ci
+    return mean_ci(values)[2]
 
 
 def analyse(results: dict[str, dict], presets: list[str]) -> list[dict]:

@@ -29,11 +29,14 @@ import numpy as np
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from flare.stats import mean_ci  # noqa: E402
+
 RESULTS = ROOT / "results" / "papers"
 DOC = ROOT / "docs" / "papers.md"
 RECORDS = ("config.yaml", "partition.json", "metrics.jsonl", "fuse.jsonl", "state.json", "summary.md")
 BEGIN, END = "<!-- BEGIN published -->", "<!-- END published -->"
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
 
 # ------------------------------------------------------------------------------------------------ the cells
@@ -239,14 +242,7 @@ def cell_value(cell_dir: Path, key: str, rule: str) -> float:
 
 def summarise(values: list[float]) -> tuple[float, float, float, int]:
     """mean, std (n − 1), half-width of the 95 % t interval, n — over the finite values."""
-    v = np.array([x for x in values if math.isfinite(x)], dtype=float)
-    n = len(v)
-    if n == 0:
-        return float("nan"), float("nan"), float("nan"), 0
-    if n == 1:
-        return float(v[0]), float("nan"), float("nan"), 1
-    sd = float(v.std(ddof=1))
-    return float(v.mean()), sd, T975.get(n - 1, 1.96) * sd / math.sqrt(n), n
+    return mean_ci(values)
 
 
 def _ms(m: float, sd: float, n: int) -> str:

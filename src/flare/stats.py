@@ -36,6 +36,24 @@ class Paired:
         return self.n >= 2
 
 
+def t_half_width(sd: float, n: int, confidence: float = 1 - ALPHA) -> float:
+    """Half-width of the confidence interval of a mean of n values with standard deviation sd (t, n − 1 df)."""
+    from scipy import stats  # lazy: scipy.stats is a second of start-up for every `flare` command otherwise
+
+    return float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
+
+
+def mean_ci(values, confidence: float = 1 - ALPHA) -> tuple[float, float, float, int]:
+    """(mean, std with n − 1, half-width of the t confidence interval, n) over the finite values; nan where n is
+    too small for the statistic."""
+    v = np.array([x for x in values if math.isfinite(x)], dtype=float)
+    n = len(v)
+    if n < 2:
+        return (float(v[0]) if n else math.nan), math.nan, math.nan, n
+    sd = float(v.std(ddof=1))
+    return float(v.mean()), sd, t_half_width(sd, n, confidence), n
+
+
 def paired(method: dict, baseline: dict, confidence: float = 1 - ALPHA) -> Paired:
     """Pair two {seed: value} mappings on their common seeds (non-finite values dropped) and test the mean
     difference against 0."""
@@ -51,9 +69,9 @@ def paired(method: dict, baseline: dict, confidence: float = 1 - ALPHA) -> Paire
     sd = float(d.std(ddof=1))
     if sd == 0.0:  # every seed moved by exactly the same amount: no spread to test against (scipy gives nan)
         return Paired(n, mean, mean, mean, 1.0 if mean == 0 else 0.0)
-    from scipy import stats  # lazy: scipy.stats is a second of start-up for every `flare` command otherwise
+    from scipy import stats
 
-    half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
+    half = t_half_width(sd, n, confidence)
     p = float(stats.ttest_rel([method[s] for s in seeds], [baseline[s] for s in seeds]).pvalue)
     return Paired(n, mean, mean - half, mean + half, p)
 

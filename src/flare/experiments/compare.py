@@ -54,8 +54,10 @@ def run_compare(presets: list[str], out: Path, config_file: str | None = None, o
         points = [Point(name if seeds is None else f"{name} seed {cfg.seed}", {}, cfg, d) for name, d, cfg in plan]
         ran = execute_points(points, workers=workers, quiet=quiet, desc="compare", log=log, ray=False)
         failed = [f"{n}: {r.get('error', '')}" for n, r in ran.items() if r.get("status") == "failed"]
-        if failed:
-            raise RuntimeError("compare runs failed:\n" + "\n".join(failed))
+        if failed:  # one paragraph like a federation's failure: each run's directory keeps what it wrote
+            raise FlareError(f"{len(failed)} of {len(points)} compare runs failed — " + "; ".join(failed),
+                             fix="read the failed run's directory under --out; the same command resumes the "
+                                 "finished and unfinished runs.")
         diverged = [f"{n}: {r.get('error', '')}" for n, r in ran.items() if r.get("status") == "diverged"]
         if diverged:  # as one run at a time would stop on its TrainingDiverged, with what it wrote kept
             raise FlareError("a run diverged — " + "; ".join(diverged))

@@ -85,7 +85,7 @@ def init_key(cfg: Config, cid: int) -> str:
 @dataclass
 class LocalData:
     cid: int
-    x: Tensor                     # uint8 N×C×H×W, in the client's partition order
+    x: Tensor                     # the dataset's samples (uint8 images or float features), partition order
     y: Tensor                     # int64 N
     num_classes: int
 
@@ -127,19 +127,27 @@ def partition_data(cfg: Config, cid: int) -> LocalData:
 
 
 def file_data(path: str | Path, cid: int, meta: DataMeta) -> LocalData:
-    """Deployment: a node's own samples in an .npz file with `x` (uint8 N×C×H×W) and `y` (int N),
-    read with allow_pickle=False (`flare federate --export-partitions` writes such files)."""
+    """Deployment: a node's own samples in an .npz file with `x` and `y` (int N), read with allow_pickle=False
+    (`flare federate --export-partitions` writes such files). `x` is what the run's dataset holds: uint8 N×C×H×W
+    images, or for a frozen-encoder run its cached features, float32 N×(1+V)×D (the plain view and V augmented)."""
     p = Path(path).expanduser()
+    want = (f"float32 N×(1+V)×{meta.in_channels} features" if meta.kind == "features"
+            else f"uint8 N×{meta.in_channels}×{meta.image_size}×{meta.image_size}")
     if not p.is_file():
         raise FlareError(f"data-path '{p}' does not exist on this node.", key="data-path",
-                         fix="give the node an .npz file with arrays x (uint8 N×C×H×W) and y (labels).")
+                         fix=f"give the node an .npz file with arrays x ({want}) and y (labels).")
     with np.load(p, allow_pickle=False) as z:
         if "x" not in z or "y" not in z:
             raise FlareError(f"'{p}' lacks the arrays x and y.", key="data-path")
         x, y = z["x"], z["y"]
-    if x.dtype != np.uint8 or x.ndim != 4 or x.shape[1] != meta.in_channels or x.shape[2] != meta.image_size:
-        raise FlareError(f"'{p}': x has dtype {x.dtype} and shape {list(x.shape)}; the run needs uint8 "
-                         f"N×{meta.in_channels}×{meta.image_size}×{meta.image_size}.", key="data-path")
+    if meta.kind == "features":
+        ok = x.dtype == np.float32 and x.ndim == 3 and x.shape[1] >= 1 and x.shape[2] == meta.in_channels \
+            and bool(np.isfinite(x).all())
+    else:
+        ok = x.dtype == np.uint8 and x.ndim == 4 and x.shape[1] == meta.in_channels and x.shape[2] == meta.image_size
+    if not ok:
+        raise FlareError(f"'{p}': x has dtype {x.dtype} and shape {list(x.shape)}; the run needs {want}"
+                         f"{' (all finite)' if meta.kind == 'features' else ''}.", key="data-path")
     if y.ndim != 1 or len(y) != len(x) or y.dtype.kind not in "iu" or (len(y) and (y.min() < 0 or
                                                                                   y.max() >= meta.num_classes)):
         raise FlareError(f"'{p}': y must hold {len(x)} integer labels in 0..{meta.num_classes - 1}.",
