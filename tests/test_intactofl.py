@@ -180,7 +180,7 @@ def test_one_gate_step_is_the_references(perturb):
         t_out = reference_ensemble(ctx.models, images)
     loss = (F.cross_entropy(logits, labels) + 0.5 * torch.std(out_weights)
             + 1.0 * reference_kldiv(logits, t_out.detach(), T=4))
-    assert got == pytest.approx(float(loss), rel=1e-5)
+    assert got == pytest.approx(loss.item(), rel=1e-5)
     before = gate.weight.detach().clone()
     opt = torch.optim.SGD(gate.parameters(), 0.01, weight_decay=1e-4, momentum=0.9)
     opt.zero_grad()
