@@ -233,14 +233,17 @@ def test_through_flare_run_and_flare_fuse(tiny_overrides, tmp_path, default_torc
     assert "acc_intactofl" not in first  # every_round = False: the last round only
     assert 0 <= last["acc_intactofl"] <= 1 and last["intactofl.seconds"] > 0 and last["intactofl.pool"] == 48
     assert last["intactofl.top_k"] == 3 and last["intactofl.g_loss_last"] < last["intactofl.g_loss_first"]
+    # with a budget curve (scored for the record only, it changes nothing the gate learns)
     r = subprocess.run([sys.executable, "-m", "flare.cli", "fuse", str(d), "--strategies", "intactofl",
-                        *TINY_OPTIONS], capture_output=True, text=True)
+                        *TINY_OPTIONS, "server.strategies.intactofl.curve_every=1"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     (fused,) = [f for f in read_jsonl(d / "fuse.jsonl") if f["kind"] == "fuse"]
     assert fused["strategy"] == "intactofl" and fused["options"]["epochs"] == 3
     # the same saved clients, seed and options: the run's own numbers
     assert fused["acc"] == last["acc_intactofl"]
     assert fused["intactofl.gate_loss_last"] == last["intactofl.gate_loss_last"]
+    curve = fused["intactofl.curve"]
+    assert [c[:2] for c in curve] == [[1, 6], [2, 12], [3, 18]] and curve[-1][2] == fused["acc"]
     bad = subprocess.run([sys.executable, "-m", "flare.cli", "fuse", str(d), "--strategies", "intactofl",
                           "server.strategies.intactofl.top_k_share=0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "server.strategies.intactofl.top_k_share" in bad.stderr, bad.stderr
