@@ -193,6 +193,25 @@ def test_one_gate_step_is_the_references(perturb):
     assert torch.allclose(new.bias, gate.bias, rtol=1e-5, atol=1e-7)
 
 
+def test_the_gate_learns_on_a_fixed_pool():
+    """Passes over one pool of 16 images: with the published lr the gate's loss falls; with lr ≈ 0 it stays where it
+    started (nothing else moves without ODS and augmentation), so the first assertion can fail."""
+    losses = {}
+    for lr in ("0.01", "1e-12"):
+        cfg, ctx = context(extra=[f"server.strategies.intactofl.lr={lr}", "server.strategies.intactofl.epochs=20",
+                                  "server.strategies.intactofl.perturb=none"])
+        syn = GateSynthesis(cfg, make_strategy(cfg, "intactofl").options, ctx, SHAPE, IntactOFL.tag, False)
+        syn.pool_x, syn.pool_y = patterns(16, 3), torch.arange(16) % 4
+        with eval_mode(ctx.models):
+            for _ in range(20):
+                syn.distil()
+        losses[lr] = syn.kd_losses
+    first, last = losses["0.01"][0], losses["0.01"][-1]
+    assert last < 0.9 * first, losses["0.01"]
+    assert losses["1e-12"][0] == pytest.approx(first, rel=1e-6)
+    assert losses["1e-12"][-1] == pytest.approx(first, rel=1e-4)
+
+
 def test_the_experts_stay_intact_and_the_predictor_is_a_function_of_the_seed():
     x = norm(patterns(16, 5))
     outs = []
