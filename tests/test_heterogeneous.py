@@ -38,9 +38,9 @@ TINY = ["dataset.name=fmnist", "dataset.train_subset=600", "dataset.test_subset=
 MIXED = [f"model.clients=[{','.join(NAMES)}]", "model.feature_dim=16"]
 # small enough for the fuse test: the strategies' options live in the run's config
 STRATEGY_OPTIONS = ["dataset.public_size=100", "server.strategies.feddf.steps=10",
-                    *(f"server.strategies.{n}.{k}={v}" for n in ("dense", "coboosting")
+                    *(f"server.strategies.{n}.{k}={v}" for n in ("dense", "coboosting", "intactofl")
                       for k, v in (("epochs", 1), ("g_steps", 1), ("synthesis_batch", 16), ("batch_size", 16)))]
-FUSES_MIXED = ["output", "feature", "bnrecal", "fedproto_fused", "feddf", "dense", "coboosting"]
+FUSES_MIXED = ["output", "feature", "bnrecal", "fedproto_fused", "feddf", "dense", "coboosting", "intactofl"]
 ONE_ARCHITECTURE = ["fedavg", "otfusion", "regmean", "fedlpa", "fedproto"]
 
 

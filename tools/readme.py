@@ -234,14 +234,17 @@ CIFAR_SMALL = (f"{CIFAR_ARGS} dataset.train_subset=10000 dataset.test_subset=200
 # saved uploads. The data-free servers and FedDF run far fewer steps than published (their defaults stay the
 # config's defaults, for GPU runs): the block must fit ~90 minutes on 2 cores.
 BASELINE_PRESETS = ["fafi", "etf-anneal", "flare", "fedavg"]
-BASELINE_STRATEGIES = ["otfusion", "regmean", "fedlpa", "feddf", "dense", "coboosting", "bnrecal", "fedproto",
-                       "fedproto_fused"]
+BASELINE_STRATEGIES = ["otfusion", "regmean", "fedlpa", "feddf", "dense", "coboosting", "intactofl", "bnrecal",
+                       "fedproto", "fedproto_fused"]
 BNBATCH_PRESETS = ["fafi", "etf-anneal", "flare"]  # eval.bn=batch changes the feature rules only: prototype heads
 BASELINE_ARGS = (f"{CIFAR_ARGS} dataset.train_subset=10000 dataset.test_subset=2000 dataset.public_size=1000 "
                  "model.name=cnn model.width=0.5 num_clients=5 rounds=1 local_epochs=2 batch_size=64 "
                  "server.strategies.feddf.steps=300 server.strategies.dense.epochs=3 server.strategies.dense.g_steps=8 "
                  "server.strategies.dense.synthesis_batch=128 server.strategies.dense.batch_size=128 "
                  "server.strategies.coboosting.epochs=3 server.strategies.coboosting.g_steps=8")
+# options `flare fuse` takes anew over the saved clients: a strategy that joined after they were trained gets its
+# budget here, not in their config (IntactOFL: DENSE's budget above)
+BASELINE_FUSE_ARGS = "server.strategies.intactofl.epochs=3 server.strategies.intactofl.g_steps=8"
 
 
 def baselines_block(base: Path) -> str:
@@ -418,7 +421,8 @@ RESULTS = {r.id: r for r in [
             [cmd for a in (0.05, 0.5) for cmd in (
                 f"flare compare --presets {','.join(BASELINE_PRESETS)} --seeds 1,2,3 {BASELINE_ARGS} "
                 f"partition.alpha={a} --out runs/readme/baselines-a{a}",
-                f"flare fuse runs/readme/baselines-a{a}/*/seed=* --strategies {','.join(BASELINE_STRATEGIES)}",
+                f"flare fuse runs/readme/baselines-a{a}/*/seed=* --strategies {','.join(BASELINE_STRATEGIES)} "
+                f"{BASELINE_FUSE_ARGS}",
                 f"flare compare --presets {','.join(BNBATCH_PRESETS)} --seeds 1,2,3 {BASELINE_ARGS} partition.alpha={a} "
                 f"eval.bn=batch --out runs/readme/baselines-a{a}-bnbatch")],
             baselines_block,

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -165,11 +165,16 @@ def passes(n: int, size: int, gen: torch.Generator):
 
 
 class Synthesis:
-    """One build: the generator's epochs, the pool, the (Co-Boosting: re-weighted) ensemble and the student."""
+    """One build: the generator's epochs, the pool, the (Co-Boosting: re-weighted) ensemble and the student.
+
+    A server that trains something else than a fresh student on the same synthetic pool (IntactOFL's gate,
+    intactofl.py) subclasses it and overrides the hooks: `make_student` (what learns, its parameters the optimiser's),
+    `teacher` (what the generator's CE and BN terms read), `adversary` (the logits the adversarial term pulls the
+    teacher away from) and `distil` (one epoch of learning on the pool)."""
 
     def __init__(self, cfg, o: DenseOptions, ctx: ServerContext, shape: tuple[int, int, int], tag: int,
                  coboost: bool):
-        self.cfg, self.o, self.ctx, self.shape, self.coboost = cfg, o, ctx, shape, coboost
+        self.cfg, self.o, self.ctx, self.shape, self.tag, self.coboost = cfg, o, ctx, shape, tag, coboost
         self.dev, self.models = ctx.device, ctx.models
         self.g = generator(cfg, ctx.round, tag)
         self.w = ctx.weights.to(self.dev, torch.float32).clone()  # the teacher's weights (learned by Co-Boosting)
@@ -177,7 +182,7 @@ class Synthesis:
         self.to_input = affine_normalizer(ctx.normalize, shape[0], self.dev)
         with private_stream(derived_seed(cfg.seed, ctx.round, tag, 1)):
             self.gen_net = Generator(o.nz, o.ngf, shape).to(self.dev)
-        self.student = fresh_model(cfg, shape[0], self.C, derived_seed(cfg.seed, ctx.round, tag, 2), self.dev)
+        self.student = self.make_student()
         self.opt = torch.optim.SGD(self.student.parameters(), lr=o.lr, momentum=o.momentum,
                                    weight_decay=o.weight_decay)
         self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, o.epochs) if o.cosine else None
@@ -186,9 +191,18 @@ class Synthesis:
         self.g_losses: list[list[float]] = []  # per epoch, per generator step
         self.kd_losses: list[float] = []
 
+    def make_student(self) -> nn.Module:
+        """A fresh model of the server architecture (seeded by the round and the strategy's tag)."""
+        return fresh_model(self.cfg, self.shape[0], self.C, derived_seed(self.cfg.seed, self.ctx.round, self.tag, 2),
+                           self.dev)
+
     def teacher(self, x: Tensor) -> Tensor:
         """Σ_k w_k z_k / Σ_k w_k (WEnsemble; DENSE's weights sum to 1 already)."""
         return (self.w[:, None, None] * client_logits(self.models, x)).sum(0) / self.w.sum().clamp_min(1e-12)
+
+    def adversary(self, x: Tensor) -> Tensor:
+        """The logits the generator's adversarial term moves away from the teacher's: the student's."""
+        return self.student(x)[1].float()
 
     def synthesize(self) -> None:
         o, g = self.o, self.g
@@ -213,7 +227,7 @@ class Synthesis:
                 ce = F.cross_entropy(t, y, reduction="none")
                 if self.coboost:  # hard samples: weighted by the ensemble's missing confidence
                     ce = (1 - t.softmax(1).gather(1, y[:, None])[:, 0].detach()).pow(o.hs) * ce
-                s = self.student(x)[1].float()
+                s = self.adversary(x)
                 kl = kd_loss(s, t, o.adv_temperature, reduction="none").sum(1)
                 if not self.coboost:
                     kl = kl * (s.argmax(1) != t.argmax(1)).float()
@@ -249,10 +263,11 @@ class Synthesis:
                 (grad,) = torch.autograd.grad(loss, w)
                 self.w = (self.w - step * grad.sign()).clamp(0.0, 1.0)
 
-    def perturb(self, x: Tensor) -> Tensor:
-        """One signed step of size eps on the distillation inputs (Co-Boosting)."""
+    def perturb(self, x: Tensor, outputs: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+        """One signed step of size eps on the distillation inputs (Co-Boosting); `outputs`: the logits whose
+        softened output the ODS direction projects (default: the teacher's)."""
         x = x.detach().requires_grad_(True)
-        t = self.teacher(x)
+        t = (outputs or self.teacher)(x)
         if self.o.perturb == "ods":  # a random direction of the ensemble's softened output
             r = torch.rand(t.shape, generator=self.g).to(self.dev) * 2 - 1
             obj = (r * F.softmax(t / 4, dim=1)).sum()
@@ -311,10 +326,13 @@ class Synthesis:
         return self.student, logs
 
 
-class _DataFree(Strategy):
+class DataFree(Strategy):
+    """A server built by a `Synthesis` (the class attribute `synthesis`) over generator-synthesised data."""
+
     every_round = False
     mixed_architectures = True  # the ensemble teaches a fresh student of the server architecture (server.model)
     tag, coboost = 0, False
+    synthesis = Synthesis
 
     def predictor(self, ctx: ServerContext) -> ModelPredictor:
         shape = ctx.input_shape or (tuple(ctx.public_x.shape[1:]) if ctx.public_x is not None else None)
@@ -324,13 +342,13 @@ class _DataFree(Strategy):
                              fix="build the ServerContext with input_shape= (rounds.evaluate_uploads and flare fuse "
                                  "do).")
         with torch.enable_grad(), torch.autocast(ctx.device.type, enabled=False):  # whatever the caller has set
-            model, logs = Synthesis(self.cfg, self.options, ctx, tuple(int(v) for v in shape), self.tag,
+            model, logs = self.synthesis(self.cfg, self.options, ctx, tuple(int(v) for v in shape), self.tag,
                                     self.coboost).run()
         return ModelPredictor(model.eval(), logs)
 
 
 @STRATEGIES.register("dense", options=DenseOptions)
-class Dense(_DataFree):
+class Dense(DataFree):
     """DENSE: a fresh student distilled from the client ensemble on generator-synthesised data (data-free)."""
 
     tag = 2102
@@ -340,7 +358,7 @@ class Dense(_DataFree):
 
 
 @STRATEGIES.register("coboosting", options=CoBoostingOptions)
-class CoBoosting(_DataFree):
+class CoBoosting(DataFree):
     """Co-Boosting: DENSE with hard samples, learned ensemble weights and perturbed distillation inputs."""
 
     tag, coboost = 2103, True

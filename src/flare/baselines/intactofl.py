@@ -1,0 +1,199 @@
+"""IntactOFL (Zeng et al., "One-shot-but-not-degraded Federated Learning", ACM MM 2024; reference code
+zenghui9977/IntactOFL, cited below by its paths under source/): the K client models are kept intact as the experts
+of a mixture whose gate alone is trained, data-free, on generator-synthesised inputs.
+
+The mixture (source/oneshot_algorithms/synthesizer_utils.py:810-888, `LinearGatingNetwork` and `MoEEnsemble`):
+
+* the gate is one linear layer over the flattened, normalised image (C·H·W → K): it sees the image, not the
+  experts' features (synthesizer_utils.py:817, 821-822); its scores are not softmaxed — each row keeps its k
+  largest scores and zeroes the rest (synthesizer_utils.py:824-826), k = ⌊top_k_share · K⌋
+  (oneshot_intactofl.py:55);
+* the output is the mean over the experts of gate score × expert logits, (1/K) Σ_k g_k(x) z_k(x)
+  (synthesizer_utils.py:864, 883).
+
+Every epoch (oneshot_intactofl.py:106-117):
+
+1. DENSE's synthesis (datafree.py's `Synthesis`, unchanged): the generator is re-initialised, a fresh z and sorted
+   pseudo-labels y are drawn, and `g_steps` Adam steps minimise bn·L_bn + oh·CE(mixture(x), y) − adv·KL, where the
+   teacher is the mixture itself and the adversary is the plain average of the experts (the reference's
+   `student_model = Ensemble(model_list)`, oneshot_intactofl.py:59, 76-79): KL(mixture ‖ average) at T = 3 on the
+   samples whose argmax they disagree on (synthesizer_utils.py:713-718); no augmentation inside synthesis
+   (synthesizer_utils.py:705-708); generator gradients clipped to norm 10 (synthesizer_utils.py:722). The batch of
+   the lowest loss joins the pool (all epochs are kept: `his: True`, cifar10_clients5_dir0.1.yaml:135);
+2. one pass over the pool (oneshot_intactofl.py:9-46): each batch takes one signed ODS step of size eps along the
+   gradient of a random projection of the average's output softened at T = 4 (oneshot_intactofl.py:18-24); the gate
+   then minimises CE(mixture, y) + balance·std(gate scores) + distill·KL_T(average ‖ mixture)·T²
+   (oneshot_intactofl.py:27-40; std over every score of the batch, unbiased, as torch.std), its gradient clipped to
+   norm 10 (oneshot_intactofl.py:45), SGD with momentum 0.9 (oneshot_intactofl.py:101), cosine-annealed over the
+   epochs (oneshot_intactofl.py:103, stepped once per epoch, :117).
+
+Departures, each an option or a note: the reference keeps the best test accuracy over the epochs
+(oneshot_intactofl.py:115-122); this server returns the last gate and scores nothing on test unless `curve_every`
+asks for a record. The reference steps ODS by its `odseta: 8` as is (oneshot_intactofl.py:113), i.e. 8 standard
+deviations per pixel, while its Co-Boosting reads the same key as 8/255 (oneshot_coboosting.py:109); `eps` defaults
+to 8/255 (`eps=8` is the code's literal step). The average and the BN term are weighted by `server.weights` (the
+reference: uniform 1/K, utils.py:246 and synthesizer_utils.py:712; equal with `server.weights=uniform`), and the BN
+term hooks every BatchNorm with running statistics (the reference: BatchNorm2d only), as `dense` does. A share that
+rounds to no expert keeps one (the reference's k = 0 would zero the mixture). The reference publishes one one-shot
+setting (CIFAR-10, 5 clients, cifar10_clients5_dir0.1.yaml) and none for Fashion-MNIST: its values are the defaults
+for every dataset; the paper's appendix B.2 states 20 generator iterations and 40 gate epochs instead of the
+code's 30 and 200 (`g_steps=20 epochs=40`).
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import Tensor, nn
+
+from flare.baselines.datafree import DataFree, DenseOptions, Synthesis, passes
+from flare.baselines.kd import client_logits, kd_loss, private_stream
+from flare.registry import STRATEGIES
+from flare.rng import derived_seed
+
+
+class IntactOFLOptions(DenseOptions):
+    """IntactOFL's published settings: source/yaml_config/oneshot/cifar10_clients5_dir0.1.yaml (`intactofl:`,
+    lines 123-144, the config algo_main.py:11 runs) and the constants of source/oneshot_algorithms."""
+
+    epochs: int = Field(200, ge=1, description="synthesis + gate-training epochs (yaml:138)")
+    g_steps: int = Field(30, ge=1, description="generator steps per epoch (yaml:128)")
+    lr_g: float = Field(1e-3, gt=0, description="Adam learning rate of the generator and z (yaml:129)")
+    synthesis_batch: int = Field(128, ge=2, description="images synthesised per epoch (yaml:130)")
+    batch_size: int = Field(128, ge=2, description="pool images per gate step (yaml:131)")
+    nz: int = Field(256, ge=1, description="noise dimension (yaml:126)")
+    ngf: int = Field(64, ge=1, description="generator width (yaml:127)")
+    bn: float = Field(1.0, ge=0, description="weight of the BatchNorm-statistics term (yaml:133)")
+    oh: float = Field(1.0, ge=0, description="weight of the mixture's CE to the pseudo-labels (yaml:134)")
+    adv: float = Field(1.0, ge=0, description="weight of the adversarial (mixture-average disagreement) term "
+                       "(yaml:132)")
+    adv_temperature: float = Field(3.0, gt=0, description="temperature of the adversarial KL "
+                                   "(synthesizer_utils.py:716)")
+    temperature: float = Field(4.0, gt=0, description="temperature T of the gate's KL to the average, × T² "
+                               "(kd_T, yaml:144; oneshot_intactofl.py:102)")
+    lr: float = Field(0.01, gt=0, description="gate SGD learning rate (gt_lr, yaml:139)")
+    momentum: float = Field(0.9, ge=0, description="gate SGD momentum (oneshot_intactofl.py:101)")
+    weight_decay: float = Field(1e-4, ge=0, description="gate SGD weight decay (yaml:140)")
+    cosine: bool = Field(True, description="cosine-anneal the gate's learning rate over the epochs "
+                         "(oneshot_intactofl.py:103)")
+    clip: float | None = Field(10.0, gt=0, description="gradient-norm clip of generator and gate "
+                               "(synthesizer_utils.py:722, oneshot_intactofl.py:45)")
+    augment: bool = Field(False, description="crop (4-pixel padding) + flip of the pool images the gate sees (the "
+                          "reference: none, its transform is ToTensor + Normalize, dataset_helper.py:35-37)")
+    curve_every: int = Field(0, ge=0, description="score the mixture on the test set every this many epochs, for "
+                             "the record only (the best point is the reference's test-selected epoch, reported as "
+                             "such, never used); 0: off")
+    top_k_share: float = Field(1.0, gt=0, le=1, description="share of the K experts whose gate scores each input "
+                               "keeps, k = ⌊share·K⌋ ≥ 1, the others zeroed (topk, yaml:125)")
+    balance: float = Field(0.01, ge=0, description="weight of the std of the gate scores (alpha, yaml:141)")
+    distill: float = Field(1.0, ge=0, description="weight of the KL to the experts' average (beta, yaml:142)")
+    eps: float = Field(8 / 255, ge=0, description="size of the signed ODS step on the gate's inputs (model-input "
+                       "units; the code's literal odseta is 8, yaml:143)")
+    perturb: Literal["ods", "none"] = Field("ods", description="the gate's inputs: one ODS step "
+                                            "(oneshot_intactofl.py:18-24), or as synthesised")
+
+
+def sparse_gate(scores: Tensor, k: int) -> Tensor:
+    """Each row's k largest gate scores kept, the others zero (not −∞: no softmax follows). B×K → B×K."""
+    top, idx = scores.topk(k, dim=-1)
+    return torch.zeros_like(scores).scatter(-1, idx, top)
+
+
+def mixture(weights: Tensor, expert_logits: Tensor) -> Tensor:
+    """(1/K) Σ_k weights[:, k] · expert_logits[k]: B×K gate weights, K×B×C expert logits → B×C."""
+    return (weights.t()[:, :, None] * expert_logits).mean(0)
+
+
+class MixtureOfExperts(nn.Module):
+    """The gate over intact experts. The experts sit in a plain list: they are neither parameters nor state of this
+    module (nothing trains them, `state_dict` is the gate's), and must be in eval mode. `forward` returns (gate
+    weights, logits), in the (features, logits) place of a FLARE model, so every model scorer reads its logits."""
+
+    def __init__(self, experts: list[nn.Module], gate: nn.Linear, top_k: int):
+        super().__init__()
+        self.experts, self.gate, self.top_k = list(experts), gate, top_k
+
+    def weights(self, x: Tensor) -> Tensor:
+        return sparse_gate(self.gate(x.reshape(x.shape[0], -1)).float(), self.top_k)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        w = self.weights(x)
+        return w, mixture(w, client_logits(self.experts, x))
+
+
+def gate_loss(logits: Tensor, weights: Tensor, average: Tensor, y: Tensor, o: IntactOFLOptions) -> Tensor:
+    """CE(mixture, y) + balance·std(gate weights) + distill·KL_T(average ‖ mixture)·T²
+    (oneshot_intactofl.py:34-40)."""
+    return (F.cross_entropy(logits, y) + o.balance * weights.std()
+            + o.distill * kd_loss(logits, average, o.temperature))
+
+
+class GateSynthesis(Synthesis):
+    """DENSE's generator with the mixture as its teacher and the experts' average as its adversary; the learner is
+    the gate (`MixtureOfExperts`), trained by `distil` on the pool."""
+
+    o: IntactOFLOptions
+    _experts_of: tuple[Tensor, Tensor] | None = None  # (x, the experts' logits of x) of the teacher's last call
+
+    def make_student(self) -> nn.Module:
+        K = len(self.models)
+        with private_stream(derived_seed(self.cfg.seed, self.ctx.round, self.tag, 2)):
+            gate = nn.Linear(math.prod(self.shape), K)  # torch's default init, as the reference's nn.Linear
+        return MixtureOfExperts(self.models, gate.to(self.dev), max(1, int(self.o.top_k_share * K)))
+
+    def average(self, expert_logits: Tensor) -> Tensor:
+        """The experts' weighted average (the reference's `Ensemble`)."""
+        return (self.w[:, None, None] * expert_logits).sum(0) / self.w.sum().clamp_min(1e-12)
+
+    def teacher(self, x: Tensor) -> Tensor:
+        z = client_logits(self.models, x)
+        self._experts_of = (x, z)  # the adversary of the same generator step reads them again
+        return mixture(self.student.weights(x), z)
+
+    def adversary(self, x: Tensor) -> Tensor:
+        seen, z = self._experts_of or (None, None)
+        return self.average(z if seen is x else client_logits(self.models, x))
+
+    def distil(self) -> None:
+        o, gate = self.o, self.student.gate
+        self.student.train()
+        for ix in passes(self.pool_x.shape[0], o.batch_size, self.g):
+            x, y = self.view(ix), self.pool_y[ix.to(self.dev)]
+            if o.perturb == "ods":
+                x = self.perturb(x, lambda v: self.average(client_logits(self.models, v)))
+            with torch.no_grad():
+                z = client_logits(self.models, x)
+            w = self.student.weights(x)
+            loss = gate_loss(mixture(w, z), w, self.average(z), y, o)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if o.clip is not None:
+                nn.utils.clip_grad_norm_(gate.parameters(), o.clip)
+            self.opt.step()
+            self.kd_losses.append(float(loss.detach()))
+        if self.sched is not None:
+            self.sched.step()
+
+    def run(self) -> tuple[nn.Module, dict[str, float]]:
+        moe, logs = super().run()
+        self._experts_of = None
+        # the predictor owns frozen copies: whatever later happens to the client models, its experts stay intact
+        moe.experts = [copy.deepcopy(m).eval().requires_grad_(False) for m in moe.experts]
+        logs["gate_loss_last"] = logs.pop("kd_loss_last")
+        logs["top_k"] = float(moe.top_k)
+        return moe, logs
+
+
+@STRATEGIES.register("intactofl", options=IntactOFLOptions)
+class IntactOFL(DataFree):
+    """IntactOFL: the client models kept intact as the experts of a mixture whose linear gate over the image is
+    trained on generator-synthesised data (data-free)."""
+
+    tag, synthesis = 2104, GateSynthesis
+
+    def __init__(self, cfg, options: IntactOFLOptions | None = None):
+        super().__init__(cfg, options or IntactOFLOptions())
