@@ -7,10 +7,15 @@ never per round — the seeds' saw-tooth was a bug.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Protocol
 
 from flare.errors import FlareError
 from flare.registry import SCHEDULES
+
+
+class ScheduleFn(Protocol):
+    """What `SCHEDULES` holds: a(p) of progress p ∈ [0, 1] (align.schedule, lam.anneal)."""
+    def __call__(self, p: float) -> float: ...
 
 Schedule = Callable[[float], float]
 

@@ -27,12 +27,19 @@ import math
 import random
 import warnings
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 from pydantic import BaseModel, Field
 
 from flare.errors import FlareError
 from flare.registry import PARTITIONS
+
+
+class PartitionFn(Protocol):
+    """What `PARTITIONS` holds: the clients' sample indices from the training labels."""
+    def __call__(self, labels: np.ndarray, num_clients: int, seed: int, num_classes: int | None, *, alpha: float,
+                 shards_per_client: int, legacy: bool, options: BaseModel | None) -> Partition: ...
 
 
 @dataclass

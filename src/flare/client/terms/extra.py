@@ -18,7 +18,7 @@ server sent, the shared init). The batched engine holds no such per-client copy 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 from pydantic import Field
@@ -27,6 +27,11 @@ from torch import Tensor
 from flare.config import Config, LossCfg
 from flare.errors import FlareError
 from flare.registry import LOSS_TERMS, TermOptions
+
+
+class LossTermFn(Protocol):
+    """What `LOSS_TERMS` holds: a scalar added to the local loss as `weight · fn(batch, options)`."""
+    def __call__(self, batch: TermBatch, options: TermOptions) -> Tensor: ...
 
 __all__ = ["TermBatch", "TermOptions", "extra_terms", "uses_params", "ProxOptions"]
 
