@@ -5,7 +5,7 @@ every fusion rule against rounds for FAFI and FLARE.
 It reads only `reproduce.json` (what each point stands for, and the command that made them) and the run
 directories it names, so it works on a partial reproduction too (missing runs show as "—" and are counted).
 
-    from flare.paper.reproduction import reproduction_markdown, write_reproduction_report
+    from flare_paper.reproduction import reproduction_markdown, write_reproduction_report
     md = reproduction_markdown("runs/reproduce-full", image_dir="docs/figures")   # for the README generator
     path = write_reproduction_report("runs/reproduce-full")    # <out>/report/reproduction.md (+ its figure)
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from flare.errors import FlareError
-from flare.paper.reference import SETTINGS as NOTE_SETTINGS
-from flare.paper.reference import REFS, Ref, matches
+from flare_paper.reference import SETTINGS as NOTE_SETTINGS
+from flare_paper.reference import REFS, Ref, matches
 from flare.report.figures import plot_rule_panels
 from flare.report.runs import Row
 from flare.report.style import method_label
