@@ -55,14 +55,14 @@ def test_no_file_over_450_lines():
 
 
 READERS = ("flare.rundata", "flare.rundir", "flare.records", "flare.durable", "flare.config", "flare.errors", "flare.report",
-           "flare.stats",
-           "flare.schedules")
+           "flare.stats", "flare.schedules",
+           "flare.registry")  # a strategy's title and colour: attributes of its registered class
 PAPER_READERS = ("report.py", "reproduction.py", "reference.py")  # flare_paper's reports
 
 
 def test_reports_only_read():
-    """report/ reads run directories (rundata, rundir) and configs, and tests numbers (stats) and draws schedules
-    (schedules): pure functions; it never runs anything. The paper's reports read the same, and each other."""
+    """report/ reads run directories (rundata, rundir) and configs, and tests numbers (stats), draws schedules
+    (schedules) and asks the registry how a strategy looks: pure functions; it never runs anything. The paper's reports read the same, and each other."""
     for p in (SRC / "report").glob("*.py"):
         bad = [m for m in flare_imports(p, top_level_only=False) if not m.startswith(READERS)]
         assert not bad, f"{p.name} imports {bad}"

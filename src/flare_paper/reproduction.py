@@ -27,6 +27,9 @@ from flare.report.tables import fmt_ms, md_table
 from flare.rundata import RunData
 from flare.rundir import atomic_write_text
 
+# The notes' fusion rules in the reproduction's figure, each with its line style (the colour is the strategy's).
+RULE_STYLE = {"feature": "-", "iffi": "--", "iffi_reference": ":", "output": "-."}
+
 MANIFEST = "reproduce.json"
 REPORT = "reproduction.md"
 FIGURE = "reproduction_rules.png"
@@ -198,7 +201,7 @@ def reproduction_markdown(out: str | Path, image_dir: str | Path | None = None) 
     panels = [(f"{method_label(m)} — {COLUMN_TITLE[c]}", runs.row(role="main", setting=c, preset=m, alpha=hard))
               for c in present for m in shown]
     if panels and plot_rule_panels(panels, len(shown), img / FIGURE, f"every fusion rule against rounds, α = {hard:g}, "
-                                                 f"{doc.get('dataset')} (scale {doc.get('scale')})"):
+                                                 f"{doc.get('dataset')} (scale {doc.get('scale')})", RULE_STYLE):
         rel = f"{img.name}/{FIGURE}" if image_dir is not None else FIGURE
         md += [f"### Every fusion rule against rounds, α = {hard:g}", "", f"![fusion rules]({rel})", ""]
     return "\n".join(md)
