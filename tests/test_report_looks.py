@@ -23,7 +23,8 @@ def test_rows_follow_the_presets_order_baselines_then_the_notes_variants():
 
     presets = list_presets()
     rows = [Row(name, name, {}, []) for name in presets]
-    assert [r.method for r in sorted(rows, key=row_order)] == sorted(presets, key=lambda n: by_notes_name(n, presets[n]))
+    expected = sorted(presets, key=lambda n: by_notes_name(n, presets[n]))
+    assert [r.method for r in sorted(rows, key=row_order)] == expected
     assert method_order("fedavg") < method_order("fafi") < method_order("etf-anneal") < method_order("flare")
 
 

@@ -9,10 +9,11 @@ config key and lists the registered names.
 Each registry states what its entries are (`signature`, a `typing.Protocol`: what the code that uses the part calls
 it with). The Protocol is declared in the module whose types it names (`PartitionFn` beside `Partition` in
 flare/data/partition.py), and named here as `"module:Name"`, resolved when asked for: this module is the bottom
-floor, so it imports none of the modules above it, not even for type checking. Every part may state what it needs of a config (`check(cfg)`: the `check=` argument of
-`register`, or the part's own `check` attribute, e.g. a `Strategy`'s classmethod). The config calls every chosen
-part's checks from one place (`Config._compatible_parts`), so a rule about a part lives with that part, and a plugin
-part refuses a config it cannot serve exactly as a built-in one does.
+floor, so it imports none of the modules above it, not even for type checking. Every part may state what it needs
+of a config (`check(cfg)`: the `check=` argument of `register`, or the part's own `check` attribute, e.g. a
+`Strategy`'s classmethod). The config calls every chosen part's checks from one place
+(`Config._compatible_parts`), so a rule about a part lives with that part, and a plugin part refuses a config it
+cannot serve exactly as a built-in one does.
 
 The built-in parts register themselves in the modules that implement them; those modules import the config, so the
 registries load them by name on the first lookup (`load_builtins`) instead of importing them here — the same way
@@ -39,6 +40,7 @@ from flare.errors import FlareError, KeyedValueError
 
 # The modules that register the built-in parts (imported on the first lookup of any registry).
 BUILTIN_MODULES = ("flare.models", "flare.schedules", "flare.data.datasets", "flare.data.features", "flare.data.partition",
+                   "flare.data.scaling",
                    "flare.client.terms.align", "flare.client.lam", "flare.client.surgery", "flare.client.objective",
                    "flare.client.terms.banks", "flare.client.terms.extra", "flare.client.trainer",
                    "flare.client.batched", "flare.server.rules", "flare.baselines")
@@ -274,7 +276,10 @@ class Registry:
 MODELS = Registry("model", "model.name", "flare.models:ModelBuilder")
 DATASETS = Registry("dataset", "dataset.name", "flare.data.datasets:DatasetSource")
 PARTITIONS = Registry("partition", "partition.kind", "flare.data.partition:PartitionFn")
+# The reference code's draw of a partition kind, used instead of the kind's own with partition.rng=legacy.
+REFERENCE_PARTITIONS = Registry("reference partition draw", "partition.kind", "flare.data.partition:PartitionFn")
 ANCHORS = Registry("anchor kind", "align.anchors", "flare.client.terms.align:AnchorFn")
+SCALINGS = Registry("input scaling", "augment.input_scaling", "flare.data.scaling:ScalingFn")
 LAM_PROVIDERS = Registry("λ provider", "lam.learner", "flare.client.lam:LamProviderBuilder")
 SCHEDULES = Registry("schedule", "align.schedule", "flare.schedules:ScheduleFn")
 SURGERY = Registry("gradient surgery", "align.surgery", "flare.client.surgery:SurgeryFn")
@@ -285,7 +290,8 @@ STRATEGIES = Registry("server strategy", "server.primary", "flare.server.strateg
 # The client engines (`client_engine`, a closed choice: not a plugin point, so not in REGISTRIES): each engine's
 # class states what it cannot run with `check(cfg)`, which the config's validation calls.
 CLIENT_ENGINES = Registry("client engine", "client_engine", "flare.client.trainer:ClientEngineClass")
-REGISTRIES = {"models": MODELS, "datasets": DATASETS, "partitions": PARTITIONS, "anchors": ANCHORS,
+REGISTRIES = {"models": MODELS, "datasets": DATASETS, "partitions": PARTITIONS,
+              "reference-partitions": REFERENCE_PARTITIONS, "input-scalings": SCALINGS, "anchors": ANCHORS,
               "lam-providers": LAM_PROVIDERS, "schedules": SCHEDULES, "surgery": SURGERY, "contrast": CONTRAST,
               "objectives": OBJECTIVES, "loss-terms": LOSS_TERMS, "strategies": STRATEGIES}
 
