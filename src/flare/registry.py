@@ -282,6 +282,7 @@ ANCHORS = Registry("anchor kind", "align.anchors", "flare.client.terms.align:Anc
 SCALINGS = Registry("input scaling", "augment.input_scaling", "flare.data.scaling:ScalingFn")
 LAM_PROVIDERS = Registry("λ provider", "lam.learner", "flare.client.lam:LamProviderBuilder")
 SCHEDULES = Registry("schedule", "align.schedule", "flare.schedules:ScheduleFn")
+PROGRESS = Registry("progress", "progress", "flare.schedules:ProgressFn")
 SURGERY = Registry("gradient surgery", "align.surgery", "flare.client.surgery:SurgeryFn")
 CONTRAST = Registry("contrast bank", "loss.contrast", "flare.client.terms.banks:ContrastBankFn")
 OBJECTIVES = Registry("local objective", "loss.objective", "flare.client.objective:ObjectiveEntry")
@@ -292,7 +293,7 @@ STRATEGIES = Registry("server strategy", "server.primary", "flare.server.strateg
 CLIENT_ENGINES = Registry("client engine", "client_engine", "flare.client.trainer:ClientEngineClass")
 REGISTRIES = {"models": MODELS, "datasets": DATASETS, "partitions": PARTITIONS,
               "reference-partitions": REFERENCE_PARTITIONS, "input-scalings": SCALINGS, "anchors": ANCHORS,
-              "lam-providers": LAM_PROVIDERS, "schedules": SCHEDULES, "surgery": SURGERY, "contrast": CONTRAST,
+              "lam-providers": LAM_PROVIDERS, "schedules": SCHEDULES, "progress": PROGRESS, "surgery": SURGERY, "contrast": CONTRAST,
               "objectives": OBJECTIVES, "loss-terms": LOSS_TERMS, "strategies": STRATEGIES}
 
 _state = {"builtins": False}
