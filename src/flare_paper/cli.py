@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 from flare import cli
+
 from flare_paper.suite import run_paper
 
 

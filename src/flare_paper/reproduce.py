@@ -29,9 +29,10 @@ from flare.config import config_for_preset
 from flare.config.protocol import ITEM_KEYS, ITEMS, ProtocolItem
 from flare.errors import FlareError
 from flare.experiments.sweep import SweepSpec, unflatten
-from flare_paper.reproduction import MANIFEST
 from flare.records import flatten
 from flare.rundir import atomic_write_text
+
+from flare_paper.reproduction import MANIFEST
 
 METHODS = ["fedavg", "ensemble", "fafi", "etf-anneal", "flare"]
 # the config keys the report needs to match a point with the notes' numbers (paper/reference.py)

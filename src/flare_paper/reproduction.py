@@ -18,14 +18,15 @@ from pathlib import Path
 import numpy as np
 
 from flare.errors import FlareError
-from flare_paper.reference import SETTINGS as NOTE_SETTINGS
-from flare_paper.reference import REFS, Ref, matches
 from flare.report.figures import plot_rule_panels
 from flare.report.runs import Row
 from flare.report.style import method_label
 from flare.report.tables import fmt_ms, md_table
 from flare.rundata import RunData
 from flare.rundir import atomic_write_text
+
+from flare_paper.reference import REFS, Ref, matches
+from flare_paper.reference import SETTINGS as NOTE_SETTINGS
 
 # The notes' fusion rules in the reproduction's figure, each with its line style (the colour is the strategy's).
 RULE_STYLE = {"feature": "-", "iffi": "--", "iffi_reference": ":", "output": "-."}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flare.config.protocol import ITEM_KEYS
+
 from flare_paper import reproduce
 from flare_paper.report import PaperScale
 

@@ -36,15 +36,16 @@ from flare.config import build_config
 from flare.experiments.execute import Point, check_dirs, execute_points, read_point_file
 from flare.experiments.sweep import SweepSpec, expand, unflatten
 from flare.fuse import fuse_runs
+from flare.registry import STRATEGIES
+from flare.rundata import num
+from flare.records import flatten
+from flare.rundir import RunDir, atomic_write_text
+
 from flare_paper import reproduce
 from flare_paper.options import EXPERIMENTS, PaperOptions, check_against_plan, default_data_root, parse_options
 from flare_paper.report import PaperRuns, write_paper_report
 from flare_paper.reproduction import write_reproduction_report
 from flare_paper.scales import ABLATION_VARIANTS, DATASET_DEFAULTS, Scale, ScaleRule
-from flare.registry import STRATEGIES
-from flare.rundata import num
-from flare.records import flatten
-from flare.rundir import RunDir, atomic_write_text
 
 # ----------------------------------------------------------------------------------------------
 # the experiments as sweeps
