@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+from flare.config import build_config
 from flare.data.partition import Partition, dirichlet_partition, iid_partition, make_partition, shards_partition
 from flare.errors import FlareError
 from flare.registry import PARTITIONS, REFERENCE_PARTITIONS
@@ -134,3 +135,10 @@ def test_rng_legacy_draws_the_kinds_registered_reference_draw(plugin_kind):
     REFERENCE_PARTITIONS.register("first-half", lambda labels, k, seed, num_classes, **_:
                                   Partition(list(np.array_split(np.arange(len(labels)), k)), 4, labels))
     assert make_partition(labels, 2, "first-half", 0, rng="legacy").sizes == [20, 20]
+
+
+def test_the_config_refuses_rng_legacy_for_a_kind_without_a_reference_draw(plugin_kind):
+    with pytest.raises(FlareError) as err:
+        build_config({"partition": {"kind": "first-half", "rng": "legacy"}})
+    assert err.value.key == "partition.rng"
+    assert build_config({"partition": {"kind": "first-half"}}).partition.rng == "generator"

@@ -27,7 +27,8 @@ from flare.config.sections import (OPTIONS_DESCRIPTION, AugmentCfg, DatasetCfg, 
                                    OptimCfg, PartitionCfg, Strict, architecture, part, part_options, part_table)
 from flare.errors import FlareError, KeyedValueError
 from flare.registry import (ANCHORS, CLIENT_ENGINES, CONTRAST, DATASETS, LAM_PROVIDERS, LOSS_TERMS, MODELS, OBJECTIVES,
-                            PARTITIONS, PROGRESS, SCHEDULES, STRATEGIES, SURGERY, Registry, load_plugins)
+                            PARTITIONS, PROGRESS, REFERENCE_PARTITIONS, SCHEDULES, STRATEGIES, SURGERY, Registry,
+                            load_plugins)
 
 __all__ = ["KeyedValueError", "DatasetCfg", "PartitionCfg", "ModelCfg", "OptimCfg", "LRScheduleCfg", "AugmentCfg",
            "LossCfg", "AlignCfg", "LamCfg", "ServerCfg", "EvalCfg", "LoggingCfg", "Config", "RENAMED", "RENAMED_VALUES"]
@@ -288,6 +289,11 @@ class Config(Strict):
         self._check_architectures()
         for registry, name in self.chosen_parts():
             registry.check(name, self)
+        kind = self.partition.kind
+        if self.partition.rng == "legacy" and kind not in REFERENCE_PARTITIONS:  # the draw make_partition would use
+            raise FlareError(f"partition.rng=legacy draws a kind as the reference code did, and kind={kind} has no "
+                             f"such draw (those that have: {', '.join(REFERENCE_PARTITIONS.names())}).",
+                             key="partition.rng", fix="set partition.rng=generator.")
         for rule in self.eval.rules or []:
             if self.head != "prototype" and rule != "primary" and STRATEGIES.get(rule).needs_prototypes:
                 raise KeyedValueError("eval.rules", f"rule {rule!r} reads prototypes, which "

@@ -262,11 +262,9 @@ def make_partition(labels: np.ndarray, num_clients: int, kind: str, seed: int, *
     if kind in ("dirichlet", "dirichlet-fafi", "noniid-labeldir") and alpha <= 0:
         raise FlareError(f"alpha must be > 0 (got {alpha}).", key="partition.alpha", fix="use e.g. 0.05, 0.1, 0.5.")
     opts = PARTITIONS.options(kind, options, "partition.options")
-    if rng == "legacy" and kind not in REFERENCE_PARTITIONS:
-        raise FlareError(f"partition.rng=legacy draws the reference code's partitions "
-                         f"({', '.join(REFERENCE_PARTITIONS.names())}); kind={kind} has none.", key="partition.rng",
-                         fix="set partition.rng=generator.")
-    draw = (REFERENCE_PARTITIONS if rng == "legacy" else PARTITIONS).get(kind)
+    # partition.rng=legacy: the kind as the reference code drew it (a kind without such a draw is refused, naming
+    # partition.rng; the config refuses it earlier, when validated)
+    draw = REFERENCE_PARTITIONS.get(kind, "partition.rng") if rng == "legacy" else PARTITIONS.get(kind)
     return draw(labels, num_clients, seed, num_classes, alpha=alpha, shards_per_client=shards_per_client,
                 options=opts)
 
@@ -302,15 +300,7 @@ PARTITIONS.register("noniid-labeldir", _labeldir, options=LabeldirOptions,
                     description="NIID-Bench's Dirichlet label split (FedLPA, DENSE): balanced, redrawn until every "
                                 "client has min_size samples")
 PARTITIONS.register("iid", _iid, description="uniform random split")
-def _shards_check(cfg) -> None:
-    """partition.rng=legacy replays the reference's draws, and the reference has no shards partition."""
-    if cfg.partition.rng == "legacy":
-        raise FlareError("partition.rng=legacy draws the reference's dirichlet and iid partitions; kind=shards has "
-                         "no reference counterpart.", key="partition.rng", fix="set partition.rng=generator.")
-
-
-PARTITIONS.register("shards", _shards, description="partition.shards_per_client classes per client",
-                    check=_shards_check)
+PARTITIONS.register("shards", _shards, description="partition.shards_per_client classes per client")
 
 
 # The reference code's draws (partition.rng=legacy, the reference protocol's item g): the same kinds drawn from
