@@ -233,8 +233,11 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):
         """argparse's own message (it names the option at fault) plus the fix, exit code 2."""
         self.print_usage(sys.stderr)
+        unknown_command = message.startswith("argument command: invalid choice")
+        added = (" A command another package adds (`flare paper`) is there once that package is installed with its "
+                 "entry points (`pip install -e .` in this checkout)." if unknown_command else "")
         self.exit(2, f"{self.prog}: error: {message}. Fix: options are spelled out in full (no abbreviations); "
-                     f"`{self.prog} --help` lists them, and config keys go as KEY=VALUE.\n")
+                     f"`{self.prog} --help` lists them, and config keys go as KEY=VALUE.{added}\n")
 
 
 def build_parser(commands: list[Callable] | None = None) -> argparse.ArgumentParser:
