@@ -1,11 +1,16 @@
 """The shape of the code, held by tests: file sizes, the import graph and its direction, imports at module level."""
 import ast
+from importlib.metadata import EntryPoint
 from pathlib import Path
 
 import pytest
 
+from flare import cli
+from flare_paper.cli import add_command
+
 SRC = Path(__file__).resolve().parents[1] / "src" / "flare"
-MODULES = sorted(p for p in SRC.rglob("*.py"))
+PAPER = SRC.parent / "flare_paper"  # the paper suite, a package built on flare
+MODULES = sorted(p for p in [*SRC.rglob("*.py"), *PAPER.rglob("*.py")])
 
 
 def module_name(path: Path) -> str:
@@ -42,81 +47,53 @@ GRAPH = {module_name(p): flare_imports(p, top_level_only=True) for p in MODULES}
 
 
 def test_no_file_over_450_lines():
-    long = {str(p.relative_to(SRC)): n for p in MODULES if (n := len(p.read_text().splitlines())) > 450}
+    long = {str(p.relative_to(SRC.parent)): n for p in MODULES if (n := len(p.read_text().splitlines())) > 450}
     assert not long, long
 
 
-def test_no_import_circle():
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(m: str) -> None:
-        state[m] = 1
-        stack.append(m)
-        for dep in sorted(GRAPH.get(m, ())):
-            if dep not in GRAPH:
-                continue
-            if state.get(dep) == 1:
-                raise AssertionError("import circle: " + " -> ".join(stack[stack.index(dep):] + [dep]))
-            if dep not in state:
-                visit(dep)
-        stack.pop()
-        state[m] = 2
-
-    for m in GRAPH:
-        if m not in state:
-            visit(m)
-
-
-def test_the_circle_detector_can_fail():
-    GRAPH["flare._probe_a"], GRAPH["flare._probe_b"] = {"flare._probe_b"}, {"flare._probe_a"}
-    try:
-        with pytest.raises(AssertionError, match="import circle"):
-            test_no_import_circle()
-    finally:
-        del GRAPH["flare._probe_a"], GRAPH["flare._probe_b"]
+# The import circle test (type-checking imports included) is tests/test_import_graph.py.
 
 
 READERS = ("flare.rundata", "flare.rundir", "flare.records", "flare.durable", "flare.config", "flare.errors", "flare.report",
-           "flare.stats",
-           "flare.schedules")
-PAPER_READERS = ("report.py", "reproduction.py", "reference.py")  # flare.paper's reports
+           "flare.stats", "flare.schedules",
+           "flare.registry")  # a strategy's title and colour: attributes of its registered class
+PAPER_READERS = ("report.py", "reproduction.py", "reference.py")  # flare_paper's reports
 
 
 def test_reports_only_read():
-    """report/ reads run directories (rundata, rundir) and configs, and tests numbers (stats) and draws schedules
-    (schedules): pure functions; it never runs anything. The paper's reports read the same, and each other."""
+    """report/ reads run directories (rundata, rundir) and configs, and tests numbers (stats), draws schedules
+    (schedules) and asks the registry how a strategy looks: pure functions; it never runs anything. The paper's reports read the same, and each other."""
     for p in (SRC / "report").glob("*.py"):
         bad = [m for m in flare_imports(p, top_level_only=False) if not m.startswith(READERS)]
         assert not bad, f"{p.name} imports {bad}"
     for name in PAPER_READERS:
-        ok = READERS + tuple(f"flare.paper.{n.removesuffix('.py')}" for n in PAPER_READERS)
-        bad = [m for m in flare_imports(SRC / "paper" / name, top_level_only=False) if not m.startswith(ok)]
-        assert not bad, f"paper/{name} imports {bad}"
+        ok = READERS + tuple(f"flare_paper.{n.removesuffix('.py')}" for n in PAPER_READERS)
+        bad = [m for m in flare_imports(PAPER / name, top_level_only=False) if not m.startswith(ok)]
+        assert not bad, f"flare_paper/{name} imports {bad}"
 
 
-def is_paper(module: str) -> bool:
-    return module == "flare.paper" or module.startswith("flare.paper.")
+def test_only_the_paper_command_imports_the_command_line():
+    """flare_paper sits on top of flare; its command (cli.py) is the one module that builds on flare's command line."""
+    importers = sorted(p.name for p in PAPER.glob("*.py") if "flare.cli" in flare_imports(p, top_level_only=False))
+    assert importers == ["cli.py"]
 
 
-def test_the_core_never_imports_the_paper_package():
-    """flare.paper (the paper's experiments and reports) sits on top of the core: only the command line imports it
-    (tests, tools/ and benchmarks/ may too; they are not under src/)."""
-    bad = {module_name(p): sorted(m for m in flare_imports(p, top_level_only=False) if is_paper(m)) for p in MODULES
-           if not is_paper(module_name(p)) and module_name(p) != "flare.cli"}
-    bad = {k: v for k, v in bad.items() if v}
-    assert not bad, bad
-    assert any(is_paper(m) for m in GRAPH["flare.cli"])  # the rule is about a real edge
-
-
-def test_the_paper_package_never_imports_the_command_line():
-    assert not [m for m in GRAPH if is_paper(m) and "flare.cli" in GRAPH[m]]
+def test_the_paper_command_is_an_entry_point_flare_finds():
+    """`flare paper` comes from the `flare.commands` entry point pyproject.toml declares, which the command line
+    loads (flare.cli.command_adders) without naming the package."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    declared = tomllib.loads((SRC.parents[1] / "pyproject.toml").read_text())["project"]["entry-points"]
+    value = declared[cli.COMMAND_GROUP]["paper"]
+    point = EntryPoint(name="paper", value=value, group=cli.COMMAND_GROUP)
+    assert point.load() is add_command
+    assert "paper" in cli.build_parser([point.load()]).commands
+    assert "paper" not in cli.build_parser([]).commands
 
 
 @pytest.mark.parametrize("engine", ["flare.runner", "flare.lrprobe", "flare.flower.protocol", "flare.flower.server"])
 def test_engines_build_runs_from_setup(engine):
     assert "flare.setup" in GRAPH[engine]
-    assert not any(m == "flare.cli" or m.startswith(("flare.experiments", "flare.paper")) for m in GRAPH[engine])
+    assert not any(m == "flare.cli" or m.startswith(("flare.experiments", "flare_paper")) for m in GRAPH[engine])
 
 
 def test_imports_at_module_level_unless_a_lazy_one_says_why():
@@ -132,5 +109,5 @@ def test_imports_at_module_level_unless_a_lazy_one_says_why():
                 if isinstance(node, (ast.Import, ast.ImportFrom)):
                     context = " ".join(lines[max(0, node.lineno - 3):node.lineno])
                     if "lazy:" not in context:
-                        hidden.append(f"{p.relative_to(SRC)}:{node.lineno}")
+                        hidden.append(f"{p.relative_to(SRC.parent)}:{node.lineno}")
     assert not hidden, hidden

@@ -13,11 +13,13 @@ from conftest import copy_of_finished_run
 from flare.cli import main
 from flare.models import create_model
 from flare.rundir import read_jsonl
+from flare_paper.cli import add_command
 
 
 def cli(argv, capsys):
+    """`flare ARGV`, with the `paper` command its entry point adds where flare_paper is installed."""
     try:
-        rc = main(argv)
+        rc = main(argv, commands=[add_command])
     except SystemExit as e:  # argparse's own errors exit through SystemExit
         rc = e.code
     err = capsys.readouterr().err

@@ -4,15 +4,19 @@ from pathlib import Path
 
 import pytest
 
-from flare.cli import main
+from flare.cli import main as flare_main
 from flare.errors import FlareError
 from flare.rundir import read_jsonl
-from flare.paper import reference, scales, suite
-from flare.paper import report as paper_report
+from flare_paper import reference, scales, suite
+from flare_paper import report as paper_report
+from flare_paper.cli import add_command
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
 
 
+def main(argv):
+    """`flare ARGV` with the `paper` command its entry point adds where flare_paper is installed."""
+    return flare_main(argv, commands=[add_command])
 
 
 @pytest.mark.skipif(not FMNIST.exists(), reason="Fashion-MNIST (Debian's dataset-fashion-mnist) is not installed")
@@ -200,7 +204,7 @@ def test_reproduce_plan_at_full_scale(capsys, tmp_path):
 @pytest.mark.skipif(not FMNIST.exists(), reason="Fashion-MNIST (Debian's dataset-fashion-mnist) is not installed")
 def test_reproduce_end_to_end_at_smoke_scale(tmp_path, capsys):
     """The reproduction pipeline of the full-scale table, tiny: both protocols, the ablation, the report."""
-    from flare.paper.reproduction import write_reproduction_report
+    from flare_paper.reproduction import write_reproduction_report
 
     out = tmp_path / "rep"
     assert main(["paper", "--scale", "smoke", "--only", "reproduce", "--out", str(out), "--quiet", "device=cpu"]) == 0

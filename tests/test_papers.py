@@ -163,6 +163,25 @@ def test_uses_params_marks_only_weight_terms():
     assert uses_params(cfg.loss) and not uses_params(build_config({"preset": "fedavg"}).loss)
 
 
+def test_loss_term_options_are_validated_once_not_every_step(monkeypatch):
+    """The step sums the terms of loss.terms with options validated once per table (validation is not free, and
+    the result cannot change between steps): the same terms, weights and order at every step."""
+    from flare.client.terms import extra
+    from flare.registry import LOSS_TERMS
+    calls = []
+    validate = LOSS_TERMS.options
+    monkeypatch.setattr(LOSS_TERMS, "options", lambda *a, **k: calls.append(a[0]) or validate(*a, **k))
+    extra._built_terms.cache_clear()
+    cfg = build_config({"preset": "fedavg", "loss": {"terms": {"fedprox": {"mu": 0.5}}}})
+    calls.clear()  # the config's own validation
+    w = {"w": torch.ones(3, requires_grad=True)}
+    start = {"w": torch.zeros(3)}
+    feat, logits, y = torch.zeros(4, 2), torch.zeros(4, 3), torch.zeros(4, dtype=torch.long)
+    steps = [extra.extra_terms(cfg.loss, feat, logits, y, None, w, start) for _ in range(3)]
+    assert calls == ["fedprox"]
+    assert all(torch.equal(s["term_fedprox"], torch.tensor(0.5 * 0.5 * 3)) for s in steps)
+
+
 # ------------------------------------------------------------------------------------ tools/papers.py
 def test_table_configs_build_valid_flare_configs():
     papers = _papers()

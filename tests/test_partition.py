@@ -1,8 +1,10 @@
 import numpy as np
 import pytest
 
-from flare.data.partition import dirichlet_partition, iid_partition, make_partition, shards_partition
+from flare.config import build_config
+from flare.data.partition import Partition, dirichlet_partition, iid_partition, make_partition, shards_partition
 from flare.errors import FlareError
+from flare.registry import PARTITIONS, REFERENCE_PARTITIONS
 
 
 def labels(n_per_class=(50, 37, 80, 13, 60), seed=0):
@@ -108,3 +110,35 @@ def test_bad_partition_input():
     with pytest.raises(FlareError) as e:
         make_partition(y, 3, "dirichlet", 0, alpha=0.0)
     assert e.value.key == "partition.alpha"
+
+
+@pytest.fixture
+def plugin_kind():
+    """A plugin's partition kind ("first-half": clients share the first half of the set), no reference draw yet."""
+    def first_half(labels, k, seed, num_classes, **_):
+        return Partition(list(np.array_split(np.arange(len(labels) // 2), k)), int(labels.max() + 1), labels)
+
+    PARTITIONS.register("first-half", first_half)
+    yield first_half
+    del PARTITIONS._entries["first-half"]
+    REFERENCE_PARTITIONS._entries.pop("first-half", None)
+
+
+def test_rng_legacy_draws_the_kinds_registered_reference_draw(plugin_kind):
+    """partition.rng=legacy is the registered reference draw of the kind, not a flag the kind's own draw reads:
+    without one the kind refuses it, naming partition.rng; with one registered, that one draws."""
+    labels = np.repeat(np.arange(4), 10)
+    assert make_partition(labels, 2, "first-half", 0).sizes == [10, 10]
+    with pytest.raises(FlareError) as err:
+        make_partition(labels, 2, "first-half", 0, rng="legacy")
+    assert err.value.key == "partition.rng" and "first-half" in err.value.message
+    REFERENCE_PARTITIONS.register("first-half", lambda labels, k, seed, num_classes, **_:
+                                  Partition(list(np.array_split(np.arange(len(labels)), k)), 4, labels))
+    assert make_partition(labels, 2, "first-half", 0, rng="legacy").sizes == [20, 20]
+
+
+def test_the_config_refuses_rng_legacy_for_a_kind_without_a_reference_draw(plugin_kind):
+    with pytest.raises(FlareError) as err:
+        build_config({"partition": {"kind": "first-half", "rng": "legacy"}})
+    assert err.value.key == "partition.rng"
+    assert build_config({"partition": {"kind": "first-half"}}).partition.rng == "generator"

@@ -13,8 +13,9 @@ import yaml
 from flare.cli import main
 from flare.config import build_config
 from flare.errors import FlareError
-from flare.registry import MODELS, Registry, ScheduleFn
+from flare.registry import MODELS, Registry
 from flare.rundir import read_jsonl
+from flare.schedules import ScheduleFn
 
 ROOT = Path(__file__).resolve().parents[1]
 LAM = 0.4242  # the demo λ provider's constant: no built-in part produces it

@@ -15,6 +15,7 @@ from flare.config import build_config, load_config
 from flare.config.protocol import ITEMS, ITEM_KEYS, protocol_label
 from flare.data.partition import make_partition
 from flare.errors import FlareError
+from flare.registry import PROGRESS
 from flare.rundir import read_jsonl
 from flare.runner import Run
 from flare.server.evaluator import evaluate_predictors
@@ -440,3 +441,25 @@ def test_plan_b_reference_resumes_with_the_servers_g(tiny_overrides, tmp_path, m
         return [{k: v for k, v in r.items() if not k.startswith("seconds")} for r in read_jsonl(d / "metrics.jsonl")]
 
     assert clean(tmp_path / "cut") == clean(tmp_path / "whole")
+
+
+def test_progress_is_a_registered_part_the_reference_modes_among_them():
+    """`progress` names an entry of PROGRESS: the reference's round-reset is one part that states it does not span
+    the run, and a plugin's progress is used, and judged, the same way."""
+    assert PROGRESS.get("round-reset").spans_the_run is False and PROGRESS.get("epoch").spans_the_run is True
+    anneal = {"align": {"anchors": "etf", "schedule": "linear"}, "rounds": 4, "local_epochs": 2}
+
+    def halfway(epoch, batch, steps_per_epoch, epochs_done, local_epochs, total_epochs):
+        return 0.5
+    halfway.spans_the_run = False
+    PROGRESS.register("halfway", halfway)
+    try:
+        cfg = build_config({**anneal, "progress": "halfway"})
+        assert progress_at(cfg, 1, 3, 5, 6) == (0.5, 0.5)
+        assert cfg.schedule_dependencies() == []
+        assert build_config({**anneal, "progress": "epoch"}).schedule_dependencies() == ["align.schedule=linear"]
+    finally:
+        del PROGRESS._entries["halfway"]
+    with pytest.raises(FlareError, match="progress"):
+        build_config({**anneal, "progress": "halfway"})
+

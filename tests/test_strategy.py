@@ -194,5 +194,5 @@ def test_compare_shows_the_fused_strategies_across_seeds(tiny_overrides, tmp_pat
     own = {r.seed: r.rounds[-1]["acc_output"] for r in rows[0].runs}
     assert set(out) == {1, 2} and out == own  # fused over the saved states = the run's own last round
     assert "| output |" in fused_table(rows)
-    vs = fused_vs_table(rows, ["feature", "output", "fedavg"])
+    vs = fused_vs_table(rows, ["feature", "output", "fedavg"], "fafi", "feature")
     assert "| output | fafi | 2 |" in vs and "| feature | fedavg" not in vs  # no feature rule for CE clients

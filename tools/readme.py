@@ -53,7 +53,7 @@ import torch  # noqa: E402
 
 from flare.config import config_reference, config_reference_markdown, list_presets  # noqa: E402,F401 (tests read tool.config_reference)
 from flare.config import preset_mapping  # noqa: E402
-from flare.paper.reproduction import reproduction_markdown  # noqa: E402
+from flare_paper.reproduction import reproduction_markdown  # noqa: E402
 from flare.report.compare import compare_markdown, compare_rows  # noqa: E402
 from flare.report.fused import fused_table, fused_values, fused_vs_table  # noqa: E402
 from flare.report.tables import fmt_ms, md_table  # noqa: E402
@@ -472,8 +472,13 @@ def run_block(block: Results) -> None:
     env = dict(os.environ, FLARE_QUIET="1")
     t0 = time.perf_counter()
     for cmd in block.commands:
-        argv = cmd.replace("flare ", f"{shlex.quote(sys.executable)} -m flare.cli ", 1) if cmd.startswith("flare ") \
-            else cmd.replace("python ", f"{shlex.quote(sys.executable)} ", 1)
+        python = shlex.quote(sys.executable)
+        if cmd.startswith("flare paper "):  # the flare_paper package's command: found without its entry point
+            argv = cmd.replace("flare paper ", f"{python} -m flare_paper ", 1)
+        elif cmd.startswith("flare "):
+            argv = cmd.replace("flare ", f"{python} -m flare.cli ", 1)
+        else:
+            argv = cmd.replace("python ", f"{python} ", 1)
         print(f"[{block.id}] {cmd}", flush=True)
         r = subprocess.run(argv, shell=True, cwd=ROOT, env=env)
         if r.returncode not in (0, 1 if block.id == "tests" else 0):

@@ -6,9 +6,7 @@
   flare sweep    --config SWEEP.yaml [--out DIR] [--workers N] [--address ADDR] [--dry-run] [KEY=VALUE ...]
   flare report   DIR... [--out REPORT_DIR]
   flare fuse     RUN_DIR... --strategies a,b [--round R] [--plugin MODULE] [server.strategies.S.OPT=V ...]
-  flare paper    --scale smoke|cpu|full [--datasets a,b] [--seeds 1,2] [--only EXP,...] [--protocol clean,reference]
-                 [--strategies a,b]
-                 [--out DIR] [--workers N]
+  flare paper    ... (the paper suite, a command the flare_paper package adds through the `flare.commands` entry points)
   flare federate [--config FILE] [--preset NAME] [--out DIR] [--clients K] [--min-clients M] [--upload once|per-round]
                  [--simulation] [--local-data] [KEY=VALUE ...]
   flare presets | flare datasets | flare models | flare config-reference
@@ -22,7 +20,9 @@ import os
 import sys
 import time
 import warnings
+from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Callable
 
 # Before torch loads OpenMP: idle OpenMP threads sleep instead of spinning. On a shared machine (sweep
 # workers, a second run) spinning threads starve each other — a CNN step measured 0.76 s with the default
@@ -43,12 +43,13 @@ from flare.experiments.compare import parse_presets, parse_seeds, run_compare  #
 from flare.experiments.sweep import run_sweep  # noqa: E402
 from flare.fuse import fuse_runs  # noqa: E402
 from flare.lrprobe import format_probe, probe  # noqa: E402
-from flare.paper.suite import run_paper  # noqa: E402
 from flare.registry import MODELS, REGISTRIES, load_plugins  # noqa: E402
 from flare.report.report import write_report  # noqa: E402
 from flare.records import config_differences  # noqa: E402
 from flare.rundir import RunDir, extension_problem  # noqa: E402
 from flare.runner import Run  # noqa: E402
+
+COMMAND_GROUP = "flare.commands"  # the entry points of the commands other packages add (command_adders)
 
 
 def _count(text: str) -> int:
@@ -203,14 +204,6 @@ def cmd_fuse(args) -> int:
     return 0
 
 
-def cmd_paper(args) -> int:
-    run_paper(args.scale, out=args.out, datasets=args.datasets, seeds=args.seeds, workers=args.workers,
-              address=args.address, data_root=args.data_root, quiet=args.quiet, dry_run=args.dry_run,
-              overrides=args.overrides, only=args.only, protocol=args.protocol, baseline=args.baseline,
-              strategies=args.strategies)
-    return 0
-
-
 def cmd_federate(args) -> int:
     try:  # lazy: Flower is an optional extra (flare-ofl[flower])
         from flare.flower.federation import federate
@@ -240,11 +233,14 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):
         """argparse's own message (it names the option at fault) plus the fix, exit code 2."""
         self.print_usage(sys.stderr)
+        unknown_command = message.startswith("argument command: invalid choice")
+        added = (" A command another package adds (`flare paper`) is there once that package is installed with its "
+                 "entry points (`pip install -e .` in this checkout)." if unknown_command else "")
         self.exit(2, f"{self.prog}: error: {message}. Fix: options are spelled out in full (no abbreviations); "
-                     f"`{self.prog} --help` lists them, and config keys go as KEY=VALUE.\n")
+                     f"`{self.prog} --help` lists them, and config keys go as KEY=VALUE.{added}\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: list[Callable] | None = None) -> argparse.ArgumentParser:
     # allow_abbrev=False everywhere: argparse would otherwise take `--pre` (or `--preset` on `compare`, a prefix of
     # `--presets`) for another option and silently run something else
     p = _Parser(prog="flare", description="FLARE: one-shot federated learning research framework.")
@@ -318,31 +314,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="import this plugin module first, for its strategies (repeatable)")
     fu.set_defaults(fn=cmd_fuse)
 
-    pa = sub.add_parser("paper", help="the experiments of docs/method.md#experiments as sweeps, then the report")
-    pa.add_argument("--scale", required=True, choices=["smoke", "cpu", "full"])
-    pa.add_argument("--datasets", help="comma-separated datasets (default per scale)")
-    pa.add_argument("--seeds", help="comma-separated seeds (default per scale)")
-    pa.add_argument("--out", help="output directory (default runs/paper-<scale>)")
-    pa.add_argument("--data-root", action="append", default=[], metavar="NAME=PATH",
-                    help="where a dataset lives, e.g. cifar10=../shared/data/cifar10-jpg.tar.gz (repeatable; "
-                         "env FLARE_DATA_<NAME>)")
-    pa.add_argument("--workers", type=int, default=1, help="points in parallel through Ray")
-    pa.add_argument("--address", help="join an existing Ray cluster")
-    pa.add_argument("--only", help="run only these experiments (comma-separated: table1, ablation, robustness, "
-                                   "lambda0, alpha, reproduce); the report shows what exists of the others. "
-                                   "reproduce runs only when named: the notes' table under both protocols, the "
-                                   "one-item protocol ablation, report/reproduction.md")
-    pa.add_argument("--protocol", help="comma-separated protocols, clean and/or reference (default clean; "
-                                       "clean,reference for reproduce)")
-    pa.add_argument("--baseline", help="the method every other is tested against, paired by seed (default: fafi if present, else the first)")
-    pa.add_argument("--strategies", help="server strategies to score over Table 1's saved clients once they are "
-                                         "trained (`flare fuse`; e.g. otfusion,fedlpa,feddf — those needing public "
-                                         "data want dataset.public_size=N); the report gets their tables")
-    pa.add_argument("--dry-run", action="store_true", help="list the runs, run nothing")
-    pa.add_argument("--quiet", action="store_true")
-    pa.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every run (e.g. device=cuda)")
-    pa.set_defaults(fn=cmd_paper)
-
     fd = sub.add_parser("federate", help="run one experiment as a real Flower federation on this machine "
                                          "(a SuperLink and K SuperNodes on 127.0.0.1; needs flare-ofl[flower])")
     fd.add_argument("--config", help="YAML config file")
@@ -374,17 +345,26 @@ def build_parser() -> argparse.ArgumentParser:
         lp_.set_defaults(fn=fn)
     sub.add_parser("config-reference", help="print every config key as a markdown table").set_defaults(
         fn=cmd_config_reference)
+    for add in command_adders() if commands is None else commands:
+        add(sub)
     p.commands = sub.choices  # name → subcommand parser (see parse_args)
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def command_adders() -> list[Callable]:
+    """The commands other packages add (`flare paper`: the flare_paper package), each an entry point of the group
+    `flare.commands` naming `add(subparsers)`, which adds its subparser with `set_defaults(fn=...)`: a package
+    built on flare extends the command line without flare importing it."""
+    return [ep.load() for ep in sorted(entry_points(group=COMMAND_GROUP), key=lambda ep: ep.name)]
+
+
+def parse_args(argv: list[str] | None = None, commands: list[Callable] | None = None) -> argparse.Namespace:
     """Options and KEY=VALUE overrides in any order: `flare run rounds=5 --preset fafi` works too.
 
     argparse stops a `nargs="*"` positional at the first option, and its `parse_intermixed_args`, which would
     allow interleaving, refuses parsers with subcommands; so the subcommand's own parser parses what follows it.
     """
-    parser = build_parser()
+    parser = build_parser(commands)
     argv = list(sys.argv[1:] if argv is None else argv)
     i = next((k for k, a in enumerate(argv) if not a.startswith("-")), None)
     if i is None or argv[i] not in parser.commands:
@@ -399,9 +379,10 @@ def _warning_line(message, category, filename, lineno, line=None) -> str:
     return f"flare: warning: {message}\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, commands: list[Callable] | None = None) -> int:
+    """`flare`; `commands`: the adders of the extra commands (default: the `flare.commands` entry points)."""
     warnings.formatwarning = _warning_line
-    args = parse_args(argv)
+    args = parse_args(argv, commands)
     try:
         if getattr(args, "out", None) is not None and not args.out.strip():
             raise FlareError("--out is empty.", key="--out", fix="give a directory, or leave --out out for the "

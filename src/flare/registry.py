@@ -6,11 +6,14 @@ replaced by accident (`overwrite=True` says so, and warns), a part may declare i
 (validated with the config, errors naming `<key>.<option>`), and an unknown name is a `FlareError` that names the
 config key and lists the registered names.
 
-Each registry states what its entries are (`signature`, a `typing.Protocol` below: what the code that uses the part
-calls it with), and every part may state what it needs of a config (`check(cfg)`: the `check=` argument of
-`register`, or the part's own `check` attribute, e.g. a `Strategy`'s classmethod). The config calls every chosen
-part's checks from one place (`Config._compatible_parts`), so a rule about a part lives with that part, and a plugin
-part refuses a config it cannot serve exactly as a built-in one does.
+Each registry states what its entries are (`signature`, a `typing.Protocol`: what the code that uses the part calls
+it with). The Protocol is declared in the module whose types it names (`PartitionFn` beside `Partition` in
+flare/data/partition.py), and named here as `"module:Name"`, resolved when asked for: this module is the bottom
+floor, so it imports none of the modules above it, not even for type checking. Every part may state what it needs
+of a config (`check(cfg)`: the `check=` argument of `register`, or the part's own `check` attribute, e.g. a
+`Strategy`'s classmethod). The config calls every chosen part's checks from one place
+(`Config._compatible_parts`), so a rule about a part lives with that part, and a plugin part refuses a config it
+cannot serve exactly as a built-in one does.
 
 The built-in parts register themselves in the modules that implement them; those modules import the config, so the
 registries load them by name on the first lookup (`load_builtins`) instead of importing them here — the same way
@@ -28,27 +31,16 @@ import typing
 import warnings
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic_core import PydanticUndefined
 
 from flare.errors import FlareError, KeyedValueError
 
-if TYPE_CHECKING:  # the signatures' types only: the modules that define them import this one
-    import numpy as np
-    import torch
-    from torch import Tensor, nn
-
-    from flare.client.lam import LamProvider
-    from flare.client.terms.extra import TermBatch
-    from flare.config import Config
-    from flare.data.datasets import ImageData
-    from flare.data.partition import Partition
-    from flare.server.strategy import Strategy
-
 # The modules that register the built-in parts (imported on the first lookup of any registry).
 BUILTIN_MODULES = ("flare.models", "flare.schedules", "flare.data.datasets", "flare.data.features", "flare.data.partition",
+                   "flare.data.scaling",
                    "flare.client.terms.align", "flare.client.lam", "flare.client.surgery", "flare.client.objective",
                    "flare.client.terms.banks", "flare.client.terms.extra", "flare.client.trainer",
                    "flare.client.batched", "flare.server.rules", "flare.baselines")
@@ -79,77 +71,9 @@ class TermOptions(BaseModel):
     weight: float = 1.0
 
 
-# ------------------------------------------------------------------ what each registry's entries are called with
-class ModelBuilder(Protocol):
-    """An encoder with a `feature_dim` attribute; `options` (the validated `model.options`) is passed only to a
-    builder that declares an options model. `create_model` adds the head the objective trains."""
-    def __call__(self, in_channels: int, width: float, *options: BaseModel) -> nn.Module: ...
-
-
-class DatasetSource(Protocol):
-    """A dataset entry (`register_dataset` makes one from `build(options) -> ImageData`; the built-in ones are
-    read from files by `locate`)."""
-    description: str
-    num_classes: int | None
-    build: Callable[[BaseModel | None], ImageData] | None
-
-
-class PartitionFn(Protocol):
-    def __call__(self, labels: np.ndarray, num_clients: int, seed: int, num_classes: int | None, *, alpha: float,
-                 shards_per_client: int, legacy: bool, options: BaseModel | None) -> Partition: ...
-
-
-class AnchorFn(Protocol):
-    """C×d anchors (the entry `none` is None: no anchors, no alignment term)."""
-    def __call__(self, num_classes: int, dim: int, generator: torch.Generator | None) -> Tensor: ...
-
-
-class LamProviderBuilder(Protocol):
-    def __call__(self, cfg: Config, lambda_init: float, device: torch.device,
-                 options: BaseModel | None) -> LamProvider: ...
-
-
-class ScheduleFn(Protocol):
-    """a(p) of progress p ∈ [0, 1] (align.schedule, lam.anneal)."""
-    def __call__(self, p: float) -> float: ...
-
-
-class SurgeryFn(Protocol):
-    """Writes `.grad` of `params` from the two weight losses (and the λ provider's σ loss `extra`); the entry
-    `none` is None: one plain backward."""
-    def __call__(self, local: Tensor, align: Tensor, params: list[Tensor],
-                 extra: Tensor | None = None) -> dict[str, Tensor]: ...
-
-
-class ContrastBankFn(Protocol):
-    """A per-client extension builder `(client, ctx) -> extension` (the entry `none` is None)."""
-    def __call__(self, cfg: Config, public_bank: Tensor | None, device: torch.device) -> Callable: ...
-
-
-class ObjectiveEntry(Protocol):
-    """`flare.client.objective.Objective`: the base terms `terms(loss_cfg, feat, logits, y, prototypes, bank)` and
-    the head they train (prototype, linear or etf)."""
-    terms: Callable[..., dict[str, Tensor]]
-    head: str
-
-
-class LossTermFn(Protocol):
-    """A scalar added to the local loss as `weight · fn(batch, options)`."""
-    def __call__(self, batch: TermBatch, options: TermOptions) -> Tensor: ...
-
-
-class StrategyClass(Protocol):
-    """A `flare.server.strategy.Strategy` subclass, built once per run and asked for a predictor per evaluation."""
-    def __call__(self, cfg: Config, options: BaseModel | None) -> Strategy: ...
-
-
-class ClientEngineClass(Protocol):
-    """A client engine (client/trainer.py's Client, client/batched.py's BatchedClients): `check(cfg)` refuses what the
-    engine cannot run."""
-    check: Callable[[Config], None]
-
-
-CheckFn = Callable[["Config"], None]  # raises a FlareError naming the key when the config cannot serve the part
+# A check of the validated Config (typed Any: the config module sits above this one); raises a FlareError naming the
+# key when the config cannot serve the part.
+CheckFn = Callable[[Any], None]
 _DECORATE = object()  # register(name) without an object: a decorator (None is a part: e.g. anchors "none")
 
 
@@ -179,13 +103,23 @@ class Namespace:
 
 class Registry:
     """Named parts of one kind. `key` is the config key that picks a part of this kind (used in error messages);
-    `signature` says what an entry is (a Protocol above); `default_options` is the options model of the entries
-    that declare none (loss terms: `TermOptions`, every term has a weight)."""
+    `signature` says what an entry is: a Protocol class, or `"module:Name"` naming one in a module above this one
+    (imported on first use); `default_options` is the options model of the entries that declare none (loss terms:
+    `TermOptions`, every term has a weight)."""
 
-    def __init__(self, kind: str, key: str, signature: type, default_options: type[BaseModel] | None = None):
-        self.kind, self.key, self.signature, self.default_options = kind, key, signature, default_options
+    def __init__(self, kind: str, key: str, signature: type | str, default_options: type[BaseModel] | None = None):
+        self.kind, self.key, self.default_options = kind, key, default_options
+        self._signature = signature
         self._entries: dict[str, Entry] = {}
         self._spaces: dict[str, Namespace] = {}
+
+    @property
+    def signature(self) -> type:
+        """The Protocol the entries follow, imported from the module that declares it when named as a string."""
+        if isinstance(self._signature, str):
+            module, _, name = self._signature.partition(":")
+            self._signature = getattr(importlib.import_module(module), name)
+        return self._signature
 
     def register(self, name: str, obj: Any = _DECORATE, *, options: type[BaseModel] | None = None,
                  description: str = "", check: CheckFn | None = None, overwrite: bool = False):
@@ -309,7 +243,7 @@ class Registry:
         """The registered object, or a FlareError naming `key` and listing the registered names."""
         return self.entry(name, key).obj
 
-    def check(self, name: str, cfg: Config) -> None:
+    def check(self, name: str, cfg: Any) -> None:
         """Run the part's checks on the whole config (each raises a FlareError naming the key at fault)."""
         for fn in self.entry(name).checks:
             fn(cfg)
@@ -339,22 +273,27 @@ class Registry:
             raise KeyedValueError(where, f"{where}={e.get('input')!r}: {e['msg']}") from None
 
 
-MODELS = Registry("model", "model.name", ModelBuilder)
-DATASETS = Registry("dataset", "dataset.name", DatasetSource)
-PARTITIONS = Registry("partition", "partition.kind", PartitionFn)
-ANCHORS = Registry("anchor kind", "align.anchors", AnchorFn)
-LAM_PROVIDERS = Registry("λ provider", "lam.learner", LamProviderBuilder)
-SCHEDULES = Registry("schedule", "align.schedule", ScheduleFn)
-SURGERY = Registry("gradient surgery", "align.surgery", SurgeryFn)
-CONTRAST = Registry("contrast bank", "loss.contrast", ContrastBankFn)
-OBJECTIVES = Registry("local objective", "loss.objective", ObjectiveEntry)
-LOSS_TERMS = Registry("loss term", "loss.terms", LossTermFn, default_options=TermOptions)
-STRATEGIES = Registry("server strategy", "server.primary", StrategyClass)
+MODELS = Registry("model", "model.name", "flare.models:ModelBuilder")
+DATASETS = Registry("dataset", "dataset.name", "flare.data.datasets:DatasetSource")
+PARTITIONS = Registry("partition", "partition.kind", "flare.data.partition:PartitionFn")
+# The reference code's draw of a partition kind, used instead of the kind's own with partition.rng=legacy.
+REFERENCE_PARTITIONS = Registry("reference partition draw", "partition.kind", "flare.data.partition:PartitionFn")
+ANCHORS = Registry("anchor kind", "align.anchors", "flare.client.terms.align:AnchorFn")
+SCALINGS = Registry("input scaling", "augment.input_scaling", "flare.data.scaling:ScalingFn")
+LAM_PROVIDERS = Registry("λ provider", "lam.learner", "flare.client.lam:LamProviderBuilder")
+SCHEDULES = Registry("schedule", "align.schedule", "flare.schedules:ScheduleFn")
+PROGRESS = Registry("progress", "progress", "flare.schedules:ProgressFn")
+SURGERY = Registry("gradient surgery", "align.surgery", "flare.client.surgery:SurgeryFn")
+CONTRAST = Registry("contrast bank", "loss.contrast", "flare.client.terms.banks:ContrastBankFn")
+OBJECTIVES = Registry("local objective", "loss.objective", "flare.client.objective:ObjectiveEntry")
+LOSS_TERMS = Registry("loss term", "loss.terms", "flare.client.terms.extra:LossTermFn", default_options=TermOptions)
+STRATEGIES = Registry("server strategy", "server.primary", "flare.server.strategy:StrategyClass")
 # The client engines (`client_engine`, a closed choice: not a plugin point, so not in REGISTRIES): each engine's
 # class states what it cannot run with `check(cfg)`, which the config's validation calls.
-CLIENT_ENGINES = Registry("client engine", "client_engine", ClientEngineClass)
-REGISTRIES = {"models": MODELS, "datasets": DATASETS, "partitions": PARTITIONS, "anchors": ANCHORS,
-              "lam-providers": LAM_PROVIDERS, "schedules": SCHEDULES, "surgery": SURGERY, "contrast": CONTRAST,
+CLIENT_ENGINES = Registry("client engine", "client_engine", "flare.client.trainer:ClientEngineClass")
+REGISTRIES = {"models": MODELS, "datasets": DATASETS, "partitions": PARTITIONS,
+              "reference-partitions": REFERENCE_PARTITIONS, "input-scalings": SCALINGS, "anchors": ANCHORS,
+              "lam-providers": LAM_PROVIDERS, "schedules": SCHEDULES, "progress": PROGRESS, "surgery": SURGERY, "contrast": CONTRAST,
               "objectives": OBJECTIVES, "loss-terms": LOSS_TERMS, "strategies": STRATEGIES}
 
 _state = {"builtins": False}

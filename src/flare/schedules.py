@@ -7,10 +7,15 @@ never per round — the seeds' saw-tooth was a bug.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Protocol
 
 from flare.errors import FlareError
-from flare.registry import SCHEDULES
+from flare.registry import PROGRESS, SCHEDULES
+
+
+class ScheduleFn(Protocol):
+    """What `SCHEDULES` holds: a(p) of progress p ∈ [0, 1] (align.schedule, lam.anneal)."""
+    def __call__(self, p: float) -> float: ...
 
 Schedule = Callable[[float], float]
 
@@ -27,6 +32,48 @@ def get_schedule(name: str, key: str = "schedule") -> Schedule:
 def progress(epochs_done: float, total_epochs: int) -> float:
     """p = e / (R·E), clamped to [0, 1]."""
     return min(max(epochs_done / total_epochs, 0.0), 1.0)
+
+
+class ProgressFn(Protocol):
+    """What `PROGRESS` holds (the config's `progress`): p of λ annealing and s(p) at step `batch` (of
+    `steps_per_epoch`) of the round's epoch `epoch`, `epochs_done` epochs completed before it. `spans_the_run`:
+    whether p runs over the whole training (so it changes with `rounds`) rather than restarting every round."""
+    spans_the_run: bool
+
+    def __call__(self, epoch: int, batch: int, steps_per_epoch: int, epochs_done: int, local_epochs: int,
+                 total_epochs: int) -> float: ...
+
+
+def _progress(name: str, spans_the_run: bool = True):
+    """Register a progress function under `name`, stating whether it spans the run."""
+    def register(fn):
+        fn.spans_the_run = spans_the_run
+        return PROGRESS.register(name, fn)
+    return register
+
+
+@_progress("epoch")
+def epoch_progress(epoch, batch, steps_per_epoch, epochs_done, local_epochs, total_epochs) -> float:
+    """e/(R·E), e the completed epochs (ours)."""
+    return progress(epochs_done, total_epochs)
+
+
+@_progress("step")
+def step_progress(epoch, batch, steps_per_epoch, epochs_done, local_epochs, total_epochs) -> float:
+    """Per step: (e + b/steps)/(R·E)."""
+    return progress(epochs_done + batch / steps_per_epoch, total_epochs)
+
+
+@_progress("round-reset", spans_the_run=False)
+def round_reset_progress(epoch, batch, steps_per_epoch, epochs_done, local_epochs, total_epochs) -> float:
+    """j/E, j the epoch within the round: the reference's first batch (λ constant when E = 1)."""
+    return epoch / local_epochs
+
+
+@_progress("epoch-end")
+def epoch_end_progress(epoch, batch, steps_per_epoch, epochs_done, local_epochs, total_epochs) -> float:
+    """(e+1)/(R·E): V12's logged s(p) = 1 − (r+1)/R (the reference's learned-λ runs)."""
+    return progress(epochs_done + 1, total_epochs)
 
 
 class LRSchedule:

@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+from pydantic import BaseModel
 from torch import Tensor
 
 from flare.config import Config
@@ -43,6 +45,12 @@ from flare.registry import LAM_PROVIDERS
 from flare.schedules import get_schedule
 
 MODES = ("uw", "uw-rescaled", "decoupled")
+
+
+class LamProviderBuilder(Protocol):
+    """What `LAM_PROVIDERS` holds: the λ provider a client's training asks for λ each step."""
+    def __call__(self, cfg: Config, lambda_init: float, device: torch.device,
+                 options: BaseModel | None) -> LamProvider: ...
 
 
 @dataclass

@@ -9,7 +9,7 @@ carries the prototypes that alignment and the feature rules need; a linear head 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 from torch import Tensor
 
@@ -17,6 +17,13 @@ from flare.client.terms.fafi import ce_terms, fafi_terms
 from flare.config import Config, LossCfg
 from flare.errors import FlareError
 from flare.registry import OBJECTIVES
+
+
+class ObjectiveEntry(Protocol):
+    """What `OBJECTIVES` holds (`Objective` below): the base terms `terms(loss_cfg, feat, logits, y, prototypes,
+    bank)` and the head they train (prototype, linear or etf)."""
+    terms: Callable[..., dict[str, Tensor]]
+    head: str
 
 TermsFn = Callable[..., dict[str, Tensor]]  # (loss cfg, feat, logits, y, prototypes, bank) -> named terms
 

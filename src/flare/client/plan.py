@@ -18,7 +18,7 @@ from torch import Tensor
 from flare.config import Config
 from flare.errors import TrainingDiverged
 from flare.rng import RngStreams, augmentation_generators, derived_seed
-from flare.schedules import progress
+from flare.registry import PROGRESS
 
 # derived_seed(seed, r, i, purpose, ...): the purposes of a client-round's streams
 _AUGMENT, _ORDER = 1, 2
@@ -39,15 +39,8 @@ def plain_view(cfg: Config) -> bool:
 def progress_at(cfg: Config, epoch: int, batch: int, spe: int, epochs_done: int) -> tuple[float, float]:
     """(p of λ annealing / s(p), p of V8's target) at step `batch` of the round's epoch `epoch`, `epochs_done`
     epochs completed before it (`progress`, `align.target_progress`)."""
-    mode, E = cfg.progress, cfg.local_epochs
-    if mode == "step":
-        p = progress(epochs_done + batch / spe, cfg.total_epochs)
-    elif mode == "round-reset":  # the reference's first batch: (e − start_epoch)/E, restarting every round
-        p = epoch / E
-    elif mode == "epoch-end":    # (e+1)/(R·E): V12's logged s(p) = 1 − (r+1)/R
-        p = progress(epochs_done + 1, cfg.total_epochs)
-    else:
-        p = progress(epochs_done, cfg.total_epochs)
+    E = cfg.local_epochs
+    p = PROGRESS.get(cfg.progress)(epoch, batch, spe, epochs_done, E, cfg.total_epochs)
     return p, (epoch / E if cfg.align.target_progress == "round-reset" else p)
 
 

@@ -26,10 +26,19 @@ so the step logs keep the same keys) so the situation is visible in the metrics.
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import Tensor
 
 from flare.registry import SURGERY
+
+
+class SurgeryFn(Protocol):
+    """What `SURGERY` holds: writes `.grad` of `params` from the two weight losses (and the λ provider's σ loss
+    `extra`); the entry `none` is None: one plain backward."""
+    def __call__(self, local: Tensor, align: Tensor, params: list[Tensor],
+                 extra: Tensor | None = None) -> dict[str, Tensor]: ...
 
 
 def _take_grads(params: list[Tensor]) -> list[Tensor]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
@@ -26,6 +26,12 @@ from flare.config import Config
 from flare.registry import CLIENT_ENGINES, SURGERY
 from flare.schedules import LRSchedule, progress
 from flare.server.upload import Upload
+
+
+class ClientEngineClass(Protocol):
+    """What `CLIENT_ENGINES` holds: a client engine (`Client` below, client/batched.py's `BatchedClients`);
+    `check(cfg)` refuses what the engine cannot run."""
+    check: Callable[[Config], None]
 
 
 @dataclass

@@ -52,7 +52,7 @@ def load_yaml_text(text: str):
 
 # How reports draw a preset's runs (`label`, `color`): read by the reports through `preset_metadata`, never part of
 # a run's config, so a new preset brings its own label and colour and a run's config.yaml holds only what it ran.
-PRESET_METADATA = ("label", "color")
+PRESET_METADATA = ("label", "color", "order")  # how reports show a method; not part of its config
 
 
 def _preset_dir():

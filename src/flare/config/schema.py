@@ -2,16 +2,17 @@
 cross-key check (so a bad combination fails before any data is loaded).
 
 Keys that name a *part* (model.name, dataset.name, partition.kind, loss.objective, loss.contrast, loss.terms,
-align.anchors, align.schedule, align.surgery, lam.learner, lam.anneal, server.primary, eval.rules) are strings of a
+align.anchors, align.schedule, align.surgery, lam.learner, lam.anneal, server.primary, eval.rules, progress,
+augment.input_scaling — the reference protocol's progress and scaling are parts too) are strings of a
 field type built from the part's registry (`part(REGISTRY)`, config/sections.py; `flare.registry`, so plugins can
 add parts); a part that declares options reads them from its section's `options` mapping (`loss.terms.<name>` for
 loss terms, `server.strategies.<name>` for server strategies), validated by the part's options model. What a part
 needs of the rest of the config is its own `check(cfg)`, which `_compatible_parts` runs for every chosen part; the
 checks here are the framework's own. Keys that choose
-between fixed behaviours of the framework itself stay closed `Literal`s: protocol, progress, amp, client_engine,
+between fixed behaviours of the framework itself stay closed `Literal`s: protocol, amp, client_engine,
 dataset.format (a built-in dataset's file reader; a plugin dataset brings its own loader), partition.rng,
 lr_schedule.kind (the LR schedule with SGDR's restarts and momentum reset, which the engines implement),
-augment.input_scaling, loss.ce_input, align.target, align.target_progress, align.lambda_rule (λ0's formula,
+loss.ce_input, align.target, align.target_progress, align.lambda_rule (λ0's formula,
 an input of every λ provider), the server's prototype and aggregation settings, and eval.bn.
 """
 from __future__ import annotations
@@ -26,7 +27,8 @@ from flare.config.sections import (OPTIONS_DESCRIPTION, AugmentCfg, DatasetCfg, 
                                    OptimCfg, PartitionCfg, Strict, architecture, part, part_options, part_table)
 from flare.errors import FlareError, KeyedValueError
 from flare.registry import (ANCHORS, CLIENT_ENGINES, CONTRAST, DATASETS, LAM_PROVIDERS, LOSS_TERMS, MODELS, OBJECTIVES,
-                            PARTITIONS, SCHEDULES, STRATEGIES, SURGERY, Registry, load_plugins)
+                            PARTITIONS, PROGRESS, REFERENCE_PARTITIONS, SCHEDULES, STRATEGIES, SURGERY, Registry,
+                            load_plugins)
 
 __all__ = ["KeyedValueError", "DatasetCfg", "PartitionCfg", "ModelCfg", "OptimCfg", "LRScheduleCfg", "AugmentCfg",
            "LossCfg", "AlignCfg", "LamCfg", "ServerCfg", "EvalCfg", "LoggingCfg", "Config", "RENAMED", "RENAMED_VALUES"]
@@ -51,6 +53,7 @@ ScheduleName = part(SCHEDULES)
 SurgeryName = part(SURGERY)
 LamLearnerName = part(LAM_PROVIDERS)
 AnnealName = part(SCHEDULES, "lam.anneal")
+ProgressName = part(PROGRESS)
 LamOptions = part_options(LAM_PROVIDERS, "learner")
 PrimaryName = part(STRATEGIES, also=("auto",))
 StrategyTable = part_table(STRATEGIES, "server.strategies")
@@ -218,7 +221,7 @@ class Config(Strict):
     batch_size: int = Field(512, ge=1, description="B, local batch size (two views each: 2B images per step)")
     test_batch_size: int = Field(256, ge=1, description="evaluation batch size")
     lr: float = Field(0.05, gt=0, description="SGD learning rate")
-    progress: Literal["epoch", "step", "round-reset", "epoch-end"] = Field(
+    progress: ProgressName = Field(
         "epoch", description="progress p of λ annealing and s(p): epoch (e/(R·E), e completed epochs), step (per "
                              "step), round-reset (j/E, j the epoch within the round: the reference's first batch, "
                              "λ constant when E = 1) or epoch-end ((e+1)/(R·E): V12's logged s(p) = 1 − (r+1)/R)")
@@ -286,6 +289,11 @@ class Config(Strict):
         self._check_architectures()
         for registry, name in self.chosen_parts():
             registry.check(name, self)
+        kind = self.partition.kind
+        if self.partition.rng == "legacy" and kind not in REFERENCE_PARTITIONS:  # the draw make_partition would use
+            raise FlareError(f"partition.rng=legacy draws a kind as the reference code did, and kind={kind} has no "
+                             f"such draw (those that have: {', '.join(REFERENCE_PARTITIONS.names())}).",
+                             key="partition.rng", fix="set partition.rng=generator.")
         for rule in self.eval.rules or []:
             if self.head != "prototype" and rule != "primary" and STRATEGIES.get(rule).needs_prototypes:
                 raise KeyedValueError("eval.rules", f"rule {rule!r} reads prototypes, which "
@@ -379,7 +387,7 @@ class Config(Strict):
     def schedule_dependencies(self) -> list[str]:
         """The settings of this config that follow the progress p = e/(R·E), i.e. change with `rounds`."""
         deps = []
-        global_p = self.progress != "round-reset"  # a per-round reset does not depend on R
+        global_p = PROGRESS.get(self.progress).spans_the_run  # a per-round reset does not depend on R
         if self.align.anchors != "none" and self.align.schedule != "constant" and global_p:
             deps.append(f"align.schedule={self.align.schedule}")
         if (self.align.anchors != "none" and self.align.target == "progressive" and global_p

@@ -9,7 +9,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       field_validator)
 
 from flare.errors import KeyedValueError
-from flare.registry import DATASETS, MODELS, PARTITIONS, Registry, boolean_number
+from flare.registry import DATASETS, MODELS, PARTITIONS, SCALINGS, Registry, boolean_number
 
 
 class Strict(BaseModel):
@@ -74,6 +74,7 @@ def part_table(registry: Registry, key: str) -> Any:
 DatasetName, DatasetOptions = part(DATASETS), part_options(DATASETS, "name")
 PartitionKind, PartitionOptions = part(PARTITIONS), part_options(PARTITIONS, "kind")
 ModelName, ModelOptions = part(MODELS), part_options(MODELS, "name")
+InputScalingName = part(SCALINGS)
 # Bounds of the size-like keys whose value is allocated as it stands (a 10¹⁴-wide projection fails in the
 # allocator with a traceback): far above any network these datasets train (resnet18 at width 16 has 2.9·10⁹
 # weights), far below what an allocator refuses.
@@ -240,7 +241,7 @@ class LRScheduleCfg(Strict):
 
 class AugmentCfg(Strict):
     per_image: bool = Field(True, description="False: one parameter set per batch, as the seeds' code did")
-    input_scaling: Literal["dataset", "reference", "none"] = Field(
+    input_scaling: InputScalingName = Field(
         "dataset", description="dataset: (x − mean)/std of the training set for training and test; reference: the "
                                "reference's transforms (CIFAR-10, Tiny and datasets it lacks: train views "
                                "Normalize(0.5) → [−1, 1], test [0, 1]; CIFAR-100, SVHN: normalised by the dataset "

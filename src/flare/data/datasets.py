@@ -18,14 +18,23 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
+from pydantic import BaseModel
 
 from flare.data.formats import (DEBIAN_FMNIST, _Source, _has_idx_files, _is_archive, _locate_cifar,
                                 _locate_imagefolder, _locate_mnist, _locate_svhn, _locate_tiny, _tiny_base)
 from flare.errors import FlareError
 from flare.registry import DATASETS
+
+
+class DatasetSource(Protocol):
+    """What `DATASETS` holds (`register_dataset` makes one from `build(options) -> ImageData`; the built-in ones are
+    read from files by `locate`)."""
+    description: str
+    num_classes: int | None
+    build: Callable[[BaseModel | None], ImageData] | None
 
 FORMATS = ("auto", "torchvision", "imagefolder", "idx")
 _CACHE_VERSION = 1  # bump when the decoded layout changes, so old cache files are never read

@@ -27,12 +27,20 @@ import math
 import random
 import warnings
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 from pydantic import BaseModel, Field
 
 from flare.errors import FlareError
-from flare.registry import PARTITIONS
+from flare.registry import PARTITIONS, REFERENCE_PARTITIONS
+
+
+class PartitionFn(Protocol):
+    """What `PARTITIONS` (and `REFERENCE_PARTITIONS`, the reference code's draws) hold: the clients' sample indices
+    from the training labels; `options`: partition.options validated by the kind's options model."""
+    def __call__(self, labels: np.ndarray, num_clients: int, seed: int, num_classes: int | None, *, alpha: float,
+                 shards_per_client: int, options: BaseModel | None) -> Partition: ...
 
 
 @dataclass
@@ -251,24 +259,22 @@ def make_partition(labels: np.ndarray, num_clients: int, kind: str, seed: int, *
                          key="num_clients", fix="use fewer clients or a larger dataset.train_subset.")
     if rng not in ("generator", "legacy"):
         raise FlareError(f"unknown partition rng '{rng}'.", key="partition.rng", fix="use generator or legacy.")
-    legacy = rng == "legacy"
     if kind in ("dirichlet", "dirichlet-fafi", "noniid-labeldir") and alpha <= 0:
         raise FlareError(f"alpha must be > 0 (got {alpha}).", key="partition.alpha", fix="use e.g. 0.05, 0.1, 0.5.")
     opts = PARTITIONS.options(kind, options, "partition.options")
-    return PARTITIONS.get(kind)(labels, num_clients, seed, num_classes, alpha=alpha,
-                                shards_per_client=shards_per_client, legacy=legacy, options=opts)
+    # partition.rng=legacy: the kind as the reference code drew it (a kind without such a draw is refused, naming
+    # partition.rng; the config refuses it earlier, when validated)
+    draw = REFERENCE_PARTITIONS.get(kind, "partition.rng") if rng == "legacy" else PARTITIONS.get(kind)
+    return draw(labels, num_clients, seed, num_classes, alpha=alpha, shards_per_client=shards_per_client,
+                options=opts)
 
 
-# A partition is `fn(labels, num_clients, seed, num_classes, *, alpha, shards_per_client, legacy, options) ->
-# Partition` (`legacy`: partition.rng=legacy; `options`: partition.options validated by its options model).
+def _dirichlet(labels, k, seed, num_classes, *, alpha, **_):
+    return dirichlet_partition(labels, k, alpha, seed, num_classes)
 
 
-def _dirichlet(labels, k, seed, num_classes, *, alpha, legacy, **_):
-    return (dirichlet_partition_legacy if legacy else dirichlet_partition)(labels, k, alpha, seed, num_classes)
-
-
-def _dirichlet_fafi(labels, k, seed, num_classes, *, alpha, legacy, **_):
-    return dirichlet_fafi_partition(labels, k, alpha, seed, num_classes, rng="legacy" if legacy else "generator")
+def _dirichlet_fafi(labels, k, seed, num_classes, *, alpha, **_):
+    return dirichlet_fafi_partition(labels, k, alpha, seed, num_classes, rng="generator")
 
 
 class LabeldirOptions(BaseModel):
@@ -276,19 +282,15 @@ class LabeldirOptions(BaseModel):
                                                 "samples (NIID-Bench's min_require_size)")
 
 
-def _labeldir(labels, k, seed, num_classes, *, alpha, legacy, options, **_):
-    return labeldir_partition(labels, k, alpha, seed, num_classes, min_size=options.min_size,
-                              rng="legacy" if legacy else "generator")
+def _labeldir(labels, k, seed, num_classes, *, alpha, options, **_):
+    return labeldir_partition(labels, k, alpha, seed, num_classes, min_size=options.min_size, rng="generator")
 
 
-def _iid(labels, k, seed, num_classes, *, legacy, **_):
-    return (iid_partition_legacy if legacy else iid_partition)(labels, k, seed, num_classes)
+def _iid(labels, k, seed, num_classes, **_):
+    return iid_partition(labels, k, seed, num_classes)
 
 
-def _shards(labels, k, seed, num_classes, *, shards_per_client, legacy, **_):
-    if legacy:
-        raise FlareError("partition.rng=legacy has no reference counterpart for kind=shards.",
-                         key="partition.rng", fix="use partition.rng=generator.")
+def _shards(labels, k, seed, num_classes, *, shards_per_client, **_):
     return shards_partition(labels, k, shards_per_client, seed, num_classes)
 
 
@@ -298,12 +300,23 @@ PARTITIONS.register("noniid-labeldir", _labeldir, options=LabeldirOptions,
                     description="NIID-Bench's Dirichlet label split (FedLPA, DENSE): balanced, redrawn until every "
                                 "client has min_size samples")
 PARTITIONS.register("iid", _iid, description="uniform random split")
-def _shards_check(cfg) -> None:
-    """partition.rng=legacy replays the reference's draws, and the reference has no shards partition."""
-    if cfg.partition.rng == "legacy":
-        raise FlareError("partition.rng=legacy draws the reference's dirichlet and iid partitions; kind=shards has "
-                         "no reference counterpart.", key="partition.rng", fix="set partition.rng=generator.")
+PARTITIONS.register("shards", _shards, description="partition.shards_per_client classes per client")
 
 
-PARTITIONS.register("shards", _shards, description="partition.shards_per_client classes per client",
-                    check=_shards_check)
+# The reference code's draws (partition.rng=legacy, the reference protocol's item g): the same kinds drawn from
+# numpy's legacy RandomState and Python's random in the fork's order, which give the notes' exact class counts.
+REFERENCE_PARTITIONS.register(
+    "dirichlet", lambda labels, k, seed, num_classes, *, alpha, **_:
+    dirichlet_partition_legacy(labels, k, alpha, seed, num_classes), description="the fork's card dealer")
+REFERENCE_PARTITIONS.register(
+    "dirichlet-fafi", lambda labels, k, seed, num_classes, *, alpha, **_:
+    dirichlet_fafi_partition(labels, k, alpha, seed, num_classes, rng="legacy"),
+    description="the official FAFI partition in the reference's order")
+REFERENCE_PARTITIONS.register(
+    "noniid-labeldir", lambda labels, k, seed, num_classes, *, alpha, options, **_:
+    labeldir_partition(labels, k, alpha, seed, num_classes, min_size=options.min_size, rng="legacy"),
+    options=LabeldirOptions, description="NIID-Bench's split from the references' RandomState stream")
+REFERENCE_PARTITIONS.register(
+    "iid", lambda labels, k, seed, num_classes, **_: iid_partition_legacy(labels, k, seed, num_classes),
+    description="the reference's permutation split")
+

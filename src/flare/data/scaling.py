@@ -28,6 +28,9 @@ test images alike, as NIID-Bench, FedLPA and DENSE feed Fashion-MNIST and MNIST 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
+
+from flare.registry import SCALINGS
 
 Stats = tuple[tuple[float, ...], tuple[float, ...]]
 
@@ -46,15 +49,32 @@ class InputScaling:
     test: Stats
 
 
+class ScalingFn(Protocol):
+    """What `SCALINGS` holds: the scaling for a dataset (its name) whose training set has statistics mean/std."""
+    def __call__(self, dataset: str, mean, std) -> InputScaling: ...
+
+
 def input_scaling(mode: str, dataset: str, mean, std) -> InputScaling:
-    """The scaling of `augment.input_scaling` for a dataset whose training set has statistics mean/std."""
-    if mode == "dataset":
-        stats = (tuple(mean), tuple(std))
-        return InputScaling(None, stats, stats)
-    if mode == "none":
-        return InputScaling(None, IDENTITY, IDENTITY)
-    if mode != "reference":
-        raise ValueError(f"unknown input scaling {mode!r}")
+    """The scaling `augment.input_scaling` names, for a dataset whose training set has statistics mean/std."""
+    return SCALINGS.get(mode)(dataset, mean, std)
+
+
+@SCALINGS.register("dataset")
+def dataset_scaling(dataset: str, mean, std) -> InputScaling:
+    """(x − mean)/std of the training set, for training views and test images alike (ours)."""
+    stats = (tuple(mean), tuple(std))
+    return InputScaling(None, stats, stats)
+
+
+@SCALINGS.register("none")
+def no_scaling(dataset: str, mean, std) -> InputScaling:
+    """x/255 only (ToTensor), training and test."""
+    return InputScaling(None, IDENTITY, IDENTITY)
+
+
+@SCALINGS.register("reference")
+def reference_scaling(dataset: str, mean, std) -> InputScaling:
+    """The reference code's per-dataset transforms (the reference protocol's item b; the module docstring's table)."""
     if dataset == "cifar100":
         return InputScaling(CIFAR100, CIFAR100, CIFAR100)
     if dataset == "svhn":

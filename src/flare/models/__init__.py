@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from pydantic import BaseModel
@@ -30,6 +30,12 @@ from . import small as _small
 from . import pretrained as _pretrained
 from .heads import ETFHead, LinearHead, PrototypeHead
 from .timm_zoo import timm_names  # registers the timm/ namespace (timm itself is imported on first use)
+
+
+class ModelBuilder(Protocol):
+    """What `MODELS` holds: an encoder with a `feature_dim` attribute; `options` (the validated `model.options`) is
+    passed only to a builder that declares an options model. `create_model` adds the head the objective trains."""
+    def __call__(self, in_channels: int, width: float, *options: BaseModel) -> nn.Module: ...
 
 __all__ = [
     "FlareNet",

@@ -21,14 +21,13 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from flare.config import preset_mapping  # noqa: E402
 from flare.report.runs import Row, SweepLine, fmt_value, short_key  # noqa: E402
-from flare.report.style import method_colour  # noqa: E402
+from flare.report.style import method_colour, rule_colour  # noqa: E402
 from flare.rundata import RunData  # noqa: E402
 from flare.records import acc_keys  # noqa: E402
 from flare.rundir import DIAG  # noqa: E402
 from flare.schedules import get_schedule, progress  # noqa: E402
 
 COMPARE_DIAG = ("g_protos_std", "inter_client_proto_std")
-_RULE_COLOURS = {"feature": "C0", "iffi": "C1", "iffi_reference": "C2", "output": "C3", "fedavg": "C4"}
 
 
 def v7_lambda0() -> float:
@@ -87,7 +86,7 @@ def plot_accuracy(run: RunData, path: Path) -> None:
     x = run.round_numbers()
     for i, k in enumerate(acc_keys(run.rounds)):  # a last-round-only strategy (every_round=False) is one point
         rule = k.removeprefix("acc_")
-        ax.plot(x, 100 * run.curve(k), marker="o", ms=3, color=_RULE_COLOURS.get(rule, f"C{5 + i}"),
+        ax.plot(x, 100 * run.curve(k), marker="o", ms=3, color=rule_colour(rule) or f"C{5 + i}",
                 label=rule + (" (primary)" if rule == run.primary else ""))
     ax.set(xlabel="round", ylabel="test accuracy (%)", title=_wrap(run_title(run), 60))
     ax.title.set_fontsize(9)
@@ -400,13 +399,11 @@ def plot_label_distributions(runs: list[RunData], path: Path, max_panels: int = 
 
 
 
-RULE_STYLE = {"acc_feature": "-", "acc_iffi": "--", "acc_iffi_reference": ":", "acc_output": "-."}
-
-
-def plot_rule_panels(panels: list[tuple[str, Row | None]], ncols: int, path: Path, title: str) -> bool:
-    """A grid of panels (row-major, `ncols` per line), each the accuracy of every fusion rule (feature, IFFI, the
-    seeds' IFFI, output ensemble) against rounds for one row of runs (seed mean; a band of ± std with several
-    seeds). Returns False when no panel has a round."""
+def plot_rule_panels(panels: list[tuple[str, Row | None]], ncols: int, path: Path, title: str,
+                     rules: dict[str, str]) -> bool:
+    """A grid of panels (row-major, `ncols` per line), each the accuracy of the fusion rules `rules` (rule →
+    matplotlib line style; each in its strategy's colour) against rounds for one row of runs (seed mean; a band of
+    ± std with several seeds). Returns False when no panel has a round."""
     live = [(t, r) for t, r in panels if r is not None and r.curves("acc").size]
     if not live:
         return False
@@ -419,18 +416,18 @@ def plot_rule_panels(panels: list[tuple[str, Row | None]], ncols: int, path: Pat
             ax.text(0.5, 0.5, "not run (yet)", ha="center", va="center", transform=ax.transAxes)
             ax.set_xticks([])
             continue
-        for k, ls in RULE_STYLE.items():
+        for rule, ls in rules.items():
+            k = f"acc_{rule}"
             c = row.curves(k)
             if not c.size or np.isnan(c).all():
                 continue
             x = _rounds_axis(row, c.shape[1])
             with np.errstate(all="ignore"):
                 m = 100 * np.nanmean(c, axis=0)
-            rule = k.removeprefix("acc_")
-            ax.plot(x, m, ls, color=_RULE_COLOURS[rule], label=rule)
+            ax.plot(x, m, ls, color=rule_colour(rule), label=rule)
             if c.shape[0] > 1:
                 sd = 100 * np.nanstd(c, axis=0, ddof=1)
-                ax.fill_between(x, m - sd, m + sd, alpha=0.15, color=_RULE_COLOURS[rule], lw=0)
+                ax.fill_between(x, m - sd, m + sd, alpha=0.15, color=rule_colour(rule), lw=0)
         integer_rounds(ax)
         ax.set_xlabel("round")
     for ax in axes[:, 0]:

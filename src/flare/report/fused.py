@@ -2,8 +2,8 @@
 research — clients trained once per method and seed, every server scored on them.
 
 `fused_table` gives each strategy's mean ± std over seeds per method (the clients' objective), with its mean wall
-time; `fused_vs_table` tests every (strategy, clients) cell against one reference cell — by default FAFI's own
-server (`feature`) over FAFI clients — paired by seed, Holm-adjusted over the table (report/tables.py explains
+time; `fused_vs_table` tests every (strategy, clients) cell against one reference cell — e.g. FAFI's own server
+(`feature`) over FAFI clients — paired by seed, Holm-adjusted over the table (report/tables.py explains
 the test). A strategy the run itself evaluated (its last round's `acc_<name>`) counts as fused too, so a run's
 built-in rules need no second pass.
 """
@@ -58,7 +58,7 @@ def fused_table(rows: list[Row], strategies: list[str] | None = None) -> str | N
     return md_table(["strategy", *[row.label for row in rows], "s per run"], body)
 
 
-def fused_vs_table(rows: list[Row], strategies: list[str], base_row: str = "fafi", base_strategy: str = "feature") -> str:
+def fused_vs_table(rows: list[Row], strategies: list[str], base_row: str, base_strategy: str) -> str:
     """Every (strategy, clients) against `base_strategy` over `base_row`'s clients, paired by seed."""
     base = next(row for row in rows if row.label == base_row)
     ref = fused_values(base, base_strategy)

@@ -36,7 +36,7 @@ def summary_markdown(run: RunData) -> str:
         lines.append(f"- speed=fast's choice: {run.speed_choice}")
     lines.append("")
     if rounds:
-        primary = rounds[-1].get("primary", "feature")
+        primary = run.primary
         lines += ["## Accuracy of every global predictor", "",
                   f"| rule | final ({run.final_label}) | peak | peak round |", "| --- | --- | --- | --- |"]
         for k in acc_keys(rounds[-1:]):

@@ -18,6 +18,7 @@ import numpy as np
 
 from flare.config.protocol import ITEM_KEYS
 from flare.errors import FlareError
+from flare.report.style import method_order
 from flare.rundata import RunData, num, peak_index
 
 IGNORE = {"seed", "description", "notes_name", "device", "dataset.root", "dataset.cache_dir", "dataset.download",
@@ -25,8 +26,6 @@ IGNORE = {"seed", "description", "notes_name", "device", "dataset.root", "datase
           "method", "test_batch_size", "eval.noise_seed"} | set(ITEM_KEYS)  # items: in the `protocol` label
 SETTING_KEYS = {"num_clients", "rounds", "local_epochs", "batch_size"}
 SETTING_PREFIXES = ("dataset.", "partition.", "model.")
-RULE_NAMES = {"feature": "feature (simple)", "iffi": "IFFI", "iffi_reference": "IFFI (seeds' code = uniform)",
-              "output": "output ensemble", "fedavg": "FedAvg"}
 
 
 def is_setting(key: str) -> bool:
@@ -203,10 +202,9 @@ def make_rows(runs: list[RunData], variant_keys: list[str] | None = None) -> lis
 
 
 def row_order(row: "Row") -> tuple:
-    """Baselines first, then the notes' V-numbers in order (V4, V5, …, V14), then the rest; variants by value."""
-    m = re.search(r"V(\d+)", row.notes_name)
-    v = int(m.group(1)) if m else (-1 if row.method in ("fedavg", "ensemble") else 99)
-    return (v, row.method, tuple((k, num(x) if isinstance(x, (int, float)) else str(x))
+    """Rows by their preset's `order` (`style.method_order`: the baselines, then the notes' variants in order),
+    then by method; a method's variants by value."""
+    return (method_order(row.method), row.method, tuple((k, num(x) if isinstance(x, (int, float)) else str(x))
                                  for k, x in sorted(row.variant.items())))
 
 

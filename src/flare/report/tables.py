@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from flare.report.runs import RULE_NAMES, Row, SweepLine, short_key, fmt_value
+from flare.report.runs import Row, SweepLine, short_key, fmt_value
+from flare.report.style import rule_title
 from flare.rundata import RunData
 from flare.records import acc_keys
 from flare.stats import ALPHA, holm, paired, verdict
@@ -60,7 +61,7 @@ def strategy_table(rows: list[Row]) -> str | None:
     rules = acc_keys([r.rounds[-1] for row in rows for r in row.runs if r.rounds])
     if len(rules) < 2:
         return None
-    head = ["method"] + [RULE_NAMES.get(k.removeprefix("acc_"), k) for k in rules]
+    head = ["method"] + [rule_title(k.removeprefix("acc_")) or k for k in rules]
     body = [[row.label] + [fmt_ms(*row.stat(k)[:2]) for k in rules] for row in rows]
     return md_table(head, body)
 

@@ -107,6 +107,7 @@ class RulePredictor(ClientPredictor):
 class FeatureRule(ClientRule):
     """Σ_i w_i f_i(x) matched to the global prototypes G (FAFI's server)."""
 
+    title, colour = "feature (simple)", "C0"  # how reports name and draw it
     needs_prototypes = True
     batch_bn = True
 
@@ -119,6 +120,7 @@ class FeatureRule(ClientRule):
 class IffiRule(ClientRule):
     """Features weighted per sample by their informativeness against a noise input."""
 
+    title, colour = "IFFI", "C1"
     needs_prototypes = True
     needs_noise = True
     batch_bn = True
@@ -132,6 +134,7 @@ class IffiRule(ClientRule):
 class IffiReferenceRule(ClientRule):
     """The seeds' IFFI code: exactly uniform feature fusion (reproduces their numbers)."""
 
+    title, colour = "IFFI (seeds' code = uniform)", "C2"
     needs_prototypes = True
     needs_noise = True
     batch_bn = True
@@ -145,6 +148,7 @@ class IffiReferenceRule(ClientRule):
 class OutputRule(ClientRule):
     """Σ_i w_i softmax(logits_i) (or raw logits: server.ensemble) — the output ensemble."""
 
+    title, colour = "output ensemble", "C3"
     @staticmethod
     def scores(out, weights, G, ensemble):
         return fuse_outputs(out.logits, weights, ensemble)
@@ -158,6 +162,7 @@ class OutputRule(ClientRule):
 class FedAvgRule(Strategy):
     """One-shot FedAvg: the weighted average of the uploaded models (server.fedavg_buffers)."""
 
+    title, colour = "FedAvg", "C4"
     default = True
     one_architecture_why = "it averages the clients' parameters tensor by tensor"
 

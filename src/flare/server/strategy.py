@@ -17,7 +17,7 @@ built-in rules are strategies written exactly so, in server/rules.py; `ClientOut
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from pydantic import BaseModel
@@ -27,6 +27,12 @@ from flare.config import Config
 from flare.registry import STRATEGIES
 from flare.server.fusion import ClientOutputs
 from flare.server.upload import Upload
+
+
+class StrategyClass(Protocol):
+    """What `STRATEGIES` holds: a `Strategy` subclass (below), built once per run and asked for a predictor per
+    evaluation."""
+    def __call__(self, cfg: Config, options: BaseModel | None) -> Strategy: ...
 
 
 @dataclass

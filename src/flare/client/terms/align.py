@@ -5,6 +5,7 @@ The server fixes the anchors before training from a shared seed; clients only ev
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,11 @@ from torch import Tensor
 
 from flare.errors import FlareError
 from flare.registry import ANCHORS
+
+
+class AnchorFn(Protocol):
+    """What `ANCHORS` holds: C×d anchors (the entry `none` is None: no anchors, no alignment term)."""
+    def __call__(self, num_classes: int, dim: int, generator: torch.Generator | None) -> Tensor: ...
 
 
 def simplex_etf(num_classes: int, dim: int, generator: torch.Generator | None = None) -> Tensor:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,12 @@ from flare.config import Config
 from flare.errors import FlareError
 from flare.registry import CONTRAST
 from flare.rng import derived_seed
+
+
+class ContrastBankFn(Protocol):
+    """What `CONTRAST` holds: a per-client extension builder `(client, ctx) -> extension` (the entry `none` is
+    None)."""
+    def __call__(self, cfg: Config, public_bank: Tensor | None, device: torch.device) -> Callable: ...
 
 
 # ----------------------------------------------------------------------------------------------

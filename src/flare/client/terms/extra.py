@@ -17,8 +17,10 @@ server sent, the shared init). The batched engine holds no such per-client copy 
 """
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 from pydantic import Field
@@ -27,6 +29,11 @@ from torch import Tensor
 from flare.config import Config, LossCfg
 from flare.errors import FlareError
 from flare.registry import LOSS_TERMS, TermOptions
+
+
+class LossTermFn(Protocol):
+    """What `LOSS_TERMS` holds: a scalar added to the local loss as `weight · fn(batch, options)`."""
+    def __call__(self, batch: TermBatch, options: TermOptions) -> Tensor: ...
 
 __all__ = ["TermBatch", "TermOptions", "extra_terms", "uses_params", "ProxOptions"]
 
@@ -44,10 +51,22 @@ class TermBatch:
     start: dict[str, Tensor] | None = None   # name → the same parameter at the start of local training
 
 
+def loss_terms(loss: LossCfg) -> tuple[tuple[str, LossTermFn, TermOptions], ...]:
+    """(name, fn, validated options) of every term of `loss.terms`, in the table's order (the order the step sums
+    them in), validated once per distinct table rather than at every step (the table is plain JSON data, so its
+    text is the cache's key)."""
+    return _built_terms(json.dumps(loss.terms))
+
+
+@functools.lru_cache(maxsize=64)
+def _built_terms(table: str) -> tuple[tuple[str, LossTermFn, TermOptions], ...]:
+    return tuple((name, LOSS_TERMS.get(name), LOSS_TERMS.options(name, mapping, f"loss.terms.{name}"))
+                 for name, mapping in json.loads(table).items())
+
+
 def uses_params(loss: LossCfg) -> bool:
     """Whether any term of `loss.terms` reads the model's parameters (the engine must then pass them)."""
-    return any(getattr(LOSS_TERMS.options(name, mapping, f"loss.terms.{name}"), "uses_params", False)
-               for name, mapping in loss.terms.items())
+    return any(getattr(opts, "uses_params", False) for _, _, opts in loss_terms(loss))
 
 
 def extra_terms(loss: LossCfg, feat: Tensor, logits: Tensor, y: Tensor,
@@ -57,11 +76,7 @@ def extra_terms(loss: LossCfg, feat: Tensor, logits: Tensor, y: Tensor,
     if not loss.terms:
         return {}
     batch = TermBatch(feat, logits, y, prototypes, params, start)
-    out = {}
-    for name, mapping in loss.terms.items():
-        opts = LOSS_TERMS.options(name, mapping, f"loss.terms.{name}")
-        out[f"term_{name}"] = getattr(opts, "weight", 1.0) * LOSS_TERMS.get(name)(batch, opts)
-    return out
+    return {f"term_{name}": getattr(opts, "weight", 1.0) * fn(batch, opts) for name, fn, opts in loss_terms(loss)}
 
 
 # ---------------------------------------------------------------------------------------------- FedProx's term

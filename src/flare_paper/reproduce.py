@@ -14,7 +14,7 @@ Runs (all on one dataset, CIFAR-10 unless --datasets says otherwise; seeds from 
   item can change (`AFFECTS`); the bases are the main table's runs.
 
 `reproduce.json` in the output directory lists every point with its role, setting, item and run directory;
-`flare.paper.reproduction.write_reproduction_report(out)` turns it into `report/reproduction.md` (the table, the
+`flare_paper.reproduction.write_reproduction_report(out)` turns it into `report/reproduction.md` (the table, the
 ablation, the figure of every fusion rule against rounds, the protocol of each column and the command).
 """
 from __future__ import annotations
@@ -29,9 +29,10 @@ from flare.config import config_for_preset
 from flare.config.protocol import ITEM_KEYS, ITEMS, ProtocolItem
 from flare.errors import FlareError
 from flare.experiments.sweep import SweepSpec, unflatten
-from flare.paper.reproduction import MANIFEST
 from flare.records import flatten
 from flare.rundir import atomic_write_text
+
+from flare_paper.reproduction import MANIFEST
 
 METHODS = ["fedavg", "ensemble", "fafi", "etf-anneal", "flare"]
 # the config keys the report needs to match a point with the notes' numbers (paper/reference.py)

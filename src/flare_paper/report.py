@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flare.paper.reference import REFERENCE_NOTE, REFS, SETTINGS, Ref, matches, references_for
 from flare.report.figures import (plot_acc_lambda_raw, plot_accuracy_curves, plot_label_distributions,
                                   plot_lambda_eff, plot_param_sweep)
 from flare.report.fused import fused_table
@@ -15,6 +14,8 @@ from flare.report.tables import (PAIRED_EXPLAIN, default_baseline, fmt_big, fmt_
                                  strategy_table, sweep_table)
 from flare.rundata import RunData
 from flare.rundir import atomic_write_text
+
+from flare_paper.reference import REFERENCE_NOTE, REFS, SETTINGS, Ref, matches, references_for
 
 
 @dataclass

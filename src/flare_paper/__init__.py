@@ -1,7 +1,9 @@
-"""`flare paper`: the paper's experiments and the reproduction of the research notes, in one package apart from the
-core. The core (every other module of flare) never imports it; only the command line (`flare.cli`), the tests,
-tools/ and benchmarks/ do (tests/test_architecture.py holds this).
+"""`flare paper`: the paper's experiments and the reproduction of the research notes, a package built on flare and
+apart from it. No flare module imports it (tests/test_import_graph.py holds this): its command reaches flare's
+command line through the `flare.commands` entry point (pyproject.toml), and `flare-paper` / `python -m flare_paper`
+run the same command without it.
 
+* `cli`          `flare paper`'s options and the command (`add_command`, `main`)
 * `scales`       smoke / cpu / full: models, data sizes, the methods of each experiment, the notes' settings
 * `options`      the command line's options, checked before the first run
 * `suite`        the experiments as sweeps, planned, run and reported (`run_paper`)

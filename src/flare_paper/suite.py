@@ -11,7 +11,7 @@ Experiments (each a sweep; identical configs across them run once):
 * server strategies (simple vs IFFI) need no runs of their own: every run evaluates every fusion rule.
 * ``reproduce``  only when named in --only: the notes' CIFAR-10 table under protocol clean and reference, the
                  one-item protocol ablation and the fusion-rule figure (`paper.reproduce`); its report is
-                 `report/reproduction.md` (`flare.paper.reproduction.write_reproduction_report`).
+                 `report/reproduction.md` (`flare_paper.reproduction.write_reproduction_report`).
 
 `--protocol clean,reference` runs the experiments under each protocol (a `protocol` grid axis; clean alone adds
 none, so the directories of earlier suites stay valid). At `--scale full` the notes' per-dataset settings apply
@@ -36,15 +36,16 @@ from flare.config import build_config
 from flare.experiments.execute import Point, check_dirs, execute_points, read_point_file
 from flare.experiments.sweep import SweepSpec, expand, unflatten
 from flare.fuse import fuse_runs
-from flare.paper import reproduce
-from flare.paper.options import EXPERIMENTS, PaperOptions, check_against_plan, default_data_root, parse_options
-from flare.paper.report import PaperRuns, write_paper_report
-from flare.paper.reproduction import write_reproduction_report
-from flare.paper.scales import ABLATION_VARIANTS, DATASET_DEFAULTS, Scale, ScaleRule
 from flare.registry import STRATEGIES
 from flare.rundata import num
 from flare.records import flatten
 from flare.rundir import RunDir, atomic_write_text
+
+from flare_paper import reproduce
+from flare_paper.options import EXPERIMENTS, PaperOptions, check_against_plan, default_data_root, parse_options
+from flare_paper.report import PaperRuns, write_paper_report
+from flare_paper.reproduction import write_reproduction_report
+from flare_paper.scales import ABLATION_VARIANTS, DATASET_DEFAULTS, Scale, ScaleRule
 
 # ----------------------------------------------------------------------------------------------
 # the experiments as sweeps

@@ -13,9 +13,10 @@ from pathlib import Path
 from flare.config import parse_list, parse_overrides
 from flare.data.datasets import DATASETS
 from flare.errors import FlareError
-from flare.paper import reproduce
-from flare.paper.scales import SCALES, Scale
 from flare.registry import STRATEGIES, load_plugins
+
+from flare_paper import reproduce
+from flare_paper.scales import SCALES, Scale
 
 ROOTLESS = {"fmnist", "synthetic-cifar10", "synthetic-cifar100"}  # loadable without dataset.root
 EXPERIMENTS = ["table1", "ablation", "robustness", "lambda0", "alpha", "reproduce"]

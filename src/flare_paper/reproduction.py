@@ -5,7 +5,7 @@ every fusion rule against rounds for FAFI and FLARE.
 It reads only `reproduce.json` (what each point stands for, and the command that made them) and the run
 directories it names, so it works on a partial reproduction too (missing runs show as "—" and are counted).
 
-    from flare.paper.reproduction import reproduction_markdown, write_reproduction_report
+    from flare_paper.reproduction import reproduction_markdown, write_reproduction_report
     md = reproduction_markdown("runs/reproduce-full", image_dir="docs/figures")   # for the README generator
     path = write_reproduction_report("runs/reproduce-full")    # <out>/report/reproduction.md (+ its figure)
 """
@@ -18,14 +18,18 @@ from pathlib import Path
 import numpy as np
 
 from flare.errors import FlareError
-from flare.paper.reference import SETTINGS as NOTE_SETTINGS
-from flare.paper.reference import REFS, Ref, matches
 from flare.report.figures import plot_rule_panels
 from flare.report.runs import Row
 from flare.report.style import method_label
 from flare.report.tables import fmt_ms, md_table
 from flare.rundata import RunData
 from flare.rundir import atomic_write_text
+
+from flare_paper.reference import REFS, Ref, matches
+from flare_paper.reference import SETTINGS as NOTE_SETTINGS
+
+# The notes' fusion rules in the reproduction's figure, each with its line style (the colour is the strategy's).
+RULE_STYLE = {"feature": "-", "iffi": "--", "iffi_reference": ":", "output": "-."}
 
 MANIFEST = "reproduce.json"
 REPORT = "reproduction.md"
@@ -198,7 +202,7 @@ def reproduction_markdown(out: str | Path, image_dir: str | Path | None = None) 
     panels = [(f"{method_label(m)} — {COLUMN_TITLE[c]}", runs.row(role="main", setting=c, preset=m, alpha=hard))
               for c in present for m in shown]
     if panels and plot_rule_panels(panels, len(shown), img / FIGURE, f"every fusion rule against rounds, α = {hard:g}, "
-                                                 f"{doc.get('dataset')} (scale {doc.get('scale')})"):
+                                                 f"{doc.get('dataset')} (scale {doc.get('scale')})", RULE_STYLE):
         rel = f"{img.name}/{FIGURE}" if image_dir is not None else FIGURE
         md += [f"### Every fusion rule against rounds, α = {hard:g}", "", f"![fusion rules]({rel})", ""]
     return "\n".join(md)

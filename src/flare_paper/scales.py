@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flare.config.protocol import ITEM_KEYS
-from flare.paper import reproduce
-from flare.paper.report import PaperScale
+
+from flare_paper import reproduce
+from flare_paper.report import PaperScale
 
 
 @dataclass
