@@ -25,6 +25,7 @@ from flare.errors import FlareError
 from flare.models import create_architecture
 from flare.server.extras import ClientData, client_extras, extras_shapes
 from flare.server.rounds import evaluated_round, rules_for
+from flare.server.strategy import make_strategies
 from flare.backend import backend, settle_speed
 from flare.setup import DataMeta, client_context, prepare_data, split
 
@@ -217,9 +218,9 @@ def block_extras(cfg: Config, last_round: int, client: Client, ctx) -> dict[str,
     skips); the server's gate expects exactly these (`ServerSession.spec_for`)."""
     if not evaluated_round(cfg, last_round):
         return {}
-    names = rules_for(cfg, last_round)
-    if not extras_shapes(cfg, names, client.model):
+    scored = make_strategies(cfg, rules_for(cfg, last_round))  # once per task: a node is one client
+    if not extras_shapes(scored, client.model):
         return {}
     data = ClientData(cfg, client.cid, copy.deepcopy(client.model), ctx.train_x, ctx.train_y, ctx.plain, ctx.augment,
                       ctx.device)
-    return client_extras(cfg, names, data)
+    return client_extras(scored, data)

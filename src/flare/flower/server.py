@@ -27,9 +27,9 @@ from flare.report.run_report import write_run_report
 from flare.rundata import RunData
 from flare.records import config_differences
 from flare.rundir import RunDir
-from flare.server.upload import Upload, UploadSpec, validate_upload
+from flare.server.upload import Upload, UploadSpec, upload_of, validate_upload
 from flare.server.extras import extras_shapes
-from flare.server.rounds import Evaluation, carries_server_protos, evaluated_round, rules_for, skipped_round_record
+from flare.server.rounds import Evaluation, carries_server_protos, evaluated_round, skipped_round_record
 from flare.setup import ServerSetup, anchor_seed, describe_partition
 
 MAX_RECORDS_BYTES = 4_000_000  # a client's per-round training logs, as JSON text
@@ -117,12 +117,6 @@ def _cpu_state(model) -> dict:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
-def _proto_key(model) -> str | None:
-    """The state-dict name of a prototype head's prototypes (None: no prototypes)."""
-    protos = getattr(model, "prototypes", None)
-    return next((k for k, p in model.named_parameters() if p is protos), None)
-
-
 class ServerSession:
     """The server of one federated run: it owns the run directory (the same files as `flare run`, minus
     the client checkpoint), the test set (when it has one), the seeded inits, the anchors, the upload gate,
@@ -159,7 +153,6 @@ class ServerSession:
         self.anchor_seed = anchor_seed(cfg)
         self.bank = bank.cpu() if bank is not None else None
         self.specs = {a: UploadSpec.from_model(m, self.meta.num_classes) for a, m in self.setup.inits.items()}
-        self.proto_keys = {a: _proto_key(m) for a, m in self.setup.inits.items()}
         self.node_client: dict[int, int] = {}   # node id -> client id (fixed by its first reply)
         self.histograms: dict[int, list[int]] = {}
         self.empty: set[int] = set()
@@ -193,7 +186,7 @@ class ServerSession:
         init, spec = self.setup.client_init(cid), self.specs[self.archs[cid]]
         if not evaluated_round(self.cfg, last_round):
             return spec
-        return replace(spec, extras=extras_shapes(self.cfg, rules_for(self.cfg, last_round), init))
+        return replace(spec, extras=extras_shapes(self.setup.scored(last_round), init))
 
     def accept(self, round_start: int, round_end: int, nodes: list[int], replies: list[Reply]):
         """Check every reply of one block; returns (uploads sorted by client id, their training logs, the
@@ -248,9 +241,7 @@ class ServerSession:
                 self._event("rejected", round_end - 1, node, cid,
                             [f"upload could not be decoded: {rep.decode_error or 'no weights'}"])
                 continue
-            proto_key = self.proto_keys[self.archs[cid]]
-            up = Upload(client=cid, state=rep.state, num_samples=n,
-                        prototypes=rep.state.get(proto_key) if proto_key else None, extras=rep.extras or {})
+            up = upload_of(cid, self.setup.client_init(cid), n, rep.extras, state=rep.state)
             reasons = validate_upload(up, self.spec_for(round_end - 1, cid))
             if reasons:
                 reasons = self._other_architecture(cid, up.state) + reasons

@@ -17,14 +17,14 @@ another fails at once (exit 2, naming the strategy), not later inside its server
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
 
 from flare.config import Config
 from flare.errors import FlareError
-from flare.server.strategy import make_strategy
+from flare.server.strategy import Strategy
 from flare.server.upload import Shapes, check_tensors
 
 @dataclass
@@ -43,21 +43,22 @@ class ClientData:
     device: torch.device
 
 
-def extras_shapes(cfg: Config, names, template: nn.Module) -> Shapes:
-    """The prefixed shapes every upload must carry for the strategies `names` (empty when none asks)."""
+def extras_shapes(strategies: Mapping[str, Strategy], template: nn.Module) -> Shapes:
+    """The prefixed shapes every upload must carry for `strategies` (name → the run's instance; empty when none
+    asks)."""
     out: Shapes = {}
-    for n in names:
-        for k, (shape, dtype) in make_strategy(cfg, n).extras_shapes(template).items():
+    for n, strategy in strategies.items():
+        for k, (shape, dtype) in strategy.extras_shapes(template).items():
             out[f"{n}/{k}"] = (tuple(int(s) for s in shape), dtype)
     return out
 
 
-def client_extras(cfg: Config, names, data: ClientData, template: nn.Module | None = None) -> dict[str, Tensor]:
+def client_extras(strategies: Mapping[str, Strategy], data: ClientData,
+                  template: nn.Module | None = None) -> dict[str, Tensor]:
     """Every strategy's statistics of one client, prefixed and moved to the CPU; checked against the declared
     shapes (a strategy that computes what it did not declare is a FlareError naming it)."""
     out: dict[str, Tensor] = {}
-    for n in names:
-        strategy = make_strategy(cfg, n)
+    for n, strategy in strategies.items():
         declared = strategy.extras_shapes(template if template is not None else data.model)
         if not declared:
             continue

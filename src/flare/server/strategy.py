@@ -134,3 +134,11 @@ def make_strategy(cfg: Config, name: str, key: str = "server.primary") -> Strate
     cls = STRATEGIES.get(name, key)
     opts = STRATEGIES.options(name, cfg.server.strategies.get(name), f"server.strategies.{name}")
     return cls(cfg, opts)
+
+
+def make_strategies(cfg: Config, names, key: str = "eval.rules") -> dict[str, Strategy]:
+    """name → strategy, each built once. A run builds every strategy it may score when the run is built
+    (`setup.ServerSetup.build`) and hands these instances to every round, every client's statistics and every
+    gate, so a strategy's constructor runs once per run, however many rounds and clients there are; what a
+    strategy keeps across rounds belongs in `ServerContext.state`, which checkpoints can see."""
+    return {n: make_strategy(cfg, n, key) for n in dict.fromkeys(names)}
