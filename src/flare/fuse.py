@@ -169,23 +169,23 @@ def _score(job: FuseJob, names: list[str]) -> None:
         models.append(m)
         owners.append(torch.as_tensor(ix))
 
-    def statistics(name: str) -> list[dict]:
-        """What `name` asks each client for, from its saved state and its data (timed with the strategy)."""
-        strategy = {name: server.strategies[name]}
-        if not extras_shapes(strategy, template):
-            return [{} for _ in uploads]
-        return [client_extras(strategy, ClientData(cfg, u.client, copy.deepcopy(m), data.train_x[ix].to(device),
-                                                   data.train_y[ix].to(device), server.norm, server.augment, device))
-                for u, m, ix in zip(uploads, models, owners)]
+    def clients() -> list[ClientData]:
+        """Every client's side, from its saved state and its data (for one strategy: a copy of each model)."""
+        return [ClientData(cfg, u.client, copy.deepcopy(m), data.train_x[ix].to(device), data.train_y[ix].to(device),
+                           server.norm, server.augment, device) for u, m, ix in zip(uploads, models, owners)]
 
     r = cfg.rounds - 1
     server.load_server_state(ck.get("server"))  # Plan B's G as the last round left it
     for name in names:
         t0 = time.perf_counter()
-        for u, ex in zip(uploads, statistics(name)):
+        strategy = {name: server.strategies[name]}
+        extras = ([client_extras(strategy, c) for c in clients()] if extras_shapes(strategy, template)
+                  else [{} for _ in uploads])
+        for u, ex in zip(uploads, extras):
             u.extras = ex
-        ev = server.evaluate(r, uploads, models, rules=(name,))
-        # seconds: the clients' statistics, the strategy's build and its test pass
+        talks = server.strategies[name].extra_rounds() > 0
+        ev = server.evaluate(r, uploads, models, rules=(name,), clients=clients() if talks else None)
+        # seconds: the clients' statistics, the rounds it holds with them, its build and its test pass
         rd.append([{"kind": "fuse", "strategy": name, "round": r, "acc": ev.record[f"acc_{name}"],
                     "seconds": time.perf_counter() - t0, **({"options": job.options[name]} if job.options[name] else {}),
                     **{f"{name}.{k}": v for k, v in ev.predictors[name].logs.items()}}], FUSE)

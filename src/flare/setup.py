@@ -304,15 +304,16 @@ class ServerSetup:
         return {n: self.strategies[n] for n in rules_for(self.cfg, r)}
 
     def evaluate(self, r: int, uploads: list[Upload], models: list[torch.nn.Module],
-                 rules: tuple[str, ...] | None = None) -> Evaluation:
+                 rules: tuple[str, ...] | None = None, clients: list[ClientData] | None = None) -> Evaluation:
         """Round r's evaluation checkpoint of `uploads` (`models[i]` holds `uploads[i].state`), with this server's
         test set, anchors, G and strategy states; `rules`: only these strategies (fuse), else the round's own.
-        Plan B's new G is in the result: the caller decides whether the run carries it on."""
+        Plan B's new G is in the result: the caller decides whether the run carries it on. `clients[i]`: the owner of
+        `uploads[i]` with its data, for the strategies that hold rounds with the clients after the upload."""
         be = self.backend
         return evaluate_uploads(self.cfg, r, uploads, models, self.anchors, self.test_x, self.test_y, self.norm,
                                 amp_dtype=be.amp_dtype, channels_last=be.channels_last, server_G=self.server_G,
                                 strategy_state=self.strategy_state, public_x=self.public_x, rules=rules,
-                                strategies=self.strategies)
+                                strategies=self.strategies, clients=clients)
 
 
 def client_context(cfg: Config, meta: DataMeta, be: Backend, feature_dim: int, train_x: Tensor, train_y: Tensor,
@@ -422,7 +423,9 @@ class RunSetup:
         scored = self.server.scored(r)
         asks = bool(extras_shapes(scored, self.server.template))
         uploads = [c.upload(client_extras(scored, self.client_data(c)) if asks else None) for c in clients]
-        ev = self.server.evaluate(r, uploads, [c.model for c in clients])
+        talks = any(s.extra_rounds() > 0 for s in scored.values())
+        ev = self.server.evaluate(r, uploads, [c.model for c in clients],
+                                  clients=[self.client_data(c) for c in clients] if talks else None)
         if ev.server_G is not None:  # the clients align to it in the next round
             self.load_server_state({"G": ev.server_G})
         return ev

@@ -138,6 +138,13 @@ class ServerSession:
         if self.finished_already:
             return
         self.setup = ServerSetup.build(cfg, dataset_meta=fed.dataset_meta or None)
+        talking = [n for n, s in self.setup.strategies.items() if s.extra_rounds() > 0]
+        if talking:
+            self.close()
+            self.dir.remove_if_empty()
+            raise FlareError(f"server strategies {talking} hold rounds with the clients after their upload, which the "
+                             "Flower engine does not carry yet.", key=f"server.strategies.{talking[0]}",
+                             fix="run them with `flare run`, or score them with `flare fuse` over a finished run.")
         for w in self.setup.warnings:
             self._warn(w)
         self.setup.take_data()  # the clients' samples are on the nodes
