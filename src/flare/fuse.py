@@ -29,7 +29,7 @@ from flare.models import check_state_fits
 from flare.registry import STRATEGIES, load_plugins
 from flare.report.run_report import write_run_report
 from flare.rundir import CHECKPOINT, FUSE, RunDir, read_jsonl
-from flare.server.extras import ClientData, client_extras, extras_shapes
+from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
 from flare.server.upload import upload_of
 from flare.setup import ServerSetup, split
 
@@ -171,8 +171,8 @@ def _score(job: FuseJob, names: list[str]) -> None:
 
     def clients() -> list[ClientData]:
         """Every client's side, from its saved state and its data (for one strategy: a copy of each model)."""
-        return [ClientData(cfg, u.client, copy.deepcopy(m), data.train_x[ix].to(device), data.train_y[ix].to(device),
-                           server.norm, server.augment, device) for u, m, ix in zip(uploads, models, owners)]
+        return [client_side(cfg, u.client, m, data.train_x[ix], data.train_y[ix], server.norm, server.augment, device)
+                for u, m, ix in zip(uploads, models, owners)]
 
     r = cfg.rounds - 1
     server.load_server_state(ck.get("server"))  # Plan B's G as the last round left it

@@ -34,7 +34,7 @@ from flare.data.partition import Partition, make_partition
 from flare.errors import FlareError
 from flare.models import FlareNet, check_input_fits, create_architecture
 from flare.schedules import LRSchedule
-from flare.server.extras import ClientData, client_extras, extras_shapes
+from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
 from flare.server.rounds import Evaluation, carries_server_protos, evaluate_uploads, rules_for
 from flare.server.strategy import Strategy, make_strategies
 from flare.server.upload import Upload
@@ -416,8 +416,8 @@ class RunSetup:
     def client_data(self, c: Client) -> ClientData:
         """A client's side of `Strategy.client_extras`: a copy of its model (a strategy cannot disturb training)."""
         ix = c.indices
-        return ClientData(self.cfg, c.cid, copy.deepcopy(c.model), self.ctx.train_x[ix], self.ctx.train_y[ix],
-                          self.norm, self.ctx.augment, self.device)
+        return client_side(self.cfg, c.cid, c.model, self.ctx.train_x[ix], self.ctx.train_y[ix], self.norm,
+                           self.ctx.augment, self.device)
 
     def evaluate(self, r: int, clients: list[Client]) -> Evaluation:
         scored = self.server.scored(r)

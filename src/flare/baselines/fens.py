@@ -10,10 +10,10 @@ FedAdam, and the aggregator over the K clients' logits is the predictor. Setting
   (scripts/train_aggregator.sh:47 `--d 2`), PyTorch's default init; its input is the K models' raw logits
   concatenated in client order (generate_logits_v2.py:226-227, `torch.hstack`), models in eval mode;
 * clients: cross-entropy (train_LocalSGD.py:107), plain SGD at lr 1 without momentum (train_aggregator.sh:26,47;
-  FedAdam.step ignores the weight decay it is given, distoptim/FedAdam.py:60), 1 local step per round
+  FedAdam.step ignores the weight decay it is given, distoptim/FedAdam.py:64), 1 local step per round
   (train_aggregator.sh:28, `--lowE/--highE` as iterations) on a batch of 128 (train_aggregator.sh:45) — the first
   batch of a freshly shuffled pass over the client's samples, as a new DataLoader iterator gives;
-* server: FedAdam (distoptim/FedAdam.py:71-105): Δ = Σ_i r_i (x_i − x) with r_i ∝ the samples client i saw this
+* server: FedAdam (distoptim/FedAdam.py:68-105): Δ = Σ_i r_i (x_i − x) with r_i ∝ the samples client i saw this
   round (min(n_i, 128·steps), train_LocalSGD.py:436-446); m ← β1 m + (1 − β1) Δ, v ← β2 v + (1 − β2) Δ² (the first
   round: m = (1 − β1) Δ, v = (1 − β2) Δ²), x ← x + η m / (√v + ε), no bias correction; η = 0.001
   (train_aggregator.sh:27), β1 = 0.9 (`--gmf 0.9`), β2 = 0.99, ε = 1e-3 (FedAdam.py:18-20); 500 rounds

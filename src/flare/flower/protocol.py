@@ -7,7 +7,6 @@ config and seed computes the same numbers as the in-process runner.
 """
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from flare.config.architectures import Architecture
 from flare.data.partition import Partition
 from flare.errors import FlareError
 from flare.models import create_architecture
-from flare.server.extras import ClientData, client_extras, extras_shapes
+from flare.server.extras import client_extras, client_side, extras_shapes
 from flare.server.rounds import evaluated_round, rules_for
 from flare.server.strategy import make_strategies
 from flare.backend import backend, settle_speed
@@ -221,6 +220,5 @@ def block_extras(cfg: Config, last_round: int, client: Client, ctx) -> dict[str,
     scored = make_strategies(cfg, rules_for(cfg, last_round))  # once per task: a node is one client
     if not extras_shapes(scored, client.model):
         return {}
-    data = ClientData(cfg, client.cid, copy.deepcopy(client.model), ctx.train_x, ctx.train_y, ctx.plain, ctx.augment,
-                      ctx.device)
+    data = client_side(cfg, client.cid, client.model, ctx.train_x, ctx.train_y, ctx.plain, ctx.augment, ctx.device)
     return client_extras(scored, data)

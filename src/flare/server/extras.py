@@ -16,6 +16,7 @@ another fails at once (exit 2, naming the strategy), not later inside its server
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -41,6 +42,14 @@ class ClientData:
     normalize: Callable[[Tensor], Tensor]
     augment: Callable | None
     device: torch.device
+
+
+def client_side(cfg: Config, cid: int, model: nn.Module, x: Tensor, y: Tensor, normalize, augment,
+                device: torch.device) -> ClientData:
+    """The one way a `ClientData` is made — beside the client in `flare run`, on a Flower node, from the saved
+    states in `flare fuse`: a copy of the client's model (a strategy can disturb neither training nor another
+    strategy's view) and its samples on `device`."""
+    return ClientData(cfg, cid, copy.deepcopy(model), x.to(device), y.to(device), normalize, augment, device)
 
 
 def extras_shapes(strategies: Mapping[str, Strategy], template: nn.Module) -> Shapes:
