@@ -1,7 +1,7 @@
 """FENS (flare/baselines/fens.py), the strategy that talks back: its FedAdam step and a client's local step equal
 hand-written computations of the reference's (sacs-epfl/fens) on identical tensors, and it runs end to end through
 `flare run` and `flare fuse` (which reproduces the run's own accuracy), its extra rounds and bytes reported; the
-Flower engine refuses it before any node trains."""
+same through the Flower server and nodes, whose numbers are flare run's."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -60,10 +60,10 @@ def test_a_clients_local_step_equals_plain_sgd_on_cross_entropy(tiny_overrides):
 
     class Data:  # what client_round reads of a ClientData once its logits are cached
         model = type("M", (), {"num_classes": C})()
-        cid = 0
+        cid, device = 0, torch.device("cpu")
 
     Data.y = y
-    memory = {"inputs": z, "gen": torch.Generator().manual_seed(7)}
+    memory = {"inputs": z, "gen": torch.Generator().manual_seed(7).get_state()}
     reply = fens.client_round(1, sent, Data, memory)
     ix = torch.randperm(N, generator=torch.Generator().manual_seed(7))[:128]
     W1, b1, W2, b2 = (sent[k].clone().requires_grad_() for k in ("0.weight", "0.bias", "2.weight", "2.bias"))
@@ -110,7 +110,26 @@ def test_fens_through_flare_run_and_flare_fuse(tiny_overrides, tmp_path):
     assert f["acc"] == last["acc_fens"] and f["fens.bytes_up"] == last["fens.bytes_up"]
 
 
-def test_the_flower_engine_refuses_a_strategy_that_talks_back(tiny_overrides, tmp_path):
+def test_fens_through_the_flower_server_and_nodes_equals_flare_run(tiny_overrides, tmp_path):
+    """The ServerApp's logic and the ClientApp's handlers, called directly (tests/test_flower_protocol.py's
+    stand-in for the grid): each node computes its replies from its own upload and samples, and the numbers are
+    `flare run`'s; a node that stops answering in those rounds fails the federation, naming the strategy."""
+    pytest.importorskip("flwr")
+    from test_flower_protocol import Nodes
+    ov = tiny_overrides + ["eval.rules=[primary,fens]", "server.strategies.fens.rounds=4"]
+    Run(load_config(None, "fedavg", ov), tmp_path / "run", quiet=True).execute()
+    Nodes().federate(ov, tmp_path / "fed", preset="fedavg")
+    a, b = (read_jsonl(tmp_path / d / "metrics.jsonl")[-1] for d in ("run", "fed"))
+    assert b["acc_fens"] == a["acc_fens"] and b["fens.rounds"] == 4
+    assert (b["fens.bytes_down"], b["fens.bytes_up"]) == (a["fens.bytes_down"], a["fens.bytes_up"])
+    nodes = Nodes()
+    real = nodes.talk
+    nodes.talk = lambda task, name, rnd, message, ids: real(task, name, rnd, message, ids[:-1] if rnd == 2 else ids)
+    with pytest.raises(FlareError, match=r"round 3 of the rounds server strategy 'fens'.*client 2 did not answer"):
+        nodes.federate(ov, tmp_path / "fed2", preset="fedavg")
+
+
+def test_an_engine_that_cannot_talk_refuses_a_strategy_that_does(tiny_overrides, tmp_path):
     from flare.flower.server import FederationSettings, ServerSession
     cfg = load_config(None, "fedavg", tiny_overrides + ["eval.rules=[primary,fens]"])
     with pytest.raises(FlareError, match="fens"):

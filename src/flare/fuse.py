@@ -29,6 +29,7 @@ from flare.models import check_state_fits
 from flare.registry import STRATEGIES, load_plugins
 from flare.report.run_report import write_run_report
 from flare.rundir import CHECKPOINT, FUSE, RunDir, read_jsonl
+from flare.server.exchange import LocalClients
 from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
 from flare.server.upload import upload_of
 from flare.setup import ServerSetup, split
@@ -184,7 +185,7 @@ def _score(job: FuseJob, names: list[str]) -> None:
         for u, ex in zip(uploads, extras):
             u.extras = ex
         talks = server.strategies[name].extra_rounds() > 0
-        ev = server.evaluate(r, uploads, models, rules=(name,), clients=clients() if talks else None)
+        ev = server.evaluate(r, uploads, models, rules=(name,), clients=LocalClients(clients()) if talks else None)
         # seconds: the clients' statistics, the rounds it holds with them, its build and its test pass
         rd.append([{"kind": "fuse", "strategy": name, "round": r, "acc": ev.record[f"acc_{name}"],
                     "seconds": time.perf_counter() - t0, **({"options": job.options[name]} if job.options[name] else {}),

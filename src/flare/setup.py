@@ -34,6 +34,7 @@ from flare.data.partition import Partition, make_partition
 from flare.errors import FlareError
 from flare.models import FlareNet, check_input_fits, create_architecture
 from flare.schedules import LRSchedule
+from flare.server.exchange import LocalClients, Transport
 from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
 from flare.server.rounds import Evaluation, carries_server_protos, evaluate_uploads, rules_for
 from flare.server.strategy import Strategy, make_strategies
@@ -304,11 +305,11 @@ class ServerSetup:
         return {n: self.strategies[n] for n in rules_for(self.cfg, r)}
 
     def evaluate(self, r: int, uploads: list[Upload], models: list[torch.nn.Module],
-                 rules: tuple[str, ...] | None = None, clients: list[ClientData] | None = None) -> Evaluation:
+                 rules: tuple[str, ...] | None = None, clients: Transport | None = None) -> Evaluation:
         """Round r's evaluation checkpoint of `uploads` (`models[i]` holds `uploads[i].state`), with this server's
         test set, anchors, G and strategy states; `rules`: only these strategies (fuse), else the round's own.
-        Plan B's new G is in the result: the caller decides whether the run carries it on. `clients[i]`: the owner of
-        `uploads[i]` with its data, for the strategies that hold rounds with the clients after the upload."""
+        Plan B's new G is in the result: the caller decides whether the run carries it on. `clients`: the transport to
+        the uploads' owners, for the strategies that hold rounds with them after the upload (server/exchange.py)."""
         be = self.backend
         return evaluate_uploads(self.cfg, r, uploads, models, self.anchors, self.test_x, self.test_y, self.norm,
                                 amp_dtype=be.amp_dtype, channels_last=be.channels_last, server_G=self.server_G,
@@ -425,7 +426,7 @@ class RunSetup:
         uploads = [c.upload(client_extras(scored, self.client_data(c)) if asks else None) for c in clients]
         talks = any(s.extra_rounds() > 0 for s in scored.values())
         ev = self.server.evaluate(r, uploads, [c.model for c in clients],
-                                  clients=[self.client_data(c) for c in clients] if talks else None)
+                                  clients=LocalClients([self.client_data(c) for c in clients]) if talks else None)
         if ev.server_G is not None:  # the clients align to it in the next round
             self.load_server_state({"G": ev.server_G})
         return ev

@@ -138,19 +138,22 @@ class FENS(Strategy):
         """The frozen models' logits on this client's samples (computed once), then `local_steps` SGD steps of the
         aggregator on batches of them; the reply is the aggregator's new weights."""
         o = self.options
-        if "inputs" not in memory:
+        if "inputs" not in memory:  # tensors only: a Flower node keeps them in its state between messages
             memory["inputs"] = self._client_logits(received, data)
-            memory["gen"] = generator(self.cfg, 0, TAG, data.cid, 1)
-        z, y, C = memory["inputs"], data.y, int(data.model.num_classes)
+            memory["gen"] = generator(self.cfg, 0, TAG, data.cid, 1).get_state()
+        gen = torch.Generator()
+        gen.set_state(memory["gen"])
+        z, y, C = memory["inputs"].to(data.device), data.y, int(data.model.num_classes)
         net = self._net(z.shape[1] // C, C).to(z.device)
         net.load_state_dict({k: v for k, v in received.items() if "/" not in k})
         opt = torch.optim.SGD(net.parameters(), lr=o.client_lr, momentum=0.0)
         net.train()
-        for ix in local_batches(z.shape[0], o.batch_size, o.local_steps, memory["gen"]):
+        for ix in local_batches(z.shape[0], o.batch_size, o.local_steps, gen):
             ix = ix.to(z.device)
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(net(z[ix]), y[ix]).backward()
             opt.step()
+        memory["gen"] = gen.get_state()
         return {k: v.detach() for k, v in net.state_dict().items()}
 
     @staticmethod

@@ -24,9 +24,9 @@ from flare.errors import FlareError
 from flare.models import create_architecture
 from flare.server.extras import client_extras, client_side, extras_shapes
 from flare.server.rounds import evaluated_round, rules_for
-from flare.server.strategy import make_strategies
+from flare.server.strategy import Strategy, make_strategies, make_strategy
 from flare.backend import backend, settle_speed
-from flare.setup import DataMeta, client_context, prepare_data, split
+from flare.setup import DataMeta, client_context, make_augment, normalizer, prepare_data, split
 
 PROTOCOL_VERSION = 1
 
@@ -222,3 +222,28 @@ def block_extras(cfg: Config, last_round: int, client: Client, ctx) -> dict[str,
         return {}
     data = client_side(cfg, client.cid, client.model, ctx.train_x, ctx.train_y, ctx.plain, ctx.augment, ctx.device)
     return client_extras(scored, data)
+
+
+_STRATEGIES: dict[tuple[str, str], Strategy] = {}
+
+
+def client_talk(task: Task, local: LocalData, trained: dict[str, Tensor], name: str, rnd: int,
+                message: dict[str, Tensor], memory: dict[str, Tensor], device: str | None = None) -> dict[str, Tensor]:
+    """Round `rnd` of the rounds server strategy `name` holds with the clients after their upload
+    (server/exchange.py), on this node: its `client_round` over the client's trained model (`trained`, its upload)
+    and its own samples, as `flare run` computes it beside the client. `memory` is updated in place. The strategy is
+    built once per node process and run."""
+    cfg, meta = task.cfg, task.meta
+    key = (config_to_yaml(cfg), name)
+    if key not in _STRATEGIES:
+        _STRATEGIES.clear()  # one run's strategies per process
+        _STRATEGIES[key] = make_strategy(cfg, name, f"server.strategies.{name}")
+    be = backend(cfg, device)
+    model = create_architecture(client_architecture(cfg, local.cid), meta.in_channels, meta.num_classes, cfg.head,
+                                cfg.model.feature_dim, checkpoint=False)
+    model.load_state_dict(trained)
+    data = client_side(cfg, local.cid, model.to(be.device), local.x, local.y, normalizer(cfg, meta),
+                       make_augment(cfg, meta, be.device), be.device)
+    received = {k: v.to(be.device) for k, v in message.items()}
+    reply = _STRATEGIES[key].client_round(rnd, received, data, memory)
+    return {k: v.detach().cpu() for k, v in reply.items()}

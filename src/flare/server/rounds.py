@@ -17,8 +17,8 @@ from flare.metrics import g_protos_std, inter_client_proto_std, model_variance_m
 from flare.registry import STRATEGIES
 from flare.rng import derived_seed
 from flare.server.evaluator import check_predictor, evaluate_predictors
-from flare.server.exchange import hold_rounds
-from flare.server.extras import ClientData, own_extras
+from flare.server.exchange import Transport, hold_rounds
+from flare.server.extras import own_extras
 from flare.server.fusion import aggregation_weights
 from flare.server.protos import global_prototypes, mean_prototypes, train_global_prototypes
 from flare.server.strategy import (ClientPredictor, ModelPredictor, ServerContext, Strategy,
@@ -152,7 +152,7 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
                      strategy_state: dict | None = None, public_x: Tensor | None = None,
                      rules: tuple[str, ...] | None = None,
                      strategies: Mapping[str, Strategy] | None = None,
-                     clients: list[ClientData] | None = None) -> Evaluation:
+                     clients: Transport | None = None) -> Evaluation:
     """One evaluation checkpoint (docs/method.md#server-rules) from the uploads alone: global prototypes, every fusion
     rule scored on the test set (skipped when `test_x` is None: a server without a test set), diagnostics. `models[i]`
     holds `uploads[i].state` (the in-process runner passes the live client models). `server_G`: the G Plan B continues
@@ -160,8 +160,8 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
     kept by the caller across rounds. `uploads[i].extras` carry the statistics the strategies asked for
     (server/extras.py); `public_x` is the server's unlabeled public slice, when the run has one. `rules`: the
     strategies to score (`flare fuse`'s one), else the round's own (`rules_for`). `strategies`: name → the run's
-    instances (`make_strategies`, built once per run); built here only for a caller that keeps none. `clients[i]`:
-    the owner of `uploads[i]` with its data, for a strategy that holds rounds with the clients after their upload
+    instances (`make_strategies`, built once per run); built here only for a caller that keeps none. `clients`: the
+    transport to the owners of the uploads, for a strategy that holds rounds with them after their upload
     (server/exchange.py); None where the engine cannot reach them."""
     t0 = time.perf_counter()
     weights = aggregation_weights([u.num_samples for u in uploads], cfg.server.weights)

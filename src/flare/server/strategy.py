@@ -144,7 +144,8 @@ class Strategy:
 
     def client_round(self, rnd: int, received: dict[str, Tensor], data, memory: dict) -> dict[str, Tensor]:
         """What one client sends back in round `rnd`, computed where its data lives (`data`: a
-        server.extras.ClientData); `memory`: that client's own dict, kept across this strategy's rounds."""
+        server.extras.ClientData); `memory`: that client's own dict of tensors, kept across this strategy's rounds
+        (a Flower node keeps it in its state between messages)."""
         return {}
 
     def aggregate_round(self, rnd: int, replies: list[dict[str, Tensor]], ctx: ServerContext) -> None:
