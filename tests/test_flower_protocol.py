@@ -73,7 +73,8 @@ class Nodes:
     def talk(self, task, name, rnd, message, nodes):
         """A strategy's round after the upload: the ClientApp's query handler, called directly."""
         content = RecordDict({"task": ConfigRecord(task.to_config()),
-                              "talk": ConfigRecord({"strategy": name, "round": rnd}), "message": state_to_record(message)})
+                              "talk": ConfigRecord({"strategy": name, "round": rnd}),
+                              "message": state_to_record(message)})
         return [decode_talk(n, handle_query(content, self.ctx[n])) for n in nodes if n not in self.silent]
 
     def federate(self, ov, out, preset="fafi", **settings):
