@@ -8,6 +8,8 @@ part of the run's split (`partition-id`, with the same partitioner and seed as `
 asked rounds with `flare.client.trainer.Client` on its client's architecture, and replies with its weights
 (an ArrayRecord), its sample count, class histogram and training logs. Between per-round messages
 (simulation) its state (model, optimizer, λ learner) waits in `context.state` as arrays plus a JSON skeleton.
+After its last round it keeps its upload there too, and answers the `query` messages of a server strategy that
+holds rounds with the clients after the upload (`handle_query`: FENS), with that strategy's memory kept beside it.
 
 Node config keys: `partition-id` (the client id, required), `num-partitions` (checked against
 num_clients), `data-path` (deployment), `dataset-root` / `cache-dir` (where this node finds the

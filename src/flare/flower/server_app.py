@@ -5,7 +5,8 @@ waits for the nodes, sends each a `train` message (the config, the dataset facts
 in the first message, the seeded init weights of every client architecture, of which each node takes its own
 client's), validates every reply (`flare.server.upload.
 validate_upload`), evaluates every configured fusion rule on its test set with the same code as
-`flare run`, and writes the same run directory plus federation.json (who answered, who was missing or
+`flare run` (a strategy that holds rounds with the clients after their upload, such as FENS, sends each of them
+as one `query` message to the nodes: `make_talk`), and writes the same run directory plus federation.json (who answered, who was missing or
 rejected, and why) and the global predictor (predictor.pt + predictor.json).
 
 Run-config keys (the app's pyproject.toml, or `flwr run --run-config 'key=value ...'`): see
