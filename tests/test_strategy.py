@@ -233,3 +233,13 @@ def test_each_strategy_is_built_once_per_run_and_once_per_fuse(tiny_overrides, t
     constructions.clear()
     fuse_runs([str(d)], "demo_counts,output")
     assert dict(constructions) == {"Counts": 1, "OutputRule": 1}
+
+
+def test_a_flower_node_builds_each_strategy_once_per_run(tiny_overrides, tmp_path, constructions):
+    """Three nodes, two per-round messages each, a strategy that asks every client for statistics: the server builds
+    it once and the node process once (the stand-in grid runs every node in this process)."""
+    pytest.importorskip("flwr")
+    from test_flower_protocol import Nodes
+    Nodes().federate(tiny_overrides + ["plugins=[flare_demo_plugin]", "eval.rules=[primary,demo_counts]"],
+                     tmp_path / "fed")
+    assert constructions["Counts"] == 2 and constructions["FeatureRule"] == 2
