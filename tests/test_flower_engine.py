@@ -45,12 +45,14 @@ def assert_all_stopped(fed: LocalFederation):
 
 
 PLUGIN = ["plugins=[flare_demo_plugin]", "loss.terms.demo_center.weight=0.5", "align.anchors=etf",
-          "lam.learner=demo_constant", "eval.rules=[primary,output,demo_counts]"]
+          "lam.learner=demo_constant", "eval.rules=[primary,output,demo_counts,fens]",
+          "server.strategies.fens.rounds=3"]
 
 
 def test_flwr_run_simulation_reproduces_flare_run(tiny_overrides, tmp_path):
     """With a plugin's loss term, λ provider and client-statistics strategy (tests/plugins): the Ray workers import
-    it from the config, and each part leaves its own number in the records."""
+    it from the config, and each part leaves its own number in the records. FENS's rounds after the upload travel as
+    `query` messages and give flare run's numbers too."""
     pytest.importorskip("ray")
     import torch
 
@@ -75,6 +77,7 @@ def test_flwr_run_simulation_reproduces_flare_run(tiny_overrides, tmp_path):
     assert [r["round"] for r in b] == [0, 1]
     assert [strip(r) for r in a] == [strip(r) for r in b]
     assert all(r["demo_counts.samples"] > 0 for r in b)
+    assert b[-1]["fens.rounds"] == 3 and "acc_fens" in b[-1]
     clients = [r for r in read_jsonl(tmp_path / "fed" / "metrics.jsonl") if r["kind"] == "client"]
     assert clients and all(r["term_demo_center"] > 0 and r["lambda"] == pytest.approx(0.4242) for r in clients)
 

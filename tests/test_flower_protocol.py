@@ -17,11 +17,11 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, RecordDict  # no
 
 from flare.config import load_config  # noqa: E402
 from flare.errors import FlareError  # noqa: E402
-from flare.flower.client_app import handle_train  # noqa: E402
+from flare.flower.client_app import handle_query, handle_train  # noqa: E402
 from flare.flower.protocol import export_partitions  # noqa: E402
 from flare.flower.server import FederationSettings, Reply, run_federation  # noqa: E402
 from flare.flower.records import pack_nested, record_to_state, state_to_record, unpack_nested  # noqa: E402
-from flare.flower.server_app import decode_content  # noqa: E402
+from flare.flower.server_app import decode_content, decode_talk  # noqa: E402
 from flare.rundir import read_jsonl  # noqa: E402
 from flare.runner import Run  # noqa: E402
 
@@ -70,9 +70,17 @@ class Nodes:
             out.append(decode_content(n, rd))
         return out
 
+    def talk(self, task, name, rnd, message, nodes):
+        """A strategy's round after the upload: the ClientApp's query handler, called directly."""
+        content = RecordDict({"task": ConfigRecord(task.to_config()),
+                              "talk": ConfigRecord({"strategy": name, "round": rnd}),
+                              "message": state_to_record(message)})
+        return [decode_talk(n, handle_query(content, self.ctx[n])) for n in nodes if n not in self.silent]
+
     def federate(self, ov, out, preset="fafi", **settings):
         fed = FederationSettings(preset=preset, overrides=" ".join(ov), out_dir=str(out), **settings)
-        return run_federation(fed.load_config(), fed, self.exchange, list(self.ids), log=lambda m: None)
+        return run_federation(fed.load_config(), fed, self.exchange, list(self.ids), log=lambda m: None,
+                              talk=self.talk)
 
 
 def rounds_of(d):

@@ -212,6 +212,7 @@ def test_the_extending_page_runs(tmp_path):
     assert last["primary"] == "vote" and last["acc"] == last["acc_vote"], last  # the doc's strategies ran
     assert last["vote.samples"] == 96.0  # the clients' class counts arrived as extras: the demo dataset's 96 samples
     assert set(k for k in last if k.startswith("acc_")) == {"acc_vote", "acc_soup", "acc_feature"}, last
+    assert last["soup.rounds"] == 2 and last["soup.bytes_up"] == last["soup.bytes_down"] > 0  # it talked back
 
 
 # One picky part of every kind (tests/plugins/flare_picky_plugin.py): each refuses seed=13 through its own check.

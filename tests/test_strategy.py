@@ -196,3 +196,50 @@ def test_compare_shows_the_fused_strategies_across_seeds(tiny_overrides, tmp_pat
     assert "| output |" in fused_table(rows)
     vs = fused_vs_table(rows, ["feature", "output", "fedavg"], "fafi", "feature")
     assert "| output | fafi | 2 |" in vs and "| feature | fedavg" not in vs  # no feature rule for CE clients
+
+
+# ----------------------------------------------------------------------------------------------
+# a strategy is built once per run
+
+
+@pytest.fixture
+def constructions(monkeypatch):
+    """Counts every strategy object made (by class name), however it is made: `Strategy.__init__` is where each
+    registered strategy's constructor ends up."""
+    from collections import Counter
+
+    from flare.server.strategy import Strategy
+    made: Counter = Counter()
+    real = Strategy.__init__
+
+    def counting(self, cfg, options=None):
+        made[type(self).__name__] += 1
+        real(self, cfg, options)
+
+    monkeypatch.setattr(Strategy, "__init__", counting)
+    return made
+
+
+def test_each_strategy_is_built_once_per_run_and_once_per_fuse(tiny_overrides, tmp_path, constructions):
+    """Three clients, two rounds, a strategy that asks every client for statistics: one construction per strategy
+    for the whole run (not one per round, client and gate), and one per strategy that `flare fuse` scores."""
+    from flare.fuse import fuse_runs
+    cfg = load_config(None, "fafi", tiny_overrides + ["plugins=[flare_demo_plugin]",
+                                                      "eval.rules=[primary,demo_counts,fedavg,demo_pick]"])
+    d = tmp_path / "run"
+    Run(cfg, d, quiet=True).execute()
+    assert "acc_demo_counts" in rounds_of(d)[1] and "acc_demo_pick" in rounds_of(d)[1]
+    assert dict(constructions) == {"FeatureRule": 1, "Counts": 1, "FedAvgRule": 1, "Pick": 1}
+    constructions.clear()
+    fuse_runs([str(d)], "demo_counts,output")
+    assert dict(constructions) == {"Counts": 1, "OutputRule": 1}
+
+
+def test_a_flower_node_builds_each_strategy_once_per_run(tiny_overrides, tmp_path, constructions):
+    """Three nodes, two per-round messages each, a strategy that asks every client for statistics: the server builds
+    it once and the node process once (the stand-in grid runs every node in this process)."""
+    pytest.importorskip("flwr")
+    from test_flower_protocol import Nodes
+    Nodes().federate(tiny_overrides + ["plugins=[flare_demo_plugin]", "eval.rules=[primary,demo_counts]"],
+                     tmp_path / "fed")
+    assert constructions["Counts"] == 2 and constructions["FeatureRule"] == 2

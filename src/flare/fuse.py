@@ -29,8 +29,9 @@ from flare.models import check_state_fits
 from flare.registry import STRATEGIES, load_plugins
 from flare.report.run_report import write_run_report
 from flare.rundir import CHECKPOINT, FUSE, RunDir, read_jsonl
-from flare.server.extras import ClientData, client_extras, extras_shapes
-from flare.server.upload import Upload
+from flare.server.exchange import LocalClients
+from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
+from flare.server.upload import upload_of
 from flare.setup import ServerSetup, split
 
 KEY = "RUN_DIR"
@@ -140,7 +141,8 @@ def _score(job: FuseJob, names: list[str]) -> None:
     """Rebuild the run's server from its config, load the clients' states from the checkpoint, and score each
     strategy through the server's own evaluation at the last round — one record as each finishes."""
     cfg, rd = job.cfg, job.dir
-    server = ServerSetup.build(cfg, bank=False, checkpoints=False)  # the clients' states come from checkpoint.pt
+    # the clients' states come from checkpoint.pt; the strategies asked for are built once, here
+    server = ServerSetup.build(cfg, bank=False, checkpoints=False, strategies=tuple(names))
     data = server.take_data()
     parts = split(cfg, data.train_y, data.num_classes).client_indices
     template, device = server.template, server.backend.device  # extras' shapes: their callers pass client models
@@ -164,28 +166,27 @@ def _score(job: FuseJob, names: list[str]) -> None:
         m = copy.deepcopy(server.client_init(i))
         m.load_state_dict(st["model"])
         m.eval()
-        P = getattr(m, "prototypes", None)
-        uploads.append(Upload(i, m.state_dict(), len(ix), P.detach() if P is not None else None, {}))
+        uploads.append(upload_of(i, m, len(ix)))
         models.append(m)
         owners.append(torch.as_tensor(ix))
 
-    def statistics(name: str) -> list[dict]:
-        """What `name` asks each client for, from its saved state and its data (timed with the strategy)."""
-        if not extras_shapes(cfg, [name], template):
-            return [{} for _ in uploads]
-        return [client_extras(cfg, [name], ClientData(cfg, u.client, copy.deepcopy(m), data.train_x[ix].to(device),
-                                                      data.train_y[ix].to(device), server.norm, server.augment,
-                                                      device))
+    def clients() -> list[ClientData]:
+        """Every client's side, from its saved state and its data (for one strategy: a copy of each model)."""
+        return [client_side(cfg, u.client, m, data.train_x[ix], data.train_y[ix], server.norm, server.augment, device)
                 for u, m, ix in zip(uploads, models, owners)]
 
     r = cfg.rounds - 1
     server.load_server_state(ck.get("server"))  # Plan B's G as the last round left it
     for name in names:
         t0 = time.perf_counter()
-        for u, ex in zip(uploads, statistics(name)):
+        strategy = {name: server.strategies[name]}
+        extras = ([client_extras(strategy, c) for c in clients()] if extras_shapes(strategy, template)
+                  else [{} for _ in uploads])
+        for u, ex in zip(uploads, extras):
             u.extras = ex
-        ev = server.evaluate(r, uploads, models, rules=(name,))
-        # seconds: the clients' statistics, the strategy's build and its test pass
+        talks = server.strategies[name].extra_rounds() > 0
+        ev = server.evaluate(r, uploads, models, rules=(name,), clients=LocalClients(clients()) if talks else None)
+        # seconds: the clients' statistics, the rounds it holds with them, its build and its test pass
         rd.append([{"kind": "fuse", "strategy": name, "round": r, "acc": ev.record[f"acc_{name}"],
                     "seconds": time.perf_counter() - t0, **({"options": job.options[name]} if job.options[name] else {}),
                     **{f"{name}.{k}": v for k, v in ev.predictors[name].logs.items()}}], FUSE)

@@ -34,8 +34,10 @@ from flare.data.partition import Partition, make_partition
 from flare.errors import FlareError
 from flare.models import FlareNet, check_input_fits, create_architecture
 from flare.schedules import LRSchedule
-from flare.server.extras import ClientData, client_extras, extras_shapes
+from flare.server.exchange import LocalClients, Transport
+from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
 from flare.server.rounds import Evaluation, carries_server_protos, evaluate_uploads, rules_for
+from flare.server.strategy import Strategy, make_strategies
 from flare.server.upload import Upload
 
 # ----------------------------------------------------------------------------------------------
@@ -242,19 +244,23 @@ class ServerSetup:
     public_x: Tensor | None            # the server's unlabeled public slice (dataset.public_size), on the device
     data: ImageData | None             # the prepared dataset on the host, until a caller `take_data`s it
     warnings: list[str]                # the backend's, and why a Flower server evaluates nothing
+    strategies: dict[str, Strategy] = field(default_factory=dict)  # name → the run's instance, built once
     strategy_state: dict = field(default_factory=dict)  # each server strategy's own state across rounds
     server_G: Tensor | None = None     # Plan B's G under protos_flow=reference (round 0: the anchors)
 
     @classmethod
     def build(cls, cfg: Config, dataset_meta: str | None = None, bank: bool = True,
-              checkpoints: bool = True) -> "ServerSetup":
+              checkpoints: bool = True, strategies: tuple[str, ...] | None = None) -> "ServerSetup":
         """Every server piece, in a fixed order (the seeded init resets torch's generator; what follows draws from
         it). `dataset_meta`: a DataMeta JSON file a Flower server without the dataset falls back to (it then
         evaluates nothing). `bank=False` leaves the public bank out (its teacher trains on the public slice): fuse
         and the LR probe send nothing to clients. `checkpoints=False` leaves the architectures' `checkpoint` files
-        unread (`init_models`): fuse loads every client's state from the run's own checkpoint.pt."""
+        unread (`init_models`): fuse loads every client's state from the run's own checkpoint.pt. `strategies`: the
+        names of the server strategies to build (`flare fuse`'s), else every one the run scores (`rules_for`); each
+        is built here, once for the whole run."""
         be = backend(cfg)  # first: it pins the CPU kernels, and fails on a bad device before anything is loaded
         device, warnings = be.device, list(be.warnings)
+        built = make_strategies(cfg, strategies if strategies is not None else rules_for(cfg))
         data, public = None, None
         try:
             data, public = prepare_data(cfg)
@@ -275,7 +281,7 @@ class ServerSetup:
         pb = build_public_bank(cfg, public, model, augment, norm, device) if bank else None
         test = (data.test_x.to(device), data.test_y.to(device)) if data is not None else (None, None)
         s = cls(cfg, be, meta, norm, model, inits, cfg.client_architectures(), anchors, augment, pb, *test,
-                public[0].to(device) if public is not None else None, data, warnings)
+                public[0].to(device) if public is not None else None, data, warnings, built)
         if carries_server_protos(cfg):  # Plan B as the reference: round 0's target and G are the anchors
             s.load_server_state({"G": anchors})
         return s
@@ -294,15 +300,21 @@ class ServerSetup:
         G = (state or {}).get("G")
         self.server_G = G.detach().float().to(self.backend.device) if G is not None else None
 
+    def scored(self, r: int) -> dict[str, Strategy]:
+        """The run's strategies round r scores (`rules_for`), the instances built with the run."""
+        return {n: self.strategies[n] for n in rules_for(self.cfg, r)}
+
     def evaluate(self, r: int, uploads: list[Upload], models: list[torch.nn.Module],
-                 rules: tuple[str, ...] | None = None) -> Evaluation:
+                 rules: tuple[str, ...] | None = None, clients: Transport | None = None) -> Evaluation:
         """Round r's evaluation checkpoint of `uploads` (`models[i]` holds `uploads[i].state`), with this server's
         test set, anchors, G and strategy states; `rules`: only these strategies (fuse), else the round's own.
-        Plan B's new G is in the result: the caller decides whether the run carries it on."""
+        Plan B's new G is in the result: the caller decides whether the run carries it on. `clients`: the transport to
+        the uploads' owners, for the strategies that hold rounds with them after the upload (server/exchange.py)."""
         be = self.backend
         return evaluate_uploads(self.cfg, r, uploads, models, self.anchors, self.test_x, self.test_y, self.norm,
                                 amp_dtype=be.amp_dtype, channels_last=be.channels_last, server_G=self.server_G,
-                                strategy_state=self.strategy_state, public_x=self.public_x, rules=rules)
+                                strategy_state=self.strategy_state, public_x=self.public_x, rules=rules,
+                                strategies=self.strategies, clients=clients)
 
 
 def client_context(cfg: Config, meta: DataMeta, be: Backend, feature_dim: int, train_x: Tensor, train_y: Tensor,
@@ -405,14 +417,16 @@ class RunSetup:
     def client_data(self, c: Client) -> ClientData:
         """A client's side of `Strategy.client_extras`: a copy of its model (a strategy cannot disturb training)."""
         ix = c.indices
-        return ClientData(self.cfg, c.cid, copy.deepcopy(c.model), self.ctx.train_x[ix], self.ctx.train_y[ix],
-                          self.norm, self.ctx.augment, self.device)
+        return client_side(self.cfg, c.cid, c.model, self.ctx.train_x[ix], self.ctx.train_y[ix], self.norm,
+                           self.ctx.augment, self.device)
 
     def evaluate(self, r: int, clients: list[Client]) -> Evaluation:
-        names = rules_for(self.cfg, r)
-        asks = bool(extras_shapes(self.cfg, names, self.server.template))
-        uploads = [c.upload(client_extras(self.cfg, names, self.client_data(c)) if asks else None) for c in clients]
-        ev = self.server.evaluate(r, uploads, [c.model for c in clients])
+        scored = self.server.scored(r)
+        asks = bool(extras_shapes(scored, self.server.template))
+        uploads = [c.upload(client_extras(scored, self.client_data(c)) if asks else None) for c in clients]
+        talks = any(s.extra_rounds() > 0 for s in scored.values())
+        ev = self.server.evaluate(r, uploads, [c.model for c in clients],
+                                  clients=LocalClients([self.client_data(c) for c in clients]) if talks else None)
         if ev.server_G is not None:  # the clients align to it in the next round
             self.load_server_state({"G": ev.server_G})
         return ev

@@ -25,7 +25,7 @@ from flare.client.terms.align import align_target
 from flare.config import Config
 from flare.registry import CLIENT_ENGINES, SURGERY
 from flare.schedules import LRSchedule, progress
-from flare.server.upload import Upload
+from flare.server.upload import Upload, upload_of
 
 
 class ClientEngineClass(Protocol):
@@ -195,9 +195,7 @@ class Client:
     # -- what the server sees, and checkpoints ------------------------------------------------
     def upload(self, extras: dict[str, Tensor] | None = None) -> Upload:
         """What the server sees; `extras`: the statistics its strategies asked for (server/extras.py)."""
-        protos = getattr(self.model, "prototypes", None)
-        return Upload(client=self.cid, state=self.model.state_dict(), num_samples=self.num_samples,
-                      prototypes=protos.detach() if protos is not None else None, extras=dict(extras or {}))
+        return upload_of(self.cid, self.model, self.num_samples, extras)
 
     def state_dict(self) -> dict:
         return {

@@ -8,6 +8,8 @@ part of the run's split (`partition-id`, with the same partitioner and seed as `
 asked rounds with `flare.client.trainer.Client` on its client's architecture, and replies with its weights
 (an ArrayRecord), its sample count, class histogram and training logs. Between per-round messages
 (simulation) its state (model, optimizer, λ learner) waits in `context.state` as arrays plus a JSON skeleton.
+After its last round it keeps its upload there too, and answers the `query` messages of a server strategy that
+holds rounds with the clients after the upload (`handle_query`: FENS), with that strategy's memory kept beside it.
 
 Node config keys: `partition-id` (the client id, required), `num-partitions` (checked against
 num_clients), `data-path` (deployment), `dataset-root` / `cache-dir` (where this node finds the
@@ -23,12 +25,14 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from flare.errors import FlareError
-from flare.flower.protocol import ClientResult, Task, client_train, file_data, init_key, partition_data
+from flare.flower.protocol import (ClientResult, LocalData, Task, client_talk, client_train, file_data, init_key,
+                                   partition_data)
 from flare.flower.records import pack_nested, record_to_state, state_to_record, unpack_nested
 
 app = ClientApp()
 
 _INIT, _BANK, _CARRY, _CARRY_SKELETON = "flare.init", "flare.bank", "flare.carry", "flare.carry-skeleton"
+_TRAINED, _MEMORY = "flare.trained", "flare.memory."  # after the last round: the upload; a strategy's memory
 
 
 def _node_int(node_config, key: str):
@@ -41,11 +45,9 @@ def _node_int(node_config, key: str):
         raise FlareError(f"node config {key}={v!r} is not an integer.", key=key) from None
 
 
-def handle_train(content: RecordDict, context: Context) -> RecordDict:
-    """One train instruction → the reply content (engine-free apart from the record types)."""
-    task = Task.from_config(content.config_records["task"])
-    cfg = task.cfg
-    nc = context.node_config
+def local_data(task: Task, context: Context) -> LocalData:
+    """This node's own samples: from its `data-path`, or its part of the run's split (`partition-id`)."""
+    cfg, nc = task.cfg, context.node_config
     cid = _node_int(nc, "partition-id")
     if cid is None:
         raise FlareError("this node has no partition-id in its node config.", key="partition-id",
@@ -63,20 +65,25 @@ def handle_train(content: RecordDict, context: Context) -> RecordDict:
                                                 if nc.get(k1)})
             cfg = cfg.model_copy(update={"dataset": ds})
         local = partition_data(cfg, cid)
+    return local
 
+
+def handle_train(content: RecordDict, context: Context) -> RecordDict:
+    """One train instruction → the reply content (engine-free apart from the record types)."""
+    task = Task.from_config(content.config_records["task"])
+    cfg, nc = task.cfg, context.node_config
+    local = local_data(task, context)
     state = context.state
     if task.round_start == 0:
-        key = init_key(cfg, cid)
+        key = init_key(cfg, local.cid)
         if key not in content.array_records:
-            raise FlareError(f"the first message carries no init weights '{key}' for client {cid}'s architecture.",
+            raise FlareError(f"the first message carries no init weights '{key}' for client {local.cid}'s "
+                             "architecture.",
                              fix="install the same flare-ofl version on the server and every node.")
         init_rec = content.array_records[key]
         bank_rec = content.array_records.get("bank")
-        for key in (_INIT, _BANK, _CARRY):
-            if key in state:
-                del state[key]
-        if _CARRY_SKELETON in state:
-            del state[_CARRY_SKELETON]
+        for key in [k for k in state.keys() if k.startswith("flare.")]:  # an earlier run's
+            del state[key]
     else:
         if _INIT not in state or _CARRY not in state:
             raise FlareError(f"asked to train from round {task.round_start}, but this node holds no state "
@@ -102,6 +109,8 @@ def handle_train(content: RecordDict, context: Context) -> RecordDict:
         for key in (_INIT, _BANK, _CARRY, _CARRY_SKELETON):
             if key in state:
                 del state[key]
+        if res.state is not None:  # the trained model, for the rounds a server strategy may hold after the upload
+            state[_TRAINED] = state_to_record(res.state)
 
     reply = RecordDict()
     if res.state is not None:
@@ -113,6 +122,28 @@ def handle_train(content: RecordDict, context: Context) -> RecordDict:
                                   "records": json.dumps(res.records, default=float)})
     reply["metrics"] = MetricRecord({"num-examples": res.num_samples})
     return reply
+
+
+def handle_query(content: RecordDict, context: Context) -> RecordDict:
+    """One round of the rounds a server strategy holds with the clients after their upload (server/exchange.py):
+    the strategy's message in, this client's reply out; the strategy's memory for this client waits in
+    `context.state` between rounds."""
+    task = Task.from_config(content.config_records["task"])
+    talk = content.config_records["talk"]
+    name, rnd = str(talk["strategy"]), int(talk["round"])
+    state, nc = context.state, context.node_config
+    if _TRAINED not in state:
+        raise FlareError(f"asked for round {rnd + 1} of server strategy '{name}', but this node holds no trained "
+                         "model (it restarted, or never finished training).")
+    key = _MEMORY + name
+    if rnd == 0 and key in state:
+        del state[key]
+    memory = dict(record_to_state(state[key])) if key in state else {}
+    reply = client_talk(task, local_data(task, context), record_to_state(state[_TRAINED]), name, rnd,
+                        dict(record_to_state(content.array_records["message"])), memory,
+                        device=str(nc["device"]) if nc.get("device") else None)
+    state[key] = state_to_record(memory)
+    return RecordDict({"reply": state_to_record(reply)})
 
 
 FAULTS = ("wrong-shape", "nan", "missing-key", "extras-shape")
@@ -147,3 +178,8 @@ def inject_fault(state: dict, fault, extras: bool = False) -> dict:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     return Message(content=handle_train(msg.content, context), reply_to=msg)
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    return Message(content=handle_query(msg.content, context), reply_to=msg)

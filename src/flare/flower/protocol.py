@@ -7,7 +7,6 @@ config and seed computes the same numbers as the in-process runner.
 """
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +22,11 @@ from flare.config.architectures import Architecture
 from flare.data.partition import Partition
 from flare.errors import FlareError
 from flare.models import create_architecture
-from flare.server.extras import ClientData, client_extras, extras_shapes
+from flare.server.extras import client_extras, client_side, extras_shapes
 from flare.server.rounds import evaluated_round, rules_for
+from flare.server.strategy import Strategy, make_strategies
 from flare.backend import backend, settle_speed
-from flare.setup import DataMeta, client_context, prepare_data, split
+from flare.setup import DataMeta, client_context, make_augment, normalizer, prepare_data, split
 
 PROTOCOL_VERSION = 1
 
@@ -225,9 +225,43 @@ def block_extras(cfg: Config, last_round: int, client: Client, ctx) -> dict[str,
     skips); the server's gate expects exactly these (`ServerSession.spec_for`)."""
     if not evaluated_round(cfg, last_round):
         return {}
-    names = rules_for(cfg, last_round)
-    if not extras_shapes(cfg, names, client.model):
+    every = run_strategies(cfg)
+    scored = {n: every[n] for n in rules_for(cfg, last_round)}
+    if not extras_shapes(scored, client.model):
         return {}
-    data = ClientData(cfg, client.cid, copy.deepcopy(client.model), ctx.train_x, ctx.train_y, ctx.plain, ctx.augment,
-                      ctx.device)
-    return client_extras(cfg, names, data)
+    data = client_side(cfg, client.cid, client.model, ctx.train_x, ctx.train_y, ctx.plain, ctx.augment, ctx.device)
+    return client_extras(scored, data)
+
+
+_STRATEGIES: dict[str, dict[str, Strategy]] = {}
+
+
+def run_strategies(cfg: Config) -> dict[str, Strategy]:
+    """Every server strategy the run scores, built once per node process and run (a node answers many messages:
+    one per round, and one per round a strategy holds after the upload)."""
+    key = config_to_yaml(cfg)
+    if key not in _STRATEGIES:
+        _STRATEGIES.clear()  # one run's strategies per process
+        _STRATEGIES[key] = make_strategies(cfg, rules_for(cfg))
+    return _STRATEGIES[key]
+
+
+def client_talk(task: Task, local: LocalData, trained: dict[str, Tensor], name: str, rnd: int,
+                message: dict[str, Tensor], memory: dict[str, Tensor], device: str | None = None) -> dict[str, Tensor]:
+    """Round `rnd` of the rounds server strategy `name` holds with the clients after their upload
+    (server/exchange.py), on this node: its `client_round` over the client's trained model (`trained`, its upload)
+    and its own samples, as `flare run` computes it beside the client. `memory` is updated in place."""
+    cfg, meta = task.cfg, task.meta
+    strategies = run_strategies(cfg)
+    if name not in strategies:
+        raise FlareError(f"the server asked for a round of strategy '{name}', which this run does not score.",
+                         key="eval.rules", fix="install the same flare-ofl version on the server and every node.")
+    be = backend(cfg, device)
+    model = create_architecture(client_architecture(cfg, local.cid), meta.in_channels, meta.num_classes, cfg.head,
+                                cfg.model.feature_dim, checkpoint=False)
+    model.load_state_dict(trained)
+    data = client_side(cfg, local.cid, model.to(be.device), local.x, local.y, normalizer(cfg, meta),
+                       make_augment(cfg, meta, be.device), be.device)
+    received = {k: v.to(be.device) for k, v in message.items()}
+    reply = strategies[name].client_round(rnd, received, data, memory)
+    return {k: v.detach().cpu() for k, v in reply.items()}

@@ -27,9 +27,9 @@ from flare.report.run_report import write_run_report
 from flare.rundata import RunData
 from flare.records import config_differences
 from flare.rundir import RunDir
-from flare.server.upload import Upload, UploadSpec, validate_upload
+from flare.server.upload import Upload, UploadSpec, upload_of, validate_upload
 from flare.server.extras import extras_shapes
-from flare.server.rounds import Evaluation, carries_server_protos, evaluated_round, rules_for, skipped_round_record
+from flare.server.rounds import Evaluation, carries_server_protos, evaluated_round, skipped_round_record
 from flare.setup import ServerSetup, anchor_seed, describe_partition
 
 MAX_RECORDS_BYTES = 4_000_000  # a client's per-round training logs, as JSON text
@@ -117,23 +117,17 @@ def _cpu_state(model) -> dict:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
-def _proto_key(model) -> str | None:
-    """The state-dict name of a prototype head's prototypes (None: no prototypes)."""
-    protos = getattr(model, "prototypes", None)
-    return next((k for k, p in model.named_parameters() if p is protos), None)
-
-
 class ServerSession:
     """The server of one federated run: it owns the run directory (the same files as `flare run`, minus
     the client checkpoint), the test set (when it has one), the seeded inits, the anchors, the upload gate,
     and every evaluation checkpoint."""
 
-    def __init__(self, cfg: Config, fed: FederationSettings, log=print):
+    def __init__(self, cfg: Config, fed: FederationSettings, log=print, talk=None):
         if carries_server_protos(cfg):
             raise FlareError("server.protos_flow=reference sends the server's G to the clients every round, which "
                              "the Flower engine does not do.", key="server.protos_flow",
                              fix="run it with `flare run`, or set server.protos_flow=spec for a federation.")
-        self.cfg, self.fed, self.log = cfg, fed, log
+        self.cfg, self.fed, self.log, self.talk = cfg, fed, log, talk
         self.warnings: list[str] = []
         self.out = Path(fed.out_dir or f"runs/flower-{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
         self.dir = RunDir(self.out).lock(key="out-dir")
@@ -144,6 +138,13 @@ class ServerSession:
         if self.finished_already:
             return
         self.setup = ServerSetup.build(cfg, dataset_meta=fed.dataset_meta or None)
+        talking = [n for n, s in self.setup.strategies.items() if s.extra_rounds() > 0]
+        if talking and talk is None:
+            self.close()
+            self.dir.remove_if_empty()
+            raise FlareError(f"server strategies {talking} hold rounds with the clients after their upload, which "
+                             "this engine cannot send.", key=f"server.strategies.{talking[0]}",
+                             fix="run the federation through the FLARE ServerApp, or use `flare run`.")
         for w in self.setup.warnings:
             self._warn(w)
         self.setup.take_data()  # the clients' samples are on the nodes
@@ -159,7 +160,6 @@ class ServerSession:
         self.anchor_seed = anchor_seed(cfg)
         self.bank = bank.cpu() if bank is not None else None
         self.specs = {a: UploadSpec.from_model(m, self.meta.num_classes) for a, m in self.setup.inits.items()}
-        self.proto_keys = {a: _proto_key(m) for a, m in self.setup.inits.items()}
         self.node_client: dict[int, int] = {}   # node id -> client id (fixed by its first reply)
         self.histograms: dict[int, list[int]] = {}
         self.empty: set[int] = set()
@@ -193,7 +193,7 @@ class ServerSession:
         init, spec = self.setup.client_init(cid), self.specs[self.archs[cid]]
         if not evaluated_round(self.cfg, last_round):
             return spec
-        return replace(spec, extras=extras_shapes(self.cfg, rules_for(self.cfg, last_round), init))
+        return replace(spec, extras=extras_shapes(self.setup.scored(last_round), init))
 
     def accept(self, round_start: int, round_end: int, nodes: list[int], replies: list[Reply]):
         """Check every reply of one block; returns (uploads sorted by client id, their training logs, the
@@ -248,9 +248,7 @@ class ServerSession:
                 self._event("rejected", round_end - 1, node, cid,
                             [f"upload could not be decoded: {rep.decode_error or 'no weights'}"])
                 continue
-            proto_key = self.proto_keys[self.archs[cid]]
-            up = Upload(client=cid, state=rep.state, num_samples=n,
-                        prototypes=rep.state.get(proto_key) if proto_key else None, extras=rep.extras or {})
+            up = upload_of(cid, self.setup.client_init(cid), n, rep.extras, state=rep.state)
             reasons = validate_upload(up, self.spec_for(round_end - 1, cid))
             if reasons:
                 reasons = self._other_architecture(cid, up.state) + reasons
@@ -301,7 +299,8 @@ class ServerSession:
             m.load_state_dict(u.state)
             models.append(m)
         if evaluated_round(self.cfg, round_idx):
-            ev = self.setup.evaluate(round_idx, uploads, models)
+            nodes = NodeClients(self, uploads) if self.talk is not None else None
+            ev = self.setup.evaluate(round_idx, uploads, models, clients=nodes)
             rec, self.last = ev.record, ev
         else:  # eval.every: the last round is always evaluated, so self.last ends as the final predictor
             rec = skipped_round_record(self.cfg, round_idx)
@@ -381,14 +380,45 @@ class ServerSession:
         self.log("WARNING: " + msg)
 
 
-def run_federation(cfg: Config, fed: FederationSettings, exchange, node_ids: list[int], log=print) -> dict:
+class NodeClients:
+    """server/exchange.py's transport over a federation: each round of a strategy's rounds after the upload is one
+    message to the nodes that uploaded, in upload order (`talk(task, strategy, round, message, nodes) ->
+    list[Reply]`, the reply's tensors in `Reply.state`); each of them must answer, since the strategy aggregates
+    every client that uploaded."""
+
+    def __init__(self, session: "ServerSession", uploads: list[Upload]):
+        node_of = {c: n for n, c in session.node_client.items()}
+        self.session, self.nodes = session, [node_of[u.client] for u in uploads]
+
+    def round(self, name: str, strategy, rnd: int, message: dict) -> list[dict]:
+        s = self.session
+        got = {r.node: r for r in s.talk(s.task(s.cfg.rounds - 1, s.cfg.rounds), name, rnd, message, self.nodes)}
+        out = []
+        for node in self.nodes:
+            rep = got.get(node)
+            why = ("no reply within the timeout" if rep is None else rep.error or rep.decode_error
+                   or ("no tensors" if rep.state is None else None))
+            if why:
+                msg = (f"round {rnd + 1} of the rounds server strategy '{name}' holds after the upload: client "
+                       f"{s.node_client[node]} did not answer ({why}); the strategy needs every client that uploaded.")
+                s._fail(msg)
+                raise FlareError(msg, key=f"server.strategies.{name}",
+                                 fix="bring the node up and run the federation again (federation.json says who "
+                                     "failed), or leave the strategy out of eval.rules.")
+            out.append(dict(rep.state))
+        return out
+
+
+def run_federation(cfg: Config, fed: FederationSettings, exchange, node_ids: list[int], log=print,
+                   talk=None) -> dict:
     """The server's whole protocol over an engine: `exchange(task, include_init, nodes) -> list[Reply]`
     sends one task to `nodes` and returns their replies within the timeout (Flower's grid in
-    `server_app.py`; a direct call in tests)."""
+    `server_app.py`; a direct call in tests); `talk` carries the rounds a strategy holds with the clients after
+    their upload (`NodeClients`; None: an engine that cannot, which refuses such a strategy)."""
     if fed.min_clients > cfg.num_clients:
         raise FlareError(f"min-clients={fed.min_clients} exceeds num_clients={cfg.num_clients}.", key="min-clients",
                          fix="set min-clients at most num_clients (0: every client).")
-    s = ServerSession(cfg, fed, log=log)
+    s = ServerSession(cfg, fed, log=log, talk=talk)
     try:
         if s.finished_already:
             log(f"{s.out}: finished earlier; nothing to recompute.")

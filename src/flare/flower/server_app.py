@@ -5,7 +5,8 @@ waits for the nodes, sends each a `train` message (the config, the dataset facts
 in the first message, the seeded init weights of every client architecture, of which each node takes its own
 client's), validates every reply (`flare.server.upload.
 validate_upload`), evaluates every configured fusion rule on its test set with the same code as
-`flare run`, and writes the same run directory plus federation.json (who answered, who was missing or
+`flare run` (a strategy that holds rounds with the clients after their upload, such as FENS, sends each of them
+as one `query` message to the nodes: `make_talk`), and writes the same run directory plus federation.json (who answered, who was missing or
 rejected, and why) and the global predictor (predictor.pt + predictor.json).
 
 Run-config keys (the app's pyproject.toml, or `flwr run --run-config 'key=value ...'`): see
@@ -64,6 +65,35 @@ def decode_content(node: int, content: RecordDict) -> Reply:
     return rep
 
 
+def decode_talk(node: int, content: RecordDict) -> Reply:
+    """A reply to a strategy's round after the upload → `Reply` with its tensors in `state` (never raises)."""
+    rep = Reply(node)
+    try:
+        rep.state = dict(record_to_state(content.array_records["reply"]))
+    except Exception as e:  # noqa: BLE001 — anything a peer sends that does not decode is a failed reply
+        rep.decode_error = f"{type(e).__name__}: {e}"
+    return rep
+
+
+def make_talk(grid: Grid, timeout: float):
+    """The Flower side of `NodeClients`: one `query` message per node and round."""
+
+    def talk(task, name: str, rnd: int, message: dict, nodes: list[int]) -> list[Reply]:
+        content = RecordDict({"task": ConfigRecord(task.to_config()),
+                              "talk": ConfigRecord({"strategy": name, "round": rnd}),
+                              "message": state_to_record(message)})
+        msgs = [Message(content=content, dst_node_id=n, message_type="query", group_id=f"{name}-{rnd}")
+                for n in nodes]
+        out = []
+        for m in grid.send_and_receive(msgs, timeout=timeout):
+            node = int(m.metadata.src_node_id)
+            out.append(Reply(node, error=f"{m.error.reason} (code {m.error.code})") if m.has_error()
+                       else decode_talk(node, m.content))
+        return out
+
+    return talk
+
+
 def make_exchange(grid: Grid, timeout: float):
     init_cache: dict = {}
 
@@ -90,7 +120,8 @@ def run_server(grid: Grid, run_config) -> dict:
     _log(f"{cfg.method}: {cfg.num_clients} clients, {cfg.rounds} rounds × {cfg.local_epochs} epochs, upload "
          f"{fed.upload}, min_clients {fed.min_clients or cfg.num_clients}")
     nodes = wait_for_nodes(grid, cfg.num_clients, fed.wait_nodes)
-    summary = run_federation(cfg, fed, make_exchange(grid, fed.timeout), nodes, log=_log)
+    summary = run_federation(cfg, fed, make_exchange(grid, fed.timeout), nodes, log=_log,
+                             talk=make_talk(grid, fed.timeout))
     if summary.get("acc") is not None:
         _log(f"final acc ({summary.get('primary')}) = {100 * summary['acc']:.2f}% → {summary.get('out')}")
     return summary

@@ -16,15 +16,16 @@ another fails at once (exit 2, naming the strategy), not later inside its server
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
 
 from flare.config import Config
 from flare.errors import FlareError
-from flare.server.strategy import make_strategy
+from flare.server.strategy import Strategy
 from flare.server.upload import Shapes, check_tensors
 
 @dataclass
@@ -43,21 +44,30 @@ class ClientData:
     device: torch.device
 
 
-def extras_shapes(cfg: Config, names, template: nn.Module) -> Shapes:
-    """The prefixed shapes every upload must carry for the strategies `names` (empty when none asks)."""
+def client_side(cfg: Config, cid: int, model: nn.Module, x: Tensor, y: Tensor, normalize, augment,
+                device: torch.device) -> ClientData:
+    """The one way a `ClientData` is made — beside the client in `flare run`, on a Flower node, from the saved
+    states in `flare fuse`: a copy of the client's model (a strategy can disturb neither training nor another
+    strategy's view) and its samples on `device`."""
+    return ClientData(cfg, cid, copy.deepcopy(model), x.to(device), y.to(device), normalize, augment, device)
+
+
+def extras_shapes(strategies: Mapping[str, Strategy], template: nn.Module) -> Shapes:
+    """The prefixed shapes every upload must carry for `strategies` (name → the run's instance; empty when none
+    asks)."""
     out: Shapes = {}
-    for n in names:
-        for k, (shape, dtype) in make_strategy(cfg, n).extras_shapes(template).items():
+    for n, strategy in strategies.items():
+        for k, (shape, dtype) in strategy.extras_shapes(template).items():
             out[f"{n}/{k}"] = (tuple(int(s) for s in shape), dtype)
     return out
 
 
-def client_extras(cfg: Config, names, data: ClientData, template: nn.Module | None = None) -> dict[str, Tensor]:
+def client_extras(strategies: Mapping[str, Strategy], data: ClientData,
+                  template: nn.Module | None = None) -> dict[str, Tensor]:
     """Every strategy's statistics of one client, prefixed and moved to the CPU; checked against the declared
     shapes (a strategy that computes what it did not declare is a FlareError naming it)."""
     out: dict[str, Tensor] = {}
-    for n in names:
-        strategy = make_strategy(cfg, n)
+    for n, strategy in strategies.items():
         declared = strategy.extras_shapes(template if template is not None else data.model)
         if not declared:
             continue

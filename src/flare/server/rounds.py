@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 from torch import Tensor
@@ -16,10 +17,12 @@ from flare.metrics import g_protos_std, inter_client_proto_std, model_variance_m
 from flare.registry import STRATEGIES
 from flare.rng import derived_seed
 from flare.server.evaluator import check_predictor, evaluate_predictors
+from flare.server.exchange import Transport, hold_rounds
 from flare.server.extras import own_extras
 from flare.server.fusion import aggregation_weights
 from flare.server.protos import global_prototypes, mean_prototypes, train_global_prototypes
-from flare.server.strategy import ClientPredictor, ModelPredictor, ServerContext, make_strategy
+from flare.server.strategy import (ClientPredictor, ModelPredictor, ServerContext, Strategy,
+                                  make_strategies)
 from flare.server.upload import Upload
 
 
@@ -147,14 +150,19 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
                      anchors: Tensor | None, test_x: Tensor | None, test_y: Tensor | None, norm, *,
                      amp_dtype=None, channels_last: bool = False, server_G: Tensor | None = None,
                      strategy_state: dict | None = None, public_x: Tensor | None = None,
-                     rules: tuple[str, ...] | None = None) -> Evaluation:
+                     rules: tuple[str, ...] | None = None,
+                     strategies: Mapping[str, Strategy] | None = None,
+                     clients: Transport | None = None) -> Evaluation:
     """One evaluation checkpoint (docs/method.md#server-rules) from the uploads alone: global prototypes, every fusion
     rule scored on the test set (skipped when `test_x` is None: a server without a test set), diagnostics. `models[i]`
     holds `uploads[i].state` (the in-process runner passes the live client models). `server_G`: the G Plan B continues
     from under protos_flow=reference (the anchors in round 0). `strategy_state`: name → each strategy's own state,
     kept by the caller across rounds. `uploads[i].extras` carry the statistics the strategies asked for
     (server/extras.py); `public_x` is the server's unlabeled public slice, when the run has one. `rules`: the
-    strategies to score (`flare fuse`'s one), else the round's own (`rules_for`)."""
+    strategies to score (`flare fuse`'s one), else the round's own (`rules_for`). `strategies`: name → the run's
+    instances (`make_strategies`, built once per run); built here only for a caller that keeps none. `clients`: the
+    transport to the owners of the uploads, for a strategy that holds rounds with them after their upload
+    (server/exchange.py); None where the engine cannot reach them."""
     t0 = time.perf_counter()
     weights = aggregation_weights([u.num_samples for u in uploads], cfg.server.weights)
     protos = [u.prototypes for u in uploads if u.prototypes is not None]
@@ -174,12 +182,17 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
         names = tuple(n for n in names if n == prim)
     score = None if test_x is None else (lambda model: accuracy_on_test(
         model, test_x, test_y, norm, batch_size=cfg.test_batch_size, amp_dtype=amp_dtype, channels_last=channels_last))
+    if strategies is None:
+        strategies = make_strategies(cfg, names)
     preds, built = {}, {}
     for n in names:
         t = time.perf_counter()
-        preds[n] = make_strategy(cfg, n).predictor(ServerContext(
-            cfg, r, uploads, models, weights, G, anchors, states.setdefault(n, {}), own_extras(uploads, n), public_x,
-            norm, shape, score))
+        ctx = ServerContext(cfg, r, uploads, models, weights, G, anchors, states.setdefault(n, {}),
+                            own_extras(uploads, n), public_x, norm, shape, score)
+        talk = hold_rounds(n, strategies[n], ctx, clients)
+        preds[n] = strategies[n].predictor(ctx)
+        if talk:  # the extra rounds' cost beside what the strategy logs itself
+            preds[n].logs = {**talk, **preds[n].logs}
         built[n] = time.perf_counter() - t
     for n, p in preds.items():
         check_predictor(n, p, r)

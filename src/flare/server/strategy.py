@@ -106,7 +106,9 @@ class Strategy:
 
     A strategy that needs client statistics beyond the weights overrides `extras_shapes` and `client_extras`
     (server/extras.py): the clients compute them after training, the gate checks them against the declaration,
-    and `predictor` reads them from `ctx.extras`."""
+    and `predictor` reads them from `ctx.extras`. A strategy that talks with the clients after their upload (FENS
+    trains an aggregator with them) overrides `extra_rounds`, `configure_round`, `client_round` and
+    `aggregate_round`: server/exchange.py holds those rounds, counts their bytes, then calls `predictor`."""
 
     needs_prototypes = False
     every_round = True
@@ -134,9 +136,38 @@ class Strategy:
         """The statistics of one client (`data`: a server.extras.ClientData), computed where its data lives."""
         return {}
 
+    # -- the sending direction: rounds held with the clients after their one-shot upload, in Flower's shape
+    # (configure_fit → the clients' fit → aggregate_fit), driven by server/exchange.py before `predictor`.
+
+    def extra_rounds(self) -> int:
+        """How many rounds this strategy holds with the clients after their upload (0: it builds from the uploads
+        alone, as every one-shot method does)."""
+        return 0
+
+    def configure_round(self, rnd: int, ctx: ServerContext) -> dict[str, Tensor]:
+        """What every client receives in extra round `rnd` (0-based); its bytes are counted."""
+        return {}
+
+    def client_round(self, rnd: int, received: dict[str, Tensor], data, memory: dict) -> dict[str, Tensor]:
+        """What one client sends back in round `rnd`, computed where its data lives (`data`: a
+        server.extras.ClientData); `memory`: that client's own dict of tensors, kept across this strategy's rounds
+        (a Flower node keeps it in its state between messages)."""
+        return {}
+
+    def aggregate_round(self, rnd: int, replies: list[dict[str, Tensor]], ctx: ServerContext) -> None:
+        """Fold the clients' replies (in upload order) into what the strategy keeps (`ctx.state`)."""
+
 
 def make_strategy(cfg: Config, name: str, key: str = "server.primary") -> Strategy:
     """The registered strategy `name` with its options from `server.strategies.<name>`."""
     cls = STRATEGIES.get(name, key)
     opts = STRATEGIES.options(name, cfg.server.strategies.get(name), f"server.strategies.{name}")
     return cls(cfg, opts)
+
+
+def make_strategies(cfg: Config, names, key: str = "eval.rules") -> dict[str, Strategy]:
+    """name → strategy, each built once. A run builds every strategy it may score when the run is built
+    (`setup.ServerSetup.build`) and hands these instances to every round, every client's statistics and every
+    gate, so a strategy's constructor runs once per run, however many rounds and clients there are; what a
+    strategy keeps across rounds belongs in `ServerContext.state`, which checkpoints can see."""
+    return {n: make_strategy(cfg, n, key) for n in dict.fromkeys(names)}

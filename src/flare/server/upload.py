@@ -26,6 +26,20 @@ class Upload:
     extras: dict[str, Tensor] = field(default_factory=dict)  # statistics strategies asked for (server/extras.py)
 
 
+def upload_of(client: int, model: torch.nn.Module, num_samples: int, extras: dict[str, Tensor] | None = None,
+              state: dict[str, Tensor] | None = None) -> Upload:
+    """The one way an `Upload` is made — by a client after training, by `flare fuse` from saved states, by a Flower
+    server from a reply — so that every engine hands the server the same thing. `model` holds the weights, or,
+    with `state` (weights as they arrived, not yet checked by the gate), only tells where the prototypes are."""
+    protos = getattr(model, "prototypes", None)
+    if state is None:
+        state, P = model.state_dict(), (protos.detach() if protos is not None else None)
+    else:
+        key = next((k for k, p in model.named_parameters() if p is protos), None) if protos is not None else None
+        P = state.get(key) if key is not None else None
+    return Upload(client=client, state=state, num_samples=num_samples, prototypes=P, extras=extras or {})
+
+
 @dataclass(frozen=True)
 class UploadSpec:
     """What a well-formed upload looks like for one run: the template state dict's names, shapes and
