@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo,
-                      field_validator)
+                      field_validator, model_validator)
 
 from flare.errors import KeyedValueError
 from flare.registry import DATASETS, MODELS, PARTITIONS, Registry, boolean_number
@@ -240,6 +240,11 @@ class LRScheduleCfg(Strict):
 
 class AugmentCfg(Strict):
     per_image: bool = Field(True, description="False: one parameter set per batch, as the seeds' code did")
+    schedule: Literal["per_batch", "whole_epoch"] = Field(
+        "per_batch", description="per_batch: each step augments its own batch; whole_epoch: a client's epoch is "
+                                 "augmented in a few large calls and the steps slice their views out of them "
+                                 "(faster for small models and batches; other random draws, needs per_image=true; "
+                                 "docs/performance.md#whole-epoch-augmentation)")
     input_scaling: Literal["dataset", "reference", "none"] = Field(
         "dataset", description="dataset: (x − mean)/std of the training set for training and test; reference: the "
                                "reference's transforms (CIFAR-10, Tiny and datasets it lacks: train views "
@@ -247,3 +252,11 @@ class AugmentCfg(Strict):
                                "and again by the augmentation, the colour jitter clamping to [0, 1] when it fires); "
                                "none: x/255 only (ToTensor), training and test — NIID-Bench's, FedLPA's and DENSE's "
                                "Fashion-MNIST")
+
+    @model_validator(mode="after")
+    def _whole_epoch_draws_per_image(self):
+        # per_image=false means one parameter set per training batch; a whole-epoch call has no batches to keep it for
+        if self.schedule == "whole_epoch" and not self.per_image:
+            raise KeyedValueError("augment.schedule", "augment.schedule=whole_epoch draws every image's parameters "
+                                  "itself; augment.per_image=false (one parameter set per batch) needs per_batch")
+        return self
