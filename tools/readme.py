@@ -218,6 +218,16 @@ def frozen_encoder_block(base: Path) -> str:
     return grid.render(base)
 
 
+def cpu_profile_block(record: str) -> Callable[[Path], str]:
+    """benchmarks/cpu_profile.py's tables, rendered by the benchmark's own `markdown` from its JSON record."""
+    def render(base: Path) -> str:
+        spec = importlib.util.spec_from_file_location("cpu_profile", ROOT / "benchmarks" / "cpu_profile.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+        return bench.markdown(json.loads((base / record).read_text()))
+    return render
+
+
 def file_text(path: str) -> Callable[[Path], str]:
     return lambda base: (base / path).read_text().strip() + "\n"
 
@@ -414,6 +424,11 @@ RESULTS = {r.id: r for r in [
              "runs/readme/cpu-speed.md"],
             file_text("runs/readme/cpu-speed.md"),
             page="docs/results/cpu-speed.md"),
+    Results("cpu-profile",
+            [f"python benchmarks/cpu_profile.py --data-root {CIFAR} --train-subset 1000 --test-subset 200 "
+             "--set model.width=0.25 --out runs/readme/cpu-profile --record runs/readme/cpu-profile-record.json"],
+            cpu_profile_block("runs/readme/cpu-profile-record.json"),
+            page="docs/performance.md"),
     Results("baselines",
             [cmd for a in (0.05, 0.5) for cmd in (
                 f"flare compare --presets {','.join(BASELINE_PRESETS)} --seeds 1,2,3 {BASELINE_ARGS} "
@@ -490,11 +505,11 @@ RECORD_SUFFIXES = (".yaml", ".json", ".jsonl", ".md", ".csv", ".txt", ".log", ".
 
 
 def record_paths(block: Results) -> list[str]:
-    """The paths (relative to the checkout) a block is rendered from: each command's `--out` and `> file`, the
-    figures it shows and the machine facts of its last --run."""
+    """The paths (relative to the checkout) a block is rendered from: each command's `--out`, `--record` and
+    `> file`, the figures it shows and the machine facts of its last --run."""
     paths = [str(OUT.relative_to(ROOT) / f"{block.id}.json"), *block.figures]
     for cmd in block.commands:
-        paths += re.findall(r"--out (\S+)", cmd) + re.findall(r"> (\S+)", cmd)
+        paths += re.findall(r"--(?:out|record) (\S+)", cmd) + re.findall(r"> (\S+)", cmd)
     return list(dict.fromkeys(paths))
 
 
