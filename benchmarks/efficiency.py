@@ -13,14 +13,14 @@ functional SGD step, no augmentation) on the same shapes. It prints both ratios:
 batched (the overhead inside the batched program) and ÷ the bare single-model step (what batching buys over
 the eager ceiling of per-client training).
 
-With `--schedules per_batch,whole_epoch` it also times end to end under each `augment.schedule` (its own client,
+With `--schedules per_batch,chunked` it also times end to end under each `augment.schedule` (its own client,
 same model, data and batch), interleaved with the rest, and prints each one's best and median over the repeats
-and its ratio to the bare step: what whole-epoch augmentation buys on this machine.
+and its ratio to the bare step: what chunked augmentation buys on this machine.
 
     python benchmarks/efficiency.py model.name=resnet18 model.width=0.25 dataset.name=synthetic-cifar10
     python benchmarks/efficiency.py model.name=cnn dataset.name=synthetic-cifar10
     python benchmarks/efficiency.py model.name=resnet18 model.width=1 --clients 5 compile=true    # GPU
-    python benchmarks/efficiency.py model.name=cnn model.width=0.25 --schedules per_batch,whole_epoch --repeats 5
+    python benchmarks/efficiency.py model.name=cnn model.width=0.25 --schedules per_batch,chunked --repeats 5
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""augment.schedule=whole_epoch: a client's epoch augmented in large calls, each step slicing its views out of them.
+"""augment.schedule=chunked: a client's epoch augmented in large calls, each step slicing its views out of them.
 
 It must feed every step the same images and labels, in the same order and layout, as the per-batch schedule (only
 the random draws differ), be reproducible from the client-round's streams, and leave the default untouched.
@@ -40,16 +40,16 @@ def _plan(schedule: str, n: int, batch: int, epochs: int, drop_last: bool, augme
 @pytest.mark.parametrize("n, batch, drop_last", [(37, 8, False), (37, 8, True), (32, 8, False), (5, 8, False)])
 @pytest.mark.parametrize("chunk_batches", [1, 2, 3, 100])
 def test_every_step_sees_the_per_batch_images_and_layout(n, batch, drop_last, chunk_batches, monkeypatch):
-    """Chunks of 1, 2, 3 batches or the whole epoch, ragged last batches, drop_last, two epochs: each step's
+    """Chunks of 1, 2, 3 batches or all of an epoch, ragged last batches, drop_last, two epochs: each step's
     [v1; v2] and labels are exactly what the per-batch schedule gives it."""
-    monkeypatch.setattr(plan_mod, "WHOLE_EPOCH_ELEMENTS", chunk_batches * batch * 16)  # 16 elements per image
+    monkeypatch.setattr(plan_mod, "CHUNK_ELEMENTS", chunk_batches * batch * 16)  # 16 elements per image
     per_batch, ctx_b = _plan("per_batch", n, batch, 2, drop_last, Tagging())
-    whole, ctx_w = _plan("whole_epoch", n, batch, 2, drop_last, Tagging())
+    chunked, ctx_w = _plan("chunked", n, batch, 2, drop_last, Tagging())
     ctx_w.train_x, ctx_w.train_y = ctx_b.train_x, ctx_b.train_y
-    assert whole.chunk_batches(16) == chunk_batches
-    assert len(whole.steps) == len(per_batch.steps) > 0
-    for t in range(len(whole.steps)):
-        (vw, yw), (vb, yb) = whole.views(ctx_w, t), per_batch.views(ctx_b, t)
+    assert chunked.chunk_batches(16) == chunk_batches
+    assert len(chunked.steps) == len(per_batch.steps) > 0
+    for t in range(len(chunked.steps)):
+        (vw, yw), (vb, yb) = chunked.views(ctx_w, t), per_batch.views(ctx_b, t)
         assert vw.shape == vb.shape and torch.equal(vw, vb), t
         assert torch.equal(yw, yb), t
         assert vw.is_contiguous()
@@ -67,11 +67,11 @@ class Counting(Tagging):
 
 def test_one_call_per_chunk_not_per_step(monkeypatch):
     """37 samples, batch 8: 5 steps an epoch; chunks of 2 batches → calls of 16, 16, 5 images per epoch."""
-    monkeypatch.setattr(plan_mod, "WHOLE_EPOCH_ELEMENTS", 2 * 8 * 16)
+    monkeypatch.setattr(plan_mod, "CHUNK_ELEMENTS", 2 * 8 * 16)
     aug = Counting()
-    whole, ctx = _plan("whole_epoch", 37, 8, 2, False, aug)
-    for t in range(len(whole.steps)):
-        whole.views(ctx, t)
+    chunked, ctx = _plan("chunked", 37, 8, 2, False, aug)
+    for t in range(len(chunked.steps)):
+        chunked.views(ctx, t)
     assert aug.calls == [16, 16, 5, 16, 16, 5]
 
 
@@ -84,25 +84,25 @@ def _kornia_views(schedule: str, seed: int):
     return torch.cat([p.views(ctx, t)[0] for t in range(len(p.steps))])
 
 
-def test_whole_epoch_draws_are_reproducible_and_its_own():
+def test_chunked_draws_are_reproducible_and_its_own():
     """The client-round's streams fix the draws (same seed, same views; another seed, other views), and they are not
-    the per-batch draws: whole_epoch is a different augmentation of the same images, hence its own option."""
-    a, b = _kornia_views("whole_epoch", 0), _kornia_views("whole_epoch", 0)
+    the per-batch draws: chunked is a different augmentation of the same images, hence its own option."""
+    a, b = _kornia_views("chunked", 0), _kornia_views("chunked", 0)
     assert torch.equal(a, b)
-    assert not torch.equal(a, _kornia_views("whole_epoch", 1))
+    assert not torch.equal(a, _kornia_views("chunked", 1))
     assert not torch.equal(a, _kornia_views("per_batch", 0))
 
 
 def test_default_is_per_batch_and_per_image_false_is_refused():
     assert load_config(None, "fafi", []).augment.schedule == "per_batch"
     with pytest.raises(FlareError, match="augment.schedule"):
-        load_config(None, "fafi", ["augment.schedule=whole_epoch", "augment.per_image=false"])
+        load_config(None, "fafi", ["augment.schedule=chunked", "augment.per_image=false"])
 
 
 def test_batched_engine_trains_the_sequential_clients(tiny_overrides):
-    """Both engines run the same plan, so whole_epoch gives the batched engine the sequential engine's views: one
+    """Both engines run the same plan, so chunked gives the batched engine the sequential engine's views: one
     round of FAFI ends in the same losses."""
-    setup = RunSetup.build(load_config(None, "fafi", tiny_overrides + ["augment.schedule=whole_epoch"]))
+    setup = RunSetup.build(load_config(None, "fafi", tiny_overrides + ["augment.schedule=chunked"]))
     seq = setup.make_clients(print, lambda m: None)
     bat = setup.make_clients(print, lambda m: None)
     want = [c.train_round(setup.ctx, 0) for c in seq]

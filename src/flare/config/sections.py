@@ -240,11 +240,11 @@ class LRScheduleCfg(Strict):
 
 class AugmentCfg(Strict):
     per_image: bool = Field(True, description="False: one parameter set per batch, as the seeds' code did")
-    schedule: Literal["per_batch", "whole_epoch"] = Field(
-        "per_batch", description="per_batch: each step augments its own batch; whole_epoch: a client's epoch is "
-                                 "augmented in a few large calls and the steps slice their views out of them "
-                                 "(faster for small models and batches; other random draws, needs per_image=true; "
-                                 "docs/performance.md#whole-epoch-augmentation)")
+    schedule: Literal["per_batch", "chunked"] = Field(
+        "per_batch", description="per_batch: each step augments its own batch; chunked: runs of consecutive batches "
+                                 "of an epoch are augmented in one call and the steps slice their views out of it "
+                                 "(faster for small models at small batches; other random draws, needs "
+                                 "per_image=true; docs/performance.md#chunked-augmentation)")
     input_scaling: Literal["dataset", "reference", "none"] = Field(
         "dataset", description="dataset: (x − mean)/std of the training set for training and test; reference: the "
                                "reference's transforms (CIFAR-10, Tiny and datasets it lacks: train views "
@@ -254,9 +254,9 @@ class AugmentCfg(Strict):
                                "Fashion-MNIST")
 
     @model_validator(mode="after")
-    def _whole_epoch_draws_per_image(self):
-        # per_image=false means one parameter set per training batch; a whole-epoch call has no batches to keep it for
-        if self.schedule == "whole_epoch" and not self.per_image:
-            raise KeyedValueError("augment.schedule", "augment.schedule=whole_epoch draws every image's parameters "
+    def _chunked_draws_per_image(self):
+        # per_image=false means one parameter set per training batch; a chunked call spans several batches
+        if self.schedule == "chunked" and not self.per_image:
+            raise KeyedValueError("augment.schedule", "augment.schedule=chunked draws every image's parameters "
                                   "itself; augment.per_image=false (one parameter set per batch) needs per_batch")
         return self
