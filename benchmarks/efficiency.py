@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import time
 
 import torch
@@ -171,6 +172,7 @@ def main(argv=None):
             return K * n / (clock() - t)
 
         runs += [bare_batched, e2e_batched]
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     for f in runs:  # warm-up (allocator, kernels, kornia, torch.compile)
         f()
     best = [0.0] * len(runs)
@@ -188,8 +190,12 @@ def main(argv=None):
     print(f"end-to-end local training  : {e_best:10.1f} samples/s")
     print(f"efficiency                 : {e_best / b_best:10.3f}")
     if schedules:
+        if load_before is not None:  # how busy the machine was: these figures are that machine's, at that load
+            print("load average (1/5/15 min): " + "/".join(f"{v:.2f}" for v in load_before) + " before, "
+                  + "/".join(f"{v:.2f}" for v in os.getloadavg()) + " after")
         med = sorted(every[0])[len(every[0]) // 2]
         print(f"augment.schedule, end to end (samples/s; ÷ bare, best and median of {args.repeats}, interleaved):")
+        print(f"  bare step   : best {b_best:9.1f}           median {med:9.1f}")
         for j, sched in enumerate(schedules):
             xs = sorted(every[2 + j])
             print(f"  {sched:12s}: best {xs[-1]:9.1f} ({xs[-1] / b_best:.3f})   median {xs[len(xs) // 2]:9.1f} "

@@ -182,6 +182,29 @@ def efficiency_table(base: Path) -> str:
     return "\n".join(rows) + "\n"
 
 
+AUGMENT_SCHEDULE_RUNS = {  # name -> efficiency.py's arguments: the main job's model and batch, and the issue's
+    "fmnist-cnn0.5-b64": "dataset.name=fmnist batch_size=64 model.name=cnn model.width=0.5 --steps 30 --repeats 5",
+    "fmnist-cnn0.25-b64": "dataset.name=fmnist batch_size=64 model.name=cnn model.width=0.25 --steps 30 --repeats 5",
+    "cifar-cnn0.25-b512": "model.name=cnn model.width=0.25 --steps 4 --repeats 5",
+}
+
+
+def augment_schedule_table(base: Path) -> str:
+    """efficiency.py --schedules: each schedule's end to end ÷ the bare step, from the runs' printed output."""
+    rows = ["| config | load average before / after | bare step (samples/s, median) | per_batch ÷ bare (median) | "
+            "chunked ÷ bare (median) | chunked ÷ per_batch |", "| --- | --- | --- | --- | --- | --- |"]
+    for name in AUGMENT_SCHEDULE_RUNS:
+        text = (base / OUT.relative_to(ROOT) / f"augment-schedule-{name}.out").read_text()
+        conf = re.search(r"config: (.*)", text).group(1)
+        load = re.search(r"load average \(1/5/15 min\): (\S+) before, (\S+) after", text)
+        ratio = {k: (float(v), float(r)) for k, v, r in
+                 re.findall(r"^\s+(\w+)\s*: best .*median\s+([\d.]+) \(([\d.]+)\)", text, re.M)}
+        bare = float(re.search(r"bare step\s*: best\s+[\d.]+\s+median\s+([\d.]+)", text).group(1))
+        rows.append(f"| {conf} | {load.group(1)} / {load.group(2)} | {bare:.0f} | {ratio['per_batch'][1]:.3f} | "
+                    f"{ratio['chunked'][1]:.3f} | {ratio['chunked'][0] / ratio['per_batch'][0]:.2f}× |")
+    return "\n".join(rows) + "\n"
+
+
 def kernels_table(dirs: dict[str, str]) -> Callable[[Path], str]:
     """The same command under each kernel level: what torch dispatched to (state.json) and the digits it gave."""
     def render(base: Path) -> str:
@@ -415,6 +438,11 @@ RESULTS = {r.id: r for r in [
              "> runs/readme/efficiency-cnn.out"],
             efficiency_table,
             page="docs/results/efficiency-cpu.md"),
+    Results("augment-schedule",
+            [f"OMP_NUM_THREADS=1 python benchmarks/efficiency.py {args} --clock cpu --schedules per_batch,chunked "
+             f"> runs/readme/augment-schedule-{name}.out" for name, args in AUGMENT_SCHEDULE_RUNS.items()],
+            augment_schedule_table,
+            page="docs/performance.md"),
     Results("kernels",
             [f"{UX} --out runs/readme/ux-pinned", f"{UX} cpu_isa=native --out runs/readme/ux-native"],
             kernels_table({"default": "runs/readme/ux-pinned", "`cpu_isa=native`": "runs/readme/ux-native"}),
