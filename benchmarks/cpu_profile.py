@@ -113,7 +113,8 @@ def markdown(rec: dict) -> str:
            f"512, one round{'; ' + setting if setting else ''}.", ""]
     ref = f" over the reference ({REFERENCE_SECONDS} s, AMD EPYC) |" if own else ""
     out += ["| profile | settings | CPU kernels | amp | channels_last | rules evaluated | wall (s) | train (s) | "
-            f"eval (s) | train (samples/s) | bare-kernel probe (samples/s) | train ÷ probe | speed-up over exact |{ref}",
+            "eval (s) | train (samples/s) | bare-kernel probe (samples/s) | train ÷ probe | "
+            f"speed-up over exact |{ref}",
             "| --- " * (13 + bool(ref)) + "|"]
     base = rows[0]["wall"]
     for r in rows:

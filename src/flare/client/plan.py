@@ -103,7 +103,8 @@ class RoundPlan:
                 self.steps.append(Step(e, b, clock, p, p_target, ctx.lr_schedule(clock, round_idx)))
         self.last_lr = self.steps[-1].lr if self.steps else cfg.base_lr  # the record's lr
         self.chunked = cfg.augment.schedule == "chunked" and not self.plain
-        self._chunk: tuple[int, int, int, Tensor, Tensor] | None = None  # (epoch, first batch, end batch, views, labels)
+        # the chunk the steps slice now: (epoch, first batch, end batch, views, labels)
+        self._chunk: tuple[int, int, int, Tensor, Tensor] | None = None
 
     def epoch_steps(self, epoch: int) -> range:
         return range(epoch * self.spe, (epoch + 1) * self.spe)
@@ -132,7 +133,6 @@ class RoundPlan:
         with self.streams.active():
             v1, v2 = ctx.augment(xb)
         return torch.cat([v1, v2]), torch.cat([yb, yb])
-
 
     def _chunk_views(self, ctx, t: int) -> tuple[Tensor, Tensor]:
         """Step t's [v1; v2] and labels, sliced out of its chunk's views (augmented when the chunk is first reached).
