@@ -17,18 +17,25 @@ the run's batch, flare/speed.py), and the speed-up over `exact`; then the probe'
 speed=fast chose and why; then the exact profile's evaluation seconds per shared pass and per rule. The reference's
 recorded wall time is shown only for its own setting (no --set, the 5,000 / 1,000 subset), and is an AMD EPYC
 figure: on another CPU compare with the reference timed there.
+
+With `--record FILE` it also writes what it measured as JSON — the CPU (model, flags that matter, cores), torch,
+threads, the load average before and after, the setting, every profile's row and the probe's choice — and
+`markdown(record)` renders the printed tables from that record alone: tools/readme.py's `cpu-profile` block on
+docs/performance.md is rendered from the committed record (results/cpu-profile/).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import torch
 import yaml
 
 from flare.speed import read_cpu
@@ -76,12 +83,76 @@ def probe_rate(row: dict, choice: dict) -> float | None:
     return rates.get(name)
 
 
+def load_average() -> list[float] | None:
+    """The 1-, 5- and 15-minute load averages (None where the OS has none): how busy the machine was."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
+
+
+def machine_facts() -> dict:
+    cpu = read_cpu()
+    return {"cpu": cpu.short, "cpu_model": cpu.model, "cores": os.cpu_count(),
+            "flags": sorted(f for f in cpu.flags if f.startswith(("avx", "amx"))),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "torch_threads": os.environ.get("OMP_NUM_THREADS", "default")}
+
+
+def markdown(rec: dict) -> str:
+    """The benchmark's tables, from its record alone (what it prints, and what the docs block shows)."""
+    m, rows, choice = rec["machine"], rec["rows"], rec.get("choice") or {}
+    own = rec["reference_setting"]
+    setting = " ".join(rec["set"])
+    load = rec.get("load_average") or {}
+    fmt_load = lambda v: "/".join(f"{x:.2f}" for x in v) if v else "unknown"  # noqa: E731
+    out = [f"CPU: {m['cpu']}, {m['cores']} cores; torch {m['torch']}, torch threads {m['torch_threads']}, each profile "
+           f"its own process; load average (1/5/15 min) {fmt_load(load.get('before'))} before, "
+           f"{fmt_load(load.get('after'))} after.", "",
+           f"FAFI, CIFAR-10 export {rec['train_subset']}/{rec['test_subset']}, ResNet-18, 5 clients, α = 0.05, batch "
+           f"512, one round{'; ' + setting if setting else ''}.", ""]
+    ref = f" over the reference ({REFERENCE_SECONDS} s, AMD EPYC) |" if own else ""
+    out += ["| profile | settings | CPU kernels | amp | channels_last | rules evaluated | wall (s) | train (s) | "
+            "eval (s) | train (samples/s) | bare-kernel probe (samples/s) | train ÷ probe | "
+            f"speed-up over exact |{ref}",
+            "| --- " * (13 + bool(ref)) + "|"]
+    base = rows[0]["wall"]
+    for r in rows:
+        b, bare = r["backend"], probe_rate(r, choice)
+        cells = [r["profile"], f"`{r['settings']}`", b.get("cpu_kernels"), b.get("amp"), b.get("channels_last"),
+                 ", ".join(b.get("eval_rules") or []), f"{r['wall']:.1f}", f"{r['train']:.1f}", f"{r['eval']:.1f}",
+                 f"{r['train_rate']:.1f}", f"{bare:.1f}" if bare else "—",
+                 f"{r['train_rate'] / bare:.2f}" if bare else "—", f"{base / r['wall']:.2f}×"]
+        cells += [f"{REFERENCE_SECONDS / r['wall']:.2f}×"] if own else []
+        out.append("| " + " | ".join(map(str, cells)) + " |")
+    if choice:
+        p = choice.get("probe", {})
+        when = "from the cache" if choice.get("cached") else f"measured in {p.get('seconds')} s"
+        out += ["", f"speed=fast's probe ({p.get('images_per_step')} images per step, fastest of {p.get('steps')} "
+                f"timed steps after a warm-up; exact = fp32 NCHW on {p.get('exact_level')} kernels, in its own "
+                f"process; {when}):", "", "| candidate | samples/s | ÷ exact |", "| --- | --- | --- |"]
+        ex = choice["samples_per_s"].get("exact")
+        for k, v in choice["samples_per_s"].items():
+            out.append(f"| {k}{' (chosen)' if k == choice.get('chosen') else ''} | {v:.1f} | "
+                       f"{f'{v / ex:.2f}' if ex else '—'} |")
+        out += ["", f"{choice.get('statement')}."]
+    if rows[0]["eval_parts"]:
+        out += ["", f"Evaluation of the {rows[0]['profile']} profile, {rows[0]['eval']:.1f} s: seconds per part, and "
+                "what each rule would cost alone (the shared passes it reads plus its own part):", "",
+                "| part | seconds | rule alone (s) |", "| --- | --- | --- |"]
+        out += [f"| {k} | {v:.2f} | {rows[0]['eval_rules'].get(k, '—')} |" for k, v in rows[0]["eval_parts"].items()]
+    for r in rows:
+        out += [f"\n{r['profile']}: warning: {w}" for w in r["warnings"]]
+    return "\n".join(out) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data-root", required=True, help="the CIFAR-10 export (.tar.gz or folder)")
     ap.add_argument("--train-subset", type=int, default=5000)
     ap.add_argument("--test-subset", type=int, default=1000)
     ap.add_argument("--out", default="runs/bench-cpu-profile", help="run directories (replaced)")
+    ap.add_argument("--record", default=None, metavar="FILE", help="also write the measurements as JSON here")
     ap.add_argument("--profile", action="append", default=[], metavar="NAME=KEY=VALUE ...",
                     help="another profile: a name, '=', then overrides separated by spaces")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
@@ -94,6 +165,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)
+    before = load_average()
     # Decode the archive once before timing (the decode cache), so no profile pays for it.
     warm = subprocess.run([sys.executable, "-c", "import sys; from flare.config import load_config; "
                            "from flare.setup import prepare_data; prepare_data(load_config(None, None, sys.argv[1:]))",
@@ -102,46 +174,16 @@ def main(argv=None) -> int:
     if warm.returncode != 0:
         raise SystemExit(f"cannot read the dataset: {warm.stderr}")
     rows = [run_profile(n, x, args, out) for n, x in profiles.items()]
-    base = rows[0]["wall"]
     choice = next((r["backend"]["speed_choice"] for r in rows if r["backend"].get("speed_choice")), {})
-    own = args.set == [] and (args.train_subset, args.test_subset) == (5000, 1000)
-    setting = " ".join(args.set)
-    print(f"CPU: {read_cpu().short}, {os.cpu_count()} cores; torch threads "
-          f"{os.environ.get('OMP_NUM_THREADS', 'default')}, each profile its own process.\n")
-    print(f"FAFI, CIFAR-10 export {args.train_subset}/{args.test_subset}, ResNet-18, 5 clients, α = 0.05, batch 512, "
-          f"one round{'; ' + setting if setting else ''}.\n")
-    ref = f" over the reference ({REFERENCE_SECONDS} s, AMD EPYC) |" if own else ""
-    print("| profile | settings | CPU kernels | amp | channels_last | rules evaluated | wall (s) | train (s) | "
-          f"eval (s) | train (samples/s) | bare-kernel probe (samples/s) | train ÷ probe | speed-up over exact |{ref}")
-    print("| --- " * (13 + bool(ref)) + "|")
-    for r in rows:
-        b, bare = r["backend"], probe_rate(r, choice)
-        cells = [r["profile"], f"`{r['settings']}`", b.get("cpu_kernels"), b.get("amp"), b.get("channels_last"),
-                 ", ".join(b.get("eval_rules") or []), f"{r['wall']:.1f}", f"{r['train']:.1f}", f"{r['eval']:.1f}",
-                 f"{r['train_rate']:.1f}", f"{bare:.1f}" if bare else "—",
-                 f"{r['train_rate'] / bare:.2f}" if bare else "—", f"{base / r['wall']:.2f}×"]
-        cells += [f"{REFERENCE_SECONDS / r['wall']:.2f}×"] if own else []
-        print("| " + " | ".join(map(str, cells)) + " |")
-    if choice:
-        p = choice.get("probe", {})
-        when = "from the cache" if choice.get("cached") else f"measured in {p.get('seconds')} s"
-        print(f"\nspeed=fast's probe ({p.get('images_per_step')} images per step, fastest of {p.get('steps')} timed "
-              f"steps after a warm-up; exact = fp32 NCHW on {p.get('exact_level')} kernels, in its own process; "
-              f"{when}):\n")
-        print("| candidate | samples/s | ÷ exact |\n| --- | --- | --- |")
-        ex = choice["samples_per_s"].get("exact")
-        for k, v in choice["samples_per_s"].items():
-            print(f"| {k}{' (chosen)' if k == choice.get('chosen') else ''} | {v:.1f} | {v / ex:.2f} |")
-        print(f"\n{choice.get('statement')}.")
-    if rows[0]["eval_parts"]:
-        print(f"\nEvaluation of the {rows[0]['profile']} profile, {rows[0]['eval']:.1f} s: seconds per part, and what "
-              "each rule would cost alone (the shared passes it reads plus its own part):\n")
-        print("| part | seconds | rule alone (s) |\n| --- | --- | --- |")
-        for k, v in rows[0]["eval_parts"].items():
-            print(f"| {k} | {v:.2f} | {rows[0]['eval_rules'].get(k, '—')} |")
-    for r in rows:
-        for w in r["warnings"]:
-            print(f"\n{r['profile']}: warning: {w}")
+    rec = {"machine": machine_facts(), "load_average": {"before": before, "after": load_average()},
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "train_subset": args.train_subset,
+           "test_subset": args.test_subset, "set": list(args.set), "profiles": profiles,
+           "reference_setting": args.set == [] and (args.train_subset, args.test_subset) == (5000, 1000),
+           "rows": rows, "choice": choice}
+    if args.record:
+        Path(args.record).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.record).write_text(json.dumps(rec, indent=1, default=str) + "\n")
+    print(markdown(rec), end="")
     return 0
 
 

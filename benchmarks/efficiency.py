@@ -13,14 +13,20 @@ functional SGD step, no augmentation) on the same shapes. It prints both ratios:
 batched (the overhead inside the batched program) and ÷ the bare single-model step (what batching buys over
 the eager ceiling of per-client training).
 
+With `--schedules per_batch,chunked` it also times end to end under each `augment.schedule` (its own client,
+same model, data and batch), interleaved with the rest, and prints each one's best and median over the repeats
+and its ratio to the bare step: what chunked augmentation buys on this machine.
+
     python benchmarks/efficiency.py model.name=resnet18 model.width=0.25 dataset.name=synthetic-cifar10
     python benchmarks/efficiency.py model.name=cnn dataset.name=synthetic-cifar10
     python benchmarks/efficiency.py model.name=resnet18 model.width=1 --clients 5 compile=true    # GPU
+    python benchmarks/efficiency.py model.name=cnn model.width=0.25 --schedules per_batch,chunked --repeats 5
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import time
 
 import torch
@@ -48,8 +54,15 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--clients", type=int, default=None,
                     help="clients of the batched-engine measurement (default 5 on a GPU, 0 = skip on a CPU)")
+    ap.add_argument("--schedules", default="", metavar="S,S",
+                    help="also time end to end under each of these augment.schedule values (comma-separated)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this process's CPU seconds instead of wall seconds — on a machine shared with other "
+                         "processes it counts the work done rather than the waiting (with OMP_NUM_THREADS=1, and "
+                         "on CPU only: it does not see GPU time)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     ov = ["dataset.name=synthetic-cifar10", "batch_size=512", "model.name=resnet18", "model.width=0.25"] + args.overrides
     cfg = load_config(None, args.preset, ov)
     cfg = cfg.model_copy(update={"rounds": 1, "local_epochs": 1})
@@ -82,7 +95,7 @@ def main(argv=None):
 
     def bare():
         sync(device)
-        t = time.perf_counter()
+        t = clock()
         for _ in range(args.steps):
             with ctx_amp():
                 _, logits = bare_model(imgs)
@@ -91,17 +104,32 @@ def main(argv=None):
             loss.backward()
             opt.step()
         sync(device)
-        return n / (time.perf_counter() - t)
+        return n / (clock() - t)
 
     def e2e():
         sync(device)
-        t = time.perf_counter()
+        t = clock()
         client.epochs_done = 0
         client.train_round(ctx, 0)
         sync(device)
-        return n / (time.perf_counter() - t)
+        return n / (clock() - t)
 
     runs = [bare, e2e]
+    schedules = [s for s in args.schedules.split(",") if s]
+    for sched in schedules:
+        cfg_s = cfg.model_copy(update={"augment": cfg.augment.model_copy(update={"schedule": sched})})
+        ctx_s = make_train_context(cfg_s, x, y, aug, None, device, amp, cl, None)
+        client_s = Client(0, torch.arange(n, device=device), copy.deepcopy(model), ctx_s, 1.0)
+
+        def e2e_schedule(client_s=client_s, ctx_s=ctx_s):
+            sync(device)
+            t = clock()
+            client_s.epochs_done = 0
+            client_s.train_round(ctx_s, 0)
+            sync(device)
+            return n / (clock() - t)
+
+        runs.append(e2e_schedule)
     if K:
         clients = [Client(i, torch.arange(i * n, (i + 1) * n, device=device), copy.deepcopy(model), ctx, 1.0)
                    for i in range(K)]
@@ -122,7 +150,7 @@ def main(argv=None):
 
         def bare_batched():
             sync(device)
-            t = time.perf_counter()
+            t = clock()
             for _ in range(args.steps):
                 for q in plist:
                     q.grad = None
@@ -132,34 +160,48 @@ def main(argv=None):
                     torch._foreach_add_(moms, [q.grad for q in plist])
                     torch._foreach_add_(plist, moms, alpha=-cfg.lr)
             sync(device)
-            return K * n / (time.perf_counter() - t)
+            return K * n / (clock() - t)
 
         def e2e_batched():
             sync(device)
-            t = time.perf_counter()
+            t = clock()
             for c in clients:
                 c.epochs_done = 0
             engine.train_round(0)
             sync(device)
-            return K * n / (time.perf_counter() - t)
+            return K * n / (clock() - t)
 
         runs += [bare_batched, e2e_batched]
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     for f in runs:  # warm-up (allocator, kernels, kornia, torch.compile)
         f()
     best = [0.0] * len(runs)
+    every: list[list[float]] = [[] for _ in runs]
     for _ in range(args.repeats):
         for i, f in enumerate(runs):
-            best[i] = max(best[i], f())
+            every[i].append(f())
+            best[i] = max(best[i], every[i][-1])
     b_best, e_best = best[0], best[1]
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
-    print(f"device: {dev}   torch {torch.__version__}   amp: {amp}   channels_last: {cl}")
+    print(f"device: {dev}   torch {torch.__version__}   amp: {amp}   channels_last: {cl}   clock: {args.clock}")
     print(f"config: {cfg.method} {cfg.model.name} width {cfg.model.width}, {data.name} {tuple(data.train_x.shape[1:])}, "
           f"batch {B} (x2 views), {args.steps} steps, best of {args.repeats}")
     print(f"bare forward+backward+step : {b_best:10.1f} samples/s")
     print(f"end-to-end local training  : {e_best:10.1f} samples/s")
     print(f"efficiency                 : {e_best / b_best:10.3f}")
+    if schedules:
+        if load_before is not None:  # how busy the machine was: these figures are that machine's, at that load
+            print("load average (1/5/15 min): " + "/".join(f"{v:.2f}" for v in load_before) + " before, "
+                  + "/".join(f"{v:.2f}" for v in os.getloadavg()) + " after")
+        med = sorted(every[0])[len(every[0]) // 2]
+        print(f"augment.schedule, end to end (samples/s; ÷ bare, best and median of {args.repeats}, interleaved):")
+        print(f"  bare step   : best {b_best:9.1f}           median {med:9.1f}")
+        for j, sched in enumerate(schedules):
+            xs = sorted(every[2 + j])
+            print(f"  {sched:12s}: best {xs[-1]:9.1f} ({xs[-1] / b_best:.3f})   median {xs[len(xs) // 2]:9.1f} "
+                  f"({xs[len(xs) // 2] / med:.3f})")
     if K:
-        bb, eb = best[2], best[3]
+        bb, eb = best[2 + len(schedules)], best[3 + len(schedules)]
         print(f"batched engine, {K} clients{' (compiled)' if cfg.compile else ''}:")
         print(f"  bare batched fwd+bwd+step : {bb:10.1f} samples/s")
         print(f"  end-to-end batched        : {eb:10.1f} samples/s")

@@ -47,3 +47,17 @@ def test_efficiency_reports_both_engines(tiny_folder, tmp_path, capsys):
     out = capsys.readouterr().out
     for words in ("efficiency", "batched engine, 2 clients", "end-to-end batched", "÷ bare batched"):
         assert words in out, out
+
+
+def test_efficiency_times_each_augment_schedule(tiny_folder, tmp_path, capsys):
+    """--schedules adds one end-to-end series per augment.schedule (ratios to the bare step), and the batched
+    engine's figures after them are still its own."""
+    _script("efficiency").main(["--steps", "2", "--repeats", "2", "--clients", "2", "--clock", "cpu",
+                                "--schedules", "per_batch,chunked", "dataset.name=imagefolder",
+                                f"dataset.root={tiny_folder}", f"dataset.cache_dir={tmp_path / 'cache'}",
+                                "model.name=cnn", "model.width=0.25", "batch_size=16", "device=cpu"])
+    out = capsys.readouterr().out
+    lines = {ln.split(":")[0].strip(): ln for ln in out.splitlines()}
+    for sched in ("per_batch", "chunked"):
+        assert "best" in lines[sched] and "median" in lines[sched], out
+    assert "clock: cpu" in out and "end-to-end batched" in out, out

@@ -182,6 +182,29 @@ def efficiency_table(base: Path) -> str:
     return "\n".join(rows) + "\n"
 
 
+AUGMENT_SCHEDULE_RUNS = {  # name -> efficiency.py's arguments: the main job's model and batch, and the issue's
+    "fmnist-cnn0.5-b64": "dataset.name=fmnist batch_size=64 model.name=cnn model.width=0.5 --steps 30 --repeats 5",
+    "fmnist-cnn0.25-b64": "dataset.name=fmnist batch_size=64 model.name=cnn model.width=0.25 --steps 30 --repeats 5",
+    "cifar-cnn0.25-b512": "model.name=cnn model.width=0.25 --steps 4 --repeats 5",
+}
+
+
+def augment_schedule_table(base: Path) -> str:
+    """efficiency.py --schedules: each schedule's end to end ÷ the bare step, from the runs' printed output."""
+    rows = ["| config | load average before / after | bare step (samples/s, median) | per_batch ÷ bare (median) | "
+            "chunked ÷ bare (median) | chunked ÷ per_batch |", "| --- | --- | --- | --- | --- | --- |"]
+    for name in AUGMENT_SCHEDULE_RUNS:
+        text = (base / OUT.relative_to(ROOT) / f"augment-schedule-{name}.out").read_text()
+        conf = re.search(r"config: (.*)", text).group(1)
+        load = re.search(r"load average \(1/5/15 min\): (\S+) before, (\S+) after", text)
+        ratio = {k: (float(v), float(r)) for k, v, r in
+                 re.findall(r"^\s+(\w+)\s*: best .*median\s+([\d.]+) \(([\d.]+)\)", text, re.M)}
+        bare = float(re.search(r"bare step\s*: best\s+[\d.]+\s+median\s+([\d.]+)", text).group(1))
+        rows.append(f"| {conf} | {load.group(1)} / {load.group(2)} | {bare:.0f} | {ratio['per_batch'][1]:.3f} | "
+                    f"{ratio['chunked'][1]:.3f} | {ratio['chunked'][0] / ratio['per_batch'][0]:.2f}× |")
+    return "\n".join(rows) + "\n"
+
+
 def kernels_table(dirs: dict[str, str]) -> Callable[[Path], str]:
     """The same command under each kernel level: what torch dispatched to (state.json) and the digits it gave."""
     def render(base: Path) -> str:
@@ -216,6 +239,16 @@ def frozen_encoder_block(base: Path) -> str:
     grid = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(grid)
     return grid.render(base)
+
+
+def cpu_profile_block(record: str) -> Callable[[Path], str]:
+    """benchmarks/cpu_profile.py's tables, rendered by the benchmark's own `markdown` from its JSON record."""
+    def render(base: Path) -> str:
+        spec = importlib.util.spec_from_file_location("cpu_profile", ROOT / "benchmarks" / "cpu_profile.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+        return bench.markdown(json.loads((base / record).read_text()))
+    return render
 
 
 def file_text(path: str) -> Callable[[Path], str]:
@@ -408,6 +441,11 @@ RESULTS = {r.id: r for r in [
              "> runs/readme/efficiency-cnn.out"],
             efficiency_table,
             page="docs/results/efficiency-cpu.md"),
+    Results("augment-schedule",
+            [f"OMP_NUM_THREADS=1 python benchmarks/efficiency.py {args} --clock cpu --schedules per_batch,chunked "
+             f"> runs/readme/augment-schedule-{name}.out" for name, args in AUGMENT_SCHEDULE_RUNS.items()],
+            augment_schedule_table,
+            page="docs/performance.md"),
     Results("kernels",
             [f"{UX} --out runs/readme/ux-pinned", f"{UX} cpu_isa=native --out runs/readme/ux-native"],
             kernels_table({"default": "runs/readme/ux-pinned", "`cpu_isa=native`": "runs/readme/ux-native"}),
@@ -417,6 +455,11 @@ RESULTS = {r.id: r for r in [
              "runs/readme/cpu-speed.md"],
             file_text("runs/readme/cpu-speed.md"),
             page="docs/results/cpu-speed.md"),
+    Results("cpu-profile",
+            [f"python benchmarks/cpu_profile.py --data-root {CIFAR} --train-subset 1000 --test-subset 200 "
+             "--set model.width=0.25 --out runs/readme/cpu-profile --record runs/readme/cpu-profile-record.json"],
+            cpu_profile_block("runs/readme/cpu-profile-record.json"),
+            page="docs/performance.md"),
     Results("baselines",
             [cmd for a in (0.05, 0.5) for cmd in (
                 f"flare compare --presets {','.join(BASELINE_PRESETS)} --seeds 1,2,3 {BASELINE_ARGS} "
@@ -499,11 +542,11 @@ RECORD_SUFFIXES = (".yaml", ".json", ".jsonl", ".md", ".csv", ".txt", ".log", ".
 
 
 def record_paths(block: Results) -> list[str]:
-    """The paths (relative to the checkout) a block is rendered from: each command's `--out` and `> file`, the
-    figures it shows and the machine facts of its last --run."""
+    """The paths (relative to the checkout) a block is rendered from: each command's `--out`, `--record` and
+    `> file`, the figures it shows and the machine facts of its last --run."""
     paths = [str(OUT.relative_to(ROOT) / f"{block.id}.json"), *block.figures]
     for cmd in block.commands:
-        paths += re.findall(r"--out (\S+)", cmd) + re.findall(r"> (\S+)", cmd)
+        paths += re.findall(r"--(?:out|record) (\S+)", cmd) + re.findall(r"> (\S+)", cmd)
     return list(dict.fromkeys(paths))
 
 

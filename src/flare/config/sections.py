@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo,
-                      field_validator)
+                      field_validator, model_validator)
 
 from flare.errors import KeyedValueError
 from flare.registry import DATASETS, MODELS, PARTITIONS, SCALINGS, Registry, boolean_number
@@ -241,6 +241,11 @@ class LRScheduleCfg(Strict):
 
 class AugmentCfg(Strict):
     per_image: bool = Field(True, description="False: one parameter set per batch, as the seeds' code did")
+    schedule: Literal["per_batch", "chunked"] = Field(
+        "per_batch", description="per_batch: each step augments its own batch; chunked: runs of consecutive batches "
+                                 "of an epoch are augmented in one call and the steps slice their views out of it "
+                                 "(faster for small models at small batches; other random draws, needs "
+                                 "per_image=true; docs/performance.md#chunked-augmentation)")
     input_scaling: InputScalingName = Field(
         "dataset", description="dataset: (x − mean)/std of the training set for training and test; reference: the "
                                "reference's transforms (CIFAR-10, Tiny and datasets it lacks: train views "
@@ -248,3 +253,11 @@ class AugmentCfg(Strict):
                                "and again by the augmentation, the colour jitter clamping to [0, 1] when it fires); "
                                "none: x/255 only (ToTensor), training and test — NIID-Bench's, FedLPA's and DENSE's "
                                "Fashion-MNIST")
+
+    @model_validator(mode="after")
+    def _chunked_draws_per_image(self):
+        # per_image=false means one parameter set per training batch; a chunked call spans several batches
+        if self.schedule == "chunked" and not self.per_image:
+            raise KeyedValueError("augment.schedule", "augment.schedule=chunked draws every image's parameters "
+                                  "itself; augment.per_image=false (one parameter set per batch) needs per_batch")
+        return self

@@ -1,0 +1,51 @@
+"""The `cpu-profile` block of docs/performance.md: rendered by benchmarks/cpu_profile.py's own `markdown` from the
+JSON record the benchmark wrote (committed under results/cpu-profile/), naming the CPU and the load it ran under."""
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+tool = _load("readme_tool", ROOT / "tools" / "readme.py")
+RECORD = "runs/readme/cpu-profile-record.json"
+
+
+def test_the_block_is_what_the_record_renders_to():
+    block = tool.RESULTS["cpu-profile"]
+    base = tool.records_of(block)
+    rec = json.loads((base / RECORD).read_text())
+    body = tool.blocks((ROOT / block.page).read_text())["cpu-profile"][1]
+    assert body == tool.render_block(block, base, copy_figures=False)
+    # the machine is named and the load stated, from the record
+    assert rec["machine"]["cpu_model"] in body and rec["machine"]["torch"] in body
+    assert f"{rec['load_average']['before'][0]:.2f}" in body
+    # every profile the benchmark ran is a row, with its measured training throughput
+    for row in rec["rows"]:
+        assert f"| {row['profile']} | `{row['settings']}` |" in body
+        assert f"{row['train_rate']:.1f}" in body
+
+
+def test_an_edited_record_changes_the_block(tmp_path):
+    block = tool.RESULTS["cpu-profile"]
+    base = shutil.copytree(tool.records_of(block), tmp_path / "cpu-profile")
+    body = tool.render_block(block, base, copy_figures=False)
+    rec = json.loads((base / RECORD).read_text())
+    rec["rows"][0]["train_rate"] *= 2
+    (base / RECORD).write_text(json.dumps(rec))
+    assert tool.render_block(block, base, copy_figures=False) != body
+
+
+def test_the_record_is_copied_with_the_runs():
+    paths = tool.record_paths(tool.RESULTS["cpu-profile"])
+    assert RECORD in paths and "runs/readme/cpu-profile" in paths
