@@ -47,6 +47,7 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "paper" / "src"))  # flare_paper, the paper suite's own distribution
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
