@@ -23,20 +23,9 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import FlareError
-from .resnet import conv1x1, conv3x3, scaled
+from .resnet import conv1x1, conv3x3, init_weights, scaled
 
 __all__ = ["WideResNet", "PaperCNN", "wrn16_1", "wrn40_1", "cnn_dense", "cnn_coboost"]
-
-
-def _init(module: nn.Module) -> None:
-    for m in module.modules():
-        if isinstance(m, nn.Conv2d):
-            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.BatchNorm2d):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
 
 
 class WideBlock(nn.Module):
@@ -78,7 +67,7 @@ class WideResNet(nn.Module):
         self.relu = nn.ReLU(inplace=True)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.feature_dim = cin
-        _init(self)
+        init_weights(self)
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.block3(self.block2(self.block1(self.conv1(x))))
@@ -103,7 +92,7 @@ class PaperCNN(nn.Module):
         if fc is not None:
             self.fc = nn.Sequential(nn.Linear(c3 * 16, scaled(fc, width)), nn.ReLU(inplace=True))
             self.feature_dim = scaled(fc, width)
-        _init(self)
+        init_weights(self)
 
     def forward(self, x: Tensor) -> Tensor:
         if min(x.shape[-2:]) < 18:  # else a conv fails deep inside with torch's message about kernel sizes
