@@ -1,6 +1,6 @@
 """`flare` — the command line: run, compare, lr-probe, sweep, report, fuse, federate, presets, datasets, models,
-config-reference, and the commands other packages add through the `flare.commands` entry points (`flare paper`:
-the flare-paper distribution). Every command's options: its `--help` and the table of docs/getting-started.md.
+parts, config-reference, and the commands other packages add through the `flare.commands` entry points (`flare
+paper`: the flare-paper distribution). Every command's options: its `--help` and docs/getting-started.md's table.
 
 Every user mistake is a one-paragraph message on stderr and exit code 2, never a traceback.
 """
