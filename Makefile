@@ -13,9 +13,10 @@ OUT ?= runs/main
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+# flare and the paper suite (paper/, its own distribution built on flare), both editable; -qq: errors only
+$(VENV)/.installed: pyproject.toml paper/pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -qq -c constraints.txt -e '.[test,flower,sweep,baselines,zoo,docs,encoders]'  # -qq: errors only
+	$(BIN)/python -m pip install -qq -c constraints.txt -e '.[test,flower,sweep,baselines,zoo,docs,encoders]' -e ./paper
 	@touch $@
 
 # Fashion-MNIST from Debian's package when we can (root on Debian); otherwise say so and let the

@@ -8,13 +8,19 @@ import pytest
 from flare import cli
 from flare_paper.cli import add_command
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "flare"
-PAPER = SRC.parent / "flare_paper"  # the paper suite, a package built on flare
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "flare"
+PAPER = ROOT / "paper" / "src" / "flare_paper"  # the paper suite, its own distribution built on flare
 MODULES = sorted(p for p in [*SRC.rglob("*.py"), *PAPER.rglob("*.py")])
 
 
+def source_path(path: Path) -> Path:
+    """The file's path from the source root of its distribution (src/ or paper/src/): flare/x.py, flare_paper/y.py."""
+    return path.relative_to(SRC.parent if path.is_relative_to(SRC) else PAPER.parent)
+
+
 def module_name(path: Path) -> str:
-    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    parts = source_path(path).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -47,7 +53,7 @@ GRAPH = {module_name(p): flare_imports(p, top_level_only=True) for p in MODULES}
 
 
 def test_no_file_over_450_lines():
-    long = {str(p.relative_to(SRC.parent)): n for p in MODULES if (n := len(p.read_text().splitlines())) > 450}
+    long = {str(source_path(p)): n for p in MODULES if (n := len(p.read_text().splitlines())) > 450}
     assert not long, long
 
 
@@ -79,10 +85,10 @@ def test_only_the_paper_command_imports_the_command_line():
 
 
 def test_the_paper_command_is_an_entry_point_flare_finds():
-    """`flare paper` comes from the `flare.commands` entry point pyproject.toml declares, which the command line
-    loads (flare.cli.command_adders) without naming the package."""
+    """`flare paper` comes from the `flare.commands` entry point paper/pyproject.toml declares, which the command
+    line loads (flare.cli.command_adders) without naming the package."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    declared = tomllib.loads((SRC.parents[1] / "pyproject.toml").read_text())["project"]["entry-points"]
+    declared = tomllib.loads((PAPER.parents[1] / "pyproject.toml").read_text())["project"]["entry-points"]
     value = declared[cli.COMMAND_GROUP]["paper"]
     point = EntryPoint(name="paper", value=value, group=cli.COMMAND_GROUP)
     assert point.load() is add_command
@@ -109,5 +115,5 @@ def test_imports_at_module_level_unless_a_lazy_one_says_why():
                 if isinstance(node, (ast.Import, ast.ImportFrom)):
                     context = " ".join(lines[max(0, node.lineno - 3):node.lineno])
                     if "lazy:" not in context:
-                        hidden.append(f"{p.relative_to(SRC.parent)}:{node.lineno}")
+                        hidden.append(f"{source_path(p)}:{node.lineno}")
     assert not hidden, hidden

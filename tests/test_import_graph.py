@@ -1,4 +1,4 @@
-"""The module graph of everything under src/, read with `ast`: every import at module level, the ones under
+"""The module graph of flare (src/) and the paper suite (paper/src/), read with `ast`: every import at module level, the ones under
 `if TYPE_CHECKING:` (and `try:`) included — a type-checking import is still an edge a type checker and a reader
 follow, and a circle through one is what forces the next import to hide inside a function. Imports inside functions
 are left out: they are the optional extras test_architecture.py's `lazy:` rule allows.
@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src"
-PACKAGES = ("flare", "flare_paper")
-FILES = [p for p in sorted(SRC.rglob("*.py")) if p.relative_to(SRC).parts[0] in PACKAGES]
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"flare": ROOT / "src", "flare_paper": ROOT / "paper" / "src"}  # each package and its source root
+FILES = [p for package, root in PACKAGES.items() for p in sorted((root / package).rglob("*.py"))]
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(SRC).with_suffix("").parts
+    root = next(root for package, root in PACKAGES.items() if path.is_relative_to(root / package))
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 

@@ -132,7 +132,7 @@ def test_a_new_preset_brings_its_own_label_and_colour(runs, tmp_path, monkeypatc
     assert style.method_label("zz-novel") == "Novel (V99)" and style.method_colour("zz-novel") == "#123456"
     assert "label" not in preset_mapping("zz-novel") and load_config(None, "zz-novel").method == "zz-novel"
     drawn = []
-    monkeypatch.setattr(figures, "_save", lambda fig, path, dpi=120: drawn.append(fig))
+    monkeypatch.setattr(figures, "save_figure", lambda fig, path, dpi=120: drawn.append(fig))
     row = rp.Row("novel", "zz-novel", {}, [RunData.load(runs / "a" / "fafi-seed=1")])
     figures.plot_accuracy_curves([row], tmp_path / "f.png", "a new preset")
     assert matplotlib.colors.to_hex(drawn[0].axes[0].lines[0].get_color()) == "#123456"

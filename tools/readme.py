@@ -47,6 +47,7 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "paper" / "src"))  # flare_paper, the paper suite's own distribution
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -319,7 +320,7 @@ HETERO_CELLS = [(p, s) for p in ("fafi", "etf-anneal", "flare") for s in ("featu
 def _heterogeneous_figure(vals: dict, path: Path) -> None:
     """One bar pair per (clients, server): homogeneous and mixed, mean over seeds with each seed as a dot."""
     import matplotlib.pyplot as plt  # lazy: only this block draws here
-    from flare.report.figures import _save
+    from flare.report.figures import save_figure
 
     fig, ax = plt.subplots(figsize=(11, 3.8))
     for j, (k, colour) in enumerate((("homogeneous", "#4c72b0"), ("mixed", "#dd8452"))):
@@ -336,7 +337,7 @@ def _heterogeneous_figure(vals: dict, path: Path) -> None:
     ax.title.set_fontsize(10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     path.parent.mkdir(parents=True, exist_ok=True)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def heterogeneous_block(base: Path) -> str:

@@ -1,15 +1,6 @@
-"""`flare` — the command line.
-
-  flare run      [--config FILE] [--preset NAME] [--out DIR] [--resume DIR] [--quiet] [KEY=VALUE ...]
-  flare compare  --presets a,b,c [--seeds 1,2,3] [--config FILE] [--out DIR] [--quiet] [KEY=VALUE ...]
-  flare lr-probe [--config FILE] [--preset NAME] [--client N | --all-data] [--batches 2] [--batch-size B] [--iters 30] [--tol 1e-3] [KEY=VALUE ...]
-  flare sweep    --config SWEEP.yaml [--out DIR] [--workers N] [--address ADDR] [--dry-run] [KEY=VALUE ...]
-  flare report   DIR... [--out REPORT_DIR]
-  flare fuse     RUN_DIR... --strategies a,b [--round R] [--plugin MODULE] [server.strategies.S.OPT=V ...]
-  flare paper    ... (the paper suite, a command the flare_paper package adds through the `flare.commands` entry points)
-  flare federate [--config FILE] [--preset NAME] [--out DIR] [--clients K] [--min-clients M] [--upload once|per-round]
-                 [--simulation] [--local-data] [KEY=VALUE ...]
-  flare presets | flare datasets | flare models | flare config-reference
+"""`flare` — the command line: run, compare, lr-probe, sweep, report, fuse, federate, presets, datasets, models,
+parts, config-reference, and the commands other packages add through the `flare.commands` entry points (`flare
+paper`: the flare-paper distribution). Every command's options: its `--help` and docs/getting-started.md's table.
 
 Every user mistake is a one-paragraph message on stderr and exit code 2, never a traceback.
 """

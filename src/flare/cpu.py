@@ -1,20 +1,13 @@
 """Which CPU kernels torch runs, and the CPU speed switches.
 
 A CPU run's digits follow the instruction set that torch's three kernel libraries dispatch to: ATen (elementwise
-and reductions), oneDNN (convolutions) and, on x86 builds, Intel MKL (the BLAS behind `linear`/`addmm`). The same
-command on the same "AMD EPYC" VM type printed 34.85 % with AVX512 kernels and 32.70 % with AVX2 ones; an Intel
-AVX512 VM printed a third answer until MKL was pinned too. All three libraries choose their code path once, at
-their first kernel call, from the environment (`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`, and MKL's conditional
-numerical reproducibility switch `MKL_CBWR` with `MKL_ENABLE_INSTRUCTIONS`) capped by what the CPU supports. So
-FLARE pins a level every x86-64 machine of this workplace supports (`cpu_isa=avx2`, the default) before a run's
-first tensor operation, checks afterwards that the libraries really dispatch there, and records the level in the
-run (state.json, summary.md). `cpu_isa=native` lets each library pick the CPU's best (faster, other digits).
-
-What the pin does not buy: MKL's `STRICT` branch promises the same bits on every CPU of a branch, but ATen's and
-oneDNN's kernels are only capped, not made identical, across CPU vendors; the same digits are promised on the
-same CPU type only (docs/reproducibility.md says which claims hold where).
-
-GPU kernels are not covered: CUDA runs reorder reductions by their own rules (docs/performance.md).
+and reductions), oneDNN (convolutions) and, on x86 builds, Intel MKL (the BLAS behind `linear`/`addmm`); each
+chooses its code path once, at its first kernel call, from the environment (`ATEN_CPU_CAPABILITY`,
+`ONEDNN_MAX_CPU_ISA`, `MKL_CBWR` with `MKL_ENABLE_INSTRUCTIONS`) capped by what the CPU supports. So FLARE pins a
+level every x86-64 machine of this workplace supports (`cpu_isa=avx2`, the default) before a run's first tensor
+operation, checks afterwards that the libraries really dispatch there, and records the level in the run
+(state.json, summary.md). `cpu_isa=native` lets each library pick the CPU's best (faster, other digits). The
+measurements behind it and which claims hold on which CPUs: docs/reproducibility.md and docs/performance.md.
 """
 from __future__ import annotations
 

@@ -6,17 +6,11 @@ same seeded global init, same anchors), takes one client's data (client 0 by def
 training set with `--all-data`), draws `--batches` fixed batches with fixed augmentation seeds, and runs
 power iteration on Hessian–vector products (double backward) of the mean loss over those batches.
 
-The loss probed is the weights' local loss at p = 0: the objective's base terms (FAFI or CE) plus, for
-the alignment methods, λ·L_align with λ the client's initial λ (λ0 or the entropy rule; a(0) = 1 for
-every schedule, and λ learners start at λ_raw = λ_init). Plain V10 (`lam.learner=uw`) scales the whole
-weights' loss by ½e^{−s_l} = ½ at the start, so the probe does too. The extra terms of `loss.terms` are
-included, and the client's λ provider (plugins included) weighs L_align through its `probe_loss`. Contrast
-extensions (memory / public bank) are left out: the memory bank is empty at the start, and the public bank needs
-the server's teacher.
-BatchNorm runs in training mode (batch statistics), as in local training.
-
-Power iteration converges to the eigenvalue of largest *magnitude*; if that one is negative, a second
-run on H − μI finds the largest (positive) eigenvalue.
+The loss probed is the weights' local loss at p = 0 with the client's initial λ, weighed by its λ provider's
+`probe_loss` (plugins included), with the extra terms of `loss.terms`; the contrast extensions are left out (the
+memory bank is empty at the start, the public bank needs the server's teacher). BatchNorm runs in training mode,
+as in local training. Power iteration converges to the eigenvalue of largest *magnitude*; if that one is negative,
+a second run on H − μI finds the largest (positive) eigenvalue.
 """
 from __future__ import annotations
 

@@ -36,7 +36,6 @@ def peak_index(values) -> int | None:
     return int(np.nanargmax(a))
 
 
-
 @dataclass
 class RunData:
     """A run directory read back for reports (works on old, partial and foreign runs alike)."""

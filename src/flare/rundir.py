@@ -1,16 +1,4 @@
-"""The run directory's one owner: every file of a run is written and read here.
-
-    config.yaml         the fully resolved config
-    partition.json      per-client counts, class histograms, label entropies
-    metrics.jsonl       one {"kind": "round"} line per round, one {"kind": "client"} line per client per round
-    checkpoint.pt       every client's state after the last complete round, the records of every round so far,
-                        the random generators' state (atomic; torch.load(weights_only=True) reads it)
-    checkpoint.prev.pt  the checkpoint one round earlier (the fallback when the newest is unreadable)
-    state.json          {"status": ..., "rounds_done": r, "warnings": [...], "backend": how it computed,
-                        "config": the config the files were computed with, "config_fingerprint": its hash,
-                        "files": the hash of each other record a later command trusts (partition.json)}
-    fuse.jsonl          one {"kind": "fuse", "strategy": s, "round": R-1, "acc": a} line per strategy of `flare fuse`
-    summary.md, plots/  written by `flare.report.run_report` from the files above; .lock: the one writer's flock
+"""The run directory's one owner: every file of a run is written and read here (the files: docs/getting-started.md).
 
 Writers (`flare run`, `flare compare`, sweep points, a Flower server) take the lock first; the OS releases it
 when the process ends, however it ends, so a killed run never blocks its own resume. Everything is written

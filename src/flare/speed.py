@@ -2,19 +2,11 @@
 fastest in, and how that compares with the exact profile.
 
 Why measured, not assumed: torch reports bf16 as supported wherever oneDNN can run it, and on an AVX512 CPU
-without native bf16 (Skylake, Cascade Lake, Ice Lake Xeons) oneDNN emulates it — a ResNet-18 round there took
-513 s in bf16 against 313 s in exact fp32. So the choice is made in two steps:
-
-1. the CPU's own flags (/proc/cpuinfo: `avx512_bf16`, `amx_bf16`) decide which candidates are worth timing — bf16
-   is timed only where the CPU has native bf16;
-2. a short probe times a few steps of the run's model at the run's input shape for every candidate (fp32 and
-   bf16 autocast, NCHW and NHWC, at the kernels this process runs) and for the exact profile itself (fp32, NCHW,
-   the pinned default kernels — in a child process, since the kernel level is fixed per process).
-
-A candidate other than plain fp32 is chosen only when it beats plain fp32 by `MARGIN`; the run's summary states the
-choice, the figures and the ratio to exact. The figures are cached on disk per (CPU model, flags, torch version,
-threads, model, input shape, probe batch) under $XDG_CACHE_HOME/flare (default ~/.cache/flare), so a machine pays
-for the probe once per model; delete the file to measure again.
+without native bf16 oneDNN emulates it — a ResNet-18 round there took 513 s in bf16 against 313 s in exact fp32.
+So the CPU's own flags decide which candidates are worth timing, a short probe times them (and the exact profile,
+in a child process, since the kernel level is fixed per process), and a candidate other than plain fp32 wins only
+by `MARGIN`. The figures are cached on disk per machine and model. The steps, the cache's key and place:
+docs/performance.md.
 """
 from __future__ import annotations
 

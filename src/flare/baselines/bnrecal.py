@@ -1,23 +1,10 @@
 """BatchNorm recalibration on the server's public slice: `bnrecal`.
 
-Each client's BatchNorm running statistics were gathered on its own skewed data; at full scale, evaluating FAFI's
-client encoders with per-batch statistics instead of their running statistics lifted FAFI from 53.4 % to 58.8 %
-(H100), so the clients' running statistics are a large part of the one-shot gap. This server re-estimates them on
-the unlabeled public slice (`dataset.public_size`), which is drawn from the training distribution and disjoint from
-the test set, and then applies a fusion rule to the K recalibrated models:
-
-* a deep copy of every client model (the clients' own models are never touched);
-* forward passes over the public slice in batches of `batch_size`, with only the BatchNorm layers in train mode
-  (they normalise with each batch's statistics, as a model being recalibrated does — torch's `update_bn`), no
-  gradient;
-* every BatchNorm layer's running mean and (unbiased) variance set to the mean and variance of its inputs over the
-  *whole* slice, merged exactly across batches (Chan's formula, float64) — what `momentum=None` (the cumulative
-  average) gives when one batch covers the slice; with several batches, the cumulative average of per-batch
-  variances would miss the spread of the batch means;
-* `rule`: `feature` (Σ_k w_k f_k matched to the global prototypes G: FAFI's server; prototype heads), `output`
-  (Σ_k w_k softmax(z_k), or raw logits with server.ensemble=logits) or `auto` (feature for prototype heads,
-  output otherwise) — the built-in rule itself (server/rules.py) over the recalibrated models' outputs
-  (server/fusion.py `client_outputs`), with the weights `server.weights` and the round's G.
+Each client's BatchNorm running statistics were gathered on its own skewed data, a large part of the one-shot gap.
+This server re-estimates them, on deep copies of the client models, over the unlabeled public slice
+(`dataset.public_size`; exact over the whole slice, merged across batches) and then applies a fusion rule
+(`feature`, `output` or `auto`: the built-in rules of server/rules.py) to the K recalibrated models. The
+measurement that motivates it, the merge and the rules: docs/baselines.md, `bnrecal`.
 """
 from __future__ import annotations
 

@@ -1,16 +1,11 @@
-"""Client-side one-shot baselines of the official FAFI code: FedProto and FedETF.
+"""Client-side one-shot baselines of the official FAFI code: FedProto and FedETF (docs/baselines.md).
 
-* **FedProto (one-shot)** — clients train plain CE (a linear head). After training each client reports, per class,
-  the sum of its encoder's features over its own samples and their count (`Upload.extras`); the server's global
-  prototype of class c is the mean of the clients' class-c means over the clients that hold class c (unweighted,
-  as the reference's `protos_cluster`), and a test image is predicted as the class whose prototype is nearest in
-  squared Euclidean distance (the reference's MSE). `fedproto` reads the features of the FedAvg encoder (the
-  reference's "avg" mode); `fedproto_fused` the weighted sum of the client encoders' features (its "ensemble" mode).
-  Departure: the clients' features are computed on their normalised, un-augmented images in eval mode (the
-  reference reuses its training loader and transforms) — a statistic should not depend on augmentation draws.
-* **FedETF (one-shot)** — the `etf` head (flare.models.heads.ETFHead: a projection to C dimensions, L2-normalised,
-  times a fixed simplex ETF) trained with CE; the server averages the weights (FedAvg) and ensembles raw logits
-  (`server.ensemble=logits`, the reference's WETFEnsemble). The `fedetf` objective registered here trains that
+* **FedProto (one-shot)** — clients train plain CE (a linear head) and report per-class feature sums and counts
+  (`Upload.extras`); the server's prototype of class c is the unweighted mean of the clients' class-c means, and a
+  test image takes the class of the nearest prototype. `fedproto` reads the FedAvg encoder's features,
+  `fedproto_fused` the weighted sum of the client encoders' features.
+* **FedETF (one-shot)** — the `etf` head (flare.models.heads.ETFHead) trained with CE; the server averages the
+  weights and ensembles raw logits (`server.ensemble=logits`). The `fedetf` objective registered here trains that
   head; the preset composes it (src/flare/presets/fedetf.yaml).
 """
 from __future__ import annotations

@@ -3,30 +3,10 @@
 ICLR 2024). Neither needs public data: a generator synthesises inputs from the client ensemble, and a fresh
 student of the run's architecture is distilled from the ensemble on the synthetic pool.
 
-Every epoch (the reference codes: zj-jayzhang/DENSE helpers/synthesizers.py + loop_df_fl.py, rong-dai/Co-Boosting
-datafree/synthesis/{dense,coboost}.py + datafree_kd.py):
-
-1. the generator (the references' DCGAN-style `Generator`: linear → BN → ×2 up → conv-BN-LReLU → ×2 up →
-   conv-BN-LReLU → conv → sigmoid) is re-initialised (N(0, 0.02)), a fresh batch of noise z (learnable) and
-   random pseudo-labels y are drawn, and `g_steps` Adam steps (β = (0.5, 0.999)) on generator and z minimise
-   bn·L_bn + oh·L_ce + adv·L_adv: L_bn = Σ_k w_k Σ_layers ‖μ − running_mean‖ + ‖σ² − running_var‖ over every
-   client model's BatchNorm inputs, L_ce = CE(ensemble(x), y), L_adv = −KL(ensemble ‖ student) per sample
-   (DENSE: T = 1, only where the student's argmax disagrees; Co-Boosting: T = 3, every sample);
-2. the batch of the lowest loss joins the pool (as uint8 images, as the references' PNG files);
-3. (Co-Boosting, from the second epoch) the ensemble weights take one signed step of −mu·wdc^epoch on the
-   gradient of CE(ensemble(x), y) per pool batch, clamped to [0, 1];
-4. the student takes one pass over the pool (crop with 4-pixel padding + flip), KL at temperature T (× T²), SGD;
-   Co-Boosting first moves each input one signed step of size eps along the gradient of a random projection of
-   the ensemble's softened output (ODS, as its code does; `perturb=disagreement`: along the gradient of the
-   student-ensemble KL).
-
-Co-Boosting also weights the generator's CE per sample by (1 − p_y)^hs, the ensemble's missing confidence.
-
-Departures: the references keep the student that scored best on the *test* set after every epoch; this server
-returns the last student. The ensemble is weighted by `server.weights` (the references: uniform) and Co-Boosting's
-learned weights start from them. DENSE's public code attaches its BatchNorm hooks to `Ensemble_A(...).modules()`,
-whose models sit in a plain Python list, so its L_bn is always 0; the paper's L_bn is used here (`bn=0` gives the
-code's behaviour). The synthetic images take the run's input shape (`ServerContext.input_shape`).
+Every epoch: the generator is re-initialised and trained against the ensemble (BatchNorm statistics, CE to
+pseudo-labels, adversarial disagreement with the student); the batch of the lowest loss joins the pool;
+Co-Boosting moves its ensemble weights; the student takes one pass over the pool. Each step with the reference
+codes' lines (zj-jayzhang/DENSE, rong-dai/Co-Boosting), the options and the departures: docs/baselines.md, `dense`.
 """
 from __future__ import annotations
 

@@ -3,26 +3,9 @@ one-shot server: `feddf`.
 
 The server starts from the FedAvg of the uploads and distils the clients' ensemble into it on the unlabeled public
 slice (`dataset.public_size`), as the reference code's `noise_knowledge_transfer` aggregation does
-(epfml/federated-learning-public-code, codes/FedDF-code/pcode/aggregation/noise_knowledge_transfer.py):
-
-* teacher: `update_student_scheme=avg_logits` (the README's FedDF command) — the weighted sum of the client
-  models' logits Σ_k w_k z_k, softened at temperature T; `ensemble=softmax` is the reference's `avg_probs`
-  (Σ_k w_k softmax(z_k), no temperature on the teacher);
-* loss: KL(teacher ‖ student) at temperature T, batch mean, no T² factor (the reference's `divergence`);
-* Adam (lr 1e-3) with cosine annealing over the steps, gradient norm clipped at 5, the student in train mode (its
-  BatchNorm statistics follow the public data), the teachers in eval mode;
-* batches of 64 (the README's `--batch_size 64`, which sizes the distillation loader) drawn without replacement,
-  reshuffled every pass; the CIFAR training transform of the distillation set (random crop with 4 pixels of zero
-  padding, horizontal flip) as `augment`.
-
-Departure: the reference distils for up to 10 000 batches and keeps the student that scored best on a labelled
-validation split, stopping after 1 000 batches without improvement (`early_stopping_server_batches`). A one-shot
-server here selects nothing on labels: it runs a fixed `steps` (the reference's cap by default) and returns the
-last student. The weights w_k are the run's `server.weights` (the reference's avg_logits used 1/K).
-
-Clients of different architectures (docs/heterogeneous.md): the student is the server architecture (`server.model`)
-and starts from the FedAvg of the clients that run it, as FedDF distils each architecture from its own clients'
-average; the teacher is every client's logits.
+(epfml/federated-learning-public-code). It selects nothing on labels: a fixed number of `steps`, the last student.
+With clients of different architectures the student is the server architecture (`server.model`). The teacher, the
+loss, the optimiser and the departures: docs/baselines.md, `feddf`.
 """
 from __future__ import annotations
 

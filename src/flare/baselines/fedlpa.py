@@ -3,35 +3,16 @@ reference code lebronlambert/FedLPA_NeurIPS2024) and RegMean (Jin et al., "Datal
 Weights of Language Models", ICLR 2023; reference code bloomberg/dataless-model-merging).
 
 Both merge each Linear / Conv2d layer (and a prototype head) from per-client Kronecker factors that the clients
-compute after training and upload as extras (server/extras.py):
-
-* A_k = E[ã ãᵀ] over the layer's inputs ã (a conv's unfolded patches, mean over samples and positions; a 1
-  appended when the layer has a bias), on `batches` × `batch_size` of the client's own samples (normalised, not
-  augmented, drawn with a fixed seed), the model in eval mode;
-* for FedLPA also G_k = (1/N) Σ_n Σ_positions g gᵀ, g the gradient of the per-sample loss w.r.t. the layer's
-  output. The loss is the cross-entropy of the model's logits (`fisher`): `empirical` with the client's labels (the
-  reference's choice: its K-FAC hooks read the CE gradient of the true targets), or `sampled` with y drawn from the
-  model's own softmax (the true Fisher of its predictive distribution). Over FAFI/FLARE clients the prototype
-  matrix P (C×d) is handled as the bias-free linear layer it is — logits = normalize(f) Pᵀ, so ã is the normalised
-  feature and g = softmax(logits) − e_y — i.e. the Fisher of the clients' classification term CE(normalize(f)Pᵀ, y),
-  the only likelihood in the FAFI objective (SupCon is not one, so it contributes nothing).
-
-The server solves, per layer with weight matrix W (out × in, bias as the last column),
+compute after training and upload as extras (server/extras.py): A_k = E[ã ãᵀ] over the layer's inputs and, for
+FedLPA, G_k over the gradients of the per-sample loss w.r.t. its output. The server solves, per layer with weight
+matrix W (out × in, bias as the last column),
 
     FedLPA:  Σ_k w_k G_k M A_k = Σ_k w_k G_k W_k A_k
     RegMean: M Σ_k w_k A_k = Σ_k w_k W_k A_k   (G = I; exact: M = (Σ w W A)(Σ w A)⁻¹)
 
-with w = ctx.weights. FedLPA starts from the closed form M₀ = (Σ w G)⁻¹ (Σ w G W A) (Σ w A)⁻¹ (the reference's
-"biased" expectation approximation, exact when the clients' factors agree) and refines it by `refine_steps`
-iterations of conjugate gradient on the exact system, preconditioned by M ↦ Ḡ⁻¹ M Ā⁻¹ (the reference runs 10,000
-steps of gradient descent on the MSE of the same system and then keeps whichever of the two scores better on the
-test set; we keep the refined solution). Damping: F_k + λ I, λ = damping · Σ_k w_k mean(diag F_k), one λ per factor
-and layer for all clients (relative, so one value fits every layer's scale; the reference adds ≈ 1 · I to both
-factors whatever their scale); RegMean also
-scales its Gram matrices' off-diagonal entries by `alpha` (its `reduce_non_diag`). BatchNorm parameters and buffers
-and anything else are averaged with the weights. Memory: a factor of dimension n costs n² floats per client — a
-full-width ResNet-18's last convolutions have n = 512·9 = 4608 (81 MiB each); `max_block` keeps every factor larger
-than it block-diagonal (equal diagonal blocks of at most `max_block`), which the solve treats exactly as given.
+with w = ctx.weights; FedLPA from the closed form of its "biased" approximation, refined by preconditioned
+conjugate gradient. The factors, the damping, `max_block` and the departures: docs/baselines.md, `fedlpa` and
+`regmean`.
 """
 from __future__ import annotations
 

@@ -3,26 +3,9 @@ that talks back: `fens`.
 
 After the one-shot upload the server sends every client model to every client; each client computes the frozen
 models' logits on its own samples; then a few federated rounds train a small aggregator over those outputs with
-FedAdam, and the aggregator over the K clients' logits is the predictor. Settings from the reference code
-(sacs-epfl/fens):
-
-* aggregator: `SmallNN` (models/smallnn.py:8-9), Linear(K·C → K·d) → ReLU → Linear(K·d → C), d = 2
-  (scripts/train_aggregator.sh:47 `--d 2`), PyTorch's default init; its input is the K models' raw logits
-  concatenated in client order (generate_logits_v2.py:226-227, `torch.hstack`), models in eval mode;
-* clients: cross-entropy (train_LocalSGD.py:107), plain SGD at lr 1 without momentum (train_aggregator.sh:26,47;
-  FedAdam.step ignores the weight decay it is given, distoptim/FedAdam.py:64), 1 local step per round
-  (train_aggregator.sh:28, `--lowE/--highE` as iterations) on a batch of 128 (train_aggregator.sh:45) — the first
-  batch of a freshly shuffled pass over the client's samples, as a new DataLoader iterator gives;
-* server: FedAdam (distoptim/FedAdam.py:68-105): Δ = Σ_i r_i (x_i − x) with r_i ∝ the samples client i saw this
-  round (min(n_i, 128·steps), train_LocalSGD.py:436-446); m ← β1 m + (1 − β1) Δ, v ← β2 v + (1 − β2) Δ² (the first
-  round: m = (1 − β1) Δ, v = (1 − β2) Δ²), x ← x + η m / (√v + ε), no bias correction; η = 0.001
-  (train_aggregator.sh:27), β1 = 0.9 (`--gmf 0.9`), β2 = 0.99, ε = 1e-3 (FedAdam.py:18-20); 500 rounds
-  (train_aggregator.sh:51), every client in every round.
-
-Departure: the reference holds out a proxy share of each client's data (`--proxy_ratio 0.1`) from local training and
-trains the aggregator on it; a FLARE client has trained on all its samples before the upload, so the aggregator
-trains on the logits of samples the models have seen. Nothing is selected on the test set: a fixed round count,
-the last aggregator. Its extra rounds and their bytes each way are in the round record (`fens.rounds`,
+FedAdam, and the aggregator over the K clients' logits is the predictor. The aggregator, the clients' SGD and the
+server's FedAdam with the reference code's lines (sacs-epfl/fens), and the departure (no held-out proxy share):
+docs/baselines.md, `fens`. Its extra rounds and their bytes each way are in the round record (`fens.rounds`,
 `fens.bytes_down`, `fens.bytes_up`).
 """
 from __future__ import annotations

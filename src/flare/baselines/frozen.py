@@ -4,20 +4,11 @@ Both read what the clients upload about the *frozen* features — the input of a
 the plain image's feature `normalize(x)` — never the clients' trained adapters, and both end in a linear head over
 those features, scored on the test features (`FeatureLinear`).
 
-FedCGS (AAAI 2025; its authors' reference code, Yuqin-G/FedCGS on GitHub): every client uploads, in float64,
-its per-class feature sums and counts, its feature sum A and its second moment B = Σ x xᵀ. The server adds them up
-— exactly the centralised statistics, whatever the split — and builds the Gaussian classifier of the reference: the
-class means μ_c, the covariance of all the features around their global mean μ, S = (B − μAᵀ − Aμᵀ + N μμᵀ)/(N − 1),
-plus γI (the reference's γ = 0), and the linear head W = M S⁻¹, b_c = −½ μ_cᵀ S⁻¹ μ_c + log(N_c/N). No training,
-no randomness: its accuracy cannot depend on α or K (tests/test_frozen_encoder.py shows it).
-
-FedPFT (Beitollahi et al. 2024; the Flower baseline of it): every client fits, per class it holds more than
-`n_mixtures` samples of, a Gaussian mixture of its features (scikit-learn's GaussianMixture with the baseline's
-settings) and uploads its means, weights and covariances in float16 and the class's sample count. The server draws
-that many features from each mixture (GaussianMixture.sample, seeded as the baseline) and trains a linear head on them
-with AdamW. The defaults are the baseline's default configuration: 2 spherical components, tol 1e-12,
-max_iter 10000, seed 0; the head 1 epoch at lr 1e-4, batch 32. Upload shapes are fixed (the gate checks them), so a
-class a client lacks travels as zeros with count 0 and is skipped, as the baseline skips it.
+FedCGS (AAAI 2025; Yuqin-G/FedCGS): the clients' float64 per-class feature sums and counts, feature sums and second
+moments add up to the centralised statistics, and the server builds the reference's Gaussian classifier from them —
+no training, no randomness. FedPFT (Beitollahi et al. 2024; its Flower baseline): each client fits per-class
+Gaussian mixtures of its features, the server samples features from them and trains a linear head with AdamW. Their
+formulas and settings: docs/frozen-encoder.md.
 """
 from __future__ import annotations
 

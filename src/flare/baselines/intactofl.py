@@ -2,42 +2,10 @@
 zenghui9977/IntactOFL, cited below by its paths under source/): the K client models are kept intact as the experts
 of a mixture whose gate alone is trained, data-free, on generator-synthesised inputs.
 
-The mixture (source/oneshot_algorithms/synthesizer_utils.py:810-888, `LinearGatingNetwork` and `MoEEnsemble`):
-
-* the gate is one linear layer over the flattened, normalised image (C·H·W → K): it sees the image, not the
-  experts' features (synthesizer_utils.py:817, 821-822); its scores are not softmaxed — each row keeps its k
-  largest scores and zeroes the rest (synthesizer_utils.py:824-826), k = ⌊top_k_share · K⌋
-  (oneshot_intactofl.py:55);
-* the output is the mean over the experts of gate score × expert logits, (1/K) Σ_k g_k(x) z_k(x)
-  (synthesizer_utils.py:864, 883).
-
-Every epoch (oneshot_intactofl.py:106-117):
-
-1. DENSE's synthesis (datafree.py's `Synthesis`, unchanged): the generator is re-initialised, a fresh z and sorted
-   pseudo-labels y are drawn, and `g_steps` Adam steps minimise bn·L_bn + oh·CE(mixture(x), y) − adv·KL, where the
-   teacher is the mixture itself and the adversary is the plain average of the experts (the reference's
-   `student_model = Ensemble(model_list)`, oneshot_intactofl.py:59, 76-79): KL(mixture ‖ average) at T = 3 on the
-   samples whose argmax they disagree on (synthesizer_utils.py:713-718); no augmentation inside synthesis
-   (synthesizer_utils.py:705-708); generator gradients clipped to norm 10 (synthesizer_utils.py:722). The batch of
-   the lowest loss joins the pool (all epochs are kept: `his: True`, cifar10_clients5_dir0.1.yaml:135);
-2. one pass over the pool (oneshot_intactofl.py:9-46): each batch takes one signed ODS step of size eps along the
-   gradient of a random projection of the average's output softened at T = 4 (oneshot_intactofl.py:18-24); the gate
-   then minimises CE(mixture, y) + balance·std(gate scores) + distill·KL_T(average ‖ mixture)·T²
-   (oneshot_intactofl.py:27-40; std over every score of the batch, unbiased, as torch.std), its gradient clipped to
-   norm 10 (oneshot_intactofl.py:45), SGD with momentum 0.9 (oneshot_intactofl.py:101), cosine-annealed over the
-   epochs (oneshot_intactofl.py:103, stepped once per epoch, :117).
-
-Departures, each an option or a note: the reference keeps the best test accuracy over the epochs
-(oneshot_intactofl.py:115-122); this server returns the last gate and scores nothing on test unless `curve_every`
-asks for a record. The reference steps ODS by its `odseta: 8` as is (oneshot_intactofl.py:113), i.e. 8 standard
-deviations per pixel, while its Co-Boosting reads the same key as 8/255 (oneshot_coboosting.py:109); `eps` defaults
-to 8/255 (`eps=8` is the code's literal step). The average and the BN term are weighted by `server.weights` (the
-reference: uniform 1/K, utils.py:246 and synthesizer_utils.py:712; equal with `server.weights=uniform`), and the BN
-term hooks every BatchNorm with running statistics (the reference: BatchNorm2d only), as `dense` does. A share that
-rounds to no expert keeps one (the reference's k = 0 would zero the mixture). The reference publishes one one-shot
-setting (CIFAR-10, 5 clients, cifar10_clients5_dir0.1.yaml) and none for Fashion-MNIST: its values are the defaults
-for every dataset; the paper's appendix B.2 states 20 generator iterations and 40 gate epochs instead of the
-code's 30 and 200 (`g_steps=20 epochs=40`).
+The gate is one linear layer over the flattened image whose scores keep their top k per row; the mixture is the
+mean of gate score × expert logits. Every epoch runs DENSE's synthesis (datafree.py's `Synthesis`, with the mixture
+as teacher and the experts' average as adversary), then one pass of gate training over the pool. The mixture, the
+epoch, the options with their reference lines and the departures: docs/baselines.md, `intactofl`.
 """
 from __future__ import annotations
 

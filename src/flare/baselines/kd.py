@@ -67,7 +67,6 @@ def fresh_model(cfg: Config, in_channels: int, num_classes: int, seed: int, devi
     return model.to(device)
 
 
-
 @contextmanager
 def eval_mode(models: list[nn.Module]):
     """The client models in eval mode inside (the teachers: their BatchNorm statistics must not move), every

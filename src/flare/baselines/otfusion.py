@@ -2,29 +2,13 @@
 weight-based variant with exact OT, for K clients: every client's neurons are aligned to one pivot client, layer by
 layer, and the aligned models are averaged with the aggregation weights.
 
-Per group of neurons (a layer's output channels), in forward order: the client's incoming weights are first mapped by
-the maps already found for their inputs (the reference's `past_correction`), the cost between client neuron i and
-pivot neuron j is the Euclidean distance of their incoming weight rows (bias appended), and the transport plan is
-`ot.emd` with uniform marginals, times the group size (the reference's `correction`: each pivot neuron receives a
-convex combination of client neurons — between two equal-size layers, a permutation). The client's tensors are then
-mapped on their output axis (Tᵀ W) and on their input axis (W T).
-
-What the reference does not have (its models are bias- and BatchNorm-free), and what we do:
-
-* BatchNorm weight, bias, running_mean and running_var follow their channels' map (num_batches_tracked: the pivot's);
-* residual blocks (ResNet BasicBlock / Bottleneck): a block's output is added to its shortcut's, so both share ONE
-  map. An identity shortcut writes the block's output into its input's channels: the block's last conv (and its BN)
-  take the input's map, which was found where that residual stream began (the stem conv, or the last downsampling
-  block). A projection shortcut (1×1 conv + BN) starts a new stream: its map is found by OT on the concatenated
-  incoming rows of the block's last conv and of the shortcut conv. (The reference's `--handle-skips` instead finds
-  separate maps for the two and averages them, and ignores identity shortcuts — exact only for permutations that
-  happen to agree.)
-* heads: the final feature map is applied to the prototype matrix's columns (it reads the features); a linear
-  head's weight gets it on its input columns; the classes (output rows) are never permuted.
-
-The walk follows each module's children in registration order, which is the data flow of every FLARE encoder (cnn,
-resnet*) and of plain Sequential stacks; a module with its own parameters that is not Conv2d (groups=1), Linear,
-BatchNorm or a FLARE head is refused (FlareError), as are clients whose state dicts differ in names or shapes.
+Per group of neurons, in forward order, the transport plan (`ot.emd` over the distances of incoming weight rows
+already mapped by their inputs' maps) maps the client's tensors on their output and input axes. BatchNorm follows
+its channels' map, a residual block's output shares its shortcut's map, the classes are never permuted. The walk
+follows each module's children in registration order (the data flow of every FLARE encoder); a module with its own
+parameters that is not Conv2d (groups=1), Linear, BatchNorm or a FLARE head is refused (FlareError), as are
+clients whose state dicts differ. Residual streams, heads and what the reference does otherwise:
+docs/baselines.md, `otfusion`.
 """
 from __future__ import annotations
 

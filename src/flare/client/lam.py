@@ -10,24 +10,11 @@ the learned alignment strength of docs/method.md#learned-λ-v10v14 (the notes' V
 Each client owns two scalars, `s_l = log σ²_local` and `s_a = log σ²_align`, and their own optimizer
 (plain SGD, `lam.sigma_lr`), kept across rounds and in the client's checkpoints. Warm start from the
 entropy rule of V9: `s_l = 0`, `s_a = −log λ_init`, so that `λ_raw = exp(s_l − s_a)` starts at `λ_init`.
+The modes (`lam.learner`: `uw`, `uw-rescaled`, `decoupled`) and their losses are the table of that section.
 
-Modes (`lam.learner`):
-
-* `uw` (V10), one objective for weights and σ (Kendall et al. 2018):
-  `L = ½e^{−s_l}·base + ½e^{−s_a}·a(p)·L_align + ½(s_l + s_a)`.
-* `uw-rescaled` (V10-rescaled; V11 with `lam.anneal` linear/cosine): `L' = 2·sg(e^{s_l})·L`; the weights
-  see `base + a(p)·λ_raw·L_align`, σ follow `L'`.
-* `decoupled` (V12; V13 with `gamma_reg`; V14 = FLARE with `beta`, `gamma_lambda`):
-  weights `L_w = base + λ_eff·L_align`, `λ_eff = sg(s(p)·λ_raw)`;
-  σ `L_σ = ½e^{−s_l}·sg(base) + s(p)·½e^{−s_a}·sg(L_align) + ½(s_l + s_a)
-         + γ_reg·e^{−s_a} + β·s_l² + γ_λ·ReLU(exp(s_l − s_a) − valve_threshold)`.
-
-Gradient routing. In every mode the trainer's single `(local + align + sigma).backward()` gives the weights
-exactly the gradient of their loss and σ exactly the gradient of theirs: `local`/`align` hold σ only
-through detached factors, and `sigma` holds the weights' losses only detached. For `uw`/`uw-rescaled`
-this split reproduces the gradients of the single objective `L` (resp. `L'`) term by term; keeping σ's
-objective in `sigma` in every mode also means gradient surgery (PCGrad), which looks at `local` and `align`
-over the weights only, never drops or distorts σ's gradient. No second forward, no second backward.
+Gradient routing: `local`/`align` hold σ only through detached factors and `sigma` holds the weights' losses only
+detached, so the trainer's single `(local + align + sigma).backward()` gives the weights and σ exactly the
+gradients of their own losses, and gradient surgery over `local` and `align` never touches σ's.
 """
 from __future__ import annotations
 

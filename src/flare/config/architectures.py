@@ -5,11 +5,8 @@ A run is *mixed* when its clients do not all run one layout (name, width and opt
 fusion rules that average tensor by tensor need); clients of one layout that start from different checkpoints are
 one architecture for them, though each checkpoint is its own seeded init (`Architecture` equality). The
 default — neither key set — is one architecture, the top-level `model`, for every client, exactly as before these
-keys existed. `model.clients` is a list of K entries or a mapping client index → entry (the others run `model`);
-`model.mix` a mapping name → number of clients, dealt to the clients by a permutation seeded with `seed`, so a
-sweep over seeds also varies who runs what. An entry is a registered model name, or a mapping with `name` and any
-of `width`, `options`, `checkpoint` (the missing ones taken from `model` when the name is `model.name`, else the
-name's defaults; `width` always from `model`).
+keys existed. The forms of `model.clients` and `model.mix` (a seeded deal, so a sweep over seeds also varies who
+runs what) and of an entry: docs/heterogeneous.md.
 """
 from __future__ import annotations
 

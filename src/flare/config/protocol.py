@@ -2,33 +2,14 @@
 
 The notes' numbers came out of the reference code's *protocol* (how it evaluated, scaled inputs, trained the
 baselines, measured progress, ...), not only out of its formulas. `protocol=reference` reproduces that protocol;
-`clean` (the default) is ours. Every item is also a key of its own, so that an ablation can flip one:
+`clean` (the default) is ours. Every item is also a key of its own (`ITEMS`), so that an ablation can flip one;
+the items, their two values and the evidence for each: docs/reproduction.md.
 
-    key                    clean       reference                        (evidence: docs/reproduction.md)
-    eval.bn                running     batch                            (a) train-mode BN on shuffled test batches
-    augment.input_scaling  dataset     reference                        (b) [-1,1] train / [0,1] test, ...
-    augment.per_image      true        false                            (b) torchvision draws once per batch
-    loss.ce_input          augmented   plain                            (c) baselines: one un-augmented view
-    server.ensemble        softmax     logits (ce) / softmax (protos)   (c) the Ensemble sums raw logits
-    server.fedavg_buffers  average     first                            (c) FedAvg keeps client 0's BN buffers
-    progress               epoch       round-reset / epoch / epoch-end  (d) see `_reference_progress`
-    align.target_progress  global      round-reset                      (d) V8's target restarts every round
-    server.protos_flow     spec        reference                        (d) Plan B as OneshotOursV9
-    amp                    auto        off                              (e) fp32
-    drop_last              false       true with dirichlet-fafi         (f) the official loader's drop_last
-    partition.rng          generator   legacy (dirichlet kinds, iid)    (g) numpy's legacy global RNG
-
-Layering. A config is built as defaults ← preset ← file ← overrides into one mapping; then, before the schema
-validates it, `fill_protocol` writes the reference value of every item key the mapping does *not* set. So an
-item set anywhere (preset, file, override) wins over the protocol, and `protocol=reference eval.bn=running` is
-"reference with running-statistics BN". The clean values are the schema's defaults, so `protocol=clean` changes
-nothing. The written config.yaml holds every item explicitly: re-running it with another `protocol=` value keeps
-those items (change the items, or start from a config without them).
-
-Some reference values depend on other keys, because the reference code changed between the notes' two batches
-of runs and its partition tells which batch a setting belongs to: `dirichlet-fafi` (the official partition)
-came with drop_last and the per-round progress reset (the first batch, Sep 25–29), the card dealer with the
-global progress and no drop_last (the later batch, from Oct 17).
+Layering. Before the schema validates a config, `fill_protocol` writes the reference value of every item key the
+mapping (defaults ← preset ← file ← overrides) does *not* set, so an item set anywhere wins over the protocol
+and `protocol=clean` (the schema's defaults) changes nothing. Some reference values depend on other keys, because
+the reference code changed between the notes' two batches of runs and its partition tells which batch a setting
+belongs to: `dirichlet-fafi` came with drop_last and the per-round progress reset, the card dealer without them.
 """
 from __future__ import annotations
 

@@ -12,38 +12,9 @@ Policy (torchvision's SupCon recipe, in this order):
 4. `RandomGrayscale(p=0.2)`;
 5. `(x/255 - mean) / std` (the same arithmetic as `normalize`, which the evaluation path uses).
 
-Choices (written down so that the departures from torchvision are known):
-
-* kornia's `ColorJitter` (not `ColorJiggle`) is used: it implements torchvision's formulas (brightness multiplies,
-  contrast/saturation blend with the grayscale mean/grayscale image, hue via torchvision's `adjust_hue`).
-  Factors are drawn per image; the *order* of the four jitter steps is drawn once per call (kornia's
-  `ColorJitterGenerator` draws one permutation per batch), whereas torchvision draws it per image.
-* The crop uses kornia's `cropping_mode="resample"`: one batched `warp_affine` (grid_sample) for the whole batch.
-  kornia's default `"slice"` mode loops over the images in Python (one `interpolate` per image), which is slower
-  on CPU (measured ≈20 ms vs ≈17 ms for 512×3×32×32 on 2 cores) and much worse on a GPU (hundreds of tiny
-  kernel launches per batch). The price: resample mode maps the crop's corner pixel centres onto the output's
-  corner pixel centres (`align_corners=True`), while torchvision resizes the crop on the half-pixel grid; the
-  two differ by a sub-pixel rescaling only. Crops never down-scale (the output size is the input size), so
-  torchvision's antialias flag has no effect and needs no counterpart.
-* Normalisation is done here by `normalize` rather than by `kornia.augmentation.Normalize`, so the augmentation
-  with everything switched off is bit-identical to the evaluation transform.
-* 1-channel images (Fashion-MNIST): saturation, hue and grayscale are meaningless and are skipped; the crop,
-  flip and brightness/contrast jitter (still gated with p=0.8) apply.
-* `per_image=True` (default): every random parameter — crop box, flip, jitter gate and
-  factors, grayscale gate — is drawn independently for every image. `per_image=False` reproduces the seeds'
-  behaviour (torchvision transforms called on a whole batch tensor → one parameter set per batch) through
-  kornia's `same_on_batch=True`.
-* The two views are two separate calls of the pipeline, so they are independent of each other (in both modes).
-* `pre_mean`/`pre_std` (the reference's input scaling for CIFAR-100 and SVHN, `flare.data.scaling`) standardise
-  the images *before* the policy, as the reference's dataset transform did; kornia's colour jitter then clamps
-  the images it fires on to [0, 1], as torchvision's tensor jitter did. Without them the images enter the policy
-  in [0, 1] (the clamp never acts).
-* Randomness: kornia draws every parameter from torch's default generator of the device the module was
-  moved to (`.to(device)`; kornia 0.9 moves its samplers with the module, so on a GPU it draws from the
-  CUDA generator and no parameter crosses from host to device), and a few samplers draw on the CPU; so
-  `torch.manual_seed(s)`, which seeds both, makes the views reproducible. The trainer gives every
-  client-round its own streams (`flare.client.trainer.RngStreams`). The augmentation runs under
-  `torch.no_grad()` and with autocast disabled: the views are always float32.
+Where and why it departs from torchvision (the jitter's order, the crop's resample mode, the normalisation, the
+per-batch draws, the reference's input scaling, the random generators): the list under the policy in
+docs/method.md#local-objective-fafi.
 """
 from __future__ import annotations
 

@@ -1,25 +1,19 @@
-"""A frozen encoder's features of a whole dataset, computed once and cached: the `features` dataset.
+"""A frozen encoder's features of a whole dataset, computed once and cached: the `features` dataset
+(docs/frozen-encoder.md).
 
 With a frozen pretrained encoder (models/pretrained.py) an image's feature never changes, so the encoder runs once
 per image — and once per stated augmented copy of each training image, for the objectives that contrast two views —
-and every client and server after that trains and scores vectors. `dataset.name=features` is that dataset:
-
-    dataset: {name: features, options: {source: cifar10, root: ../shared/data/cifar10-jpg.tar.gz,
-                                        encoder: efficientnet_lite0, resolution: 64, views: 1}}
+and every client and server after that trains and scores vectors.
 
 Its `FeatureData` holds float32 train features N×(1+V)×D (copy 0: the plain image; copies 1..V: augmented with the
-run's SupCon policy, data/augment.py, drawn from a fixed seed) and test features N×1×D. In a run the evaluation
-transform is copy 0 (`first_view`) and the two training views are each a copy drawn uniformly per sample from the
-client-round's streams (`FeatureViews`); with V = 0 both views are the plain feature.
+run's SupCon policy, drawn from a fixed seed) and test features N×1×D. In a run the evaluation transform is copy 0
+(`first_view`) and the two training views are each a copy drawn uniformly per sample from the client-round's
+streams (`FeatureViews`); with V = 0 both views are the plain feature.
 
-The cache file is keyed by the encoder, its options (the resolution), the SHA-256 of its weights file, the dataset,
-a SHA-256 of the decoded images themselves, and the augmentation (policy, copies, seed). The key is stored inside the
-file too: a file whose stored key differs (copied from another setting) or that cannot be read is refused with an
-error naming it — never silently used, never silently overwritten.
-
-Extraction: float32 (bf16 moves the features, and 2 CPU cores have no fast bf16 path), NHWC (channels_last: oneDNN's
-fast layout for depthwise convolutions, about twice NCHW's throughput measured here), batches of `batch_size` under
-inference_mode, the resize inside the encoder. Progress and images/s go to stderr (tqdm) unless FLARE_QUIET is set.
+The cache file's key (encoder, weights, dataset, images, augmentation) is stored inside the file too: a file whose
+stored key differs or that cannot be read is refused with an error naming it — never silently used, never silently
+overwritten. Extraction runs in float32 (2 CPU cores have no fast bf16 path) and NHWC (oneDNN's fast layout for
+depthwise convolutions, about twice NCHW's throughput measured here), under inference_mode.
 """
 from __future__ import annotations
 

@@ -33,15 +33,12 @@ TINY_URL = "http://cs231n.stanford.edu/tiny-imagenet-200.zip"
 TINY_MD5 = "90528d7ca1a48142e341f4ef8d21d0de"
 
 
-
-
 @dataclass
 class _Source:
     """Where a dataset lives: the files/folders whose size+mtime key the cache, and how to decode them."""
 
     paths: list[Path]
     read: Callable[[], Arrays]
-
 
 
 # ----------------------------------------------------------------------------- layouts

@@ -4,23 +4,11 @@
 (after the augmentation) and at test time alike.
 
 `augment.input_scaling=reference`: the reference code's transforms (`dataset_helper.py::load_dataset` and
-`NORMALIZE_DICT`, identical in the official FAFI code and the fork; `our_main.py::get_supcon_transform`). Each
-dataset has a *dataset transform* (applied to training and test images) and the augmentation ends with its own
-Normalize:
-
-    dataset            dataset transform (train and test)      augmentation's Normalize
-    cifar10, tiny      ToTensor only → [0, 1]                   (0.5, 0.5) → train views in [−1, 1]
-    cifar100           Normalize(CIFAR-100 mean/std)            CIFAR-100 mean/std again (double)
-    svhn               Normalize(0.5, 0.5) → [−1, 1]            (0.5, 0.5) again (double)
-    anything else      as CIFAR-10 (the reference has no Fashion-MNIST, MNIST or image-folder entry; CIFAR-10's
-                       pattern — ToTensor + Normalize(0.5) in the augmentation — is its pattern without a dataset
-                       normalisation)
-
-so for CIFAR-10 the model trains on [−1, 1] and is tested on [0, 1]. The augmentation runs on the
-dataset-transformed tensor: for CIFAR-100 and SVHN the colour jitter (kornia's, like torchvision's tensor
-backend, clamps every jitter op to [0, 1]) clamps the images it fires on, the others keep their range. The
-un-augmented view (the baselines' `loss.ce_input=plain`, the server's public bank, evaluation) is the dataset
-transform alone.
+`NORMALIZE_DICT`; `our_main.py::get_supcon_transform`). Each dataset has a *dataset transform* (applied to
+training and test images) and the augmentation ends with its own Normalize, so CIFAR-10 trains on [−1, 1] and is
+tested on [0, 1], and CIFAR-100 and SVHN are normalised twice in training; a dataset the reference lacks follows
+CIFAR-10. The un-augmented view (the baselines' `loss.ce_input=plain`, the server's public bank, evaluation) is
+the dataset transform alone. Each dataset's two transforms: docs/reproduction.md, item (b).
 
 `augment.input_scaling=none`: x/255 and nothing else — torchvision's `ToTensor()` alone, for training views and
 test images alike, as NIID-Bench, FedLPA and DENSE feed Fashion-MNIST and MNIST (docs/papers.md).

@@ -43,8 +43,6 @@ class Point:
         return self.config.model_dump(mode="json")
 
 
-
-
 def read_point_file(d: Path) -> dict:
     p = Path(d) / POINT_FILE
     if not p.exists():
@@ -248,8 +246,6 @@ def _execute_ray(points: list[Point], workers: int, address: str | None, cpus_pe
     finally:
         if started:
             ray.shutdown()
-
-
 
 
 def _keep_busy(points: list[Point], workers: int, bar, submit, wait_some, result) -> dict[str, dict]:

@@ -1,28 +1,12 @@
 """`flare sweep`: a base config × presets × a grid (and zips) over any keys × seeds — one run per point.
 
-A sweep file (YAML):
-
-    name: alpha-lambda0            # run directories go to runs/sweeps/<name> unless --out says otherwise
-    config: ../main.yaml           # optional base config file (relative to the sweep file)
-    base:                          # optional config mapping over it (nested or dotted keys)
-      dataset: {name: fmnist, train_subset: 2000, test_subset: 500}
-      rounds: 5
-    presets: [fafi, etf-anneal]    # optional (or `preset: [...]` in the grid)
-    seeds: [1, 2]                  # optional (or `seed: [...]` in the grid)
-    grid:                          # Cartesian product, dotted keys of `flare config-reference`
-      partition.alpha: [0.05, 0.1]
-      align.lambda0: [1, 5]
-    zip:                           # optional: lists of equal length that vary together
-      dataset.name: [cifar10, fmnist]    # (a list of such mappings gives several zip groups)
-      rounds: [10, 5]
-    resources: {cpus_per_point: 1, gpus_per_point: null}   # Ray: per point (null GPUs: auto)
-
-Every point is built as `flare compare` builds a method: preset ← base ← the point's values, and
-validated before any run starts; so are the run directories (a directory that holds a different
-experiment is an error). A point's directory is named from its values — preset, each grid key, the
-first key of each zip group, seed — e.g. `etf-anneal_alpha=0.05_lambda0=5_seed=1`. Finished points are
-skipped, unfinished ones resume from their last complete round (see runner.py); `experiments.execute` runs
-them, one after another or in parallel through Ray.
+A sweep file (YAML: `name`, `config`, `base`, `presets`, `seeds`, `grid`, `zip`, `resources`; the format with an
+example: docs/experiments.md) names the points. Every point is built as `flare compare` builds a method: preset ←
+base ← the point's values, and validated before any run starts; so are the run directories (a directory that holds
+a different experiment is an error). A point's directory is named from its values — preset, each grid key, the
+first key of each zip group, seed — e.g. `etf-anneal_alpha=0.05_lambda0=5_seed=1`. Finished points are skipped,
+unfinished ones resume from their last complete round; `experiments.execute` runs them, one after another or in
+parallel through Ray.
 """
 from __future__ import annotations
 

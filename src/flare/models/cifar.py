@@ -1,21 +1,15 @@
 """The CIFAR-sized networks of the heterogeneous one-shot FL literature that timm lacks (docs/models.md).
 
-* `wrn16_1`, `wrn40_1` — Wide ResNets for CIFAR (Zagoruyko & Komodakis, depth 16 or 40, widen factor 1), the
-  client models of DENSE's heterogeneous setting: a 3×3 convolution to 16 channels, three groups of
-  (depth − 4)/6 pre-activation blocks (BN-ReLU-conv3×3, BN-ReLU-conv3×3; a 1×1 convolution on the activated input
-  when the channel count changes) of 16k, 32k and 64k channels with strides 1, 2, 2, then BN-ReLU and global
-  average pooling: d = 64·width.
-* `cnn_dense` — DENSE's small CIFAR CNN ("cnn1" of its heterogeneous setting): three unpadded 3×3 convolutions of
-  32, 64, 64 channels with ReLU, 2×2 max-pools after the first two, the 64×4×4 map flattened and a
-  Linear(1024 → 64) + ReLU: d = 64·width.
-* `cnn_coboost` — Co-Boosting's `cnn` (also DENSE's "cnn2"): the same layout with 128, 128, 128 channels and no
-  Linear; the flattened 128×4×4 map is the feature, as Co-Boosting's `return_features`: d = 2048·width.
+* `wrn16_1`, `wrn40_1` — Wide ResNets for CIFAR (depth 16 or 40, widen factor 1) of pre-activation blocks, the
+  client models of DENSE's heterogeneous setting: d = 64·width.
+* `cnn_dense` — DENSE's small CIFAR CNN ("cnn1"): three unpadded 3×3 convolutions of 32, 64, 64 channels, the
+  64×4×4 map flattened and a Linear(1024 → 64) + ReLU: d = 64·width.
+* `cnn_coboost` — Co-Boosting's `cnn` (also DENSE's "cnn2"): 128, 128, 128 channels and no Linear: d = 2048·width.
 
-The CNNs see 4×4 maps at a 32×32 input, as in their papers; an adaptive average pool to 4×4 (the identity there)
-keeps d the same at other sizes (28×28 gives 3×3 maps). As in the papers, the CNNs have no BatchNorm and their
-convolutions a bias. `width` scales every channel count, rounded, at least 1 (`resnet.scaled`). Initialisation as
-`resnet.py`: kaiming-normal (fan_out, relu) convolutions with zero bias, BN weight 1 / bias 0, torch's default
-Linear — for the WRNs the same N(0, 2/(k²·out)) their code draws.
+An adaptive average pool to 4×4 (the identity at 32×32, as in their papers) keeps d the same at other sizes. As in
+the papers, the CNNs have no BatchNorm and their convolutions a bias. `width` scales every channel count
+(`resnet.scaled`); initialisation is `resnet.init_weights` and torch's default Linear — for the WRNs the same
+N(0, 2/(k²·out)) their code draws.
 """
 from __future__ import annotations
 
@@ -23,20 +17,9 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import FlareError
-from .resnet import conv1x1, conv3x3, scaled
+from .resnet import conv1x1, conv3x3, init_weights, scaled
 
 __all__ = ["WideResNet", "PaperCNN", "wrn16_1", "wrn40_1", "cnn_dense", "cnn_coboost"]
-
-
-def _init(module: nn.Module) -> None:
-    for m in module.modules():
-        if isinstance(m, nn.Conv2d):
-            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.BatchNorm2d):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
 
 
 class WideBlock(nn.Module):
@@ -78,7 +61,7 @@ class WideResNet(nn.Module):
         self.relu = nn.ReLU(inplace=True)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.feature_dim = cin
-        _init(self)
+        init_weights(self)
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.block3(self.block2(self.block1(self.conv1(x))))
@@ -103,7 +86,7 @@ class PaperCNN(nn.Module):
         if fc is not None:
             self.fc = nn.Sequential(nn.Linear(c3 * 16, scaled(fc, width)), nn.ReLU(inplace=True))
             self.feature_dim = scaled(fc, width)
-        _init(self)
+        init_weights(self)
 
     def forward(self, x: Tensor) -> Tensor:
         if min(x.shape[-2:]) < 18:  # else a conv fails deep inside with torch's message about kernel sizes

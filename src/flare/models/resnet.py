@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-__all__ = ["BasicBlock", "Bottleneck", "ResNetEncoder", "scaled", "resnet18", "resnet34", "resnet50"]
+__all__ = ["BasicBlock", "Bottleneck", "ResNetEncoder", "scaled", "init_weights", "resnet18", "resnet34", "resnet50"]
 
 
 def scaled(channels: int | float, width: float) -> int:
@@ -33,6 +33,26 @@ def conv1x1(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
     return nn.Conv2d(cin, cout, kernel_size=1, stride=stride, bias=False)
 
 
+def shortcut(cin: int, cout: int, stride: int) -> nn.Module:
+    """A residual block's shortcut: the identity, or a strided 1×1 convolution + BN where the shape changes."""
+    if stride != 1 or cin != cout:
+        return nn.Sequential(conv1x1(cin, cout, stride), nn.BatchNorm2d(cout))
+    return nn.Identity()
+
+
+def init_weights(module: nn.Module) -> None:
+    """torchvision's initialisation: kaiming-normal (fan_out, relu) convolutions with zero biases, BN weight 1 and
+    bias 0."""
+    for m in module.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.BatchNorm2d):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
 class BasicBlock(nn.Module):
     expansion = 1
 
@@ -44,11 +64,7 @@ class BasicBlock(nn.Module):
         self.conv2 = conv3x3(planes, cout)
         self.bn2 = nn.BatchNorm2d(cout)
         self.relu = nn.ReLU(inplace=True)
-        self.shortcut: nn.Module
-        if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(conv1x1(cin, cout, stride), nn.BatchNorm2d(cout))
-        else:
-            self.shortcut = nn.Identity()
+        self.shortcut = shortcut(cin, cout, stride)
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.relu(self.bn1(self.conv1(x)))
@@ -69,11 +85,7 @@ class Bottleneck(nn.Module):
         self.conv3 = conv1x1(planes, cout)
         self.bn3 = nn.BatchNorm2d(cout)
         self.relu = nn.ReLU(inplace=True)
-        self.shortcut: nn.Module
-        if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(conv1x1(cin, cout, stride), nn.BatchNorm2d(cout))
-        else:
-            self.shortcut = nn.Identity()
+        self.shortcut = shortcut(cin, cout, stride)
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.relu(self.bn1(self.conv1(x)))
@@ -115,15 +127,7 @@ class ResNetEncoder(nn.Module):
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.feature_dim = cin
-        self._init_weights()
-
-    def _init_weights(self) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        init_weights(self)
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.stem(x)

@@ -3,20 +3,11 @@
 timm is an optional extra (`pip install 'flare-ofl[zoo]'`), imported on the first `timm/` lookup, so the core
 runs without it. The encoder is `timm.create_model(name, pretrained=False, num_classes=0, in_chans=C, **options)`:
 its pooled features are f(x), and FLARE's prototype, linear or ETF head goes on top as on every model. Nothing is
-ever downloaded: `pretrained` is always False, no pretrained config is overlaid, and the names are those of
-`timm.list_models()` (no `hf-hub:` names); weights come from `model.checkpoint` (a local file) only.
+ever downloaded: `pretrained` is always False and weights come from `model.checkpoint` (a local file) only.
 
-Small inputs. timm's architectures are ImageNet's: their stem divides a 224×224 input by 4 before the first stage,
-which leaves a 32×32 or 28×28 input 8×8 or 7×7 there and 1×1 at the end. With `stem: small` (the default) the stem
-keeps the input's resolution, by one rule for every family: the stem is everything timm registers before the first
-stage at reduction ≥ 4 (per the model's `feature_info`; without it, the model's first convolution), and in it every
-strided convolution gets stride 1 and every max-pool becomes an Identity — for a ResNet exactly the CIFAR-style
-stem of `resnet.py`. A patchify stem (kernel = stride: ViT, DeiT, ConvNeXt, Swin) is left alone: it has no
-overlap to keep, and the transformers among them take `img_size` (and `patch_size`) in `model.options` instead.
-
-Width. A timm name fixes its width (`mobilenetv3_small_050` is MobileNetV3-Small at 0.5), and timm's families
-spell a width argument differently or not at all, so `model.width` must stay 1 for a timm model: pick the
-variant, or pass the family's own argument in `model.options`.
+With `stem: small` (the default) the ImageNet stem keeps a small input's resolution: every strided convolution of
+the stem gets stride 1 and every max-pool becomes an Identity; a patchify stem is left alone. `model.width` must
+stay 1 (a timm name fixes its width). The stem rule and the width: docs/models.md#timm.
 """
 from __future__ import annotations
 

@@ -55,12 +55,12 @@ def _legend_outside(ax, **kw) -> None:
                   **kw)
 
 
-def _save(fig, path: Path, dpi: int = 120) -> None:
+def save_figure(fig, path: Path, dpi: int = 120) -> None:
     fig.savefig(path, dpi=dpi, bbox_inches="tight")
     plt.close(fig)
 
 
-def _wrap(title: str, width: int = 90) -> str:
+def wrap_title(title: str, width: int = 90) -> str:
     return "\n".join(textwrap.wrap(title, width)) if len(title) > width else title
 
 
@@ -88,12 +88,12 @@ def plot_accuracy(run: RunData, path: Path) -> None:
         rule = k.removeprefix("acc_")
         ax.plot(x, 100 * run.curve(k), marker="o", ms=3, color=rule_colour(rule) or f"C{5 + i}",
                 label=rule + (" (primary)" if rule == run.primary else ""))
-    ax.set(xlabel="round", ylabel="test accuracy (%)", title=_wrap(run_title(run), 60))
+    ax.set(xlabel="round", ylabel="test accuracy (%)", title=wrap_title(run_title(run), 60))
     ax.title.set_fontsize(9)
     integer_rounds(ax)
     ax.grid(alpha=0.3)
     _legend_outside(ax, title="global predictor")  # a server without a test set has no curves: no legend
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_label_distribution(partition: dict, path: Path) -> None:
@@ -120,7 +120,7 @@ def plot_label_distribution(partition: dict, path: Path) -> None:
     ax.set_yticks(range(K), [f"{i} {m} (n={hist[i].sum()})".replace("  ", " ") for i, m in zip(range(K), who)],
                   fontsize=8)
     fig.colorbar(im, ax=ax, label="samples")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_diagnostics(run: RunData, path: Path) -> None:
@@ -134,7 +134,7 @@ def plot_diagnostics(run: RunData, path: Path) -> None:
         ax.grid(alpha=0.3)
     fig.suptitle(f"diagnostics — {run_title(run)}", fontsize=9)
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_lambda(run: RunData, path: Path) -> bool:
@@ -174,7 +174,7 @@ def plot_lambda(run: RunData, path: Path) -> bool:
     fig.suptitle(f"alignment strength — {run_title(run)}"
                  + (" (every client has the same λ)" if shared_any else ""), fontsize=9)
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
     return True
 
 
@@ -182,7 +182,7 @@ def plot_lambda(run: RunData, path: Path) -> bool:
 # rows of runs (methods, seeds aggregated)
 
 
-def _rounds_axis(row: Row, n: int) -> np.ndarray:
+def rounds_axis(row: Row, n: int) -> np.ndarray:
     return np.array(row.runs[0].round_numbers()[:n])
 
 
@@ -209,14 +209,14 @@ def plot_accuracy_curves(rows: list[Row], path: Path, title: str) -> None:
         c = row.curves("acc")
         if c.size == 0:
             continue
-        _mean_band(ax, row, _rounds_axis(row, c.shape[1]), c, 100.0,
+        _mean_band(ax, row, rounds_axis(row, c.shape[1]), c, 100.0,
                    label=f"{row.label} ({row.runs[0].primary}){_seed_note(row)}")
-    ax.set(xlabel="round", ylabel="test accuracy (%)", title=_wrap(title, 110))
+    ax.set(xlabel="round", ylabel="test accuracy (%)", title=wrap_title(title, 110))
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3)
     _legend_outside(ax)
     integer_rounds(ax)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_compare_diagnostics(rows: list[Row], path: Path, title: str = "") -> bool:
@@ -231,16 +231,16 @@ def plot_compare_diagnostics(rows: list[Row], path: Path, title: str = "") -> bo
             if not any(r.rounds and k in r.rounds[0] for r in row.runs):
                 continue
             c = row.curves(k)
-            _mean_band(ax, row, _rounds_axis(row, c.shape[1]), c, label=row.label + _seed_note(row))
+            _mean_band(ax, row, rounds_axis(row, c.shape[1]), c, label=row.label + _seed_note(row))
         ax.set(xlabel="round", ylabel=k, title=k)
         ax.title.set_fontsize(9)
         integer_rounds(ax)
         ax.grid(alpha=0.3)
     _legend_outside(axes[0][-1], fontsize=7)
     if title:
-        fig.suptitle(_wrap(title, 110), fontsize=9)
+        fig.suptitle(wrap_title(title, 110), fontsize=9)
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
     return True
 
 
@@ -259,7 +259,7 @@ def plot_lambda_eff(rows: list[Row], path: Path, title: str, v7_rows: list[Row] 
     allv = []
     for row in rows:
         c = row.client_mean_curves("lambda_eff")
-        x = _rounds_axis(row, c.shape[1])
+        x = rounds_axis(row, c.shape[1])
         m = _mean_band(ax, row, x, c, label=f"{row.label}: learned λ_eff (mean over clients)")
         cc = row.runs[0].client_curve("lambda_eff")[: c.shape[1]]  # the spread over clients (first seed)
         with np.errstate(all="ignore"):
@@ -273,7 +273,7 @@ def plot_lambda_eff(rows: list[Row], path: Path, title: str, v7_rows: list[Row] 
         if c is None:
             continue
         m = np.nanmean(c, axis=0)
-        ax.plot(_rounds_axis(row, c.shape[1]), m, "--", color=method_colour(row.method), lw=1.5,
+        ax.plot(rounds_axis(row, c.shape[1]), m, "--", color=method_colour(row.method), lw=1.5,
                 label=f"{row.label}: hand-made λ0(1−p), λ0={fmt_value(row.runs[0].cfg.get('align', {}).get('lambda0'))}")
         allv += list(m)
         drawn = True
@@ -281,16 +281,16 @@ def plot_lambda_eff(rows: list[Row], path: Path, title: str, v7_rows: list[Row] 
         ref = rows[0].runs[0]
         n = rows[0].client_mean_curves("lambda_eff").shape[1]
         y = v7_schedule(ref.cfg, n)
-        ax.plot(_rounds_axis(rows[0], n), y, "--", color=method_colour("etf-anneal"), lw=1.5,
+        ax.plot(rounds_axis(rows[0], n), y, "--", color=method_colour("etf-anneal"), lw=1.5,
                 label=f"V7 schedule λ0(1−p), λ0={fmt_value(v7_lambda0())}")
         allv += list(y)
     _log_if_decades(ax, allv)
-    ax.set(xlabel="round", ylabel="λ_eff (alignment weight)", title=_wrap(title))
+    ax.set(xlabel="round", ylabel="λ_eff (alignment weight)", title=wrap_title(title))
     integer_rounds(ax)
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3, which="both")
     _legend_outside(ax, fontsize=7)
-    _save(fig, path)
+    save_figure(fig, path)
     return True
 
 
@@ -303,14 +303,14 @@ def plot_acc_lambda_raw(rows: list[Row], path: Path, title: str) -> bool:
     allv = []
     for row in rows:
         c = row.curves("acc")
-        _mean_band(a1, row, _rounds_axis(row, c.shape[1]), c, 100.0, label=row.label + _seed_note(row))
+        _mean_band(a1, row, rounds_axis(row, c.shape[1]), c, 100.0, label=row.label + _seed_note(row))
         lam = row.client_mean_curves("lambda_raw")
         n = lam.shape[1]
-        m = _mean_band(a2, row, _rounds_axis(row, n), lam, label=f"{row.label} (mean over clients)")
+        m = _mean_band(a2, row, rounds_axis(row, n), lam, label=f"{row.label} (mean over clients)")
         cc = row.runs[0].client_curve("lambda_raw")[:n]
         with np.errstate(all="ignore"):
             hi = np.nanmax(cc, axis=1)
-        a2.plot(_rounds_axis(row, n), hi, ls=":", lw=1, color=method_colour(row.method),
+        a2.plot(rounds_axis(row, n), hi, ls=":", lw=1, color=method_colour(row.method),
                 label=f"{row.label} (max client)")
         allv += list(m) + list(hi)
     lam_max = rows[0].runs[0].cfg.get("lam", {}).get("valve_threshold")
@@ -323,9 +323,9 @@ def plot_acc_lambda_raw(rows: list[Row], path: Path, title: str) -> bool:
     for a in (a1, a2):
         a.grid(alpha=0.3, which="both")
     _legend_outside(a2, fontsize=7)
-    fig.suptitle(_wrap(title, 120), fontsize=9)
+    fig.suptitle(wrap_title(title, 120), fontsize=9)
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
     return True
 
 
@@ -348,9 +348,9 @@ def plot_param_sweep(key: str, lines: list[SweepLine], path: Path, title: str) -
         ax.title.set_fontsize(9)
         ax.grid(alpha=0.3, which="both")
     _legend_outside(axes[0][-1], fontsize=7)
-    fig.suptitle(_wrap(title, 120), fontsize=9)
+    fig.suptitle(wrap_title(title, 120), fontsize=9)
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_label_distributions(runs: list[RunData], path: Path, max_panels: int = 12) -> bool:
@@ -393,51 +393,5 @@ def plot_label_distributions(runs: list[RunData], path: Path, max_panels: int = 
         fig.colorbar(im, ax=ax, label="samples")
     fig.suptitle("label distribution per client (non-IID partitions)", fontsize=9)
     fig.tight_layout()
-    _save(fig, path, dpi=110)
-    return True
-
-
-
-
-def plot_rule_panels(panels: list[tuple[str, Row | None]], ncols: int, path: Path, title: str,
-                     rules: dict[str, str]) -> bool:
-    """A grid of panels (row-major, `ncols` per line), each the accuracy of the fusion rules `rules` (rule →
-    matplotlib line style; each in its strategy's colour) against rounds for one row of runs (seed mean; a band of
-    ± std with several seeds). Returns False when no panel has a round."""
-    live = [(t, r) for t, r in panels if r is not None and r.curves("acc").size]
-    if not live:
-        return False
-    nrows = math.ceil(len(panels) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.4 * nrows), squeeze=False, sharey=True)
-    for ax, (t, row) in zip(axes.flat, panels):
-        ax.set_title(_wrap(t, 48), fontsize=9)
-        ax.grid(alpha=0.3)
-        if row is None or not row.curves("acc").size:
-            ax.text(0.5, 0.5, "not run (yet)", ha="center", va="center", transform=ax.transAxes)
-            ax.set_xticks([])
-            continue
-        for rule, ls in rules.items():
-            k = f"acc_{rule}"
-            c = row.curves(k)
-            if not c.size or np.isnan(c).all():
-                continue
-            x = _rounds_axis(row, c.shape[1])
-            with np.errstate(all="ignore"):
-                m = 100 * np.nanmean(c, axis=0)
-            ax.plot(x, m, ls, color=rule_colour(rule), label=rule)
-            if c.shape[0] > 1:
-                sd = 100 * np.nanstd(c, axis=0, ddof=1)
-                ax.fill_between(x, m - sd, m + sd, alpha=0.15, color=rule_colour(rule), lw=0)
-        integer_rounds(ax)
-        ax.set_xlabel("round")
-    for ax in axes[:, 0]:
-        ax.set_ylabel("test accuracy (%)")
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    handles, labels = next(((h, lab) for h, lab in (a.get_legend_handles_labels() for a in axes.flat) if h), ([], []))
-    if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=len(labels), title="fusion rule")
-    fig.suptitle(_wrap(title, 110), fontsize=10)
-    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
-    _save(fig, path, dpi=110)
+    save_figure(fig, path, dpi=110)
     return True

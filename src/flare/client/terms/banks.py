@@ -11,25 +11,8 @@ in-process runner and on a Flower node, which receives the bank with its task); 
     adjust_terms(terms, feat, y2, epoch_idx) -> terms
     after_step(feat_detached, y2)
 
-and `state_dict()` / `load_state_dict()` for checkpoints.
-
-* `memory-bank`: a per-client FIFO queue of the `loss.bank_size` most recent normalised features (both
-  views of every batch) and their labels, detached, appended to the SupCon contrast set; with a bank the
-  SupCon temperature (and its base temperature) is `loss.bank_tau` for the whole term. The bank starts
-  empty (an empty bank still switches the temperature, so the first step does not use another τ).
-* `public-bank`: the server holds out `dataset.public_size` training samples (`setup.prepare_data`
-  carves them out; clients never see them), trains a teacher — a copy of the initial global model —
-  on them for `loss.teacher_epochs` epochs with the run's own objective (FAFI or CE) and augmentation,
-  SGD at the run's lr/momentum/clipping, seeded, and ships the L2-normalised teacher features of that
-  slice (un-augmented, eval mode) as a fixed bank. Clients add
-
-      loss_public = InfoNCE: for each of the 2B views, the positive is the other view of the same image,
-                    the negatives are the bank; logits / loss.bank_tau, CE with the positive at index 0,
-                    mean over the 2B views.
-
-* `two-stage`: the same term, but the first `loss.public_stage_epochs` local epochs (counted over the whole
-  training, `Client.epochs_done`, not per round) use `loss_public` alone and later epochs the base loss
-  alone.
+and `state_dict()` / `load_state_dict()` for checkpoints. What each kind adds to the loss (`memory-bank`,
+`public-bank`, `two-stage`): docs/method.md#contrast-banks.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`flare paper`: the paper suite's command, which the flare_paper package adds to flare's command line through the
-`flare.commands` entry point (pyproject.toml) — flare never imports this package. `flare-paper ARGS` (and
+`flare.commands` entry point (paper/pyproject.toml) — flare never imports this package. `flare-paper ARGS` (and
 `python -m flare_paper ARGS`) is the same command where the entry point is not installed.
 
   flare paper    --scale smoke|cpu|full [--datasets a,b] [--seeds 1,2] [--only EXP,...] [--protocol clean,reference]

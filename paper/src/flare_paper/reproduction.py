@@ -15,12 +15,13 @@ import json
 import math
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import numpy as np
 
 from flare.errors import FlareError
-from flare.report.figures import plot_rule_panels
+from flare.report.figures import integer_rounds, rounds_axis, save_figure, wrap_title
 from flare.report.runs import Row
-from flare.report.style import method_label
+from flare.report.style import method_label, rule_colour
 from flare.report.tables import fmt_ms, md_table
 from flare.rundata import RunData
 from flare.rundir import atomic_write_text
@@ -216,3 +217,46 @@ def write_reproduction_report(out: str | Path) -> Path:
     atomic_write_text(path, "# Reproduction report\n\n" + md + "\n")
     return path
 
+
+def plot_rule_panels(panels: list[tuple[str, Row | None]], ncols: int, path: Path, title: str,
+                     rules: dict[str, str]) -> bool:
+    """A grid of panels (row-major, `ncols` per line), each the accuracy of the fusion rules `rules` (rule →
+    matplotlib line style; each in its strategy's colour) against rounds for one row of runs (seed mean; a band of
+    ± std with several seeds). Returns False when no panel has a round."""
+    live = [(t, r) for t, r in panels if r is not None and r.curves("acc").size]
+    if not live:
+        return False
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.4 * nrows), squeeze=False, sharey=True)
+    for ax, (t, row) in zip(axes.flat, panels):
+        ax.set_title(wrap_title(t, 48), fontsize=9)
+        ax.grid(alpha=0.3)
+        if row is None or not row.curves("acc").size:
+            ax.text(0.5, 0.5, "not run (yet)", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xticks([])
+            continue
+        for rule, ls in rules.items():
+            k = f"acc_{rule}"
+            c = row.curves(k)
+            if not c.size or np.isnan(c).all():
+                continue
+            x = rounds_axis(row, c.shape[1])
+            with np.errstate(all="ignore"):
+                m = 100 * np.nanmean(c, axis=0)
+            ax.plot(x, m, ls, color=rule_colour(rule), label=rule)
+            if c.shape[0] > 1:
+                sd = 100 * np.nanstd(c, axis=0, ddof=1)
+                ax.fill_between(x, m - sd, m + sd, alpha=0.15, color=rule_colour(rule), lw=0)
+        integer_rounds(ax)
+        ax.set_xlabel("round")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("test accuracy (%)")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    handles, labels = next(((h, lab) for h, lab in (a.get_legend_handles_labels() for a in axes.flat) if h), ([], []))
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=len(labels), title="fusion rule")
+    fig.suptitle(wrap_title(title, 110), fontsize=10)
+    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    save_figure(fig, path, dpi=110)
+    return True

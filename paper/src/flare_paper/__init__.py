@@ -1,7 +1,7 @@
 """`flare paper`: the paper's experiments and the reproduction of the research notes, a package built on flare and
 apart from it. No flare module imports it (tests/test_import_graph.py holds this): its command reaches flare's
-command line through the `flare.commands` entry point (pyproject.toml), and `flare-paper` / `python -m flare_paper`
-run the same command without it.
+command line through the `flare.commands` entry point (paper/pyproject.toml), and `flare-paper` / `python -m
+flare_paper` run the same command without it.
 
 * `cli`          `flare paper`'s options and the command (`add_command`, `main`)
 * `scales`       smoke / cpu / full: models, data sizes, the methods of each experiment, the notes' settings
