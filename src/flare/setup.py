@@ -36,7 +36,7 @@ from flare.models import FlareNet, check_input_fits, create_architecture
 from flare.schedules import LRSchedule
 from flare.server.exchange import LocalClients, Transport
 from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
-from flare.server.rounds import Evaluation, carries_server_protos, evaluate_uploads, rules_for
+from flare.server.rounds import Evaluation, carries_server_protos, evaluate_uploads, primary_rule, rules_for
 from flare.server.strategy import Strategy, make_strategies
 from flare.server.upload import Upload
 
@@ -296,9 +296,25 @@ class ServerSetup:
         data, self.data = self.data, None
         return data
 
+    # -- what the server carries across rounds (Plan B's G under protos_flow=reference), and what it sends ------
+    def server_state(self) -> dict:
+        """What the server carries from one round to the next (saved in checkpoints)."""
+        return {"G": self.server_G.detach().cpu()} if self.server_G is not None else {}
+
     def load_server_state(self, state: dict | None) -> None:
         G = (state or {}).get("G")
         self.server_G = G.detach().float().to(self.backend.device) if G is not None else None
+
+    def carry(self, ev: Evaluation) -> None:
+        """Keep what an evaluation of the run's rounds built for the next round (Plan B's new G)."""
+        if ev.server_G is not None:
+            self.load_server_state({"G": ev.server_G})
+
+    def train_message(self, r: int) -> dict[str, Tensor]:
+        """What every client receives before it trains round r, on every engine: the primary strategy's
+        `configure_train` (on this server's device)."""
+        carried = {"G": self.server_G} if self.server_G is not None else {}
+        return self.strategies[primary_rule(self.cfg)].configure_train(r, carried)
 
     def scored(self, r: int) -> dict[str, Strategy]:
         """The run's strategies round r scores (`rules_for`), the instances built with the run."""
@@ -362,9 +378,7 @@ class RunSetup:
         part = split(cfg, data.train_y, data.num_classes)
         ctx = client_context(cfg, server.meta, server.backend, server.template.feature_dim, data.train_x,
                              data.train_y, server.bank)
-        run = cls(server, part, describe_partition(cfg, part, data.classes), ctx)
-        ctx.server_target = server.server_G
-        return run
+        return cls(server, part, describe_partition(cfg, part, data.classes), ctx)
 
     @property
     def cfg(self) -> Config:
@@ -386,15 +400,9 @@ class RunSetup:
     def norm(self) -> Callable[[Tensor], Tensor]:
         return self.server.norm
 
-    # -- the server's state between rounds (Plan B's G under protos_flow=reference) ------------------
-    def server_state(self) -> dict:
-        """What the server carries from one round to the next (saved in checkpoints)."""
-        return {"G": self.ctx.server_target.detach().cpu()} if self.ctx.server_target is not None else {}
-
-    def load_server_state(self, state: dict | None) -> None:
-        """The server's G is the clients' target too (one tensor, in both)."""
-        self.server.load_server_state(state)
-        self.ctx.server_target = self.server.server_G
+    def send(self, r: int) -> None:
+        """Hand every client what the server sends before round r's training (`ServerSetup.train_message`)."""
+        self.ctx.received = self.server.train_message(r)
 
     def make_clients(self, warn: Callable[[str], None], note: Callable[[str], None]) -> list[Client]:
         """Every client with a deep copy of the global init; clients without samples are warned about (they are
@@ -427,6 +435,5 @@ class RunSetup:
         talks = any(s.extra_rounds() > 0 for s in scored.values())
         ev = self.server.evaluate(r, uploads, [c.model for c in clients],
                                   clients=LocalClients([self.client_data(c) for c in clients]) if talks else None)
-        if ev.server_G is not None:  # the clients align to it in the next round
-            self.load_server_state({"G": ev.server_G})
+        self.server.carry(ev)
         return ev
