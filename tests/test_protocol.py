@@ -423,6 +423,26 @@ def test_plan_b_reference_starts_at_the_anchors_keeps_g_and_predicts_with_the_me
     assert spec.ctx.received == {} and spec.ctx.align_anchors is spec.ctx.anchors  # spec: no G sent
 
 
+def test_what_the_clients_receive_is_the_primary_strategys_configure_train(tiny_overrides, monkeypatch):
+    """One sending hook: a primary that overrides `configure_train` (as a plugin's would) is what every client
+    aligns to, round by round; another scored strategy's hook is not asked."""
+    cfg = load_config(None, "flare", tiny_overrides + ["server.primary=feature", "eval.rules=[feature,output]"])
+    setup = RunSetup.build(cfg)
+    monkeypatch.setattr(FeatureRule, "configure_train",
+                        lambda self, rnd, carried: {"align_target": torch.full_like(setup.anchors, float(rnd))})
+    monkeypatch.setattr(OutputRule, "configure_train", lambda self, rnd, carried: {"align_target": setup.anchors})
+    (to_anchors, *_), (to_zeros, *_) = (setup.make_clients(lambda m: None, lambda m: None) for _ in range(2))
+    to_anchors.train_round(setup.ctx, 0)  # nothing sent yet: the anchors
+    setup.send(0)
+    assert torch.equal(setup.ctx.align_anchors, torch.zeros_like(setup.anchors))
+    to_zeros.train_round(setup.ctx, 0)    # the same draws, L_align pulling towards the zeros it received
+    # MSE's gradient is ∝ P − target, so the two runs part along (P − 0) − (P − A) = A, towards −A for the zeros
+    moved = (to_zeros.model.prototypes - to_anchors.model.prototypes).detach().flatten()
+    assert float(torch.nn.functional.cosine_similarity(moved, -setup.anchors.flatten(), dim=0)) > 0.5
+    setup.send(2)
+    assert torch.equal(setup.ctx.align_anchors, torch.full_like(setup.anchors, 2.0))
+
+
 def test_plan_b_reference_resumes_with_the_servers_g(tiny_overrides, tmp_path, monkeypatch):
     """The checkpoint carries G: a run cut after round 0 and resumed equals the uninterrupted run."""
     cfg = load_config(None, "server-protos", tiny_overrides + ["server.server_epochs=2", "rounds=3",
