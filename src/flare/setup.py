@@ -246,7 +246,7 @@ class ServerSetup:
     warnings: list[str]                # the backend's, and why a Flower server evaluates nothing
     strategies: dict[str, Strategy] = field(default_factory=dict)  # name → the run's instance, built once
     strategy_state: dict = field(default_factory=dict)  # each server strategy's own state across rounds
-    server_G: Tensor | None = None     # Plan B's G under protos_flow=reference (round 0: the anchors)
+    carried: dict[str, Tensor] = field(default_factory=dict)  # kept across rounds: Plan B's G (round 0: the anchors)
 
     @classmethod
     def build(cls, cfg: Config, dataset_meta: str | None = None, bank: bool = True,
@@ -299,11 +299,10 @@ class ServerSetup:
     # -- what the server carries across rounds (Plan B's G under protos_flow=reference), and what it sends ------
     def server_state(self) -> dict:
         """What the server carries from one round to the next (saved in checkpoints)."""
-        return {"G": self.server_G.detach().cpu()} if self.server_G is not None else {}
+        return {k: v.detach().cpu() for k, v in self.carried.items()}
 
     def load_server_state(self, state: dict | None) -> None:
-        G = (state or {}).get("G")
-        self.server_G = G.detach().float().to(self.backend.device) if G is not None else None
+        self.carried = {k: v.detach().float().to(self.backend.device) for k, v in (state or {}).items()}
 
     def carry(self, ev: Evaluation) -> None:
         """Keep what an evaluation of the run's rounds built for the next round (Plan B's new G)."""
@@ -313,8 +312,7 @@ class ServerSetup:
     def train_message(self, r: int) -> dict[str, Tensor]:
         """What every client receives before it trains round r, on every engine: the primary strategy's
         `configure_train` (on this server's device)."""
-        carried = {"G": self.server_G} if self.server_G is not None else {}
-        return self.strategies[primary_rule(self.cfg)].configure_train(r, carried)
+        return self.strategies[primary_rule(self.cfg)].configure_train(r, self.carried)
 
     def scored(self, r: int) -> dict[str, Strategy]:
         """The run's strategies round r scores (`rules_for`), the instances built with the run."""
@@ -324,13 +322,14 @@ class ServerSetup:
                  rules: tuple[str, ...] | None = None, clients: Transport | None = None) -> Evaluation:
         """Round r's evaluation checkpoint of `uploads` (`models[i]` holds `uploads[i].state`), with this server's
         test set, anchors, G and strategy states; `rules`: only these strategies (fuse), else the round's own.
-        Plan B's new G is in the result: the caller decides whether the run carries it on. `clients`: the transport to
-        the uploads' owners, for the strategies that hold rounds with them after the upload (server/exchange.py)."""
+        Plan B's new G is in the result: the caller decides whether the run carries it on (`carry`). `clients`: the
+        transport to the uploads' owners, for the strategies that hold rounds with them after the upload
+        (server/exchange.py)."""
         be = self.backend
         return evaluate_uploads(self.cfg, r, uploads, models, self.anchors, self.test_x, self.test_y, self.norm,
-                                amp_dtype=be.amp_dtype, channels_last=be.channels_last, server_G=self.server_G,
-                                strategy_state=self.strategy_state, public_x=self.public_x, rules=rules,
-                                strategies=self.strategies, clients=clients)
+                                amp_dtype=be.amp_dtype, channels_last=be.channels_last,
+                                server_G=self.carried.get("G"), strategy_state=self.strategy_state,
+                                public_x=self.public_x, rules=rules, strategies=self.strategies, clients=clients)
 
 
 def client_context(cfg: Config, meta: DataMeta, be: Backend, feature_dim: int, train_x: Tensor, train_y: Tensor,

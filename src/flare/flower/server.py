@@ -157,7 +157,6 @@ class ServerSession:
         for i in range(cfg.num_clients):
             first.setdefault(init_key(cfg, i), i)
         self.init_states = {key: self.setup.client_init(i).state_dict() for key, i in first.items()}
-        self.anchor_seed = anchor_seed(cfg)
         self.specs = {a: UploadSpec.from_model(m, self.meta.num_classes) for a, m in self.setup.inits.items()}
         self.node_client: dict[int, int] = {}   # node id -> client id (fixed by its first reply)
         self.histograms: dict[int, list[int]] = {}
@@ -179,7 +178,7 @@ class ServerSession:
         return self.fed.min_clients or self.cfg.num_clients
 
     def task(self, round_start: int, round_end: int) -> Task:
-        return Task(self.cfg, self.meta, self.anchor_seed, round_start, round_end)
+        return Task(self.cfg, self.meta, anchor_seed(self.cfg), round_start, round_end)
 
     def blocks(self) -> list[tuple[int, int]]:
         R = self.cfg.rounds

@@ -94,19 +94,16 @@ def make_talk(grid: Grid, timeout: float):
     return talk
 
 
-def train_content(task, include_init: bool, session: ServerSession, init_cache: dict | None = None) -> RecordDict:
+def train_content(task, include_init: bool, session: ServerSession) -> RecordDict:
     """A train message's content: the task; in the first message every client architecture's seeded init and the
-    public bank (`init_cache`: their records, encoded once per run); in every message what the server sends before
-    the block's first round (`sent`: `ServerSetup.train_message`, which the node hands to its client)."""
+    public bank; in every message what the server sends before the block's first round (`sent`:
+    `ServerSetup.train_message`, which the node hands to its client)."""
     content = RecordDict({"task": ConfigRecord(task.to_config())})
     if include_init:
-        init_cache = {} if init_cache is None else init_cache
-        if not init_cache:
-            init_cache.update({key: state_to_record(st) for key, st in session.init_states.items()})
-            if session.setup.bank is not None:
-                init_cache["bank"] = state_to_record({"bank": session.setup.bank})
-        for key, rec in init_cache.items():
-            content[key] = rec
+        for key, state in session.init_states.items():
+            content[key] = state_to_record(state)
+        if session.setup.bank is not None:
+            content["bank"] = state_to_record({"bank": session.setup.bank})
     sent = session.setup.train_message(task.round_start)
     if sent:
         content["sent"] = state_to_record(sent)
@@ -114,10 +111,8 @@ def train_content(task, include_init: bool, session: ServerSession, init_cache: 
 
 
 def make_exchange(grid: Grid, timeout: float):
-    init_cache: dict = {}
-
     def exchange(task, include_init: bool, nodes: list[int], session: ServerSession) -> list[Reply]:
-        content = train_content(task, include_init, session, init_cache)
+        content = train_content(task, include_init, session)
         msgs = [Message(content=content, dst_node_id=n, message_type="train", group_id=str(task.round_start))
                 for n in nodes]
         replies = grid.send_and_receive(msgs, timeout=timeout)
