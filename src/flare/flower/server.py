@@ -138,8 +138,8 @@ class ServerSession:
                                  fix="run the federation through the FLARE ServerApp, or use `flare run`.")
             # what it sends before a later round depends on the evaluations between: one message cannot carry it
             if fed.upload == "once" and cfg.rounds > 1 and (sends := self.setup.train_message(1)):
-                raise FlareError(f"the server sends the clients {sorted(sends)} before every round (Plan B's G under "
-                                 "server.protos_flow=reference), which upload=once's one message cannot carry.",
+                raise FlareError(f"the server sends the clients {sorted(sends)} before every round (e.g. Plan B's G "
+                                 "under server.protos_flow=reference), which upload=once's one message cannot carry.",
                                  key="upload", fix='set upload="per-round".')
         except FlareError:
             self.close()
