@@ -82,7 +82,9 @@ def test_state_after_two_rounds_matches_sequential(preset, tiny_overrides):
                                                            "augment.per_image=false"]),
                                            ("uw", []), ("uw-rescaled", []), ("decoupled", ["progress=step"]),
                                            ("etf-anneal", ["progress=round-reset"]),
-                                           ("fedavg", ["loss.ce_input=plain"]), ("fafi", ["drop_last=true"])])
+                                           ("fedavg", ["loss.ce_input=plain"]), ("fafi", ["drop_last=true"]),
+                                           ("server-protos", ["server.protos_flow=reference",
+                                                              "server.server_epochs=2"])])
 def test_runs_give_the_sequential_metrics(preset, extra, tiny_overrides, tmp_path, monkeypatch):
     """Two-round runs of Table 1's methods: metrics.jsonl of both engines agree (tolerances: module docstring),
     and the batched engine really ran (no client trained through `Client.train_round`)."""

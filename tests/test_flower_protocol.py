@@ -21,7 +21,7 @@ from flare.flower.client_app import handle_query, handle_train  # noqa: E402
 from flare.flower.protocol import export_partitions  # noqa: E402
 from flare.flower.server import FederationSettings, Reply, run_federation  # noqa: E402
 from flare.flower.records import pack_nested, record_to_state, state_to_record, unpack_nested  # noqa: E402
-from flare.flower.server_app import decode_content, decode_talk  # noqa: E402
+from flare.flower.server_app import decode_content, decode_talk, train_content  # noqa: E402
 from flare.rundir import read_jsonl  # noqa: E402
 from flare.runner import Run  # noqa: E402
 
@@ -44,10 +44,7 @@ class Nodes:
         self.cache = cache  # (round_start, node) → reply content, to share training between tests
 
     def exchange(self, task, include_init, nodes, session):
-        content = RecordDict({"task": ConfigRecord(task.to_config())})
-        if include_init:
-            for key, state in session.init_states.items():  # every client architecture's seeded init
-                content[key] = state_to_record(state)
+        content = train_content(task, include_init, session)  # the ServerApp's very message
         out = []
         for n in nodes:
             if n in self.silent:
@@ -466,10 +463,25 @@ def test_reference_protocol_federation_reproduces_flare_run_and_its_predictor(ti
     assert float((pred.predict(data.test_x) == data.test_y).float().mean()) == pytest.approx(last["acc"], abs=1e-9)
 
 
-def test_plan_b_reference_is_refused_by_the_flower_server(tiny_overrides, tmp_path):
-    with pytest.raises(FlareError) as e:
-        Nodes().federate(tiny_overrides + ["server.protos_flow=reference"], tmp_path / "x", preset="server-protos")
-    assert e.value.key == "server.protos_flow"
+def test_plan_b_reference_over_flower_reproduces_flare_run(tiny_overrides, tmp_path):
+    """The server's G travels in every train message (`sent`) and the nodes align to it: the federation's round
+    records (server_g_std, the accuracies) are `flare run`'s, round after round."""
+    ov = tiny_overrides + ["server.protos_flow=reference", "server.server_epochs=2", "rounds=3"]
+    Run(load_config(None, "server-protos", ov), tmp_path / "inproc", quiet=True).execute()
+    nodes = Nodes()
+    sent = []
+    real = nodes.exchange
+    nodes.exchange = lambda task, init, ids, session: sent.append(session.setup.train_message(task.round_start)) or \
+        real(task, init, ids, session)
+    nodes.federate(ov, tmp_path / "fed", preset="server-protos")
+    fed, inproc = rounds_of(tmp_path / "fed"), rounds_of(tmp_path / "inproc")
+    assert len(fed) == len(inproc) == 3 and all("server_g_std" in r for r in fed)
+    assert [strip(r) for r in fed] == [strip(r) for r in inproc]
+    assert [sorted(m) for m in sent] == [["align_target"]] * 3
+    assert not torch.equal(sent[1]["align_target"], sent[0]["align_target"])  # round 1 sends the trained G
+    with pytest.raises(FlareError) as e:  # one message cannot carry a G the later rounds' evaluations train
+        Nodes().federate(ov, tmp_path / "once", preset="server-protos", upload="once")
+    assert e.value.key == "upload"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -393,8 +393,9 @@ def test_plan_b_reference_starts_at_the_anchors_keeps_g_and_predicts_with_the_me
     A = setup.anchors
     C = A.shape[0]  # the anchors by their definition: a simplex ETF, unit rows at pairwise cosine −1/(C−1)
     assert torch.allclose(A @ A.T, (C * torch.eye(C) - torch.ones(C, C)) / (C - 1), atol=1e-5)
-    assert torch.equal(setup.ctx.server_target, A)                      # round 0: G = A, the clients' target
-    assert setup.ctx.align_anchors is setup.ctx.server_target
+    setup.send(0)
+    assert torch.equal(setup.ctx.received["align_target"], A)           # round 0: G = A, the clients' target
+    assert setup.ctx.align_anchors is setup.ctx.received["align_target"]
     clients = setup.make_clients(lambda m: None, lambda m: None)
     for c in clients:
         c.train_round(setup.ctx, 0)
@@ -410,13 +411,36 @@ def test_plan_b_reference_starts_at_the_anchors_keeps_g_and_predicts_with_the_me
     assert (ev.server_G - A).abs().max() <= reach + 1e-6
     assert (mean - A).abs().max() > 2 * reach  # so a G started at the clients' mean could not pass the line above
     assert torch.allclose(ev.G, mean)                                   # the prediction uses the plain mean
-    assert torch.equal(setup.ctx.server_target, ev.server_G)            # the next round aligns to the trained G
+    setup.send(1)
+    assert torch.equal(setup.ctx.received["align_target"], ev.server_G)  # the next round aligns to the trained G
     ev2 = evaluate_uploads(cfg, 1, [c.upload() for c in clients], [c.model for c in clients], setup.anchors,
                            None, None, setup.norm, server_G=ev.server_G)
     fresh, _ = train_global_prototypes(protos, cfg.server, setup.anchors, init=setup.anchors)
     cont, _ = train_global_prototypes(protos, cfg.server, setup.anchors, init=ev.server_G)
     assert torch.allclose(ev2.server_G, cont) and not torch.allclose(ev2.server_G, fresh)  # G persists
-    assert RunSetup.build(load_config(None, "server-protos", ov)).ctx.server_target is None  # spec: no G sent
+    spec = RunSetup.build(load_config(None, "server-protos", ov))
+    spec.send(0)
+    assert spec.ctx.received == {} and spec.ctx.align_anchors is spec.ctx.anchors  # spec: no G sent
+
+
+def test_what_the_clients_receive_is_the_primary_strategys_configure_train(tiny_overrides, monkeypatch):
+    """One sending hook: a primary that overrides `configure_train` (as a plugin's would) is what every client
+    aligns to, round by round; another scored strategy's hook is not asked."""
+    cfg = load_config(None, "flare", tiny_overrides + ["server.primary=feature", "eval.rules=[feature,output]"])
+    setup = RunSetup.build(cfg)
+    monkeypatch.setattr(FeatureRule, "configure_train",
+                        lambda self, rnd, carried: {"align_target": torch.full_like(setup.anchors, float(rnd))})
+    monkeypatch.setattr(OutputRule, "configure_train", lambda self, rnd, carried: {"align_target": setup.anchors})
+    (to_anchors, *_), (to_zeros, *_) = (setup.make_clients(lambda m: None, lambda m: None) for _ in range(2))
+    to_anchors.train_round(setup.ctx, 0)  # nothing sent yet: the anchors
+    setup.send(0)
+    assert torch.equal(setup.ctx.align_anchors, torch.zeros_like(setup.anchors))
+    to_zeros.train_round(setup.ctx, 0)    # the same draws, L_align pulling towards the zeros it received
+    # MSE's gradient is ∝ P − target, so the two runs part along (P − 0) − (P − A) = A, towards −A for the zeros
+    moved = (to_zeros.model.prototypes - to_anchors.model.prototypes).detach().flatten()
+    assert float(torch.nn.functional.cosine_similarity(moved, -setup.anchors.flatten(), dim=0)) > 0.5
+    setup.send(2)
+    assert torch.equal(setup.ctx.align_anchors, torch.full_like(setup.anchors, 2.0))
 
 
 def test_plan_b_reference_resumes_with_the_servers_g(tiny_overrides, tmp_path, monkeypatch):

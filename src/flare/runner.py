@@ -81,7 +81,7 @@ class Run:
             raise FlareError("no client received any sample.", key="num_clients", fix="use fewer clients or more data.")
         records = self._restore(rp, clients)
         if rp.checkpoint is not None:
-            setup.load_server_state(rp.checkpoint.get("server"))
+            setup.server.load_server_state(rp.checkpoint.get("server"))
         # every check has passed: only now is the directory written
         self.dir.write_config(cfg)
         self.dir.write_partition(setup.partition_report)
@@ -97,6 +97,7 @@ class Run:
                       desc=self.label, disable=self.quiet) as bar:
             for r in range(start, cfg.rounds):
                 t0 = time.perf_counter()
+                setup.send(r)
                 client_records = self._train_clients(active, setup.ctx, r, bar, batched)
                 t_train = time.perf_counter() - t0
                 rec = (setup.evaluate(r, active).record if evaluated_round(cfg, r) else
@@ -111,7 +112,7 @@ class Run:
                     _tb_log(tb, r, rec, client_records)
                 self.dir.save_checkpoint({"rounds_done": r + 1, "clients": [c.state_dict() for c in clients],
                                           "rng": global_rng_state(), "records": records,
-                                          "server": setup.server_state(), "config": config})
+                                          "server": setup.server.server_state(), "config": config})
                 self.dir.write_state("running", r + 1, self.warnings, config, backend=self.facts)
                 bar.round_done(rec.get("acc", float("nan")))
         if tb is not None:

@@ -36,7 +36,7 @@ from flare.models import FlareNet, check_input_fits, create_architecture
 from flare.schedules import LRSchedule
 from flare.server.exchange import LocalClients, Transport
 from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
-from flare.server.rounds import Evaluation, carries_server_protos, evaluate_uploads, rules_for
+from flare.server.rounds import Evaluation, carries_server_protos, evaluate_uploads, primary_rule, rules_for
 from flare.server.strategy import Strategy, make_strategies
 from flare.server.upload import Upload
 
@@ -246,7 +246,7 @@ class ServerSetup:
     warnings: list[str]                # the backend's, and why a Flower server evaluates nothing
     strategies: dict[str, Strategy] = field(default_factory=dict)  # name → the run's instance, built once
     strategy_state: dict = field(default_factory=dict)  # each server strategy's own state across rounds
-    server_G: Tensor | None = None     # Plan B's G under protos_flow=reference (round 0: the anchors)
+    carried: dict[str, Tensor] = field(default_factory=dict)  # kept across rounds: Plan B's G (round 0: the anchors)
 
     @classmethod
     def build(cls, cfg: Config, dataset_meta: str | None = None, bank: bool = True,
@@ -296,9 +296,23 @@ class ServerSetup:
         data, self.data = self.data, None
         return data
 
+    # -- what the server carries across rounds (Plan B's G under protos_flow=reference), and what it sends ------
+    def server_state(self) -> dict:
+        """What the server carries from one round to the next (saved in checkpoints)."""
+        return {k: v.detach().cpu() for k, v in self.carried.items()}
+
     def load_server_state(self, state: dict | None) -> None:
-        G = (state or {}).get("G")
-        self.server_G = G.detach().float().to(self.backend.device) if G is not None else None
+        self.carried = {k: v.detach().float().to(self.backend.device) for k, v in (state or {}).items()}
+
+    def carry(self, ev: Evaluation) -> None:
+        """Keep what an evaluation of the run's rounds built for the next round (Plan B's new G)."""
+        if ev.server_G is not None:
+            self.load_server_state({"G": ev.server_G})
+
+    def train_message(self, r: int) -> dict[str, Tensor]:
+        """What every client receives before it trains round r, on every engine: the primary strategy's
+        `configure_train` (on this server's device)."""
+        return self.strategies[primary_rule(self.cfg)].configure_train(r, self.carried)
 
     def scored(self, r: int) -> dict[str, Strategy]:
         """The run's strategies round r scores (`rules_for`), the instances built with the run."""
@@ -308,13 +322,14 @@ class ServerSetup:
                  rules: tuple[str, ...] | None = None, clients: Transport | None = None) -> Evaluation:
         """Round r's evaluation checkpoint of `uploads` (`models[i]` holds `uploads[i].state`), with this server's
         test set, anchors, G and strategy states; `rules`: only these strategies (fuse), else the round's own.
-        Plan B's new G is in the result: the caller decides whether the run carries it on. `clients`: the transport to
-        the uploads' owners, for the strategies that hold rounds with them after the upload (server/exchange.py)."""
+        Plan B's new G is in the result: the caller decides whether the run carries it on (`carry`). `clients`: the
+        transport to the uploads' owners, for the strategies that hold rounds with them after the upload
+        (server/exchange.py)."""
         be = self.backend
         return evaluate_uploads(self.cfg, r, uploads, models, self.anchors, self.test_x, self.test_y, self.norm,
-                                amp_dtype=be.amp_dtype, channels_last=be.channels_last, server_G=self.server_G,
-                                strategy_state=self.strategy_state, public_x=self.public_x, rules=rules,
-                                strategies=self.strategies, clients=clients)
+                                amp_dtype=be.amp_dtype, channels_last=be.channels_last,
+                                server_G=self.carried.get("G"), strategy_state=self.strategy_state,
+                                public_x=self.public_x, rules=rules, strategies=self.strategies, clients=clients)
 
 
 def client_context(cfg: Config, meta: DataMeta, be: Backend, feature_dim: int, train_x: Tensor, train_y: Tensor,
@@ -362,9 +377,7 @@ class RunSetup:
         part = split(cfg, data.train_y, data.num_classes)
         ctx = client_context(cfg, server.meta, server.backend, server.template.feature_dim, data.train_x,
                              data.train_y, server.bank)
-        run = cls(server, part, describe_partition(cfg, part, data.classes), ctx)
-        ctx.server_target = server.server_G
-        return run
+        return cls(server, part, describe_partition(cfg, part, data.classes), ctx)
 
     @property
     def cfg(self) -> Config:
@@ -386,15 +399,9 @@ class RunSetup:
     def norm(self) -> Callable[[Tensor], Tensor]:
         return self.server.norm
 
-    # -- the server's state between rounds (Plan B's G under protos_flow=reference) ------------------
-    def server_state(self) -> dict:
-        """What the server carries from one round to the next (saved in checkpoints)."""
-        return {"G": self.ctx.server_target.detach().cpu()} if self.ctx.server_target is not None else {}
-
-    def load_server_state(self, state: dict | None) -> None:
-        """The server's G is the clients' target too (one tensor, in both)."""
-        self.server.load_server_state(state)
-        self.ctx.server_target = self.server.server_G
+    def send(self, r: int) -> None:
+        """Hand every client what the server sends before round r's training (`ServerSetup.train_message`)."""
+        self.ctx.received = self.server.train_message(r)
 
     def make_clients(self, warn: Callable[[str], None], note: Callable[[str], None]) -> list[Client]:
         """Every client with a deep copy of the global init; clients without samples are warned about (they are
@@ -427,6 +434,5 @@ class RunSetup:
         talks = any(s.extra_rounds() > 0 for s in scored.values())
         ev = self.server.evaluate(r, uploads, [c.model for c in clients],
                                   clients=LocalClients([self.client_data(c) for c in clients]) if talks else None)
-        if ev.server_G is not None:  # the clients align to it in the next round
-            self.load_server_state({"G": ev.server_G})
+        self.server.carry(ev)
         return ev

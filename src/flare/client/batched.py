@@ -96,8 +96,7 @@ class BatchedClients:
         gradient surgery needs each client's two gradients apart, the engine takes one backward of all clients'
         summed loss; the contrast banks are per-client queues rewritten after every step; a moving alignment
         target starts from each client's own initial prototypes at its own progress (the engine plans strengths
-        only); SGDR's momentum reset and Plan B's carried G change state between steps or rounds the stack does
-        not hold."""
+        only); SGDR's momentum reset changes state between steps the stack does not hold."""
         out: list[tuple[str, object]] = []
         if cfg.align.surgery != "none":
             out.append(("align.surgery", cfg.align.surgery))
@@ -107,8 +106,6 @@ class BatchedClients:
             out.append(("align.target", cfg.align.target))
         if cfg.lr_schedule.kind == "sgdr" and cfg.lr_schedule.reset_momentum:
             out.append(("lr_schedule.reset_momentum", True))
-        if cfg.server.protos == "trainable" and cfg.server.protos_flow != "spec":
-            out.append(("server.protos_flow", cfg.server.protos_flow))
         return out
 
     @classmethod
@@ -168,14 +165,15 @@ class BatchedClients:
                      y2: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """One client's step loss and logs, written for one client and vmapped over the group: the forward of
         `Client._step` (autocast around the model only), then `local_loss` — the function the sequential engine
-        and the LR probe call — with L_align to the fixed anchors and λ through the provider's `weigh`."""
+        and the LR probe call — with L_align to the fixed target (the anchors, or the one the server sent: Plan
+        B's G) and λ through the provider's `weigh`."""
         ctx, cfg = self.ctx, self.cfg
         amp = (torch.autocast(device_type=ctx.device.type, dtype=ctx.amp_dtype)
                if ctx.amp_dtype is not None else nullcontext())
         with amp:
             feat, logits = functional_call(self.template, (params, buffers), (imgs,))
         protos = params[self.proto_name] if self.proto_name else None
-        loss = local_loss(cfg, feat, logits, y2, protos, target=ctx.anchors,  # align.target=fixed
+        loss = local_loss(cfg, feat, logits, y2, protos, target=ctx.align_anchors,  # align.target=fixed
                           weigh=lambda base, align: self.lam.weigh(base, align, strength, sigma if sigma else None))
         total, logs = loss.total(), loss.logs()
         return total, logs

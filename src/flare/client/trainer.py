@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
@@ -49,12 +49,13 @@ class TrainContext:
     channels_last: bool = False               # NHWC inputs (decided once, by `backend.use_channels_last`)
     extension_factory: object | None = None  # builds a per-client contrast extension (banks)
     plain: Callable[[Tensor], Tensor] | None = None  # uint8 batch → the un-augmented input (loss.ce_input=plain)
-    server_target: Tensor | None = None      # Plan B under protos_flow=reference: the server's G, set between rounds
+    # what the server sent with this round's training message (`Strategy.configure_train`), set between rounds
+    received: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def align_anchors(self) -> Tensor | None:
-        """What clients align to: the server's G when it sends one, else the fixed anchors."""
-        return self.server_target if self.server_target is not None else self.anchors
+        """What clients align to: the target the server sent (`align_target`), else the fixed anchors."""
+        return self.received.get("align_target", self.anchors)
 
     @property
     def total_epochs(self) -> int:

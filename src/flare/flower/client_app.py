@@ -2,7 +2,8 @@
 
 A node answers `train` messages. The first message of a run carries the run's config, the dataset facts,
 the anchor seed and the seeded init weights of every client architecture (`protocol.init_key`: with
-`model.clients` / `model.mix` the node takes its own client's); the node loads its own data — from
+`model.clients` / `model.mix` the node takes its own client's); every message may carry what the server sends
+before the round (`sent`, e.g. Plan B's G), which the node hands to its client; the node loads its own data — from
 `data-path` in its node config (an .npz of its samples) or, in simulation and loopback federations, its
 part of the run's split (`partition-id`, with the same partitioner and seed as `flare run`) — trains the
 asked rounds with `flare.client.trainer.Client` on its client's architecture, and replies with its weights
@@ -95,7 +96,9 @@ def handle_train(content: RecordDict, context: Context) -> RecordDict:
     if task.round_start > 0:
         resume = unpack_nested(state[_CARRY], str(state[_CARRY_SKELETON]["skeleton"]))
 
+    sent = content.array_records.get("sent")
     res: ClientResult = client_train(task, local, init_state, resume=resume, bank=bank,
+                                     received=dict(record_to_state(sent)) if sent is not None else None,
                                      device=str(nc["device"]) if nc.get("device") else None)
 
     if res.carry is not None:  # more rounds will come: keep what the next message needs

@@ -188,9 +188,11 @@ class ClientResult:
 
 
 def client_train(task: Task, local: LocalData, init_state: dict[str, Tensor], resume: dict | None = None,
-                 bank: Tensor | None = None, device: str | None = None) -> ClientResult:
+                 bank: Tensor | None = None, device: str | None = None,
+                 received: dict[str, Tensor] | None = None) -> ClientResult:
     """Train rounds [task.round_start, task.round_end) of one client exactly as `flare run` does, from `init_state`:
-    the seeded init of its own architecture (`init_key`)."""
+    the seeded init of its own architecture (`init_key`); `received`: what the server sent with the task
+    (`Strategy.configure_train`)."""
     cfg, meta = task.cfg, task.meta
     hist = local.class_histogram()
     if local.num_samples == 0:
@@ -205,6 +207,7 @@ def client_train(task: Task, local: LocalData, init_state: dict[str, Tensor], re
     if be.channels_last:
         model = model.to(memory_format=torch.channels_last)
     ctx = client_context(cfg, meta, be, model.feature_dim, local.x, local.y, bank, anchor_seed=task.anchor_seed)
+    ctx.received = {k: v.to(be.device) for k, v in (received or {}).items()}
     client = Client(local.cid, torch.arange(local.num_samples, device=be.device), model, ctx,
                     local.normalized_entropy())
     if resume is not None:

@@ -29,7 +29,7 @@ from flare.records import config_differences
 from flare.rundir import RunDir
 from flare.server.upload import Upload, UploadSpec, upload_of, validate_upload
 from flare.server.extras import extras_shapes
-from flare.server.rounds import Evaluation, carries_server_protos, evaluated_round, skipped_round_record
+from flare.server.rounds import Evaluation, evaluated_round, skipped_round_record
 from flare.setup import ServerSetup, anchor_seed, describe_partition
 
 MAX_RECORDS_BYTES = 4_000_000  # a client's per-round training logs, as JSON text
@@ -113,20 +113,12 @@ def _sanitize_records(text, cid: int, rounds: range) -> tuple[list[dict], str | 
     return out, None
 
 
-def _cpu_state(model) -> dict:
-    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-
-
 class ServerSession:
     """The server of one federated run: it owns the run directory (the same files as `flare run`, minus
     the client checkpoint), the test set (when it has one), the seeded inits, the anchors, the upload gate,
     and every evaluation checkpoint."""
 
     def __init__(self, cfg: Config, fed: FederationSettings, log=print, talk=None):
-        if carries_server_protos(cfg):
-            raise FlareError("server.protos_flow=reference sends the server's G to the clients every round, which "
-                             "the Flower engine does not do.", key="server.protos_flow",
-                             fix="run it with `flare run`, or set server.protos_flow=spec for a federation.")
         self.cfg, self.fed, self.log, self.talk = cfg, fed, log, talk
         self.warnings: list[str] = []
         self.out = Path(fed.out_dir or f"runs/flower-{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -139,16 +131,24 @@ class ServerSession:
             return
         self.setup = ServerSetup.build(cfg, dataset_meta=fed.dataset_meta or None)
         talking = [n for n, s in self.setup.strategies.items() if s.extra_rounds() > 0]
-        if talking and talk is None:
+        try:
+            if talking and talk is None:
+                raise FlareError(f"server strategies {talking} hold rounds with the clients after their upload, "
+                                 "which this engine cannot send.", key=f"server.strategies.{talking[0]}",
+                                 fix="run the federation through the FLARE ServerApp, or use `flare run`.")
+            # what it sends before a later round depends on the evaluations between: one message cannot carry it
+            if fed.upload == "once" and cfg.rounds > 1 and (sends := self.setup.train_message(1)):
+                raise FlareError(f"the server sends the clients {sorted(sends)} before every round (e.g. Plan B's G "
+                                 "under server.protos_flow=reference), which upload=once's one message cannot carry.",
+                                 key="upload", fix='set upload="per-round".')
+        except FlareError:
             self.close()
             self.dir.remove_if_empty()
-            raise FlareError(f"server strategies {talking} hold rounds with the clients after their upload, which "
-                             "this engine cannot send.", key=f"server.strategies.{talking[0]}",
-                             fix="run the federation through the FLARE ServerApp, or use `flare run`.")
+            raise
         for w in self.setup.warnings:
             self._warn(w)
         self.setup.take_data()  # the clients' samples are on the nodes
-        self.meta, self.template, bank = self.setup.meta, self.setup.template, self.setup.bank
+        self.meta, self.template = self.setup.meta, self.setup.template
         # Each client trains its own architecture (model.clients / model.mix): the first message carries every
         # client architecture's seeded init under `init_key`, and client i's upload is gated against, and loaded
         # into, its architecture's init. A run of one architecture has one of each.
@@ -156,9 +156,7 @@ class ServerSession:
         first: dict[str, int] = {}  # init record -> the first client of that architecture
         for i in range(cfg.num_clients):
             first.setdefault(init_key(cfg, i), i)
-        self.init_states = {key: _cpu_state(self.setup.client_init(i)) for key, i in first.items()}
-        self.anchor_seed = anchor_seed(cfg)
-        self.bank = bank.cpu() if bank is not None else None
+        self.init_states = {key: self.setup.client_init(i).state_dict() for key, i in first.items()}
         self.specs = {a: UploadSpec.from_model(m, self.meta.num_classes) for a, m in self.setup.inits.items()}
         self.node_client: dict[int, int] = {}   # node id -> client id (fixed by its first reply)
         self.histograms: dict[int, list[int]] = {}
@@ -180,7 +178,7 @@ class ServerSession:
         return self.fed.min_clients or self.cfg.num_clients
 
     def task(self, round_start: int, round_end: int) -> Task:
-        return Task(self.cfg, self.meta, self.anchor_seed, round_start, round_end)
+        return Task(self.cfg, self.meta, anchor_seed(self.cfg), round_start, round_end)
 
     def blocks(self) -> list[tuple[int, int]]:
         R = self.cfg.rounds
@@ -301,6 +299,7 @@ class ServerSession:
         if evaluated_round(self.cfg, round_idx):
             nodes = NodeClients(self, uploads) if self.talk is not None else None
             ev = self.setup.evaluate(round_idx, uploads, models, clients=nodes)
+            self.setup.carry(ev)
             rec, self.last = ev.record, ev
         else:  # eval.every: the last round is always evaluated, so self.last ends as the final predictor
             rec = skipped_round_record(self.cfg, round_idx)

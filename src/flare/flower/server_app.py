@@ -1,10 +1,10 @@
 """FLARE's Flower ServerApp (`flare.flower.server_app:app`).
 
 The server builds the run's config from the app's run config (`preset`, `config-file`, `overrides`),
-waits for the nodes, sends each a `train` message (the config, the dataset facts, the anchor seed and,
-in the first message, the seeded init weights of every client architecture, of which each node takes its own
-client's), validates every reply (`flare.server.upload.
-validate_upload`), evaluates every configured fusion rule on its test set with the same code as
+waits for the nodes, sends each a `train` message (the config, the dataset facts, the anchor seed, what the
+primary strategy sends before the round (Plan B's G) and, in the first message, the public bank and the seeded
+init weights of every client architecture, of which each node takes its own client's), validates every reply
+(`flare.server.upload.validate_upload`), evaluates every configured fusion rule on its test set with the same code as
 `flare run` (a strategy that holds rounds with the clients after their upload, such as FENS, sends each of them
 as one `query` message to the nodes: `make_talk`), and writes the same run directory plus federation.json (who answered, who was missing or
 rejected, and why) and the global predictor (predictor.pt + predictor.json).
@@ -94,18 +94,25 @@ def make_talk(grid: Grid, timeout: float):
     return talk
 
 
-def make_exchange(grid: Grid, timeout: float):
-    init_cache: dict = {}
+def train_content(task, include_init: bool, session: ServerSession) -> RecordDict:
+    """A train message's content: the task; in the first message every client architecture's seeded init and the
+    public bank; in every message what the server sends before the block's first round (`sent`:
+    `ServerSetup.train_message`, which the node hands to its client)."""
+    content = RecordDict({"task": ConfigRecord(task.to_config())})
+    if include_init:
+        for key, state in session.init_states.items():
+            content[key] = state_to_record(state)
+        if session.setup.bank is not None:
+            content["bank"] = state_to_record({"bank": session.setup.bank})
+    sent = session.setup.train_message(task.round_start)
+    if sent:
+        content["sent"] = state_to_record(sent)
+    return content
 
+
+def make_exchange(grid: Grid, timeout: float):
     def exchange(task, include_init: bool, nodes: list[int], session: ServerSession) -> list[Reply]:
-        content = RecordDict({"task": ConfigRecord(task.to_config())})
-        if include_init:
-            if not init_cache:
-                init_cache.update({key: state_to_record(st) for key, st in session.init_states.items()})
-                if session.bank is not None:
-                    init_cache["bank"] = state_to_record({"bank": session.bank})
-            for key, rec in init_cache.items():
-                content[key] = rec
+        content = train_content(task, include_init, session)
         msgs = [Message(content=content, dst_node_id=n, message_type="train", group_id=str(task.round_start))
                 for n in nodes]
         replies = grid.send_and_receive(msgs, timeout=timeout)

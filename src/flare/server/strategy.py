@@ -136,8 +136,17 @@ class Strategy:
         """The statistics of one client (`data`: a server.extras.ClientData), computed where its data lives."""
         return {}
 
-    # -- the sending direction: rounds held with the clients after their one-shot upload, in Flower's shape
+    # -- the sending direction. Before each round's training: what every client receives (`configure_train`,
+    # asked of the primary strategy). After the one-shot upload: rounds held with the clients, in Flower's shape
     # (configure_fit → the clients' fit → aggregate_fit), driven by server/exchange.py before `predictor`.
+
+    def configure_train(self, rnd: int, carried: dict[str, Tensor]) -> dict[str, Tensor]:
+        """What every client receives with round `rnd`'s training message, beside the init, the anchors' seed and
+        the public bank (the same tensors for every client and every engine). `carried`: what the server keeps
+        across rounds and checkpoints (`ServerSetup.server_state`). The default sends Plan B's carried G
+        (server.protos_flow=reference) as the clients' alignment target, `align_target`, and nothing otherwise."""
+        G = carried.get("G")
+        return {"align_target": G} if G is not None else {}
 
     def extra_rounds(self) -> int:
         """How many rounds this strategy holds with the clients after their upload (0: it builds from the uploads
