@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +62,8 @@ def main(argv=None):
                     help="cpu: this process's CPU seconds instead of wall seconds — on a machine shared with other "
                          "processes it counts the work done rather than the waiting (with OMP_NUM_THREADS=1, and "
                          "on CPU only: it does not see GPU time)")
+    ap.add_argument("--record", default=None, metavar="FILE",
+                    help="with --schedules: also write the figures as JSON (what a docs block is rendered from)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -116,6 +120,8 @@ def main(argv=None):
 
     runs = [bare, e2e]
     schedules = [s for s in args.schedules.split(",") if s]
+    if args.record and not schedules:
+        ap.error("--record writes the --schedules figures; give --schedules too")
     for sched in schedules:
         cfg_s = cfg.model_copy(update={"augment": cfg.augment.model_copy(update={"schedule": sched})})
         ctx_s = make_train_context(cfg_s, x, y, aug, None, device, amp, cl, None)
@@ -196,10 +202,20 @@ def main(argv=None):
         med = sorted(every[0])[len(every[0]) // 2]
         print(f"augment.schedule, end to end (samples/s; ÷ bare, best and median of {args.repeats}, interleaved):")
         print(f"  bare step   : best {b_best:9.1f}           median {med:9.1f}")
+        series = {}
         for j, sched in enumerate(schedules):
             xs = sorted(every[2 + j])
+            series[sched] = {"best": xs[-1], "median": xs[len(xs) // 2]}
             print(f"  {sched:12s}: best {xs[-1]:9.1f} ({xs[-1] / b_best:.3f})   median {xs[len(xs) // 2]:9.1f} "
                   f"({xs[len(xs) // 2] / med:.3f})")
+        if args.record:
+            config = (f"{cfg.method} {cfg.model.name} width {cfg.model.width}, {data.name} "
+                      f"{tuple(data.train_x.shape[1:])}, batch {B} (x2 views), {args.steps} steps, best of {args.repeats}")
+            Path(args.record).write_text(json.dumps(
+                {"config": config, "clock": args.clock, "repeats": args.repeats,
+                 "load_before": list(load_before) if load_before is not None else None,
+                 "load_after": list(os.getloadavg()) if load_before is not None else None,
+                 "bare_step": {"best": b_best, "median": med}, "schedules": series}, indent=1) + "\n")
     if K:
         bb, eb = best[2 + len(schedules)], best[3 + len(schedules)]
         print(f"batched engine, {K} clients{' (compiled)' if cfg.compile else ''}:")

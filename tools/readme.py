@@ -191,18 +191,15 @@ AUGMENT_SCHEDULE_RUNS = {  # name -> efficiency.py's arguments: the main job's m
 
 
 def augment_schedule_table(base: Path) -> str:
-    """efficiency.py --schedules: each schedule's end to end ÷ the bare step, from the runs' printed output."""
+    """efficiency.py --schedules: each schedule's end to end ÷ the bare step, from the runs' JSON records."""
     rows = ["| config | load average before / after | bare step (samples/s, median) | per_batch ÷ bare (median) | "
             "chunked ÷ bare (median) | chunked ÷ per_batch |", "| --- | --- | --- | --- | --- | --- |"]
     for name in AUGMENT_SCHEDULE_RUNS:
-        text = (base / OUT.relative_to(ROOT) / f"augment-schedule-{name}.out").read_text()
-        conf = re.search(r"config: (.*)", text).group(1)
-        load = re.search(r"load average \(1/5/15 min\): (\S+) before, (\S+) after", text)
-        ratio = {k: (float(v), float(r)) for k, v, r in
-                 re.findall(r"^\s+(\w+)\s*: best .*median\s+([\d.]+) \(([\d.]+)\)", text, re.M)}
-        bare = float(re.search(r"bare step\s*: best\s+[\d.]+\s+median\s+([\d.]+)", text).group(1))
-        rows.append(f"| {conf} | {load.group(1)} / {load.group(2)} | {bare:.0f} | {ratio['per_batch'][1]:.3f} | "
-                    f"{ratio['chunked'][1]:.3f} | {ratio['chunked'][0] / ratio['per_batch'][0]:.2f}× |")
+        r = json.loads((base / OUT.relative_to(ROOT) / f"augment-schedule-{name}.json").read_text())
+        bare, per, chunk = r["bare_step"]["median"], r["schedules"]["per_batch"], r["schedules"]["chunked"]
+        load = " / ".join("/".join(f"{v:.2f}" for v in r[k]) for k in ("load_before", "load_after"))
+        rows.append(f"| {r['config']} | {load} | {bare:.0f} | {per['median'] / bare:.3f} | "
+                    f"{chunk['median'] / bare:.3f} | {chunk['median'] / per['median']:.2f}× |")
     return "\n".join(rows) + "\n"
 
 
@@ -444,7 +441,7 @@ RESULTS = {r.id: r for r in [
             page="docs/results/efficiency-cpu.md"),
     Results("augment-schedule",
             [f"OMP_NUM_THREADS=1 python benchmarks/efficiency.py {args} --clock cpu --schedules per_batch,chunked "
-             f"> runs/readme/augment-schedule-{name}.out" for name, args in AUGMENT_SCHEDULE_RUNS.items()],
+             f"--record runs/readme/augment-schedule-{name}.json" for name, args in AUGMENT_SCHEDULE_RUNS.items()],
             augment_schedule_table,
             page="docs/performance.md"),
     Results("kernels",
