@@ -190,8 +190,9 @@ def main(argv=None):
     b_best, e_best = best[0], best[1]
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     print(f"device: {dev}   torch {torch.__version__}   amp: {amp}   channels_last: {cl}   clock: {args.clock}")
-    print(f"config: {cfg.method} {cfg.model.name} width {cfg.model.width}, {data.name} {tuple(data.train_x.shape[1:])}, "
-          f"batch {B} (x2 views), {args.steps} steps, best of {args.repeats}")
+    config = (f"{cfg.method} {cfg.model.name} width {cfg.model.width}, {data.name} {tuple(data.train_x.shape[1:])}, "
+              f"batch {B} (x2 views), {args.steps} steps, best of {args.repeats}")
+    print(f"config: {config}")
     print(f"bare forward+backward+step : {b_best:10.1f} samples/s")
     print(f"end-to-end local training  : {e_best:10.1f} samples/s")
     print(f"efficiency                 : {e_best / b_best:10.3f}")
@@ -209,8 +210,6 @@ def main(argv=None):
             print(f"  {sched:12s}: best {xs[-1]:9.1f} ({xs[-1] / b_best:.3f})   median {xs[len(xs) // 2]:9.1f} "
                   f"({xs[len(xs) // 2] / med:.3f})")
         if args.record:
-            config = (f"{cfg.method} {cfg.model.name} width {cfg.model.width}, {data.name} "
-                      f"{tuple(data.train_x.shape[1:])}, batch {B} (x2 views), {args.steps} steps, best of {args.repeats}")
             Path(args.record).write_text(json.dumps(
                 {"config": config, "clock": args.clock, "repeats": args.repeats,
                  "load_before": list(load_before) if load_before is not None else None,
