@@ -205,3 +205,39 @@ def test_a_key_added_since_and_left_empty_is_no_difference():
     assert config_differences({"seed": 1}, {"seed": 1, "eval": {"rules": None}}) == []
     assert config_differences({"seed": 1}, {"seed": 1, "plugins": ["m"]}) == ["plugins"]
     assert config_differences({"seed": 1}, {"seed": 1, "rounds": 0}) == ["rounds"]
+
+
+def _strip_key(d, section, key):
+    """Make `d` look as if it were written before `section.key` existed: config.yaml, state.json and both
+    checkpoints lose it."""
+    import yaml
+    cfg_file = d / "config.yaml"
+    m = yaml.safe_load(cfg_file.read_text())
+    del m[section][key]
+    cfg_file.write_text(yaml.safe_dump(m, sort_keys=False))
+    state = json.loads((d / "state.json").read_text())
+    del state["config"][section][key]
+    state.pop("config_fingerprint", None)
+    state.get("files", {}).pop("config.yaml", None)
+    (d / "state.json").write_text(json.dumps(state))
+    for name in ("checkpoint.pt", "checkpoint.prev.pt"):
+        if (d / name).exists():
+            ck = torch.load(d / name, weights_only=False)
+            ck.get("config", {}).get(section, {}).pop(key, None)
+            torch.save(ck, d / name)
+
+
+def test_a_run_recorded_before_an_option_existed_resumes_where_the_option_is_at_its_default(
+        cfg, tmp_path, monkeypatch):
+    """A new option defaults to the old behaviour, so a half-finished run whose records lack it is the same
+    experiment and resumes to exactly the uninterrupted run's numbers; moving the option off its default is
+    another experiment and is refused, naming the key."""
+    d = tmp_path / "run"
+    _interrupted(cfg, d, monkeypatch, at_round=2)
+    _strip_key(d, "augment", "schedule")
+    with pytest.raises(FlareError) as e:
+        moved = cfg.model_copy(update={"augment": cfg.augment.model_copy(update={"schedule": "chunked"})})
+        Run(moved, d, quiet=True).execute()
+    assert e.value.key == "--out" and "augment.schedule" in e.value.message
+    Run(cfg, d, quiet=True).execute()
+    _same_as_uninterrupted(cfg, d, tmp_path)

@@ -26,8 +26,8 @@ from flare import cpu  # noqa: E402  (imports nothing that computes)
 # (flare/cpu.py; each run checks it against its validated config).
 cpu.pin(cpu.early_level(sys.argv[1:]))
 
-from flare.config import (Config, build_config, config_reference_markdown, deep_merge, list_presets, load_config,  # noqa: E402
-                          parse_overrides)
+from flare.config import (Config, build_config, config_reference_markdown, deep_merge,  # noqa: E402
+                          experiment_differences, list_presets, load_config, parse_overrides)
 from flare.data.datasets import list_datasets  # noqa: E402
 from flare.errors import FlareError  # noqa: E402
 from flare.experiments.compare import parse_presets, parse_seeds, run_compare  # noqa: E402
@@ -36,7 +36,6 @@ from flare.fuse import fuse_runs  # noqa: E402
 from flare.lrprobe import format_probe, probe  # noqa: E402
 from flare.registry import MODELS, REGISTRIES, load_plugins  # noqa: E402
 from flare.report.report import write_report  # noqa: E402
-from flare.records import config_differences  # noqa: E402
 from flare.rundir import RunDir, extension_problem  # noqa: E402
 from flare.runner import Run  # noqa: E402
 
@@ -74,7 +73,7 @@ def _resume_config(args) -> Config:
         raise FlareError(f"'{args.resume}' is not a run directory (no config.yaml).", key="--resume",
                          fix="give the --out directory of an earlier run.")
     cfg = build_config(deep_merge(old, parse_overrides(args.overrides)))
-    diff = config_differences(old, cfg.model_dump(mode="json"))
+    diff = experiment_differences(old, cfg)
     why = extension_problem(old, cfg) if diff == ["rounds"] else None
     if diff and (diff != ["rounds"] or why):
         raise FlareError(f"--resume cannot change {', '.join(diff)}" + (f": {why}" if why else

@@ -32,11 +32,11 @@ from typing import Callable
 import torch
 import yaml
 
-from flare.config import Config, config_to_yaml
+from flare.config import Config, config_to_yaml, experiment_differences
 from flare.durable import (atomic_torch_save, atomic_write_text, encode_record, parse_jsonl,  # noqa: F401
                            read_jsonl)
 from flare.errors import FlareError
-from flare.records import config_differences, config_fingerprint, file_fingerprint, flatten, shown
+from flare.records import config_fingerprint, file_fingerprint, flatten, shown
 
 try:  # POSIX advisory locks; without fcntl (Windows) runs are not locked
     import fcntl
@@ -270,7 +270,7 @@ class RunDir:
         for name, recorded in sources:
             if not isinstance(recorded, dict) or config_fingerprint(recorded) == config_fingerprint(current):
                 continue
-            diff = config_differences(recorded, current)
+            diff = experiment_differences(recorded, current)
             if not diff or (diff == ["rounds"] and resuming is not None
                             and extension_problem(recorded, resuming) is None):
                 continue
@@ -314,7 +314,7 @@ class RunDir:
         if old is None or not self.holds_rounds():
             return []
         self.check_consistent(key, resuming=cfg)
-        diff = config_differences(old, cfg.model_dump(mode="json"))
+        diff = experiment_differences(old, cfg)
         if diff:
             why = extension_problem(old, cfg) if diff == ["rounds"] else None
             if diff != ["rounds"] or why:

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from flare.config.schema import RENAMED, RENAMED_VALUES, Config, KeyedValueError
 from flare.errors import FlareError
+from flare.records import config_differences, flatten
 
 
 class DuplicateKey(yaml.YAMLError):
@@ -314,3 +315,16 @@ def config_reference_markdown() -> str:
     for k, t, d, desc in config_reference():
         rows.append(f"| `{k}` | {t.replace('|', chr(92) + '|')} | `{d}` | {desc} |")
     return "\n".join(rows)
+
+
+@functools.cache
+def _default_values() -> dict:
+    return flatten(Config().model_dump(mode="json"))
+
+
+def experiment_differences(old: dict, new: dict | Config) -> list[str]:
+    """The dotted keys in which a recorded config `old` and `new` describe different experiments. A key added to the
+    schema after `old` was recorded counts only where `new` moves it off its default (the default is always the
+    behaviour that existed before the key), so a new option never strands a half-finished run."""
+    new = new.model_dump(mode="json") if isinstance(new, Config) else new
+    return config_differences(old, new, _default_values())

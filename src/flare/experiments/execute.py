@@ -21,10 +21,9 @@ from typing import Any, Callable
 
 import torch
 
-from flare.config import build_config
+from flare.config import build_config, experiment_differences
 from flare.errors import FlareError, TrainingDiverged
 from flare.progress import Counter
-from flare.records import config_differences
 from flare.rundir import RunDir, atomic_write_text
 from flare.runner import Run
 
@@ -60,7 +59,7 @@ def _same_experiment(d: Path, cfg) -> tuple[bool, list[str]]:
         return False, ["config.yaml (unreadable)"]
     if old is None:
         return True, []
-    diff = config_differences(old, cfg.model_dump(mode="json"))
+    diff = experiment_differences(old, cfg)
     return not diff, diff
 
 

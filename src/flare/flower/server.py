@@ -18,14 +18,13 @@ from pathlib import Path
 import numpy as np
 
 from flare.client.lam import runaway_warnings
-from flare.config import Config, load_config
+from flare.config import Config, experiment_differences, load_config
 from flare.data.partition import Partition
 from flare.errors import FlareError
 from flare.flower.predictor import save_predictor
 from flare.flower.protocol import Task, init_key
 from flare.report.run_report import write_run_report
 from flare.rundata import RunData
-from flare.records import config_differences
 from flare.rundir import RunDir
 from flare.server.upload import Upload, UploadSpec, upload_of, validate_upload
 from flare.server.extras import extras_shapes
@@ -125,7 +124,7 @@ class ServerSession:
         self.dir = RunDir(self.out).lock(key="out-dir")
         old = self.dir.read_config()
         self.config = cfg.model_dump(mode="json")  # the resolved config, recorded in state.json (rundir.py)
-        self.finished_already = (old is not None and not config_differences(old, self.config)
+        self.finished_already = (old is not None and not experiment_differences(old, cfg)
                                  and self.dir.read_state().get("status") == "finished")
         if self.finished_already:
             return
