@@ -8,9 +8,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from flare.client.lam import LamLearner, initial_lambda, make_lam_provider, runaway_warnings
+from flare.client.lam import LamFacts, LamLearner, initial_lambda, runaway_warnings
 from flare.config import load_config
 from flare.errors import FlareError
+from flare.registry import LAM_PROVIDERS
 
 LEARNER_PRESETS = ["uw", "uw-rescaled", "uw-anneal-linear", "uw-anneal-cosine", "decoupled", "decoupled-stable",
                    "flare"]
@@ -199,7 +200,7 @@ def test_lambda_raw_starts_at_entropy_rule(preset):
     H = 0.37
     want = 0.1 + H * (10.0 - 0.1)
     assert initial_lambda(cfg, H) == pytest.approx(want)
-    prov = make_lam_provider(cfg, H, CPU)
+    prov = provider(cfg, H)
     assert isinstance(prov, LamLearner)
     assert prov.s_l.item() == 0.0
     assert prov.s_a.item() == pytest.approx(-math.log(want), rel=1e-6)
@@ -262,7 +263,13 @@ def run_trainer_like(learner, steps, p, seed=0, weight_lr=0.02, base_scale=8.0):
 def preset_learner(preset, lam0, **over):
     cfg = load_config(preset=preset, overrides=[f"lam.{k}={v}" for k, v in over.items()])
     cfg = cfg.model_copy(update={"align": cfg.align.model_copy(update={"lambda_rule": "fixed", "lambda0": lam0})})
-    return make_lam_provider(cfg, 0.0, CPU)
+    return provider(cfg, 0.0)
+
+
+def provider(cfg, H):
+    """The client's λ provider as the trainer builds it: by name, from its run facts and options."""
+    return LAM_PROVIDERS.create(cfg.lam.learner, LamFacts(initial_lambda(cfg, H), cfg.align.schedule, CPU),
+                                cfg.lam.provider_options())
 
 
 @pytest.mark.parametrize("v11", ["uw-anneal-linear", "uw-anneal-cosine"])

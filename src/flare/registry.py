@@ -243,6 +243,17 @@ class Registry:
         """The registered object, or a FlareError naming `key` and listing the registered names."""
         return self.entry(name, key).obj
 
+    def create(self, name: str, facts: Any, options: BaseModel | dict | None = None) -> Any:
+        """`obj(facts, options)`: the part `name` built once for a run, a built-in as a plugin's (timm's
+        `create_model`). `facts`: the run facts the kind needs (a dataclass beside its Protocol), never the Config, so
+        a part depends on no key it does not declare; `options`: a mapping validated here by the part's model, or a
+        model the config validated. A "no such part" entry (None) builds None."""
+        obj = self.get(name)
+        if obj is None:
+            return None
+        key = self.key.rsplit(".", 1)[0] + ".options"
+        return obj(facts, options if isinstance(options, BaseModel) else self.options(name, options, key))
+
     def check(self, name: str, cfg: Any) -> None:
         """Run the part's checks on the whole config (each raises a FlareError naming the key at fault)."""
         for fn in self.entry(name).checks:

@@ -46,7 +46,7 @@ class ConstantLam(LamProvider):
 
 
 @LAM_PROVIDERS.register("demo_constant", options=ConstantLamOptions)
-def demo_constant(cfg, lambda_init, device, options):
+def demo_constant(facts, options):
     """A constant λ from lam.options.lam."""
     return ConstantLam(options.lam)
 
