@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from flare.client.lam import LamFacts, LamLearner, initial_lambda, runaway_warnings
 from flare.config import load_config
 from flare.errors import FlareError
-from flare.registry import LAM_PROVIDERS
+from flare.registry import ANCHORS, LAM_PROVIDERS
 
 LEARNER_PRESETS = ["uw", "uw-rescaled", "uw-anneal-linear", "uw-anneal-cosine", "decoupled", "decoupled-stable",
                    "flare"]
@@ -372,7 +372,7 @@ class TwoViews(nn.Module):
 
 
 def make_client(preset, tmp_overrides=()):
-    from flare.client.terms.align import make_anchors
+    from flare.client.terms.align import AnchorFacts
     from flare.client.trainer import Client, TrainContext
     from flare.models import create_model
     from flare.schedules import LRSchedule
@@ -384,7 +384,7 @@ def make_client(preset, tmp_overrides=()):
     x = torch.randint(0, 256, (20, 1, 28, 28), dtype=torch.uint8, generator=g)
     y = torch.randint(0, 10, (20,), generator=g)
     model = create_model("cnn", 1, 10, 0.25, head="prototype")
-    anchors = make_anchors("etf", 10, model.feature_dim, 8)
+    anchors = ANCHORS.create("etf", AnchorFacts(10, model.feature_dim, 8))
     ctx = TrainContext(cfg=cfg, train_x=x, train_y=y, augment=TwoViews(), anchors=anchors, device=CPU,
                        amp_dtype=None, lr_schedule=LRSchedule("constant", cfg.lr, cfg.total_epochs))
     return Client(0, torch.arange(20), model, ctx, normalized_entropy=0.5), ctx

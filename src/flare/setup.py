@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from flare.backend import Backend, backend, settle_speed
-from flare.client.terms.align import make_anchors
-from flare.client.terms.banks import build_public_bank, extension_factory
+from flare.client.terms.align import AnchorFacts
+from flare.client.terms.banks import BankFacts, build_public_bank
 from flare.client.trainer import Client, TrainContext
 from flare.config import Config
 from flare.config.architectures import Architecture, server_architecture
@@ -33,6 +33,7 @@ from flare.data.scaling import InputScaling, input_scaling
 from flare.data.partition import Partition, make_partition
 from flare.errors import FlareError
 from flare.models import FlareNet, check_input_fits, create_architecture
+from flare.registry import ANCHORS, CONTRAST
 from flare.schedules import LRSchedule
 from flare.server.exchange import LocalClients, Transport
 from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
@@ -173,7 +174,8 @@ def anchor_seed(cfg: Config) -> int:
 def run_anchors(cfg: Config, num_classes: int, feature_dim: int, device: torch.device,
                 seed: int | None = None) -> Tensor | None:
     """The fixed anchors A (C×d) on `device`, or None without alignment."""
-    a = make_anchors(cfg.align.anchors, num_classes, feature_dim, anchor_seed(cfg) if seed is None else seed)
+    facts = AnchorFacts(num_classes, feature_dim, anchor_seed(cfg) if seed is None else seed)
+    a = ANCHORS.create(cfg.align.anchors, facts)
     return a.to(device) if a is not None else None
 
 
@@ -213,8 +215,8 @@ def make_train_context(cfg: Config, train_x: Tensor, train_y: Tensor, augment, a
                         lr_schedule=LRSchedule(ls.kind, cfg.base_lr, cfg.total_epochs,
                                                decay_per_round=ls.decay_per_round, min_lr=ls.min_lr, t0=ls.t0,
                                                t_mult=ls.t_mult, cycle_decay=ls.cycle_decay),
-                        channels_last=channels_last, extension_factory=extension_factory(cfg, bank, device),
-                        plain=plain)
+                        channels_last=channels_last, plain=plain,
+                        extension_factory=CONTRAST.create(cfg.loss.contrast, BankFacts(bank, device), cfg.loss))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ def picky_data(options):
 
 PARTITIONS.register("picky_partition", lambda labels, num_clients, seed, num_classes, **_: None,
                     description="never called", check=refuses("partition"))
-ANCHORS.register("picky_anchors", lambda num_classes, dim, generator: torch.eye(num_classes, dim),
+ANCHORS.register("picky_anchors", lambda facts, options: torch.eye(facts.num_classes, facts.dim),
                  description="the first d unit vectors", check=refuses("anchors"))
 LAM_PROVIDERS.register("picky_lam", lambda facts, options: LamProvider(facts.lambda_init),
                        description="λ0, fixed", check=refuses("λ provider"))

@@ -28,8 +28,7 @@ from torch import Tensor
 
 from flare.config import Config, LamCfg
 from flare.errors import FlareError
-from flare.registry import LAM_PROVIDERS
-from flare.schedules import get_schedule
+from flare.registry import LAM_PROVIDERS, SCHEDULES
 
 MODES = ("uw", "uw-rescaled", "decoupled")
 
@@ -74,7 +73,7 @@ class LamProvider:
 
     def __init__(self, lambda0: float, schedule: str = "constant"):
         self.lambda0 = lambda0
-        self.schedule = get_schedule(schedule, "align.schedule")
+        self.schedule = SCHEDULES.get(schedule, "align.schedule")
 
     def __call__(self, base: Tensor, align: Tensor | None, p: float) -> LamStep:
         return self.weigh(base, align, self.strength(p))
@@ -126,7 +125,7 @@ class LamLearner(LamProvider):
                              fix=f"use none or one of: {', '.join(MODES)}.")
         self.mode = mode
         self.lambda_init = float(lambda_init)
-        self.schedule = get_schedule(anneal, "lam.anneal")
+        self.schedule = SCHEDULES.get(anneal, "lam.anneal")
         self.gamma_reg, self.beta = float(gamma_reg), float(beta)
         self.gamma_lambda, self.valve_threshold = float(gamma_lambda), float(valve_threshold)
         self.device = torch.device(device)
