@@ -163,9 +163,8 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 2
     model, anchors = (server.template if all_data else server.client_init(client)), server.anchors
     arch = server_architecture(cfg) if all_data else server.architectures[client]
     model.train()
-    lam0 = initial_lambda(cfg, ent)
-    lam = lam0 if anchors is not None else 0.0
-    provider = LAM_PROVIDERS.create(cfg.lam.learner, LamFacts(lam0, cfg.align.schedule, device),
+    lam = initial_lambda(cfg, ent) if anchors is not None else 0.0
+    provider = LAM_PROVIDERS.create(cfg.lam.learner, LamFacts(initial_lambda(cfg, ent), cfg.align.schedule, device),
                                     cfg.lam.provider_options())  # the client's λ provider at p = 0 (`probe_loss`)
 
     order = torch.Generator().manual_seed(derived_seed(cfg.seed, 31337, 0))

@@ -30,10 +30,10 @@ from flare.data.augment import TwoViewAugment, normalize
 from flare.data.datasets import ImageData, load_dataset, stratified_subset
 from flare.data.features import FeatureData, FeatureViews, first_view
 from flare.data.scaling import InputScaling, input_scaling
-from flare.data.partition import Partition, make_partition
+from flare.data.partition import Partition, PartitionFacts
 from flare.errors import FlareError
 from flare.models import FlareNet, check_input_fits, create_architecture
-from flare.registry import ANCHORS, CONTRAST
+from flare.registry import ANCHORS, CONTRAST, PARTITIONS, REFERENCE_PARTITIONS
 from flare.schedules import LRSchedule
 from flare.server.exchange import LocalClients, Transport
 from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
@@ -109,10 +109,16 @@ def prepare_data(cfg: Config) -> tuple[ImageData, tuple[Tensor, Tensor] | None]:
 
 
 def split(cfg: Config, labels: Tensor, num_classes: int) -> Partition:
-    """The run's split of the training set over its clients (seeded: every engine gets the same one)."""
-    return make_partition(labels.numpy(), cfg.num_clients, cfg.partition.kind, cfg.seed, alpha=cfg.partition.alpha,
-                          shards_per_client=cfg.partition.shards_per_client, num_classes=num_classes,
-                          rng=cfg.partition.rng, options=cfg.partition.options)
+    """The run's split of the training set over its clients (seeded: every engine gets the same one); with
+    partition.rng=legacy the kind's draw as the reference code made it (the config refused a kind without one)."""
+    p = cfg.partition
+    if cfg.num_clients > len(labels):
+        raise FlareError(f"num_clients={cfg.num_clients} exceeds the {len(labels)} training samples.",
+                         key="num_clients", fix="use fewer clients or a larger dataset.train_subset.")
+    facts = PartitionFacts(labels.numpy(), cfg.num_clients, cfg.seed, num_classes, p.alpha, p.shards_per_client)
+    if p.rng == "legacy":
+        return REFERENCE_PARTITIONS.create(p.kind, facts, p.options, key="partition.rng")
+    return PARTITIONS.create(p.kind, facts, p.options)
 
 
 def describe_partition(cfg: Config, part: Partition, classes: list[str]) -> dict:

@@ -39,7 +39,7 @@ def picky_data(options):
     raise AssertionError("not reached")
 
 
-PARTITIONS.register("picky_partition", lambda labels, num_clients, seed, num_classes, **_: None,
+PARTITIONS.register("picky_partition", lambda facts, options: None,
                     description="never called", check=refuses("partition"))
 ANCHORS.register("picky_anchors", lambda facts, options: torch.eye(facts.num_classes, facts.dim),
                  description="the first d unit vectors", check=refuses("anchors"))

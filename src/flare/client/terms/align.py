@@ -33,13 +33,8 @@ class AnchorFn(Protocol):
     def __call__(self, facts: AnchorFacts, options: BaseModel | None) -> Tensor: ...
 
 
-def random_anchors(num_classes: int, dim: int, generator: torch.Generator) -> Tensor:
-    """Unit-norm Gaussian rows."""
-    return F.normalize(torch.randn(num_classes, dim, generator=generator), dim=1)
-
-
 ANCHORS.register("none", None, description="no anchors (no alignment term)")
-ANCHORS.register("random", lambda f, _: random_anchors(f.num_classes, f.dim, f.generator()),
+ANCHORS.register("random", lambda f, _: F.normalize(torch.randn(f.num_classes, f.dim, generator=f.generator()), dim=1),
                  description="unit-norm Gaussian rows")
 ANCHORS.register("etf", lambda f, _: simplex_etf(f.num_classes, f.dim, f.generator()),
                  description="simplex equiangular tight frame")

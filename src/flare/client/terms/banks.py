@@ -4,9 +4,8 @@ The notes tried these before the anchor family and report all three as failures 
 public feature bank 9/23, two-stage 9/24); they stay as options so the findings can be reproduced.
 
 The server builds the public bank once (`build_public_bank`: it trains the teacher on the held-out slice);
-`CONTRAST.create(loss.contrast, BankFacts(bank, device), loss)` returns a callable `(client, ctx) -> extension` (the
-same call in the in-process runner and on a Flower node, which receives the bank with its task); the trainer calls,
-per step,
+`CONTRAST.create` builds a callable `(client, ctx) -> extension` from it (the same call in the in-process runner
+and on a Flower node, which receives the bank with its task); the trainer calls, per step,
 
     contrast_bank() -> (feats, labels) | None      extra SupCon contrast entries (memory bank)
     adjust_terms(terms, feat, y2, epoch_idx) -> terms
