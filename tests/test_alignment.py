@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from flare.cli import main
 from flare.client.lam import LamProvider, entropy_lambda, initial_lambda
 from flare.client.surgery import pcgrad_backward
-from flare.client.terms.align import align_loss, align_target, make_anchors, simplex_etf
+from flare.client.terms.align import AnchorFacts, align_loss, align_target, simplex_etf
 from flare.client.terms.banks import (MemoryBank, MemoryBankExtension, PublicBankExtension,
-                                      build_public_bank, extension_factory, public_infonce,
+                                      BankFacts, build_public_bank, public_infonce,
                                       train_teacher)
 from flare.client.terms.fafi import fafi_terms, supcon_loss
 from flare.client.trainer import Client, TrainContext
@@ -20,7 +20,8 @@ from flare.config import ServerCfg, build_config, list_presets, load_config
 from flare.data.datasets import ImageData
 from flare.errors import FlareError
 from flare.models import create_model
-from flare.schedules import LRSchedule, get_schedule
+from flare.registry import ANCHORS, CONTRAST, SCHEDULES
+from flare.schedules import LRSchedule
 from flare.server.protos import global_prototypes
 from flare.server.protos import train_global_prototypes
 
@@ -34,6 +35,11 @@ class TwoViews(torch.nn.Module):
     def forward(self, x):
         v = x.float() / 255.0 - 0.5
         return v, v.clone()
+
+
+def make_anchors(kind, num_classes, dim, seed):
+    """The run's anchors as the server builds them: by name, from the run facts."""
+    return ANCHORS.create(kind, AnchorFacts(num_classes, dim, seed))
 
 
 def tiny_client(overrides: dict, n: int = 48, seed: int = 0, classes: int = 10):
@@ -95,7 +101,7 @@ def test_etf_unit_rows_and_equal_negative_cosines(C, d):
 
 def test_etf_too_small_dimension_is_a_clear_error():
     with pytest.raises(FlareError) as e:
-        make_anchors("etf", 10, 8, seed=0)
+        make_anchors("etf", 10, 8, 0)
     assert e.value.key == "align.anchors" and "d >= C-1" in str(e.value)
 
 
@@ -122,17 +128,17 @@ def test_align_loss_and_progressive_target():
 
 @pytest.mark.parametrize("name,values", [("constant", (1, 1, 1)), ("linear", (1, 0.5, 0)), ("cosine", (1, 0.5, 0))])
 def test_schedule_values(name, values):
-    f = get_schedule(name)
+    f = SCHEDULES.get(name)
     assert [f(p) for p in (0.0, 0.5, 1.0)] == pytest.approx(values, abs=1e-12)
 
 
 def test_cosine_differs_from_linear_inside():
-    assert get_schedule("cosine")(0.25) == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
+    assert SCHEDULES.get("cosine")(0.25) == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
 
 
 def test_unknown_schedule_names_the_key():
     with pytest.raises(FlareError) as e:
-        get_schedule("exp", "align.schedule")
+        SCHEDULES.get("exp", "align.schedule")
     assert e.value.key == "align.schedule"
 
 
@@ -351,7 +357,7 @@ def test_memory_bank_extension_uses_the_bank_temperature_from_the_first_step():
 
 def test_memory_bank_through_the_trainer_fills_to_its_size():
     client, ctx = tiny_client({"loss": {"contrast": "memory-bank", "bank_size": 40}})
-    ctx.extension_factory = extension_factory(ctx.cfg, None, ctx.device)
+    ctx.extension_factory = CONTRAST.create(ctx.cfg.loss.contrast, BankFacts(None, ctx.device), ctx.cfg.loss)
     client.extension = ctx.extension_factory(client, ctx)
     client.train_round(ctx, 0)  # 2 epochs × 48 samples × 2 views = 192 rows pushed
     assert len(client.extension.queue) == 40
@@ -399,7 +405,7 @@ def test_public_bank_factory_trains_a_seeded_teacher():
         build_config({"loss": {"contrast": "two-stage"}})
     assert e.value.key == "dataset.public_size"
     with pytest.raises(FlareError) as e:  # and so does a client handed no bank
-        extension_factory(cfg, None, torch.device("cpu"))
+        CONTRAST.create(cfg.loss.contrast, BankFacts(None, torch.device("cpu")), cfg.loss)
     assert e.value.key == "loss.contrast"
 
 

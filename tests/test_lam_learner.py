@@ -8,9 +8,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from flare.client.lam import LamLearner, initial_lambda, make_lam_provider, runaway_warnings
+from flare.client.lam import LamFacts, LamLearner, initial_lambda, runaway_warnings
 from flare.config import load_config
 from flare.errors import FlareError
+from flare.registry import ANCHORS, LAM_PROVIDERS
 
 LEARNER_PRESETS = ["uw", "uw-rescaled", "uw-anneal-linear", "uw-anneal-cosine", "decoupled", "decoupled-stable",
                    "flare"]
@@ -199,7 +200,7 @@ def test_lambda_raw_starts_at_entropy_rule(preset):
     H = 0.37
     want = 0.1 + H * (10.0 - 0.1)
     assert initial_lambda(cfg, H) == pytest.approx(want)
-    prov = make_lam_provider(cfg, H, CPU)
+    prov = provider(cfg, H)
     assert isinstance(prov, LamLearner)
     assert prov.s_l.item() == 0.0
     assert prov.s_a.item() == pytest.approx(-math.log(want), rel=1e-6)
@@ -262,7 +263,13 @@ def run_trainer_like(learner, steps, p, seed=0, weight_lr=0.02, base_scale=8.0):
 def preset_learner(preset, lam0, **over):
     cfg = load_config(preset=preset, overrides=[f"lam.{k}={v}" for k, v in over.items()])
     cfg = cfg.model_copy(update={"align": cfg.align.model_copy(update={"lambda_rule": "fixed", "lambda0": lam0})})
-    return make_lam_provider(cfg, 0.0, CPU)
+    return provider(cfg, 0.0)
+
+
+def provider(cfg, H):
+    """The client's λ provider as the trainer builds it: by name, from its run facts and options."""
+    return LAM_PROVIDERS.create(cfg.lam.learner, LamFacts(initial_lambda(cfg, H), cfg.align.schedule, CPU),
+                                cfg.lam.provider_options())
 
 
 @pytest.mark.parametrize("v11", ["uw-anneal-linear", "uw-anneal-cosine"])
@@ -365,7 +372,7 @@ class TwoViews(nn.Module):
 
 
 def make_client(preset, tmp_overrides=()):
-    from flare.client.terms.align import make_anchors
+    from flare.client.terms.align import AnchorFacts
     from flare.client.trainer import Client, TrainContext
     from flare.models import create_model
     from flare.schedules import LRSchedule
@@ -377,7 +384,7 @@ def make_client(preset, tmp_overrides=()):
     x = torch.randint(0, 256, (20, 1, 28, 28), dtype=torch.uint8, generator=g)
     y = torch.randint(0, 10, (20,), generator=g)
     model = create_model("cnn", 1, 10, 0.25, head="prototype")
-    anchors = make_anchors("etf", 10, model.feature_dim, 8)
+    anchors = ANCHORS.create("etf", AnchorFacts(10, model.feature_dim, 8))
     ctx = TrainContext(cfg=cfg, train_x=x, train_y=y, augment=TwoViews(), anchors=anchors, device=CPU,
                        amp_dtype=None, lr_schedule=LRSchedule("constant", cfg.lr, cfg.total_epochs))
     return Client(0, torch.arange(20), model, ctx, normalized_entropy=0.5), ctx

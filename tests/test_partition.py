@@ -1,15 +1,27 @@
 import numpy as np
 import pytest
+import torch
 
 from flare.config import build_config
-from flare.data.partition import Partition, dirichlet_partition, iid_partition, make_partition, shards_partition
+from flare.data.partition import Partition, PartitionFacts, dirichlet_partition, iid_partition, shards_partition
 from flare.errors import FlareError
 from flare.registry import PARTITIONS, REFERENCE_PARTITIONS
+from flare.setup import split
 
 
 def labels(n_per_class=(50, 37, 80, 13, 60), seed=0):
     y = np.concatenate([np.full(n, c) for c, n in enumerate(n_per_class)])
     return np.random.default_rng(seed).permutation(y)
+
+
+def make_partition(labels, num_clients, kind, seed, *, alpha=0.5, shards_per_client=2, num_classes=None,
+                   rng="generator", options=None):
+    """A split as the run draws it (setup.split): the kind built by name from the run facts, with rng="legacy"
+    its reference draw."""
+    facts = PartitionFacts(labels, num_clients, seed, num_classes, alpha, shards_per_client)
+    if rng == "legacy":
+        return REFERENCE_PARTITIONS.create(kind, facts, options, key="partition.rng")
+    return PARTITIONS.create(kind, facts, options)
 
 
 @pytest.mark.parametrize("alpha", [0.05, 0.5, 10.0])
@@ -102,21 +114,23 @@ def test_iid_and_shards():
 def test_bad_partition_input():
     y = labels()
     with pytest.raises(FlareError) as e:
-        make_partition(y, 0, "dirichlet", 0, alpha=0.1)
+        build_config({"num_clients": 0})
+    assert e.value.key == "num_clients"
+    with pytest.raises(FlareError) as e:  # more clients than samples: refused when the data is known
+        split(build_config({"num_clients": len(y) + 1}), torch.as_tensor(y), 5)
     assert e.value.key == "num_clients"
     with pytest.raises(FlareError) as e:
-        make_partition(y, len(y) + 1, "dirichlet", 0, alpha=0.1)
-    assert e.value.key == "num_clients"
-    with pytest.raises(FlareError) as e:
-        make_partition(y, 3, "dirichlet", 0, alpha=0.0)
+        build_config({"partition": {"alpha": 0.0}})
     assert e.value.key == "partition.alpha"
 
 
 @pytest.fixture
 def plugin_kind():
     """A plugin's partition kind ("first-half": clients share the first half of the set), no reference draw yet."""
-    def first_half(labels, k, seed, num_classes, **_):
-        return Partition(list(np.array_split(np.arange(len(labels) // 2), k)), int(labels.max() + 1), labels)
+    def first_half(facts, options):
+        labels = facts.labels
+        return Partition(list(np.array_split(np.arange(len(labels) // 2), facts.num_clients)), int(labels.max() + 1),
+                         labels)
 
     PARTITIONS.register("first-half", first_half)
     yield first_half
@@ -132,8 +146,8 @@ def test_rng_legacy_draws_the_kinds_registered_reference_draw(plugin_kind):
     with pytest.raises(FlareError) as err:
         make_partition(labels, 2, "first-half", 0, rng="legacy")
     assert err.value.key == "partition.rng" and "first-half" in err.value.message
-    REFERENCE_PARTITIONS.register("first-half", lambda labels, k, seed, num_classes, **_:
-                                  Partition(list(np.array_split(np.arange(len(labels)), k)), 4, labels))
+    REFERENCE_PARTITIONS.register("first-half", lambda f, _:
+                                  Partition(list(np.array_split(np.arange(len(f.labels)), f.num_clients)), 4, f.labels))
     assert make_partition(labels, 2, "first-half", 0, rng="legacy").sizes == [20, 20]
 
 

@@ -21,13 +21,14 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from flare.client.lam import LamStep, initial_lambda, make_lam_provider
+from flare.client.lam import LamFacts, LamStep, initial_lambda
 from flare.client.step import local_loss
 from flare.client.terms.extra import uses_params
 from flare.config import Config
 from flare.config.architectures import server_architecture
 from flare.errors import FlareError
 from flare.progress import Counter
+from flare.registry import LAM_PROVIDERS
 from flare.rng import derived_seed
 from flare.setup import ServerSetup, split
 
@@ -163,7 +164,8 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 2
     arch = server_architecture(cfg) if all_data else server.architectures[client]
     model.train()
     lam = initial_lambda(cfg, ent) if anchors is not None else 0.0
-    provider = make_lam_provider(cfg, ent, device)  # the client's λ provider at p = 0 (`probe_loss`)
+    provider = LAM_PROVIDERS.create(cfg.lam.learner, LamFacts(initial_lambda(cfg, ent), cfg.align.schedule, device),
+                                    cfg.lam.provider_options())  # the client's λ provider at p = 0 (`probe_loss`)
 
     order = torch.Generator().manual_seed(derived_seed(cfg.seed, 31337, 0))
     perm = ix[torch.randperm(len(ix), generator=order)]

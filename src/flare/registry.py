@@ -243,6 +243,15 @@ class Registry:
         """The registered object, or a FlareError naming `key` and listing the registered names."""
         return self.entry(name, key).obj
 
+    def create(self, name: str, facts: Any, options: BaseModel | dict | None = None, key: str | None = None) -> Any:
+        """`obj(facts, options)`: the part `name` built once for a run, a built-in as a plugin's (timm's
+        `create_model`). `facts`: the run facts the kind needs (a dataclass beside its Protocol), never the Config, so
+        a part depends on no key it does not declare; `options`: a mapping validated here by the part's model, or a
+        model the config validated. `key` blames an unknown name (the registry's own key); a None entry builds None."""
+        obj, where = self.get(name, key), self.key.rsplit(".", 1)[0] + ".options"
+        opts = options if isinstance(options, BaseModel) else self.options(name, options, where)
+        return obj(facts, opts) if obj is not None else None
+
     def check(self, name: str, cfg: Any) -> None:
         """Run the part's checks on the whole config (each raises a FlareError naming the key at fault)."""
         for fn in self.entry(name).checks:

@@ -7,7 +7,7 @@ never per round — the seeds' saw-tooth was a bug.
 from __future__ import annotations
 
 import math
-from typing import Callable, Protocol
+from typing import Protocol
 
 from flare.errors import FlareError
 from flare.registry import PROGRESS, SCHEDULES
@@ -17,16 +17,10 @@ class ScheduleFn(Protocol):
     """What `SCHEDULES` holds: a(p) of progress p ∈ [0, 1] (align.schedule, lam.anneal)."""
     def __call__(self, p: float) -> float: ...
 
-Schedule = Callable[[float], float]
 
 SCHEDULES.register("constant", lambda p: 1.0, description="a(p) = 1")
 SCHEDULES.register("linear", lambda p: 1.0 - p, description="a(p) = 1 − p")
 SCHEDULES.register("cosine", lambda p: 0.5 * (1.0 + math.cos(math.pi * p)), description="a(p) = ½(1 + cos πp)")
-
-
-def get_schedule(name: str, key: str = "schedule") -> Schedule:
-    """The registered schedule `name` (`flare.registry.SCHEDULES`: align.schedule, lam.anneal and plugins)."""
-    return SCHEDULES.get(name, key)
 
 
 def progress(epochs_done: float, total_epochs: int) -> float:

@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from flare.backend import Backend, backend, settle_speed
-from flare.client.terms.align import make_anchors
-from flare.client.terms.banks import build_public_bank, extension_factory
+from flare.client.terms.align import AnchorFacts
+from flare.client.terms.banks import BankFacts, build_public_bank
 from flare.client.trainer import Client, TrainContext
 from flare.config import Config
 from flare.config.architectures import Architecture, server_architecture
@@ -30,9 +30,10 @@ from flare.data.augment import TwoViewAugment, normalize
 from flare.data.datasets import ImageData, load_dataset, stratified_subset
 from flare.data.features import FeatureData, FeatureViews, first_view
 from flare.data.scaling import InputScaling, input_scaling
-from flare.data.partition import Partition, make_partition
+from flare.data.partition import Partition, PartitionFacts
 from flare.errors import FlareError
 from flare.models import FlareNet, check_input_fits, create_architecture
+from flare.registry import ANCHORS, CONTRAST, PARTITIONS, REFERENCE_PARTITIONS
 from flare.schedules import LRSchedule
 from flare.server.exchange import LocalClients, Transport
 from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
@@ -108,10 +109,16 @@ def prepare_data(cfg: Config) -> tuple[ImageData, tuple[Tensor, Tensor] | None]:
 
 
 def split(cfg: Config, labels: Tensor, num_classes: int) -> Partition:
-    """The run's split of the training set over its clients (seeded: every engine gets the same one)."""
-    return make_partition(labels.numpy(), cfg.num_clients, cfg.partition.kind, cfg.seed, alpha=cfg.partition.alpha,
-                          shards_per_client=cfg.partition.shards_per_client, num_classes=num_classes,
-                          rng=cfg.partition.rng, options=cfg.partition.options)
+    """The run's split of the training set over its clients (seeded: every engine gets the same one); with
+    partition.rng=legacy the kind's draw as the reference code made it (the config refused a kind without one)."""
+    p = cfg.partition
+    if cfg.num_clients > len(labels):
+        raise FlareError(f"num_clients={cfg.num_clients} exceeds the {len(labels)} training samples.",
+                         key="num_clients", fix="use fewer clients or a larger dataset.train_subset.")
+    facts = PartitionFacts(labels.numpy(), cfg.num_clients, cfg.seed, num_classes, p.alpha, p.shards_per_client)
+    if p.rng == "legacy":
+        return REFERENCE_PARTITIONS.create(p.kind, facts, p.options, key="partition.rng")
+    return PARTITIONS.create(p.kind, facts, p.options)
 
 
 def describe_partition(cfg: Config, part: Partition, classes: list[str]) -> dict:
@@ -173,7 +180,8 @@ def anchor_seed(cfg: Config) -> int:
 def run_anchors(cfg: Config, num_classes: int, feature_dim: int, device: torch.device,
                 seed: int | None = None) -> Tensor | None:
     """The fixed anchors A (C×d) on `device`, or None without alignment."""
-    a = make_anchors(cfg.align.anchors, num_classes, feature_dim, anchor_seed(cfg) if seed is None else seed)
+    facts = AnchorFacts(num_classes, feature_dim, anchor_seed(cfg) if seed is None else seed)
+    a = ANCHORS.create(cfg.align.anchors, facts)
     return a.to(device) if a is not None else None
 
 
@@ -213,8 +221,8 @@ def make_train_context(cfg: Config, train_x: Tensor, train_y: Tensor, augment, a
                         lr_schedule=LRSchedule(ls.kind, cfg.base_lr, cfg.total_epochs,
                                                decay_per_round=ls.decay_per_round, min_lr=ls.min_lr, t0=ls.t0,
                                                t_mult=ls.t_mult, cycle_decay=ls.cycle_decay),
-                        channels_last=channels_last, extension_factory=extension_factory(cfg, bank, device),
-                        plain=plain)
+                        channels_last=channels_last, plain=plain,
+                        extension_factory=CONTRAST.create(cfg.loss.contrast, BankFacts(bank, device), cfg.loss))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ class ConstantLam(LamProvider):
 
 
 @LAM_PROVIDERS.register("demo_constant", options=ConstantLamOptions)
-def demo_constant(cfg, lambda_init, device, options):
+def demo_constant(facts, options):
     """A constant λ from lam.options.lam."""
     return ConstantLam(options.lam)
 
@@ -85,10 +85,10 @@ def demo_blobs(options: BlobOptions) -> ImageData:
 
 
 @PARTITIONS.register("demo_round_robin")
-def demo_round_robin(labels, num_clients, seed, num_classes, **_):
+def demo_round_robin(facts, options):
     """Sample i goes to client i mod K."""
-    idx = torch.arange(len(labels)).numpy()
-    return Partition([idx[k::num_clients] for k in range(num_clients)], num_classes or int(labels.max()) + 1, labels)
+    idx, k = torch.arange(len(facts.labels)).numpy(), facts.num_clients
+    return Partition([idx[c::k] for c in range(k)], facts.num_classes or int(facts.labels.max()) + 1, facts.labels)
 
 
 class Class0Predictor(ClientPredictor):

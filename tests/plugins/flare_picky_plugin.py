@@ -39,11 +39,11 @@ def picky_data(options):
     raise AssertionError("not reached")
 
 
-PARTITIONS.register("picky_partition", lambda labels, num_clients, seed, num_classes, **_: None,
+PARTITIONS.register("picky_partition", lambda facts, options: None,
                     description="never called", check=refuses("partition"))
-ANCHORS.register("picky_anchors", lambda num_classes, dim, generator: torch.eye(num_classes, dim),
+ANCHORS.register("picky_anchors", lambda facts, options: torch.eye(facts.num_classes, facts.dim),
                  description="the first d unit vectors", check=refuses("anchors"))
-LAM_PROVIDERS.register("picky_lam", lambda cfg, lambda_init, device, options: LamProvider(lambda_init),
+LAM_PROVIDERS.register("picky_lam", lambda facts, options: LamProvider(facts.lambda_init),
                        description="λ0, fixed", check=refuses("λ provider"))
 SCHEDULES.register("picky_schedule", lambda p: 1.0, description="a(p) = 1", check=refuses("schedule"))
 SURGERY.register("picky_surgery", None, description="one plain backward", check=refuses("surgery"))

@@ -26,18 +26,26 @@ import torch
 from pydantic import BaseModel
 from torch import Tensor
 
-from flare.config import Config
+from flare.config import Config, LamCfg
 from flare.errors import FlareError
-from flare.registry import LAM_PROVIDERS
-from flare.schedules import get_schedule
+from flare.registry import LAM_PROVIDERS, SCHEDULES
 
 MODES = ("uw", "uw-rescaled", "decoupled")
 
 
+@dataclass(frozen=True)
+class LamFacts:
+    """What a λ provider is built from besides its options: the client's starting strength (align.lambda0, or the
+    entropy rule on its labels), the alignment's a(p) (align.schedule) and the device of its own parameters."""
+    lambda_init: float
+    schedule: str
+    device: torch.device
+
+
 class LamProviderBuilder(Protocol):
-    """What `LAM_PROVIDERS` holds: the λ provider a client's training asks for λ each step."""
-    def __call__(self, cfg: Config, lambda_init: float, device: torch.device,
-                 options: BaseModel | None) -> LamProvider: ...
+    """What `LAM_PROVIDERS` holds: the λ provider a client asks for λ each step, built by `LAM_PROVIDERS.create`
+    (options: `LamCfg.provider_options`)."""
+    def __call__(self, facts: LamFacts, options: BaseModel | None) -> LamProvider: ...
 
 
 @dataclass
@@ -65,7 +73,7 @@ class LamProvider:
 
     def __init__(self, lambda0: float, schedule: str = "constant"):
         self.lambda0 = lambda0
-        self.schedule = get_schedule(schedule, "align.schedule")
+        self.schedule = SCHEDULES.get(schedule, "align.schedule")
 
     def __call__(self, base: Tensor, align: Tensor | None, p: float) -> LamStep:
         return self.weigh(base, align, self.strength(p))
@@ -117,7 +125,7 @@ class LamLearner(LamProvider):
                              fix=f"use none or one of: {', '.join(MODES)}.")
         self.mode = mode
         self.lambda_init = float(lambda_init)
-        self.schedule = get_schedule(anneal, "lam.anneal")
+        self.schedule = SCHEDULES.get(anneal, "lam.anneal")
         self.gamma_reg, self.beta = float(gamma_reg), float(beta)
         self.gamma_lambda, self.valve_threshold = float(gamma_lambda), float(valve_threshold)
         self.device = torch.device(device)
@@ -230,16 +238,15 @@ def _safe_exp(x: float) -> float:
         return math.inf
 
 
-def _fixed(cfg: Config, lambda_init: float, device: torch.device, options) -> LamProvider:
-    return LamProvider(lambda_init, cfg.align.schedule)
+def _fixed(facts: LamFacts, options) -> LamProvider:
+    return LamProvider(facts.lambda_init, facts.schedule)
 
 
 def _learner(mode: str):
-    def build(cfg: Config, lambda_init: float, device: torch.device, options) -> LamProvider:
-        lm = cfg.lam
-        return LamLearner(mode, lambda_init, sigma_lr=lm.sigma_lr, anneal=lm.anneal, gamma_reg=lm.gamma_reg,
+    def build(facts: LamFacts, lm: LamCfg) -> LamProvider:
+        return LamLearner(mode, facts.lambda_init, sigma_lr=lm.sigma_lr, anneal=lm.anneal, gamma_reg=lm.gamma_reg,
                           beta=lm.beta, gamma_lambda=lm.gamma_lambda, valve_threshold=lm.valve_threshold,
-                          device=device)
+                          device=facts.device)
     return build
 
 
@@ -274,15 +281,6 @@ for _mode, _what in (("uw", "V10: uncertainty weighting, one objective"),
                      ("uw-rescaled", "V10r/V11: uw rescaled by sg(e^{s_l})"),
                      ("decoupled", "V12–V14 (FLARE): decoupled σ objective")):
     LAM_PROVIDERS.register(_mode, _learner(_mode), description=_what, check=_learner_check(_mode))
-
-
-def make_lam_provider(cfg: Config, normalized_entropy: float, device: torch.device) -> LamProvider:
-    """The provider `cfg` describes: `lam.learner` names a builder `fn(cfg, lambda_init, device, options) ->
-    LamProvider` in `flare.registry.LAM_PROVIDERS`; `options` are `lam.options`, validated by the builder's
-    options model (None when it declares none). The config has already checked that the parts fit together."""
-    lam0 = initial_lambda(cfg, normalized_entropy)
-    opts = LAM_PROVIDERS.options(cfg.lam.learner, cfg.lam.options, "lam.options")
-    return LAM_PROVIDERS.get(cfg.lam.learner)(cfg, lam0, device, opts)
 
 
 def runaway_warnings(cfg: Config, client_records: list[dict]) -> list[str]:

@@ -17,13 +17,13 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from flare.client.lam import LamProvider, make_lam_provider
+from flare.client.lam import LamFacts, LamProvider, initial_lambda
 from flare.client.plan import RoundLogs, RoundPlan, Step, steps_per_epoch
 from flare.client.step import local_loss
 from flare.client.terms.extra import uses_params
 from flare.client.terms.align import align_target
 from flare.config import Config
-from flare.registry import CLIENT_ENGINES, SURGERY
+from flare.registry import CLIENT_ENGINES, LAM_PROVIDERS, SURGERY
 from flare.schedules import LRSchedule, progress
 from flare.server.upload import Upload, upload_of
 
@@ -81,7 +81,8 @@ class Client:
         self.normalized_entropy = normalized_entropy
         self.model = model
         self.cfg = ctx.cfg
-        self.lam: LamProvider = make_lam_provider(ctx.cfg, normalized_entropy, ctx.device)
+        facts = LamFacts(initial_lambda(ctx.cfg, normalized_entropy), ctx.cfg.align.schedule, ctx.device)
+        self.lam: LamProvider = LAM_PROVIDERS.create(ctx.cfg.lam.learner, facts, ctx.cfg.lam.provider_options())
         self.optimizer: torch.optim.Optimizer | None = None
         self.epochs_done = 0
         protos = getattr(model, "prototypes", None)

@@ -146,6 +146,11 @@ class LamCfg(Strict):
                                                            "(the notes' λ_max = 50)")
     options: LamOptions = Field({}, description=OPTIONS_DESCRIPTION)
 
+    def provider_options(self) -> LamCfg | dict:
+        """The chosen provider's options: `options` for one that declares a model; this section for one that does
+        not — the built-in learners, whose keys (sigma_lr, ...) predate `options` and are named by recorded runs."""
+        return self.options if LAM_PROVIDERS.entry(self.learner).options is not None else self
+
 
 class ServerCfg(Strict):
     weights: Literal["size", "uniform"] = Field("size", description="aggregation weights: size (n_i/Σn) or "
@@ -290,7 +295,7 @@ class Config(Strict):
         for registry, name in self.chosen_parts():
             registry.check(name, self)
         kind = self.partition.kind
-        if self.partition.rng == "legacy" and kind not in REFERENCE_PARTITIONS:  # the draw make_partition would use
+        if self.partition.rng == "legacy" and kind not in REFERENCE_PARTITIONS:  # the draw setup.split would use
             raise FlareError(f"partition.rng=legacy draws a kind as the reference code did, and kind={kind} has no "
                              f"such draw (those that have: {', '.join(REFERENCE_PARTITIONS.names())}).",
                              key="partition.rng", fix="set partition.rng=generator.")

@@ -36,11 +36,22 @@ from flare.errors import FlareError
 from flare.registry import PARTITIONS, REFERENCE_PARTITIONS
 
 
+@dataclass(frozen=True)
+class PartitionFacts:
+    """What a split is drawn from: the training labels, K clients, the seed, C (None: from the labels), and the
+    partition section's keys any kind may read (the Dirichlet α, `shards`' classes per client)."""
+    labels: np.ndarray
+    num_clients: int
+    seed: int
+    num_classes: int | None = None
+    alpha: float = 0.5
+    shards_per_client: int = 2
+
+
 class PartitionFn(Protocol):
-    """What `PARTITIONS` (and `REFERENCE_PARTITIONS`, the reference code's draws) hold: the clients' sample indices
-    from the training labels; `options`: partition.options validated by the kind's options model."""
-    def __call__(self, labels: np.ndarray, num_clients: int, seed: int, num_classes: int | None, *, alpha: float,
-                 shards_per_client: int, options: BaseModel | None) -> Partition: ...
+    """What `PARTITIONS` (and `REFERENCE_PARTITIONS`, the reference code's draws) hold: the clients' sample indices,
+    built by `create(kind, facts, partition.options)`, the options validated by the kind's options model."""
+    def __call__(self, facts: PartitionFacts, options: BaseModel | None) -> Partition: ...
 
 
 @dataclass
@@ -249,74 +260,43 @@ def _finish(buckets, labels, C, rng) -> Partition:
     return Partition(out, C, labels)
 
 
-def make_partition(labels: np.ndarray, num_clients: int, kind: str, seed: int, *, alpha: float = 0.5,
-                   shards_per_client: int = 2, num_classes: int | None = None, rng: str = "generator",
-                   options: dict | None = None) -> Partition:
-    if num_clients < 1:
-        raise FlareError("need at least one client.", key="num_clients", fix="set num_clients >= 1.")
-    if num_clients > len(labels):
-        raise FlareError(f"num_clients={num_clients} exceeds the {len(labels)} training samples.",
-                         key="num_clients", fix="use fewer clients or a larger dataset.train_subset.")
-    if rng not in ("generator", "legacy"):
-        raise FlareError(f"unknown partition rng '{rng}'.", key="partition.rng", fix="use generator or legacy.")
-    if kind in ("dirichlet", "dirichlet-fafi", "noniid-labeldir") and alpha <= 0:
-        raise FlareError(f"alpha must be > 0 (got {alpha}).", key="partition.alpha", fix="use e.g. 0.05, 0.1, 0.5.")
-    opts = PARTITIONS.options(kind, options, "partition.options")
-    # partition.rng=legacy: the kind as the reference code drew it (a kind without such a draw is refused, naming
-    # partition.rng; the config refuses it earlier, when validated)
-    draw = REFERENCE_PARTITIONS.get(kind, "partition.rng") if rng == "legacy" else PARTITIONS.get(kind)
-    return draw(labels, num_clients, seed, num_classes, alpha=alpha, shards_per_client=shards_per_client,
-                options=opts)
-
-
-def _dirichlet(labels, k, seed, num_classes, *, alpha, **_):
-    return dirichlet_partition(labels, k, alpha, seed, num_classes)
-
-
-def _dirichlet_fafi(labels, k, seed, num_classes, *, alpha, **_):
-    return dirichlet_fafi_partition(labels, k, alpha, seed, num_classes, rng="generator")
-
-
 class LabeldirOptions(BaseModel):
     min_size: int = Field(10, ge=0, description="redraw the split until every client holds at least this many "
                                                 "samples (NIID-Bench's min_require_size)")
 
 
-def _labeldir(labels, k, seed, num_classes, *, alpha, options, **_):
-    return labeldir_partition(labels, k, alpha, seed, num_classes, min_size=options.min_size, rng="generator")
-
-
-def _iid(labels, k, seed, num_classes, **_):
-    return iid_partition(labels, k, seed, num_classes)
-
-
-def _shards(labels, k, seed, num_classes, *, shards_per_client, **_):
-    return shards_partition(labels, k, shards_per_client, seed, num_classes)
-
-
-PARTITIONS.register("dirichlet", _dirichlet, description="card dealer: every sample once, Dir(α) class shares")
-PARTITIONS.register("dirichlet-fafi", _dirichlet_fafi, description="the official FAFI partition (overlapping)")
-PARTITIONS.register("noniid-labeldir", _labeldir, options=LabeldirOptions,
-                    description="NIID-Bench's Dirichlet label split (FedLPA, DENSE): balanced, redrawn until every "
-                                "client has min_size samples")
-PARTITIONS.register("iid", _iid, description="uniform random split")
-PARTITIONS.register("shards", _shards, description="partition.shards_per_client classes per client")
+PARTITIONS.register(
+    "dirichlet", lambda f, _: dirichlet_partition(f.labels, f.num_clients, f.alpha, f.seed, f.num_classes),
+    description="card dealer: every sample once, Dir(α) class shares")
+PARTITIONS.register(
+    "dirichlet-fafi", lambda f, _: dirichlet_fafi_partition(f.labels, f.num_clients, f.alpha, f.seed, f.num_classes,
+                                                            rng="generator"),
+    description="the official FAFI partition (overlapping)")
+PARTITIONS.register(
+    "noniid-labeldir", lambda f, o: labeldir_partition(f.labels, f.num_clients, f.alpha, f.seed, f.num_classes,
+                                                       min_size=o.min_size, rng="generator"),
+    options=LabeldirOptions, description="NIID-Bench's Dirichlet label split (FedLPA, DENSE): balanced, redrawn until "
+                                         "every client has min_size samples")
+PARTITIONS.register("iid", lambda f, _: iid_partition(f.labels, f.num_clients, f.seed, f.num_classes),
+                    description="uniform random split")
+PARTITIONS.register(
+    "shards", lambda f, _: shards_partition(f.labels, f.num_clients, f.shards_per_client, f.seed, f.num_classes),
+    description="partition.shards_per_client classes per client")
 
 
 # The reference code's draws (partition.rng=legacy, the reference protocol's item g): the same kinds drawn from
 # numpy's legacy RandomState and Python's random in the fork's order, which give the notes' exact class counts.
 REFERENCE_PARTITIONS.register(
-    "dirichlet", lambda labels, k, seed, num_classes, *, alpha, **_:
-    dirichlet_partition_legacy(labels, k, alpha, seed, num_classes), description="the fork's card dealer")
+    "dirichlet", lambda f, _: dirichlet_partition_legacy(f.labels, f.num_clients, f.alpha, f.seed, f.num_classes),
+    description="the fork's card dealer")
 REFERENCE_PARTITIONS.register(
-    "dirichlet-fafi", lambda labels, k, seed, num_classes, *, alpha, **_:
-    dirichlet_fafi_partition(labels, k, alpha, seed, num_classes, rng="legacy"),
+    "dirichlet-fafi", lambda f, _: dirichlet_fafi_partition(f.labels, f.num_clients, f.alpha, f.seed, f.num_classes,
+                                                            rng="legacy"),
     description="the official FAFI partition in the reference's order")
 REFERENCE_PARTITIONS.register(
-    "noniid-labeldir", lambda labels, k, seed, num_classes, *, alpha, options, **_:
-    labeldir_partition(labels, k, alpha, seed, num_classes, min_size=options.min_size, rng="legacy"),
+    "noniid-labeldir", lambda f, o: labeldir_partition(f.labels, f.num_clients, f.alpha, f.seed, f.num_classes,
+                                                       min_size=o.min_size, rng="legacy"),
     options=LabeldirOptions, description="NIID-Bench's split from the references' RandomState stream")
 REFERENCE_PARTITIONS.register(
-    "iid", lambda labels, k, seed, num_classes, **_: iid_partition_legacy(labels, k, seed, num_classes),
+    "iid", lambda f, _: iid_partition_legacy(f.labels, f.num_clients, f.seed, f.num_classes),
     description="the reference's permutation split")
-

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 from pydantic import BaseModel
@@ -52,8 +52,6 @@ __all__ = [
     "check_input_fits",
     "timm_names",
 ]
-
-EncoderBuilder = Callable[..., nn.Module]
 
 HEADS: dict[str, type[nn.Module]] = {"prototype": PrototypeHead, "linear": LinearHead, "etf": ETFHead}
 

@@ -4,8 +4,8 @@ The notes tried these before the anchor family and report all three as failures 
 public feature bank 9/23, two-stage 9/24); they stay as options so the findings can be reproduced.
 
 The server builds the public bank once (`build_public_bank`: it trains the teacher on the held-out slice);
-`extension_factory(cfg, bank, device)` returns a callable `(client, ctx) -> extension` (the same call in the
-in-process runner and on a Flower node, which receives the bank with its task); the trainer calls, per step,
+`CONTRAST.create` builds a callable `(client, ctx) -> extension` from it (the same call in the in-process runner
+and on a Flower node, which receives the bank with its task); the trainer calls, per step,
 
     contrast_bank() -> (feats, labels) | None      extra SupCon contrast entries (memory bank)
     adjust_terms(terms, feat, y2, epoch_idx) -> terms
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
@@ -25,16 +26,23 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flare.client.objective import base_terms
-from flare.config import Config
+from flare.config import Config, LossCfg
 from flare.errors import FlareError
 from flare.registry import CONTRAST
 from flare.rng import derived_seed
 
 
+@dataclass(frozen=True)
+class BankFacts:
+    """What a contrast bank is built from: the server's public bank (`build_public_bank`, or None) and the device."""
+    public_bank: Tensor | None
+    device: torch.device
+
+
 class ContrastBankFn(Protocol):
-    """What `CONTRAST` holds: a per-client extension builder `(client, ctx) -> extension` (the entry `none` is
-    None)."""
-    def __call__(self, cfg: Config, public_bank: Tensor | None, device: torch.device) -> Callable: ...
+    """What `CONTRAST` holds: a per-client extension builder `(client, ctx) -> extension`, built by `CONTRAST.create`
+    with the `loss` section as its options (bank_size, bank_tau, ...: the banks' keys); the entry `none` is None."""
+    def __call__(self, facts: BankFacts, options: LossCfg) -> Callable: ...
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,31 +223,24 @@ def build_public_bank(cfg: Config, public: tuple[Tensor, Tensor] | None, global_
     return teacher_bank(teacher, public[0], norm, device, cfg.test_batch_size)
 
 
-def extension_factory(cfg: Config, bank: Tensor | None, device: torch.device):
-    """The per-client extension builder for `loss.contrast` (None for `none`); `bank` is the server's public bank
-    (`build_public_bank`) for public-bank / two-stage."""
-    make = CONTRAST.get(cfg.loss.contrast)
-    return make(cfg, bank, device) if make is not None else None
-
-
-def _memory_bank(cfg: Config, bank: Tensor | None, device: torch.device):
+def _memory_bank(facts: BankFacts, loss: LossCfg):
     def memory(client, ctx):
-        return MemoryBankExtension(cfg.loss.bank_size, client.model.feature_dim, device)
+        return MemoryBankExtension(loss.bank_size, client.model.feature_dim, facts.device)
 
     return memory
 
 
-def _public_bank(cfg: Config, bank: Tensor | None, device: torch.device):
-    kind = cfg.loss.contrast
-    if bank is None:
+def _public_bank(facts: BankFacts, loss: LossCfg):
+    kind = loss.contrast
+    if facts.public_bank is None:
         raise FlareError(f"loss.contrast={kind} needs the server's public bank, which is missing.",
                          key="loss.contrast", fix="the server builds it from dataset.public_size; check the run's "
                                                   "setup (a Flower node receives it with its first task).")
-    stages = cfg.loss.public_stage_epochs if kind == "two-stage" else None
-    b = bank.to(device)
+    stages = loss.public_stage_epochs if kind == "two-stage" else None
+    b = facts.public_bank.to(facts.device)
 
     def public_ext(client, ctx):
-        return PublicBankExtension(b, cfg.loss.bank_tau, stages)
+        return PublicBankExtension(b, loss.bank_tau, stages)
 
     return public_ext
 
@@ -251,7 +252,6 @@ def _public_check(cfg: Config) -> None:
                          key="dataset.public_size", fix="set dataset.public_size (e.g. 1000).")
 
 
-# A contrast bank is `fn(cfg, public_bank, device) -> (client, ctx) -> extension` (the interface above).
 CONTRAST.register("none", None, description="no contrast-set extension")
 CONTRAST.register("memory-bank", _memory_bank, description="per-client FIFO of recent features in SupCon")
 CONTRAST.register("public-bank", _public_bank, description="InfoNCE against the server's public teacher bank",
