@@ -1,21 +1,24 @@
 """The server's evaluation checkpoint (docs/method.md#server-rules, #metrics), engine-free: which strategies a round
 scores, the global prototypes, every strategy's predictor scored in one test pass, and the round's diagnostics. The
 in-process runner (setup.RunSetup), the Flower server and `flare fuse` call these through
-`setup.ServerSetup.evaluate`, so a round is evaluated one way.
+`setup.ServerSetup.evaluate`, so a round is evaluated one way; the runner and the Flower server write its record
+through `record_round`, so a round is recorded one way.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch import Tensor
 
+from flare.client.lam import runaway_warnings
 from flare.config import Config
 from flare.metrics import g_protos_std, inter_client_proto_std, model_variance_mean
 from flare.registry import STRATEGIES
 from flare.rng import derived_seed
+from flare.rundir import RunDir
 from flare.server.evaluator import check_predictor, evaluate_predictors
 from flare.server.exchange import Transport, hold_rounds
 from flare.server.extras import own_extras
@@ -28,10 +31,13 @@ from flare.server.upload import Upload
 
 def primary_rule(cfg: Config) -> str:
     """The rule whose accuracy is "the" accuracy of a run."""
-    p = cfg.server.primary
-    if p != "auto":
-        return p
-    return "feature" if cfg.head == "prototype" else "output"
+    return cfg.server.primary if cfg.server.primary != "auto" else head_primary(cfg.head)
+
+
+def head_primary(head: str) -> str:
+    """The strategy that claims `head` (`Strategy.primary_for`), else the one that claims every other head."""
+    claims = {h: n for n in STRATEGIES.names() for h in STRATEGIES.get(n).primary_for}
+    return claims.get(head) or claims["*"]
 
 
 def rules_for(cfg: Config, r: int | None = None) -> tuple[str, ...]:
@@ -60,8 +66,20 @@ def evaluated_round(cfg: Config, r: int) -> bool:
     return (r + 1) % cfg.eval.every == 0 or r == cfg.rounds - 1
 
 
-def skipped_round_record(cfg: Config, r: int) -> dict:  # a round eval.every skips: reports read evaluated ones
-    return {"kind": "round", "round": r, "method": cfg.method, "primary": primary_rule(cfg), "evaluated": False}
+def record_round(cfg: Config, out: RunDir, r: int, evaluate: Callable[[], Evaluation], t0: float, logs: list[dict],
+                 warn: Callable[[str], None], **known) -> dict:
+    """Build round r's metrics record and append it after the clients' `logs`, so every engine's rounds have one
+    shape: the evaluation's record (`evaluate()`, called only on a round `eval.every` evaluates; the others get a stub
+    the reports skip), then what the driver knows of the round (`known`, in its order), then the seconds since `t0`.
+    The clients' runaway-λ warnings go to `warn` first."""
+    rec = evaluate().record if evaluated_round(cfg, r) else {
+        "kind": "round", "round": r, "method": cfg.method, "primary": primary_rule(cfg), "evaluated": False}
+    rec.update(known)
+    rec["seconds"] = time.perf_counter() - t0
+    for w in runaway_warnings(cfg, logs):
+        warn(w)
+    out.append(logs + [rec])
+    return rec
 
 
 @dataclass
