@@ -35,8 +35,7 @@ class BNRecalOptions(BaseModel):
 
     @field_validator("rule")
     @classmethod
-    def _one_pass_rule(cls, v: str) -> str:
-        """A rule the recalibrated models' one pass serves: a registered `ClientRule` without a noise input."""
+    def _one_pass_rule(cls, v: str) -> str:  # a rule the recalibrated models' one pass serves
         if v != "auto" and v not in (fits := [n for n in STRATEGIES.names() if issubclass(
                 c := STRATEGIES.get(n), ClientRule) and not c.needs_noise]):
             raise ValueError(f"rule {v!r} is none of auto, {', '.join(fits)}")

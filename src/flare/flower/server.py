@@ -270,12 +270,8 @@ class ServerSession:
         other = next((a for a, spec in self.specs.items() if a != own and spec.shapes.keys() == state.keys()), None)
         return [f"it holds a {other.label} network, but client {cid} runs {own.label}"] if other else []
 
-    def heard_from(self, uploads) -> int:
-        return len(uploads) + len(self.empty)
-
     def check_quorum(self, uploads, round_idx: int) -> None:
-        got = self.heard_from(uploads)
-        if not uploads or got < self.required:
+        if not uploads or len(uploads) + len(self.empty) < self.required:
             missing = sorted(set(range(self.cfg.num_clients)) - {u.client for u in uploads} - self.empty)
             msg = (f"round {round_idx + 1}: {len(uploads)} valid upload(s) (+{len(self.empty)} client(s) without data) "
                    f"from {self.cfg.num_clients} clients, fewer than min_clients={self.required}; missing or "
@@ -287,7 +283,7 @@ class ServerSession:
                                  "min-clients if the run may proceed without them.")
 
     # -- evaluation and files -----------------------------------------------------------------------
-    def evaluate(self, round_idx: int, uploads, client_logs: list[dict]) -> dict:
+    def evaluate(self, round_idx: int, uploads, client_logs: list[dict]) -> None:
         t0 = time.perf_counter()
 
         def evaluate() -> Evaluation:  # the last round is always evaluated: self.last ends as the final predictor
@@ -304,11 +300,9 @@ class ServerSession:
                            clients=[u.client for u in uploads], missing_clients=missing)
         self.dir.write_state("running", round_idx + 1, self.warnings, self.config)
         self.last_uploads = uploads
-        acc = rec.get("acc")
         self.log(f"round {round_idx + 1}: {len(uploads)} upload(s)"
-                 + (f", acc ({rec['primary']}) {100 * acc:.2f}%" if acc is not None else "")
+                 + (f", acc ({rec['primary']}) {100 * acc:.2f}%" if (acc := rec.get("acc")) is not None else "")
                  + (f", missing {missing}" if missing else ""))
-        return rec
 
     def write_partition(self) -> None:
         C, K = self.meta.num_classes, self.cfg.num_clients
