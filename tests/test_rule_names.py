@@ -10,9 +10,10 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def named_strategies(path: Path) -> list[tuple[int, str]]:
-    """(line, name) of every string constant in the module equal to a registered strategy name. Docstrings and
-    descriptions hold prose, never a bare name; a config key name is an identifier, not a constant."""
-    names = set(STRATEGIES.names())
+    """(line, name) of every string constant in the module equal to a built-in strategy's name (a plugin another
+    test registered is not FLARE's to police). Docstrings and descriptions hold prose, never a bare name; a config
+    key name is an identifier, not a constant."""
+    names = {n for n in STRATEGIES.names() if STRATEGIES.entry(n).plugin is None}
     return [(n.lineno, n.value) for n in ast.walk(ast.parse(path.read_text()))
             if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in names]
 
