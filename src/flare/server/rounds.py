@@ -52,10 +52,8 @@ def rules_for(cfg: Config, r: int | None = None) -> tuple[str, ...]:
         return (cfg.head == "prototype" or not s.needs_prototypes) and (not mixed or s.mixed_architectures)
 
     prim = primary_rule(cfg)
-    if cfg.eval.rules is None:
-        want = {n for n in STRATEGIES.names() if STRATEGIES.get(n).default} | {prim}
-    else:
-        want = {prim if n == "primary" else n for n in cfg.eval.rules} | {prim}
+    want = ({n for n in STRATEGIES.names() if STRATEGIES.get(n).default} if cfg.eval.rules is None else
+            {prim if n == "primary" else n for n in cfg.eval.rules}) | {prim}
     names = sorted((n for n in STRATEGIES.names() if n in want and applies(n)),
                    key=lambda n: not STRATEGIES.get(n).default)  # stable: the built-in rules first
     return tuple(n for n in names if r is None or STRATEGIES.get(n).every_round or r == cfg.rounds - 1)
