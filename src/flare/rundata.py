@@ -130,7 +130,7 @@ class RunData:
 
     @property
     def primary(self) -> str:
-        return self.rounds[-1].get("primary", "feature") if self.rounds else "feature"
+        return self.rounds[-1].get("primary", "") if self.rounds else ""  # every round record names it
 
     @property
     def finished(self) -> bool:

@@ -18,7 +18,6 @@ import torch
 
 from flare import cpu
 from flare.client.batched import BatchedClients, by_architecture
-from flare.client.lam import runaway_warnings
 from flare.client.trainer import Client, TrainContext
 from flare.config import Config
 from flare.errors import FlareError
@@ -28,7 +27,7 @@ from flare.rng import global_rng_state, set_global_rng_state
 from flare.rundata import RunData
 from flare.models import check_state_fits
 from flare.rundir import CHECKPOINT, SUMMARY, ResumePoint, RunDir
-from flare.server.rounds import evaluated_round, skipped_round_record
+from flare.server.rounds import record_round
 from flare.setup import RunSetup
 
 
@@ -99,14 +98,8 @@ class Run:
                 t0 = time.perf_counter()
                 setup.send(r)
                 client_records = self._train_clients(active, setup.ctx, r, bar, batched)
-                t_train = time.perf_counter() - t0
-                rec = (setup.evaluate(r, active).record if evaluated_round(cfg, r) else
-                       skipped_round_record(cfg, r))
-                rec["seconds_train"] = t_train
-                rec["seconds"] = time.perf_counter() - t0
-                for w in runaway_warnings(cfg, client_records):
-                    self._warn(w)
-                self.dir.append(client_records + [rec])
+                rec = record_round(cfg, self.dir, r, lambda: setup.evaluate(r, active), t0, client_records,
+                                   self._warn, seconds_train=time.perf_counter() - t0)
                 records += client_records + [rec]
                 if tb is not None:
                     _tb_log(tb, r, rec, client_records)

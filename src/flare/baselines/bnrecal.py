@@ -3,23 +3,23 @@
 Each client's BatchNorm running statistics were gathered on its own skewed data, a large part of the one-shot gap.
 This server re-estimates them, on deep copies of the client models, over the unlabeled public slice
 (`dataset.public_size`; exact over the whole slice, merged across batches) and then applies a fusion rule
-(`feature`, `output` or `auto`: the built-in rules of server/rules.py) to the K recalibrated models. The
-measurement that motivates it, the merge and the rules: docs/baselines.md, `bnrecal`.
+(a rule of server/rules.py over the client outputs that needs no noise pass, or the head's own) to the K
+recalibrated models. The measurement that motivates it, the merge and the rules: docs/baselines.md, `bnrecal`.
 """
 from __future__ import annotations
 
 import copy
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import Tensor, nn
 
 from flare.baselines.kd import Cost, public_slice, require_public
 from flare.errors import FlareError
 from flare.registry import STRATEGIES
 from flare.server.fusion import client_outputs
-from flare.server.rules import RulePredictor
+from flare.server.rounds import head_primary
+from flare.server.rules import ClientRule, RulePredictor
 from flare.server.strategy import ModelPredictor, ServerContext, Strategy
 
 BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -27,11 +27,19 @@ BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 class BNRecalOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    rule: Literal["auto", "feature", "output"] = Field(
-        "auto", description="fusion of the recalibrated models: feature (prototype heads), output, or auto "
-                            "(feature for prototype heads, output otherwise)")
+    rule: str = Field(
+        "auto", description="fusion of the recalibrated models: a rule over the client outputs that needs no noise "
+                            "pass (feature, for prototype heads; output), or auto (the head's primary)")
     batch_size: int = Field(256, ge=2, description="public images per train-mode pass (the test batch size of the "
                                                    "per-batch-statistics measurement)")
+
+    @field_validator("rule")
+    @classmethod
+    def _one_pass_rule(cls, v: str) -> str:  # a rule the recalibrated models' one pass serves
+        if v != "auto" and v not in (fits := [n for n in STRATEGIES.names() if issubclass(
+                c := STRATEGIES.get(n), ClientRule) and not c.needs_noise]):
+            raise ValueError(f"rule {v!r} is none of auto, {', '.join(fits)}")
+        return v
 
 
 class _Moments:
@@ -109,12 +117,11 @@ class BNRecal(Strategy):
 
     def __init__(self, cfg, options: BNRecalOptions | None = None):
         super().__init__(cfg, options or BNRecalOptions())
-        rule = self.options.rule
-        self.rule = ("feature" if cfg.head == "prototype" else "output") if rule == "auto" else rule
-        if self.rule == "feature" and cfg.head != "prototype":
-            raise FlareError(f"bnrecal with rule=feature matches features to prototypes, which loss.objective="
+        self.rule = head_primary(cfg.head) if self.options.rule == "auto" else self.options.rule
+        if STRATEGIES.get(self.rule).needs_prototypes and cfg.head != "prototype":
+            raise FlareError(f"bnrecal with rule={self.rule} matches features to prototypes, which loss.objective="
                              f"{cfg.loss.objective} (a {cfg.head} head) has not.", key="server.strategies.bnrecal.rule",
-                             fix="use rule=output (or auto).")
+                             fix="use rule=auto, or a rule that reads no prototypes.")
 
     def predictor(self, ctx: ServerContext) -> RecalibratedPredictor:
         cost = Cost(ctx.device)

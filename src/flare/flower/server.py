@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 
-from flare.client.lam import runaway_warnings
 from flare.config import Config, experiment_differences, load_config
 from flare.data.partition import Partition
 from flare.errors import FlareError
@@ -28,7 +27,7 @@ from flare.rundata import RunData
 from flare.rundir import RunDir
 from flare.server.upload import Upload, UploadSpec, upload_of, validate_upload
 from flare.server.extras import extras_shapes
-from flare.server.rounds import Evaluation, evaluated_round, skipped_round_record
+from flare.server.rounds import Evaluation, evaluated_round, record_round
 from flare.setup import ServerSetup, anchor_seed, describe_partition
 
 MAX_RECORDS_BYTES = 4_000_000  # a client's per-round training logs, as JSON text
@@ -271,12 +270,8 @@ class ServerSession:
         other = next((a for a, spec in self.specs.items() if a != own and spec.shapes.keys() == state.keys()), None)
         return [f"it holds a {other.label} network, but client {cid} runs {own.label}"] if other else []
 
-    def heard_from(self, uploads) -> int:
-        return len(uploads) + len(self.empty)
-
     def check_quorum(self, uploads, round_idx: int) -> None:
-        got = self.heard_from(uploads)
-        if not uploads or got < self.required:
+        if not uploads or len(uploads) + len(self.empty) < self.required:
             missing = sorted(set(range(self.cfg.num_clients)) - {u.client for u in uploads} - self.empty)
             msg = (f"round {round_idx + 1}: {len(uploads)} valid upload(s) (+{len(self.empty)} client(s) without data) "
                    f"from {self.cfg.num_clients} clients, fewer than min_clients={self.required}; missing or "
@@ -288,34 +283,26 @@ class ServerSession:
                                  "min-clients if the run may proceed without them.")
 
     # -- evaluation and files -----------------------------------------------------------------------
-    def evaluate(self, round_idx: int, uploads, client_logs: list[dict]) -> dict:
+    def evaluate(self, round_idx: int, uploads, client_logs: list[dict]) -> None:
         t0 = time.perf_counter()
-        models = []
-        for u in uploads:
-            m = copy.deepcopy(self.setup.client_init(u.client))  # in the backend's layout already
-            m.load_state_dict(u.state)
-            models.append(m)
-        if evaluated_round(self.cfg, round_idx):
+
+        def evaluate() -> Evaluation:  # the last round is always evaluated: self.last ends as the final predictor
+            models = [copy.deepcopy(self.setup.client_init(u.client)) for u in uploads]  # in the backend's layout
+            for m, u in zip(models, uploads):
+                m.load_state_dict(u.state)
             nodes = NodeClients(self, uploads) if self.talk is not None else None
-            ev = self.setup.evaluate(round_idx, uploads, models, clients=nodes)
-            self.setup.carry(ev)
-            rec, self.last = ev.record, ev
-        else:  # eval.every: the last round is always evaluated, so self.last ends as the final predictor
-            rec = skipped_round_record(self.cfg, round_idx)
-        rec["clients"] = [u.client for u in uploads]
-        missing = sorted(set(range(self.cfg.num_clients)) - set(rec["clients"]) - self.empty)
-        rec["missing_clients"] = missing
-        rec["seconds"] = time.perf_counter() - t0
-        for w in runaway_warnings(self.cfg, client_logs):
-            self._warn(w)
-        self.dir.append(client_logs + [rec])
+            self.last = self.setup.evaluate(round_idx, uploads, models, clients=nodes)
+            self.setup.carry(self.last)
+            return self.last
+
+        missing = sorted(set(range(self.cfg.num_clients)) - {u.client for u in uploads} - self.empty)
+        rec = record_round(self.cfg, self.dir, round_idx, evaluate, t0, client_logs, self._warn,
+                           clients=[u.client for u in uploads], missing_clients=missing)
         self.dir.write_state("running", round_idx + 1, self.warnings, self.config)
         self.last_uploads = uploads
-        acc = rec.get("acc")
         self.log(f"round {round_idx + 1}: {len(uploads)} upload(s)"
-                 + (f", acc ({rec['primary']}) {100 * acc:.2f}%" if acc is not None else "")
+                 + (f", acc ({rec['primary']}) {100 * acc:.2f}%" if (acc := rec.get("acc")) is not None else "")
                  + (f", missing {missing}" if missing else ""))
-        return rec
 
     def write_partition(self) -> None:
         C, K = self.meta.num_classes, self.cfg.num_clients

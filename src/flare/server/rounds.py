@@ -1,21 +1,24 @@
 """The server's evaluation checkpoint (docs/method.md#server-rules, #metrics), engine-free: which strategies a round
 scores, the global prototypes, every strategy's predictor scored in one test pass, and the round's diagnostics. The
 in-process runner (setup.RunSetup), the Flower server and `flare fuse` call these through
-`setup.ServerSetup.evaluate`, so a round is evaluated one way.
+`setup.ServerSetup.evaluate`, so a round is evaluated one way (and the runner's and Flower's are recorded one way).
 """
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch import Tensor
 
+from flare.client.lam import runaway_warnings
 from flare.config import Config
 from flare.metrics import g_protos_std, inter_client_proto_std, model_variance_mean
 from flare.registry import STRATEGIES
 from flare.rng import derived_seed
+from flare.rundir import RunDir
 from flare.server.evaluator import check_predictor, evaluate_predictors
 from flare.server.exchange import Transport, hold_rounds
 from flare.server.extras import own_extras
@@ -28,10 +31,13 @@ from flare.server.upload import Upload
 
 def primary_rule(cfg: Config) -> str:
     """The rule whose accuracy is "the" accuracy of a run."""
-    p = cfg.server.primary
-    if p != "auto":
-        return p
-    return "feature" if cfg.head == "prototype" else "output"
+    return cfg.server.primary if cfg.server.primary != "auto" else head_primary(cfg.head)
+
+
+def head_primary(head: str) -> str:
+    """The strategy that claims `head` (`Strategy.primary_for`), else the one that claims every other head."""
+    claims = {h: n for n in STRATEGIES.names() for h in STRATEGIES.get(n).primary_for}
+    return claims.get(head) or claims["*"]
 
 
 def rules_for(cfg: Config, r: int | None = None) -> tuple[str, ...]:
@@ -46,10 +52,8 @@ def rules_for(cfg: Config, r: int | None = None) -> tuple[str, ...]:
         return (cfg.head == "prototype" or not s.needs_prototypes) and (not mixed or s.mixed_architectures)
 
     prim = primary_rule(cfg)
-    if cfg.eval.rules is None:
-        want = {n for n in STRATEGIES.names() if STRATEGIES.get(n).default} | {prim}
-    else:
-        want = {prim if n == "primary" else n for n in cfg.eval.rules} | {prim}
+    want = ({n for n in STRATEGIES.names() if STRATEGIES.get(n).default} if cfg.eval.rules is None else
+            {prim if n == "primary" else n for n in cfg.eval.rules}) | {prim}
     names = sorted((n for n in STRATEGIES.names() if n in want and applies(n)),
                    key=lambda n: not STRATEGIES.get(n).default)  # stable: the built-in rules first
     return tuple(n for n in names if r is None or STRATEGIES.get(n).every_round or r == cfg.rounds - 1)
@@ -60,8 +64,18 @@ def evaluated_round(cfg: Config, r: int) -> bool:
     return (r + 1) % cfg.eval.every == 0 or r == cfg.rounds - 1
 
 
-def skipped_round_record(cfg: Config, r: int) -> dict:  # a round eval.every skips: reports read evaluated ones
-    return {"kind": "round", "round": r, "method": cfg.method, "primary": primary_rule(cfg), "evaluated": False}
+def record_round(cfg: Config, out: RunDir, r: int, evaluate: Callable[[], Evaluation], t0: float, logs: list[dict],
+                 warn: Callable[[str], None], **known) -> dict:
+    """Build round r's metrics record and append it after the clients' `logs` (warning of their runaway λ first), in
+    one shape for every engine: the evaluation's record (`evaluate()`, only on a round `eval.every` evaluates; else a
+    stub the reports skip), then what the driver knows of the round (`known`, in order), then the seconds since t0."""
+    rec = evaluate().record if evaluated_round(cfg, r) else {
+        "kind": "round", "round": r, "method": cfg.method, "primary": primary_rule(cfg), "evaluated": False}
+    rec.update(known, seconds=time.perf_counter() - t0)
+    for w in runaway_warnings(cfg, logs):
+        warn(w)
+    out.append(logs + [rec])
+    return rec
 
 
 @dataclass
@@ -82,11 +96,6 @@ def carries_server_protos(cfg: Config) -> bool:
     return cfg.server.protos == "trainable" and cfg.server.protos_flow == "reference"
 
 
-def _shuffle_seed(cfg: Config, r: int) -> int:
-    """eval.bn=batch: a new seeded test order every round (the reference's shuffled test loader)."""
-    return derived_seed(abs(cfg.eval.noise_seed), r, 5) if cfg.eval.bn == "batch" else 0
-
-
 def server_prototypes(cfg: Config, r: int, protos: list[Tensor], anchors: Tensor | None,
                       server_G: Tensor | None = None) -> tuple[Tensor | None, Tensor | None, dict]:
     """(G the predictors use, Plan B's carried G under protos_flow=reference or None, the server's logs)."""
@@ -100,9 +109,11 @@ def server_prototypes(cfg: Config, r: int, protos: list[Tensor], anchors: Tensor
 
 
 def eval_options(cfg: Config, r: int, amp_dtype=None, channels_last: bool = False) -> dict:
-    """The keywords of `evaluate_predictors` a run's config fixes for round r."""
+    """The keywords of `evaluate_predictors` a run's config fixes for round r; eval.bn=batch draws a new seeded test
+    order every round (the reference's shuffled test loader)."""
+    shuffle_seed = derived_seed(abs(cfg.eval.noise_seed), r, 5) if cfg.eval.bn == "batch" else 0
     return dict(batch_size=cfg.test_batch_size, noise_seed=cfg.eval.noise_seed, amp_dtype=amp_dtype,
-                channels_last=channels_last, bn=cfg.eval.bn, shuffle_seed=_shuffle_seed(cfg, r), round_idx=r)
+                channels_last=channels_last, bn=cfg.eval.bn, shuffle_seed=shuffle_seed, round_idx=r)
 
 
 def accuracy_on_test(model: torch.nn.Module, test_x: Tensor, test_y: Tensor, norm, *, batch_size: int,
@@ -112,7 +123,7 @@ def accuracy_on_test(model: torch.nn.Module, test_x: Tensor, test_y: Tensor, nor
     client models' pass that evaluation also makes. The model is left in the mode it came in."""
     was_training = model.training
     model.eval()
-    amp = torch.autocast(device_type=test_x.device.type, dtype=amp_dtype) if amp_dtype is not None else None
+    amp = torch.autocast(device_type=test_x.device.type, dtype=amp_dtype) if amp_dtype is not None else nullcontext()
     correct = torch.zeros((), dtype=torch.long, device=test_x.device)
     try:
         with torch.no_grad():
@@ -120,12 +131,8 @@ def accuracy_on_test(model: torch.nn.Module, test_x: Tensor, test_y: Tensor, nor
                 x = norm(test_x[s:s + batch_size])
                 if channels_last:
                     x = x.contiguous(memory_format=torch.channels_last)
-                if amp is not None:
-                    with amp:
-                        scores = ModelPredictor(model).scores(x)
-                else:
-                    scores = ModelPredictor(model).scores(x)
-                correct += (scores.argmax(1) == test_y[s:s + batch_size]).sum()
+                with amp:
+                    correct += (ModelPredictor(model).scores(x).argmax(1) == test_y[s:s + batch_size]).sum()
     finally:
         model.train(was_training)
     return float(correct) / test_x.shape[0]

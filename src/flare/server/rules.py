@@ -109,6 +109,7 @@ class FeatureRule(ClientRule):
 
     title, colour = "feature (simple)", "C0"  # how reports name and draw it
     needs_prototypes = True
+    primary_for = ("prototype",)
     batch_bn = True
 
     @staticmethod
@@ -149,6 +150,7 @@ class OutputRule(ClientRule):
     """Σ_i w_i softmax(logits_i) (or raw logits: server.ensemble) — the output ensemble."""
 
     title, colour = "output ensemble", "C3"
+    primary_for = ("*",)  # every head but the prototype head
     @staticmethod
     def scores(out, weights, G, ensemble):
         return fuse_outputs(out.logits, weights, ensemble)

@@ -102,7 +102,8 @@ class Strategy:
     prototype heads), `every_round` (False: an expensive method runs at the last round only), `default` (evaluated
     when `eval.rules` is unset; the built-in rules are, a plugin's strategy only when named), `mixed_architectures`
     (it fuses clients of different architectures — a run whose clients differ refuses it otherwise, with
-    `one_architecture_why`).
+    `one_architecture_why`), `primary_for` (the heads, `Objective.head`, whose runs take it as "the" accuracy under
+    server.primary=auto; "*": every head no strategy claims by name — so core code names no strategy).
 
     A strategy that needs client statistics beyond the weights overrides `extras_shapes` and `client_extras`
     (server/extras.py): the clients compute them after training, the gate checks them against the declaration,
@@ -115,6 +116,7 @@ class Strategy:
     default = False
     mixed_architectures = False  # it fuses clients of different architectures (docs/heterogeneous.md)
     one_architecture_why = ""    # why not, for the refusal (empty: it does not declare that it does)
+    primary_for: tuple[str, ...] = ()
 
     def __init__(self, cfg: Config, options: BaseModel | None = None):
         self.cfg, self.options = cfg, options
