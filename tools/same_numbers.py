@@ -336,6 +336,10 @@ def compare_fuses(args, sides: list[Side], presets: list[str], strategies: list[
             outcome = {}
             for s in sides:
                 d = s.runs.parent / f"fuse-{s.name}-{s.sha[:12]}" / p / name
+                done = d.parent / f"{name}.outcome.json"  # a side's fuse is kept, like its runs (resumable)
+                if done.is_file():
+                    outcome[s.name] = tuple(json.loads(done.read_text()))
+                    continue
                 if d.exists():
                     shutil.rmtree(d)
                 shutil.copytree(src, d, ignore=shutil.ignore_patterns("fuse.jsonl", ".lock", "plots"))
@@ -344,6 +348,7 @@ def compare_fuses(args, sides: list[Side], presets: list[str], strategies: list[
                 recs = read_records(d / "fuse.jsonl") if r.returncode == 0 else None
                 said = r.stderr.replace(str(d), "RUN").strip().splitlines()[-1:] if r.returncode else []
                 outcome[s.name] = (r.returncode, recs, said)
+                done.write_text(json.dumps(outcome[s.name]))
             (rb, fb, eb), (ra, fa, ea) = outcome["before"], outcome["after"]
             label = f"fuse:{p} {name}"
             if rb == ra == 0:
