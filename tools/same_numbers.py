@@ -326,6 +326,7 @@ def compare_fuses(args, sides: list[Side], presets: list[str], strategies: list[
     side's code, one strategy per process so a refusal of one does not hide the others; rows for the table."""
     import shutil
     rows, ok = [], True
+    budget = hashlib.sha256(json.dumps(FUSE_BUDGET).encode()).hexdigest()[:8]
     for p in presets:
         src = sides[0].runs / p
         if not finished(src):
@@ -335,7 +336,7 @@ def compare_fuses(args, sides: list[Side], presets: list[str], strategies: list[
         for name in strategies:
             outcome = {}
             for s in sides:
-                d = s.runs.parent / f"fuse-{s.name}-{s.sha[:12]}" / p / name
+                d = s.runs.parent / f"fuse-{budget}-{s.name}-{s.sha[:12]}" / p / name
                 done = d.parent / f"{name}.outcome.json"  # a side's fuse is kept, like its runs (resumable)
                 if done.is_file():
                     outcome[s.name] = tuple(json.loads(done.read_text()))
