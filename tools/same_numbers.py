@@ -35,6 +35,12 @@ the caller's environment are removed, so no pin of the caller's reaches one side
 Before any run, one child process per side reports torch.backends.cpu.get_cpu_capability(): the two must agree
 (AVX2 on x86-64), and `flare` must come from that side's tree.
 
+With --fuse NAMES (default list: FUSE_STRATEGIES) it also proves `flare fuse` unchanged: the before side's finished
+runs of the --fuse-runs presets are the saved clients; each side fuses its own copy of them, one strategy per
+process (`flare fuse COPY --strategies S` + FUSE_BUDGET, the data-free servers and FedDF at a few steps), and the
+two fuse.jsonl are compared like metrics.jsonl. A strategy both sides refuse for a run (exit 2: e.g. FedProto over
+a linear head) counts as identical when the two refusals read the same.
+
 Keys the comparison ignores (timing: they differ between any two runs). A real metrics.jsonl has `seconds`
 (client and round records), `seconds_train`, `seconds_eval`, `seconds_aggregate` (round records); the rule
 ignores any key that starts with `seconds`, ends with `_seconds`, or is `time`, `wall` or `timestamp`
@@ -77,6 +83,12 @@ KERNEL_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_
 TIMING_NAMES = {"time", "wall", "timestamp"}
 ALLOWED_NEW_KEYS = {"evaluated": "set to false on round records eval.every skips (newer code only)"}
 MAIN_PRESETS_DEFAULT = "fafi,fedavg,ensemble,etf-anneal,flare"
+FUSE_STRATEGIES = ("otfusion,regmean,fedlpa,feddf,dense,coboosting,intactofl,fens,bnrecal,fedproto,fedproto_fused,"
+                   "iffi,iffi_reference")
+FUSE_BUDGET = ["server.strategies.dense.epochs=2", "server.strategies.dense.g_steps=2",
+               "server.strategies.coboosting.epochs=2", "server.strategies.coboosting.g_steps=2",
+               "server.strategies.intactofl.epochs=2", "server.strategies.intactofl.g_steps=2",
+               "server.strategies.feddf.steps=20", "server.strategies.fens.rounds=3"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,6 +321,52 @@ def run_job(job: Job, python: str, log: Progress) -> tuple[bool, str]:
     return True, ""
 
 
+def compare_fuses(args, sides: list[Side], presets: list[str], strategies: list[str], log) -> tuple[bool, list]:
+    """`flare fuse` of each strategy over the same saved clients (the before side's runs of `presets`), by each
+    side's code, one strategy per process so a refusal of one does not hide the others; rows for the table."""
+    import shutil
+    rows, ok = [], True
+    budget = hashlib.sha256(json.dumps(FUSE_BUDGET).encode()).hexdigest()[:8]
+    for p in presets:
+        src = sides[0].runs / p
+        if not finished(src):
+            rows.append([f"fuse:{p}", "-", "no", f"no finished before-side run of {p} to fuse"])
+            ok = False
+            continue
+        for name in strategies:
+            outcome = {}
+            for s in sides:
+                d = s.runs.parent / f"fuse-{budget}-{s.name}-{s.sha[:12]}" / p / name
+                done = d.parent / f"{name}.outcome.json"  # a side's fuse is kept, like its runs (resumable)
+                if done.is_file():
+                    outcome[s.name] = tuple(json.loads(done.read_text()))
+                    continue
+                if d.exists():
+                    shutil.rmtree(d)
+                shutil.copytree(src, d, ignore=shutil.ignore_patterns("fuse.jsonl", ".lock", "plots"))
+                r = subprocess.run([args.python, "-m", "flare.cli", "fuse", str(d), "--strategies", name,
+                                    *FUSE_BUDGET], cwd=s.tree, env=s.env, capture_output=True, text=True)
+                recs = read_records(d / "fuse.jsonl") if r.returncode == 0 else None
+                said = r.stderr.replace(str(d), "RUN").strip().splitlines()[-1:] if r.returncode else []
+                outcome[s.name] = (r.returncode, recs, said)
+                done.write_text(json.dumps(outcome[s.name]))
+            (rb, fb, eb), (ra, fa, ea) = outcome["before"], outcome["after"]
+            label = f"fuse:{p} {name}"
+            if rb == ra == 0:
+                c = compare_records(fb, fa)
+                first = c.differences[0].describe() if c.differences else ""
+                rows.append([label, str(len(fa)), "yes" if c.identical else "no", first])
+                ok &= c.identical
+            else:
+                same = rb == ra and eb == ea
+                rows.append([label, "-", "yes" if same else "no",
+                             f"refused on both sides: {eb[0][:90] if eb else ''}" if same
+                             else f"before exit {rb} {eb}, after exit {ra} {ea}"])
+                ok &= same
+            log(f"fused    {label}: {rows[-1][2]}")
+    return ok, rows
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -328,6 +386,10 @@ def parse_args(argv):
     ap.add_argument("--out", default="/tmp/same-numbers", help="worktrees, runs and logs (default %(default)s)")
     ap.add_argument("--jobs", type=int, default=1, help="runs at the same time (default 1)")
     ap.add_argument("--threads", type=int, default=1, help="OMP/MKL threads of each run, both sides (default 1)")
+    ap.add_argument("--fuse", nargs="?", const=FUSE_STRATEGIES, default=None,
+                    help="also compare `flare fuse` of these strategies over the before side's saved runs "
+                         "(no value: %(const)s)")
+    ap.add_argument("--fuse-runs", default="fafi,fedavg", help="the presets whose runs --fuse fuses (%(default)s)")
     ap.add_argument("--python", default=sys.executable, help="the interpreter (default: this one)")
     ap.add_argument("--repo", default=str(Path(__file__).resolve().parents[1]), help="the git repository")
     return ap.parse_args(argv)
@@ -432,6 +494,11 @@ def main(argv=None) -> int:
                 keys = sorted({d.key for d in c.differences})
                 notes.append(f"{row_label}: {len(c.differences)} differences, keys: {', '.join(keys)}")
 
+    if args.fuse:
+        fused_ok, fuse_rows = compare_fuses(args, sides, [p.strip() for p in args.fuse_runs.split(",")],
+                                            [n.strip() for n in args.fuse.split(",")], log)
+        rows += fuse_rows
+        all_ok &= fused_ok
     print("\n" + table(rows, ["run", "records", "identical", "first difference (record, key: before -> after)"]))
     print(f"\nignored timing keys seen: {', '.join(sorted(ignored)) or 'none'}")
     for n in notes:
