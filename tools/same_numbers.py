@@ -39,7 +39,7 @@ With --fuse NAMES (default list: FUSE_STRATEGIES) it also proves `flare fuse` un
 runs of the --fuse-runs presets are the saved clients; each side fuses its own copy of them, one strategy per
 process (`flare fuse COPY --strategies S` + FUSE_BUDGET, the data-free servers and FedDF at a few steps), and the
 two fuse.jsonl are compared like metrics.jsonl. A strategy both sides refuse for a run (exit 2: e.g. FedProto over
-a linear head) counts as identical when the two refusals read the same.
+a linear head) counts as identical when the two refusals read the same, and the table says "both refused".
 
 Keys the comparison ignores (timing: they differ between any two runs). A real metrics.jsonl has `seconds`
 (client and round records), `seconds_train`, `seconds_eval`, `seconds_aggregate` (round records); the rule
@@ -344,8 +344,9 @@ def compare_fuses(args, sides: list[Side], presets: list[str], strategies: list[
                 if d.exists():
                     shutil.rmtree(d)
                 shutil.copytree(src, d, ignore=shutil.ignore_patterns("fuse.jsonl", ".lock", "plots"))
-                r = subprocess.run([args.python, "-m", "flare.cli", "fuse", str(d), "--strategies", name,
-                                    *FUSE_BUDGET], cwd=s.tree, env=s.env, capture_output=True, text=True)
+                own = [o for o in FUSE_BUDGET if o.startswith(f"server.strategies.{name}.")]  # fuse refuses others
+                r = subprocess.run([args.python, "-m", "flare.cli", "fuse", str(d), "--strategies", name, *own],
+                                   cwd=s.tree, env=s.env, capture_output=True, text=True)
                 recs = read_records(d / "fuse.jsonl") if r.returncode == 0 else None
                 said = r.stderr.replace(str(d), "RUN").strip().splitlines()[-1:] if r.returncode else []
                 outcome[s.name] = (r.returncode, recs, said)
@@ -359,7 +360,7 @@ def compare_fuses(args, sides: list[Side], presets: list[str], strategies: list[
                 ok &= c.identical
             else:
                 same = rb == ra and eb == ea
-                rows.append([label, "-", "yes" if same else "no",
+                rows.append([label, "-", "yes (both refused)" if same else "no",
                              f"refused on both sides: {eb[0][:90] if eb else ''}" if same
                              else f"before exit {rb} {eb}, after exit {ra} {ea}"])
                 ok &= same
