@@ -10,9 +10,10 @@ divergence and averaged into the client's record.
 Where the augmentation runs (`augment.schedule`): `per_batch` (the default) gathers each step's batch and calls the
 augmentation on it; `chunked` gathers a run of consecutive batches of an epoch at once (as many as fit
 `CHUNK_ELEMENTS`), augments it in one call over every step's images twice — [b; b], step after step, so the call's
-output is already the steps' [v1; v2] layout — and lets every step slice its input out of the result without a copy. Small models at small batches spend most of a step in the augmentation's per-call work (parameter
-sampling, kornia's host reads of device values, dozens of small kernels), which one larger call pays once (airbench's
-way of feeding a small network). The images, their order and the streams are the per_batch ones; the draws are not
+output is already the steps' [v1; v2] layout — and lets every step slice its input out of the result without a copy.
+Small models at small batches spend most of a step in the augmentation's per-call work (parameter sampling, kornia's
+host reads of device values, dozens of small kernels), which one larger call pays once (airbench's way of feeding a
+small network). The images, their order and the streams are the per_batch ones; the draws are not
 (kornia draws a chunk's parameters in one go, and ColorJitter's order of its four steps once per call: per chunk, for
 both views).
 """
