@@ -18,12 +18,14 @@ from flare.setup import RunSetup
 
 
 class Tagging(torch.nn.Module):
-    """A deterministic stand-in for the augmentation: view 1 is the images as floats, view 2 the same plus 1000, so
-    a test can see which image and which view landed in every row."""
+    """A deterministic stand-in for the augmentation: a view is the images as floats, so a test can see which image
+    landed in every row (chunked augments [b; b] in one call, so its rows carry no view of their own)."""
+
+    def single_view(self, x):
+        return x.float()
 
     def forward(self, x):
-        f = x.float()
-        return f, f + 1000
+        return self.single_view(x), self.single_view(x)
 
 
 def _plan(schedule: str, n: int, batch: int, epochs: int, drop_last: bool, augment, seed: int = 0):
@@ -42,7 +44,7 @@ def _plan(schedule: str, n: int, batch: int, epochs: int, drop_last: bool, augme
 def test_every_step_sees_the_per_batch_images_and_layout(n, batch, drop_last, chunk_batches, monkeypatch):
     """Chunks of 1, 2, 3 batches or all of an epoch, ragged last batches, drop_last, two epochs: each step's
     [v1; v2] and labels are exactly what the per-batch schedule gives it."""
-    monkeypatch.setattr(plan_mod, "CHUNK_ELEMENTS", chunk_batches * batch * 16)  # 16 elements per image
+    monkeypatch.setattr(plan_mod, "CHUNK_ELEMENTS", chunk_batches * 2 * batch * 16)  # 16 elements per image
     per_batch, ctx_b = _plan("per_batch", n, batch, 2, drop_last, Tagging())
     chunked, ctx_w = _plan("chunked", n, batch, 2, drop_last, Tagging())
     ctx_w.train_x, ctx_w.train_y = ctx_b.train_x, ctx_b.train_y
@@ -60,28 +62,30 @@ class Counting(Tagging):
         super().__init__()
         self.calls = []
 
-    def forward(self, x):
+    def single_view(self, x):
         self.calls.append(x.shape[0])
-        return super().forward(x)
+        return super().single_view(x)
 
 
 def test_one_call_per_chunk_not_per_step(monkeypatch):
-    """37 samples, batch 8: 5 steps an epoch; chunks of 2 batches → calls of 16, 16, 5 images per epoch."""
-    monkeypatch.setattr(plan_mod, "CHUNK_ELEMENTS", 2 * 8 * 16)
+    """37 samples, batch 8: 5 steps an epoch; chunks of 2 batches → one call of 32, 32, 10 images (both views) per
+    epoch."""
+    monkeypatch.setattr(plan_mod, "CHUNK_ELEMENTS", 2 * 2 * 8 * 16)
     aug = Counting()
     chunked, ctx = _plan("chunked", 37, 8, 2, False, aug)
     for t in range(len(chunked.steps)):
         chunked.views(ctx, t)
-    assert aug.calls == [16, 16, 5, 16, 16, 5]
+    assert aug.calls == [32, 32, 10, 32, 32, 10]
 
 
-def _kornia_views(schedule: str, seed: int):
+def _kornia_views(schedule: str, seed: int, steps: bool = False):
     from flare.data.augment import TwoViewAugment
     aug = TwoViewAugment(4, 1, 0.5, 0.25)
     p, ctx = _plan(schedule, 37, 8, 1, False, aug, seed=seed)
     torch.manual_seed(123)  # the data, identical for every call
     ctx.train_x = torch.randint(0, 256, ctx.train_x.shape, dtype=torch.uint8)
-    return torch.cat([p.views(ctx, t)[0] for t in range(len(p.steps))])
+    views = [p.views(ctx, t)[0] for t in range(len(p.steps))]
+    return views if steps else torch.cat(views)
 
 
 def test_chunked_draws_are_reproducible_and_its_own():
@@ -91,6 +95,14 @@ def test_chunked_draws_are_reproducible_and_its_own():
     assert torch.equal(a, b)
     assert not torch.equal(a, _kornia_views("chunked", 1))
     assert not torch.equal(a, _kornia_views("per_batch", 0))
+
+
+def test_chunked_views_of_an_image_are_two_draws():
+    """One call augments a step's images twice: every image's two rows are independent draws, not one view twice."""
+    for v in _kornia_views("chunked", 0, steps=True):
+        half = v.shape[0] // 2
+        differ = (v[:half] - v[half:]).flatten(1).abs().amax(1) > 1e-6
+        assert differ.float().mean() > 0.8, differ
 
 
 def test_default_is_per_batch_and_per_image_false_is_refused():

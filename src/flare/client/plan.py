@@ -9,11 +9,13 @@ divergence and averaged into the client's record.
 
 Where the augmentation runs (`augment.schedule`): `per_batch` (the default) gathers each step's batch and calls the
 augmentation on it; `chunked` gathers a run of consecutive batches of an epoch at once (as many as fit
-`CHUNK_ELEMENTS`), augments it in one call per view, and lets every step slice its [v1; v2] out of the result
-without a copy. Small models at small batches spend most of a step in the augmentation's per-call work (parameter
-sampling, kornia's host reads of device values, dozens of small kernels), which one larger call pays once (airbench's
-way of feeding a small network). The images, their order and the streams are the per_batch ones; the draws are not
-(kornia draws a chunk's parameters in one go, and ColorJitter's order of its four steps once per call).
+`CHUNK_ELEMENTS`), augments it in one call over every step's images twice — [b; b], step after step, so the call's
+output is already the steps' [v1; v2] layout — and lets every step slice its input out of the result without a copy.
+Small models at small batches spend most of a step in the augmentation's per-call work (parameter sampling, kornia's
+host reads of device values, dozens of small kernels), which one larger call pays once (airbench's way of feeding a
+small network). The images, their order and the streams are the per_batch ones; the draws are not
+(kornia draws a chunk's parameters in one go, and ColorJitter's order of its four steps once per call: per chunk, for
+both views).
 """
 from __future__ import annotations
 
@@ -31,8 +33,8 @@ from flare.registry import PROGRESS
 # derived_seed(seed, r, i, purpose, ...): the purposes of a client-round's streams
 _AUGMENT, _ORDER = 1, 2
 
-# augment.schedule=chunked: at most this many elements per view of one augmentation call (4 MB of float32), and at
-# least one batch. Not the whole epoch: kornia's ops are chains of elementwise passes, and once a call's tensors
+# augment.schedule=chunked: at most this many elements in one augmentation call (both views: 4 MB of float32), and
+# at least one batch. Not the whole epoch: kornia's ops are chains of elementwise passes, and once a call's tensors
 # outgrow the caches a larger call costs more per image. Measured (CPU seconds per image, 1 thread, the SupCon
 # policy): 1x28x28 images fastest in calls of 512-1024 images (2.8x the rate of calls of 64; calls of 2048 ran at
 # 0.54x the best), 3x32x32 in calls of 512 (4096 cost 1.45x per image).
@@ -96,8 +98,8 @@ class RoundPlan:
                 self.steps.append(Step(e, b, clock, p, p_target, ctx.lr_schedule(clock, round_idx)))
         self.last_lr = self.steps[-1].lr if self.steps else cfg.base_lr  # the record's lr
         self.chunked = cfg.augment.schedule == "chunked" and not self.plain
-        # the chunk the steps slice now: (epoch, first batch, end batch, views, labels)
-        self._chunk: tuple[int, int, int, Tensor, Tensor] | None = None
+        # the chunk the steps slice now: (epoch, first batch, views, labels)
+        self._chunk: tuple[int, int, Tensor, Tensor] | None = None
 
     def epoch_steps(self, epoch: int) -> range:
         return range(epoch * self.spe, (epoch + 1) * self.spe)
@@ -129,39 +131,26 @@ class RoundPlan:
 
     def _chunk_views(self, ctx, t: int) -> tuple[Tensor, Tensor]:
         """Step t's [v1; v2] and labels, sliced out of its chunk's views (augmented when the chunk is first reached).
-        Chunks are fixed runs of batches of an epoch (`chunk_batches`), so the draws do not depend on who asks."""
+        Chunks are fixed runs of batches of an epoch (`chunk_batches`), so the draws do not depend on who asks. A
+        chunk is one call over every step's images twice, [b; b] step after step: its draws are per image, so the
+        two copies are two independent views, already in the steps' layout (no second call, no interleaving copy)."""
         s = self.steps[t]
         per = self.chunk_batches(ctx.train_x[0].numel())
         first = s.batch // per * per
         if self._chunk is None or self._chunk[:2] != (s.epoch, first):
-            end = min(first + per, self.spe)
-            start = s.epoch * self.n + first * self.B
-            idx = self.samples[start:min(s.epoch * self.n + end * self.B, (s.epoch + 1) * self.n)]
-            xb, yb = ctx.train_x[idx], ctx.train_y[idx]
+            t0 = t - (s.batch - first)
+            idx = torch.cat([self.batch(u) for u in range(t0, t0 + min(per, self.spe - first)) for _ in (0, 1)])
             with self.streams.active():
-                v1, v2 = ctx.augment(xb)
-            self._chunk = (s.epoch, first, end, *self._per_step_layout(v1, v2, yb))
-        _, first, _, views, labels = self._chunk
+                views = ctx.augment.single_view(ctx.train_x[idx])
+            self._chunk = (s.epoch, first, views, ctx.train_y[idx])
+        _, first, views, labels = self._chunk
         lo = 2 * (s.batch - first) * self.B
         hi = lo + 2 * self.size(t)
         return views[lo:hi], labels[lo:hi]
 
     def chunk_batches(self, elements_per_image: int) -> int:
-        """How many consecutive batches of an epoch one chunked augmentation call covers."""
-        return max(1, CHUNK_ELEMENTS // max(1, elements_per_image * self.B))
-
-    def _per_step_layout(self, v1: Tensor, v2: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        """A chunk's two views (and labels) reordered so that each step's [v1_b; v2_b] is one contiguous slice: full
-        batches interleaved by one stack, a ragged last batch appended."""
-        full = v1.shape[0] // self.B * self.B
-        k, rest = full // self.B, v1.shape[1:]
-        views = torch.stack([v1[:full].reshape(k, self.B, *rest), v2[:full].reshape(k, self.B, *rest)], 1)
-        labels = y[:full].reshape(k, 1, self.B).expand(k, 2, self.B)
-        views, labels = views.reshape(2 * full, *rest), labels.reshape(2 * full)
-        if full < v1.shape[0]:
-            views = torch.cat([views, v1[full:], v2[full:]])
-            labels = torch.cat([labels, y[full:], y[full:]])
-        return views, labels
+        """How many consecutive batches of an epoch one chunked augmentation call (both views) covers."""
+        return max(1, CHUNK_ELEMENTS // max(1, 2 * elements_per_image * self.B))
 
 
 class RoundLogs:
