@@ -96,6 +96,8 @@ FUSE_BUDGET = ["server.strategies.dense.epochs=2", "server.strategies.dense.g_st
 
 
 def is_timing_key(key: str) -> bool:
+    """A timing key, also as a strategy's own log (`otfusion.seconds` in a fuse record)."""
+    key = key.rsplit(".", 1)[-1]
     return key.startswith("seconds") or key.endswith("_seconds") or key in TIMING_NAMES
 
 
