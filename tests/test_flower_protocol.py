@@ -24,6 +24,9 @@ from flare.flower.records import pack_nested, record_to_state, state_to_record, 
 from flare.flower.server_app import decode_content, decode_talk, train_content  # noqa: E402
 from flare.rundir import read_jsonl  # noqa: E402
 from flare.runner import Run  # noqa: E402
+from flare.server.rounds import primary_rule  # noqa: E402
+from flare.server.strategy import Strategy, make_strategy  # noqa: E402
+from flare.setup import RunSetup  # noqa: E402
 
 K = 3
 
@@ -482,6 +485,31 @@ def test_plan_b_reference_over_flower_reproduces_flare_run(tiny_overrides, tmp_p
     with pytest.raises(FlareError) as e:  # one message cannot carry a G the later rounds' evaluations train
         Nodes().federate(ov, tmp_path / "once", preset="server-protos", upload="once")
     assert e.value.key == "upload"
+
+
+def test_what_every_client_starts_from_is_the_primary_strategys_initialize(tiny_overrides, tmp_path, monkeypatch):
+    """One sending hook before training: a primary that overrides `initialize` (as a plugin's would: another init,
+    another anchor seed) is what the clients of both transports start from, so the federation still equals
+    `flare run`, and both leave the default's numbers."""
+    cfg = load_config(None, "flare", tiny_overrides)
+    Run(cfg, tmp_path / "default", quiet=True).execute()
+    real = Strategy.initialize
+
+    def other(self, ctx):
+        sent = real(self, ctx)
+        return {k: v * 0.5 if k.startswith("init/") and v.is_floating_point() else v for k, v in sent.items()} | \
+            {"anchor_seed": sent["anchor_seed"] + 1}
+
+    monkeypatch.setattr(type(make_strategy(cfg, primary_rule(cfg))), "initialize", other)
+    setup = RunSetup.build(cfg)
+    model, server = setup.make_clients(lambda m: None, lambda m: None)[0].model, setup.server.client_init(0)
+    assert all(torch.equal(v, 0.5 * server.state_dict()[k]) for k, v in model.state_dict().items()
+               if v.is_floating_point())
+    assert not torch.equal(setup.ctx.anchors, setup.anchors)  # drawn from the seed sent, not the server's own
+    Run(cfg, tmp_path / "inproc", quiet=True).execute()
+    Nodes().federate(tiny_overrides, tmp_path / "fed", preset="flare")
+    base, a, b = (rounds_of(tmp_path / d) for d in ("default", "inproc", "fed"))
+    assert [strip(r) for r in a] == [strip(r) for r in b] != [strip(r) for r in base]
 
 
 # ----------------------------------------------------------------------------------------------

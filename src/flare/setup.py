@@ -6,8 +6,8 @@ flare/backend.py; the evaluation checkpoint itself is server/rounds.py).
 A run has two sides, each built by one function: `ServerSetup.build` (backend, data, test set, seeded init,
 anchors, public bank; its `evaluate` scores a round) and `client_context` (a client's training context). The
 engines differ only in where the sides run: `RunSetup.build` composes both in one process; the Flower server builds
-the server side, a Flower node the client side (with the dataset facts, `DataMeta`, and anchor seed the server
-sent); `flare fuse` and the LR probe build the server side and take the clients' samples from its data.
+the server side, a Flower node the client side (from the inits, anchor seed and bank `ServerSetup.initial_message`
+sends); `flare fuse` and the LR probe build the server side and take the clients' samples from its data.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from flare.schedules import LRSchedule
 from flare.server.exchange import LocalClients, Transport
 from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
 from flare.server.rounds import Evaluation, carries_server_protos, evaluate_uploads, primary_rule, rules_for
-from flare.server.strategy import Strategy, make_strategies
+from flare.server.strategy import InitContext, Strategy, make_strategies, sent_init
 from flare.server.upload import Upload
 
 # ----------------------------------------------------------------------------------------------
@@ -173,8 +173,16 @@ def init_global_model(cfg: Config, meta: DataMeta, device: torch.device, channel
 
 
 def anchor_seed(cfg: Config) -> int:
-    """The shared seed the anchors A are drawn from (the server fixes it before training)."""
+    """The shared seed the anchors A are drawn from (the server fixes it, and `Strategy.initialize` sends it)."""
     return cfg.seed + 7
+
+
+def init_keys(archs: list[Architecture]) -> list[str]:
+    """Client i's key for its init in what `Strategy.initialize` sends: `init`, `init-J` for the J-th other client
+    architecture. A Flower node knows its client id, the server learns it only from the first reply: so the message
+    carries every architecture's init and each client takes its own (a run of one architecture: `init` alone)."""
+    order = list(dict.fromkeys(archs))
+    return [f"init-{order.index(a)}" if a != order[0] else "init" for a in archs]
 
 
 def run_anchors(cfg: Config, num_classes: int, feature_dim: int, device: torch.device,
@@ -317,6 +325,11 @@ class ServerSetup:
         if ev.server_G is not None:
             self.load_server_state({"G": ev.server_G})
 
+    def initial_message(self) -> dict[str, Tensor]:
+        """What every client receives once before it trains, on every engine: the primary strategy's `initialize`."""
+        inits = {k: self.client_init(i) for i, k in enumerate(init_keys(self.architectures))}
+        return self.strategies[primary_rule(self.cfg)].initialize(InitContext(inits, self.bank, anchor_seed(self.cfg)))
+
     def train_message(self, r: int) -> dict[str, Tensor]:
         """What every client receives before it trains round r, on every engine: the primary strategy's
         `configure_train` (on this server's device)."""
@@ -341,17 +354,17 @@ class ServerSetup:
 
 
 def client_context(cfg: Config, meta: DataMeta, be: Backend, feature_dim: int, train_x: Tensor, train_y: Tensor,
-                   bank: Tensor | None, anchor_seed: int | None = None) -> TrainContext:
+                   first: dict[str, Tensor]) -> TrainContext:
     """A client's side of a run: the training context over its samples (moved to the device), with the run's
-    augmentation, normalisation and anchors. In `flare run` one context over the whole training set that every
-    client indexes; on a Flower node its own samples, with the anchor seed and public bank the server sent."""
-    if cfg.loss.contrast in ("public-bank", "two-stage") and bank is None:
+    augmentation, normalisation, and the anchor seed and public bank the server sent first (`first`). In `flare run`
+    one context over the whole training set that every client indexes; on a Flower node its own samples."""
+    if cfg.loss.contrast in ("public-bank", "two-stage") and first.get("bank") is None:
         raise FlareError(f"loss.contrast={cfg.loss.contrast} needs the server's public bank, which did not arrive "
                          "with the task.")
     dev = be.device
-    anchors = run_anchors(cfg, meta.num_classes, feature_dim, dev, seed=anchor_seed)
+    anchors = run_anchors(cfg, meta.num_classes, feature_dim, dev, seed=int(first["anchor_seed"]))
     return make_train_context(cfg, train_x.to(dev), train_y.to(dev), make_augment(cfg, meta, dev), anchors, dev,
-                              be.amp_dtype, be.channels_last, bank, plain=normalizer(cfg, meta))
+                              be.amp_dtype, be.channels_last, first.get("bank"), plain=normalizer(cfg, meta))
 
 
 def check_buildable(cfg: Config) -> None:
@@ -371,21 +384,23 @@ def check_buildable(cfg: Config) -> None:
 
 @dataclass
 class RunSetup:
-    """One in-process run: the server's side, the split, and the training context every client shares."""
+    """One in-process run: the server's side, the split, the clients' shared training context, and `first`."""
 
     server: ServerSetup
     partition: Partition
     partition_report: dict
     ctx: TrainContext
+    first: dict[str, Tensor]  # what the server sent before training (`ServerSetup.initial_message`)
 
     @classmethod
     def build(cls, cfg: Config) -> "RunSetup":
         server = ServerSetup.build(cfg)
         data = server.take_data()
         part = split(cfg, data.train_y, data.num_classes)
+        first = server.initial_message()
         ctx = client_context(cfg, server.meta, server.backend, server.template.feature_dim, data.train_x,
-                             data.train_y, server.bank)
-        return cls(server, part, describe_partition(cfg, part, data.classes), ctx)
+                             data.train_y, first)
+        return cls(server, part, describe_partition(cfg, part, data.classes), ctx, first)
 
     @property
     def cfg(self) -> Config:
@@ -412,9 +427,9 @@ class RunSetup:
         self.ctx.received = self.server.train_message(r)
 
     def make_clients(self, warn: Callable[[str], None], note: Callable[[str], None]) -> list[Client]:
-        """Every client with a deep copy of the global init; clients without samples are warned about (they are
-        kept in the list, with zero samples, so that checkpoints keep one entry per client)."""
-        out = []
+        """Every client from the init `first` sent for its architecture (into a copy of the server's: its device and
+        layout); clients without samples are warned about (kept, with zero samples: checkpoints keep one per client)."""
+        out, keys = [], init_keys(self.server.architectures)
         for i, ix in enumerate(self.partition.client_indices):
             if len(ix) == 0:
                 warn(f"client {i} received no samples under this partition; it is skipped (weight 0).")
@@ -425,8 +440,9 @@ class RunSetup:
                 note(f"note: client {i} holds {len(ix)} samples, fewer than batch_size={self.cfg.batch_size}; "
                      "it trains on one smaller batch per epoch.")
             ent = self.partition_report["clients"][i]["normalized_entropy"]
-            out.append(Client(i, torch.as_tensor(ix, device=self.device), copy.deepcopy(self.server.client_init(i)),
-                              self.ctx, ent))
+            model = copy.deepcopy(self.server.client_init(i))
+            model.load_state_dict(sent_init(self.first, keys[i]))
+            out.append(Client(i, torch.as_tensor(ix, device=self.device), model, self.ctx, ent))
         return out
 
     def client_data(self, c: Client) -> ClientData:

@@ -1,9 +1,9 @@
 """FLARE's Flower ClientApp (`flare.flower.client_app:app`).
 
-A node answers `train` messages. The first message of a run carries the run's config, the dataset facts,
-the anchor seed and the seeded init weights of every client architecture (`protocol.init_key`: with
-`model.clients` / `model.mix` the node takes its own client's); every message may carry what the server sends
-before the round (`sent`, e.g. Plan B's G), which the node hands to its client; the node loads its own data — from
+A node answers `train` messages. Every message carries the run's config and the dataset facts; the first also
+what the server's primary strategy sends before training (`init`: `Strategy.initialize` — the seeded init of every
+client architecture, of which the node takes its own client's, the anchor seed and the public bank), and every
+message may carry what it sends before the round (`sent`, e.g. Plan B's G); the node loads its own data — from
 `data-path` in its node config (an .npz of its samples) or, in simulation and loopback federations, its
 part of the run's split (`partition-id`, with the same partitioner and seed as `flare run`) — trains the
 asked rounds with `flare.client.trainer.Client` on its client's architecture, and replies with its weights
@@ -26,13 +26,12 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from flare.errors import FlareError
-from flare.flower.protocol import (ClientResult, LocalData, Task, client_talk, client_train, file_data, init_key,
-                                   partition_data)
+from flare.flower.protocol import ClientResult, LocalData, Task, client_talk, client_train, file_data, partition_data
 from flare.flower.records import pack_nested, record_to_state, state_to_record, unpack_nested
 
 app = ClientApp()
 
-_INIT, _BANK, _CARRY, _CARRY_SKELETON = "flare.init", "flare.bank", "flare.carry", "flare.carry-skeleton"
+_INIT, _CARRY, _CARRY_SKELETON = "flare.init", "flare.carry", "flare.carry-skeleton"
 _TRAINED, _MEMORY = "flare.trained", "flare.memory."  # after the last round: the upload; a strategy's memory
 
 
@@ -72,44 +71,26 @@ def local_data(task: Task, context: Context) -> LocalData:
 def handle_train(content: RecordDict, context: Context) -> RecordDict:
     """One train instruction → the reply content (engine-free apart from the record types)."""
     task = Task.from_config(content.config_records["task"])
-    cfg, nc = task.cfg, context.node_config
-    local = local_data(task, context)
-    state = context.state
+    local, state, nc = local_data(task, context), context.state, context.node_config
     if task.round_start == 0:
-        key = init_key(cfg, local.cid)
-        if key not in content.array_records:
-            raise FlareError(f"the first message carries no init weights '{key}' for client {local.cid}'s "
-                             "architecture.",
-                             fix="install the same flare-ofl version on the server and every node.")
-        init_rec = content.array_records[key]
-        bank_rec = content.array_records.get("bank")
         for key in [k for k in state.keys() if k.startswith("flare.")]:  # an earlier run's
             del state[key]
-    else:
-        if _INIT not in state or _CARRY not in state:
-            raise FlareError(f"asked to train from round {task.round_start}, but this node holds no state "
-                             "from earlier rounds (it restarted?).")
-        init_rec, bank_rec = state[_INIT], state.get(_BANK)
-    init_state = record_to_state(init_rec)
-    bank = record_to_state(bank_rec)["bank"] if bank_rec is not None else None
-    resume = None
-    if task.round_start > 0:
-        resume = unpack_nested(state[_CARRY], str(state[_CARRY_SKELETON]["skeleton"]))
-
+    elif _INIT not in state or _CARRY not in state:
+        raise FlareError(f"asked to train from round {task.round_start}, but this node holds no state "
+                         "from earlier rounds (it restarted?).")
+    init_rec = content.array_records.get("init") if task.round_start == 0 else state[_INIT]
+    resume = unpack_nested(state[_CARRY], str(state[_CARRY_SKELETON]["skeleton"])) if task.round_start > 0 else None
     sent = content.array_records.get("sent")
-    res: ClientResult = client_train(task, local, init_state, resume=resume, bank=bank,
-                                     received=dict(record_to_state(sent)) if sent is not None else None,
+    res: ClientResult = client_train(task, local, dict(record_to_state(init_rec)) if init_rec is not None else {},
+                                     resume=resume, received=dict(record_to_state(sent)) if sent is not None else None,
                                      device=str(nc["device"]) if nc.get("device") else None)
 
     if res.carry is not None:  # more rounds will come: keep what the next message needs
         state[_INIT] = init_rec
-        if bank_rec is not None:
-            state[_BANK] = bank_rec
-        arrays, skeleton = pack_nested(res.carry)
-        state[_CARRY] = arrays
+        state[_CARRY], skeleton = pack_nested(res.carry)
         state[_CARRY_SKELETON] = ConfigRecord({"skeleton": skeleton})
     else:
-        for key in (_INIT, _BANK, _CARRY, _CARRY_SKELETON):
+        for key in (_INIT, _CARRY, _CARRY_SKELETON):
             if key in state:
                 del state[key]
         if res.state is not None:  # the trained model, for the rounds a server strategy may hold after the upload

@@ -2,7 +2,7 @@
 FLARE client does with a task. `client_app.py` wraps it in Flower's Message API; tests drive it directly.
 
 Same code paths as `flare run`: the client is `flare.client.trainer.Client` with the training context of
-`flare.setup.client_context` (augmentation, anchors from the server's anchor seed), so a federation of the same
+`flare.setup.client_context` (augmentation, anchors from the anchor seed the server sent), so a federation of the same
 config and seed computes the same numbers as the in-process runner.
 """
 from __future__ import annotations
@@ -24,29 +24,27 @@ from flare.errors import FlareError
 from flare.models import create_architecture
 from flare.server.extras import client_extras, client_side, extras_shapes
 from flare.server.rounds import evaluated_round, rules_for
-from flare.server.strategy import Strategy, make_strategies
+from flare.server.strategy import Strategy, make_strategies, sent_init
 from flare.backend import backend, settle_speed
-from flare.setup import DataMeta, client_context, make_augment, normalizer, prepare_data, split
+from flare.setup import DataMeta, client_context, init_keys, make_augment, normalizer, prepare_data, split
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the inits, anchor seed and public bank travel as what `Strategy.initialize` sends
 
 
 @dataclass
 class Task:
-    """One train instruction: the run's config, the dataset facts, the anchor seed, and which rounds to
-    train ([round_start, round_end)). Deployment sends one task for all R rounds; simulation with
+    """One train instruction: the run's config, the dataset facts, and which rounds to train
+    ([round_start, round_end)). Deployment sends one task for all R rounds; simulation with
     per-round snapshots sends R tasks of one round each."""
 
     cfg: Config
     meta: DataMeta
-    anchor_seed: int
     round_start: int
     round_end: int
 
     def to_config(self) -> dict:
         return {"protocol": PROTOCOL_VERSION, "config": config_to_yaml(self.cfg), "meta": self.meta.to_json(),
-                "anchor-seed": int(self.anchor_seed), "round-start": int(self.round_start),
-                "round-end": int(self.round_end)}
+                "round-start": int(self.round_start), "round-end": int(self.round_end)}
 
     @classmethod
     def from_config(cls, d) -> "Task":
@@ -54,8 +52,7 @@ class Task:
             raise FlareError(f"the server speaks FLARE federation protocol {d.get('protocol')}, this node "
                              f"speaks {PROTOCOL_VERSION}.", fix="install the same flare-ofl version on every node.")
         cfg = build_config(yaml.safe_load(str(d["config"])))
-        t = cls(cfg, DataMeta.from_json(str(d["meta"])), int(d["anchor-seed"]), int(d["round-start"]),
-                int(d["round-end"]))
+        t = cls(cfg, DataMeta.from_json(str(d["meta"])), int(d["round-start"]), int(d["round-end"]))
         if not 0 <= t.round_start < t.round_end <= cfg.rounds:
             raise FlareError(f"task rounds [{t.round_start}, {t.round_end}) are outside 0..{cfg.rounds}.")
         return t
@@ -66,16 +63,6 @@ def client_architecture(cfg: Config, cid: int) -> Architecture:
     client's: the node still trains and answers, and the server's gate rejects the reply with the reason."""
     archs = cfg.client_architectures()
     return archs[cid] if 0 <= cid < len(archs) else archs[0]
-
-
-def init_key(cfg: Config, cid: int) -> str:
-    """The record of the first message that holds client `cid`'s seeded init: `init` for the first client
-    architecture, `init-J` for the J-th other (in client order). A node knows its client id from its node config and
-    the server learns it only from the first reply, so the first message carries every architecture's init and each
-    node takes its own; a run of one architecture sends `init` alone."""
-    archs = list(dict.fromkeys(cfg.client_architectures()))
-    j = archs.index(client_architecture(cfg, cid))
-    return "init" if j == 0 else f"init-{j}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,26 +174,29 @@ class ClientResult:
     extras: dict[str, Tensor] | None = None  # the statistics the server's strategies asked for (server/extras.py)
 
 
-def client_train(task: Task, local: LocalData, init_state: dict[str, Tensor], resume: dict | None = None,
-                 bank: Tensor | None = None, device: str | None = None,
-                 received: dict[str, Tensor] | None = None) -> ClientResult:
-    """Train rounds [task.round_start, task.round_end) of one client exactly as `flare run` does, from `init_state`:
-    the seeded init of its own architecture (`init_key`); `received`: what the server sent with the task
-    (`Strategy.configure_train`)."""
+def client_train(task: Task, local: LocalData, first: dict[str, Tensor], resume: dict | None = None,
+                 device: str | None = None, received: dict[str, Tensor] | None = None) -> ClientResult:
+    """Train rounds [task.round_start, task.round_end) of one client exactly as `flare run` does, from what the
+    server sent before the first round (`first`: `Strategy.initialize`, of which it loads its own architecture's
+    init); `received`: what the server sent with the task (`Strategy.configure_train`)."""
     cfg, meta = task.cfg, task.meta
     hist = local.class_histogram()
     if local.num_samples == 0:
         return ClientResult(local.cid, 0, hist, None, [], None)
     be = settle_speed(backend(cfg, device), cfg, (meta.in_channels, meta.image_size, meta.image_size),
                       meta.num_classes)
-    arch = client_architecture(cfg, local.cid)  # its checkpoint, if any, is in init_state already
+    arch = client_architecture(cfg, local.cid)  # its checkpoint, if any, is in the init sent already
+    key = init_keys([*cfg.client_architectures(), arch])[-1]  # arch's: it is one of the run's
+    if not (init_state := sent_init(first, key)):
+        raise FlareError(f"the first message carries no init weights '{key}' for client {local.cid}'s architecture.",
+                         fix="install the same flare-ofl version on the server and every node.")
     model = create_architecture(arch, meta.in_channels, meta.num_classes, cfg.head, cfg.model.feature_dim,
                                 checkpoint=False)
     model.load_state_dict(init_state)
     model = model.to(be.device)
     if be.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    ctx = client_context(cfg, meta, be, model.feature_dim, local.x, local.y, bank, anchor_seed=task.anchor_seed)
+    ctx = client_context(cfg, meta, be, model.feature_dim, local.x, local.y, first)
     ctx.received = {k: v.to(be.device) for k, v in (received or {}).items()}
     client = Client(local.cid, torch.arange(local.num_samples, device=be.device), model, ctx,
                     local.normalized_entropy())

@@ -21,14 +21,14 @@ from flare.config import Config, experiment_differences, load_config
 from flare.data.partition import Partition
 from flare.errors import FlareError
 from flare.flower.predictor import save_predictor
-from flare.flower.protocol import Task, init_key
+from flare.flower.protocol import Task
 from flare.report.run_report import write_run_report
 from flare.rundata import RunData
 from flare.rundir import RunDir
 from flare.server.upload import Upload, UploadSpec, upload_of, validate_upload
 from flare.server.extras import extras_shapes
 from flare.server.rounds import Evaluation, evaluated_round, record_round
-from flare.setup import ServerSetup, anchor_seed, describe_partition
+from flare.setup import ServerSetup, describe_partition
 
 MAX_RECORDS_BYTES = 4_000_000  # a client's per-round training logs, as JSON text
 
@@ -147,14 +147,9 @@ class ServerSession:
             self._warn(w)
         self.setup.take_data()  # the clients' samples are on the nodes
         self.meta, self.template = self.setup.meta, self.setup.template
-        # Each client trains its own architecture (model.clients / model.mix): the first message carries every
-        # client architecture's seeded init under `init_key`, and client i's upload is gated against, and loaded
-        # into, its architecture's init. A run of one architecture has one of each.
+        # Each client trains its own architecture (model.clients / model.mix): client i's upload is gated against,
+        # and loaded into, its architecture's init. A run of one architecture has one of each.
         self.archs = self.setup.architectures
-        first: dict[str, int] = {}  # init record -> the first client of that architecture
-        for i in range(cfg.num_clients):
-            first.setdefault(init_key(cfg, i), i)
-        self.init_states = {key: self.setup.client_init(i).state_dict() for key, i in first.items()}
         self.specs = {a: UploadSpec.from_model(m, self.meta.num_classes) for a, m in self.setup.inits.items()}
         self.node_client: dict[int, int] = {}   # node id -> client id (fixed by its first reply)
         self.histograms: dict[int, list[int]] = {}
@@ -176,7 +171,7 @@ class ServerSession:
         return self.fed.min_clients or self.cfg.num_clients
 
     def task(self, round_start: int, round_end: int) -> Task:
-        return Task(self.cfg, self.meta, anchor_seed(self.cfg), round_start, round_end)
+        return Task(self.cfg, self.meta, round_start, round_end)
 
     def blocks(self) -> list[tuple[int, int]]:
         R = self.cfg.rounds

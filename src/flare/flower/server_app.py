@@ -1,9 +1,9 @@
 """FLARE's Flower ServerApp (`flare.flower.server_app:app`).
 
 The server builds the run's config from the app's run config (`preset`, `config-file`, `overrides`),
-waits for the nodes, sends each a `train` message (the config, the dataset facts, the anchor seed, what the
-primary strategy sends before the round (Plan B's G) and, in the first message, the public bank and the seeded
-init weights of every client architecture, of which each node takes its own client's), validates every reply
+waits for the nodes, sends each a `train` message (the config, the dataset facts, what the primary strategy sends
+before the round (Plan B's G) and, in the first message, what it sends before training: every client architecture's
+seeded init, of which each node takes its own client's, the anchor seed and the public bank), validates every reply
 (`flare.server.upload.validate_upload`), evaluates every configured fusion rule on its test set with the same code as
 `flare run` (a strategy that holds rounds with the clients after their upload, such as FENS, sends each of them
 as one `query` message to the nodes: `make_talk`), and writes the same run directory plus federation.json (who answered, who was missing or
@@ -95,15 +95,12 @@ def make_talk(grid: Grid, timeout: float):
 
 
 def train_content(task, include_init: bool, session: ServerSession) -> RecordDict:
-    """A train message's content: the task; in the first message every client architecture's seeded init and the
-    public bank; in every message what the server sends before the block's first round (`sent`:
-    `ServerSetup.train_message`, which the node hands to its client)."""
+    """A train message's content: the task; in the first message what the server sends before training (`init`:
+    `ServerSetup.initial_message`: every architecture's init, the anchor seed, the public bank); in every message what
+    it sends before the block's first round (`sent`: `ServerSetup.train_message`). The node hands both to its client."""
     content = RecordDict({"task": ConfigRecord(task.to_config())})
     if include_init:
-        for key, state in session.init_states.items():
-            content[key] = state_to_record(state)
-        if session.setup.bank is not None:
-            content["bank"] = state_to_record({"bank": session.setup.bank})
+        content["init"] = state_to_record(session.setup.initial_message())
     sent = session.setup.train_message(task.round_start)
     if sent:
         content["sent"] = state_to_record(sent)

@@ -66,6 +66,15 @@ class ServerContext:
         return self.weights.device if not self.models else next(self.models[0].parameters()).device
 
 
+@dataclass
+class InitContext:
+    """What the server holds before any client trains, for `Strategy.initialize`: each client architecture's init
+    by its key (`setup.init_keys`; on the server's device), the public bank (or None) and the anchors' seed."""
+    inits: dict[str, nn.Module]
+    bank: Tensor | None
+    anchor_seed: int
+
+
 class ClientPredictor:
     """Scores a batch from the client models' outputs. `needs_noise`: the evaluator also computes the noise
     features; `batch_bn`: eval.bn=batch gives this predictor the train-mode (batch-statistics) features. `logs`
@@ -138,15 +147,22 @@ class Strategy:
         """The statistics of one client (`data`: a server.extras.ClientData), computed where its data lives."""
         return {}
 
-    # -- the sending direction. Before each round's training: what every client receives (`configure_train`,
-    # asked of the primary strategy). After the one-shot upload: rounds held with the clients, in Flower's shape
+    # -- the sending direction (the primary strategy's): what every client receives before training (`initialize`)
+    # and each round (`configure_train`); after the upload, rounds held with the clients in Flower's shape
     # (configure_fit → the clients' fit → aggregate_fit), driven by server/exchange.py before `predictor`.
 
+    def initialize(self, ctx: InitContext) -> dict[str, Tensor]:
+        """What every client receives once, before its first round (Flower's initialize_parameters), on every
+        engine: each architecture's init (`<key>/<tensor>`, read back with `sent_init`), `anchor_seed` and the public
+        `bank`. The clients take these from here alone, so a strategy may send another init or seed."""
+        sent = {f"{key}/{name}": t for key, m in ctx.inits.items() for name, t in m.state_dict().items()}
+        return sent | {"anchor_seed": torch.tensor(ctx.anchor_seed)} | ({} if ctx.bank is None else {"bank": ctx.bank})
+
     def configure_train(self, rnd: int, carried: dict[str, Tensor]) -> dict[str, Tensor]:
-        """What every client receives with round `rnd`'s training message, beside the init, the anchors' seed and
-        the public bank (the same tensors for every client and every engine). `carried`: what the server keeps
-        across rounds and checkpoints (`ServerSetup.server_state`). The default sends Plan B's carried G
-        (server.protos_flow=reference) as the clients' alignment target, `align_target`, and nothing otherwise."""
+        """What every client receives with round `rnd`'s training message, beside what `initialize` sent (the same
+        tensors for every client and every engine). `carried`: what the server keeps across rounds and checkpoints
+        (`ServerSetup.server_state`). The default sends Plan B's carried G (server.protos_flow=reference) as the
+        clients' alignment target, `align_target`, and nothing otherwise."""
         G = carried.get("G")
         return {"align_target": G} if G is not None else {}
 
@@ -167,6 +183,11 @@ class Strategy:
 
     def aggregate_round(self, rnd: int, replies: list[dict[str, Tensor]], ctx: ServerContext) -> None:
         """Fold the clients' replies (in upload order) into what the strategy keeps (`ctx.state`)."""
+
+
+def sent_init(sent: dict[str, Tensor], key: str) -> dict[str, Tensor]:
+    """The state dict of the init `Strategy.initialize` sent under `key` (empty: none)."""
+    return {k[len(key) + 1:]: t for k, t in sent.items() if k.startswith(key + "/")}
 
 
 def make_strategy(cfg: Config, name: str, key: str = "server.primary") -> Strategy:
