@@ -26,7 +26,7 @@ from flare.rundir import read_jsonl  # noqa: E402
 from flare.runner import Run  # noqa: E402
 from flare.server.rounds import primary_rule  # noqa: E402
 from flare.server.strategy import Strategy, make_strategy  # noqa: E402
-from flare.setup import RunSetup  # noqa: E402
+from flare.setup import RunSetup, run_anchors  # noqa: E402
 
 K = 3
 
@@ -505,7 +505,10 @@ def test_what_every_client_starts_from_is_the_primary_strategys_initialize(tiny_
     model, server = setup.make_clients(lambda m: None, lambda m: None)[0].model, setup.server.client_init(0)
     assert all(torch.equal(v, 0.5 * server.state_dict()[k]) for k, v in model.state_dict().items()
                if v.is_floating_point())
-    assert not torch.equal(setup.ctx.anchors, setup.anchors)  # drawn from the seed sent, not the server's own
+    # the clients and the server both draw A from the seed sent, which is not the config's own
+    assert torch.equal(setup.ctx.anchors, setup.anchors)
+    assert not torch.equal(setup.anchors, run_anchors(cfg, setup.anchors.shape[0], setup.anchors.shape[1],
+                                                      setup.anchors.device))
     Run(cfg, tmp_path / "inproc", quiet=True).execute()
     Nodes().federate(tiny_overrides, tmp_path / "fed", preset="flare")
     base, a, b = (rounds_of(tmp_path / d) for d in ("default", "inproc", "fed"))

@@ -292,14 +292,18 @@ class ServerSetup:
         warnings += be.warnings[n_before:]
         norm = normalizer(cfg, meta)
         model, inits = init_models(cfg, meta, device, channels_last=be.channels_last, checkpoints=checkpoints)
-        anchors = run_anchors(cfg, meta.num_classes, model.feature_dim, device)
         augment = make_augment(cfg, meta, device)
         pb = build_public_bank(cfg, public, model, augment, norm, device) if bank else None
         test = (data.test_x.to(device), data.test_y.to(device)) if data is not None else (None, None)
-        s = cls(cfg, be, meta, norm, model, inits, cfg.client_architectures(), anchors, augment, pb, *test,
+        s = cls(cfg, be, meta, norm, model, inits, cfg.client_architectures(), None, augment, pb, *test,
                 public[0].to(device) if public is not None else None, data, warnings, built)
+        # the anchors the clients draw from the seed the primary strategy sends (their own generator: the order of
+        # the draws above does not matter), so the server scores against the same A; fuse may not build the
+        # primary, and then the config's seed is the one the clients were sent by default
+        sent = s.initial_message()["anchor_seed"] if primary_rule(cfg) in built else anchor_seed(cfg)
+        s.anchors = run_anchors(cfg, meta.num_classes, model.feature_dim, device, seed=int(sent))
         if carries_server_protos(cfg):  # Plan B as the reference: round 0's target and G are the anchors
-            s.load_server_state({"G": anchors})
+            s.load_server_state({"G": s.anchors})
         return s
 
     def client_init(self, i: int) -> FlareNet:
