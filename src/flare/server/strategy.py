@@ -122,6 +122,13 @@ class Strategy:
         self.cfg, self.options = cfg, options
 
     @classmethod
+    def options_in(cls, cfg: Config) -> BaseModel | None:
+        """Its options as `cfg` sets them (`server.strategies.<name>`, defaults filled in): code that applies its
+        arithmetic without building it (a saved predictor, a baseline starting from FedAvg) names no strategy."""
+        name = next(n for n in STRATEGIES.names() if STRATEGIES.get(n) is cls)
+        return STRATEGIES.options(name, cfg.server.strategies.get(name), f"server.strategies.{name}")
+
+    @classmethod
     def check(cls, cfg: Config) -> None:
         """Raise a FlareError when `cfg` cannot serve this strategy (e.g. it trains on a public slice the config
         does not carve out). Called when the config is validated, so a run fails before any client trains."""
@@ -172,8 +179,7 @@ class Strategy:
 def make_strategy(cfg: Config, name: str, key: str = "server.primary") -> Strategy:
     """The registered strategy `name` with its options from `server.strategies.<name>`."""
     cls = STRATEGIES.get(name, key)
-    opts = STRATEGIES.options(name, cfg.server.strategies.get(name), f"server.strategies.{name}")
-    return cls(cfg, opts)
+    return cls(cfg, STRATEGIES.options(name, cfg.server.strategies.get(name), f"server.strategies.{name}"))
 
 
 def make_strategies(cfg: Config, names, key: str = "eval.rules") -> dict[str, Strategy]:
