@@ -33,8 +33,7 @@ def config_differences(old: dict, new: dict, defaults: dict | None = None) -> li
     With `defaults` (a flattened default config), a key one side lacks counts as its default: an option added after
     `old` was written defaults to the behaviour `old` ran with, so a run recorded before the option existed is still
     the same experiment and resumes; a strategy's options left out are its defaults."""
-    a, b = flatten(old or {}), flatten(new or {})
-    defaults = defaults or {}
+    a, b, defaults = flatten(old or {}), flatten(new or {}), defaults or {}
     return sorted(k for k in set(a) | set(b) if a.get(k, defaults.get(k)) != b.get(k, defaults.get(k))
                   and not all(v is None or v in ([], {}) for v in (a.get(k), b.get(k))))
 

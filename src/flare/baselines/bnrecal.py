@@ -116,7 +116,7 @@ class BNRecal(Strategy):
         require_public(cfg, "bnrecal")
 
     def __init__(self, cfg, options: BNRecalOptions | None = None):
-        super().__init__(cfg, options or BNRecalOptions())
+        super().__init__(cfg, options)
         self.rule = head_primary(cfg.head) if self.options.rule == "auto" else self.options.rule
         if STRATEGIES.get(self.rule).needs_prototypes and cfg.head != "prototype":
             raise FlareError(f"bnrecal with rule={self.rule} matches features to prototypes, which loss.objective="

@@ -61,9 +61,6 @@ class FedDF(Strategy):
     def check(cls, cfg) -> None:  # at config validation: before any client trains
         require_public(cfg, "feddf")
 
-    def __init__(self, cfg, options: FedDFOptions | None = None):
-        super().__init__(cfg, options or FedDFOptions())
-
     def predictor(self, ctx: ServerContext) -> ModelPredictor:
         with eval_mode(ctx.models), torch.enable_grad():  # frozen teachers; the student trains whatever the caller set
             return self._distil(ctx)

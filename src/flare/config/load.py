@@ -220,9 +220,8 @@ def _explain(err: ValidationError) -> FlareError:
 
 def migrate(mapping: dict, refuse: bool = False) -> dict:
     """A copy of a recorded config (config.yaml, state.json, a checkpoint) with each renamed key moved to its new
-    name and value: a record is the experiment it ran, so one written before a rename resumes, fuses and compares
-    equal to the same experiment written with the new keys. `refuse`: a config given (file, preset, overrides) that
-    writes an old key is refused, never mapped, so what users write keeps one spelling per experiment."""
+    name and value, so a run recorded before a rename resumes, fuses and compares as the same experiment. `refuse`:
+    a config given (file, preset, overrides) that writes an old key is refused, so it keeps one spelling."""
     out = copy.deepcopy(mapping)
     for old, new in RENAMED.items():
         section, _, name = old.rpartition(".")

@@ -13,9 +13,10 @@ import copy
 from typing import Literal
 
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import Tensor, nn
 
+from flare.config.sections import Strict
 from flare.registry import STRATEGIES
 from flare.server.fedavg import average_state_dicts
 from flare.server.fusion import ClientOutputs
@@ -85,8 +86,7 @@ class ClientRule(Strategy):
 
     @staticmethod
     def scores(out: ClientOutputs, weights: Tensor, G: Tensor | None, ensemble: str) -> Tensor:
-        """B×C scores from the K models' outputs, the aggregation weights (on the batch's device), G and the
-        ensemble mode (the output rule's option, `OutputRule.options_in(cfg).ensemble`)."""
+        """B×C scores from the K models' outputs, the weights (on the batch's device), G and the ensemble mode."""
         raise NotImplementedError
 
     def predictor(self, ctx: ServerContext) -> RulePredictor:
@@ -147,8 +147,7 @@ class IffiReferenceRule(ClientRule):
         return prototype_scores(iffi_reference_features(out.feats, out.noise_feats), G)
 
 
-class OutputOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class OutputOptions(Strict):
     ensemble: Literal["softmax", "logits"] = Field("softmax", description="Σ w_i softmax(logits_i), or raw logits")
 
 
@@ -167,8 +166,7 @@ class OutputRule(ClientRule):
 # a rule that builds one model
 
 
-class FedAvgOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FedAvgOptions(Strict):
     buffers: Literal["average", "first"] = Field("average", description="average BN buffers too, or keep client 0's")
 
 

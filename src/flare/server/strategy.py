@@ -119,14 +119,14 @@ class Strategy:
     primary_for: tuple[str, ...] = ()
 
     def __init__(self, cfg: Config, options: BaseModel | None = None):
-        self.cfg, self.options = cfg, options
+        self.cfg, self.options = cfg, options if options is not None else self.options_in(cfg)
 
     @classmethod
     def options_in(cls, cfg: Config) -> BaseModel | None:
         """Its options as `cfg` sets them (`server.strategies.<name>`, defaults filled in): code that applies its
         arithmetic without building it (a saved predictor, a baseline starting from FedAvg) names no strategy."""
-        name = next(n for n in STRATEGIES.names() if STRATEGIES.get(n) is cls)
-        return STRATEGIES.options(name, cfg.server.strategies.get(name), f"server.strategies.{name}")
+        name = next((n for n in STRATEGIES.names() if STRATEGIES.get(n) is cls), None)  # None: not registered
+        return STRATEGIES.options(name, cfg.server.strategies.get(name), f"server.strategies.{name}") if name else None
 
     @classmethod
     def check(cls, cfg: Config) -> None:
