@@ -37,7 +37,7 @@ Before any run, one child process per side reports torch.backends.cpu.get_cpu_ca
 
 With --fuse NAMES (default list: FUSE_STRATEGIES) it also proves `flare fuse` unchanged: the before side's finished
 runs of the --fuse-runs presets are the saved clients; each side fuses its own copy of them, one strategy per
-process (`flare fuse COPY --strategies S` + FUSE_BUDGET, the data-free servers and FedDF at a few steps), and the
+process (`flare fuse COPY --strategies S` + S's items of FUSE_BUDGET, the data-free servers and FedDF at a few steps), and the
 two fuse.jsonl are compared like metrics.jsonl. A strategy both sides refuse for a run (exit 2: e.g. FedProto over
 a linear head) counts as identical when the two refusals read the same.
 
@@ -326,7 +326,7 @@ def compare_fuses(args, sides: list[Side], presets: list[str], strategies: list[
     side's code, one strategy per process so a refusal of one does not hide the others; rows for the table."""
     import shutil
     rows, ok = [], True
-    budget = hashlib.sha256(json.dumps(FUSE_BUDGET).encode()).hexdigest()[:8]
+    budget = hashlib.sha256(json.dumps(["own", *FUSE_BUDGET]).encode()).hexdigest()[:8]  # each its own budget
     for p in presets:
         src = sides[0].runs / p
         if not finished(src):
@@ -344,8 +344,9 @@ def compare_fuses(args, sides: list[Side], presets: list[str], strategies: list[
                 if d.exists():
                     shutil.rmtree(d)
                 shutil.copytree(src, d, ignore=shutil.ignore_patterns("fuse.jsonl", ".lock", "plots"))
-                r = subprocess.run([args.python, "-m", "flare.cli", "fuse", str(d), "--strategies", name,
-                                    *FUSE_BUDGET], cwd=s.tree, env=s.env, capture_output=True, text=True)
+                own = [b for b in FUSE_BUDGET if b.startswith(f"server.strategies.{name}.")]  # fuse refuses others'
+                r = subprocess.run([args.python, "-m", "flare.cli", "fuse", str(d), "--strategies", name, *own],
+                                   cwd=s.tree, env=s.env, capture_output=True, text=True)
                 recs = read_records(d / "fuse.jsonl") if r.returncode == 0 else None
                 said = r.stderr.replace(str(d), "RUN").strip().splitlines()[-1:] if r.returncode else []
                 outcome[s.name] = (r.returncode, recs, said)
