@@ -37,9 +37,9 @@ Before any run, one child process per side reports torch.backends.cpu.get_cpu_ca
 
 With --fuse NAMES (default list: FUSE_STRATEGIES) it also proves `flare fuse` unchanged: the before side's finished
 runs of the --fuse-runs presets are the saved clients; each side fuses its own copy of them, one strategy per
-process (`flare fuse COPY --strategies S` + S's items of FUSE_BUDGET, the data-free servers and FedDF at a few steps), and the
-two fuse.jsonl are compared like metrics.jsonl. A strategy both sides refuse for a run (exit 2: e.g. FedProto over
-a linear head) counts as identical when the two refusals read the same.
+process (`flare fuse COPY --strategies S` + S's own items of FUSE_BUDGET, the data-free servers and FedDF at a few
+steps), and the two fuse.jsonl are compared like metrics.jsonl. A strategy both sides refuse for a run (exit 2: e.g.
+FedProto over a linear head) counts as identical when the two refusals read the same.
 
 Keys the comparison ignores (timing: they differ between any two runs). A real metrics.jsonl has `seconds`
 (client and round records), `seconds_train`, `seconds_eval`, `seconds_aggregate` (round records); the rule
