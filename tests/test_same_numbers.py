@@ -57,6 +57,7 @@ def test_timing_keys_are_ignored():
     assert c.identical, [d.describe() for d in c.differences]
     assert {"server_seconds", "wall", "time"} <= c.ignored
     assert not tool.is_timing_key("acc_seconds_feature")  # only prefix/suffix rules
+    assert tool.is_timing_key("otfusion.seconds") and not tool.is_timing_key("otfusion.peak_mb")
 
 
 def test_key_on_one_side_only_is_reported():

@@ -43,7 +43,8 @@ FedProto over a linear head) counts as identical when the two refusals read the 
 
 Keys the comparison ignores (timing: they differ between any two runs). A real metrics.jsonl has `seconds`
 (client and round records), `seconds_train`, `seconds_eval`, `seconds_aggregate` (round records); the rule
-ignores any key that starts with `seconds`, ends with `_seconds`, or is `time`, `wall` or `timestamp`
+ignores any key that starts with `seconds`, ends with `_seconds` or `.seconds` (a strategy's own clock in a fuse
+record, `otfusion.seconds`), or is `time`, `wall` or `timestamp`
 (`is_timing_key`).
 
 Keys in only one revision's records are differences, except ALLOWED_NEW_KEYS: keys newer code added that carry
@@ -96,7 +97,7 @@ FUSE_BUDGET = ["server.strategies.dense.epochs=2", "server.strategies.dense.g_st
 
 
 def is_timing_key(key: str) -> bool:
-    return key.startswith("seconds") or key.endswith("_seconds") or key in TIMING_NAMES
+    return key.startswith("seconds") or key.endswith(("_seconds", ".seconds")) or key in TIMING_NAMES
 
 
 def _canon(v) -> str:
