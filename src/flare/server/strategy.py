@@ -123,8 +123,8 @@ class Strategy:
 
     @classmethod
     def options_in(cls, cfg: Config) -> BaseModel | None:
-        """Its options as `cfg` sets them (`server.strategies.<name>`, defaults filled in): code that applies its
-        arithmetic without building it (a saved predictor, a baseline starting from FedAvg) names no strategy."""
+        """Its options as `cfg` sets them (`server.strategies.<name>`, defaults filled in): taken when it is built
+        without options, and read by code applying its arithmetic unbuilt (a saved predictor), which names no rule."""
         name = next((n for n in STRATEGIES.names() if STRATEGIES.get(n) is cls), None)  # None: not registered
         return STRATEGIES.options(name, cfg.server.strategies.get(name), f"server.strategies.{name}") if name else None
 
