@@ -114,3 +114,25 @@ def test_incompatible_parts_fail_before_running(ov, words):
     with pytest.raises(FlareError) as e:
         load_config(None, "fafi", ov)
     assert words in e.value.render()
+
+
+@pytest.mark.parametrize("old, new, value", [("server.ensemble", "server.strategies.output.ensemble", "logits"),
+                                             ("server.fedavg_buffers", "server.strategies.fedavg.buffers", "first")])
+def test_the_built_in_rules_options_moved_into_their_strategies(old, new, value):
+    """A config given with the old top-level key is refused with the line to write; a recorded config with it is
+    migrated, and describes the same experiment as the config that writes the new key."""
+    from flare.config import experiment_differences, migrate
+    with pytest.raises(FlareError) as e:
+        load_config(None, "fafi", [f"{old}={value}"])
+    assert e.value.key == old and f"{new}={value}" in e.value.render()
+    cfg = load_config(None, "fafi", [f"{new}={value}"])
+    recorded = load_config(None, "fafi").model_dump(mode="json")
+    recorded["server"].update({"ensemble": "softmax", "fedavg_buffers": "average", old.split(".")[1]: value})
+    assert "ensemble" not in migrate(recorded)["server"] and recorded["server"]["ensemble"]  # a copy, moved
+    assert experiment_differences(recorded, cfg) == []
+    assert experiment_differences(recorded, load_config(None, "fafi")) == [new]
+    assert experiment_differences(load_config(None, "fafi").model_dump(mode="json"),
+                                  load_config(None, "fafi", [f"{new}={'softmax' if value == 'logits' else 'average'}"])) == []
+    with pytest.raises(FlareError) as e:
+        load_config(None, "fafi", [f"{new}=bogus"])
+    assert e.value.key == new

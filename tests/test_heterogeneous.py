@@ -25,7 +25,7 @@ from flare.models import create_model
 from flare.rundir import read_jsonl
 from flare.runner import Run
 from flare.server.rounds import rules_for
-from flare.server.rules import fedavg_model
+from flare.server.rules import FedAvgRule, fedavg_model
 from flare.server.strategy import ServerContext, make_strategy
 from flare.server.upload import Upload
 
@@ -284,7 +284,7 @@ def test_feddf_starts_from_the_fedavg_of_the_server_architectures_clients():
     models, w = client_models(cfg), [0.5, 0.3, 0.2]
     pub = torch.zeros(4, 1, 28, 28, dtype=torch.uint8)
     start = make_strategy(cfg, "feddf")._start(context(cfg, models, w), pub).state_dict()
-    want = fedavg_model([models[0], models[2]], torch.tensor([0.5, 0.2]) / 0.7, cfg.server.fedavg_buffers).state_dict()
+    want = fedavg_model([models[0], models[2]], torch.tensor([0.5, 0.2]) / 0.7, FedAvgRule.options_in(cfg).buffers).state_dict()
     assert start.keys() == want.keys() and all(torch.allclose(start[k].float(), want[k].float()) for k in want)
     first = models[0].state_dict()
     assert not all(torch.equal(start[k], first[k]) for k in want)  # both cnn clients, not the first alone

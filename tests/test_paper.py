@@ -188,11 +188,11 @@ def test_reproduce_plan_at_full_scale(capsys, tmp_path):
               "reproduce-later/etf-anneal_alpha=0.3_seed=1", "ablation-from-clean-eval.bn/flare_bn=batch_seed=2",
               "ablation-from-reference-progress/etf-anneal_progress=epoch_seed=1",
               "ablation-from-clean-progress-round-reset/etf-anneal_progress=round-reset_seed=1",
-              "ablation-from-clean-server.ensemble/ensemble_ensemble=logits_seed=3",
+              "ablation-from-clean-server.strategies.output.ensemble/ensemble_ensemble=logits_seed=3",
               "ablation-from-reference-drop_last/fafi_drop_last=false_seed=1"):
         assert s in o, s
     assert "ablation-from-clean-eval.bn/fedavg" not in o          # an item runs only where it can change something
-    assert "ablation-from-clean-server.ensemble/fafi" not in o
+    assert "ablation-from-clean-server.strategies.output.ensemble/fafi" not in o
     assert not (tmp_path / "r").exists()
     assert main(args[:-1] + ["--protocol", "clean", "--dry-run"]) == 0
     o = capsys.readouterr().out

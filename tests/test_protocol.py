@@ -15,7 +15,7 @@ from flare.config import build_config, load_config
 from flare.config.protocol import ITEMS, ITEM_KEYS, protocol_label
 from flare.data.partition import PartitionFacts
 from flare.errors import FlareError
-from flare.registry import PARTITIONS, PROGRESS, REFERENCE_PARTITIONS
+from flare.registry import PARTITIONS, PROGRESS, REFERENCE_PARTITIONS, STRATEGIES
 from flare.rundir import read_jsonl
 from flare.runner import Run
 from flare.server.evaluator import evaluate_predictors
@@ -39,6 +39,10 @@ def make_partition(labels, num_clients, kind, seed, *, alpha=0.5, shards_per_cli
 
 
 def _get(cfg, key):
+    """The value a run reads for `key`; a strategy's option through the strategy (its default when unset)."""
+    if key.startswith("server.strategies."):
+        _, _, name, option = key.split(".")
+        return getattr(STRATEGIES.get(name).options_in(cfg), option)
     v = cfg
     for p in key.split("."):
         v = getattr(v, p)
@@ -60,10 +64,10 @@ def test_clean_values_are_the_schema_defaults_and_clean_changes_nothing():
 @pytest.mark.parametrize("preset, extra, expect", [
     ("fafi", ["partition.kind=dirichlet-fafi"],
      {"eval.bn": "batch", "augment.input_scaling": "reference", "augment.per_image": False, "loss.ce_input": "plain",
-      "server.ensemble": "softmax", "server.fedavg_buffers": "first", "progress": "round-reset",
+      "server.strategies.output.ensemble": "softmax", "server.strategies.fedavg.buffers": "first", "progress": "round-reset",
       "align.target_progress": "round-reset", "server.protos_flow": "reference", "amp": "off", "drop_last": True,
       "partition.rng": "legacy"}),
-    ("ensemble", [], {"server.ensemble": "logits", "progress": "epoch", "drop_last": False}),
+    ("ensemble", [], {"server.strategies.output.ensemble": "logits", "progress": "epoch", "drop_last": False}),
     ("flare", ["partition.kind=dirichlet-fafi"], {"progress": "epoch-end", "drop_last": True}),
     ("uw-anneal-linear", [], {"progress": "epoch"}),
     ("fafi", ["partition.kind=shards"], {"partition.rng": "generator"}),
@@ -75,7 +79,7 @@ def test_reference_sets_every_item(preset, extra, expect):
         assert _get(cfg, k) == v, k
     if len(expect) == len(ITEMS):  # every item is covered; all but the ensemble (prototype heads: softmax) differ
         assert set(expect) == set(ITEM_KEYS)
-        assert [it.key for it in ITEMS if expect[it.key] == it.clean] == ["server.ensemble"]
+        assert [it.key for it in ITEMS if expect[it.key] == it.clean] == ["server.strategies.output.ensemble"]
     assert protocol_label(cfg.model_dump(mode="json")) == "reference"
 
 
@@ -192,7 +196,7 @@ class _BNNet(nn.Module):
 
 def evaluate(models, w, G, x, y, norm, *, rules, **kw):
     """The built-in rules by name over the models, through their strategies (softmax ensemble, averaged buffers)."""
-    cfg = load_config(None, "fafi", ["server.ensemble=softmax", "server.fedavg_buffers=average"])
+    cfg = load_config(None, "fafi", ["server.strategies.output.ensemble=softmax", "server.strategies.fedavg.buffers=average"])
     preds = {n: make_strategy(cfg, n).predictor(ServerContext(cfg, 0, [], models, w, G, None)) for n in rules}
     return evaluate_predictors(models, preds, x, y, norm, **kw)
 

@@ -227,6 +227,54 @@ def _strip_key(d, section, key):
             torch.save(ck, d / name)
 
 
+def _old_strategy_keys(d):
+    """Make `d` look as if it were written before the output and fedavg rules' options moved into their strategies:
+    config.yaml, state.json and both checkpoints hold `server.ensemble` and `server.fedavg_buffers` (defaults
+    included, as every recorded config did) and no options of those two rules."""
+    import yaml
+
+    def old(m):
+        server = m["server"]
+        table = server.get("strategies", {})
+        server["ensemble"] = table.pop("output", {}).get("ensemble", "softmax")
+        server["fedavg_buffers"] = table.pop("fedavg", {}).get("buffers", "average")
+        return m
+    cfg_file = d / "config.yaml"
+    cfg_file.write_text(yaml.safe_dump(old(yaml.safe_load(cfg_file.read_text())), sort_keys=False))
+    state = json.loads((d / "state.json").read_text())
+    old(state["config"])
+    state.pop("config_fingerprint", None)
+    (d / "state.json").write_text(json.dumps(state))
+    for name in ("checkpoint.pt", "checkpoint.prev.pt"):
+        if (d / name).exists():
+            ck = torch.load(d / name, weights_only=False)
+            old(ck["config"])
+            torch.save(ck, d / name)
+
+
+def test_a_run_recorded_with_the_old_server_keys_resumes_and_fuses(tiny_folder, tmp_path, monkeypatch):
+    """A run directory written when the ensemble mode and FedAvg's buffers were top-level server keys is the same
+    experiment as the config that sets them as the rules' options: it resumes to exactly the uninterrupted run's
+    numbers, `flare fuse` scores it as the run did, and moving an option off the recorded value is refused."""
+    cfg = load_config(None, "fafi", _overrides(tiny_folder, tmp_path, [
+        "rounds=3", "server.strategies.output.ensemble=logits", "server.strategies.fedavg.buffers=first"]))
+    d = tmp_path / "run"
+    _interrupted(cfg, d, monkeypatch, at_round=2)
+    _old_strategy_keys(d)
+    assert "ensemble: logits" in (d / "config.yaml").read_text()
+    with pytest.raises(FlareError) as e:
+        Run(load_config(None, "fafi", _overrides(tiny_folder, tmp_path, [
+            "rounds=3", "server.strategies.output.ensemble=logits"])), d, quiet=True).execute()
+    assert e.value.key == "--out" and "server.strategies.fedavg.buffers" in e.value.message
+    Run(cfg, d, quiet=True).execute()
+    _same_as_uninterrupted(cfg, d, tmp_path)
+    _old_strategy_keys(d)
+    assert main(["fuse", str(d), "--strategies", "output,fedavg"]) == 0
+    fused = {r["strategy"]: r["acc"] for r in read_jsonl(d / "fuse.jsonl")}
+    last = [r for r in read_jsonl(d / "metrics.jsonl") if r["kind"] == "round"][-1]
+    assert fused == {"output": last["acc_output"], "fedavg": last["acc_fedavg"]}
+
+
 def test_a_run_recorded_before_an_option_existed_resumes_where_the_option_is_at_its_default(
         cfg, tmp_path, monkeypatch):
     """A new option defaults to the old behaviour, so a half-finished run whose records lack it is the same

@@ -30,14 +30,12 @@ def flatten(m: dict, prefix: str = "") -> dict:
 def config_differences(old: dict, new: dict, defaults: dict | None = None) -> list[str]:
     """Dotted keys whose values differ; a key one side lacks and the other leaves empty (None, [], {}) is none.
 
-    With `defaults` (a flattened default config), a key `old` lacks and `new` holds at its default is none either:
-    an option added after `old` was written defaults to the behaviour `old` ran with, so a run recorded before the
-    option existed is still the same experiment and resumes."""
-    a, b = flatten(old or {}), flatten(new or {})
-    defaults = defaults or {}
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)
-                  and not all(v is None or v in ([], {}) for v in (a.get(k), b.get(k)))
-                  and not (k not in a and k in defaults and b.get(k) == defaults[k]))
+    With `defaults` (a flattened default config), a key one side lacks counts as its default: an option added after
+    `old` was written defaults to the behaviour `old` ran with, so a run recorded before the option existed is still
+    the same experiment and resumes; a strategy's options left out are its defaults."""
+    a, b, defaults = flatten(old or {}), flatten(new or {}), defaults or {}
+    return sorted(k for k in set(a) | set(b) if a.get(k, defaults.get(k)) != b.get(k, defaults.get(k))
+                  and not all(v is None or v in ([], {}) for v in (a.get(k), b.get(k))))
 
 
 def config_fingerprint(mapping: dict) -> str:

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 import yaml
 
-from flare.config import Config, config_to_yaml, experiment_differences
+from flare.config import Config, config_to_yaml, experiment_differences, migrate
 from flare.durable import (atomic_torch_save, atomic_write_text, encode_record, parse_jsonl,  # noqa: F401
                            read_jsonl)
 from flare.errors import FlareError
@@ -213,7 +213,7 @@ class RunDir:
         if not isinstance(m, dict):
             raise FlareError(f"'{p}' is not a readable config (damaged?).", key="--out",
                              fix="restore it, or delete the run directory and rerun.")
-        return m
+        return migrate(m)  # written before a key was renamed: read with its new name
 
     def read_state(self) -> dict:
         p = self.path / STATE

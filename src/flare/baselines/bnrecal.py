@@ -19,7 +19,7 @@ from flare.errors import FlareError
 from flare.registry import STRATEGIES
 from flare.server.fusion import client_outputs
 from flare.server.rounds import head_primary
-from flare.server.rules import ClientRule, RulePredictor
+from flare.server.rules import ClientRule, OutputRule, RulePredictor
 from flare.server.strategy import ModelPredictor, ServerContext, Strategy
 
 BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -116,7 +116,7 @@ class BNRecal(Strategy):
         require_public(cfg, "bnrecal")
 
     def __init__(self, cfg, options: BNRecalOptions | None = None):
-        super().__init__(cfg, options or BNRecalOptions())
+        super().__init__(cfg, options)
         self.rule = head_primary(cfg.head) if self.options.rule == "auto" else self.options.rule
         if STRATEGIES.get(self.rule).needs_prototypes and cfg.head != "prototype":
             raise FlareError(f"bnrecal with rule={self.rule} matches features to prototypes, which loss.objective="
@@ -129,5 +129,5 @@ class BNRecal(Strategy):
         models = [recalibrate(m, pub, ctx.normalize, self.options.batch_size) for m in ctx.models]
         size = sum(t.numel() * t.element_size() for m in models for t in [*m.parameters(), *m.buffers()])
         logs = {**cost.logs(), "public": float(pub.shape[0]), "copies_mb": size / 2 ** 20}
-        rule = RulePredictor(STRATEGIES.get(self.rule), ctx.weights, ctx.G, self.cfg.server.ensemble)
+        rule = RulePredictor(STRATEGIES.get(self.rule), ctx.weights, ctx.G, OutputRule.options_in(self.cfg).ensemble)
         return RecalibratedPredictor(models, rule, logs)

@@ -5,8 +5,8 @@
   test image takes the class of the nearest prototype. `fedproto` reads the FedAvg encoder's features,
   `fedproto_fused` the weighted sum of the client encoders' features.
 * **FedETF (one-shot)** — the `etf` head (flare.models.heads.ETFHead) trained with CE; the server averages the
-  weights and ensembles raw logits (`server.ensemble=logits`). The `fedetf` objective registered here trains that
-  head; the preset composes it (src/flare/presets/fedetf.yaml).
+  weights and ensembles raw logits (`server.strategies.output.ensemble=logits`). The `fedetf` objective registered
+  here trains that head; the preset composes it (src/flare/presets/fedetf.yaml).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from flare.client.objective import Objective
 from flare.client.terms.fafi import ce_terms
 from flare.registry import OBJECTIVES, STRATEGIES
-from flare.server.rules import fedavg_model
+from flare.server.rules import FedAvgRule, fedavg_model
 from flare.server.strategy import ClientOutputs, ClientPredictor, ModelPredictor, ServerContext, Strategy
 
 OBJECTIVES.register("fedetf", Objective(lambda loss, feat, logits, y, prototypes, bank: ce_terms(logits, y), "etf"),
@@ -84,8 +84,8 @@ class FedProto(Strategy):
         logs = {"classes_held": float(present.sum())}
         if self.fused:
             return _FusedProtoPredictor(ctx.weights, protos, present, logs)
-        return _FedAvgProtoPredictor(fedavg_model(ctx.models, ctx.weights, self.cfg.server.fedavg_buffers), protos,
-                                     present, logs)
+        avg = fedavg_model(ctx.models, ctx.weights, FedAvgRule.options_in(self.cfg).buffers)
+        return _FedAvgProtoPredictor(avg, protos, present, logs)
 
 
 class FedProtoFused(FedProto):

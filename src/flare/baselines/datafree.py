@@ -333,15 +333,9 @@ class Dense(DataFree):
 
     tag = 2102
 
-    def __init__(self, cfg, options: DenseOptions | None = None):
-        super().__init__(cfg, options or DenseOptions())
-
 
 @STRATEGIES.register("coboosting", options=CoBoostingOptions)
 class CoBoosting(DataFree):
     """Co-Boosting: DENSE with hard samples, learned ensemble weights and perturbed distillation inputs."""
 
     tag, coboost = 2103, True
-
-    def __init__(self, cfg, options: CoBoostingOptions | None = None):
-        super().__init__(cfg, options or CoBoostingOptions())

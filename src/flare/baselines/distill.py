@@ -19,7 +19,7 @@ from flare.baselines.kd import (Cost, agreement, client_logits, crop_flip, eval_
 from flare.models import layout
 from flare.rng import derived_seed
 from flare.registry import STRATEGIES
-from flare.server.rules import fedavg_model
+from flare.server.rules import FedAvgRule, fedavg_model
 from flare.server.strategy import ModelPredictor, ServerContext, Strategy
 
 TAG = 2101  # this strategy's seed stream
@@ -61,9 +61,6 @@ class FedDF(Strategy):
     def check(cls, cfg) -> None:  # at config validation: before any client trains
         require_public(cfg, "feddf")
 
-    def __init__(self, cfg, options: FedDFOptions | None = None):
-        super().__init__(cfg, options or FedDFOptions())
-
     def predictor(self, ctx: ServerContext) -> ModelPredictor:
         with eval_mode(ctx.models), torch.enable_grad():  # frozen teachers; the student trains whatever the caller set
             return self._distil(ctx)
@@ -74,14 +71,14 @@ class FedDF(Strategy):
         when none does (FedDF distils each architecture from the average of its own clients)."""
         cfg = self.cfg
         if not cfg.mixed_architectures and cfg.server.model is None:
-            return fedavg_model(ctx.models, ctx.weights, cfg.server.fedavg_buffers)
+            return fedavg_model(ctx.models, ctx.weights, FedAvgRule.options_in(cfg).buffers)
         fresh = fresh_model(cfg, int(pub.shape[1]), int(ctx.models[0].num_classes),
                             derived_seed(cfg.seed, ctx.round, TAG, 2), ctx.device)
         own = [i for i, m in enumerate(ctx.models) if layout(m) == layout(fresh)]
         if not own:
             return fresh
         w = ctx.weights[own] / ctx.weights[own].sum()
-        return fedavg_model([ctx.models[i] for i in own], w, cfg.server.fedavg_buffers)
+        return fedavg_model([ctx.models[i] for i in own], w, FedAvgRule.options_in(cfg).buffers)
 
     def _distil(self, ctx: ServerContext) -> ModelPredictor:
         o, cost = self.options, Cost(ctx.device)

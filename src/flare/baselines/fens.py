@@ -94,9 +94,6 @@ class FENS(Strategy):
     every_round = False  # 500 rounds with every client: the last round only
     one_architecture_why = "each client rebuilds every client's model from the weights it receives, in its own network"
 
-    def __init__(self, cfg, options: FENSOptions | None = None):
-        super().__init__(cfg, options or FENSOptions())
-
     def extra_rounds(self) -> int:
         return self.options.rounds
 

@@ -98,9 +98,6 @@ class FedCGS(Strategy):
 
     mixed_architectures = True  # it never reads a client's model
 
-    def __init__(self, cfg, options: FedCGSOptions | None = None):
-        super().__init__(cfg, options or FedCGSOptions())
-
     def extras_shapes(self, template: nn.Module) -> dict:
         c, d = int(template.num_classes), frozen_dim(template)
         return {"counts": ((c,), torch.float64), "class_sums": ((c, d), torch.float64),
@@ -209,9 +206,6 @@ class FedPFT(Strategy):
 
     every_round = False
     mixed_architectures = True
-
-    def __init__(self, cfg, options: FedPFTOptions | None = None):
-        super().__init__(cfg, options or FedPFTOptions())
 
     def extras_shapes(self, template: nn.Module) -> dict:
         c, d, m = int(template.num_classes), frozen_dim(template), self.options.n_mixtures

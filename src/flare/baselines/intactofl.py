@@ -162,6 +162,3 @@ class IntactOFL(DataFree):
     trained on generator-synthesised data (data-free)."""
 
     tag, synthesis = 2104, GateSynthesis
-
-    def __init__(self, cfg, options: IntactOFLOptions | None = None):
-        super().__init__(cfg, options or IntactOFLOptions())

@@ -6,6 +6,7 @@ A *method* is nothing but a preset: a few lines of YAML in `flare/presets/` that
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 import functools
@@ -17,9 +18,11 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from flare.config.protocol import _get, _set
 from flare.config.schema import RENAMED, RENAMED_VALUES, Config, KeyedValueError
 from flare.errors import FlareError
 from flare.records import config_differences, flatten
+from flare.registry import STRATEGIES
 
 
 class DuplicateKey(yaml.YAMLError):
@@ -215,20 +218,25 @@ def _explain(err: ValidationError) -> FlareError:
     return FlareError("invalid configuration: " + "; ".join(lines) + ".", key=first_key, fix=fix)
 
 
-def _check_renamed(mapping: dict) -> None:
+def migrate(mapping: dict, refuse: bool = False) -> dict:
+    """A copy of a recorded config (config.yaml, state.json, a checkpoint) with each renamed key moved to its new
+    name and value, so a run recorded before a rename resumes, fuses and compares as the same experiment. `refuse`:
+    a config given (file, preset, overrides) that writes an old key is refused, so it keeps one spelling."""
+    out = copy.deepcopy(mapping)
     for old, new in RENAMED.items():
-        *path, name = old.split(".")
-        node = mapping
-        for part in path:
-            node = node.get(part) if isinstance(node, dict) else None
+        section, _, name = old.rpartition(".")
+        node = _get(out, section, None) if section else out
         if isinstance(node, dict) and name in node:
-            value = node[name]
+            value = node.pop(name)
             value = RENAMED_VALUES.get(old, {}).get(value, value) if isinstance(value, (bool, int, str)) else value
-            raise FlareError(f"'{old}' was renamed to '{new}'.", key=old, fix=f"write {new}={value} instead.")
+            if refuse:
+                raise FlareError(f"'{old}' was renamed to '{new}'.", key=old, fix=f"write {new}={value} instead.")
+            _set(out, new, value)
+    return out
 
 
 def build_config(mapping: dict) -> Config:
-    _check_renamed(mapping)
+    migrate(mapping, refuse=True)
     try:
         return Config.model_validate(mapping)
     except ValidationError as err:
@@ -318,13 +326,20 @@ def config_reference_markdown() -> str:
 
 
 @functools.cache
-def _default_values() -> dict:
-    return flatten(Config().model_dump(mode="json"))
+def _default_values(strategies: tuple[str, ...]) -> dict:
+    """The flattened default config and each strategy's default options: a strategy left out of
+    `server.strategies` runs with them, so a config that spells them out is the same experiment."""
+    out = flatten(Config().model_dump(mode="json"))
+    for name in strategies:
+        with contextlib.suppress(ValueError):  # an option without a default: nothing to assume
+            opts = STRATEGIES.options(name, None, name)
+            out.update(flatten(opts.model_dump(mode="json"), f"server.strategies.{name}.") if opts else {})
+    return out
 
 
 def experiment_differences(old: dict, new: dict | Config) -> list[str]:
-    """The dotted keys in which a recorded config `old` and `new` describe different experiments. A key added to the
-    schema after `old` was recorded counts only where `new` moves it off its default (the default is always the
-    behaviour that existed before the key), so a new option never strands a half-finished run."""
+    """The dotted keys in which a recorded config `old` and `new` (renamed keys migrated) describe different
+    experiments. A key added to the schema after `old` was recorded counts only where `new` moves it off its default
+    (the behaviour that existed before the key), so a new option never strands a half-finished run."""
     new = new.model_dump(mode="json") if isinstance(new, Config) else new
-    return config_differences(old, new, _default_values())
+    return config_differences(migrate(old or {}), migrate(new or {}), _default_values(tuple(STRATEGIES.names())))

@@ -33,12 +33,14 @@ from flare.registry import (ANCHORS, CLIENT_ENGINES, CONTRAST, DATASETS, LAM_PRO
 __all__ = ["KeyedValueError", "DatasetCfg", "PartitionCfg", "ModelCfg", "OptimCfg", "LRScheduleCfg", "AugmentCfg",
            "LossCfg", "AlignCfg", "LamCfg", "ServerCfg", "EvalCfg", "LoggingCfg", "Config", "RENAMED", "RENAMED_VALUES"]
 
-# Keys that were renamed: an old name is refused with a message that names the new one (and, where the values
-# changed with it, the new value that stands for the old one).
+# Renamed keys: an old one in a config given is refused naming the new key (and the value that stands for the old
+# one); a recorded run's config is a record, not input, and is read with it moved to the new key (`load.migrate`).
 RENAMED = {
     "lam.lambda_max": "lam.valve_threshold",
     "loss.alignment_epochs": "loss.public_stage_epochs",
     "concurrent_clients": "client_engine",
+    "server.ensemble": "server.strategies.output.ensemble",
+    "server.fedavg_buffers": "server.strategies.fedavg.buffers",
 }
 RENAMED_VALUES = {
     "concurrent_clients": {True: "threads", False: "sequential"},
@@ -167,12 +169,6 @@ class ServerCfg(Strict):
                             "predictions with G, clients align to the anchors; reference (OneshotOursV9): G starts "
                             "at the anchors and is kept across rounds (a fresh Adam each round), clients align to "
                             "the previous round's G, predictions use the mean of the client prototypes")
-    ensemble: Literal["softmax", "logits"] = Field(
-        "softmax", description="the output rule: Σ w_i softmax(logits_i), or Σ w_i logits_i (raw logits, the "
-                               "reference's Ensemble baseline)")
-    fedavg_buffers: Literal["average", "first"] = Field(
-        "average", description="one-shot FedAvg: average parameters and BN buffers, or average parameters only "
-                               "and keep the first client's buffers (the reference's parameter_averaging)")
     primary: PrimaryName = Field(
         "auto", description="the server strategy whose accuracy is 'the' accuracy: feature, iffi, iffi_reference, "
                             "output, fedavg or a plugin's (auto: feature for prototype heads, output otherwise)")

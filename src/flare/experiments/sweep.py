@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flare.config import (build_config, config_for_preset, deep_merge, known_keys, list_presets, mapping_keys,
                           parse_overrides, read_yaml_mapping)
+from flare.config.protocol import _set
 from flare.errors import FlareError
 from flare.report.report import write_report
 from flare.report.tables import points_table
@@ -58,12 +59,7 @@ def unflatten(m: dict) -> dict:
     """{'a.b': 1, 'c': {'d': 2}} -> {'a': {'b': 1}, 'c': {'d': 2}} (dotted keys anywhere at the top)."""
     out: dict = {}
     for k, v in m.items():
-        parts = str(k).split(".")
-        node: dict = {}
-        cur = node
-        for p in parts[:-1]:
-            cur = cur.setdefault(p, {})
-        cur[parts[-1]] = v
+        _set(node := {}, str(k), v)  # the one dotted-key setter (config/protocol.py)
         out = deep_merge(out, node)
     return out
 

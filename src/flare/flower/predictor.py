@@ -6,7 +6,7 @@ aggregation weights and the global prototypes G. `predictor.json` says how to re
 rule, the model (name, width, head, channels, classes, feature dimension; with clients of different
 architectures, `models` gives each state's), the input size, the
 normalisation statistics, the class names, which clients it holds, and the accuracy the server measured.
-It applies the run's evaluation transform (`augment.input_scaling`) and output fusion (`server.ensemble`), and
+It applies the run's evaluation transform (`augment.input_scaling`) and output fusion (the output rule's ensemble), and
 always normalises with running BN statistics (eval mode), also for runs evaluated with `eval.bn=batch`: a
 deployed predictor should not depend on which images share its batch.
 
@@ -29,7 +29,7 @@ from flare.models import create_architecture, create_model, layout
 from flare.rundir import RunDir
 from flare.registry import STRATEGIES
 from flare.server.fusion import client_outputs
-from flare.server.rules import ClientRule, RulePredictor
+from flare.server.rules import ClientRule, OutputRule, RulePredictor
 from flare.server.strategy import ModelPredictor
 from flare.server.upload import Upload
 from flare.server.rounds import primary_rule
@@ -117,7 +117,7 @@ def save_predictor(out: RunDir, cfg: Config, meta: DataMeta, uploads: list[Uploa
         "model": describe(next(iter(archs.values()))),
         "image_size": meta.image_size, "mean": list(test_mean), "std": list(test_std), "classes": meta.classes,
         "dataset": cfg.dataset.name, "noise_seed": cfg.eval.noise_seed, "states": list(states),
-        "ensemble": cfg.server.ensemble, "bn": "running",
+        "ensemble": OutputRule.options_in(cfg).ensemble, "bn": "running",
     }
     if len(set(archs.values())) > 1:  # clients of different architectures: each state's own
         info["models"] = {key: describe(a) for key, a in archs.items()}

@@ -2,18 +2,21 @@
 (docs/extending.md), with its arithmetic beside it: adding a rule is one class in this file.
 
 Four rules score the K client models' outputs on a batch (`ClientRule`: feature, iffi, iffi_reference, output);
-their scores depend on the aggregation weights, the global prototypes G and `server.ensemble` only, so the saved
-global predictor (flower/predictor.py) and BN recalibration (baselines/bnrecal.py) rebuild them from those tensors
+their scores depend on the aggregation weights, the global prototypes G and the output rule's ensemble only, so the
+saved global predictor (flower/predictor.py) and BN recalibration (baselines/bnrecal.py) rebuild them from those tensors
 through `RulePredictor`. FedAvg builds one model (`ModelPredictor`). The registration order here is the order of
 the accuracy columns in every table (rundir.acc_keys).
 """
 from __future__ import annotations
 
 import copy
+from typing import Literal
 
 import torch.nn.functional as F
+from pydantic import Field
 from torch import Tensor, nn
 
+from flare.config.sections import Strict
 from flare.registry import STRATEGIES
 from flare.server.fedavg import average_state_dicts
 from flare.server.fusion import ClientOutputs
@@ -83,12 +86,11 @@ class ClientRule(Strategy):
 
     @staticmethod
     def scores(out: ClientOutputs, weights: Tensor, G: Tensor | None, ensemble: str) -> Tensor:
-        """B×C scores from the K models' outputs, the aggregation weights (on the batch's device), G and
-        `server.ensemble`."""
+        """B×C scores from the K models' outputs, the weights (on the batch's device), G and the ensemble mode."""
         raise NotImplementedError
 
     def predictor(self, ctx: ServerContext) -> RulePredictor:
-        return RulePredictor(type(self), ctx.weights, ctx.G, self.cfg.server.ensemble)
+        return RulePredictor(type(self), ctx.weights, ctx.G, OutputRule.options_in(self.cfg).ensemble)
 
 
 class RulePredictor(ClientPredictor):
@@ -145,9 +147,13 @@ class IffiReferenceRule(ClientRule):
         return prototype_scores(iffi_reference_features(out.feats, out.noise_feats), G)
 
 
-@STRATEGIES.register("output")
+class OutputOptions(Strict):
+    ensemble: Literal["softmax", "logits"] = Field("softmax", description="Σ w_i softmax(logits_i), or raw logits")
+
+
+@STRATEGIES.register("output", options=OutputOptions)
 class OutputRule(ClientRule):
-    """Σ_i w_i softmax(logits_i) (or raw logits: server.ensemble) — the output ensemble."""
+    """Σ_i w_i softmax(logits_i) (or raw logits: server.strategies.output.ensemble) — the output ensemble."""
 
     title, colour = "output ensemble", "C3"
     primary_for = ("*",)  # every head but the prototype head
@@ -160,13 +166,17 @@ class OutputRule(ClientRule):
 # a rule that builds one model
 
 
-@STRATEGIES.register("fedavg")
+class FedAvgOptions(Strict):
+    buffers: Literal["average", "first"] = Field("average", description="average BN buffers too, or keep client 0's")
+
+
+@STRATEGIES.register("fedavg", options=FedAvgOptions)
 class FedAvgRule(Strategy):
-    """One-shot FedAvg: the weighted average of the uploaded models (server.fedavg_buffers)."""
+    """One-shot FedAvg: the weighted average of the uploaded models (server.strategies.fedavg.buffers)."""
 
     title, colour = "FedAvg", "C4"
     default = True
     one_architecture_why = "it averages the clients' parameters tensor by tensor"
 
     def predictor(self, ctx: ServerContext) -> ModelPredictor:
-        return ModelPredictor(fedavg_model(ctx.models, ctx.weights, self.cfg.server.fedavg_buffers))
+        return ModelPredictor(fedavg_model(ctx.models, ctx.weights, self.options.buffers))

@@ -128,7 +128,14 @@ class Strategy:
     primary_for: tuple[str, ...] = ()
 
     def __init__(self, cfg: Config, options: BaseModel | None = None):
-        self.cfg, self.options = cfg, options
+        self.cfg, self.options = cfg, options if options is not None else self.options_in(cfg)
+
+    @classmethod
+    def options_in(cls, cfg: Config) -> BaseModel | None:
+        """Its options as `cfg` sets them (`server.strategies.<name>`, defaults filled in): taken when it is built
+        without options, and read by code applying its arithmetic unbuilt (a saved predictor), which names no rule."""
+        name = next((n for n in STRATEGIES.names() if STRATEGIES.get(n) is cls), None)  # None: not registered
+        return STRATEGIES.options(name, cfg.server.strategies.get(name), f"server.strategies.{name}") if name else None
 
     @classmethod
     def check(cls, cfg: Config) -> None:
@@ -193,8 +200,7 @@ def sent_init(sent: dict[str, Tensor], key: str) -> dict[str, Tensor]:
 def make_strategy(cfg: Config, name: str, key: str = "server.primary") -> Strategy:
     """The registered strategy `name` with its options from `server.strategies.<name>`."""
     cls = STRATEGIES.get(name, key)
-    opts = STRATEGIES.options(name, cfg.server.strategies.get(name), f"server.strategies.{name}")
-    return cls(cfg, opts)
+    return cls(cfg, STRATEGIES.options(name, cfg.server.strategies.get(name), f"server.strategies.{name}"))
 
 
 def make_strategies(cfg: Config, names, key: str = "eval.rules") -> dict[str, Strategy]:
