@@ -43,8 +43,8 @@ a linear head) counts as identical when the two refusals read the same, and the 
 
 Keys the comparison ignores (timing: they differ between any two runs). A real metrics.jsonl has `seconds`
 (client and round records), `seconds_train`, `seconds_eval`, `seconds_aggregate` (round records); the rule
-ignores any key that starts with `seconds`, ends with `_seconds`, or is `time`, `wall` or `timestamp`
-(`is_timing_key`).
+ignores any key whose last dotted part starts with `seconds`, ends with `_seconds`, or is `time`, `wall` or
+`timestamp` (`is_timing_key`; `otfusion.seconds` is a strategy's own clock in a fuse record).
 
 Keys in only one revision's records are differences, except ALLOWED_NEW_KEYS: keys newer code added that carry
 no number of the method, accepted only when present on the --after side alone, and reported in the table's
