@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     before = load_average()
     # Decode the archive once before timing (the decode cache), so no profile pays for it.
     warm = subprocess.run([sys.executable, "-c", "import sys; from flare.config import load_config; "
-                           "from flare.setup import prepare_data; prepare_data(load_config(None, None, sys.argv[1:]))",
+                           "from flare.data.prepare import prepare_data; prepare_data(load_config(None, None, sys.argv[1:]))",
                            "dataset.name=cifar10", "dataset.format=imagefolder", f"dataset.root={args.data_root}"],
                           capture_output=True, text=True)
     if warm.returncode != 0:

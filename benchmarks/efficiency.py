@@ -41,7 +41,8 @@ from flare.config import load_config
 from flare.data.augment import normalize
 from flare.models import create_model
 from flare.backend import amp_dtype_for, resolve_device, use_channels_last
-from flare.setup import DataMeta, make_augment, make_train_context, prepare_data
+from flare.data.prepare import DataMeta, prepare_data
+from flare.setup import make_augment, make_train_context
 
 
 def sync(device):

@@ -23,7 +23,8 @@ from flare.models import create_model  # noqa: E402
 from flare.rundir import RunDir, read_jsonl  # noqa: E402
 from flare.runner import Run  # noqa: E402
 from flare.server.strategy import ModelPredictor  # noqa: E402
-from flare.setup import ServerSetup, prepare_data  # noqa: E402
+from flare.data.prepare import prepare_data  # noqa: E402
+from flare.setup import ServerSetup  # noqa: E402
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
 pytestmark = pytest.mark.skipif(not (FMNIST / "train-images-idx3-ubyte.gz").exists(),

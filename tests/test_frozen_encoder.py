@@ -307,7 +307,7 @@ def test_a_federation_of_nodes_holding_their_own_feature_files_reproduces_flare_
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from test_flower_protocol import Nodes, rounds_of, strip
     from flare.flower.protocol import export_partitions, file_data
-    from flare.setup import DataMeta
+    from flare.data.prepare import DataMeta
     ov = ["dataset.name=features", "dataset.options.source=imagefolder", f"dataset.options.root={folder}",
           f"dataset.options.resolution={RES}", "dataset.options.views=1", f"dataset.options.cache_dir={cache_dir}",
           "model.name=adapter", "model.options.dim=16", "rounds=1", "local_epochs=2", "batch_size=32", "device=cpu",

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def make_partition(labels, num_clients, kind, seed, *, alpha=0.5, shards_per_client=2, num_classes=None,
                    rng="generator", options=None):
-    """A split as the run draws it (setup.split): the kind built by name from the run facts, with rng="legacy"
+    """A split as the run draws it (data.prepare.split): the kind built by name from the run facts, with rng="legacy"
     its reference draw."""
     facts = PartitionFacts(labels, num_clients, seed, num_classes, alpha, shards_per_client)
     if rng == "legacy":

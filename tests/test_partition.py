@@ -6,7 +6,7 @@ from flare.config import build_config
 from flare.data.partition import Partition, PartitionFacts, dirichlet_partition, iid_partition, shards_partition
 from flare.errors import FlareError
 from flare.registry import PARTITIONS, REFERENCE_PARTITIONS
-from flare.setup import split
+from flare.data.prepare import split
 
 
 def labels(n_per_class=(50, 37, 80, 13, 60), seed=0):
@@ -16,7 +16,7 @@ def labels(n_per_class=(50, 37, 80, 13, 60), seed=0):
 
 def make_partition(labels, num_clients, kind, seed, *, alpha=0.5, shards_per_client=2, num_classes=None,
                    rng="generator", options=None):
-    """A split as the run draws it (setup.split): the kind built by name from the run facts, with rng="legacy"
+    """A split as the run draws it (data.prepare.split): the kind built by name from the run facts, with rng="legacy"
     its reference draw."""
     facts = PartitionFacts(labels, num_clients, seed, num_classes, alpha, shards_per_client)
     if rng == "legacy":

@@ -24,13 +24,14 @@ from flare.server.rules import FeatureRule, OutputRule, fedavg_model, fuse_outpu
 from flare.server.strategy import ServerContext, make_strategy
 from flare.server.rounds import evaluate_uploads
 from flare.backend import amp_dtype_for
-from flare.setup import DataMeta, RunSetup, make_augment, normalizer
+from flare.data.prepare import DataMeta
+from flare.setup import RunSetup, make_augment, normalizer
 from flare.server.protos import train_global_prototypes
 
 
 def make_partition(labels, num_clients, kind, seed, *, alpha=0.5, shards_per_client=2, num_classes=None,
                    rng="generator", options=None):
-    """A split as the run draws it (setup.split): the kind built by name from the run facts, with rng="legacy"
+    """A split as the run draws it (data.prepare.split): the kind built by name from the run facts, with rng="legacy"
     its reference draw."""
     facts = PartitionFacts(labels, num_clients, seed, num_classes, alpha, shards_per_client)
     if rng == "legacy":

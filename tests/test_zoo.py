@@ -12,7 +12,8 @@ from flare.config import load_config
 from flare.errors import FlareError
 from flare.models import create_model, list_models, load_checkpoint, timm_zoo
 from flare.registry import MODELS
-from flare.setup import DataMeta, init_global_model
+from flare.data.prepare import DataMeta
+from flare.setup import init_global_model
 
 CIFAR_NETS = {"wrn16_1": 64, "wrn40_1": 64, "cnn_dense": 64, "cnn_coboost": 2048}
 SIZES = [(1, 28), (3, 32)]  # Fashion-MNIST, CIFAR

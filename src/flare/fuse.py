@@ -32,7 +32,8 @@ from flare.rundir import CHECKPOINT, FUSE, RunDir, read_jsonl
 from flare.server.exchange import LocalClients
 from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
 from flare.server.upload import upload_of
-from flare.setup import ServerSetup, split
+from flare.data.prepare import split
+from flare.setup import ServerSetup
 
 KEY = "RUN_DIR"
 

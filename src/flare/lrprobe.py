@@ -30,7 +30,8 @@ from flare.errors import FlareError
 from flare.progress import Counter
 from flare.registry import LAM_PROVIDERS
 from flare.rng import derived_seed
-from flare.setup import ServerSetup, split
+from flare.data.prepare import split
+from flare.setup import ServerSetup
 
 
 @dataclass

@@ -291,7 +291,7 @@ class Config(Strict):
         for registry, name in self.chosen_parts():
             registry.check(name, self)
         kind = self.partition.kind
-        if self.partition.rng == "legacy" and kind not in REFERENCE_PARTITIONS:  # the draw setup.split would use
+        if self.partition.rng == "legacy" and kind not in REFERENCE_PARTITIONS:  # the draw data.prepare.split would use
             raise FlareError(f"partition.rng=legacy draws a kind as the reference code did, and kind={kind} has no "
                              f"such draw (those that have: {', '.join(REFERENCE_PARTITIONS.names())}).",
                              key="partition.rng", fix="set partition.rng=generator.")

@@ -33,7 +33,8 @@ from flare.server.rules import ClientRule, OutputRule, RulePredictor
 from flare.server.strategy import ModelPredictor
 from flare.server.upload import Upload
 from flare.server.rounds import primary_rule
-from flare.setup import DataMeta, scaling
+from flare.data.prepare import DataMeta
+from flare.setup import scaling
 
 FORMAT = 1
 

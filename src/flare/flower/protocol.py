@@ -26,7 +26,8 @@ from flare.server.extras import client_extras, client_side, extras_shapes
 from flare.server.rounds import evaluated_round, rules_for
 from flare.server.strategy import Strategy, make_strategies, sent_init
 from flare.backend import backend, settle_speed
-from flare.setup import DataMeta, client_context, init_keys, make_augment, normalizer, prepare_data, split
+from flare.data.prepare import DataMeta, prepare_data, split
+from flare.setup import client_context, init_keys, make_augment, normalizer
 
 PROTOCOL_VERSION = 2  # 2: the inits, anchor seed and public bank travel as what `Strategy.initialize` sends
 

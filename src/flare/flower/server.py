@@ -28,7 +28,8 @@ from flare.rundir import RunDir
 from flare.server.upload import Upload, UploadSpec, upload_of, validate_upload
 from flare.server.extras import extras_shapes
 from flare.server.rounds import Evaluation, evaluated_round, record_round
-from flare.setup import ServerSetup, describe_partition
+from flare.data.prepare import describe_partition
+from flare.setup import ServerSetup
 
 MAX_RECORDS_BYTES = 4_000_000  # a client's per-round training logs, as JSON text
 
