@@ -69,7 +69,7 @@ def fake_data(n_train=200, n_test=60, classes=10, size=8):
 
 @pytest.fixture
 def fake_dataset(monkeypatch):
-    monkeypatch.setattr("flare.setup.load_dataset", lambda *a, **k: fake_data())
+    monkeypatch.setattr("flare.data.prepare.load_dataset", lambda *a, **k: fake_data())
 
 
 

@@ -209,7 +209,7 @@ TINY = ["model.name=cnn", "model.width=0.125", "batch_size=32", "device=cpu", "n
 
 @pytest.mark.parametrize("lr,warn,where", [(1000.0, True, []), (1e-6, False, ["--all-data"])])
 def test_lr_probe_command(lr, warn, where, monkeypatch, capsys):
-    monkeypatch.setattr("flare.setup.load_dataset", lambda *a, **k: _fake_data())
+    monkeypatch.setattr("flare.data.prepare.load_dataset", lambda *a, **k: _fake_data())
     rc = main(["lr-probe", "--preset", "entropy-lambda", "--batches", "2", "--iters", "8", *where, *TINY, f"lr={lr}"])
     out = capsys.readouterr().out
     assert rc == 0
@@ -224,7 +224,7 @@ def test_lr_probe_command(lr, warn, where, monkeypatch, capsys):
 
 
 def test_lr_probe_caps_the_probe_batch_and_says_so(monkeypatch, capsys):
-    monkeypatch.setattr("flare.setup.load_dataset", lambda *a, **k: _fake_data())
+    monkeypatch.setattr("flare.data.prepare.load_dataset", lambda *a, **k: _fake_data())
     assert main(["lr-probe", "--all-data", "--iters", "3", *TINY, "batch_size=100"]) == 0
     out = capsys.readouterr().out
     assert "2 fixed batch(es) of 64 (120 images) (config batch_size 100; --batch-size to change)" in out
@@ -236,19 +236,19 @@ def test_lr_probe_caps_the_probe_batch_and_says_so(monkeypatch, capsys):
 
 @pytest.mark.parametrize("flag,value", [("--batch-size", "0"), ("--tol", "1.5")])
 def test_lr_probe_bad_probe_settings_exit_2(flag, value, monkeypatch, capsys):
-    monkeypatch.setattr("flare.setup.load_dataset", lambda *a, **k: _fake_data())
+    monkeypatch.setattr("flare.data.prepare.load_dataset", lambda *a, **k: _fake_data())
     assert main(["lr-probe", flag, value, *TINY]) == 2
     assert flag in capsys.readouterr().err
 
 
 def test_lr_probe_bad_client_exits_2(monkeypatch, capsys):
-    monkeypatch.setattr("flare.setup.load_dataset", lambda *a, **k: _fake_data())
+    monkeypatch.setattr("flare.data.prepare.load_dataset", lambda *a, **k: _fake_data())
     assert main(["lr-probe", "--client", "5", *TINY]) == 2
     assert "--client" in capsys.readouterr().err
 
 
 def test_linear_scaling_through_the_runner(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr("flare.setup.load_dataset", lambda *a, **k: _fake_data())
+    monkeypatch.setattr("flare.data.prepare.load_dataset", lambda *a, **k: _fake_data())
     out = tmp_path / "r"
     rc = main(["run", "--quiet", "--preset", "fafi", "--out", str(out), *TINY, "rounds=1", "optim.linear_scaling=true"])
     assert rc == 0, capsys.readouterr().err
