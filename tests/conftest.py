@@ -8,6 +8,8 @@ import pytest
 from PIL import Image
 
 import flare  # noqa: F401  first: it pins the CPU kernels (flare/cpu.py) before any test computes
+from flare.data.partition import PartitionFacts  # noqa: E402
+from flare.registry import PARTITIONS, REFERENCE_PARTITIONS  # noqa: E402
 
 os.environ.setdefault("FLARE_QUIET", "1")
 
@@ -106,3 +108,14 @@ def copy_of_finished_run(key: str, dest: Path, make) -> Path:
         _FINISHED[key] = src
     shutil.copytree(src, dest)
     return dest
+
+
+def make_partition(labels, num_clients, kind, seed, *, alpha=0.5, shards_per_client=2, num_classes=None,
+                   rng="generator", options=None):
+    """A split as the run draws it (data.prepare.split): the kind built by name from the run facts, with rng="legacy"
+    its reference draw."""
+    facts = PartitionFacts(labels, num_clients, seed, num_classes, alpha, shards_per_client)
+    if rng == "legacy":
+        return REFERENCE_PARTITIONS.create(kind, facts, options, key="partition.rng")
+    return PARTITIONS.create(kind, facts, options)
+

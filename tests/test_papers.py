@@ -15,23 +15,13 @@ import yaml
 from flare.client.step import local_loss
 from flare.client.lam import LamStep
 from flare.config import build_config
-from flare.data.partition import PartitionFacts, labeldir_partition
+from flare.data.partition import labeldir_partition
 from flare.data.scaling import IDENTITY, input_scaling
 from flare.errors import FlareError
 from flare.models import create_model
-from flare.registry import PARTITIONS, REFERENCE_PARTITIONS
+from conftest import make_partition
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def make_partition(labels, num_clients, kind, seed, *, alpha=0.5, shards_per_client=2, num_classes=None,
-                   rng="generator", options=None):
-    """A split as the run draws it (data.prepare.split): the kind built by name from the run facts, with rng="legacy"
-    its reference draw."""
-    facts = PartitionFacts(labels, num_clients, seed, num_classes, alpha, shards_per_client)
-    if rng == "legacy":
-        return REFERENCE_PARTITIONS.create(kind, facts, options, key="partition.rng")
-    return PARTITIONS.create(kind, facts, options)
 
 
 def _papers():

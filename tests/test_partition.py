@@ -3,25 +3,16 @@ import pytest
 import torch
 
 from flare.config import build_config
-from flare.data.partition import Partition, PartitionFacts, dirichlet_partition, iid_partition, shards_partition
+from flare.data.partition import Partition, dirichlet_partition, iid_partition, shards_partition
 from flare.errors import FlareError
 from flare.registry import PARTITIONS, REFERENCE_PARTITIONS
 from flare.data.prepare import split
+from conftest import make_partition
 
 
 def labels(n_per_class=(50, 37, 80, 13, 60), seed=0):
     y = np.concatenate([np.full(n, c) for c, n in enumerate(n_per_class)])
     return np.random.default_rng(seed).permutation(y)
-
-
-def make_partition(labels, num_clients, kind, seed, *, alpha=0.5, shards_per_client=2, num_classes=None,
-                   rng="generator", options=None):
-    """A split as the run draws it (data.prepare.split): the kind built by name from the run facts, with rng="legacy"
-    its reference draw."""
-    facts = PartitionFacts(labels, num_clients, seed, num_classes, alpha, shards_per_client)
-    if rng == "legacy":
-        return REFERENCE_PARTITIONS.create(kind, facts, options, key="partition.rng")
-    return PARTITIONS.create(kind, facts, options)
 
 
 @pytest.mark.parametrize("alpha", [0.05, 0.5, 10.0])

@@ -13,9 +13,8 @@ from flare.client.plan import progress_at
 from flare.client.terms.align import align_target
 from flare.config import build_config, load_config
 from flare.config.protocol import ITEMS, ITEM_KEYS, protocol_label
-from flare.data.partition import PartitionFacts
 from flare.errors import FlareError
-from flare.registry import PARTITIONS, PROGRESS, REFERENCE_PARTITIONS, STRATEGIES
+from flare.registry import PROGRESS, STRATEGIES
 from flare.rundir import read_jsonl
 from flare.runner import Run
 from flare.server.evaluator import evaluate_predictors
@@ -27,16 +26,7 @@ from flare.backend import amp_dtype_for
 from flare.data.prepare import DataMeta
 from flare.setup import RunSetup, make_augment, normalizer
 from flare.server.protos import train_global_prototypes
-
-
-def make_partition(labels, num_clients, kind, seed, *, alpha=0.5, shards_per_client=2, num_classes=None,
-                   rng="generator", options=None):
-    """A split as the run draws it (data.prepare.split): the kind built by name from the run facts, with rng="legacy"
-    its reference draw."""
-    facts = PartitionFacts(labels, num_clients, seed, num_classes, alpha, shards_per_client)
-    if rng == "legacy":
-        return REFERENCE_PARTITIONS.create(kind, facts, options, key="partition.rng")
-    return PARTITIONS.create(kind, facts, options)
+from conftest import make_partition
 
 
 def _get(cfg, key):
