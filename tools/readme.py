@@ -265,8 +265,8 @@ CIFAR_SMALL = (f"{CIFAR_ARGS} dataset.train_subset=10000 dataset.test_subset=200
 # saved uploads. The data-free servers and FedDF run far fewer steps than published (their defaults stay the
 # config's defaults, for GPU runs): the block must fit ~90 minutes on 2 cores.
 BASELINE_PRESETS = ["fafi", "etf-anneal", "flare", "fedavg"]
-BASELINE_STRATEGIES = ["otfusion", "regmean", "fedlpa", "feddf", "dense", "coboosting", "intactofl", "bnrecal",
-                       "fedproto", "fedproto_fused"]
+BASELINE_STRATEGIES = ["otfusion", "regmean", "fedlpa", "feddf", "dense", "coboosting", "intactofl", "fens",
+                       "bnrecal", "fedproto", "fedproto_fused"]
 BNBATCH_PRESETS = ["fafi", "etf-anneal", "flare"]  # eval.bn=batch changes the feature rules only: prototype heads
 BASELINE_ARGS = (f"{CIFAR_ARGS} dataset.train_subset=10000 dataset.test_subset=2000 dataset.public_size=1000 "
                  "model.name=cnn model.width=0.5 num_clients=5 rounds=1 local_epochs=2 batch_size=64 "
