@@ -285,7 +285,7 @@ def baselines_block(base: Path) -> str:
     for a in (0.05, 0.5):
         rows = [row for _, row in _compare_rows(base, f"runs/readme/baselines-a{a}", BASELINE_PRESETS, [1, 2, 3])]
         names = ["feature", "output", "fedavg", *BASELINE_STRATEGIES]
-        vs = fused_vs_table(rows, names)
+        vs = fused_vs_table(rows, names, "fafi", "feature")
         # the same clients (training does not read eval.bn) evaluated with per-batch BN statistics, the reference's
         # accident that BN recalibration answers: its feature fusion beside bnrecal's
         batch = {row.label: row for _, row in _compare_rows(base, f"runs/readme/baselines-a{a}-bnbatch",
