@@ -14,16 +14,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import Tensor, nn
 
-from flare.baselines.kd import Cost, public_slice, require_public
+from flare.baselines.kd import BN, Cost, public_slice, require_public
 from flare.errors import FlareError
 from flare.registry import STRATEGIES
 from flare.server.fusion import client_outputs
 from flare.server.rounds import head_primary
 from flare.server.rules import ClientRule, OutputRule, RulePredictor
 from flare.server.strategy import ModelPredictor, ServerContext, Strategy
-
-BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-
 
 class BNRecalOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -19,15 +19,12 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
-from flare.baselines.kd import (Cost, affine_normalizer, client_logits, crop_flip, eval_mode, fresh_model, generator,
-                                kd_loss, private_stream, to_uint8)
+from flare.baselines.kd import (BN, Cost, affine_normalizer, client_logits, crop_flip, eval_mode, fresh_model,
+                                generator, kd_loss, passes, private_stream, to_uint8)
 from flare.errors import FlareError
 from flare.registry import STRATEGIES
 from flare.rng import derived_seed
 from flare.server.strategy import ModelPredictor, ServerContext, Strategy
-
-BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-
 
 class DenseOptions(BaseModel):
     """DENSE's published settings (the README's kd_train command, loop_df_fl.py defaults)."""
@@ -136,12 +133,6 @@ class BNStats:
     def close(self) -> None:
         for h in self.handles:
             h.remove()
-
-
-def passes(n: int, size: int, gen: torch.Generator):
-    """One shuffled pass over n samples in batches (a 1-sample leftover is skipped: train-mode BatchNorm)."""
-    perm = torch.randperm(n, generator=gen)
-    return [perm[s:s + size] for s in range(0, n, size) if min(size, n - s) > 1 or n == 1]
 
 
 class Synthesis:
@@ -278,20 +269,17 @@ class Synthesis:
             self.sched.step()
 
     def run(self) -> tuple[nn.Module, dict[str, float]]:
-        with eval_mode(self.models):
-            return self._run()
-
-    def _run(self) -> tuple[nn.Module, dict[str, float]]:
         cost = Cost(self.dev)
         curve: list[list[float]] = []  # [epoch, generator steps so far, test accuracy]
         every = self.o.curve_every
-        for epoch in range(self.o.epochs):
-            self.synthesize()
-            if self.coboost and epoch > 0:
-                self.reweight(epoch)
-            self.distil()
-            if every and self.ctx.score is not None and ((epoch + 1) % every == 0 or epoch + 1 == self.o.epochs):
-                curve.append([epoch + 1, (epoch + 1) * self.o.g_steps, self.ctx.score(self.student)])
+        with eval_mode(self.models):
+            for epoch in range(self.o.epochs):
+                self.synthesize()
+                if self.coboost and epoch > 0:
+                    self.reweight(epoch)
+                self.distil()
+                if every and self.ctx.score is not None and ((epoch + 1) % every == 0 or epoch + 1 == self.o.epochs):
+                    curve.append([epoch + 1, (epoch + 1) * self.o.g_steps, self.ctx.score(self.student)])
         self.student.eval().requires_grad_(False)
         n = len(self.g_losses)  # the generator restarts every epoch: its first and last steps, averaged
         logs = {**cost.logs(), "epochs": float(self.o.epochs), "g_loss_first": sum(g[0] for g in self.g_losses) / n,

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
-from flare.baselines.datafree import DataFree, DenseOptions, Synthesis, passes
-from flare.baselines.kd import client_logits, kd_loss, private_stream
+from flare.baselines.datafree import DataFree, DenseOptions, Synthesis
+from flare.baselines.kd import client_logits, kd_loss, passes, private_stream
 from flare.registry import STRATEGIES
 from flare.rng import derived_seed
 

@@ -19,6 +19,8 @@ from flare.config.architectures import server_architecture
 from flare.models import create_architecture
 from flare.rng import RngStreams, derived_seed
 
+BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
 
 def _no_public(name: str) -> FlareError:
     return FlareError(f"server strategy '{name}' trains on the server's unlabeled public slice, but "
@@ -47,6 +49,12 @@ def public_slice(ctx, name: str) -> Tensor:
 def generator(cfg: Config, r: int, tag: int, *more: int) -> torch.Generator:
     """A CPU generator seeded from (run seed, round, strategy tag, …): never the global RNG."""
     return torch.Generator().manual_seed(derived_seed(cfg.seed, r, tag, *more))
+
+
+def passes(n: int, size: int, gen: torch.Generator):
+    """One shuffled pass over n samples in batches (a 1-sample leftover is skipped: train-mode BatchNorm)."""
+    perm = torch.randperm(n, generator=gen)
+    return [perm[s:s + size] for s in range(0, n, size) if min(size, n - s) > 1 or n == 1]
 
 
 def private_stream(seed: int):
