@@ -28,13 +28,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def amp_dtype_for(cfg: Config, device: torch.device) -> torch.dtype | None:
-    if cfg.amp == "off":
-        return None
-    if cfg.amp == "bf16":
-        return torch.bfloat16
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return None
+    auto = cfg.amp == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return torch.bfloat16 if cfg.amp == "bf16" or auto else None
 
 
 def use_channels_last(cfg: Config, device: torch.device) -> bool:

@@ -59,19 +59,14 @@ class _StepTable:
         self.plans = plans
         self.T = max(len(pl.steps) for pl in plans)
         K, E = len(plans), ctx.cfg.local_epochs
-        lr = [[0.0] * K for _ in range(self.T)]
-        strength = [[0.0] * K for _ in range(self.T)]
-        rows = [[0] * K for _ in range(self.T)]
-        batch = [[0] * K for _ in range(self.T)]
+        lr, strength, rows, batch = ([[0] * K for _ in range(self.T)] for _ in range(4))
         for i, (pl, c) in enumerate(zip(plans, clients)):
             for t, s in enumerate(pl.steps):
                 lr[t][i], strength[t][i] = s.lr, c.lam.strength(s.p)
                 rows[t][i], batch[t][i] = i * E + s.epoch, s.batch
-        dev = ctx.device
-        self.lr = torch.tensor(lr, dtype=torch.float32).to(dev)              # T×K
-        self.strength = torch.tensor(strength, dtype=torch.float32).to(dev)  # T×K
-        self.rows = torch.tensor(rows, dtype=torch.long).to(dev)              # T×K: the client-epoch row of the logs
-        self.batch = torch.tensor(batch, dtype=torch.long).to(dev)            # T×K: the step within the epoch
+        # T×K each; rows: the client-epoch row of the logs, batch: the step within the epoch
+        self.lr, self.strength = (torch.tensor(v, dtype=torch.float32).to(ctx.device) for v in (lr, strength))
+        self.rows, self.batch = (torch.tensor(v, dtype=torch.long).to(ctx.device) for v in (rows, batch))
 
     def groups(self, t: int) -> dict[int, list[int]]:
         """Batch size → the clients (positions) that train at global step t with batches of that size."""
@@ -142,9 +137,7 @@ class BatchedClients:
     def __init__(self, clients: list[Client], ctx: TrainContext, compile: bool = False):
         if not clients:
             raise ValueError("BatchedClients needs at least one client")
-        self.clients = clients
-        self.ctx = ctx
-        self.cfg = ctx.cfg
+        self.clients, self.ctx, self.cfg = clients, ctx, ctx.cfg
         # The template's own tensors are never used: functional_call swaps the clients' stacked state in.
         self.template = copy.deepcopy(clients[0].model)
         self.proto_name = "head.prototypes" if self.template.prototypes is not None else None
@@ -175,8 +168,7 @@ class BatchedClients:
         protos = params[self.proto_name] if self.proto_name else None
         loss = local_loss(cfg, feat, logits, y2, protos, target=ctx.align_anchors,  # align.target=fixed
                           weigh=lambda base, align: self.lam.weigh(base, align, strength, sigma if sigma else None))
-        total, logs = loss.total(), loss.logs()
-        return total, logs
+        return loss.total(), loss.logs()
 
     # -- one round -----------------------------------------------------------------------------------------------
     def train_round(self, round_idx: int, on_step=None) -> list[dict]:
@@ -236,8 +228,7 @@ class BatchedClients:
 
     def _finish(self, plans, params, buffers, bufs, sigma, logs: RoundLogs, seconds: float) -> list[dict]:
         """Write every state back into its client, and its record."""
-        cfg, ctx = self.cfg, self.ctx
-        records = []
+        cfg, records = self.cfg, []
         with torch.no_grad():
             for i, (c, plan) in enumerate(zip(self.clients, plans)):
                 for n, p in c.model.named_parameters():
@@ -249,12 +240,12 @@ class BatchedClients:
                 for g in c.optimizer.param_groups:
                     g["lr"] = plan.last_lr
                 if bufs is not None:
-                    for (n, p), buf in zip(c.model.named_parameters(), bufs):
+                    for p, buf in zip(c.model.parameters(), bufs):
                         c.optimizer.state[p]["momentum_buffer"] = buf[i].clone()
                 for own, stacked in zip(c.lam.sigma_state(), sigma):
                     own.copy_(stacked[i])
                 c.epochs_done += plan.E
-                records.append(c.round_record(ctx, plan, logs.means(i, len(plan.steps)), seconds))
+                records.append(c.round_record(plan, logs.means(i, len(plan.steps)), seconds))
         return records
 
     # -- helpers ---------------------------------------------------------------------------------------------
@@ -286,12 +277,8 @@ class BatchedClients:
     def _views(self, plans: list[RoundPlan], members: list[int], t: int) -> tuple[Tensor, Tensor]:
         """Each member's step-t input and labels from its own plan (`RoundPlan.views`: its own streams, or the plain
         view), stacked: k×2B×C×H×W (plain: k×B×C×H×W)."""
-        views, labels = [], []
         with record_function("flare.augment"):
-            for i in members:
-                v, y = plans[i].views(self.ctx, t)
-                views.append(v)
-                labels.append(y)
+            views, labels = zip(*(plans[i].views(self.ctx, t) for i in members))
         return torch.stack(views), torch.stack(labels)
 
 

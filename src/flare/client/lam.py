@@ -157,25 +157,19 @@ class LamLearner(LamProvider):
         # ½e^{−s_l}·sg(base) + c·½e^{−s_a}·sg(L_align) + ½(s_l + s_a): the V10 objective as a function of σ
         uw_sigma = 0.5 * torch.exp(-s_l) * b + a * 0.5 * torch.exp(-s_a) * la + 0.5 * (s_l + s_a)
         logs: dict[str, Tensor] = {"lambda_raw": lam_raw_sg}
+        lam_eff = a * lam_raw_sg                               # λ_eff = sg(s(p)·λ_raw)
+        local, sigma = base, uw_sigma
         if self.mode == "uw":
             scale = 0.5 * torch.exp(-s_l).detach()             # the hidden learning-rate factor of V10
-            local = scale * base
-            align_w = (0.5 * torch.exp(-s_a).detach() * a) * align
-            sigma = uw_sigma
-            lam_eff = a * lam_raw_sg
+            local, align_w = scale * base, (0.5 * torch.exp(-s_a).detach() * a) * align
             logs["loss_scale"] = scale
-        elif self.mode == "uw-rescaled":
+        else:
+            align_w = lam_eff * align
+        if self.mode == "uw-rescaled":
             # L' = 2·sg(e^{s_l})·L: the weights see base + a·λ_raw·L_align (e^{s_l}·e^{−s_l} = 1 written
             # exactly), σ the gradient of 2·sg(e^{s_l}) times the V10 objective.
-            lam_eff = a * lam_raw_sg
-            local = base
-            align_w = lam_eff * align
             sigma = 2.0 * torch.exp(s_l).detach() * uw_sigma
-        else:  # decoupled: V12, + γ_reg (V13), + β and γ_λ (V14 = FLARE)
-            lam_eff = a * lam_raw_sg                            # λ_eff = sg(s(p)·λ_raw)
-            local = base
-            align_w = lam_eff * align
-            sigma = uw_sigma
+        elif self.mode == "decoupled":  # V12, + γ_reg (V13), + β and γ_λ (V14 = FLARE)
             if self.gamma_reg:
                 sigma = sigma + self.gamma_reg * torch.exp(-s_a)                         # stability anchor
             if self.beta:

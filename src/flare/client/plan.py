@@ -47,12 +47,6 @@ def steps_per_epoch(num_samples: int, cfg: Config) -> int:
     return num_samples // B if cfg.drop_last else math.ceil(num_samples / B)
 
 
-def plain_view(cfg: Config) -> bool:
-    """Whether a step sees one un-augmented view (the reference's CE baselines, `loss.ce_input=plain`) instead of
-    two augmented ones."""
-    return cfg.loss.objective == "ce" and cfg.loss.ce_input == "plain"
-
-
 def progress_at(cfg: Config, epoch: int, batch: int, spe: int, epochs_done: int) -> tuple[float, float]:
     """(p of λ annealing / s(p), p of V8's target) at step `batch` of the round's epoch `epoch`, `epochs_done`
     epochs completed before it (`progress`, `align.target_progress`)."""
@@ -81,7 +75,8 @@ class RoundPlan:
         self.round_idx = round_idx
         self.B, self.E, self.n = cfg.batch_size, cfg.local_epochs, client.num_samples
         self.spe = steps_per_epoch(self.n, cfg)
-        self.plain = plain_view(cfg)
+        # one un-augmented view per step (the reference's CE baselines) instead of two augmented ones
+        self.plain = cfg.loss.objective == "ce" and cfg.loss.ce_input == "plain"
         # the augmentation's streams: the CPU generator's seed (…, 1), on CUDA the GPU's (…, 1, 1)
         gens = augmentation_generators(ctx.device)
         self.streams = RngStreams(gens, [derived_seed(cfg.seed, round_idx, client.cid, _AUGMENT, *([k] if k else []))
@@ -116,7 +111,7 @@ class RoundPlan:
 
     def views(self, ctx, t: int) -> tuple[Tensor, Tensor]:
         """Step t's input and labels: the two augmented views [v1; v2] drawn from this client-round's streams and
-        the labels twice, or (`plain_view`) the evaluation transform's one view and the labels."""
+        the labels twice, or (`plain`) the evaluation transform's one view and the labels."""
         if self.chunked:
             return self._chunk_views(ctx, t)
         idx = self.batch(t)

@@ -57,17 +57,12 @@ def _dot(a: list[Tensor], b: list[Tensor]) -> Tensor:
 
 def pcgrad_backward(local: Tensor, align: Tensor, params: list[Tensor],
                     extra: Tensor | None = None) -> dict[str, Tensor]:
-    """Backward pass with one-sided PCGrad; writes `p.grad = g_loc' + g_al` for every p in `params`.
-
-    The weights' `.grad` must be cleared (None) on entry, as after `optimizer.zero_grad(set_to_none=True)`.
-    Returns {"pcgrad_conflict": 1.0 if the gradients conflicted else 0.0,
-             "grad_cos": cos(g_loc, g_al) before the projection} as 0-d tensors, plus
-             "pcgrad_extra_on_weights" (1.0 if `extra` reached the weights) when `extra` is given.
-    """
+    """Backward pass with one-sided PCGrad; writes `p.grad = g_loc' + g_al` for every p in `params`. Logs (0-d
+    tensors): `pcgrad_conflict` (1.0 if the gradients conflicted), `grad_cos` (cos(g_loc, g_al) before the
+    projection) and, when `extra` is given, `pcgrad_extra_on_weights`."""
     params = list(params)
-    if any(p.grad is not None for p in params):
-        for p in params:
-            p.grad = None  # a stale gradient would be mistaken for part of g_loc
+    for p in params:
+        p.grad = None  # a stale gradient would be mistaken for part of g_loc
     local.backward(retain_graph=True)
     g_loc = _take_grads(params)
     align.backward(retain_graph=extra is not None)

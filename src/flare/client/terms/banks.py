@@ -205,9 +205,6 @@ def teacher_bank(teacher: torch.nn.Module, x_uint8: Tensor, norm, device: torch.
     return torch.cat(out)
 
 
-# ----------------------------------------------------------------------------------------------
-
-
 def build_public_bank(cfg: Config, public: tuple[Tensor, Tensor] | None, global_model: torch.nn.Module, augment,
                       norm, device: torch.device) -> Tensor | None:
     """The server's side of `public-bank` / `two-stage`: train the teacher on the held-out slice and return its
@@ -224,10 +221,7 @@ def build_public_bank(cfg: Config, public: tuple[Tensor, Tensor] | None, global_
 
 
 def _memory_bank(facts: BankFacts, loss: LossCfg):
-    def memory(client, ctx):
-        return MemoryBankExtension(loss.bank_size, client.model.feature_dim, facts.device)
-
-    return memory
+    return lambda client, ctx: MemoryBankExtension(loss.bank_size, client.model.feature_dim, facts.device)
 
 
 def _public_bank(facts: BankFacts, loss: LossCfg):
@@ -238,11 +232,7 @@ def _public_bank(facts: BankFacts, loss: LossCfg):
                                                   "setup (a Flower node receives it with its first task).")
     stages = loss.public_stage_epochs if kind == "two-stage" else None
     b = facts.public_bank.to(facts.device)
-
-    def public_ext(client, ctx):
-        return PublicBankExtension(b, loss.bank_tau, stages)
-
-    return public_ext
+    return lambda client, ctx: PublicBankExtension(b, loss.bank_tau, stages)
 
 
 def _public_check(cfg: Config) -> None:

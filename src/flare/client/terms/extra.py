@@ -106,7 +106,6 @@ def fedprox(batch: TermBatch, options: ProxOptions) -> Tensor:
     if batch.params is None or batch.start is None:
         raise FlareError("loss.terms.fedprox was called without the model's parameters.", key="loss.terms",
                          fix="run it with client_engine=sequential or threads.")
-    total = torch.zeros((), device=batch.logits.device)
-    for name, w in batch.params.items():
-        total = total + (w - batch.start[name]).pow(2).sum()
+    total = sum(((w - batch.start[name]).pow(2).sum() for name, w in batch.params.items()),
+                torch.zeros((), device=batch.logits.device))
     return 0.5 * options.mu * total
