@@ -108,8 +108,7 @@ class Registry:
     `TermOptions`, every term has a weight)."""
 
     def __init__(self, kind: str, key: str, signature: type | str, default_options: type[BaseModel] | None = None):
-        self.kind, self.key, self.default_options = kind, key, default_options
-        self._signature = signature
+        self.kind, self.key, self.default_options, self._signature = kind, key, default_options, signature
         self._entries: dict[str, Entry] = {}
         self._spaces: dict[str, Namespace] = {}
 

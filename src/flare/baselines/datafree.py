@@ -75,6 +75,11 @@ class CoBoostingOptions(DenseOptions):
         "ods", description="distillation inputs: ODS step (the code), student-ensemble disagreement step, or none")
 
 
+def weighted_mean(w: Tensor, z: Tensor) -> Tensor:
+    """Σ_k w_k z_k / Σ_k w_k of K×B×C logits (the references' weighted Ensemble; DENSE's weights sum to 1)."""
+    return (w[:, None, None] * z).sum(0) / w.sum().clamp_min(1e-12)
+
+
 class Generator(nn.Module):
     """The references' generator, for any C×H×W (built at ⌈H/4⌉×⌈W/4⌉, cropped to H×W); images in [0, 1]."""
 
@@ -168,8 +173,8 @@ class Synthesis:
                            self.dev)
 
     def teacher(self, x: Tensor) -> Tensor:
-        """Σ_k w_k z_k / Σ_k w_k (WEnsemble; DENSE's weights sum to 1 already)."""
-        return (self.w[:, None, None] * client_logits(self.models, x)).sum(0) / self.w.sum().clamp_min(1e-12)
+        """The logits the generator's CE and BN terms read and the student learns: the weighted ensemble's."""
+        return weighted_mean(self.w, client_logits(self.models, x))
 
     def adversary(self, x: Tensor) -> Tensor:
         """The logits the generator's adversarial term moves away from the teacher's: the student's."""
@@ -230,7 +235,7 @@ class Synthesis:
                 with torch.no_grad():
                     z = client_logits(self.models, x)
                 w = self.w.clone().requires_grad_(True)
-                loss = F.cross_entropy((w[:, None, None] * z).sum(0) / w.sum().clamp_min(1e-12), y)
+                loss = F.cross_entropy(weighted_mean(w, z), y)
                 (grad,) = torch.autograd.grad(loss, w)
                 self.w = (self.w - step * grad.sign()).clamp(0.0, 1.0)
 

@@ -86,27 +86,18 @@ class BatchedClients:
     the engine is built); a loss term that cannot be vmapped fails at its first step (`_vmap_errors`)."""
 
     @staticmethod
-    def blockers(cfg: Config) -> list[tuple[str, object]]:
-        """(key, value) of every setting of `cfg` the engine does not implement, and why (docs/performance.md):
-        gradient surgery needs each client's two gradients apart, the engine takes one backward of all clients'
-        summed loss; the contrast banks are per-client queues rewritten after every step; a moving alignment
-        target starts from each client's own initial prototypes at its own progress (the engine plans strengths
-        only); SGDR's momentum reset changes state between steps the stack does not hold."""
-        out: list[tuple[str, object]] = []
-        if cfg.align.surgery != "none":
-            out.append(("align.surgery", cfg.align.surgery))
-        if cfg.loss.contrast != "none":
-            out.append(("loss.contrast", cfg.loss.contrast))
-        if cfg.align.anchors != "none" and cfg.align.target != "fixed":
-            out.append(("align.target", cfg.align.target))
-        if cfg.lr_schedule.kind == "sgdr" and cfg.lr_schedule.reset_momentum:
-            out.append(("lr_schedule.reset_momentum", True))
-        return out
-
-    @classmethod
-    def check(cls, cfg: Config) -> None:
-        """Refuse a config with a setting the engine does not implement, naming the first one and the way out."""
-        blocked = cls.blockers(cfg)
+    def check(cfg: Config) -> None:
+        """Refuse a config with a setting the engine does not implement, naming the first one and the way out
+        (docs/performance.md): gradient surgery needs each client's two gradients apart, the engine takes one
+        backward of all clients' summed loss; the contrast banks are per-client queues rewritten after every step; a
+        moving alignment target starts from each client's own initial prototypes at its own progress (the engine
+        plans strengths only); SGDR's momentum reset changes state between steps the stack does not hold."""
+        blocked = [(key, value) for key, value, on in (
+            ("align.surgery", cfg.align.surgery, cfg.align.surgery != "none"),
+            ("loss.contrast", cfg.loss.contrast, cfg.loss.contrast != "none"),
+            ("align.target", cfg.align.target, cfg.align.anchors != "none" and cfg.align.target != "fixed"),
+            ("lr_schedule.reset_momentum", True, cfg.lr_schedule.kind == "sgdr" and cfg.lr_schedule.reset_momentum),
+        ) if on]
         if blocked:
             key, value = blocked[0]
             raise KeyedValueError(key, f"client_engine=batched does not support {key}={value} (it trains "

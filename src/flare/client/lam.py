@@ -123,8 +123,7 @@ class LamLearner(LamProvider):
         if mode not in MODES:
             raise FlareError(f"unknown λ learner '{mode}'.", key="lam.learner",
                              fix=f"use none or one of: {', '.join(MODES)}.")
-        self.mode = mode
-        self.lambda_init = float(lambda_init)
+        self.mode, self.lambda_init = mode, float(lambda_init)
         self.schedule = SCHEDULES.get(anneal, "lam.anneal")
         self.gamma_reg, self.beta = float(gamma_reg), float(beta)
         self.gamma_lambda, self.valve_threshold = float(gamma_lambda), float(valve_threshold)

@@ -43,10 +43,8 @@ class SurgeryFn(Protocol):
 
 def _take_grads(params: list[Tensor]) -> list[Tensor]:
     """The weights' current .grad (zeros where unused), then clear them."""
-    out = []
+    out = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
     for p in params:
-        g = p.grad
-        out.append(torch.zeros_like(p) if g is None else g)
         p.grad = None
     return out
 

@@ -71,12 +71,8 @@ class Client:
 
     def __init__(self, cid: int, indices: Tensor, model: torch.nn.Module, ctx: TrainContext,
                  normalized_entropy: float):
-        self.cid = cid
-        self.indices = indices
-        self.num_samples = int(indices.numel())
-        self.normalized_entropy = normalized_entropy
-        self.model = model
-        self.cfg = ctx.cfg
+        self.cid, self.indices, self.model, self.cfg = cid, indices, model, ctx.cfg
+        self.num_samples, self.normalized_entropy = int(indices.numel()), normalized_entropy
         facts = LamFacts(initial_lambda(ctx.cfg, normalized_entropy), ctx.cfg.align.schedule, ctx.device)
         self.lam: LamProvider = LAM_PROVIDERS.create(ctx.cfg.lam.learner, facts, ctx.cfg.lam.provider_options())
         self.optimizer: torch.optim.Optimizer | None = None
@@ -150,9 +146,8 @@ class Client:
             with record_function("flare.forward"):
                 feat, logits = self.model(imgs)
         with record_function("flare.loss"):
-            target = None
-            if ctx.anchors is not None:
-                target = align_target(ctx.align_anchors, cfg.align.target, step.p_target, self.initial_prototypes)
+            target = (align_target(ctx.align_anchors, cfg.align.target, step.p_target, self.initial_prototypes)
+                      if ctx.anchors is not None else None)
             params = (dict((n, q) for n, q in self.model.named_parameters() if q.requires_grad)
                       if self.start_params is not None else None)
             loss = local_loss(cfg, feat, logits, y2, self.model.prototypes, target=target,

@@ -56,8 +56,7 @@ class MemoryBank:
         self.size, self.dim = int(size), int(dim)
         self.feats = torch.zeros(self.size, self.dim, device=device)
         self.labels = torch.zeros(self.size, dtype=torch.long, device=device)
-        self.ptr = 0      # next slot to write
-        self.count = 0    # filled slots
+        self.ptr, self.count = 0, 0  # the next slot to write, the filled slots
 
     def __len__(self) -> int:
         return self.count
