@@ -20,7 +20,6 @@ def resolve_device(name: str) -> torch.device:
         if not torch.cuda.is_available():
             raise FlareError(f"device={name} was asked for, but torch sees no CUDA GPU on this machine.",
                              key="device", fix="use device=auto or device=cpu, or install a CUDA build of torch.")
-        return torch.device(name)
     if name == "mps" and not torch.backends.mps.is_available():
         raise FlareError("device=mps was asked for, but MPS is not available.", key="device",
                          fix="use device=auto or device=cpu.")

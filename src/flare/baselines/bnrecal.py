@@ -72,10 +72,9 @@ def recalibrate(model: nn.Module, x: Tensor, normalize, batch_size: int = 256) -
     try:
         for b in bns:
             b.train()
-        batches = 0
-        for s in range(0, x.shape[0], batch_size):
+        starts = range(0, x.shape[0], batch_size)
+        for s in starts:
             m(normalize(x[s:s + batch_size]))
-            batches += 1
     finally:
         for h in hooks:
             h.remove()
@@ -86,7 +85,7 @@ def recalibrate(model: nn.Module, x: Tensor, normalize, batch_size: int = 256) -
         b.running_mean.copy_(mo.mean.to(b.running_mean.dtype))
         b.running_var.copy_((mo.m2 / max(1, mo.n - 1)).to(b.running_var.dtype))
         if b.num_batches_tracked is not None:
-            b.num_batches_tracked.fill_(batches)
+            b.num_batches_tracked.fill_(len(starts))
     return m
 
 

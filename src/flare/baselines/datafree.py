@@ -146,7 +146,7 @@ class Synthesis:
     A server that trains something else than a fresh student on the same synthetic pool (IntactOFL's gate,
     intactofl.py) subclasses it and overrides the hooks: `make_student` (what learns, its parameters the optimiser's),
     `teacher` (what the generator's CE and BN terms read), `adversary` (the logits the adversarial term pulls the
-    teacher away from) and `distil` (one epoch of learning on the pool)."""
+    teacher away from) and `batch_loss` (the learner's loss on one batch of the pool)."""
 
     def __init__(self, cfg, o: DenseOptions, ctx: ServerContext, shape: tuple[int, int, int], tag: int,
                  coboost: bool):
@@ -254,16 +254,21 @@ class Synthesis:
         (grad,) = torch.autograd.grad(obj, x)
         return (x + self.o.eps * grad.sign()).detach()
 
+    def batch_loss(self, ix: Tensor) -> Tensor:
+        """The learner's loss on the pool images `ix`: the student's KL to the teacher."""
+        x = self.view(ix)
+        if self.coboost and self.o.perturb != "none":
+            x = self.perturb(x)
+        with torch.no_grad():
+            t = self.teacher(x)
+        return kd_loss(self.student(x)[1].float(), t, self.o.temperature)
+
     def distil(self) -> None:
+        """One epoch of learning on the pool."""
         o = self.o
         self.student.train()
         for ix in passes(self.pool_x.shape[0], o.batch_size, self.g):
-            x = self.view(ix)
-            if self.coboost and o.perturb != "none":
-                x = self.perturb(x)
-            with torch.no_grad():
-                t = self.teacher(x)
-            loss = kd_loss(self.student(x)[1].float(), t, o.temperature)
+            loss = self.batch_loss(ix)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             if o.clip is not None:

@@ -3,16 +3,15 @@ reference code lebronlambert/FedLPA_NeurIPS2024) and RegMean (Jin et al., "Datal
 Weights of Language Models", ICLR 2023; reference code bloomberg/dataless-model-merging).
 
 Both merge each Linear / Conv2d layer (and a prototype head) from per-client Kronecker factors that the clients
-compute after training and upload as extras (server/extras.py): A_k = E[ã ãᵀ] over the layer's inputs and, for
-FedLPA, G_k over the gradients of the per-sample loss w.r.t. its output. The server solves, per layer with weight
-matrix W (out × in, bias as the last column),
+compute after training and upload as extras (server/extras.py): A_k = E[ã ãᵀ] over the layer's inputs and, for FedLPA,
+G_k over the gradients of the per-sample loss w.r.t. its output. The server solves, per layer with weight matrix W
+(out × in, bias as the last column),
 
     FedLPA:  Σ_k w_k G_k M A_k = Σ_k w_k G_k W_k A_k
     RegMean: M Σ_k w_k A_k = Σ_k w_k W_k A_k   (G = I; exact: M = (Σ w W A)(Σ w A)⁻¹)
 
-with w = ctx.weights; FedLPA from the closed form of its "biased" approximation, refined by preconditioned
-conjugate gradient. The factors, the damping, `max_block` and the departures: docs/baselines.md, `fedlpa` and
-`regmean`.
+with w = ctx.weights; FedLPA from the closed form of its "biased" approximation, refined by preconditioned conjugate
+gradient. The factors, the damping, `max_block` and the departures: docs/baselines.md, `fedlpa` and `regmean`.
 """
 from __future__ import annotations
 
@@ -110,10 +109,7 @@ def factor_layers(model: nn.Module, name: str, key: str, max_block: int = 0) -> 
     return out
 
 
-# ----------------------------------------------------------------------------------------------
 # the client side: the factors of one client
-
-
 def _accumulate(S: Tensor, v: Tensor, nb: int, bs: int) -> None:
     """S (nb, bs, bs) += the diagonal blocks of vᵀv, v (N, n) zero-padded to nb·bs columns."""
     if nb * bs != v.shape[1]:
@@ -190,10 +186,7 @@ def client_factors(model: nn.Module, layers: list[Layer], x: Tensor, y: Tensor, 
     return {k: v.float().cpu() for k, v in out.items()}
 
 
-# ----------------------------------------------------------------------------------------------
 # the server side: one layer's merge
-
-
 def _left(Gb: Tensor, X: Tensor) -> Tensor:
     """block-diag(Gb) @ X."""
     nb, bs, _ = Gb.shape

@@ -19,7 +19,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from flare.baselines.datafree import DataFree, DenseOptions, Synthesis, weighted_mean
-from flare.baselines.kd import client_logits, kd_loss, passes, private_stream
+from flare.baselines.kd import client_logits, kd_loss, private_stream
 from flare.registry import STRATEGIES
 from flare.rng import derived_seed
 
@@ -98,7 +98,7 @@ def gate_loss(logits: Tensor, weights: Tensor, average: Tensor, y: Tensor, o: In
 
 class GateSynthesis(Synthesis):
     """DENSE's generator with the mixture as its teacher and the experts' average as its adversary; the learner is
-    the gate (`MixtureOfExperts`), trained by `distil` on the pool."""
+    the gate (`MixtureOfExperts`), trained on the pool by `gate_loss`."""
 
     o: IntactOFLOptions
     _experts_of: tuple[Tensor, Tensor] | None = None  # (x, the experts' logits of x) of the teacher's last call
@@ -118,25 +118,14 @@ class GateSynthesis(Synthesis):
         seen, z = self._experts_of or (None, None)
         return weighted_mean(self.w, z if seen is x else client_logits(self.models, x))
 
-    def distil(self) -> None:
-        o, gate = self.o, self.student.gate
-        self.student.train()
-        for ix in passes(self.pool_x.shape[0], o.batch_size, self.g):
-            x, y = self.view(ix), self.pool_y[ix.to(self.dev)]
-            if o.perturb == "ods":
-                x = self.perturb(x, lambda v: weighted_mean(self.w, client_logits(self.models, v)))
-            with torch.no_grad():
-                z = client_logits(self.models, x)
-            w = self.student.weights(x)
-            loss = gate_loss(mixture(w, z), w, weighted_mean(self.w, z), y, o)
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if o.clip is not None:
-                nn.utils.clip_grad_norm_(gate.parameters(), o.clip)
-            self.opt.step()
-            self.kd_losses.append(float(loss.detach()))
-        if self.sched is not None:
-            self.sched.step()
+    def batch_loss(self, ix: Tensor) -> Tensor:
+        x, y = self.view(ix), self.pool_y[ix.to(self.dev)]
+        if self.o.perturb == "ods":
+            x = self.perturb(x, lambda v: weighted_mean(self.w, client_logits(self.models, v)))
+        with torch.no_grad():
+            z = client_logits(self.models, x)
+        w = self.student.weights(x)
+        return gate_loss(mixture(w, z), w, weighted_mean(self.w, z), y, self.o)
 
     def run(self) -> tuple[nn.Module, dict[str, float]]:
         moe, logs = super().run()

@@ -1,16 +1,15 @@
 """Batched clients (`client_engine=batched`): all K clients of a round trained as one program.
 
-Why: trained one after another, every client issues its own small kernels for every op, and at batch 512 on
-32×32 images a GPU spends most of a round waiting for the host. The clients share one architecture,
-so their parameters and buffers can be stacked along a leading client axis and one forward/backward computes every
-client's step: `torch.func.functional_call` under `torch.vmap` over the stacked state (a convolution becomes a
-grouped convolution; BatchNorm updates each client's own running statistics, since the buffers are stacked too),
-then a per-client functional SGD updates the stack. `compile=true` wraps the vmapped step and the update with
-`torch.compile`.
+Why: trained one after another, every client issues its own small kernels for every op, and at batch 512 on 32×32
+images a GPU spends most of a round waiting for the host. The clients share one architecture, so their parameters and
+buffers can be stacked along a leading client axis and one forward/backward computes every client's step:
+`torch.func.functional_call` under `torch.vmap` over the stacked state (a convolution becomes a grouped convolution;
+BatchNorm updates each client's own running statistics, since the buffers are stacked too), then a per-client
+functional SGD updates the stack. `compile=true` wraps the vmapped step and the update with `torch.compile`.
 
-Each client runs its own round plan (`client/plan.py`: its streams, batch order, per-step clock, progress and lr,
-the plain-view test, and the step logs' sums and averages), the plan `Client.train_round` runs, so the two engines
-compute the same math per client (tests/test_batched.py holds them to float tolerance on CPU):
+Each client runs its own round plan (`client/plan.py`: its streams, batch order, per-step clock, progress and lr, the
+plain-view test, and the step logs' sums and averages), the plan `Client.train_round` runs, so the two engines compute
+the same math per client (tests/test_batched.py holds them to float tolerance on CPU):
 
 * each client's augmentation runs under its own streams and only its views are stacked, so the draws match one
   for one;
@@ -23,11 +22,11 @@ compute the same math per client (tests/test_batched.py holds them to float tole
   is g exactly).
 
 The clients stay the home of every state: the stack is built from their models, optimizers and λ providers when a
-round starts and written back when it ends, so uploads, evaluation, checkpoints (`Client.state_dict`) and resume
-are those of the sequential engine. No host sync per step: a round's per-step numbers (lr, λ strength) are one
-table copied to the device once, and the step logs are summed on the device and read once per round. What the
-engine does not implement it states itself (`BatchedClients.check`, `BatchedClients.lam_unsupported`);
-channels_last is not used (vmap cannot query an NHWC layout).
+round starts and written back when it ends, so uploads, evaluation, checkpoints (`Client.state_dict`) and resume are
+those of the sequential engine. No host sync per step: a round's per-step numbers (lr, λ strength) are one table
+copied to the device once, and the step logs are summed on the device and read once per round. What the engine does
+not implement it states itself (`BatchedClients.check`, `BatchedClients.lam_unsupported`); channels_last is not used
+(vmap cannot query an NHWC layout).
 """
 from __future__ import annotations
 
@@ -80,10 +79,9 @@ class _StepTable:
 @CLIENT_ENGINES.register("batched")
 class BatchedClients:
     """Trains `clients` (all active clients of a run, in a fixed order) one round at a time as one batched program.
-
-    What it cannot run is stated here, beside the code that would have to run it: settings (`check`, which the
-    config's validation calls, so a run fails before any data is read) and λ providers (`lam_unsupported`, when
-    the engine is built); a loss term that cannot be vmapped fails at its first step (`_vmap_errors`)."""
+    What it cannot run it states beside the code that would have to run it: settings (`check`, at config
+    validation, before any data is read), λ providers (`lam_unsupported`, when the engine is built); a loss term
+    that cannot be vmapped fails at its first step (`_vmap_errors`)."""
 
     @staticmethod
     def check(cfg: Config) -> None:
@@ -164,8 +162,7 @@ class BatchedClients:
     # -- one round -----------------------------------------------------------------------------------------------
     def train_round(self, round_idx: int, on_step=None) -> list[dict]:
         cfg, ctx, clients = self.cfg, self.ctx, self.clients
-        t0 = time.perf_counter()
-        K = len(clients)
+        t0, K = time.perf_counter(), len(clients)
         plans = [RoundPlan(c, ctx, round_idx) for c in clients]
         table = _StepTable(plans, clients, ctx)
         logs = RoundLogs([c.cid for c in clients], cfg.local_epochs, round_idx, ctx.device)

@@ -63,9 +63,7 @@ def entropy_lambda(normalized_entropy: float, lambda_min: float, lambda_max: flo
 
 def initial_lambda(cfg: Config, normalized_entropy: float) -> float:
     a = cfg.align
-    if a.lambda_rule == "entropy":
-        return entropy_lambda(normalized_entropy, a.lambda_min, a.lambda_max)
-    return a.lambda0
+    return entropy_lambda(normalized_entropy, a.lambda_min, a.lambda_max) if a.lambda_rule == "entropy" else a.lambda0
 
 
 class LamProvider:
@@ -149,8 +147,7 @@ class LamLearner(LamProvider):
             return LamStep(base, None)
         s_l, s_a = state if state is not None else (self.s_l, self.s_a)
         a = strength
-        b = base.detach().float()              # sg(base)
-        la = align.detach().float()            # sg(L_align)
+        b, la = base.detach().float(), align.detach().float()  # sg(base), sg(L_align)
         lam_raw = torch.exp(s_l - s_a)         # carries gradient to both σ (used by the valve)
         lam_raw_sg = lam_raw.detach()
         # ½e^{−s_l}·sg(base) + c·½e^{−s_a}·sg(L_align) + ½(s_l + s_a): the V10 objective as a function of σ
@@ -231,10 +228,6 @@ def _safe_exp(x: float) -> float:
         return math.inf
 
 
-def _fixed(facts: LamFacts, options) -> LamProvider:
-    return LamProvider(facts.lambda_init, facts.schedule)
-
-
 def _learner(mode: str):
     def build(facts: LamFacts, lm: LamCfg) -> LamProvider:
         return LamLearner(mode, facts.lambda_init, sigma_lr=lm.sigma_lr, anneal=lm.anneal, gamma_reg=lm.gamma_reg,
@@ -269,7 +262,8 @@ def _learner_check(mode: str):
     return check
 
 
-LAM_PROVIDERS.register("none", _fixed, description="no learner: λ0 (align.lambda_rule) times align.schedule's a(p)")
+LAM_PROVIDERS.register("none", lambda facts, options: LamProvider(facts.lambda_init, facts.schedule),
+                       description="no learner: λ0 (align.lambda_rule) times align.schedule's a(p)")
 for _mode, _what in (("uw", "V10: uncertainty weighting, one objective"),
                      ("uw-rescaled", "V10r/V11: uw rescaled by sg(e^{s_l})"),
                      ("decoupled", "V12–V14 (FLARE): decoupled σ objective")):

@@ -2,10 +2,10 @@
 
 The sequential (and threads) engine (`Client.train_round`) and the batched engine (`BatchedClients.train_round`)
 differ in how a step is computed — one model, or all clients' models stacked under vmap — but not in what a client
-does in a round. That lives here, so the two engines cannot drift apart: the random streams a client-round draws
-from (`derived_seed(seed, r, i, purpose)`), its steps per epoch and batch order, each step's clock, progress p and
-lr, whether a step sees the plain view or two augmented ones, and how the step logs are summed, judged for
-divergence and averaged into the client's record.
+does in a round. That lives here, so the two engines cannot drift apart: the random streams a client-round draws from
+(`derived_seed(seed, r, i, purpose)`), its steps per epoch and batch order, each step's clock, progress p and lr,
+whether a step sees the plain view or two augmented ones, and how the step logs are summed, judged for divergence and
+averaged into the client's record.
 
 Where the augmentation runs (`augment.schedule`): `per_batch` (the default) gathers each step's batch and calls the
 augmentation on it; `chunked` gathers a run of consecutive batches of an epoch at once (as many as fit
@@ -13,9 +13,8 @@ augmentation on it; `chunked` gathers a run of consecutive batches of an epoch a
 output is already the steps' [v1; v2] layout — and lets every step slice its input out of the result without a copy.
 Small models at small batches spend most of a step in the augmentation's per-call work (parameter sampling, kornia's
 host reads of device values, dozens of small kernels), which one larger call pays once (airbench's way of feeding a
-small network). The images, their order and the streams are the per_batch ones; the draws are not
-(kornia draws a chunk's parameters in one go, and ColorJitter's order of its four steps once per call: per chunk, for
-both views).
+small network). The images, their order and the streams are the per_batch ones; the draws are not (kornia draws a
+chunk's parameters in one go, and ColorJitter's order of its four steps once per call: per chunk, for both views).
 """
 from __future__ import annotations
 

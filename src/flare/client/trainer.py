@@ -61,9 +61,8 @@ class TrainContext:
 @CLIENT_ENGINES.register("sequential", description="one client after another")
 @CLIENT_ENGINES.register("threads", description="one thread per client, each on its own CUDA stream")
 class Client:
-    """One federated client: its data indices, its model (never replaced by a server model), its
-    optimizer and λ provider. `upload()` is all the server ever sees. Its `train_round` is the sequential and
-    threads engines' round."""
+    """One federated client: its data indices, its model (never replaced by a server model), its optimizer and λ
+    provider. `upload()` is all the server ever sees. Its `train_round` is the sequential and threads engines' round."""
 
     @staticmethod
     def check(cfg: Config) -> None:

@@ -45,10 +45,7 @@ class ContrastBankFn(Protocol):
     def __call__(self, facts: BankFacts, options: LossCfg) -> Callable: ...
 
 
-# ----------------------------------------------------------------------------------------------
 # memory bank
-
-
 class MemoryBank:
     """Per-client FIFO of the `size` most recent (normalised feature, label) pairs, as a ring buffer."""
 
@@ -114,10 +111,7 @@ class MemoryBankExtension:
         self.queue.load_state_dict(state)
 
 
-# ----------------------------------------------------------------------------------------------
 # public feature bank and two-stage
-
-
 def public_infonce(feat: Tensor, bank: Tensor, tau: float) -> Tensor:
     """InfoNCE over a batch laid out as [view1; view2] (2B rows): the positive of each row is the other
     view of the same image, the negatives are the (normalised) bank rows."""
@@ -164,16 +158,14 @@ def train_teacher(cfg: Config, public: tuple[Tensor, Tensor], global_model: torc
     teacher.train()
     opt = torch.optim.SGD(teacher.parameters(), lr=cfg.lr, momentum=cfg.optim.momentum,
                           weight_decay=cfg.optim.weight_decay)
-    rng_state = torch.get_rng_state()
-    torch.manual_seed(derived_seed(cfg.seed, 424242, 1))  # the teacher's augmentation stream
     order = torch.Generator().manual_seed(derived_seed(cfg.seed, 424242, 2))
     n, bs = len(y), cfg.batch_size
-    losses = []
-    try:
+    steps, losses = math.ceil(n / bs), []
+    with torch.random.fork_rng(devices=[]):  # leave the global stream as we found it
+        torch.manual_seed(derived_seed(cfg.seed, 424242, 1))  # the teacher's augmentation stream
         for _ in range(cfg.loss.teacher_epochs):
             perm = torch.randperm(n, generator=order).to(device)
             total = 0.0
-            steps = math.ceil(n / bs)
             for b in range(steps):
                 idx = perm[b * bs:(b + 1) * bs]
                 v1, v2 = augment(x[idx])
@@ -187,8 +179,6 @@ def train_teacher(cfg: Config, public: tuple[Tensor, Tensor], global_model: torc
                 opt.step()
                 total += float(loss.detach())
             losses.append(total / steps)
-    finally:
-        torch.set_rng_state(rng_state)  # leave the global stream as we found it
     return teacher, losses
 
 
@@ -197,11 +187,7 @@ def teacher_bank(teacher: torch.nn.Module, x_uint8: Tensor, norm, device: torch.
                  batch_size: int = 256) -> Tensor:
     """L2-normalised teacher features of the public slice (eval mode, no augmentation)."""
     teacher.eval()
-    out = []
-    for i in range(0, len(x_uint8), batch_size):
-        feat, _ = teacher(norm(x_uint8[i:i + batch_size].to(device)))
-        out.append(F.normalize(feat.float(), dim=1))
-    return torch.cat(out)
+    return torch.cat([F.normalize(teacher(norm(xb.to(device)))[0].float(), dim=1) for xb in x_uint8.split(batch_size)])
 
 
 def build_public_bank(cfg: Config, public: tuple[Tensor, Tensor] | None, global_model: torch.nn.Module, augment,
