@@ -79,6 +79,7 @@ class _StepTable:
 @CLIENT_ENGINES.register("batched")
 class BatchedClients:
     """Trains `clients` (all active clients of a run, in a fixed order) one round at a time as one batched program.
+
     What it cannot run it states beside the code that would have to run it: settings (`check`, at config
     validation, before any data is read), λ providers (`lam_unsupported`, when the engine is built); a loss term
     that cannot be vmapped fails at its first step (`_vmap_errors`)."""
