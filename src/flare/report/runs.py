@@ -10,6 +10,7 @@ aggregated), which form a parameter sweep.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -53,13 +54,10 @@ def discover(paths: Iterable[str | Path]) -> list[Path]:
         for c in sorted(p.rglob("config.yaml")):
             if (c.parent / "metrics.jsonl").exists():
                 found.append(c.parent)
-    seen, out = set(), []
+    unique: dict[Path, Path] = {}
     for d in found:
-        r = d.resolve()
-        if r not in seen:
-            seen.add(r)
-            out.append(d)
-    return out
+        unique.setdefault(d.resolve(), d)
+    return list(unique.values())
 
 
 def load_runs(paths: Iterable[str | Path]) -> list[RunData]:
@@ -85,9 +83,7 @@ def fmt_value(v: Any) -> str:
 
 def protocols_line(runs: list[RunData]) -> str:
     """Which protocol produced the runs of a report: e.g. "Protocol: clean (4 runs), reference (4 runs)."."""
-    counts: dict[str, int] = {}
-    for r in runs:
-        counts[r.protocol] = counts.get(r.protocol, 0) + 1
+    counts = Counter(r.protocol for r in runs)
     parts = [f"`{p}` ({n} run{'s' if n > 1 else ''})" for p, n in counts.items()]
     return "Protocol (config/protocol.py, docs/reproduction.md): " + ", ".join(parts) + "."
 
@@ -229,14 +225,11 @@ def sections(runs: list[RunData]) -> list[Section]:
         sl = slug("_".join(f"{short_key(k)}={fmt_value(v)}" for k, v in setting.items()) or "all")
         nonsetting = [k for k in varying_keys(rs) if not is_setting(k)]
         out.append(Section(title, sl, setting, rs, make_rows(rs, None if nonsetting else [])))
-    # unique slugs
-    seen: dict[str, int] = {}
+    seen: Counter = Counter()  # unique slugs: the second `x` is `x-1`
     for s in out:
-        if s.slug in seen:
-            seen[s.slug] += 1
-            s.slug = f"{s.slug}-{seen[s.slug]}"
-        else:
-            seen[s.slug] = 0
+        seen[s.slug] += 1
+        if seen[s.slug] > 1:
+            s.slug = f"{s.slug}-{seen[s.slug] - 1}"
     return out
 
 
