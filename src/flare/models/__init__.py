@@ -37,21 +37,8 @@ class ModelBuilder(Protocol):
     passed only to a builder that declares an options model. `create_model` adds the head the objective trains."""
     def __call__(self, in_channels: int, width: float, *options: BaseModel) -> nn.Module: ...
 
-__all__ = [
-    "FlareNet",
-    "PrototypeHead",
-    "LinearHead",
-    "create_model",
-    "list_models",
-    "register_model",
-    "HEADS",
-    "check_state_fits",
-    "layout",
-    "load_checkpoint",
-    "create_architecture",
-    "check_input_fits",
-    "timm_names",
-]
+__all__ = ["FlareNet", "PrototypeHead", "LinearHead", "create_model", "list_models", "register_model", "HEADS",
+           "check_state_fits", "layout", "load_checkpoint", "create_architecture", "check_input_fits", "timm_names"]
 
 HEADS: dict[str, type[nn.Module]] = {"prototype": PrototypeHead, "linear": LinearHead, "etf": ETFHead}
 
@@ -103,38 +90,25 @@ class FlareNet(nn.Module):
         return getattr(self.head, "prototypes", None)
 
 
-def create_model(
-    name: str,
-    in_channels: int,
-    num_classes: int,
-    width: float = 1.0,
-    head: str = "prototype",
-    options: dict | None = None,
-    feature_dim: int | None = None,
-) -> FlareNet:
+def create_model(name: str, in_channels: int, num_classes: int, width: float = 1.0, head: str = "prototype",
+                 options: dict | None = None, feature_dim: int | None = None) -> FlareNet:
     """Build a registered encoder + head. Unknown names raise `FlareError` (key `model.name`). `feature_dim`: a
     linear projection of the encoder's feature to that d before the head (`model.feature_dim`: the shared d that
     makes prototypes, anchors and features of different encoders comparable)."""
     entry = MODELS.entry(name)
     if head not in HEADS:
-        raise FlareError(
-            f"unknown head {head!r}.", key="model.head", fix="one of " + ", ".join(sorted(HEADS)) + "."
-        )
+        raise FlareError(f"unknown head {head!r}.", key="model.head", fix="one of " + ", ".join(sorted(HEADS)) + ".")
     try:
         w = float(width)
     except (TypeError, ValueError):
         w = float("nan")
     if not w > 0:  # also rejects NaN
-        raise FlareError(
-            f"width must be a positive number, got {width!r}.", key="model.width", fix="use e.g. 1.0, 0.5 or 0.25."
-        )
+        raise FlareError(f"width must be a positive number, got {width!r}.", key="model.width",
+                         fix="use e.g. 1.0, 0.5 or 0.25.")
     width = w
     if int(in_channels) < 1 or int(num_classes) < 1:
-        raise FlareError(
-            f"in_channels and num_classes must be ≥ 1 (got {in_channels}, {num_classes}).",
-            key="model",
-            fix="check the dataset: 1 channel for Fashion-MNIST, 3 for CIFAR.",
-        )
+        raise FlareError(f"in_channels and num_classes must be ≥ 1 (got {in_channels}, {num_classes}).", key="model",
+                         fix="check the dataset: 1 channel for Fashion-MNIST, 3 for CIFAR.")
     opts = MODELS.options(name, options, "model.options") if entry.options is not None else None
     try:
         encoder = entry.obj(int(in_channels), width, *([opts] if opts is not None else []))

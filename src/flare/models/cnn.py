@@ -29,13 +29,8 @@ class SmallCNN(nn.Module):
         self.in_channels = int(in_channels)
         self.width = float(width)
         c1, c2, c3 = scaled(32, width), scaled(64, width), scaled(128, width)
-        self.body = nn.Sequential(
-            *_block(self.in_channels, c1),
-            nn.MaxPool2d(2),
-            *_block(c1, c2),
-            nn.MaxPool2d(2),
-            *_block(c2, c3),
-        )
+        self.body = nn.Sequential(*_block(self.in_channels, c1), nn.MaxPool2d(2), *_block(c1, c2), nn.MaxPool2d(2),
+                                  *_block(c2, c3))
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.feature_dim = c3
         init_weights(self)
