@@ -61,8 +61,7 @@ def kernels() -> str:
 def native_level() -> str:
     """The best level the CPU itself supports, whatever this process was pinned to."""
     import torch  # lazy: see kernels()
-    probes = (("AVX512", "_is_avx512_supported"), ("AVX2", "_is_avx2_supported"))
-    for level, fn in probes:
+    for level, fn in (("AVX512", "_is_avx512_supported"), ("AVX2", "_is_avx2_supported")):
         if getattr(torch.cpu, fn, lambda: False)():
             return level
     return "DEFAULT"
@@ -174,10 +173,7 @@ def early_level(argv: list[str], env: dict | None = None) -> str:
             path = os.path.join(a, "config.yaml")  # `flare fuse RUN_DIR`: the run's own kernels
         if path and (found := _yaml_level(path)):
             level = found
-    for a in argv:
-        if a.startswith("speed=") and a.split("=", 1)[1].strip() == "fast":
-            level = "native"
-    for a in argv:
-        if a.startswith("cpu_isa="):
-            level = a.split("=", 1)[1].strip()
+    if any(a.startswith("speed=") and a.split("=", 1)[1].strip() == "fast" for a in argv):
+        level = "native"
+    level = next((a.split("=", 1)[1].strip() for a in reversed(argv) if a.startswith("cpu_isa=")), level)
     return level if level in LEVELS else DEFAULT_ISA

@@ -97,8 +97,7 @@ def power_iteration(hvp: Callable[[list[Tensor]], list[Tensor]], params: list[Te
         v = [h / norm for h in hv]
         if tol > 0 and len(hist) >= 3 and all(_rel(hist[-i], hist[-i - 1]) < tol for i in (1, 2)):
             break
-    rel = abs(hist[-1] - hist[-2]) / max(abs(hist[-1]), 1e-30) if len(hist) > 1 else float("nan")
-    return EigenEstimate(hist[-1], hist, rel)
+    return EigenEstimate(hist[-1], hist, _rel(hist[-1], hist[-2]) if len(hist) > 1 else float("nan"))
 
 
 def top_hessian_eigenvalue(loss_fns: list[Callable[[], Tensor]], params: list[Tensor], iters: int = 20,

@@ -196,9 +196,8 @@ class ProbeSpec:
                                        cfg.model.feature_dim, checkpoint=False), cfg.lr
 
     def model_key(self) -> dict:
-        a = server_architecture(Config.model_validate(self.config))
         cfg = Config.model_validate(self.config)
-        return {"arch": repr(a), "head": cfg.head, "feature_dim": cfg.model.feature_dim, "shape": list(self.shape),
+        return {"arch": repr(server_architecture(cfg)), "head": cfg.head, "feature_dim": cfg.model.feature_dim, "shape": list(self.shape),
                 "classes": self.num_classes, "images": self.images, "steps": self.steps}
 
 

@@ -60,29 +60,13 @@ class TwoViewAugment(nn.Module):
     the defaults are the SupCon policy.
     """
 
-    def __init__(
-        self,
-        image_size: int | Sequence[int],
-        in_channels: int,
-        mean,
-        std,
-        per_image: bool = True,
-        *,
-        crop_scale: tuple[float, float] = (0.2, 1.0),
-        crop_ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
-        flip_p: float = 0.5,
-        jitter: tuple[float, float, float, float] = (0.4, 0.4, 0.4, 0.1),
-        jitter_p: float = 0.8,
-        gray_p: float = 0.2,
-        pre_mean=None,
-        pre_std=None,
-    ):
+    def __init__(self, image_size: int | Sequence[int], in_channels: int, mean, std, per_image: bool = True, *,
+                 crop_scale: tuple[float, float] = (0.2, 1.0), crop_ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
+                 flip_p: float = 0.5, jitter: tuple[float, float, float, float] = (0.4, 0.4, 0.4, 0.1),
+                 jitter_p: float = 0.8, gray_p: float = 0.2, pre_mean=None, pre_std=None):
         super().__init__()
-        if isinstance(image_size, int):
-            size = (int(image_size), int(image_size))
-        else:
-            size = (int(image_size[0]), int(image_size[1]))
-        self.image_size = size
+        size = (image_size, image_size) if isinstance(image_size, int) else image_size[:2]
+        self.image_size = size = (int(size[0]), int(size[1]))
         self.in_channels = int(in_channels)
         self.per_image = bool(per_image)
         same = not self.per_image
@@ -91,22 +75,12 @@ class TwoViewAugment(nn.Module):
         if not rgb:  # saturation / hue / grayscale only make sense for RGB
             saturation, hue = 0.0, 0.0
 
-        ops: list[nn.Module] = [
-            K.RandomResizedCrop(
-                size,
-                scale=tuple(crop_scale),
-                ratio=tuple(crop_ratio),
-                same_on_batch=same,
-                cropping_mode="resample",
-                align_corners=True,
-            )
-        ]
+        ops: list[nn.Module] = [K.RandomResizedCrop(size, scale=tuple(crop_scale), ratio=tuple(crop_ratio),
+                                                    same_on_batch=same, cropping_mode="resample", align_corners=True)]
         if flip_p > 0:
             ops.append(K.RandomHorizontalFlip(p=flip_p, same_on_batch=same))
         if jitter_p > 0 and any(v != 0 for v in (brightness, contrast, saturation, hue)):
-            ops.append(
-                K.ColorJitter(brightness, contrast, saturation, hue, p=jitter_p, same_on_batch=same)
-            )
+            ops.append(K.ColorJitter(brightness, contrast, saturation, hue, p=jitter_p, same_on_batch=same))
         if rgb and gray_p > 0:
             ops.append(K.RandomGrayscale(p=gray_p, same_on_batch=same))
         self.policy = nn.Sequential(*ops)
@@ -137,9 +111,7 @@ class TwoViewAugment(nn.Module):
             if self.pre is not None:
                 x = _standardize(x, self.pre_mean.to(x.device), self.pre_std.to(x.device))
             x = self.policy(x)
-            mean = self.mean.to(x.device)
-            std = self.std.to(x.device)
-            return _standardize(x, mean, std).contiguous()
+            return _standardize(x, self.mean.to(x.device), self.std.to(x.device)).contiguous()
 
     def forward(self, x_uint8: Tensor) -> tuple[Tensor, Tensor]:
         return self.single_view(x_uint8), self.single_view(x_uint8)

@@ -129,10 +129,8 @@ def load_dataset(name: str, root: str | os.PathLike | None, format: str = "auto"
         return synthetic_dataset(name)
     root_path = Path(root).expanduser() if root not in (None, "") else None
     fmt = _resolve_format(name, info, root_path, format)
-    if fmt == "imagefolder":
-        source = _locate_imagefolder(name, root_path)
-    else:
-        source = info.locate(name, root_path, fmt, download)
+    source = (_locate_imagefolder(name, root_path) if fmt == "imagefolder"
+              else info.locate(name, root_path, fmt, download))
 
     cache_file = _cache_file(_cache_dir(cache_dir), name, fmt, source.paths)
     data = _load_cache(cache_file, name)
