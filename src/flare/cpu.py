@@ -7,8 +7,7 @@ chooses its code path once, at its first kernel call, from the environment (`ATE
 level every x86-64 machine of this workplace supports (`cpu_isa=avx2`, the default) before a run's first tensor
 operation, checks afterwards that the libraries really dispatch there, and records the level in the run
 (state.json, summary.md). `cpu_isa=native` lets each library pick the CPU's best (faster, other digits). The
-measurements behind it and which claims hold on which CPUs: docs/reproducibility.md and docs/performance.md.
-"""
+measurements behind it and which claims hold on which CPUs: docs/reproducibility.md and docs/performance.md."""
 from __future__ import annotations
 
 import ctypes

@@ -2,8 +2,7 @@
 
 A *method* is nothing but a preset: a few lines of YAML in `flare/presets/` that pick the composable parts
 (objective, anchors, schedule, λ learner, gradient surgery, server rules). Every mistake becomes a
-`FlareError` that names the key and the fix (the CLI prints it, exit code 2).
-"""
+`FlareError` that names the key and the fix (the CLI prints it, exit code 2)."""
 from __future__ import annotations
 
 import contextlib
@@ -59,12 +58,16 @@ def load_yaml_text(text: str):
 PRESET_METADATA = ("label", "color", "order")  # how reports show a method; not part of its config
 
 
+def _preset_dir():
+    return resources.files("flare") / "presets"
+
+
 @functools.cache
 def _parsed_presets() -> dict[str, dict]:
     """The package's preset files never change while a process runs: parsed once, not on every config built (a
     sweep builds one per point; parsing every preset was nearly all of `load_config`'s time)."""
     out = {}
-    for f in sorted((resources.files("flare") / "presets").iterdir(), key=lambda p: p.name):
+    for f in sorted(_preset_dir().iterdir(), key=lambda p: p.name):
         if f.name.endswith(".yaml"):
             out[f.name[:-5]] = load_yaml_text(f.read_text()) or {}
     return out
@@ -266,11 +269,7 @@ def load_config(config_file: str | Path | None = None, preset: str | None = None
     file_map = read_yaml_mapping(config_file) if config_file is not None else {}
     ov = overrides if isinstance(overrides, dict) else parse_overrides(list(overrides or []))
     preset = preset or ov.get("preset") or file_map.get("preset")
-    mapping: dict = {}
-    if preset:
-        mapping = deep_merge(mapping, preset_mapping(preset))
-    mapping = deep_merge(mapping, file_map)
-    mapping = deep_merge(mapping, ov)
+    mapping = deep_merge(deep_merge(preset_mapping(preset) if preset else {}, file_map), ov)
     if preset:
         mapping["preset"] = preset
     return build_config(mapping)

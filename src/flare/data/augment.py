@@ -14,8 +14,7 @@ Policy (torchvision's SupCon recipe, in this order):
 
 Where and why it departs from torchvision (the jitter's order, the crop's resample mode, the normalisation, the
 per-batch draws, the reference's input scaling, the random generators): the list under the policy in
-docs/method.md#local-objective-fafi.
-"""
+docs/method.md#local-objective-fafi."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -57,8 +56,7 @@ class TwoViewAugment(nn.Module):
     """Two independently augmented, normalised float32 views of a uint8 batch (see module docstring).
 
     The keyword-only arguments change the policy away from the SupCon recipe (tests use them to switch parts off);
-    the defaults are the SupCon policy.
-    """
+    the defaults are the SupCon policy."""
 
     def __init__(self, image_size: int | Sequence[int], in_channels: int, mean, std, per_image: bool = True, *,
                  crop_scale: tuple[float, float] = (0.2, 1.0), crop_ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
@@ -97,15 +95,12 @@ class TwoViewAugment(nn.Module):
     def extra_repr(self) -> str:
         return f"image_size={self.image_size}, in_channels={self.in_channels}, per_image={self.per_image}"
 
-    def _check(self, x: Tensor) -> None:
-        if x.dtype != torch.uint8:
-            raise TypeError(f"TwoViewAugment expects a uint8 batch, got {x.dtype}")
-        if x.dim() != 4 or x.shape[1] != self.in_channels:
-            raise ValueError(f"expected a B×{self.in_channels}×H×W batch, got shape {tuple(x.shape)}")
-
     def single_view(self, x_uint8: Tensor) -> Tensor:
         """One augmented, normalised float32 view."""
-        self._check(x_uint8)
+        if x_uint8.dtype != torch.uint8:
+            raise TypeError(f"TwoViewAugment expects a uint8 batch, got {x_uint8.dtype}")
+        if x_uint8.dim() != 4 or x_uint8.shape[1] != self.in_channels:
+            raise ValueError(f"expected a B×{self.in_channels}×H×W batch, got shape {tuple(x_uint8.shape)}")
         with torch.no_grad(), torch.autocast(x_uint8.device.type, enabled=False):
             x = x_uint8.float().div_(255.0)
             if self.pre is not None:

@@ -13,14 +13,12 @@ streams (`FeatureViews`); with V = 0 both views are the plain feature.
 The cache file's key (encoder, weights, dataset, images, augmentation) is stored inside the file too: a file whose
 stored key differs or that cannot be read is refused with an error naming it — never silently used, never silently
 overwritten. Extraction runs in float32 (2 CPU cores have no fast bf16 path) and NHWC (oneDNN's fast layout for
-depthwise convolutions, about twice NCHW's throughput measured here), under inference_mode.
-"""
+depthwise convolutions, about twice NCHW's throughput measured here), under inference_mode."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +29,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from flare.data.augment import TwoViewAugment, normalize
-from flare.data.datasets import ImageData, _cache_dir, load_dataset, register_dataset
+from flare.data.datasets import ImageData, _cache_dir, atomic_save, load_dataset, register_dataset
 from flare.errors import FlareError
 from flare.registry import MODELS
 
@@ -150,20 +148,6 @@ def read_cache(path: Path, key: dict) -> dict | None:
     return {**tensors, "classes": classes}
 
 
-def write_cache(path: Path, key: dict, tensors: dict) -> None:
-    """Atomically (temp file + rename): a crash never leaves half a cache."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save({"key": json.dumps(key, sort_keys=True), **tensors}, f)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 # ----------------------------------------------------------------------------------------------- extraction
 
 
@@ -233,7 +217,7 @@ def load_features(opts: FeatureOptions, quiet: bool | None = None) -> FeatureDat
     tensors = read_cache(path, key)
     if tensors is None:
         tensors, facts = extract_features(opts, images, quiet)
-        write_cache(path, key, tensors)
+        atomic_save(path, {"key": json.dumps(key, sort_keys=True), **tensors})
         path.with_suffix(".json").write_text(json.dumps({**key, "extraction": facts}, indent=1) + "\n")
         if not quiet:
             print(f"flare: cached {facts['images']} features in {path} ({facts['seconds']:.0f} s, "

@@ -19,8 +19,7 @@ share of every client that already holds N/K samples or more, renormalise, and c
 floor(cumsum(q)·N_c); redraw the whole split until every client has at least `min_size` samples; finally shuffle
 every client's list. Every sample is used once. With rng="legacy" all draws come from a numpy RandomState seeded
 with the seed — the references' `np.random.seed(seed)` before `partition_data`, nothing drawn in between — so the
-same seed gives the references' client index sets (the training set in torchvision's order).
-"""
+same seed gives the references' client index sets (the training set in torchvision's order)."""
 from __future__ import annotations
 
 import math

@@ -9,8 +9,7 @@ Registered names: `resnet18`, `resnet34`, `resnet50` (CIFAR-style, see `resnet.p
 `timm/<name>` for any timm architecture (`timm_zoo.py`), in `flare.registry.MODELS`, plus any a plugin registers;
 docs/models.md. `load_checkpoint` starts a model from a local state dict (`model.checkpoint`). A registered builder is
 `fn(in_channels: int, width: float[, options]) -> nn.Module` returning an encoder with a `feature_dim`
-attribute; `create_model` wraps it with a head into a `FlareNet`.
-"""
+attribute; `create_model` wraps it with a head into a `FlareNet`."""
 from __future__ import annotations
 
 import re
@@ -45,19 +44,16 @@ HEADS: dict[str, type[nn.Module]] = {"prototype": PrototypeHead, "linear": Linea
 
 def register_model(name_or_fn, *, options: type[BaseModel] | None = None, description: str = "",
                    check=None, overwrite: bool = False):
-    """Register an encoder builder `fn(in_channels, width[, options]) -> encoder` (encoder has `.feature_dim`) in
-    `flare.registry.MODELS`.
+    """Register an encoder builder `fn(in_channels, width[, options]) -> encoder` (encoder has `.feature_dim`).
 
     Use as `@register_model` (name = function name) or `@register_model("name", options=MyOptions)`; a builder
     that declares options receives them (validated from `model.options`) as a third argument; `check(cfg)`
     refuses a config the model cannot serve (`Registry.register`). Re-registering a name raises unless
-    `overwrite=True`.
-    """
+    `overwrite=True`."""
+    kw = dict(options=options, description=description, check=check, overwrite=overwrite)
     if callable(name_or_fn):
-        return MODELS.register(name_or_fn.__name__, name_or_fn, options=options, description=description,
-                               check=check, overwrite=overwrite)
-    return MODELS.register(str(name_or_fn), options=options, description=description, check=check,
-                           overwrite=overwrite)
+        return MODELS.register(name_or_fn.__name__, name_or_fn, **kw)
+    return MODELS.register(str(name_or_fn), **kw)
 
 
 def list_models() -> list[str]:
@@ -140,9 +136,8 @@ register_model("cnn_mnist_dense", description="DENSE's FMNIST/MNIST CNN (BN; d =
 register_model("efficientnet_lite0", options=_pretrained.EncoderOptions, check=_pretrained.refuse_image_runs,
                description="EfficientNet-Lite0 with ImageNet weights (the encoders extra), frozen; read through "
                            "dataset.name=features (d = 1280)")(_pretrained.efficientnet_lite0)
-register_model("adapter", options=_pretrained.AdapterOptions,
-               description="linear / MLP adapter over cached encoder features (d = dim·width; dim 0: identity)")(
-    _pretrained.adapter)
+register_model("adapter", options=_pretrained.AdapterOptions, description="linear / MLP adapter over cached "
+               "encoder features (d = dim·width; dim 0: identity)")(_pretrained.adapter)
 
 
 def layout(model: nn.Module | dict) -> tuple:
@@ -250,9 +245,8 @@ def load_checkpoint(model: FlareNet, path: str, key: str = "model.checkpoint") -
                          f"{str(e).splitlines()[0] if str(e) else ''}).", key=key,
                          fix="save it with torch.save(model.state_dict(), path); files that need code to load "
                              "(weights_only=False) are refused.") from None
-    state = obj
-    if isinstance(obj, dict):
-        state = next((obj[k] for k in ("model", "state_dict") if isinstance(obj.get(k), dict)), obj)
+    state = (next((obj[k] for k in ("model", "state_dict") if isinstance(obj.get(k), dict)), obj)
+             if isinstance(obj, dict) else obj)
     whole = isinstance(state, dict) and any(str(k).startswith(("encoder.", "proj.", "head.")) for k in state)
     target = model if whole or not isinstance(state, dict) else model.encoder
     check_state_fits(target, state, f"checkpoint {path}" + ("" if target is model else " (an encoder's state)"),

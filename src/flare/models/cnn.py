@@ -5,8 +5,7 @@
     conv3×3(64w → 128w) - BN - ReLU
     global average pool  →  d = round(128·width)
 
-Padding 1 everywhere, so any input ≥ 4×4 works (28×28, 32×32, 64×64, ...). Same init as the ResNets.
-"""
+Padding 1 everywhere, so any input ≥ 4×4 works (28×28, 32×32, 64×64, ...). Same init as the ResNets."""
 from __future__ import annotations
 
 import torch

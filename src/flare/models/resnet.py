@@ -8,8 +8,7 @@ The encoder returns the pooled feature f(x) ∈ R^{B×d} with d = 512·width (Ba
 
 `width` scales every channel count (stem included); counts are rounded to the nearest integer and clamped to ≥ 1.
 Initialisation follows torchvision: kaiming-normal (fan_out, relu) for convolutions, BN weight 1 / bias 0.
-Only stock layers are used, so the encoders run in channels_last and under torch.autocast.
-"""
+Only stock layers are used, so the encoders run in channels_last and under torch.autocast."""
 from __future__ import annotations
 
 from typing import Sequence

@@ -3,8 +3,7 @@ methods, and the report figures over rows of runs (accuracy curves, learned λ, 
 
 Conventions shared by every figure: a method has one colour everywhere (its preset's: `style.method_colour`), rounds
 are counted from 1 (round r = the evaluation after r rounds of training) and ticked at integers, legends sit outside
-the axes so they never cover data, and a curve over seeds is the mean with a ±std band.
-"""
+the axes so they never cover data, and a curve over seeds is the mean with a ±std band."""
 from __future__ import annotations
 
 import math
@@ -266,17 +265,13 @@ def plot_lambda_eff(rows: list[Row], path: Path, title: str, v7_rows: list[Row] 
         ax.fill_between(x, lo, hi, alpha=0.1, color=method_colour(row.method), hatch="//", lw=0,
                         label=f"{row.label}: range over clients")
         allv += list(m) + list(lo) + list(hi)
-    drawn = False
-    for row in v7_rows or []:
-        c = row.client_mean_curves("lambda")
-        if c is None:
-            continue
+    v7 = [(row, c) for row in v7_rows or [] if (c := row.client_mean_curves("lambda")) is not None]
+    for row, c in v7:
         m = np.nanmean(c, axis=0)
         ax.plot(rounds_axis(row, c.shape[1]), m, "--", color=method_colour(row.method), lw=1.5,
                 label=f"{row.label}: hand-made λ0(1−p), λ0={fmt_value(row.runs[0].cfg.get('align', {}).get('lambda0'))}")
         allv += list(m)
-        drawn = True
-    if not drawn:
+    if not v7:
         ref = rows[0].runs[0]
         n = rows[0].client_mean_curves("lambda_eff").shape[1]
         y = v7_schedule(ref.cfg, n)
@@ -351,13 +346,10 @@ def plot_label_distributions(runs: list[RunData], path: Path, max_panels: int = 
     """One heat map (clients × classes, sample counts) per distinct partition among the runs."""
     parts: dict[str, tuple[str, dict]] = {}
     for r in runs:
-        if not r.partition or "clients" not in r.partition:
-            continue
-        key = repr(r.partition.get("clients"))
-        if key not in parts:
-            pt = r.partition
-            parts[key] = (f"{pt.get('dataset')} {pt.get('kind')} α={fmt_value(pt.get('alpha'))} seed {pt.get('seed')}",
-                          pt)
+        pt = r.partition
+        if pt and "clients" in pt:  # the first run of each distinct split draws it
+            parts.setdefault(repr(pt["clients"]), (f"{pt.get('dataset')} {pt.get('kind')} "
+                                                   f"α={fmt_value(pt.get('alpha'))} seed {pt.get('seed')}", pt))
     if not parts:
         return False
     items = sorted(parts.values(), key=lambda t: t[0])[:max_panels]

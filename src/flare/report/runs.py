@@ -5,8 +5,7 @@ aggregated), which form a parameter sweep.
   rounds, local_epochs, batch_size) that differ between the runs;
 * inside a section a **row** per method (`method`, i.e. the preset) plus the keys that vary between runs of the
   same method (e.g. `align.lambda0` of a λ0 sweep), aggregated over seeds (mean ± std);
-* a **parameter sweep** for every numeric key that takes ≥ 2 values with everything else equal (λ0, α, ...).
-"""
+* a **parameter sweep** for every numeric key that takes ≥ 2 values with everything else equal (λ0, α, ...)."""
 from __future__ import annotations
 
 import re
@@ -130,8 +129,7 @@ class Row:
 
     def client_mean_curves(self, key: str) -> np.ndarray | None:
         """seeds × rounds of the per-round mean over clients."""
-        cs = [r.client_curve(key) for r in self.runs if r.rounds]
-        cs = [c for c in cs if c is not None]
+        cs = [c for r in self.runs if r.rounds and (c := r.client_curve(key)) is not None]
         if not cs:
             return None
         n = min(len(c) for c in cs)
@@ -176,13 +174,8 @@ def _nanmean_rows(a: np.ndarray) -> np.ndarray:
 def make_rows(runs: list[RunData], variant_keys: list[str] | None = None) -> list[Row]:
     """Rows by method plus the keys that vary between runs of the same method (seeds aggregated)."""
     if variant_keys is None:
-        variant_keys = set()
-        by_method: dict[str, list[RunData]] = {}
-        for r in runs:
-            by_method.setdefault(r.method, []).append(r)
-        for rs in by_method.values():
-            variant_keys |= set(varying_keys(rs))
-        variant_keys = sorted(variant_keys)
+        variant_keys = sorted({k for m in {r.method for r in runs}
+                               for k in varying_keys([r for r in runs if r.method == m])})
     rows: dict[tuple, Row] = {}
     for r in runs:
         var = {k: r.flat.get(k) for k in variant_keys
