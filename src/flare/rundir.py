@@ -21,6 +21,7 @@ config into it starts afresh (`RunDir.holds_rounds`), so a failed first attempt 
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import socket
@@ -36,6 +37,7 @@ from flare.config import Config, config_to_yaml, experiment_differences, migrate
 from flare.durable import (atomic_torch_save, atomic_write_text, encode_record, parse_jsonl,  # noqa: F401
                            read_jsonl)
 from flare.errors import FlareError
+from flare.models import check_state_fits
 from flare.records import config_fingerprint, file_fingerprint, flatten, shown
 
 try:  # POSIX advisory locks; without fcntl (Windows) runs are not locked
@@ -215,15 +217,17 @@ class RunDir:
                              fix="restore it, or delete the run directory and rerun.")
         return migrate(m)  # written before a key was renamed: read with its new name
 
-    def read_state(self) -> dict:
-        p = self.path / STATE
-        if not p.is_file():
-            return {}
+    def read_json(self, name: str) -> dict:
+        """A JSON object file of the directory ({} if it is missing, damaged or not an object)."""
+        p = self.path / name
         try:
-            st = json.loads(p.read_text())
+            d = json.loads(p.read_text()) if p.is_file() else {}
         except (json.JSONDecodeError, UnicodeDecodeError):
             return {}
-        return st if isinstance(st, dict) else {}
+        return d if isinstance(d, dict) else {}
+
+    def read_state(self) -> dict:
+        return self.read_json(STATE)
 
     def read_metrics(self) -> tuple[list[dict], list[int]]:
         if not self.metrics_path.exists():
@@ -251,6 +255,17 @@ class RunDir:
         if problems:
             warn(f"{self.path}: " + "; ".join(problems) + ", and no older checkpoint is readable.")
         return None
+
+    def check_client_states(self, saved: list, models: list, key: str, rerun: str) -> None:
+        """Refuse a checkpoint whose client states do not fit the run's client `models` (one per client, in order),
+        before anything loads them; `rerun`: the fix's alternative to restoring config.yaml."""
+        fix = f"the checkpoint was made by another experiment: restore {self.path / CONFIG}, or {rerun}."
+        where = self.path / CHECKPOINT
+        if len(saved) != len(models):
+            raise FlareError(f"{where} holds {len(saved)} clients, the run has {len(models)}.", key=key, fix=fix)
+        for i, (m, st) in enumerate(zip(models, saved)):
+            check_state_fits(m, st.get("model") if isinstance(st, dict) else st, f"{where} (client {i})", key=key,
+                             fix=fix)
 
     # -- consistency ----------------------------------------------------------------------------
     def check_consistent(self, key: str = "--out", checkpoint: dict | None = None,
@@ -315,12 +330,11 @@ class RunDir:
             return []
         self.check_consistent(key, resuming=cfg)
         diff = experiment_differences(old, cfg)
-        if diff:
-            why = extension_problem(old, cfg) if diff == ["rounds"] else None
-            if diff != ["rounds"] or why:
-                raise FlareError(f"run directory '{self.path}' holds a different experiment (keys differ: "
-                                 f"{', '.join(diff)})" + (f"; {why}" if why else "") + ".", key=key,
-                                 fix="choose another output directory, or delete the old one.")
+        why = extension_problem(old, cfg) if diff == ["rounds"] else None
+        if diff and (diff != ["rounds"] or why):
+            raise FlareError(f"run directory '{self.path}' holds a different experiment (keys differ: "
+                             f"{', '.join(diff)})" + (f"; {why}" if why else "") + ".", key=key,
+                             fix="choose another output directory, or delete the old one.")
         return diff
 
     def resume_point(self, cfg: Config, key: str = "--out") -> ResumePoint:
@@ -359,22 +373,19 @@ class RunDir:
         if len(kept) < len(records):
             warn(f"{self.metrics_path}: {len(records) - len(kept)} record(s) written after the checkpoint (after "
                  f"round {n}) dropped; round {n + 1} is recomputed.")
+        have = {r["round"] for r in kept if r.get("kind") == "round"}
+        missing = [m + 1 for m in range(n) if m not in have]
         if saved is not None:
-            if _comparable(kept) != _comparable(saved):
-                have = {r["round"] for r in kept if r.get("kind") == "round"}
-                missing = [m + 1 for m in sorted(set(range(n)) - have)]
+            if [encode_record(r) for r in kept] != [encode_record(r) for r in saved]:
                 what = f"round(s) {_ranges(missing)} missing" if missing else "records that differ"
                 warn(f"{self.metrics_path} disagrees with {CHECKPOINT} ({what}); rebuilt from the checkpoint, "
                      "which records every round it covers.")
             kept = list(saved)
-        else:  # a checkpoint from before records were kept in it: the log must be complete on its own
-            have = {r["round"] for r in kept if r.get("kind") == "round"}
-            missing = [m + 1 for m in sorted(set(range(n)) - have)]
-            if missing:
-                raise FlareError(f"run directory '{self.path}': metrics.jsonl lacks round(s) {_ranges(missing)}, and "
-                                 "this (older) checkpoint cannot restore them.", key="--out",
-                                 fix="delete the run directory (or its checkpoint*.pt, metrics.jsonl and state.json) "
-                                     "and rerun: runs are deterministic, so it recomputes the same numbers.")
+        elif missing:  # a checkpoint from before records were kept in it: the log must be complete on its own
+            raise FlareError(f"run directory '{self.path}': metrics.jsonl lacks round(s) {_ranges(missing)}, and "
+                             "this (older) checkpoint cannot restore them.", key="--out",
+                             fix="delete the run directory (or its checkpoint*.pt, metrics.jsonl and state.json) "
+                                 "and rerun: runs are deterministic, so it recomputes the same numbers.")
         rp.rounds_done, rp.records, rp.checkpoint = n, kept, ck
         rp.finished = n >= cfg.rounds and state.get("status") == "finished" and not diff
         rp.state_warnings = list(state.get("warnings", []))
@@ -402,16 +413,7 @@ def _complete(records: list[dict], rounds: int) -> bool:
     return idx == list(range(rounds)) and all(r.get("round", -1) < rounds for r in records)
 
 
-def _comparable(records: list[dict]) -> list[str]:
-    return [encode_record(r) for r in records]
-
-
 def _ranges(xs: list[int]) -> str:
-    out, i = [], 0
-    while i < len(xs):
-        j = i
-        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
-            j += 1
-        out.append(str(xs[i]) if i == j else f"{xs[i]}–{xs[j]}")
-        i = j + 1
-    return ", ".join(out)
+    """Sorted ints as runs: [1, 2, 3, 5] → "1–3, 5"."""
+    runs = [[x for _, x in g] for _, g in itertools.groupby(enumerate(xs), lambda ix: ix[1] - ix[0])]
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}–{r[-1]}" for r in runs)

@@ -76,11 +76,6 @@ def init_models(cfg: Config, meta: DataMeta, device: torch.device, channels_last
     return template, inits
 
 
-def init_global_model(cfg: Config, meta: DataMeta, device: torch.device, channels_last: bool = False) -> FlareNet:
-    """The server architecture's seeded init (a run of one architecture: every client's)."""
-    return init_models(cfg, meta, device, channels_last)[0]
-
-
 def anchor_seed(cfg: Config) -> int:
     """The shared seed the anchors A are drawn from (the server fixes it, and `Strategy.initialize` sends it)."""
     return cfg.seed + 7

@@ -43,24 +43,7 @@ class Point:
 
 
 def read_point_file(d: Path) -> dict:
-    p = Path(d) / POINT_FILE
-    if not p.exists():
-        return {}
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError:
-        return {}
-
-
-def _same_experiment(d: Path, cfg) -> tuple[bool, list[str]]:
-    try:
-        old = RunDir(d).read_config()
-    except FlareError:
-        return False, ["config.yaml (unreadable)"]
-    if old is None:
-        return True, []
-    diff = experiment_differences(old, cfg)
-    return not diff, diff
+    return RunDir(d).read_json(POINT_FILE)
 
 
 def point_status(p: Point) -> str:
@@ -78,8 +61,13 @@ def check_dirs(points: list[Point]) -> None:
     """Before anything runs: every existing run directory must hold the same experiment."""
     bad = []
     for p in points:
-        same, keys = _same_experiment(p.dir, p.config)
-        if not same:
+        try:
+            old = RunDir(p.dir).read_config()
+        except FlareError:
+            keys = ["config.yaml (unreadable)"]
+        else:
+            keys = experiment_differences(old, p.config) if old is not None else []
+        if keys:
             bad.append(f"{p.dir} (keys differ: {', '.join(keys)})")
     if bad:
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
@@ -213,12 +201,9 @@ def _execute_ray(points: list[Point], workers: int, address: str | None, cpus_pe
             warnings.simplefilter("ignore")
             import ray
     except ImportError:
-        if address:
-            log("flare: Ray is not installed, so the points run one after another in this process. "
-                "For a Ray cluster: pip install 'flare-ofl[sweep]' (or pip install ray).")
-        else:
-            log(f"flare: Ray is not installed, so the points run in {workers} processes on this machine. "
-                "For a Ray cluster: pip install 'flare-ofl[sweep]' (or pip install ray).")
+        how = "one after another in this process" if address else f"in {workers} processes on this machine"
+        log(f"flare: Ray is not installed, so the points run {how}. "
+            "For a Ray cluster: pip install 'flare-ofl[sweep]' (or pip install ray).")
         return None
     started = False
     if not ray.is_initialized():

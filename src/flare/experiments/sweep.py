@@ -64,12 +64,8 @@ def unflatten(m: dict) -> dict:
     return out
 
 
-def _known_keys() -> set[str]:
-    return set(known_keys()) | {"preset", "seed"}
-
-
 def _check_key(key: str, where: str, src: str) -> None:
-    known = _known_keys()
+    known = set(known_keys()) | {"preset", "seed"}
     if key in known or any(key.startswith(m + ".") for m in mapping_keys()):  # plugin options: checked per point
         return
     close = difflib.get_close_matches(key, sorted(known), n=1)
@@ -91,8 +87,7 @@ def _check_values(key: str, vals: Any, where: str, src: str) -> list:
 def load_sweep(path: str | Path) -> tuple[SweepSpec, dict]:
     """Read and validate a sweep file; returns the spec and its base config mapping (file ← base)."""
     path = Path(path)
-    raw = read_yaml_mapping(path, what="sweep file")
-    return parse_sweep(raw, src=str(path), rel_to=path.parent)
+    return parse_sweep(read_yaml_mapping(path, what="sweep file"), src=str(path), rel_to=path.parent)
 
 
 def parse_sweep(raw: Any, src: str = "<sweep>", rel_to: Path | None = None) -> tuple[SweepSpec, dict]:
@@ -235,13 +230,8 @@ def expand(spec: SweepSpec, base: dict, overrides: dict | None = None) -> list[P
         dims.append([({}, f"seed={_fmt(base.get('seed', 1))}")])
     points: list[Point] = []
     for combo in itertools.product(*dims):
-        values: dict = {}
-        parts = []
-        for assign, part in combo:
-            values.update(assign)
-            if part:
-                parts.append(part)
-        name = point_name(parts)
+        values = {k: v for assign, _ in combo for k, v in assign.items()}
+        name = point_name([part for _, part in combo if part])
         preset = values.get("preset") or base.get("preset")
         mapping = deep_merge(base, unflatten({k: v for k, v in values.items() if k != "preset"}))
         try:
@@ -264,10 +254,6 @@ def expand(spec: SweepSpec, base: dict, overrides: dict | None = None) -> list[P
 # the command
 
 
-def default_out(spec: SweepSpec) -> Path:
-    return Path("runs") / "sweeps" / _fmt(spec.name or "sweep")
-
-
 def manifest(spec: SweepSpec, points: list[Point], results: dict[str, dict], overrides: list[str] | None = None) -> dict:
     return {"name": spec.name, "description": spec.description, "overrides": list(overrides or []),
             "points": [{"name": p.name, "dir": str(p.dir), "values": p.values,
@@ -283,7 +269,7 @@ def run_sweep(path: str | Path, out: str | Path | None = None, *, overrides: lis
         raise FlareError(f"--workers must be at least 1, got {workers}.", key="--workers")
     spec, base = load_sweep(path)
     points = expand(spec, base, parse_overrides(overrides or []))
-    out = Path(out) if out else default_out(spec)
+    out = Path(out) if out else Path("runs") / "sweeps" / _fmt(spec.name or "sweep")
     for p in points:
         p.dir = out / p.name
     check_dirs(points)

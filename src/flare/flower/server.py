@@ -101,14 +101,9 @@ def _sanitize_records(text, cid: int, rounds: range) -> tuple[list[dict], str | 
     for rec, r in zip(recs, rounds):
         if not isinstance(rec, dict) or rec.get("client") != cid or rec.get("round") != r:
             return [], f"training-log record for round {r} is malformed or names another client/round"
-        clean = {}
-        for k, v in rec.items():
-            if isinstance(k, str) and (v is None or isinstance(v, (bool, int, float, str))):
-                clean[k] = v
-            elif isinstance(k, str) and isinstance(v, list) and all(isinstance(x, (int, float)) for x in v):
-                clean[k] = v
-        clean["kind"] = "client"
-        out.append(clean)
+        out.append({**{k: v for k, v in rec.items() if isinstance(k, str) and (
+            v is None or isinstance(v, (bool, int, float, str))
+            or isinstance(v, list) and all(isinstance(x, (int, float)) for x in v))}, "kind": "client"})
     return out, None
 
 
@@ -201,12 +196,10 @@ class ServerSession:
         for node in nodes:
             rep = by_node.get(node)
             known = self.node_client.get(node)
-            if rep is None:
-                self._event("missing", round_end - 1, node, known,
-                            [f"no reply within {self.fed.timeout:g} s (crashed, disconnected or too slow)"])
-                continue
-            if rep.error is not None:
-                self._event("missing", round_end - 1, node, known, [f"the node reported an error: {rep.error}"])
+            if rep is None or rep.error is not None:
+                self._event("missing", round_end - 1, node, known, [
+                    f"no reply within {self.fed.timeout:g} s (crashed, disconnected or too slow)" if rep is None
+                    else f"the node reported an error: {rep.error}"])
                 continue
             reasons: list[str] = []
             m = rep.meta
@@ -301,15 +294,11 @@ class ServerSession:
                  + (f", missing {missing}" if missing else ""))
 
     def write_partition(self) -> None:
-        C, K = self.meta.num_classes, self.cfg.num_clients
-        labels, indices, start = [], [], 0
-        for i in range(K):
-            h = self.histograms.get(i, [0] * C)
-            lab = np.repeat(np.arange(C), h)
-            labels.append(lab)
-            indices.append(np.arange(start, start + len(lab)))
-            start += len(lab)
-        part = Partition(indices, C, np.concatenate(labels) if labels else np.zeros(0, np.int64))
+        C = self.meta.num_classes
+        labels = [np.repeat(np.arange(C), self.histograms.get(i, [0] * C)) for i in range(self.cfg.num_clients)]
+        ends = np.cumsum([0] + [len(lab) for lab in labels]).tolist()
+        part = Partition([np.arange(a, b) for a, b in zip(ends, ends[1:])], C,
+                         np.concatenate(labels) if labels else np.zeros(0, np.int64))
         report = describe_partition(self.cfg, part, self.meta.classes)
         for c in report["clients"]:
             if c["client"] not in self.histograms:
@@ -413,13 +402,9 @@ def run_federation(cfg: Config, fed: FederationSettings, exchange, node_ids: lis
             s._warn(f"{len(node_ids)} node(s) connected for {cfg.num_clients} clients; proceeding with min_clients="
                     f"{s.required}.")
         nodes = list(node_ids)
-        logs: list[dict] = []
-        for start, end in s.blocks():
-            if not nodes:
-                uploads = []
-            else:
-                replies = exchange(s.task(start, end), start == 0, nodes, s)
-                uploads, logs, nodes = s.accept(start, end, nodes, replies)
+        for start, end in s.blocks():  # no node left: no upload, and check_quorum stops the federation
+            uploads, logs, nodes = (s.accept(start, end, nodes, exchange(s.task(start, end), start == 0, nodes, s))
+                                    if nodes else ([], [], []))
             s.check_quorum(uploads, end - 1)
             s.evaluate(end - 1, uploads, logs)
         summary = s.finish()

@@ -41,12 +41,13 @@ def wait_for_nodes(grid: Grid, want: int, seconds: float) -> list[int]:
         time.sleep(1.0)
 
 
-def decode_reply(msg: Message) -> Reply:
-    """A reply message → `Reply` (never raises: malformed content becomes a decode error the gate reports)."""
+def decode_reply(msg: Message, decode=None) -> Reply:
+    """A reply message → `Reply`, its content read by `decode` (default `decode_content`; never raises: malformed
+    content becomes a decode error the gate reports)."""
     node = int(msg.metadata.src_node_id)
     if msg.has_error():
         return Reply(node, error=f"{msg.error.reason} (code {msg.error.code})")
-    return decode_content(node, msg.content)
+    return (decode or decode_content)(node, msg.content)
 
 
 def decode_content(node: int, content: RecordDict) -> Reply:
@@ -84,12 +85,7 @@ def make_talk(grid: Grid, timeout: float):
                               "message": state_to_record(message)})
         msgs = [Message(content=content, dst_node_id=n, message_type="query", group_id=f"{name}-{rnd}")
                 for n in nodes]
-        out = []
-        for m in grid.send_and_receive(msgs, timeout=timeout):
-            node = int(m.metadata.src_node_id)
-            out.append(Reply(node, error=f"{m.error.reason} (code {m.error.code})") if m.has_error()
-                       else decode_talk(node, m.content))
-        return out
+        return [decode_reply(m, decode_talk) for m in grid.send_and_receive(msgs, timeout=timeout)]
 
     return talk
 
@@ -112,8 +108,7 @@ def make_exchange(grid: Grid, timeout: float):
         content = train_content(task, include_init, session)
         msgs = [Message(content=content, dst_node_id=n, message_type="train", group_id=str(task.round_start))
                 for n in nodes]
-        replies = grid.send_and_receive(msgs, timeout=timeout)
-        return [decode_reply(m) for m in replies]
+        return [decode_reply(m) for m in grid.send_and_receive(msgs, timeout=timeout)]
 
     return exchange
 

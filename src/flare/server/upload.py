@@ -46,7 +46,7 @@ class UploadSpec:
     dtypes (from the global init model), the class count C, the feature dimension d and whether the head
     has prototypes."""
 
-    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    shapes: Shapes
     num_classes: int
     feature_dim: int
     prototype_head: bool
@@ -58,10 +58,6 @@ class UploadSpec:
         shapes = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
         return cls(shapes, int(num_classes), int(model.feature_dim), getattr(model, "prototypes", None) is not None,
                    max_samples)
-
-
-def _shape(t) -> tuple[int, ...]:
-    return tuple(int(s) for s in t.shape)
 
 
 def check_tensors(what: str, got, shapes: Shapes, *, max_listed: int = 5) -> list[str]:
@@ -126,7 +122,7 @@ def validate_upload(upload: Upload, spec: UploadSpec) -> list[str]:
             reasons.append(f"prototypes are a {type(P).__name__}, not a tensor")
         else:
             if P.dim() != 2:
-                reasons.append(f"prototypes have shape {list(_shape(P))}, expected a {spec.num_classes}×"
+                reasons.append(f"prototypes have shape {list(P.shape)}, expected a {spec.num_classes}×"
                                f"{spec.feature_dim} matrix")
             else:
                 if P.shape[0] != spec.num_classes:
