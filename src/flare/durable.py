@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from contextlib import suppress
 from pathlib import Path
 from typing import Callable
 
@@ -14,16 +15,12 @@ import torch
 
 
 def _fsync_dir(path: Path) -> None:
-    try:
+    with suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _atomic(path: Path, write: Callable) -> None:
@@ -74,8 +71,7 @@ def parse_jsonl(text: str) -> tuple[list[dict], list[int]]:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
-            bad.append(i)
-            continue
+            rec = None
         if isinstance(rec, dict):
             out.append(rec)
         else:

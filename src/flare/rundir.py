@@ -97,10 +97,7 @@ class RunDir:
             parent = next((q for q in p.parents if q.exists() and not q.is_dir()), None)
             raise FlareError(f"cannot create '{p}': '{parent or p}' is a file.", key=key,
                              fix="choose an output directory whose parents are folders.") from None
-        except PermissionError:
-            raise FlareError(f"cannot create '{p}': permission denied.", key=key,
-                             fix="choose an output directory you can write to.") from None
-        except OSError as e:
+        except OSError as e:  # permission denied, read-only file system, ...
             raise FlareError(f"cannot create '{p}': {e.strerror}.", key=key,
                              fix="choose an output directory you can write to.") from None
         if not os.access(p, os.W_OK | os.X_OK):

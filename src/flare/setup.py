@@ -249,11 +249,8 @@ class ServerSetup:
 
     def evaluate(self, r: int, uploads: list[Upload], models: list[torch.nn.Module],
                  rules: tuple[str, ...] | None = None, clients: Transport | None = None) -> Evaluation:
-        """Round r's evaluation checkpoint of `uploads` (`models[i]` holds `uploads[i].state`), with this server's
-        test set, anchors, G and strategy states; `rules`: only these strategies (fuse), else the round's own.
-        Plan B's new G is in the result: the caller decides whether the run carries it on (`carry`). `clients`: the
-        transport to the uploads' owners, for the strategies that hold rounds with them after the upload
-        (server/exchange.py)."""
+        """`rounds.evaluate_uploads` with this server's test set, anchors, G and strategy states. Plan B's new G is in
+        the result: the caller decides whether the run carries it on (`carry`)."""
         be = self.backend
         return evaluate_uploads(self.cfg, r, uploads, models, self.anchors, self.test_x, self.test_y, self.norm,
                                 amp_dtype=be.amp_dtype, channels_last=be.channels_last,

@@ -152,15 +152,13 @@ def parse_sweep(raw: Any, src: str = "<sweep>", rel_to: Path | None = None) -> t
             if key in (spec.grid or {}) or key in zip_keys:
                 raise FlareError(f"sweep file '{src}': {key} is given both as `{dim}` and in grid/zip.", key=dim,
                                  fix="give it in one place only.")
-    presets = spec.presets or (spec.grid or {}).get("preset") or []
-    if presets:
-        known = list_presets()
-        for p in presets:
-            if p not in known:
-                close = difflib.get_close_matches(str(p), known, n=3)
-                hint = f" Did you mean {', '.join(close)}?" if close else ""
-                raise FlareError(f"sweep file '{src}': preset '{p}' does not exist.{hint}", key="presets",
-                                 fix=f"use one of: {', '.join(known)} (`flare presets` lists them).")
+    known = list_presets()
+    for p in spec.presets or (spec.grid or {}).get("preset") or []:
+        if p not in known:
+            close = difflib.get_close_matches(str(p), known, n=3)
+            hint = f" Did you mean {', '.join(close)}?" if close else ""
+            raise FlareError(f"sweep file '{src}': preset '{p}' does not exist.{hint}", key="presets",
+                             fix=f"use one of: {', '.join(known)} (`flare presets` lists them).")
     if spec.name is None:
         spec.name = Path(src).stem if src != "<sweep>" else "sweep"
     return spec, base

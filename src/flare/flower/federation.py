@@ -80,14 +80,13 @@ def _proc_table() -> dict[int, tuple[int, int, str, int]]:
 
 class LocalFederation:
     def __init__(self, workdir: str | Path, node_configs: list[dict] | None = None, simulation: bool = False,
-                 connection: str = "flare-local", startup_timeout: float = 60.0, echo: bool = False):
+                 connection: str = "flare-local", startup_timeout: float = 60.0):
         self.workdir = Path(workdir).resolve()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.node_configs = node_configs or []
         self.simulation = simulation
         self.connection = connection
         self.startup_timeout = startup_timeout
-        self.echo = echo
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.node_procs: list[subprocess.Popen] = []
         self.port: int | None = None
@@ -226,8 +225,6 @@ class LocalFederation:
                 "--run-config", run_config_arg(run_config)]
         if federation_config:
             argv += ["--federation-config", run_config_arg(federation_config)]
-        if self.echo:
-            print("+", shlex.join(argv), flush=True)
         with open(self.workdir / f"{log_name}.log", "wb") as log:
             p = subprocess.Popen(argv, cwd=self.workdir, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, start_new_session=True)

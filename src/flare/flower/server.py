@@ -12,7 +12,7 @@ import copy
 import json
 import shlex
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -49,10 +49,6 @@ class FederationSettings:
     dataset_meta: str = ""         # JSON of DataMeta, for a server without the dataset (no test set)
     save_predictor: bool = True
 
-    KEYS = {"preset": "preset", "config-file": "config_file", "overrides": "overrides", "out-dir": "out_dir",
-            "upload": "upload", "min-clients": "min_clients", "timeout": "timeout", "wait-nodes": "wait_nodes",
-            "dataset-meta": "dataset_meta", "save-predictor": "save_predictor"}
-
     @classmethod
     def from_run_config(cls, rc) -> "FederationSettings":
         s = cls()
@@ -71,6 +67,9 @@ class FederationSettings:
 
     def load_config(self) -> Config:
         return load_config(self.config_file or None, self.preset or None, shlex.split(self.overrides))
+
+
+FederationSettings.KEYS = {f.name.replace("_", "-"): f.name for f in fields(FederationSettings)}  # key → field
 
 
 @dataclass

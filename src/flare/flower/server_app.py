@@ -1,16 +1,12 @@
-"""FLARE's Flower ServerApp (`flare.flower.server_app:app`).
+"""FLARE's Flower ServerApp (`flare.flower.server_app:app`): the engine-free server (`flare.flower.server`) over
+Flower's grid.
 
-The server builds the run's config from the app's run config (`preset`, `config-file`, `overrides`),
-waits for the nodes, sends each a `train` message (the config, the dataset facts, what the primary strategy sends
-before the round (Plan B's G) and, in the first message, what it sends before training: every client architecture's
-seeded init, of which each node takes its own client's, the anchor seed and the public bank), validates every reply
-(`flare.server.upload.validate_upload`), evaluates every configured fusion rule on its test set with the same code as
-`flare run` (a strategy that holds rounds with the clients after their upload, such as FENS, sends each of them
-as one `query` message to the nodes: `make_talk`), and writes the same run directory plus federation.json (who answered, who was missing or
+It builds the run's config from the app's run config (the keys: `flare.flower.server.FederationSettings`), waits for
+the nodes, and sends each a `train` message per block of rounds (`train_content`); every reply passes the upload gate
+(`flare.server.upload.validate_upload`) and every configured fusion rule is scored with the same code as `flare run`.
+A strategy that holds rounds with the clients after their upload (FENS) sends each round as one `query` message to
+the nodes (`make_talk`). It writes the same run directory plus federation.json (who answered, who was missing or
 rejected, and why) and the global predictor (predictor.pt + predictor.json).
-
-Run-config keys (the app's pyproject.toml, or `flwr run --run-config 'key=value ...'`): see
-`flare.flower.server.FederationSettings`.
 """
 from __future__ import annotations
 

@@ -62,13 +62,12 @@ def extras_shapes(strategies: Mapping[str, Strategy], template: nn.Module) -> Sh
     return out
 
 
-def client_extras(strategies: Mapping[str, Strategy], data: ClientData,
-                  template: nn.Module | None = None) -> dict[str, Tensor]:
+def client_extras(strategies: Mapping[str, Strategy], data: ClientData) -> dict[str, Tensor]:
     """Every strategy's statistics of one client, prefixed and moved to the CPU; checked against the declared
     shapes (a strategy that computes what it did not declare is a FlareError naming it)."""
     out: dict[str, Tensor] = {}
     for n, strategy in strategies.items():
-        declared = strategy.extras_shapes(template if template is not None else data.model)
+        declared = strategy.extras_shapes(data.model)
         if not declared:
             continue
         got = strategy.client_extras(data)
