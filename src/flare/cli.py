@@ -389,8 +389,7 @@ def main(argv: list[str] | None = None, commands: list[Callable] | None = None) 
         print(f"flare: error: {e.render()}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("flare: interrupted; rerun the same command (or `flare run --resume DIR`) to continue.",
-              file=sys.stderr)
+        print("flare: interrupted; rerun the same command (or `flare run --resume DIR`) to continue.", file=sys.stderr)
         return 130
 
 

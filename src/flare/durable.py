@@ -51,14 +51,10 @@ def _json_default(o):
     raise TypeError(type(o))
 
 
-def _finite_or_str(v):
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)  # JSON has no NaN/Inf; keep the line parseable
-    return v
-
-
 def encode_record(rec: dict) -> str:
-    return json.dumps({k: _finite_or_str(v) for k, v in rec.items()}, default=_json_default)
+    """One JSON line; JSON has no NaN/Inf, so a non-finite float is written as a string (the line stays parseable)."""
+    return json.dumps({k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in rec.items()},
+                      default=_json_default)
 
 
 def parse_jsonl(text: str) -> tuple[list[dict], list[int]]:
@@ -82,6 +78,4 @@ def parse_jsonl(text: str) -> tuple[list[dict], list[int]]:
 def read_jsonl(path: str | Path) -> list[dict]:
     """The parseable records of a JSON-lines file ([] if it does not exist)."""
     path = Path(path)
-    if not path.exists():
-        return []
-    return parse_jsonl(path.read_text(errors="replace"))[0]
+    return parse_jsonl(path.read_text(errors="replace"))[0] if path.exists() else []

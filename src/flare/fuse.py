@@ -90,12 +90,11 @@ def check(run_dir: str | Path, names: list[str], round_: int | None, options: di
     options = options or {}
     # imports the run's own plugins, whose strategies may be named; the strategies' new options validated with it
     cfg = build_config(deep_merge(old, {"server": {"strategies": options}}) if options else old)
-    for n in names:
-        STRATEGIES.entry(n, key="--strategies")
     if round_ is not None and round_ != cfg.rounds:
         raise FlareError(f"--round {round_}: only the states after the last round ({cfg.rounds}) are saved in "
                          f"'{rd.path}'.", key="--round", fix=f"leave --round out, or give --round {cfg.rounds}.")
     for n in names:
+        STRATEGIES.entry(n, key="--strategies")
         STRATEGIES.check(n, cfg)
         cfg.check_fuses_mixed(n, "--strategies")
         if STRATEGIES.get(n).needs_prototypes and cfg.head != "prototype":

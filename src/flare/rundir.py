@@ -52,10 +52,6 @@ RECORDS = (PARTITION,)  # records besides config.yaml that later commands trust,
 DIAG = ("g_protos_std", "inter_client_proto_std", "model_variance_mean")                   # docs/method.md#metrics
 
 
-# ----------------------------------------------------------------------------------------------
-# the writer's view
-
-
 @dataclass
 class ResumePoint:
     """Where a run continues: `rounds_done` complete rounds, the records they produced, the checkpoint to load
@@ -227,9 +223,8 @@ class RunDir:
         return self.read_json(STATE)
 
     def read_metrics(self) -> tuple[list[dict], list[int]]:
-        if not self.metrics_path.exists():
-            return [], []
-        return parse_jsonl(self.metrics_path.read_text(errors="replace"))
+        p = self.metrics_path
+        return parse_jsonl(p.read_text(errors="replace")) if p.exists() else ([], [])
 
     def load_checkpoint(self, device, warn: Callable[[str], None]) -> dict | None:
         """The newest readable checkpoint (checkpoint.pt, else checkpoint.prev.pt with a warning), or None."""

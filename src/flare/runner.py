@@ -32,9 +32,7 @@ from flare.setup import RunSetup
 
 class Run:
     def __init__(self, cfg: Config, out_dir: str | Path, quiet: bool = False, label: str | None = None):
-        self.cfg = cfg
-        self.dir = RunDir(out_dir)
-        self.quiet = quiet
+        self.cfg, self.dir, self.quiet = cfg, RunDir(out_dir), quiet
         self.label = label or cfg.method  # how progress lines name the run
         self.warnings: list[str] = []
         self.facts: dict = {}  # how this invocation computed (backend.Backend.facts), kept in state.json

@@ -143,11 +143,8 @@ def make_train_context(cfg: Config, train_x: Tensor, train_y: Tensor, augment, a
 
 @dataclass
 class ServerSetup:
-    """The server's side of a run: the backend, the dataset facts, the test set, the normalisation, the seeded
-    global init (`template`), the anchors, the augmentation, the public bank it sends and the public slice its
-    strategies read, each strategy's state and Plan B's G across rounds. Built by `build` alone — for the
-    in-process runner (inside `RunSetup`), the Flower server, `flare fuse` and the LR probe — and scored by
-    `evaluate` alone, so a run, a federation and a fuse evaluate one way."""
+    """The server's side of a run, built by `build` alone — for the in-process runner (inside `RunSetup`), the Flower
+    server, `flare fuse` and the LR probe — and scored by `evaluate` alone, so they all evaluate one way."""
 
     cfg: Config
     backend: Backend

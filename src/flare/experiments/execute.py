@@ -105,10 +105,6 @@ def run_point(config: dict, out_dir: str, threads: int | None = None, gpus: floa
     return info
 
 
-def _bar(total: int, initial: int, quiet: bool, desc: str) -> Counter:
-    return Counter(total, initial, desc, unit="point", disable=quiet)
-
-
 def _gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -176,7 +172,7 @@ def execute_points(points: list[Point], *, workers: int = 1, address: str | None
         ran = _execute_local([p for p, _ in todo], workers, threads, quiet, desc, n_skip, len(points))
     if ran is None:
         ran = {}
-        with _bar(len(points), n_skip, quiet, desc) as bar:
+        with Counter(len(points), n_skip, desc, unit="point", disable=quiet) as bar:
             for p, _ in todo:
                 bar.set_postfix_str(p.name)
                 info = run_point(p.mapping, str(p.dir), threads)
@@ -222,7 +218,7 @@ def _execute_ray(points: list[Point], workers: int, address: str | None, cpus_pe
             f"{ray.cluster_resources().get('CPU', 0):g} CPUs, {total_gpus:g} GPUs; per point "
             f"{cpus_per_point:g} CPU, {gpus_per_point:g} GPU")
         task = ray.remote(num_cpus=cpus_per_point, num_gpus=gpus_per_point, max_retries=0)(run_point)
-        with _bar(total, n_skip, quiet, desc) as bar:
+        with Counter(total, n_skip, desc, unit="point", disable=quiet) as bar:
             out = _keep_busy(points, workers, bar,
                              submit=lambda p: task.remote(p.mapping, str(p.dir.resolve()), threads, gpus_per_point),
                              wait_some=lambda refs: ray.wait(refs, num_returns=1)[0], result=ray.get)
@@ -264,7 +260,7 @@ def _execute_local(points: list[Point], workers: int, threads: int | None, quiet
     gpus = 1.0 / workers if _gpu_count() else None
     ex = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
     try:
-        with _bar(total, n_skip, quiet, desc) as bar:
+        with Counter(total, n_skip, desc, unit="point", disable=quiet) as bar:
             out = _keep_busy(points, workers, bar,
                              submit=lambda p: ex.submit(run_point, p.mapping, str(p.dir.resolve()), threads, gpus),
                              wait_some=lambda futs: wait(futs, return_when=FIRST_COMPLETED)[0],

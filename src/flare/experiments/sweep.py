@@ -282,10 +282,8 @@ def run_sweep(path: str | Path, out: str | Path | None = None, *, overrides: lis
     t0 = time.perf_counter()
     results = execute_points(points, workers=workers, address=address, cpus_per_point=cpp, gpus_per_point=gpp,
                              quiet=quiet, desc=f"sweep {spec.name}")
-    speed = throughput(results, time.perf_counter() - t0)
-    speed["workers"] = workers
-    man = manifest(spec, points, results, overrides)
-    man["throughput"] = speed
+    speed = {**throughput(results, time.perf_counter() - t0), "workers": workers}
+    man = {**manifest(spec, points, results, overrides), "throughput": speed}
     atomic_write_text(out / "sweep.json", json.dumps(man, indent=1, default=str))
     table = points_table([(p.name, p.dir, results.get(p.name, {}).get("status") or point_status(p),
                            results.get(p.name, {}).get("seconds")) for p in points])

@@ -1,16 +1,11 @@
 """FLARE's Flower ClientApp (`flare.flower.client_app:app`).
 
-A node answers `train` messages. Every message carries the run's config and the dataset facts; the first also
-what the server's primary strategy sends before training (`init`: `Strategy.initialize` — the seeded init of every
-client architecture, of which the node takes its own client's, the anchor seed and the public bank), and every
-message may carry what it sends before the round (`sent`, e.g. Plan B's G); the node loads its own data — from
-`data-path` in its node config (an .npz of its samples) or, in simulation and loopback federations, its
-part of the run's split (`partition-id`, with the same partitioner and seed as `flare run`) — trains the
-asked rounds with `flare.client.trainer.Client` on its client's architecture, and replies with its weights
-(an ArrayRecord), its sample count, class histogram and training logs. Between per-round messages
-(simulation) its state (model, optimizer, λ learner) waits in `context.state` as arrays plus a JSON skeleton.
-After its last round it keeps its upload there too, and answers the `query` messages of a server strategy that
-holds rounds with the clients after the upload (`handle_query`: FENS), with that strategy's memory kept beside it.
+A node answers `train` messages (the content: `server_app.train_content`) by training the asked rounds on its own
+data (`local_data`) with `protocol.client_train`, and replies with its weights (an ArrayRecord), its sample
+count, class histogram and training logs. Between per-round messages (simulation) its state (model, optimizer, λ
+learner) waits in `context.state` as arrays plus a JSON skeleton. After its last round it keeps its upload there
+too, and answers the `query` messages of a server strategy that holds rounds with the clients after the upload
+(`handle_query`: FENS), with that strategy's memory kept beside it.
 
 Node config keys: `partition-id` (the client id, required), `num-partitions` (checked against
 num_clients), `data-path` (deployment), `dataset-root` / `cache-dir` (where this node finds the

@@ -84,9 +84,7 @@ class LocalFederation:
         self.workdir = Path(workdir).resolve()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.node_configs = node_configs or []
-        self.simulation = simulation
-        self.connection = connection
-        self.startup_timeout = startup_timeout
+        self.simulation, self.connection, self.startup_timeout = simulation, connection, startup_timeout
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.node_procs: list[subprocess.Popen] = []
         self.port: int | None = None
@@ -221,8 +219,7 @@ class LocalFederation:
     # -- a run --------------------------------------------------------------------------------------
     def run(self, app: str | Path, run_config: dict, federation_config: dict | None = None,
             timeout: float = 600.0, log_name: str = "flwr-run") -> subprocess.CompletedProcess:
-        argv = [_bin("flwr"), "run", str(app), self.connection, "--stream",
-                "--run-config", run_config_arg(run_config)]
+        argv = [_bin("flwr"), "run", str(app), self.connection, "--stream", "--run-config", run_config_arg(run_config)]
         if federation_config:
             argv += ["--federation-config", run_config_arg(federation_config)]
         with open(self.workdir / f"{log_name}.log", "wb") as log:

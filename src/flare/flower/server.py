@@ -324,9 +324,7 @@ class ServerSession:
         d = {"status": status, "upload": self.fed.upload, "num_clients": self.cfg.num_clients,
              "min_clients": self.required, "timeout_s": self.fed.timeout,
              "nodes": {str(n): c for n, c in sorted(self.node_client.items())},
-             "clients_without_data": sorted(self.empty), "events": self.events}
-        if error:
-            d["error"] = error
+             "clients_without_data": sorted(self.empty), "events": self.events} | ({"error": error} if error else {})
         self.dir.write_text("federation.json", json.dumps(d, indent=1))
 
     def _fail(self, msg: str) -> None:

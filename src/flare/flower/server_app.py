@@ -79,8 +79,7 @@ def make_talk(grid: Grid, timeout: float):
         content = RecordDict({"task": ConfigRecord(task.to_config()),
                               "talk": ConfigRecord({"strategy": name, "round": rnd}),
                               "message": state_to_record(message)})
-        msgs = [Message(content=content, dst_node_id=n, message_type="query", group_id=f"{name}-{rnd}")
-                for n in nodes]
+        msgs = [Message(content=content, dst_node_id=n, message_type="query", group_id=f"{name}-{rnd}") for n in nodes]
         return [decode_reply(m, decode_talk) for m in grid.send_and_receive(msgs, timeout=timeout)]
 
     return talk

@@ -30,9 +30,8 @@ from flare.server.upload import Shapes, check_tensors
 
 @dataclass
 class ClientData:
-    """What a strategy's `client_extras` sees of one client after its training: its model (train mode is the
-    strategy's to set), its own samples (uint8 images and labels, on `device`), the run's input normalisation and
-    two-view augmentation."""
+    """What a strategy's `client_extras` sees of one client after its training (the model's train mode is the
+    strategy's to set; the samples are uint8 images and labels on `device`)."""
 
     cfg: Config
     cid: int

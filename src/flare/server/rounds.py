@@ -24,8 +24,7 @@ from flare.server.exchange import Transport, hold_rounds
 from flare.server.extras import own_extras
 from flare.server.fusion import aggregation_weights
 from flare.server.protos import global_prototypes, mean_prototypes, train_global_prototypes
-from flare.server.strategy import (ClientPredictor, ModelPredictor, ServerContext, Strategy,
-                                  make_strategies)
+from flare.server.strategy import ClientPredictor, ModelPredictor, ServerContext, Strategy, make_strategies
 from flare.server.upload import Upload
 
 

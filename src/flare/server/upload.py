@@ -42,9 +42,7 @@ def upload_of(client: int, model: torch.nn.Module, num_samples: int, extras: dic
 
 @dataclass(frozen=True)
 class UploadSpec:
-    """What a well-formed upload looks like for one run: the template state dict's names, shapes and
-    dtypes (from the global init model), the class count C, the feature dimension d and whether the head
-    has prototypes."""
+    """What a well-formed upload looks like for one run (`from_model`: the shapes of an architecture's init)."""
 
     shapes: Shapes
     num_classes: int
