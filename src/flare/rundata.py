@@ -13,7 +13,7 @@ import numpy as np
 from flare.config.protocol import protocol_label
 from flare.errors import FlareError
 from flare.records import flatten
-from flare.rundir import DIAG, FUSE, PARTITION, RunDir, read_jsonl
+from flare.rundir import DIAG, FUSE, METRICS, PARTITION, RunDir, read_jsonl
 
 
 def num(v: Any) -> float:
@@ -55,7 +55,7 @@ class RunData:
             cfg = {}
         if cfg:
             rd.check_consistent(key="DIR")  # never report one experiment's numbers under another's config
-        recs = read_jsonl(rd.metrics_path)
+        recs = read_jsonl(rd.file(METRICS))
         flat = flatten(cfg)
         flat["protocol"] = protocol_label(cfg)  # the protocol and the items set away from it, in one value
         # Rounds skipped by eval.every carry no accuracy: reports read the evaluated rounds (their `round` keeps

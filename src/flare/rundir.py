@@ -76,10 +76,6 @@ class RunDir:
     def file(self, name: str) -> Path:
         return self.path / name
 
-    @property
-    def metrics_path(self) -> Path:
-        return self.path / METRICS
-
     # -- creation and the lock ------------------------------------------------------------------
     def create(self, key: str = "--out") -> None:
         """Make the directory, or say in one paragraph why it cannot be made."""
@@ -223,7 +219,7 @@ class RunDir:
         return self.read_json(STATE)
 
     def read_metrics(self) -> tuple[list[dict], list[int]]:
-        p = self.metrics_path
+        p = self.path / METRICS
         return parse_jsonl(p.read_text(errors="replace")) if p.exists() else ([], [])
 
     def load_checkpoint(self, device, warn: Callable[[str], None]) -> dict | None:
@@ -307,9 +303,7 @@ class RunDir:
         if any((self.path / name).exists() for name in (CHECKPOINT, PREV_CHECKPOINT)):
             return True
         done = self.read_state().get("rounds_done")
-        if isinstance(done, int) and done > 0:
-            return True
-        return any(r.get("kind") == "round" for r in self.read_metrics()[0])
+        return isinstance(done, int) and done > 0 or any(r.get("kind") == "round" for r in self.read_metrics()[0])
 
     # -- resuming -------------------------------------------------------------------------------
     def check_continues(self, cfg: Config, key: str = "--out") -> list[str]:
@@ -346,8 +340,9 @@ class RunDir:
         ck = self.load_checkpoint("cpu", warn)
         self.check_consistent(key, ck, resuming=cfg)
         records, torn = self.read_metrics()
+        log = self.path / METRICS
         for line in torn:
-            warn(f"{self.metrics_path}: line {line} is torn or unreadable (cut mid-line?); dropped.")
+            warn(f"{log}: line {line} is torn or unreadable (cut mid-line?); dropped.")
         if ck is None:
             R = int(old.get("rounds", 0))
             if state.get("status") == "finished" and not diff and not torn and _complete(records, R):
@@ -363,14 +358,14 @@ class RunDir:
         saved = ck.get("records")
         kept = [r for r in records if isinstance(r.get("round"), int) and r["round"] < n]
         if len(kept) < len(records):
-            warn(f"{self.metrics_path}: {len(records) - len(kept)} record(s) written after the checkpoint (after "
+            warn(f"{log}: {len(records) - len(kept)} record(s) written after the checkpoint (after "
                  f"round {n}) dropped; round {n + 1} is recomputed.")
         have = {r["round"] for r in kept if r.get("kind") == "round"}
         missing = [m + 1 for m in range(n) if m not in have]
         if saved is not None:
             if [encode_record(r) for r in kept] != [encode_record(r) for r in saved]:
                 what = f"round(s) {_ranges(missing)} missing" if missing else "records that differ"
-                warn(f"{self.metrics_path} disagrees with {CHECKPOINT} ({what}); rebuilt from the checkpoint, "
+                warn(f"{log} disagrees with {CHECKPOINT} ({what}); rebuilt from the checkpoint, "
                      "which records every round it covers.")
             kept = list(saved)
         elif missing:  # a checkpoint from before records were kept in it: the log must be complete on its own
@@ -392,8 +387,7 @@ def extension_problem(old: dict, cfg: Config) -> str | None:
     None when it can: fewer rounds, or anything that depends on the progress p = e/(R·E)."""
     if cfg.rounds < int(old.get("rounds", 0)):
         return f"rounds={cfg.rounds} is fewer than the {old.get('rounds')} rounds the run was made for"
-    deps = cfg.schedule_dependencies()
-    if deps:
+    if deps := cfg.schedule_dependencies():
         return (f"more rounds would change the progress p = e/(R·E) that {', '.join(deps)} follow, so the rounds "
                 "already trained would not be those of the longer run")
     return None

@@ -270,11 +270,10 @@ def client_context(cfg: Config, meta: DataMeta, be: Backend, feature_dim: int, t
 
 
 def check_buildable(cfg: Config) -> None:
-    """Refuse, in this process and before anything is written or started, what `flare run` refuses before it writes
-    a file: the device, the data and its subsets, the split, every architecture's init, checkpoint and input size,
-    one feature dimension. For a caller that hands the run to other processes (`flare federate`), where the same
-    mistake would otherwise surface as a server process's traceback after every process has started. The public
-    bank's teacher is not trained (it needs nothing the config could get wrong beyond what is checked here)."""
+    """Refuse here, before anything is written or started, what `flare run` refuses before it writes a file (device,
+    data, split, every architecture's init, checkpoint and input size, one feature dimension): for a caller that hands
+    the run to other processes (`flare federate`), where the same mistake would surface as a server process's
+    traceback. The public bank's teacher is not trained (nothing the config could get wrong is left in it)."""
     server = ServerSetup.build(cfg, bank=False)
     data = server.take_data()
     split(cfg, data.train_y, data.num_classes)

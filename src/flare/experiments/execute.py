@@ -82,9 +82,8 @@ def run_point(config: dict, out_dir: str, threads: int | None = None, gpus: floa
     sequential sweeps, inside a Ray task or a local worker process for parallel ones."""
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
-    info: dict = {"start": time.time(), "pid": os.getpid(), "host": socket.gethostname(), "status": "running"}
-    if gpus is not None:
-        info["gpus"] = gpus
+    info: dict = {"start": time.time(), "pid": os.getpid(), "host": socket.gethostname(), "status": "running",
+                  **({"gpus": gpus} if gpus is not None else {})}
     atomic_write_text(d / POINT_FILE, json.dumps(info, indent=1))
     if threads:
         torch.set_num_threads(max(1, int(threads)))
@@ -99,8 +98,7 @@ def run_point(config: dict, out_dir: str, threads: int | None = None, gpus: floa
         info.update(status="error", error=e.render(), key=e.key, fix=e.fix, message=e.message)
     except Exception:  # noqa: BLE001 — one broken point must not take the other points down
         info.update(status="failed", error=traceback.format_exc())
-    info["end"] = time.time()
-    info["seconds"] = time.perf_counter() - t0
+    info.update(end=time.time(), seconds=time.perf_counter() - t0)
     atomic_write_text(d / POINT_FILE, json.dumps(info, indent=1, default=str))
     return info
 

@@ -110,9 +110,7 @@ def parse_sweep(raw: Any, src: str = "<sweep>", rel_to: Path | None = None) -> t
                              "zip and resources (docs/experiments.md); config keys go under base or grid.") from None
     base: dict = {}
     if spec.config:
-        cpath = Path(spec.config)
-        if not cpath.is_absolute() and rel_to is not None:
-            cpath = rel_to / cpath
+        cpath = Path(rel_to or ".") / spec.config  # an absolute path stays as it is
         if not cpath.is_file():
             raise FlareError(f"sweep file '{src}': config file '{cpath}' does not exist.", key="config",
                              fix="give a path relative to the sweep file, or an absolute one.")
@@ -222,10 +220,8 @@ def expand(spec: SweepSpec, base: dict, overrides: dict | None = None) -> list[P
         first = next(iter(g))
         n = len(g[first])
         dims.append([({k: g[k][i] for k in g}, f"{short[first]}={_fmt(g[first][i])}") for i in range(n)])
-    if seeds is not None:
-        dims.append([({"seed": s}, f"seed={_fmt(s)}") for s in seeds])
-    else:
-        dims.append([({}, f"seed={_fmt(base.get('seed', 1))}")])
+    dims.append([({"seed": s}, f"seed={_fmt(s)}") for s in seeds] if seeds is not None
+                else [({}, f"seed={_fmt(base.get('seed', 1))}")])
     points: list[Point] = []
     for combo in itertools.product(*dims):
         values = {k: v for assign, _ in combo for k, v in assign.items()}

@@ -107,9 +107,8 @@ def _sanitize_records(text, cid: int, rounds: range) -> tuple[list[dict], str | 
 
 
 class ServerSession:
-    """The server of one federated run: it owns the run directory (the same files as `flare run`, minus
-    the client checkpoint), the test set (when it has one), the seeded inits, the anchors, the upload gate,
-    and every evaluation checkpoint."""
+    """The server of one federated run: the run directory (`flare run`'s files, minus the client checkpoint), the
+    server's setup (`flare.setup.ServerSetup`), the upload gate and every evaluation checkpoint."""
 
     def __init__(self, cfg: Config, fed: FederationSettings, log=print, talk=None):
         self.cfg, self.fed, self.log, self.talk = cfg, fed, log, talk
@@ -185,10 +184,7 @@ class ServerSession:
         """Check every reply of one block; returns (uploads sorted by client id, their training logs, the
         nodes to keep for the next block). Missing and rejected clients are logged and recorded."""
         rounds = range(round_start, round_end)
-        by_node: dict[int, Reply] = {}
-        for rep in replies:
-            if rep.node in nodes and rep.node not in by_node:
-                by_node[rep.node] = rep
+        by_node = {rep.node: rep for rep in reversed(replies) if rep.node in nodes}  # each node's first reply
         uploads: dict[int, Upload] = {}
         logs: dict[int, list[dict]] = {}
         keep: list[int] = []
@@ -265,8 +261,7 @@ class ServerSession:
                    f"from {self.cfg.num_clients} clients, fewer than min_clients={self.required}; missing or "
                    f"rejected: {missing}. The federation stops here; the run directory keeps the earlier rounds "
                    "and federation.json says who failed and why.")
-            self._fail(msg)
-            raise FlareError(msg, key="min-clients",
+            raise self._fail(msg, key="min-clients",
                              fix="bring the missing nodes up (see federation.json for the reasons), or lower "
                                  "min-clients if the run may proceed without them.")
 
@@ -327,13 +322,15 @@ class ServerSession:
              "clients_without_data": sorted(self.empty), "events": self.events} | ({"error": error} if error else {})
         self.dir.write_text("federation.json", json.dumps(d, indent=1))
 
-    def _fail(self, msg: str) -> None:
+    def _fail(self, msg: str, key: str, fix: str) -> FlareError:
+        """Record the federation as failed (state.json, federation.json); returns the error to raise."""
         self.warnings.append(msg)
         if self.histograms:
             self.write_partition()
         self._write_federation("failed", msg)
         self.dir.write_state("failed", self.dir.read_state().get("rounds_done", 0), self.warnings,
                              self.config, error=msg)
+        return FlareError(msg, key=key, fix=fix)
 
     def _event(self, kind: str, round_idx: int, node: int, cid, reasons: list[str]) -> None:
         who = f"client {cid}" if cid is not None else f"node {node}"
@@ -368,10 +365,9 @@ class NodeClients:
             if why:
                 msg = (f"round {rnd + 1} of the rounds server strategy '{name}' holds after the upload: client "
                        f"{s.node_client[node]} did not answer ({why}); the strategy needs every client that uploaded.")
-                s._fail(msg)
-                raise FlareError(msg, key=f"server.strategies.{name}",
-                                 fix="bring the node up and run the federation again (federation.json says who "
-                                     "failed), or leave the strategy out of eval.rules.")
+                raise s._fail(msg, key=f"server.strategies.{name}",
+                              fix="bring the node up and run the federation again (federation.json says who failed), "
+                                  "or leave the strategy out of eval.rules.")
             out.append(dict(rep.state))
         return out
 
@@ -393,8 +389,7 @@ def run_federation(cfg: Config, fed: FederationSettings, exchange, node_ids: lis
         if len(node_ids) < s.required:
             msg = (f"only {len(node_ids)} node(s) connected, fewer than min_clients={s.required} "
                    f"(num_clients={cfg.num_clients}).")
-            s._fail(msg)
-            raise FlareError(msg, key="min-clients", fix="start more SuperNodes or lower min-clients.")
+            raise s._fail(msg, key="min-clients", fix="start more SuperNodes or lower min-clients.")
         if len(node_ids) < cfg.num_clients:
             s._warn(f"{len(node_ids)} node(s) connected for {cfg.num_clients} clients; proceeding with min_clients="
                     f"{s.required}.")

@@ -49,14 +49,10 @@ def decode_reply(msg: Message, decode=None) -> Reply:
 def decode_content(node: int, content: RecordDict) -> Reply:
     rep = Reply(node)
     try:
-        meta = content.config_records.get("meta")
-        rep.meta = dict(meta) if meta is not None else {}
-        up = content.array_records.get("upload")
-        if up is not None:
-            rep.state = dict(record_to_state(up))
-        ex = content.array_records.get("extras")
-        if ex is not None:
-            rep.extras = dict(record_to_state(ex))
+        rep.meta = dict(content.config_records.get("meta") or {})
+        up, ex = content.array_records.get("upload"), content.array_records.get("extras")
+        rep.state = dict(record_to_state(up)) if up is not None else None
+        rep.extras = dict(record_to_state(ex)) if ex is not None else None
     except Exception as e:  # noqa: BLE001 — anything a peer sends that does not decode is a rejection
         rep.state, rep.decode_error = None, f"{type(e).__name__}: {e}"
     return rep
