@@ -96,9 +96,8 @@ def cmd_run(args) -> None:
 
 
 def cmd_compare(args) -> None:
-    names = parse_presets(args.presets)
     out = Path(args.out) if args.out else _default_out("compare")
-    title, table = run_compare(names, out, args.config, args.overrides, seeds=parse_seeds(args.seeds),
+    title, table = run_compare(parse_presets(args.presets), out, args.config, args.overrides, seeds=parse_seeds(args.seeds),
                                quiet=args.quiet, baseline=args.baseline, workers=args.workers)
     print(f"\n{title}\n\n{table}\n\nrun directories and plots: {out}")
 

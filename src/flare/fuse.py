@@ -123,8 +123,7 @@ def fuse_runs(dirs: list[str], strategies: str, round_: int | None = None,
     out = []
     for job in jobs:
         with job.dir.lock(key=KEY):
-            todo = _not_fused(job)
-            if todo:
+            if todo := _not_fused(job):
                 _score(job, todo)
             write_run_report(job.dir.path)
         recs = [f for f in read_jsonl(job.dir.file(FUSE)) if f.get("kind") == "fuse" and f.get("strategy") in names]

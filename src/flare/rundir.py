@@ -26,6 +26,7 @@ import json
 import os
 import socket
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -120,12 +121,10 @@ class RunDir:
 
     def remove_if_empty(self) -> None:
         """Remove the directory if it holds nothing but its lock file (a run that failed before it began)."""
-        try:
+        with suppress(OSError):
             if {p.name for p in self.path.iterdir()} <= {LOCK}:
                 (self.path / LOCK).unlink(missing_ok=True)
                 self.path.rmdir()
-        except OSError:
-            pass
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
@@ -186,8 +185,7 @@ class RunDir:
         """state.json; `config` (the resolved config mapping the files were computed with) is recorded with its
         fingerprint, and the `RECORDS` there are with theirs, for `check_consistent`."""
         recorded = {"config_fingerprint": config_fingerprint(config), "config": config} if config is not None else {}
-        files = {name: fp for name in RECORDS if (fp := file_fingerprint(self.path / name)) is not None}
-        if files:
+        if files := {name: fp for name in RECORDS if (fp := file_fingerprint(self.path / name)) is not None}:
             recorded["files"] = files
         self.write_text(STATE, json.dumps({"status": status, "rounds_done": rounds_done, "warnings": warnings,
                                            **extra, **recorded}, indent=1))

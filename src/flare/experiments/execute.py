@@ -51,8 +51,7 @@ def point_status(p: Point) -> str:
     d = p.dir
     if RunDir(d).read_state().get("status") == "finished":
         return "finished"
-    info = read_point_file(d)
-    if info.get("status") == "diverged":
+    if read_point_file(d).get("status") == "diverged":
         return "diverged"
     return "partial" if (d / "checkpoint.pt").exists() else "new"
 
@@ -204,10 +203,9 @@ def _execute_ray(points: list[Point], workers: int, address: str | None, cpus_pe
         kw = dict(include_dashboard=False, log_to_driver=False, logging_level="ERROR", ignore_reinit_error=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            if address:
-                ray.init(address=address, **kw)
-            else:
-                ray.init(num_cpus=max(1, math.ceil(workers * cpus_per_point)), num_gpus=_gpu_count(), **kw)
+            where = dict(address=address) if address else dict(num_cpus=max(1, math.ceil(workers * cpus_per_point)),
+                                                                num_gpus=_gpu_count())
+            ray.init(**where, **kw)
         started = True
     try:
         total_gpus = float(ray.cluster_resources().get("GPU", 0))
@@ -217,10 +215,9 @@ def _execute_ray(points: list[Point], workers: int, address: str | None, cpus_pe
             f"{cpus_per_point:g} CPU, {gpus_per_point:g} GPU")
         task = ray.remote(num_cpus=cpus_per_point, num_gpus=gpus_per_point, max_retries=0)(run_point)
         with Counter(total, n_skip, desc, unit="point", disable=quiet) as bar:
-            out = _keep_busy(points, workers, bar,
-                             submit=lambda p: task.remote(p.mapping, str(p.dir.resolve()), threads, gpus_per_point),
-                             wait_some=lambda refs: ray.wait(refs, num_returns=1)[0], result=ray.get)
-        return out
+            return _keep_busy(points, workers, bar,
+                              submit=lambda p: task.remote(p.mapping, str(p.dir.resolve()), threads, gpus_per_point),
+                              wait_some=lambda refs: ray.wait(refs, num_returns=1)[0], result=ray.get)
     finally:
         if started:
             ray.shutdown()
@@ -259,10 +256,9 @@ def _execute_local(points: list[Point], workers: int, threads: int | None, quiet
     ex = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
     try:
         with Counter(total, n_skip, desc, unit="point", disable=quiet) as bar:
-            out = _keep_busy(points, workers, bar,
-                             submit=lambda p: ex.submit(run_point, p.mapping, str(p.dir.resolve()), threads, gpus),
-                             wait_some=lambda futs: wait(futs, return_when=FIRST_COMPLETED)[0],
-                             result=lambda f: f.result())
+            return _keep_busy(points, workers, bar,
+                              submit=lambda p: ex.submit(run_point, p.mapping, str(p.dir.resolve()), threads, gpus),
+                              wait_some=lambda futs: wait(futs, return_when=FIRST_COMPLETED)[0],
+                              result=lambda f: f.result())
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
-    return out

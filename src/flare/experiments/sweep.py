@@ -218,8 +218,7 @@ def expand(spec: SweepSpec, base: dict, overrides: dict | None = None) -> list[P
         dims.append([({k: v}, f"{short[k]}={_fmt(v)}") for v in vals])
     for g in _zip_groups(spec):
         first = next(iter(g))
-        n = len(g[first])
-        dims.append([({k: g[k][i] for k in g}, f"{short[first]}={_fmt(g[first][i])}") for i in range(n)])
+        dims.append([({k: g[k][i] for k in g}, f"{short[first]}={_fmt(g[first][i])}") for i in range(len(g[first]))])
     dims.append([({"seed": s}, f"seed={_fmt(s)}") for s in seeds] if seeds is not None
                 else [({}, f"seed={_fmt(base.get('seed', 1))}")])
     points: list[Point] = []

@@ -251,8 +251,7 @@ def federate(cfg_file: str | None, preset: str | None, overrides: list[str], *, 
     cfg = load_config(cfg_file, preset, overrides)  # validate before starting anything
     check_buildable(cfg)  # and refuse what `flare run` refuses before writing (data, checkpoints, input sizes)
     K = cfg.num_clients
-    out = Path(out) if out else Path("runs") / f"federate-{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}"
-    out = out.resolve()
+    out = (Path(out) if out else Path("runs") / f"federate-{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     wd = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="flare-federation-"))
     run_config = {"preset": preset or "", "config-file": str(Path(cfg_file).resolve()) if cfg_file else "",
                   "overrides": shlex.join(overrides), "out-dir": str(out), "upload": upload,
@@ -278,7 +277,4 @@ def federate(cfg_file: str | None, preset: str | None, overrides: list[str], *, 
         where = f"federation.json in {out} and " if (out / "federation.json").exists() else ""
         raise FlareError(f"federated run failed: {err}\nlast lines of flwr run:\n{tail}",
                          fix=f"see {where}the process logs in {wd}.")
-    summary = RunData.load(out).summary()
-    summary["out"] = str(out)
-    summary["logs"] = str(wd)
-    return summary
+    return {**RunData.load(out).summary(), "out": str(out), "logs": str(wd)}

@@ -203,8 +203,7 @@ def client_train(task: Task, local: LocalData, first: dict[str, Tensor], resume:
         raise FlareError(f"client {local.cid} has trained {client.epochs_done} epochs but was asked to start at "
                          f"round {task.round_start}; its state between rounds was lost.")
     records = [client.train_round(ctx, r) for r in range(task.round_start, task.round_end)]
-    upload = client.upload()
-    state = {k: v.detach().cpu() for k, v in upload.state.items()}
+    state = {k: v.detach().cpu() for k, v in client.upload().state.items()}
     carry = client.state_dict() if task.round_end < cfg.rounds else None
     return ClientResult(local.cid, local.num_samples, hist, state, records, carry,
                         block_extras(cfg, task.round_end - 1, client, ctx))

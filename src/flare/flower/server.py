@@ -54,8 +54,7 @@ class FederationSettings:
         s = cls()
         for key, attr in cls.KEYS.items():
             if key in rc:
-                cur = getattr(s, attr)
-                v = rc[key]
+                cur, v = getattr(s, attr), rc[key]
                 setattr(s, attr, type(cur)(v) if not isinstance(cur, bool) else (
                     v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes")))
         if s.upload not in ("per-round", "once"):
@@ -402,5 +401,4 @@ def run_federation(cfg: Config, fed: FederationSettings, exchange, node_ids: lis
         summary = s.finish()
     finally:
         s.close()
-    summary["out"] = str(s.out)
-    return summary
+    return {**summary, "out": str(s.out)}

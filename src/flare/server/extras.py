@@ -54,11 +54,8 @@ def client_side(cfg: Config, cid: int, model: nn.Module, x: Tensor, y: Tensor, n
 def extras_shapes(strategies: Mapping[str, Strategy], template: nn.Module) -> Shapes:
     """The prefixed shapes every upload must carry for `strategies` (name → the run's instance; empty when none
     asks)."""
-    out: Shapes = {}
-    for n, strategy in strategies.items():
-        for k, (shape, dtype) in strategy.extras_shapes(template).items():
-            out[f"{n}/{k}"] = (tuple(int(s) for s in shape), dtype)
-    return out
+    return {f"{n}/{k}": (tuple(int(s) for s in shape), dtype) for n, strategy in strategies.items()
+            for k, (shape, dtype) in strategy.extras_shapes(template).items()}
 
 
 def client_extras(strategies: Mapping[str, Strategy], data: ClientData) -> dict[str, Tensor]:
@@ -69,8 +66,8 @@ def client_extras(strategies: Mapping[str, Strategy], data: ClientData) -> dict[
         declared = strategy.extras_shapes(data.model)
         if not declared:
             continue
-        got = strategy.client_extras(data)
-        got = {f"{n}/{k}": (v.detach().cpu() if isinstance(v, Tensor) else v) for k, v in dict(got).items()}
+        got = {f"{n}/{k}": (v.detach().cpu() if isinstance(v, Tensor) else v)
+               for k, v in dict(strategy.client_extras(data)).items()}
         reasons = check_tensors("extras", got, {f"{n}/{k}": (tuple(s), d) for k, (s, d) in declared.items()})
         if reasons:
             raise FlareError(f"server strategy '{n}' computed client statistics that do not match what it declares "
