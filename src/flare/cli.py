@@ -97,8 +97,9 @@ def cmd_run(args) -> None:
 
 def cmd_compare(args) -> None:
     out = Path(args.out) if args.out else _default_out("compare")
-    title, table = run_compare(parse_presets(args.presets), out, args.config, args.overrides, seeds=parse_seeds(args.seeds),
-                               quiet=args.quiet, baseline=args.baseline, workers=args.workers)
+    title, table = run_compare(parse_presets(args.presets), out, args.config, args.overrides,
+                               seeds=parse_seeds(args.seeds), quiet=args.quiet, baseline=args.baseline,
+                               workers=args.workers)
     print(f"\n{title}\n\n{table}\n\nrun directories and plots: {out}")
 
 

@@ -205,7 +205,8 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 2
     return {"L": L, "eta_crit": 2.0 / L if L > 0 else float("inf"), "lr": cfg.base_lr, "history": est.history,
             "rel_change": est.rel_change, "who": who, "samples": int(len(ix)), "batches": nb, "batch_size": B,
             "images": sum(len(y) // 2 for _, y in fixed), "config_batch_size": cfg.batch_size,
-            "iters": len(est.history), "max_iters": iters, "tol": tol, "lambda": lam, "model": arch.name, "width": arch.width}
+            "iters": len(est.history), "max_iters": iters, "tol": tol, "lambda": lam, "model": arch.name,
+            "width": arch.width}
 
 
 def format_probe(cfg: Config, r: dict) -> str:

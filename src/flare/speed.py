@@ -194,8 +194,8 @@ class ProbeSpec:
 
     def model_key(self) -> dict:
         cfg = Config.model_validate(self.config)
-        return {"arch": repr(server_architecture(cfg)), "head": cfg.head, "feature_dim": cfg.model.feature_dim, "shape": list(self.shape),
-                "classes": self.num_classes, "images": self.images, "steps": self.steps}
+        return {"arch": repr(server_architecture(cfg)), "head": cfg.head, "feature_dim": cfg.model.feature_dim,
+                "shape": list(self.shape), "classes": self.num_classes, "images": self.images, "steps": self.steps}
 
 
 def measure_here(spec: ProbeSpec, cand: Candidate, beat: float = 0.0) -> float:
