@@ -13,7 +13,7 @@ from flare.errors import FlareError
 from flare.models import create_model, list_models, load_checkpoint, timm_zoo
 from flare.registry import MODELS
 from flare.data.prepare import DataMeta
-from flare.setup import init_global_model
+from flare.setup import init_models
 
 CIFAR_NETS = {"wrn16_1": 64, "wrn40_1": 64, "cnn_dense": 64, "cnn_coboost": 2048}
 SIZES = [(1, 28), (3, 32)]  # Fashion-MNIST, CIFAR
@@ -150,7 +150,7 @@ META = DataMeta("tiny", ["a", "b", "c"], 3, 12, [0.5] * 3, [0.25] * 3)
 
 def _init(seed, *extra):
     cfg = load_config(overrides=[f"seed={seed}", "model.name=wrn16_1", "model.width=0.5", *extra])
-    return init_global_model(cfg, META, torch.device("cpu"))
+    return init_models(cfg, META, torch.device("cpu"))[0]  # the server architecture's seeded init
 
 
 def _same(a, b):

@@ -20,7 +20,6 @@ def resolve_device(name: str) -> torch.device:
         if not torch.cuda.is_available():
             raise FlareError(f"device={name} was asked for, but torch sees no CUDA GPU on this machine.",
                              key="device", fix="use device=auto or device=cpu, or install a CUDA build of torch.")
-        return torch.device(name)
     if name == "mps" and not torch.backends.mps.is_available():
         raise FlareError("device=mps was asked for, but MPS is not available.", key="device",
                          fix="use device=auto or device=cpu.")
@@ -28,13 +27,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def amp_dtype_for(cfg: Config, device: torch.device) -> torch.dtype | None:
-    if cfg.amp == "off":
-        return None
-    if cfg.amp == "bf16":
-        return torch.bfloat16
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return None
+    auto = cfg.amp == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return torch.bfloat16 if cfg.amp == "bf16" or auto else None
 
 
 def use_channels_last(cfg: Config, device: torch.device) -> bool:

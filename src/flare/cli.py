@@ -83,7 +83,7 @@ def _resume_config(args) -> Config:
     return cfg
 
 
-def cmd_run(args) -> int:
+def cmd_run(args) -> None:
     if args.resume:
         cfg, out = _resume_config(args), Path(args.resume)
     else:
@@ -93,42 +93,37 @@ def cmd_run(args) -> int:
     final = "" if s.get("final", "last round") == "last round" else f", {s['final']}"
     print(f"{cfg.method}: final acc ({s.get('primary')}{final}) = {100 * s.get('acc', float('nan')):.2f}%  "
           f"peak {100 * s.get('peak_acc', float('nan')):.2f}% at round {s.get('peak_round')}  → {out}")
-    return 0
 
 
-def cmd_compare(args) -> int:
-    names = parse_presets(args.presets)
+def cmd_compare(args) -> None:
     out = Path(args.out) if args.out else _default_out("compare")
-    title, table = run_compare(names, out, args.config, args.overrides, seeds=parse_seeds(args.seeds),
-                               quiet=args.quiet, baseline=args.baseline, workers=args.workers)
+    title, table = run_compare(parse_presets(args.presets), out, args.config, args.overrides,
+                               seeds=parse_seeds(args.seeds), quiet=args.quiet, baseline=args.baseline,
+                               workers=args.workers)
     print(f"\n{title}\n\n{table}\n\nrun directories and plots: {out}")
-    return 0
 
 
-def cmd_presets(args) -> int:
+def cmd_presets(args) -> None:
     rows = list_presets()
     w = max(len(n) for n in rows)
     for name, m in rows.items():
         print(f"{name:<{w}}  {m.get('notes_name', ''):<14}  {m.get('description', '')}")
-    return 0
 
 
-def cmd_datasets(args) -> int:
+def cmd_datasets(args) -> None:
     load_plugins(args.plugin, key="--plugin")
     for name, desc in list_datasets():
         print(f"{name:<14}  {desc}")
-    return 0
 
 
-def cmd_models(args) -> int:
+def cmd_models(args) -> None:
     """Every model with what it is; a library's catalogue as one row (`timm/<any of N names>`)."""
     load_plugins(args.plugin, key="--plugin")
     for name, desc in MODELS.describe():
         print(f"{name:<24}  {desc}")
-    return 0
 
 
-def cmd_parts(args) -> int:
+def cmd_parts(args) -> None:
     """Every registry with what its entries are, its parts (built-in, entry-point plugins and --plugin modules) and
     each part's options (name: type = default)."""
     load_plugins(args.plugin, key="--plugin")
@@ -141,20 +136,17 @@ def cmd_parts(args) -> int:
                 print(f"  {'':<16}  options: " + ", ".join(f"{o}: {t} = {d}" for o, t, d in rows))
         for name, desc in reg.namespaces():
             print(f"  {name:<16}  {desc}")
-    return 0
 
 
-def cmd_config_reference(args) -> int:
+def cmd_config_reference(args) -> None:
     print(config_reference_markdown())
-    return 0
 
 
-def cmd_lr_probe(args) -> int:
+def cmd_lr_probe(args) -> None:
     cfg = load_config(args.config, args.preset, args.overrides)
     r = probe(cfg, client=args.client, all_data=args.all_data, batches=args.batches, iters=args.iters,
               batch_size=args.batch_size, tol=args.tol)
     print(format_probe(cfg, r))
-    return 0
 
 
 def cmd_sweep(args) -> int:
@@ -169,7 +161,7 @@ def cmd_sweep(args) -> int:
     return 1 if any(r["status"] == "failed" for r in bad.values()) else 0
 
 
-def cmd_report(args) -> int:
+def cmd_report(args) -> None:
     if args.out:
         out = Path(args.out)
     elif len(args.dirs) == 1:
@@ -178,10 +170,9 @@ def cmd_report(args) -> int:
         out = _default_out("report")
     path = write_report(args.dirs, out, title=args.title or "FLARE report", baseline=args.baseline)
     print(f"report: {path}")
-    return 0
 
 
-def cmd_fuse(args) -> int:
+def cmd_fuse(args) -> None:
     """Server strategies over finished runs' saved client states (flare/fuse.py). The run's own config.yaml is the
     experiment: the only KEY=VALUE overrides are server-strategy options (server.strategies.<name>.<option>)."""
     dirs = [d for d in args.dirs if not ("=" in d and not Path(d).exists())]
@@ -191,10 +182,9 @@ def cmd_fuse(args) -> int:
             opts = " ".join(f"{k}={v}" for k, v in f.get("options", {}).items())
             print(f"{path}: {f['strategy']} acc = {100 * float(f['acc']):.2f}% ({float(f['seconds']):.1f} s)"
                   + (f" [{opts}]" if opts else ""))
-    return 0
 
 
-def cmd_federate(args) -> int:
+def cmd_federate(args) -> None:
     try:  # lazy: Flower is an optional extra (flare-ofl[flower])
         from flare.flower.federation import federate
         from flare.flower.protocol import export_partitions
@@ -205,14 +195,13 @@ def cmd_federate(args) -> int:
         overrides = args.overrides + ([f"num_clients={args.clients}"] if args.clients else [])
         paths = export_partitions(load_config(args.config, args.preset, overrides), args.export_partitions)
         print(f"wrote {len(paths)} client files and dataset-meta.json to {args.export_partitions}")
-        return 0
+        return
     s = federate(args.config, args.preset, args.overrides, out=args.out, clients=args.clients,
                  min_clients=args.min_clients, timeout=args.timeout, upload=args.upload, simulation=args.simulation,
                  local_data=args.local_data, workdir=args.workdir)
     acc = s.get("acc")
     print(f"{s.get('method')}: final acc ({s.get('primary')}) = "
           f"{'n/a' if acc is None else f'{100 * acc:.2f}%'} over the federation → {s['out']}  (logs {s['logs']})")
-    return 0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -377,9 +366,9 @@ def main(argv: list[str] | None = None, commands: list[Callable] | None = None) 
         if getattr(args, "out", None) is not None and not args.out.strip():
             raise FlareError("--out is empty.", key="--out", fix="give a directory, or leave --out out for the "
                                                                  "default.")
-        rc = args.fn(args)
+        rc = args.fn(args)  # a command's exit code; None: 0
         sys.stdout.flush()  # a reader that went away shows up here, not in the interpreter's exit
-        return rc
+        return rc or 0
     except BrokenPipeError:
         # `flare presets | head`: stop quietly like a Unix tool killed by SIGPIPE (exit 128 + 13), and point
         # stdout at /dev/null so that Python's own flush at exit does not fail again.
@@ -389,8 +378,7 @@ def main(argv: list[str] | None = None, commands: list[Callable] | None = None) 
         print(f"flare: error: {e.render()}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("flare: interrupted; rerun the same command (or `flare run --resume DIR`) to continue.",
-              file=sys.stderr)
+        print("flare: interrupted; rerun the same command (or `flare run --resume DIR`) to continue.", file=sys.stderr)
         return 130
 
 

@@ -7,8 +7,7 @@ chooses its code path once, at its first kernel call, from the environment (`ATE
 level every x86-64 machine of this workplace supports (`cpu_isa=avx2`, the default) before a run's first tensor
 operation, checks afterwards that the libraries really dispatch there, and records the level in the run
 (state.json, summary.md). `cpu_isa=native` lets each library pick the CPU's best (faster, other digits). The
-measurements behind it and which claims hold on which CPUs: docs/reproducibility.md and docs/performance.md.
-"""
+measurements behind it and which claims hold on which CPUs: docs/reproducibility.md and docs/performance.md."""
 from __future__ import annotations
 
 import ctypes
@@ -61,8 +60,7 @@ def kernels() -> str:
 def native_level() -> str:
     """The best level the CPU itself supports, whatever this process was pinned to."""
     import torch  # lazy: see kernels()
-    probes = (("AVX512", "_is_avx512_supported"), ("AVX2", "_is_avx2_supported"))
-    for level, fn in probes:
+    for level, fn in (("AVX512", "_is_avx512_supported"), ("AVX2", "_is_avx2_supported")):
         if getattr(torch.cpu, fn, lambda: False)():
             return level
     return "DEFAULT"
@@ -174,10 +172,7 @@ def early_level(argv: list[str], env: dict | None = None) -> str:
             path = os.path.join(a, "config.yaml")  # `flare fuse RUN_DIR`: the run's own kernels
         if path and (found := _yaml_level(path)):
             level = found
-    for a in argv:
-        if a.startswith("speed=") and a.split("=", 1)[1].strip() == "fast":
-            level = "native"
-    for a in argv:
-        if a.startswith("cpu_isa="):
-            level = a.split("=", 1)[1].strip()
+    if any(a.startswith("speed=") and a.split("=", 1)[1].strip() == "fast" for a in argv):
+        level = "native"
+    level = next((a.split("=", 1)[1].strip() for a in reversed(argv) if a.startswith("cpu_isa=")), level)
     return level if level in LEVELS else DEFAULT_ISA

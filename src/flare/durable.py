@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from contextlib import suppress
 from pathlib import Path
 from typing import Callable
 
@@ -14,16 +15,12 @@ import torch
 
 
 def _fsync_dir(path: Path) -> None:
-    try:
+    with suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _atomic(path: Path, write: Callable) -> None:
@@ -54,14 +51,10 @@ def _json_default(o):
     raise TypeError(type(o))
 
 
-def _finite_or_str(v):
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)  # JSON has no NaN/Inf; keep the line parseable
-    return v
-
-
 def encode_record(rec: dict) -> str:
-    return json.dumps({k: _finite_or_str(v) for k, v in rec.items()}, default=_json_default)
+    """One JSON line; JSON has no NaN/Inf, so a non-finite float is written as a string (the line stays parseable)."""
+    return json.dumps({k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in rec.items()},
+                      default=_json_default)
 
 
 def parse_jsonl(text: str) -> tuple[list[dict], list[int]]:
@@ -74,8 +67,7 @@ def parse_jsonl(text: str) -> tuple[list[dict], list[int]]:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
-            bad.append(i)
-            continue
+            rec = None
         if isinstance(rec, dict):
             out.append(rec)
         else:
@@ -86,6 +78,4 @@ def parse_jsonl(text: str) -> tuple[list[dict], list[int]]:
 def read_jsonl(path: str | Path) -> list[dict]:
     """The parseable records of a JSON-lines file ([] if it does not exist)."""
     path = Path(path)
-    if not path.exists():
-        return []
-    return parse_jsonl(path.read_text(errors="replace"))[0]
+    return parse_jsonl(path.read_text(errors="replace"))[0] if path.exists() else []

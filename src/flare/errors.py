@@ -10,9 +10,7 @@ class FlareError(Exception):
     """A problem the user can fix. `key` names the config key at fault (if any), `fix` says how."""
 
     def __init__(self, message: str, *, key: str | None = None, fix: str | None = None):
-        self.key = key
-        self.fix = fix
-        self.message = message
+        self.key, self.fix, self.message = key, fix, message
         super().__init__(self.render())
 
     def render(self) -> str:

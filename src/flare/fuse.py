@@ -25,7 +25,6 @@ import torch
 
 from flare.config import Config, build_config, deep_merge, parse_list, parse_overrides
 from flare.errors import FlareError
-from flare.models import check_state_fits
 from flare.registry import STRATEGIES, load_plugins
 from flare.report.run_report import write_run_report
 from flare.rundir import CHECKPOINT, FUSE, RunDir, read_jsonl
@@ -46,11 +45,6 @@ class FuseJob:
     cfg: Config
     names: list[str]
     options: dict  # name → the strategy options given anew (server.strategies.<name>), {} for none
-
-
-def parse_strategies(text: str) -> list[str]:
-    """The comma-separated names, deduplicated (checked against the registry once each run's plugins are in)."""
-    return parse_list(text, "--strategies", duplicates="drop", example="feature,fedavg")
 
 
 def strategy_overrides(items: list[str], names: list[str]) -> dict:
@@ -96,12 +90,11 @@ def check(run_dir: str | Path, names: list[str], round_: int | None, options: di
     options = options or {}
     # imports the run's own plugins, whose strategies may be named; the strategies' new options validated with it
     cfg = build_config(deep_merge(old, {"server": {"strategies": options}}) if options else old)
-    for n in names:
-        STRATEGIES.entry(n, key="--strategies")
     if round_ is not None and round_ != cfg.rounds:
         raise FlareError(f"--round {round_}: only the states after the last round ({cfg.rounds}) are saved in "
                          f"'{rd.path}'.", key="--round", fix=f"leave --round out, or give --round {cfg.rounds}.")
     for n in names:
+        STRATEGIES.entry(n, key="--strategies")
         STRATEGIES.check(n, cfg)
         cfg.check_fuses_mixed(n, "--strategies")
         if STRATEGIES.get(n).needs_prototypes and cfg.head != "prototype":
@@ -123,14 +116,14 @@ def fuse_runs(dirs: list[str], strategies: str, round_: int | None = None,
     options given anew (`overrides`, server.strategies.<name>.<option>=VALUE); returns (dir, its fuse records of
     those strategies)."""
     load_plugins(plugins or [], key="--plugin")
-    names = parse_strategies(strategies)
+    # deduplicated; checked against the registry once each run's plugins are in
+    names = parse_list(strategies, "--strategies", duplicates="drop", example="feature,fedavg")
     options = strategy_overrides(overrides or [], names)
     jobs = [check(d, names, round_, options) for d in dirs]
     out = []
     for job in jobs:
         with job.dir.lock(key=KEY):
-            todo = _not_fused(job)
-            if todo:
+            if todo := _not_fused(job):
                 _score(job, todo)
             write_run_report(job.dir.path)
         recs = [f for f in read_jsonl(job.dir.file(FUSE)) if f.get("kind") == "fuse" and f.get("strategy") in names]
@@ -152,14 +145,8 @@ def _score(job: FuseJob, names: list[str]) -> None:
         raise FlareError(f"'{rd.path}/{CHECKPOINT}' is unreadable, holds no client states or does not cover the "
                          "last round.", key=KEY,
                          fix="rerun the experiment into a new directory (runs are deterministic) and fuse that one.")
-    fix = (f"the checkpoint was made by another experiment: restore {rd.path / 'config.yaml'}, or rerun into a new "
-           "directory.")
-    if len(ck["clients"]) != len(parts):
-        raise FlareError(f"'{rd.path}/{CHECKPOINT}' holds {len(ck['clients'])} clients, the run has {len(parts)}.",
-                         key=KEY, fix=fix)
-    for i, st in enumerate(ck["clients"]):
-        check_state_fits(server.client_init(i), st.get("model") if isinstance(st, dict) else st,
-                         f"'{rd.path}/{CHECKPOINT}' (client {i})", key=KEY, fix=fix)
+    rd.check_client_states(ck["clients"], [server.client_init(i) for i in range(len(parts))], KEY,
+                           "rerun into a new directory")
     models, uploads, owners = [], [], []
     for i, (ix, st) in enumerate(zip(parts, ck["clients"])):
         if len(ix) == 0:  # the runner leaves clients without samples out of every evaluation

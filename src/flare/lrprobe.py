@@ -10,8 +10,7 @@ The loss probed is the weights' local loss at p = 0 with the client's initial λ
 `probe_loss` (plugins included), with the extra terms of `loss.terms`; the contrast extensions are left out (the
 memory bank is empty at the start, the public bank needs the server's teacher). BatchNorm runs in training mode,
 as in local training. Power iteration converges to the eigenvalue of largest *magnitude*; if that one is negative,
-a second run on H − μI finds the largest (positive) eigenvalue.
-"""
+a second run on H − μI finds the largest (positive) eigenvalue."""
 from __future__ import annotations
 
 import math
@@ -77,8 +76,7 @@ def power_iteration(hvp: Callable[[list[Tensor]], list[Tensor]], params: list[Te
 
     Stops after `iters` Hessian–vector products, or earlier once the Rayleigh quotient changed by less than
     `tol` (relative) in each of the last two iterations: one HVP of a full-width ResNet costs seconds to
-    minutes on a CPU, and the quotient usually settles in well under 20.
-    """
+    minutes on a CPU, and the quotient usually settles in well under 20."""
     g = torch.Generator().manual_seed(seed)
     v = [torch.randn(p.shape, generator=g).to(p.device, p.dtype) for p in params]
     n = math.sqrt(float(_dot(v, v)))
@@ -97,8 +95,7 @@ def power_iteration(hvp: Callable[[list[Tensor]], list[Tensor]], params: list[Te
         v = [h / norm for h in hv]
         if tol > 0 and len(hist) >= 3 and all(_rel(hist[-i], hist[-i - 1]) < tol for i in (1, 2)):
             break
-    rel = abs(hist[-1] - hist[-2]) / max(abs(hist[-1]), 1e-30) if len(hist) > 1 else float("nan")
-    return EigenEstimate(hist[-1], hist, rel)
+    return EigenEstimate(hist[-1], hist, _rel(hist[-1], hist[-2]) if len(hist) > 1 else float("nan"))
 
 
 def top_hessian_eigenvalue(loss_fns: list[Callable[[], Tensor]], params: list[Tensor], iters: int = 20,
@@ -132,8 +129,7 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 2
     """Build the run's data and initial model like the runner and estimate L at the initial model.
 
     `batch_size=None` probes batches of min(cfg.batch_size, PROBE_BATCH_CAP); `iters` is the most power
-    iterations, `tol` the relative change that ends them early (0 runs all of them).
-    """
+    iterations, `tol` the relative change that ends them early (0 runs all of them)."""
     if batches < 1 or iters < 1:
         raise FlareError("--batches and --iters must be at least 1.", key="--batches" if batches < 1 else "--iters")
     if batch_size is not None and batch_size < 1:
@@ -173,17 +169,13 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 2
     B = batch_size if batch_size is not None else min(cfg.batch_size, PROBE_BATCH_CAP)
     nb = min(batches, math.ceil(len(perm) / B))
     fixed = []
-    rng = torch.get_rng_state()
-    try:
+    with torch.random.fork_rng(devices=[]):  # the CPU generator comes back as it was
         for b in range(nb):
             sel = perm[b * B:(b + 1) * B]
             torch.manual_seed(derived_seed(cfg.seed, 31337, 1, b))  # fixed augmentation per batch
-            xb = data.train_x[sel].to(device)
-            v1, v2 = augment(xb)
+            v1, v2 = augment(data.train_x[sel].to(device))
             yb = data.train_y[sel].to(device)
             fixed.append((torch.cat([v1, v2]).detach(), torch.cat([yb, yb])))
-    finally:
-        torch.set_rng_state(rng)
 
     def weigh(base: Tensor, align: Tensor | None) -> LamStep:  # the weights' loss at p = 0, no σ step
         return LamStep(provider.probe_loss(base, align), None)
@@ -210,10 +202,11 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 2
         est = top_hessian_eigenvalue([make_loss(i, y) for i, y in fixed], list(model.parameters()), iters,
                                      seed=cfg.seed, tol=tol, on_iter=tick)
     L = est.value
-    return {"L": L, "eta_crit": 2.0 / L if L > 0 else float("inf"), "lr": cfg.base_lr,
-            "history": est.history, "rel_change": est.rel_change, "who": who, "samples": int(len(ix)),
-            "batches": nb, "batch_size": B, "images": sum(len(y) // 2 for _, y in fixed), "config_batch_size": cfg.batch_size, "iters": len(est.history),
-            "max_iters": iters, "tol": tol, "lambda": lam, "model": arch.name, "width": arch.width}
+    return {"L": L, "eta_crit": 2.0 / L if L > 0 else float("inf"), "lr": cfg.base_lr, "history": est.history,
+            "rel_change": est.rel_change, "who": who, "samples": int(len(ix)), "batches": nb, "batch_size": B,
+            "images": sum(len(y) // 2 for _, y in fixed), "config_batch_size": cfg.batch_size,
+            "iters": len(est.history), "max_iters": iters, "tol": tol, "lambda": lam, "model": arch.name,
+            "width": arch.width}
 
 
 def format_probe(cfg: Config, r: dict) -> str:

@@ -14,27 +14,46 @@ from tqdm.auto import tqdm
 LINE_EVERY = 30.0  # seconds between plain progress lines (a bar's refreshes are free on a terminal, not in a log)
 
 
-def quiet_env() -> bool:
-    return os.environ.get("FLARE_QUIET", "") not in ("", "0")
+class _Bars:
+    """What both kinds share: tqdm bars on a terminal (`bars`), else a plain line at most every `LINE_EVERY` s."""
+
+    def __init__(self, disable: bool, stream):
+        self.stream = stream or sys.stderr
+        self.disable = disable or os.environ.get("FLARE_QUIET", "") not in ("", "0")
+        self.bars = not self.disable and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.t0 = self.last_line = time.monotonic()
+        self._tqdms: list[tqdm] = []
+
+    def _tqdm(self, **kw) -> tqdm:
+        bar = tqdm(disable=not self.bars, file=self.stream, dynamic_ncols=True, **kw)
+        self._tqdms.append(bar)
+        return bar
+
+    def _line(self, text: str, last: bool) -> None:
+        """`text` and the seconds so far as a plain line (no terminal), when LINE_EVERY s passed or on the `last`."""
+        now = time.monotonic()
+        if not self.disable and not self.bars and (now - self.last_line >= LINE_EVERY or last):
+            print(f"{text}, {now - self.t0:.0f} s", file=self.stream, flush=True)
+            self.last_line = now
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for bar in reversed(self._tqdms):
+            bar.close()
 
 
-def interactive(stream=None) -> bool:
-    stream = stream or sys.stderr
-    return hasattr(stream, "isatty") and stream.isatty()
+class Progress(_Bars):
+    """Rounds of a run, and the steps of the round under way."""
 
-
-class Progress:
     def __init__(self, total_rounds: int, steps_per_round: int, start_round: int = 0, desc: str = "",
                  disable: bool = False, stream=None):
-        self.stream = stream or sys.stderr
-        self.disable = disable or quiet_env()
-        self.bars = not self.disable and interactive(self.stream)
+        super().__init__(disable, stream)
         self.total, self.done, self.desc = total_rounds, start_round, desc
-        self.t0 = self.last_line = time.monotonic()
-        self.rounds = tqdm(total=total_rounds, initial=start_round, desc=f"{desc} rounds", unit="round",
-                           position=0, disable=not self.bars, file=self.stream, dynamic_ncols=True)
-        self.steps = tqdm(total=steps_per_round, desc="  steps", unit="batch", position=1, leave=False,
-                          disable=not self.bars, file=self.stream, dynamic_ncols=True)
+        self.rounds = self._tqdm(total=total_rounds, initial=start_round, desc=f"{desc} rounds", unit="round",
+                                 position=0)
+        self.steps = self._tqdm(total=steps_per_round, desc="  steps", unit="batch", position=1, leave=False)
 
     def client(self, cid: int) -> None:
         self.steps.set_description(f"  client {cid}" if cid >= 0 else "  all clients")
@@ -47,49 +66,24 @@ class Progress:
         self.rounds.set_postfix(acc=f"{acc:.4f}")
         self.rounds.update(1)
         self.steps.reset()
-        now = time.monotonic()
-        if not self.disable and not self.bars and (now - self.last_line >= LINE_EVERY or self.done == self.total):
-            print(f"{self.desc}: round {self.done}/{self.total}, acc {100 * acc:.2f}%, {now - self.t0:.0f} s",
-                  file=self.stream, flush=True)
-            self.last_line = now
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.steps.close()
-        self.rounds.close()
+        self._line(f"{self.desc}: round {self.done}/{self.total}, acc {100 * acc:.2f}%", self.done == self.total)
 
 
-class Counter:
-    """Items of a longer job (sweep points, power iterations): a bar on a terminal, a line per `LINE_EVERY` s (and
-    the last item) otherwise."""
+class Counter(_Bars):
+    """Items of a longer job (sweep points, power iterations)."""
 
     def __init__(self, total: int, initial: int = 0, desc: str = "", unit: str = "item", disable: bool = False,
                  stream=None):
-        self.stream = stream or sys.stderr
-        self.disable = disable or quiet_env()
-        self.bar = not self.disable and interactive(self.stream)
+        super().__init__(disable, stream)
         self.total, self.n, self.desc, self.unit, self.note = total, initial, desc, unit, ""
-        self.t0 = self.last = time.monotonic()
-        self._tqdm = tqdm(total=total, initial=initial, desc=desc, unit=unit, disable=not self.bar, file=self.stream,
-                          dynamic_ncols=True)
+        self.bar = self._tqdm(total=total, initial=initial, desc=desc, unit=unit)
 
     def set_postfix_str(self, note: str) -> None:
         self.note = note
-        self._tqdm.set_postfix_str(note)
+        self.bar.set_postfix_str(note)
 
     def update(self, k: int = 1) -> None:
         self.n += k
-        self._tqdm.update(k)
-        now = time.monotonic()
-        if not self.disable and not self.bar and (now - self.last >= LINE_EVERY or self.n >= self.total):
-            print(f"{self.desc}: {self.n}/{self.total} {self.unit}s{' (' + self.note + ')' if self.note else ''}, "
-                  f"{now - self.t0:.0f} s", file=self.stream, flush=True)
-            self.last = now
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self._tqdm.close()
+        self.bar.update(k)
+        self._line(f"{self.desc}: {self.n}/{self.total} {self.unit}s{' (' + self.note + ')' if self.note else ''}",
+                   self.n >= self.total)

@@ -1,19 +1,18 @@
-"""Registries: every kind of part a config names is looked up by name here, so a plugin adds a part by registering
-it, and the config validates names and options the same way for built-in parts and plugins (docs/extending.md).
+"""Registries: every kind of part a config names is looked up by name here, so a plugin adds a part by registering it,
+and the config validates names and options the same way for built-in parts and plugins (docs/extending.md).
 
 Like timm's registry, a part is created by name and its options are passed through; unlike it, a name cannot be
 replaced by accident (`overwrite=True` says so, and warns), a part may declare its options as a pydantic model
 (validated with the config, errors naming `<key>.<option>`), and an unknown name is a `FlareError` that names the
 config key and lists the registered names.
 
-Each registry states what its entries are (`signature`, a `typing.Protocol`: what the code that uses the part calls
-it with). The Protocol is declared in the module whose types it names (`PartitionFn` beside `Partition` in
-flare/data/partition.py), and named here as `"module:Name"`, resolved when asked for: this module is the bottom
-floor, so it imports none of the modules above it, not even for type checking. Every part may state what it needs
-of a config (`check(cfg)`: the `check=` argument of `register`, or the part's own `check` attribute, e.g. a
-`Strategy`'s classmethod). The config calls every chosen part's checks from one place
-(`Config._compatible_parts`), so a rule about a part lives with that part, and a plugin part refuses a config it
-cannot serve exactly as a built-in one does.
+Each registry states what its entries are (`signature`, a `typing.Protocol`: what the code that uses the part calls it
+with). The Protocol is declared in the module whose types it names (`PartitionFn` beside `Partition` in
+flare/data/partition.py), and named here as `"module:Name"`, resolved when asked for: this module is the bottom floor,
+so it imports none of the modules above it, not even for type checking. Every part may state what it needs of a config
+(`check(cfg)`: the `check=` argument of `register`, or the part's own `check` attribute, e.g. a `Strategy`'s
+classmethod). The config calls every chosen part's checks from one place (`Config._compatible_parts`), so a rule about
+a part lives with that part, and a plugin part refuses a config it cannot serve exactly as a built-in one does.
 
 The built-in parts register themselves in the modules that implement them; those modules import the config, so the
 registries load them by name on the first lookup (`load_builtins`) instead of importing them here — the same way
@@ -108,8 +107,7 @@ class Registry:
     `TermOptions`, every term has a weight)."""
 
     def __init__(self, kind: str, key: str, signature: type | str, default_options: type[BaseModel] | None = None):
-        self.kind, self.key, self.default_options = kind, key, default_options
-        self._signature = signature
+        self.kind, self.key, self.default_options, self._signature = kind, key, default_options, signature
         self._entries: dict[str, Entry] = {}
         self._spaces: dict[str, Namespace] = {}
 

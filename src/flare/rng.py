@@ -64,8 +64,7 @@ class RngStreams:
 
 
 def derived_seed(*parts: int) -> int:
-    """A well-mixed 63-bit seed from (run seed, round, client, …): every client-round draws its own
-    random numbers, so sequential, concurrent and resumed training see the same streams."""
+    """A well-mixed 63-bit seed from (run seed, round, client, …)."""
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint64)[0] >> 1)
 
 

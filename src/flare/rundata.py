@@ -3,7 +3,6 @@
 whose config.yaml disagrees with the config its results were computed with (`RunDir.check_consistent`)."""
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,13 +13,11 @@ import numpy as np
 from flare.config.protocol import protocol_label
 from flare.errors import FlareError
 from flare.records import flatten
-from flare.rundir import DIAG, FUSE, PARTITION, RunDir, read_jsonl
+from flare.rundir import DIAG, FUSE, METRICS, PARTITION, RunDir, read_jsonl
 
 
 def num(v: Any) -> float:
     """metrics.jsonl keeps non-finite floats as strings ("nan", "inf"); None → nan."""
-    if v is None:
-        return float("nan")
     try:
         return float(v)
     except (TypeError, ValueError):
@@ -58,20 +55,13 @@ class RunData:
             cfg = {}
         if cfg:
             rd.check_consistent(key="DIR")  # never report one experiment's numbers under another's config
-        recs = read_jsonl(rd.metrics_path)
-        part = {}
-        p = rd.file(PARTITION)
-        if p.is_file():
-            try:
-                part = json.loads(p.read_text())
-            except json.JSONDecodeError:
-                part = {}
+        recs = read_jsonl(rd.file(METRICS))
         flat = flatten(cfg)
         flat["protocol"] = protocol_label(cfg)  # the protocol and the items set away from it, in one value
         # Rounds skipped by eval.every carry no accuracy: reports read the evaluated rounds (their `round` keeps
         # the x position), so curves, peaks and finals never see a hole.
         return cls(Path(d), cfg, [r for r in recs if r.get("kind") == "round" and r.get("evaluated", True)],
-                   [r for r in recs if r.get("kind") == "client"], rd.read_state(), part, flat,
+                   [r for r in recs if r.get("kind") == "client"], rd.read_state(), rd.read_json(PARTITION), flat,
                    [r for r in read_jsonl(rd.file(FUSE)) if r.get("kind") == "fuse"])
 
     @property

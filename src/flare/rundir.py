@@ -21,10 +21,12 @@ config into it starts afresh (`RunDir.holds_rounds`), so a failed first attempt 
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import socket
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -36,6 +38,7 @@ from flare.config import Config, config_to_yaml, experiment_differences, migrate
 from flare.durable import (atomic_torch_save, atomic_write_text, encode_record, parse_jsonl,  # noqa: F401
                            read_jsonl)
 from flare.errors import FlareError
+from flare.models import check_state_fits
 from flare.records import config_fingerprint, file_fingerprint, flatten, shown
 
 try:  # POSIX advisory locks; without fcntl (Windows) runs are not locked
@@ -48,10 +51,6 @@ CHECKPOINT, PREV_CHECKPOINT, LOCK, SUMMARY = "checkpoint.pt", "checkpoint.prev.p
 FUSE = "fuse.jsonl"
 RECORDS = (PARTITION,)  # records besides config.yaml that later commands trust, fingerprinted in state.json
 DIAG = ("g_protos_std", "inter_client_proto_std", "model_variance_mean")                   # docs/method.md#metrics
-
-
-# ----------------------------------------------------------------------------------------------
-# the writer's view
 
 
 @dataclass
@@ -78,10 +77,6 @@ class RunDir:
     def file(self, name: str) -> Path:
         return self.path / name
 
-    @property
-    def metrics_path(self) -> Path:
-        return self.path / METRICS
-
     # -- creation and the lock ------------------------------------------------------------------
     def create(self, key: str = "--out") -> None:
         """Make the directory, or say in one paragraph why it cannot be made."""
@@ -95,10 +90,7 @@ class RunDir:
             parent = next((q for q in p.parents if q.exists() and not q.is_dir()), None)
             raise FlareError(f"cannot create '{p}': '{parent or p}' is a file.", key=key,
                              fix="choose an output directory whose parents are folders.") from None
-        except PermissionError:
-            raise FlareError(f"cannot create '{p}': permission denied.", key=key,
-                             fix="choose an output directory you can write to.") from None
-        except OSError as e:
+        except OSError as e:  # permission denied, read-only file system, ...
             raise FlareError(f"cannot create '{p}': {e.strerror}.", key=key,
                              fix="choose an output directory you can write to.") from None
         if not os.access(p, os.W_OK | os.X_OK):
@@ -129,12 +121,10 @@ class RunDir:
 
     def remove_if_empty(self) -> None:
         """Remove the directory if it holds nothing but its lock file (a run that failed before it began)."""
-        try:
+        with suppress(OSError):
             if {p.name for p in self.path.iterdir()} <= {LOCK}:
                 (self.path / LOCK).unlink(missing_ok=True)
                 self.path.rmdir()
-        except OSError:
-            pass
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
@@ -195,8 +185,7 @@ class RunDir:
         """state.json; `config` (the resolved config mapping the files were computed with) is recorded with its
         fingerprint, and the `RECORDS` there are with theirs, for `check_consistent`."""
         recorded = {"config_fingerprint": config_fingerprint(config), "config": config} if config is not None else {}
-        files = {name: fp for name in RECORDS if (fp := file_fingerprint(self.path / name)) is not None}
-        if files:
+        if files := {name: fp for name in RECORDS if (fp := file_fingerprint(self.path / name)) is not None}:
             recorded["files"] = files
         self.write_text(STATE, json.dumps({"status": status, "rounds_done": rounds_done, "warnings": warnings,
                                            **extra, **recorded}, indent=1))
@@ -215,20 +204,21 @@ class RunDir:
                              fix="restore it, or delete the run directory and rerun.")
         return migrate(m)  # written before a key was renamed: read with its new name
 
-    def read_state(self) -> dict:
-        p = self.path / STATE
-        if not p.is_file():
-            return {}
+    def read_json(self, name: str) -> dict:
+        """A JSON object file of the directory ({} if it is missing, damaged or not an object)."""
+        p = self.path / name
         try:
-            st = json.loads(p.read_text())
+            d = json.loads(p.read_text()) if p.is_file() else {}
         except (json.JSONDecodeError, UnicodeDecodeError):
             return {}
-        return st if isinstance(st, dict) else {}
+        return d if isinstance(d, dict) else {}
+
+    def read_state(self) -> dict:
+        return self.read_json(STATE)
 
     def read_metrics(self) -> tuple[list[dict], list[int]]:
-        if not self.metrics_path.exists():
-            return [], []
-        return parse_jsonl(self.metrics_path.read_text(errors="replace"))
+        p = self.path / METRICS
+        return parse_jsonl(p.read_text(errors="replace")) if p.exists() else ([], [])
 
     def load_checkpoint(self, device, warn: Callable[[str], None]) -> dict | None:
         """The newest readable checkpoint (checkpoint.pt, else checkpoint.prev.pt with a warning), or None."""
@@ -251,6 +241,17 @@ class RunDir:
         if problems:
             warn(f"{self.path}: " + "; ".join(problems) + ", and no older checkpoint is readable.")
         return None
+
+    def check_client_states(self, saved: list, models: list, key: str, rerun: str) -> None:
+        """Refuse a checkpoint whose client states do not fit the run's client `models` (one per client, in order),
+        before anything loads them; `rerun`: the fix's alternative to restoring config.yaml."""
+        fix = f"the checkpoint was made by another experiment: restore {self.path / CONFIG}, or {rerun}."
+        where = self.path / CHECKPOINT
+        if len(saved) != len(models):
+            raise FlareError(f"{where} holds {len(saved)} clients, the run has {len(models)}.", key=key, fix=fix)
+        for i, (m, st) in enumerate(zip(models, saved)):
+            check_state_fits(m, st.get("model") if isinstance(st, dict) else st, f"{where} (client {i})", key=key,
+                             fix=fix)
 
     # -- consistency ----------------------------------------------------------------------------
     def check_consistent(self, key: str = "--out", checkpoint: dict | None = None,
@@ -300,9 +301,7 @@ class RunDir:
         if any((self.path / name).exists() for name in (CHECKPOINT, PREV_CHECKPOINT)):
             return True
         done = self.read_state().get("rounds_done")
-        if isinstance(done, int) and done > 0:
-            return True
-        return any(r.get("kind") == "round" for r in self.read_metrics()[0])
+        return isinstance(done, int) and done > 0 or any(r.get("kind") == "round" for r in self.read_metrics()[0])
 
     # -- resuming -------------------------------------------------------------------------------
     def check_continues(self, cfg: Config, key: str = "--out") -> list[str]:
@@ -315,12 +314,11 @@ class RunDir:
             return []
         self.check_consistent(key, resuming=cfg)
         diff = experiment_differences(old, cfg)
-        if diff:
-            why = extension_problem(old, cfg) if diff == ["rounds"] else None
-            if diff != ["rounds"] or why:
-                raise FlareError(f"run directory '{self.path}' holds a different experiment (keys differ: "
-                                 f"{', '.join(diff)})" + (f"; {why}" if why else "") + ".", key=key,
-                                 fix="choose another output directory, or delete the old one.")
+        why = extension_problem(old, cfg) if diff == ["rounds"] else None
+        if diff and (diff != ["rounds"] or why):
+            raise FlareError(f"run directory '{self.path}' holds a different experiment (keys differ: "
+                             f"{', '.join(diff)})" + (f"; {why}" if why else "") + ".", key=key,
+                             fix="choose another output directory, or delete the old one.")
         return diff
 
     def resume_point(self, cfg: Config, key: str = "--out") -> ResumePoint:
@@ -340,8 +338,9 @@ class RunDir:
         ck = self.load_checkpoint("cpu", warn)
         self.check_consistent(key, ck, resuming=cfg)
         records, torn = self.read_metrics()
+        log = self.path / METRICS
         for line in torn:
-            warn(f"{self.metrics_path}: line {line} is torn or unreadable (cut mid-line?); dropped.")
+            warn(f"{log}: line {line} is torn or unreadable (cut mid-line?); dropped.")
         if ck is None:
             R = int(old.get("rounds", 0))
             if state.get("status") == "finished" and not diff and not torn and _complete(records, R):
@@ -357,24 +356,21 @@ class RunDir:
         saved = ck.get("records")
         kept = [r for r in records if isinstance(r.get("round"), int) and r["round"] < n]
         if len(kept) < len(records):
-            warn(f"{self.metrics_path}: {len(records) - len(kept)} record(s) written after the checkpoint (after "
+            warn(f"{log}: {len(records) - len(kept)} record(s) written after the checkpoint (after "
                  f"round {n}) dropped; round {n + 1} is recomputed.")
+        have = {r["round"] for r in kept if r.get("kind") == "round"}
+        missing = [m + 1 for m in range(n) if m not in have]
         if saved is not None:
-            if _comparable(kept) != _comparable(saved):
-                have = {r["round"] for r in kept if r.get("kind") == "round"}
-                missing = [m + 1 for m in sorted(set(range(n)) - have)]
+            if [encode_record(r) for r in kept] != [encode_record(r) for r in saved]:
                 what = f"round(s) {_ranges(missing)} missing" if missing else "records that differ"
-                warn(f"{self.metrics_path} disagrees with {CHECKPOINT} ({what}); rebuilt from the checkpoint, "
+                warn(f"{log} disagrees with {CHECKPOINT} ({what}); rebuilt from the checkpoint, "
                      "which records every round it covers.")
             kept = list(saved)
-        else:  # a checkpoint from before records were kept in it: the log must be complete on its own
-            have = {r["round"] for r in kept if r.get("kind") == "round"}
-            missing = [m + 1 for m in sorted(set(range(n)) - have)]
-            if missing:
-                raise FlareError(f"run directory '{self.path}': metrics.jsonl lacks round(s) {_ranges(missing)}, and "
-                                 "this (older) checkpoint cannot restore them.", key="--out",
-                                 fix="delete the run directory (or its checkpoint*.pt, metrics.jsonl and state.json) "
-                                     "and rerun: runs are deterministic, so it recomputes the same numbers.")
+        elif missing:  # a checkpoint from before records were kept in it: the log must be complete on its own
+            raise FlareError(f"run directory '{self.path}': metrics.jsonl lacks round(s) {_ranges(missing)}, and "
+                             "this (older) checkpoint cannot restore them.", key="--out",
+                             fix="delete the run directory (or its checkpoint*.pt, metrics.jsonl and state.json) "
+                                 "and rerun: runs are deterministic, so it recomputes the same numbers.")
         rp.rounds_done, rp.records, rp.checkpoint = n, kept, ck
         rp.finished = n >= cfg.rounds and state.get("status") == "finished" and not diff
         rp.state_warnings = list(state.get("warnings", []))
@@ -389,8 +385,7 @@ def extension_problem(old: dict, cfg: Config) -> str | None:
     None when it can: fewer rounds, or anything that depends on the progress p = e/(R·E)."""
     if cfg.rounds < int(old.get("rounds", 0)):
         return f"rounds={cfg.rounds} is fewer than the {old.get('rounds')} rounds the run was made for"
-    deps = cfg.schedule_dependencies()
-    if deps:
+    if deps := cfg.schedule_dependencies():
         return (f"more rounds would change the progress p = e/(R·E) that {', '.join(deps)} follow, so the rounds "
                 "already trained would not be those of the longer run")
     return None
@@ -402,16 +397,7 @@ def _complete(records: list[dict], rounds: int) -> bool:
     return idx == list(range(rounds)) and all(r.get("round", -1) < rounds for r in records)
 
 
-def _comparable(records: list[dict]) -> list[str]:
-    return [encode_record(r) for r in records]
-
-
 def _ranges(xs: list[int]) -> str:
-    out, i = [], 0
-    while i < len(xs):
-        j = i
-        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
-            j += 1
-        out.append(str(xs[i]) if i == j else f"{xs[i]}–{xs[j]}")
-        i = j + 1
-    return ", ".join(out)
+    """Sorted ints as runs: [1, 2, 3, 5] → "1–3, 5"."""
+    runs = [[x for _, x in g] for _, g in itertools.groupby(enumerate(xs), lambda ix: ix[1] - ix[0])]
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}–{r[-1]}" for r in runs)

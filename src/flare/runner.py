@@ -25,17 +25,14 @@ from flare.progress import Progress
 from flare.report.run_report import write_run_report
 from flare.rng import global_rng_state, set_global_rng_state
 from flare.rundata import RunData
-from flare.models import check_state_fits
-from flare.rundir import CHECKPOINT, SUMMARY, ResumePoint, RunDir
+from flare.rundir import SUMMARY, ResumePoint, RunDir
 from flare.server.rounds import record_round
 from flare.setup import RunSetup
 
 
 class Run:
     def __init__(self, cfg: Config, out_dir: str | Path, quiet: bool = False, label: str | None = None):
-        self.cfg = cfg
-        self.dir = RunDir(out_dir)
-        self.quiet = quiet
+        self.cfg, self.dir, self.quiet = cfg, RunDir(out_dir), quiet
         self.label = label or cfg.method  # how progress lines name the run
         self.warnings: list[str] = []
         self.facts: dict = {}  # how this invocation computed (backend.Backend.facts), kept in state.json
@@ -124,14 +121,8 @@ class Run:
         if rp.checkpoint is None:
             return []
         saved = rp.checkpoint["clients"]
-        fix = (f"the checkpoint was made by another experiment: restore {self.dir.path / 'config.yaml'}, or start "
-               "a new run with --out NEW_DIR.")
-        if len(saved) != len(clients):
-            raise FlareError(f"{self.dir.path / CHECKPOINT} holds {len(saved)} clients, the run has {len(clients)}.",
-                             key="--out", fix=fix)
+        self.dir.check_client_states(saved, [c.model for c in clients], "--out", "start a new run with --out NEW_DIR")
         for c, st in zip(clients, saved):
-            check_state_fits(c.model, st.get("model") if isinstance(st, dict) else st,
-                             f"{self.dir.path / CHECKPOINT} (client {c.cid})", key="--out", fix=fix)
             c.load_state_dict(st)
         set_global_rng_state(rp.checkpoint.get("rng"))
         self._merge_warnings(rp)

@@ -2,8 +2,7 @@
 
 One abstraction serves λ annealing a(p), the meta-annealing s(p) of the λ learner, and the local
 learning rate (docs/method.md#schedules). `p` runs once from 0 to 1 over the *whole* local training (all rounds),
-never per round — the seeds' saw-tooth was a bug.
-"""
+never per round — the seeds' saw-tooth was a bug."""
 from __future__ import annotations
 
 import math
@@ -78,8 +77,7 @@ class LRSchedule:
       constant: η = η0 · decay_per_round^round
       cosine:   η = η_min + ½(η0 − η_min)(1 + cos(π t/T))
       sgdr:     cosine within cycles of length T0, T0·T_mult, T0·T_mult², …; the peak is multiplied by
-                `cycle_decay` at every restart (Robbins–Monro friendly when < 1).
-    """
+                `cycle_decay` at every restart (Robbins–Monro friendly when < 1)."""
 
     def __init__(self, kind: str, base_lr: float, total_epochs: int, *, decay_per_round: float = 1.0,
                  min_lr: float = 0.0, t0: float = 10.0, t_mult: float = 2.0, cycle_decay: float = 1.0):

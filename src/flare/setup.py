@@ -76,11 +76,6 @@ def init_models(cfg: Config, meta: DataMeta, device: torch.device, channels_last
     return template, inits
 
 
-def init_global_model(cfg: Config, meta: DataMeta, device: torch.device, channels_last: bool = False) -> FlareNet:
-    """The server architecture's seeded init (a run of one architecture: every client's)."""
-    return init_models(cfg, meta, device, channels_last)[0]
-
-
 def anchor_seed(cfg: Config) -> int:
     """The shared seed the anchors A are drawn from (the server fixes it, and `Strategy.initialize` sends it)."""
     return cfg.seed + 7
@@ -148,11 +143,8 @@ def make_train_context(cfg: Config, train_x: Tensor, train_y: Tensor, augment, a
 
 @dataclass
 class ServerSetup:
-    """The server's side of a run: the backend, the dataset facts, the test set, the normalisation, the seeded
-    global init (`template`), the anchors, the augmentation, the public bank it sends and the public slice its
-    strategies read, each strategy's state and Plan B's G across rounds. Built by `build` alone — for the
-    in-process runner (inside `RunSetup`), the Flower server, `flare fuse` and the LR probe — and scored by
-    `evaluate` alone, so a run, a federation and a fuse evaluate one way."""
+    """The server's side of a run, built by `build` alone — for the in-process runner (inside `RunSetup`), the Flower
+    server, `flare fuse` and the LR probe — and scored by `evaluate` alone, so they all evaluate one way."""
 
     cfg: Config
     backend: Backend
@@ -254,11 +246,8 @@ class ServerSetup:
 
     def evaluate(self, r: int, uploads: list[Upload], models: list[torch.nn.Module],
                  rules: tuple[str, ...] | None = None, clients: Transport | None = None) -> Evaluation:
-        """Round r's evaluation checkpoint of `uploads` (`models[i]` holds `uploads[i].state`), with this server's
-        test set, anchors, G and strategy states; `rules`: only these strategies (fuse), else the round's own.
-        Plan B's new G is in the result: the caller decides whether the run carries it on (`carry`). `clients`: the
-        transport to the uploads' owners, for the strategies that hold rounds with them after the upload
-        (server/exchange.py)."""
+        """`rounds.evaluate_uploads` with this server's test set, anchors, G and strategy states. Plan B's new G is in
+        the result: the caller decides whether the run carries it on (`carry`)."""
         be = self.backend
         return evaluate_uploads(self.cfg, r, uploads, models, self.anchors, self.test_x, self.test_y, self.norm,
                                 amp_dtype=be.amp_dtype, channels_last=be.channels_last,
@@ -281,11 +270,10 @@ def client_context(cfg: Config, meta: DataMeta, be: Backend, feature_dim: int, t
 
 
 def check_buildable(cfg: Config) -> None:
-    """Refuse, in this process and before anything is written or started, what `flare run` refuses before it writes
-    a file: the device, the data and its subsets, the split, every architecture's init, checkpoint and input size,
-    one feature dimension. For a caller that hands the run to other processes (`flare federate`), where the same
-    mistake would otherwise surface as a server process's traceback after every process has started. The public
-    bank's teacher is not trained (it needs nothing the config could get wrong beyond what is checked here)."""
+    """Refuse here, before anything is written or started, what `flare run` refuses before it writes a file (device,
+    data, split, every architecture's init, checkpoint and input size, one feature dimension): for a caller that hands
+    the run to other processes (`flare federate`), where the same mistake would surface as a server process's
+    traceback. The public bank's teacher is not trained (nothing the config could get wrong is left in it)."""
     server = ServerSetup.build(cfg, bank=False)
     data = server.take_data()
     split(cfg, data.train_y, data.num_classes)

@@ -6,8 +6,7 @@ without native bf16 oneDNN emulates it — a ResNet-18 round there took 513 s in
 So the CPU's own flags decide which candidates are worth timing, a short probe times them (and the exact profile,
 in a child process, since the kernel level is fixed per process), and a candidate other than plain fp32 wins only
 by `MARGIN`. The figures are cached on disk per machine and model. The steps, the cache's key and place:
-docs/performance.md.
-"""
+docs/performance.md."""
 from __future__ import annotations
 
 import hashlib
@@ -86,9 +85,7 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        if self.exact:
-            return "exact"
-        return ("bf16" if self.bf16 else "fp32") + (" NHWC" if self.channels_last else "")
+        return "exact" if self.exact else ("bf16" if self.bf16 else "fp32") + (" NHWC" if self.channels_last else "")
 
 
 EXACT = Candidate(False, False, exact=True)
@@ -196,10 +193,9 @@ class ProbeSpec:
                                        cfg.model.feature_dim, checkpoint=False), cfg.lr
 
     def model_key(self) -> dict:
-        a = server_architecture(Config.model_validate(self.config))
         cfg = Config.model_validate(self.config)
-        return {"arch": repr(a), "head": cfg.head, "feature_dim": cfg.model.feature_dim, "shape": list(self.shape),
-                "classes": self.num_classes, "images": self.images, "steps": self.steps}
+        return {"arch": repr(server_architecture(cfg)), "head": cfg.head, "feature_dim": cfg.model.feature_dim,
+                "shape": list(self.shape), "classes": self.num_classes, "images": self.images, "steps": self.steps}
 
 
 def measure_here(spec: ProbeSpec, cand: Candidate, beat: float = 0.0) -> float:

@@ -9,8 +9,7 @@ distribution with n − 1 degrees of freedom. Why not Wilcoxon's signed-rank tes
 two-sided p is 2/2ⁿ — 0.25 at 3 seeds, 0.0625 at 5 — so below 6 seeds it can never reject at 0.05, whatever the
 gap. The t-test can, at the price of assuming the seed-level differences are roughly normal. A table that tests
 several methods against one baseline also gives Holm's step-down adjustment of the p-values (family-wise error
-0.05 over the table), and calls a difference significant only by that adjusted p.
-"""
+0.05 over the table), and calls a difference significant only by that adjusted p."""
 from __future__ import annotations
 
 import math

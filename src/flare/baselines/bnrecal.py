@@ -14,16 +14,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import Tensor, nn
 
-from flare.baselines.kd import Cost, public_slice, require_public
+from flare.baselines.kd import BN, Cost, public_slice, require_public
 from flare.errors import FlareError
 from flare.registry import STRATEGIES
 from flare.server.fusion import client_outputs
 from flare.server.rounds import head_primary
 from flare.server.rules import ClientRule, OutputRule, RulePredictor
 from flare.server.strategy import ModelPredictor, ServerContext, Strategy
-
-BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-
 
 class BNRecalOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -75,10 +72,9 @@ def recalibrate(model: nn.Module, x: Tensor, normalize, batch_size: int = 256) -
     try:
         for b in bns:
             b.train()
-        batches = 0
-        for s in range(0, x.shape[0], batch_size):
+        starts = range(0, x.shape[0], batch_size)
+        for s in starts:
             m(normalize(x[s:s + batch_size]))
-            batches += 1
     finally:
         for h in hooks:
             h.remove()
@@ -89,7 +85,7 @@ def recalibrate(model: nn.Module, x: Tensor, normalize, batch_size: int = 256) -
         b.running_mean.copy_(mo.mean.to(b.running_mean.dtype))
         b.running_var.copy_((mo.m2 / max(1, mo.n - 1)).to(b.running_var.dtype))
         if b.num_batches_tracked is not None:
-            b.num_batches_tracked.fill_(batches)
+            b.num_batches_tracked.fill_(len(starts))
     return m
 
 

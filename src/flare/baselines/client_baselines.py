@@ -67,8 +67,7 @@ class FedProto(Strategy):
             for s in range(0, data.x.shape[0], _BATCH):
                 f = model(data.normalize(data.x[s:s + _BATCH]))[0].double()
                 sums.index_add_(0, data.y[s:s + _BATCH], f)
-        counts = torch.bincount(data.y, minlength=C).float()
-        return {"class_sums": sums.float(), "class_counts": counts}
+        return {"class_sums": sums.float(), "class_counts": torch.bincount(data.y, minlength=C).float()}
 
     def prototypes(self, ctx: ServerContext) -> tuple[Tensor, Tensor]:
         """(C×d global prototypes, C booleans: some client holds the class)."""

@@ -19,15 +19,12 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
-from flare.baselines.kd import (Cost, affine_normalizer, client_logits, crop_flip, eval_mode, fresh_model, generator,
-                                kd_loss, private_stream, to_uint8)
+from flare.baselines.kd import (BN, Cost, affine_normalizer, client_logits, crop_flip, eval_mode, fresh_model,
+                                generator, kd_loss, passes, private_stream, to_uint8)
 from flare.errors import FlareError
 from flare.registry import STRATEGIES
 from flare.rng import derived_seed
 from flare.server.strategy import ModelPredictor, ServerContext, Strategy
-
-BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-
 
 class DenseOptions(BaseModel):
     """DENSE's published settings (the README's kd_train command, loop_df_fl.py defaults)."""
@@ -76,6 +73,11 @@ class CoBoostingOptions(DenseOptions):
     eps: float = Field(8 / 255, ge=0, description="size of the signed input perturbation (model-input units)")
     perturb: Literal["ods", "disagreement", "none"] = Field(
         "ods", description="distillation inputs: ODS step (the code), student-ensemble disagreement step, or none")
+
+
+def weighted_mean(w: Tensor, z: Tensor) -> Tensor:
+    """Σ_k w_k z_k / Σ_k w_k of K×B×C logits (the references' weighted Ensemble; DENSE's weights sum to 1)."""
+    return (w[:, None, None] * z).sum(0) / w.sum().clamp_min(1e-12)
 
 
 class Generator(nn.Module):
@@ -138,19 +140,13 @@ class BNStats:
             h.remove()
 
 
-def passes(n: int, size: int, gen: torch.Generator):
-    """One shuffled pass over n samples in batches (a 1-sample leftover is skipped: train-mode BatchNorm)."""
-    perm = torch.randperm(n, generator=gen)
-    return [perm[s:s + size] for s in range(0, n, size) if min(size, n - s) > 1 or n == 1]
-
-
 class Synthesis:
     """One build: the generator's epochs, the pool, the (Co-Boosting: re-weighted) ensemble and the student.
 
     A server that trains something else than a fresh student on the same synthetic pool (IntactOFL's gate,
     intactofl.py) subclasses it and overrides the hooks: `make_student` (what learns, its parameters the optimiser's),
     `teacher` (what the generator's CE and BN terms read), `adversary` (the logits the adversarial term pulls the
-    teacher away from) and `distil` (one epoch of learning on the pool)."""
+    teacher away from) and `batch_loss` (the learner's loss on one batch of the pool)."""
 
     def __init__(self, cfg, o: DenseOptions, ctx: ServerContext, shape: tuple[int, int, int], tag: int,
                  coboost: bool):
@@ -177,8 +173,8 @@ class Synthesis:
                            self.dev)
 
     def teacher(self, x: Tensor) -> Tensor:
-        """Σ_k w_k z_k / Σ_k w_k (WEnsemble; DENSE's weights sum to 1 already)."""
-        return (self.w[:, None, None] * client_logits(self.models, x)).sum(0) / self.w.sum().clamp_min(1e-12)
+        """The logits the generator's CE and BN terms read and the student learns: the weighted ensemble's."""
+        return weighted_mean(self.w, client_logits(self.models, x))
 
     def adversary(self, x: Tensor) -> Tensor:
         """The logits the generator's adversarial term moves away from the teacher's: the student's."""
@@ -239,7 +235,7 @@ class Synthesis:
                 with torch.no_grad():
                     z = client_logits(self.models, x)
                 w = self.w.clone().requires_grad_(True)
-                loss = F.cross_entropy((w[:, None, None] * z).sum(0) / w.sum().clamp_min(1e-12), y)
+                loss = F.cross_entropy(weighted_mean(w, z), y)
                 (grad,) = torch.autograd.grad(loss, w)
                 self.w = (self.w - step * grad.sign()).clamp(0.0, 1.0)
 
@@ -258,16 +254,21 @@ class Synthesis:
         (grad,) = torch.autograd.grad(obj, x)
         return (x + self.o.eps * grad.sign()).detach()
 
+    def batch_loss(self, ix: Tensor) -> Tensor:
+        """The learner's loss on the pool images `ix`: the student's KL to the teacher."""
+        x = self.view(ix)
+        if self.coboost and self.o.perturb != "none":
+            x = self.perturb(x)
+        with torch.no_grad():
+            t = self.teacher(x)
+        return kd_loss(self.student(x)[1].float(), t, self.o.temperature)
+
     def distil(self) -> None:
+        """One epoch of learning on the pool."""
         o = self.o
         self.student.train()
         for ix in passes(self.pool_x.shape[0], o.batch_size, self.g):
-            x = self.view(ix)
-            if self.coboost and o.perturb != "none":
-                x = self.perturb(x)
-            with torch.no_grad():
-                t = self.teacher(x)
-            loss = kd_loss(self.student(x)[1].float(), t, o.temperature)
+            loss = self.batch_loss(ix)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             if o.clip is not None:
@@ -278,20 +279,17 @@ class Synthesis:
             self.sched.step()
 
     def run(self) -> tuple[nn.Module, dict[str, float]]:
-        with eval_mode(self.models):
-            return self._run()
-
-    def _run(self) -> tuple[nn.Module, dict[str, float]]:
         cost = Cost(self.dev)
         curve: list[list[float]] = []  # [epoch, generator steps so far, test accuracy]
         every = self.o.curve_every
-        for epoch in range(self.o.epochs):
-            self.synthesize()
-            if self.coboost and epoch > 0:
-                self.reweight(epoch)
-            self.distil()
-            if every and self.ctx.score is not None and ((epoch + 1) % every == 0 or epoch + 1 == self.o.epochs):
-                curve.append([epoch + 1, (epoch + 1) * self.o.g_steps, self.ctx.score(self.student)])
+        with eval_mode(self.models):
+            for epoch in range(self.o.epochs):
+                self.synthesize()
+                if self.coboost and epoch > 0:
+                    self.reweight(epoch)
+                self.distil()
+                if every and self.ctx.score is not None and ((epoch + 1) % every == 0 or epoch + 1 == self.o.epochs):
+                    curve.append([epoch + 1, (epoch + 1) * self.o.g_steps, self.ctx.score(self.student)])
         self.student.eval().requires_grad_(False)
         n = len(self.g_losses)  # the generator restarts every epoch: its first and last steps, averaged
         logs = {**cost.logs(), "epochs": float(self.o.epochs), "g_loss_first": sum(g[0] for g in self.g_losses) / n,

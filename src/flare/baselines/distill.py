@@ -15,7 +15,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from flare.baselines.kd import (Cost, agreement, client_logits, crop_flip, eval_mode, fresh_model, generator, kd_loss,
-                                public_slice, require_public)
+                                passes, public_slice, require_public)
 from flare.models import layout
 from flare.rng import derived_seed
 from flare.registry import STRATEGIES
@@ -40,14 +40,9 @@ class FedDFOptions(BaseModel):
 
 
 def batches(n: int, size: int, gen: torch.Generator):
-    """Index batches of a shuffled pass over n samples, reshuffled every pass, forever (a DataLoader with
-    shuffle=True, drop_last=False; a 1-sample leftover is skipped: train-mode BatchNorm cannot take it)."""
+    """Index batches of shuffled passes over n samples, forever (a DataLoader with shuffle=True, drop_last=False)."""
     while True:
-        perm = torch.randperm(n, generator=gen)
-        for s in range(0, n, size):
-            ix = perm[s:s + size]
-            if ix.numel() > 1 or n == 1:
-                yield ix
+        yield from passes(n, size, gen)
 
 
 @STRATEGIES.register("feddf", options=FedDFOptions)

@@ -3,16 +3,15 @@ reference code lebronlambert/FedLPA_NeurIPS2024) and RegMean (Jin et al., "Datal
 Weights of Language Models", ICLR 2023; reference code bloomberg/dataless-model-merging).
 
 Both merge each Linear / Conv2d layer (and a prototype head) from per-client Kronecker factors that the clients
-compute after training and upload as extras (server/extras.py): A_k = E[ã ãᵀ] over the layer's inputs and, for
-FedLPA, G_k over the gradients of the per-sample loss w.r.t. its output. The server solves, per layer with weight
-matrix W (out × in, bias as the last column),
+compute after training and upload as extras (server/extras.py): A_k = E[ã ãᵀ] over the layer's inputs and, for FedLPA,
+G_k over the gradients of the per-sample loss w.r.t. its output. The server solves, per layer with weight matrix W
+(out × in, bias as the last column),
 
     FedLPA:  Σ_k w_k G_k M A_k = Σ_k w_k G_k W_k A_k
     RegMean: M Σ_k w_k A_k = Σ_k w_k W_k A_k   (G = I; exact: M = (Σ w W A)(Σ w A)⁻¹)
 
-with w = ctx.weights; FedLPA from the closed form of its "biased" approximation, refined by preconditioned
-conjugate gradient. The factors, the damping, `max_block` and the departures: docs/baselines.md, `fedlpa` and
-`regmean`.
+with w = ctx.weights; FedLPA from the closed form of its "biased" approximation, refined by preconditioned conjugate
+gradient. The factors, the damping, `max_block` and the departures: docs/baselines.md, `fedlpa` and `regmean`.
 """
 from __future__ import annotations
 
@@ -27,14 +26,11 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
-from flare.baselines.otfusion import check_same_architecture, chosen_by
+from flare.baselines.otfusion import BN_LAYERS, check_same_architecture, chosen_by
 from flare.errors import FlareError
 from flare.models import PrototypeHead, create_model
 from flare.registry import STRATEGIES
 from flare.server.strategy import ModelPredictor, ServerContext, Strategy
-
-_BN = (nn.BatchNorm1d, nn.BatchNorm2d)
-
 
 class FactorOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -99,7 +95,7 @@ def factor_layers(model: nn.Module, name: str, key: str, max_block: int = 0) -> 
                 m.padding, str):
             rows, cols, w, b = m.out_channels, m.in_channels * math.prod(m.kernel_size), f"{p}weight", \
                 m.bias is not None
-        elif isinstance(m, _BN):
+        elif isinstance(m, BN_LAYERS):
             continue
         else:
             raise FlareError(f"server strategy '{name}' cannot merge layer '{mname or '(model)'}' ({type(m).__name__}"
@@ -113,10 +109,7 @@ def factor_layers(model: nn.Module, name: str, key: str, max_block: int = 0) -> 
     return out
 
 
-# ----------------------------------------------------------------------------------------------
 # the client side: the factors of one client
-
-
 def _accumulate(S: Tensor, v: Tensor, nb: int, bs: int) -> None:
     """S (nb, bs, bs) += the diagonal blocks of vᵀv, v (N, n) zero-padded to nb·bs columns."""
     if nb * bs != v.shape[1]:
@@ -193,10 +186,7 @@ def client_factors(model: nn.Module, layers: list[Layer], x: Tensor, y: Tensor, 
     return {k: v.float().cpu() for k, v in out.items()}
 
 
-# ----------------------------------------------------------------------------------------------
 # the server side: one layer's merge
-
-
 def _left(Gb: Tensor, X: Tensor) -> Tensor:
     """block-diag(Gb) @ X."""
     nb, bs, _ = Gb.shape
@@ -280,10 +270,8 @@ def merge(states: list[dict[str, Tensor]], extras: list[dict[str, Tensor]], weig
           opts: FactorOptions, use_g: bool) -> tuple[dict[str, Tensor], dict[str, float]]:
     """The merged state dict: every factor layer solved, everything else (BatchNorm) averaged with the weights."""
     w = [float(x) for x in weights.double().cpu()]
-    out = {}
-    for k, v in states[0].items():
-        out[k] = (sum(wk * s[k].double() for wk, s in zip(w, states)).to(v.dtype) if torch.is_floating_point(v)
-                  else v.clone())
+    out = {k: sum(wk * s[k].double() for wk, s in zip(w, states)).to(v.dtype) if torch.is_floating_point(v)
+           else v.clone() for k, v in states[0].items()}
     alpha = getattr(opts, "alpha", None)
     res0, res, work = 0.0, 0.0, 0
     for L in layers:
@@ -308,12 +296,8 @@ class _Factors(Strategy):
     """The shared machinery: the clients' factors as extras, the per-layer merge on the server."""
 
     every_round = False
-    use_g = False
+    use_g, _name = False, "regmean"
     one_architecture_why = "it merges the clients' weights layer by layer, which needs one layout"
-
-    @property
-    def _name(self) -> str:
-        return "fedlpa" if self.use_g else "regmean"
 
     def _layers(self, model: nn.Module) -> list[Layer]:
         return factor_layers(model, self._name, chosen_by(self.cfg, self._name), self.options.max_block)
@@ -323,13 +307,12 @@ class _Factors(Strategy):
         """An unsupported layer type is refused at config validation, before any client trains. The dataset's
         channels and classes are not known yet; the layer *types* do not depend on them, so a stand-in model (3
         channels, 10 classes) is inspected, with torch's RNG state restored afterwards."""
-        name = "fedlpa" if cls.use_g else "regmean"
         with torch.random.fork_rng(devices=[]):
             try:
                 model = create_model(cfg.model.name, 3, 10, cfg.model.width, head=cfg.head, options=cfg.model.options)
             except Exception:  # noqa: BLE001 — a model that needs other dimensions is checked when the run builds it
                 return
-        factor_layers(model, name, chosen_by(cfg, name))
+        factor_layers(model, cls._name, chosen_by(cfg, cls._name))
 
     def extras_shapes(self, template: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         out = {}
@@ -379,4 +362,4 @@ class RegMean(_Factors):
 class FedLPA(_Factors):
     """FedLPA: layer-wise Laplace posteriors (K-FAC factors A ⊗ G) aggregated into one model."""
 
-    use_g = True
+    use_g, _name = True, "fedlpa"

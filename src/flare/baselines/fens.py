@@ -110,8 +110,7 @@ class FENS(Strategy):
             st.update(x={k: p.detach().to(ctx.device) for k, p in net.state_dict().items()}, moments={}, K=K, C=C)
         message = {k: v.clone() for k, v in st["x"].items()}
         if rnd == 0:
-            for k, u in enumerate(ctx.uploads):
-                message.update({MODEL.format(k) + n: t for n, t in u.state.items()})
+            message.update({MODEL.format(k) + n: t for k, u in enumerate(ctx.uploads) for n, t in u.state.items()})
         return message
 
     def client_round(self, rnd: int, received: dict[str, Tensor], data, memory: dict) -> dict[str, Tensor]:

@@ -66,9 +66,7 @@ def frozen_features(data) -> Tensor:
     return data.normalize(data.x).flatten(1).double().cpu()
 
 
-# ------------------------------------------------------------------------------------------------ FedCGS
-
-
+# FedCGS
 def lda_head(counts: Tensor, class_sums: Tensor, total: Tensor, second: Tensor, gamma: float) -> tuple[Tensor, Tensor]:
     """(W, b) of the reference's Gaussian classifier from the summed statistics (float64; module docstring)."""
     n = counts.sum()
@@ -118,9 +116,7 @@ class FedCGS(Strategy):
                               {"samples": float(stats["counts"].sum()), "seconds": time.perf_counter() - t0})
 
 
-# ------------------------------------------------------------------------------------------------ FedPFT
-
-
+# FedPFT
 class FedPFTOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     n_mixtures: int = Field(2, ge=1, le=64, description="Gaussian components per class and client")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
-from flare.baselines.datafree import DataFree, DenseOptions, Synthesis, passes
+from flare.baselines.datafree import DataFree, DenseOptions, Synthesis, weighted_mean
 from flare.baselines.kd import client_logits, kd_loss, private_stream
 from flare.registry import STRATEGIES
 from flare.rng import derived_seed
@@ -26,16 +26,12 @@ from flare.rng import derived_seed
 
 class IntactOFLOptions(DenseOptions):
     """IntactOFL's published settings: source/yaml_config/oneshot/cifar10_clients5_dir0.1.yaml (`intactofl:`,
-    lines 123-144, the config algo_main.py:11 runs) and the constants of source/oneshot_algorithms."""
+    lines 123-144, the config algo_main.py:11 runs) and the constants of source/oneshot_algorithms. g_steps, lr_g,
+    nz, ngf and bn are DENSE's, at the same values (their yaml lines: docs/baselines.md, `intactofl`)."""
 
     epochs: int = Field(200, ge=1, description="synthesis + gate-training epochs (yaml:138)")
-    g_steps: int = Field(30, ge=1, description="generator steps per epoch (yaml:128)")
-    lr_g: float = Field(1e-3, gt=0, description="Adam learning rate of the generator and z (yaml:129)")
     synthesis_batch: int = Field(128, ge=2, description="images synthesised per epoch (yaml:130)")
     batch_size: int = Field(128, ge=2, description="pool images per gate step (yaml:131)")
-    nz: int = Field(256, ge=1, description="noise dimension (yaml:126)")
-    ngf: int = Field(64, ge=1, description="generator width (yaml:127)")
-    bn: float = Field(1.0, ge=0, description="weight of the BatchNorm-statistics term (yaml:133)")
     oh: float = Field(1.0, ge=0, description="weight of the mixture's CE to the pseudo-labels (yaml:134)")
     adv: float = Field(1.0, ge=0, description="weight of the adversarial (mixture-average disagreement) term "
                        "(yaml:132)")
@@ -102,7 +98,7 @@ def gate_loss(logits: Tensor, weights: Tensor, average: Tensor, y: Tensor, o: In
 
 class GateSynthesis(Synthesis):
     """DENSE's generator with the mixture as its teacher and the experts' average as its adversary; the learner is
-    the gate (`MixtureOfExperts`), trained by `distil` on the pool."""
+    the gate (`MixtureOfExperts`), trained on the pool by `gate_loss`."""
 
     o: IntactOFLOptions
     _experts_of: tuple[Tensor, Tensor] | None = None  # (x, the experts' logits of x) of the teacher's last call
@@ -113,10 +109,6 @@ class GateSynthesis(Synthesis):
             gate = nn.Linear(math.prod(self.shape), K)  # torch's default init, as the reference's nn.Linear
         return MixtureOfExperts(self.models, gate.to(self.dev), max(1, int(self.o.top_k_share * K)))
 
-    def average(self, expert_logits: Tensor) -> Tensor:
-        """The experts' weighted average (the reference's `Ensemble`)."""
-        return (self.w[:, None, None] * expert_logits).sum(0) / self.w.sum().clamp_min(1e-12)
-
     def teacher(self, x: Tensor) -> Tensor:
         z = client_logits(self.models, x)
         self._experts_of = (x, z)  # the adversary of the same generator step reads them again
@@ -124,35 +116,23 @@ class GateSynthesis(Synthesis):
 
     def adversary(self, x: Tensor) -> Tensor:
         seen, z = self._experts_of or (None, None)
-        return self.average(z if seen is x else client_logits(self.models, x))
+        return weighted_mean(self.w, z if seen is x else client_logits(self.models, x))
 
-    def distil(self) -> None:
-        o, gate = self.o, self.student.gate
-        self.student.train()
-        for ix in passes(self.pool_x.shape[0], o.batch_size, self.g):
-            x, y = self.view(ix), self.pool_y[ix.to(self.dev)]
-            if o.perturb == "ods":
-                x = self.perturb(x, lambda v: self.average(client_logits(self.models, v)))
-            with torch.no_grad():
-                z = client_logits(self.models, x)
-            w = self.student.weights(x)
-            loss = gate_loss(mixture(w, z), w, self.average(z), y, o)
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if o.clip is not None:
-                nn.utils.clip_grad_norm_(gate.parameters(), o.clip)
-            self.opt.step()
-            self.kd_losses.append(float(loss.detach()))
-        if self.sched is not None:
-            self.sched.step()
+    def batch_loss(self, ix: Tensor) -> Tensor:
+        x, y = self.view(ix), self.pool_y[ix.to(self.dev)]
+        if self.o.perturb == "ods":
+            x = self.perturb(x, lambda v: weighted_mean(self.w, client_logits(self.models, v)))
+        with torch.no_grad():
+            z = client_logits(self.models, x)
+        w = self.student.weights(x)
+        return gate_loss(mixture(w, z), w, weighted_mean(self.w, z), y, self.o)
 
     def run(self) -> tuple[nn.Module, dict[str, float]]:
         moe, logs = super().run()
         self._experts_of = None
         # the predictor owns frozen copies: whatever later happens to the client models, its experts stay intact
         moe.experts = [copy.deepcopy(m).eval().requires_grad_(False) for m in moe.experts]
-        logs["gate_loss_last"] = logs.pop("kd_loss_last")
-        logs["top_k"] = float(moe.top_k)
+        logs.update(gate_loss_last=logs.pop("kd_loss_last"), top_k=float(moe.top_k))
         return moe, logs
 
 

@@ -19,6 +19,8 @@ from flare.config.architectures import server_architecture
 from flare.models import create_architecture
 from flare.rng import RngStreams, derived_seed
 
+BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
 
 def _no_public(name: str) -> FlareError:
     return FlareError(f"server strategy '{name}' trains on the server's unlabeled public slice, but "
@@ -47,6 +49,12 @@ def public_slice(ctx, name: str) -> Tensor:
 def generator(cfg: Config, r: int, tag: int, *more: int) -> torch.Generator:
     """A CPU generator seeded from (run seed, round, strategy tag, …): never the global RNG."""
     return torch.Generator().manual_seed(derived_seed(cfg.seed, r, tag, *more))
+
+
+def passes(n: int, size: int, gen: torch.Generator):
+    """One shuffled pass over n samples in batches (a 1-sample leftover is skipped: train-mode BatchNorm)."""
+    perm = torch.randperm(n, generator=gen)
+    return [perm[s:s + size] for s in range(0, n, size) if min(size, n - s) > 1 or n == 1]
 
 
 def private_stream(seed: int):
@@ -100,23 +108,20 @@ def kd_loss(student: Tensor, teacher: Tensor, T: float, *, probs: bool = False, 
     return out * (T * T) if scale else out
 
 
-def crop_flip(x: Tensor, gen: torch.Generator, pad: int = 4, flip: bool = True) -> Tensor:
+def crop_flip(x: Tensor, gen: torch.Generator, pad: int = 4) -> Tensor:
     """Per image: a random crop of the zero-padded image back to its size (torchvision's RandomCrop(size,
     padding=pad)) and a horizontal flip with p = 0.5, drawn from `gen`; uint8 or float (differentiable)."""
     B, _, H, W = x.shape
-    if pad > 0:
-        oy = torch.randint(0, 2 * pad + 1, (B,), generator=gen).to(x.device)
-        ox = torch.randint(0, 2 * pad + 1, (B,), generator=gen).to(x.device)
-        xp = F.pad(x, (pad, pad, pad, pad))
-        rows = (oy[:, None] + torch.arange(H, device=x.device))[:, None, :, None]
-        cols = (ox[:, None] + torch.arange(W, device=x.device))[:, None, None, :]
-        b = torch.arange(B, device=x.device)[:, None, None, None]
-        c = torch.arange(x.shape[1], device=x.device)[None, :, None, None]
-        x = xp[b, c, rows, cols]
-    if flip:
-        f = (torch.rand(B, generator=gen) < 0.5).to(x.device)[:, None, None, None]
-        x = torch.where(f, x.flip(3), x)
-    return x
+    oy = torch.randint(0, 2 * pad + 1, (B,), generator=gen).to(x.device)
+    ox = torch.randint(0, 2 * pad + 1, (B,), generator=gen).to(x.device)
+    xp = F.pad(x, (pad, pad, pad, pad))
+    rows = (oy[:, None] + torch.arange(H, device=x.device))[:, None, :, None]
+    cols = (ox[:, None] + torch.arange(W, device=x.device))[:, None, None, :]
+    b = torch.arange(B, device=x.device)[:, None, None, None]
+    c = torch.arange(x.shape[1], device=x.device)[None, :, None, None]
+    x = xp[b, c, rows, cols]
+    f = (torch.rand(B, generator=gen) < 0.5).to(x.device)[:, None, None, None]
+    return torch.where(f, x.flip(3), x)
 
 
 def affine_normalizer(normalize: Callable[[Tensor], Tensor], channels: int,
@@ -151,8 +156,6 @@ class Cost:
 @torch.no_grad()
 def agreement(student: nn.Module, models: list[nn.Module], weights: Tensor, x: Tensor, batch: int = 256) -> float:
     """The share of inputs (normalised) on which the student's argmax equals the weighted ensemble's."""
-    hits = 0
-    for s in range(0, x.shape[0], batch):
-        xb = x[s:s + batch]
-        hits += int((student(xb)[1].argmax(1) == ensemble_logits(models, weights, xb).argmax(1)).sum())
+    hits = sum(int((student(xb)[1].argmax(1) == ensemble_logits(models, weights, xb).argmax(1)).sum())
+               for xb in x.split(batch))
     return hits / max(1, x.shape[0])

@@ -3,12 +3,11 @@ weight-based variant with exact OT, for K clients: every client's neurons are al
 layer, and the aligned models are averaged with the aggregation weights.
 
 Per group of neurons, in forward order, the transport plan (`ot.emd` over the distances of incoming weight rows
-already mapped by their inputs' maps) maps the client's tensors on their output and input axes. BatchNorm follows
-its channels' map, a residual block's output shares its shortcut's map, the classes are never permuted. The walk
-follows each module's children in registration order (the data flow of every FLARE encoder); a module with its own
-parameters that is not Conv2d (groups=1), Linear, BatchNorm or a FLARE head is refused (FlareError), as are
-clients whose state dicts differ. Residual streams, heads and what the reference does otherwise:
-docs/baselines.md, `otfusion`.
+already mapped by their inputs' maps) maps the client's tensors on their output and input axes. BatchNorm follows its
+channels' map, a residual block's output shares its shortcut's map, the classes are never permuted. The walk follows
+each module's children in registration order (the data flow of every FLARE encoder); a module with its own parameters
+that is not Conv2d (groups=1), Linear, BatchNorm or a FLARE head is refused (FlareError), as are clients whose state
+dicts differ. Residual streams, heads and what the reference does otherwise: docs/baselines.md, `otfusion`.
 """
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ from flare.models import LinearHead, PrototypeHead
 from flare.registry import STRATEGIES
 from flare.server.strategy import ModelPredictor, ServerContext, Strategy
 
-_BN = (nn.BatchNorm1d, nn.BatchNorm2d)
+BN_LAYERS = (nn.BatchNorm1d, nn.BatchNorm2d)  # the BatchNorm layers the weight-merging servers average
 
 
 def chosen_by(cfg, name: str) -> str:
@@ -62,12 +61,8 @@ class Plan:
     axes: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)
 
 
-def _has_state(m: nn.Module) -> bool:
-    return any(True for _ in m.parameters()) or any(True for _ in m.buffers())
-
-
-def _own_state(m: nn.Module) -> bool:
-    return any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False))
+def _has_state(m: nn.Module, recurse: bool = True) -> bool:
+    return any(True for _ in m.parameters(recurse=recurse)) or any(True for _ in m.buffers(recurse=recurse))
 
 
 def _refuse(where: str, m: nn.Module, why: str, key: str) -> FlareError:
@@ -108,7 +103,7 @@ def _walk(m: nn.Module, prefix: str, cur: int | None, plan: Plan, key: str) -> i
     """Add module `m` (state keys under `prefix`) reading group `cur` to the plan; returns the group it outputs."""
     if isinstance(m, (nn.Conv2d, nn.Linear)):
         return _write(m, prefix, cur, None, plan, key, True)
-    if isinstance(m, _BN):
+    if isinstance(m, BN_LAYERS):
         _norm(prefix, cur, plan)
         return cur
     if isinstance(m, PrototypeHead):
@@ -119,7 +114,7 @@ def _walk(m: nn.Module, prefix: str, cur: int | None, plan: Plan, key: str) -> i
         return None
     if hasattr(m, "shortcut") and hasattr(m, "conv1"):
         return _block(m, prefix, cur, plan, key)
-    if _own_state(m):
+    if _has_state(m, recurse=False):
         raise _refuse(prefix[:-1], m, "only Conv2d, Linear, BatchNorm, residual blocks and the FLARE heads are "
                                       "supported", key)
     for name, child in m.named_children():
@@ -132,14 +127,14 @@ def _block(m: nn.Module, prefix: str, cur: int | None, plan: Plan, key: str) -> 
     write one group (the input's under an identity shortcut, else a new one with both convs' rows)."""
     path = [(n, c) for n, c in m.named_children() if n != "shortcut" and _has_state(c)]
     convs = [i for i, (_, c) in enumerate(path) if isinstance(c, nn.Conv2d)]
-    if not convs or any(not isinstance(c, (nn.Conv2d, *_BN)) for _, c in path):
+    if not convs or any(not isinstance(c, (nn.Conv2d, *BN_LAYERS)) for _, c in path):
         raise _refuse(prefix[:-1], m, "a residual block's main path must be Conv2d and BatchNorm layers", key)
     inner = cur
     for n, c in path[:convs[-1]]:
         inner = _walk(c, f"{prefix}{n}.", inner, plan, key)
     n, last = path[convs[-1]]
     short = [(f"{prefix}shortcut.{sn}." if sn else f"{prefix}shortcut.", sc)
-             for sn, sc in m.shortcut.named_modules() if _own_state(sc)]
+             for sn, sc in m.shortcut.named_modules() if _has_state(sc, recurse=False)]
     if not short:  # identity: the block writes into its input's stream, whose map was found where it began
         if cur is None:
             raise _refuse(prefix[:-1], m, "an identity shortcut on the raw input", key)
@@ -149,7 +144,7 @@ def _block(m: nn.Module, prefix: str, cur: int | None, plan: Plan, key: str) -> 
         for sp, sc in short:
             if isinstance(sc, nn.Conv2d):
                 _write(sc, sp, cur, out, plan, key, True)
-            elif isinstance(sc, _BN):
+            elif isinstance(sc, BN_LAYERS):
                 _norm(sp, out, plan)
             else:
                 raise _refuse(sp[:-1], sc, "a shortcut must be Conv2d and BatchNorm layers", key)

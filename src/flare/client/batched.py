@@ -1,16 +1,15 @@
 """Batched clients (`client_engine=batched`): all K clients of a round trained as one program.
 
-Why: trained one after another, every client issues its own small kernels for every op, and at batch 512 on
-32×32 images a GPU spends most of a round waiting for the host. The clients share one architecture,
-so their parameters and buffers can be stacked along a leading client axis and one forward/backward computes every
-client's step: `torch.func.functional_call` under `torch.vmap` over the stacked state (a convolution becomes a
-grouped convolution; BatchNorm updates each client's own running statistics, since the buffers are stacked too),
-then a per-client functional SGD updates the stack. `compile=true` wraps the vmapped step and the update with
-`torch.compile`.
+Why: trained one after another, every client issues its own small kernels for every op, and at batch 512 on 32×32
+images a GPU spends most of a round waiting for the host. The clients share one architecture, so their parameters and
+buffers can be stacked along a leading client axis and one forward/backward computes every client's step:
+`torch.func.functional_call` under `torch.vmap` over the stacked state (a convolution becomes a grouped convolution;
+BatchNorm updates each client's own running statistics, since the buffers are stacked too), then a per-client
+functional SGD updates the stack. `compile=true` wraps the vmapped step and the update with `torch.compile`.
 
-Each client runs its own round plan (`client/plan.py`: its streams, batch order, per-step clock, progress and lr,
-the plain-view test, and the step logs' sums and averages), the plan `Client.train_round` runs, so the two engines
-compute the same math per client (tests/test_batched.py holds them to float tolerance on CPU):
+Each client runs its own round plan (`client/plan.py`: its streams, batch order, per-step clock, progress and lr, the
+plain-view test, and the step logs' sums and averages), the plan `Client.train_round` runs, so the two engines compute
+the same math per client (tests/test_batched.py holds them to float tolerance on CPU):
 
 * each client's augmentation runs under its own streams and only its views are stacked, so the draws match one
   for one;
@@ -23,11 +22,11 @@ compute the same math per client (tests/test_batched.py holds them to float tole
   is g exactly).
 
 The clients stay the home of every state: the stack is built from their models, optimizers and λ providers when a
-round starts and written back when it ends, so uploads, evaluation, checkpoints (`Client.state_dict`) and resume
-are those of the sequential engine. No host sync per step: a round's per-step numbers (lr, λ strength) are one
-table copied to the device once, and the step logs are summed on the device and read once per round. What the
-engine does not implement it states itself (`BatchedClients.check`, `BatchedClients.lam_unsupported`);
-channels_last is not used (vmap cannot query an NHWC layout).
+round starts and written back when it ends, so uploads, evaluation, checkpoints (`Client.state_dict`) and resume are
+those of the sequential engine. No host sync per step: a round's per-step numbers (lr, λ strength) are one table
+copied to the device once, and the step logs are summed on the device and read once per round. What the engine does
+not implement it states itself (`BatchedClients.check`, `BatchedClients.lam_unsupported`); channels_last is not used
+(vmap cannot query an NHWC layout).
 """
 from __future__ import annotations
 
@@ -59,19 +58,14 @@ class _StepTable:
         self.plans = plans
         self.T = max(len(pl.steps) for pl in plans)
         K, E = len(plans), ctx.cfg.local_epochs
-        lr = [[0.0] * K for _ in range(self.T)]
-        strength = [[0.0] * K for _ in range(self.T)]
-        rows = [[0] * K for _ in range(self.T)]
-        batch = [[0] * K for _ in range(self.T)]
+        lr, strength, rows, batch = ([[0] * K for _ in range(self.T)] for _ in range(4))
         for i, (pl, c) in enumerate(zip(plans, clients)):
             for t, s in enumerate(pl.steps):
                 lr[t][i], strength[t][i] = s.lr, c.lam.strength(s.p)
                 rows[t][i], batch[t][i] = i * E + s.epoch, s.batch
-        dev = ctx.device
-        self.lr = torch.tensor(lr, dtype=torch.float32).to(dev)              # T×K
-        self.strength = torch.tensor(strength, dtype=torch.float32).to(dev)  # T×K
-        self.rows = torch.tensor(rows, dtype=torch.long).to(dev)              # T×K: the client-epoch row of the logs
-        self.batch = torch.tensor(batch, dtype=torch.long).to(dev)            # T×K: the step within the epoch
+        # T×K each; rows: the client-epoch row of the logs, batch: the step within the epoch
+        self.lr, self.strength = (torch.tensor(v, dtype=torch.float32).to(ctx.device) for v in (lr, strength))
+        self.rows, self.batch = (torch.tensor(v, dtype=torch.long).to(ctx.device) for v in (rows, batch))
 
     def groups(self, t: int) -> dict[int, list[int]]:
         """Batch size → the clients (positions) that train at global step t with batches of that size."""
@@ -86,32 +80,23 @@ class _StepTable:
 class BatchedClients:
     """Trains `clients` (all active clients of a run, in a fixed order) one round at a time as one batched program.
 
-    What it cannot run is stated here, beside the code that would have to run it: settings (`check`, which the
-    config's validation calls, so a run fails before any data is read) and λ providers (`lam_unsupported`, when
-    the engine is built); a loss term that cannot be vmapped fails at its first step (`_vmap_errors`)."""
+    What it cannot run it states beside the code that would have to run it: settings (`check`, at config
+    validation, before any data is read), λ providers (`lam_unsupported`, when the engine is built); a loss term
+    that cannot be vmapped fails at its first step (`_vmap_errors`)."""
 
     @staticmethod
-    def blockers(cfg: Config) -> list[tuple[str, object]]:
-        """(key, value) of every setting of `cfg` the engine does not implement, and why (docs/performance.md):
-        gradient surgery needs each client's two gradients apart, the engine takes one backward of all clients'
-        summed loss; the contrast banks are per-client queues rewritten after every step; a moving alignment
-        target starts from each client's own initial prototypes at its own progress (the engine plans strengths
-        only); SGDR's momentum reset changes state between steps the stack does not hold."""
-        out: list[tuple[str, object]] = []
-        if cfg.align.surgery != "none":
-            out.append(("align.surgery", cfg.align.surgery))
-        if cfg.loss.contrast != "none":
-            out.append(("loss.contrast", cfg.loss.contrast))
-        if cfg.align.anchors != "none" and cfg.align.target != "fixed":
-            out.append(("align.target", cfg.align.target))
-        if cfg.lr_schedule.kind == "sgdr" and cfg.lr_schedule.reset_momentum:
-            out.append(("lr_schedule.reset_momentum", True))
-        return out
-
-    @classmethod
-    def check(cls, cfg: Config) -> None:
-        """Refuse a config with a setting the engine does not implement, naming the first one and the way out."""
-        blocked = cls.blockers(cfg)
+    def check(cfg: Config) -> None:
+        """Refuse a config with a setting the engine does not implement, naming the first one and the way out
+        (docs/performance.md): gradient surgery needs each client's two gradients apart, the engine takes one
+        backward of all clients' summed loss; the contrast banks are per-client queues rewritten after every step; a
+        moving alignment target starts from each client's own initial prototypes at its own progress (the engine
+        plans strengths only); SGDR's momentum reset changes state between steps the stack does not hold."""
+        blocked = [(key, value) for key, value, on in (
+            ("align.surgery", cfg.align.surgery, cfg.align.surgery != "none"),
+            ("loss.contrast", cfg.loss.contrast, cfg.loss.contrast != "none"),
+            ("align.target", cfg.align.target, cfg.align.anchors != "none" and cfg.align.target != "fixed"),
+            ("lr_schedule.reset_momentum", True, cfg.lr_schedule.kind == "sgdr" and cfg.lr_schedule.reset_momentum),
+        ) if on]
         if blocked:
             key, value = blocked[0]
             raise KeyedValueError(key, f"client_engine=batched does not support {key}={value} (it trains "
@@ -142,9 +127,7 @@ class BatchedClients:
     def __init__(self, clients: list[Client], ctx: TrainContext, compile: bool = False):
         if not clients:
             raise ValueError("BatchedClients needs at least one client")
-        self.clients = clients
-        self.ctx = ctx
-        self.cfg = ctx.cfg
+        self.clients, self.ctx, self.cfg = clients, ctx, ctx.cfg
         # The template's own tensors are never used: functional_call swaps the clients' stacked state in.
         self.template = copy.deepcopy(clients[0].model)
         self.proto_name = "head.prototypes" if self.template.prototypes is not None else None
@@ -175,14 +158,12 @@ class BatchedClients:
         protos = params[self.proto_name] if self.proto_name else None
         loss = local_loss(cfg, feat, logits, y2, protos, target=ctx.align_anchors,  # align.target=fixed
                           weigh=lambda base, align: self.lam.weigh(base, align, strength, sigma if sigma else None))
-        total, logs = loss.total(), loss.logs()
-        return total, logs
+        return loss.total(), loss.logs()
 
     # -- one round -----------------------------------------------------------------------------------------------
     def train_round(self, round_idx: int, on_step=None) -> list[dict]:
         cfg, ctx, clients = self.cfg, self.ctx, self.clients
-        t0 = time.perf_counter()
-        K = len(clients)
+        t0, K = time.perf_counter(), len(clients)
         plans = [RoundPlan(c, ctx, round_idx) for c in clients]
         table = _StepTable(plans, clients, ctx)
         logs = RoundLogs([c.cid for c in clients], cfg.local_epochs, round_idx, ctx.device)
@@ -236,8 +217,7 @@ class BatchedClients:
 
     def _finish(self, plans, params, buffers, bufs, sigma, logs: RoundLogs, seconds: float) -> list[dict]:
         """Write every state back into its client, and its record."""
-        cfg, ctx = self.cfg, self.ctx
-        records = []
+        cfg, records = self.cfg, []
         with torch.no_grad():
             for i, (c, plan) in enumerate(zip(self.clients, plans)):
                 for n, p in c.model.named_parameters():
@@ -249,12 +229,12 @@ class BatchedClients:
                 for g in c.optimizer.param_groups:
                     g["lr"] = plan.last_lr
                 if bufs is not None:
-                    for (n, p), buf in zip(c.model.named_parameters(), bufs):
+                    for p, buf in zip(c.model.parameters(), bufs):
                         c.optimizer.state[p]["momentum_buffer"] = buf[i].clone()
                 for own, stacked in zip(c.lam.sigma_state(), sigma):
                     own.copy_(stacked[i])
                 c.epochs_done += plan.E
-                records.append(c.round_record(ctx, plan, logs.means(i, len(plan.steps)), seconds))
+                records.append(c.round_record(plan, logs.means(i, len(plan.steps)), seconds))
         return records
 
     # -- helpers ---------------------------------------------------------------------------------------------
@@ -286,12 +266,8 @@ class BatchedClients:
     def _views(self, plans: list[RoundPlan], members: list[int], t: int) -> tuple[Tensor, Tensor]:
         """Each member's step-t input and labels from its own plan (`RoundPlan.views`: its own streams, or the plain
         view), stacked: k×2B×C×H×W (plain: k×B×C×H×W)."""
-        views, labels = [], []
         with record_function("flare.augment"):
-            for i in members:
-                v, y = plans[i].views(self.ctx, t)
-                views.append(v)
-                labels.append(y)
+            views, labels = zip(*(plans[i].views(self.ctx, t) for i in members))
         return torch.stack(views), torch.stack(labels)
 
 

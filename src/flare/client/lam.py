@@ -63,9 +63,7 @@ def entropy_lambda(normalized_entropy: float, lambda_min: float, lambda_max: flo
 
 def initial_lambda(cfg: Config, normalized_entropy: float) -> float:
     a = cfg.align
-    if a.lambda_rule == "entropy":
-        return entropy_lambda(normalized_entropy, a.lambda_min, a.lambda_max)
-    return a.lambda0
+    return entropy_lambda(normalized_entropy, a.lambda_min, a.lambda_max) if a.lambda_rule == "entropy" else a.lambda0
 
 
 class LamProvider:
@@ -123,8 +121,7 @@ class LamLearner(LamProvider):
         if mode not in MODES:
             raise FlareError(f"unknown λ learner '{mode}'.", key="lam.learner",
                              fix=f"use none or one of: {', '.join(MODES)}.")
-        self.mode = mode
-        self.lambda_init = float(lambda_init)
+        self.mode, self.lambda_init = mode, float(lambda_init)
         self.schedule = SCHEDULES.get(anneal, "lam.anneal")
         self.gamma_reg, self.beta = float(gamma_reg), float(beta)
         self.gamma_lambda, self.valve_threshold = float(gamma_lambda), float(valve_threshold)
@@ -150,32 +147,25 @@ class LamLearner(LamProvider):
             return LamStep(base, None)
         s_l, s_a = state if state is not None else (self.s_l, self.s_a)
         a = strength
-        b = base.detach().float()              # sg(base)
-        la = align.detach().float()            # sg(L_align)
+        b, la = base.detach().float(), align.detach().float()  # sg(base), sg(L_align)
         lam_raw = torch.exp(s_l - s_a)         # carries gradient to both σ (used by the valve)
         lam_raw_sg = lam_raw.detach()
         # ½e^{−s_l}·sg(base) + c·½e^{−s_a}·sg(L_align) + ½(s_l + s_a): the V10 objective as a function of σ
         uw_sigma = 0.5 * torch.exp(-s_l) * b + a * 0.5 * torch.exp(-s_a) * la + 0.5 * (s_l + s_a)
         logs: dict[str, Tensor] = {"lambda_raw": lam_raw_sg}
+        lam_eff = a * lam_raw_sg                               # λ_eff = sg(s(p)·λ_raw)
+        local, sigma = base, uw_sigma
         if self.mode == "uw":
             scale = 0.5 * torch.exp(-s_l).detach()             # the hidden learning-rate factor of V10
-            local = scale * base
-            align_w = (0.5 * torch.exp(-s_a).detach() * a) * align
-            sigma = uw_sigma
-            lam_eff = a * lam_raw_sg
+            local, align_w = scale * base, (0.5 * torch.exp(-s_a).detach() * a) * align
             logs["loss_scale"] = scale
-        elif self.mode == "uw-rescaled":
+        else:
+            align_w = lam_eff * align
+        if self.mode == "uw-rescaled":
             # L' = 2·sg(e^{s_l})·L: the weights see base + a·λ_raw·L_align (e^{s_l}·e^{−s_l} = 1 written
             # exactly), σ the gradient of 2·sg(e^{s_l}) times the V10 objective.
-            lam_eff = a * lam_raw_sg
-            local = base
-            align_w = lam_eff * align
             sigma = 2.0 * torch.exp(s_l).detach() * uw_sigma
-        else:  # decoupled: V12, + γ_reg (V13), + β and γ_λ (V14 = FLARE)
-            lam_eff = a * lam_raw_sg                            # λ_eff = sg(s(p)·λ_raw)
-            local = base
-            align_w = lam_eff * align
-            sigma = uw_sigma
+        elif self.mode == "decoupled":  # V12, + γ_reg (V13), + β and γ_λ (V14 = FLARE)
             if self.gamma_reg:
                 sigma = sigma + self.gamma_reg * torch.exp(-s_a)                         # stability anchor
             if self.beta:
@@ -238,10 +228,6 @@ def _safe_exp(x: float) -> float:
         return math.inf
 
 
-def _fixed(facts: LamFacts, options) -> LamProvider:
-    return LamProvider(facts.lambda_init, facts.schedule)
-
-
 def _learner(mode: str):
     def build(facts: LamFacts, lm: LamCfg) -> LamProvider:
         return LamLearner(mode, facts.lambda_init, sigma_lr=lm.sigma_lr, anneal=lm.anneal, gamma_reg=lm.gamma_reg,
@@ -276,7 +262,8 @@ def _learner_check(mode: str):
     return check
 
 
-LAM_PROVIDERS.register("none", _fixed, description="no learner: λ0 (align.lambda_rule) times align.schedule's a(p)")
+LAM_PROVIDERS.register("none", lambda facts, options: LamProvider(facts.lambda_init, facts.schedule),
+                       description="no learner: λ0 (align.lambda_rule) times align.schedule's a(p)")
 for _mode, _what in (("uw", "V10: uncertainty weighting, one objective"),
                      ("uw-rescaled", "V10r/V11: uw rescaled by sg(e^{s_l})"),
                      ("decoupled", "V12–V14 (FLARE): decoupled σ objective")):

@@ -1,10 +1,9 @@
-"""The local objective's base terms, chosen once from `loss.objective`, plus the registered extra terms of
-`loss.terms`.
+"""The local objective's base terms, chosen once from `loss.objective`, plus the registered extra terms of `loss.terms`.
 
-Local training, the server's public-bank teacher and the LR probe all compute the same base loss; they
-call `base_terms` so the choice of objective lives here only. An objective is registered in
-`flare.registry.OBJECTIVES` as an `Objective`: its terms function and the head it trains (a prototype head
-carries the prototypes that alignment and the feature rules need; a linear head is a plain classifier).
+Local training, the server's public-bank teacher and the LR probe all compute the same base loss; they call
+`base_terms` so the choice of objective lives here only. An objective is registered in `flare.registry.OBJECTIVES` as
+an `Objective`: its terms function and the head it trains (a prototype head carries the prototypes that alignment and
+the feature rules need; a linear head is a plain classifier).
 """
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ from flare.registry import OBJECTIVES
 
 
 class ObjectiveEntry(Protocol):
-    """What `OBJECTIVES` holds (`Objective` below): the base terms `terms(loss_cfg, feat, logits, y, prototypes,
-    bank)` and the head they train (prototype, linear or etf)."""
+    """What `OBJECTIVES` holds (`Objective` below): the base terms and the head they train."""
     terms: Callable[..., dict[str, Tensor]]
     head: str
 
@@ -48,14 +46,10 @@ def _fafi(loss: LossCfg, feat, logits, y, prototypes, bank):
                       tau_pf=loss.tau_pf, tau_pp=loss.tau_pp, bank=bank, bank_tau=loss.bank_tau)
 
 
-def _ce(loss: LossCfg, feat, logits, y, prototypes, bank):
-    return ce_terms(logits, y)
-
-
 OBJECTIVES.register("fafi", Objective(_fafi, "prototype"), description="FAFI: L_cls + L_con + L_pp + L_pf, "
                                                                        "prototype head")
-OBJECTIVES.register("ce", Objective(_ce, "linear"), description="plain cross-entropy classifier (FedAvg/Ensemble "
-                                                                "baselines)")
+OBJECTIVES.register("ce", Objective(lambda loss, feat, logits, y, prototypes, bank: ce_terms(logits, y), "linear"),
+                    description="plain cross-entropy classifier (FedAvg/Ensemble baselines)")
 
 
 def base_terms(loss: LossCfg, feat: Tensor, logits: Tensor, y: Tensor, prototypes: Tensor | None,

@@ -2,10 +2,10 @@
 
 The sequential (and threads) engine (`Client.train_round`) and the batched engine (`BatchedClients.train_round`)
 differ in how a step is computed — one model, or all clients' models stacked under vmap — but not in what a client
-does in a round. That lives here, so the two engines cannot drift apart: the random streams a client-round draws
-from (`derived_seed(seed, r, i, purpose)`), its steps per epoch and batch order, each step's clock, progress p and
-lr, whether a step sees the plain view or two augmented ones, and how the step logs are summed, judged for
-divergence and averaged into the client's record.
+does in a round. That lives here, so the two engines cannot drift apart: the random streams a client-round draws from
+(`derived_seed(seed, r, i, purpose)`), its steps per epoch and batch order, each step's clock, progress p and lr,
+whether a step sees the plain view or two augmented ones, and how the step logs are summed, judged for divergence and
+averaged into the client's record.
 
 Where the augmentation runs (`augment.schedule`): `per_batch` (the default) gathers each step's batch and calls the
 augmentation on it; `chunked` gathers a run of consecutive batches of an epoch at once (as many as fit
@@ -13,9 +13,8 @@ augmentation on it; `chunked` gathers a run of consecutive batches of an epoch a
 output is already the steps' [v1; v2] layout — and lets every step slice its input out of the result without a copy.
 Small models at small batches spend most of a step in the augmentation's per-call work (parameter sampling, kornia's
 host reads of device values, dozens of small kernels), which one larger call pays once (airbench's way of feeding a
-small network). The images, their order and the streams are the per_batch ones; the draws are not
-(kornia draws a chunk's parameters in one go, and ColorJitter's order of its four steps once per call: per chunk, for
-both views).
+small network). The images, their order and the streams are the per_batch ones; the draws are not (kornia draws a
+chunk's parameters in one go, and ColorJitter's order of its four steps once per call: per chunk, for both views).
 """
 from __future__ import annotations
 
@@ -47,12 +46,6 @@ def steps_per_epoch(num_samples: int, cfg: Config) -> int:
     return num_samples // B if cfg.drop_last else math.ceil(num_samples / B)
 
 
-def plain_view(cfg: Config) -> bool:
-    """Whether a step sees one un-augmented view (the reference's CE baselines, `loss.ce_input=plain`) instead of
-    two augmented ones."""
-    return cfg.loss.objective == "ce" and cfg.loss.ce_input == "plain"
-
-
 def progress_at(cfg: Config, epoch: int, batch: int, spe: int, epochs_done: int) -> tuple[float, float]:
     """(p of λ annealing / s(p), p of V8's target) at step `batch` of the round's epoch `epoch`, `epochs_done`
     epochs completed before it (`progress`, `align.target_progress`)."""
@@ -81,7 +74,8 @@ class RoundPlan:
         self.round_idx = round_idx
         self.B, self.E, self.n = cfg.batch_size, cfg.local_epochs, client.num_samples
         self.spe = steps_per_epoch(self.n, cfg)
-        self.plain = plain_view(cfg)
+        # one un-augmented view per step (the reference's CE baselines) instead of two augmented ones
+        self.plain = cfg.loss.objective == "ce" and cfg.loss.ce_input == "plain"
         # the augmentation's streams: the CPU generator's seed (…, 1), on CUDA the GPU's (…, 1, 1)
         gens = augmentation_generators(ctx.device)
         self.streams = RngStreams(gens, [derived_seed(cfg.seed, round_idx, client.cid, _AUGMENT, *([k] if k else []))
@@ -116,7 +110,7 @@ class RoundPlan:
 
     def views(self, ctx, t: int) -> tuple[Tensor, Tensor]:
         """Step t's input and labels: the two augmented views [v1; v2] drawn from this client-round's streams and
-        the labels twice, or (`plain_view`) the evaluation transform's one view and the labels."""
+        the labels twice, or (`plain`) the evaluation transform's one view and the labels."""
         if self.chunked:
             return self._chunk_views(ctx, t)
         idx = self.batch(t)

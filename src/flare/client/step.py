@@ -1,12 +1,7 @@
-"""The local loss of one step, written once: the sequential and threads engines (`Client._step`), the
-batched engine (`BatchedClients`, vmapped over the clients) and the LR probe all call `local_loss`, so a registered
-loss term or λ provider means the same thing under every engine.
-
-From a batch's features and logits: the objective's base terms (`loss.objective`), a contrast extension's
-adjustment (the memory / public bank; sequential engines only), the registered extra terms (`loss.terms`), L_align
-to the step's target, and the λ provider's weighing into the weights' and σ's losses (`LamStep`). The forward pass
-and the optimiser step stay with each engine: the batched one runs the forward as a functional call over stacked
-client states and updates them with a functional SGD (client/batched.py says why).
+"""The local loss of one step, written once: the sequential and threads engines (`Client._step`), the batched engine
+(`BatchedClients`, vmapped over the clients) and the LR probe all call `local_loss`, so a registered loss term or λ
+provider means the same thing under every engine. The forward pass and the optimiser step stay with each engine: the
+batched one runs a functional call over stacked client states and a functional SGD (client/batched.py says why).
 """
 from __future__ import annotations
 

@@ -1,28 +1,26 @@
 """Gradient surgery between the local objective and the alignment term (Plan C; docs/method.md#gradient-surgery-plan-c).
 
-PCGrad (Yu et al., 2020), in the one-sided form the notes describe: with g_loc = ∇ local and
-g_al = ∇ align over all trainable weights (one flat vector each),
+PCGrad (Yu et al., 2020), in the one-sided form the notes describe: with g_loc = ∇ local and g_al = ∇ align over all
+trainable weights (one flat vector each),
 
     if g_loc·g_al < 0:   g_loc ← g_loc − (g_loc·g_al / ‖g_al‖²) g_al
     step with g_loc + g_al.
 
-Only g_loc is projected (onto the normal plane of g_al); g_al is applied unchanged. After the
-projection g_loc·g_al = 0, so the update never works against the alignment direction.
+Only g_loc is projected (onto the normal plane of g_al); g_al is applied unchanged. After the projection g_loc·g_al =
+0, so the update never works against the alignment direction.
 
-How the gradients are obtained. The two weight gradients come from two backward passes over the same
-graph (`local` with `retain_graph=True`, then `align`), each read off the weights' `.grad` and cleared
-again. Using `.backward()` rather than `torch.autograd.grad(…, params)` matters for λ learners
-(docs/method.md#learned-λ-v10v14) whose `local`/`align` parts also depend on their own log-variances (V10/V11:
-`½e^{−s_l}·base`, `½e^{−s_a}·L_align`): those parameters are not in `params`, and `.backward()`
-accumulates their gradient from both parts exactly as an unsurgical `(local + align + extra).backward()`
-would. Surgery touches the weights' gradient only.
+How the gradients are obtained. The two weight gradients come from two backward passes over the same graph (`local`
+with `retain_graph=True`, then `align`), each read off the weights' `.grad` and cleared again. Using `.backward()`
+rather than `torch.autograd.grad(…, params)` matters for λ learners (docs/method.md#learned-λ-v10v14) whose
+`local`/`align` parts also depend on their own log-variances (V10/V11: `½e^{−s_l}·base`, `½e^{−s_a}·L_align`): those
+parameters are not in `params`, and `.backward()` accumulates their gradient from both parts exactly as an unsurgical
+`(local + align + extra).backward()` would. Surgery touches the weights' gradient only.
 
-`extra` (a λ learner's `L_σ`) is backpropagated last, into its own parameters. By design it does not
-depend on the weights (V12–V14 build it from `sg(base)` and `sg(L_align)`). If it nevertheless reaches
-some weights, that gradient is *kept* and added after the surgery (it is neither the local nor the
-alignment direction, so PCGrad has no say over it) — the same thing the plain path does — and the
-returned logs carry `pcgrad_extra_on_weights = 1` (0 otherwise; the key exists whenever `extra` is given,
-so the step logs keep the same keys) so the situation is visible in the metrics.
+`extra` (a λ learner's `L_σ`) is backpropagated last, into its own parameters. By design it does not depend on the
+weights (V12–V14 build it from `sg(base)` and `sg(L_align)`). If it nevertheless reaches some weights, that gradient
+is *kept* and added after the surgery (it is neither the local nor the alignment direction, so PCGrad has no say over
+it) — the same thing the plain path does — and the returned logs carry `pcgrad_extra_on_weights = 1` (0 otherwise; the
+key exists whenever `extra` is given) so the situation is visible in the metrics.
 """
 from __future__ import annotations
 
@@ -43,10 +41,8 @@ class SurgeryFn(Protocol):
 
 def _take_grads(params: list[Tensor]) -> list[Tensor]:
     """The weights' current .grad (zeros where unused), then clear them."""
-    out = []
+    out = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
     for p in params:
-        g = p.grad
-        out.append(torch.zeros_like(p) if g is None else g)
         p.grad = None
     return out
 
@@ -57,17 +53,12 @@ def _dot(a: list[Tensor], b: list[Tensor]) -> Tensor:
 
 def pcgrad_backward(local: Tensor, align: Tensor, params: list[Tensor],
                     extra: Tensor | None = None) -> dict[str, Tensor]:
-    """Backward pass with one-sided PCGrad; writes `p.grad = g_loc' + g_al` for every p in `params`.
-
-    The weights' `.grad` must be cleared (None) on entry, as after `optimizer.zero_grad(set_to_none=True)`.
-    Returns {"pcgrad_conflict": 1.0 if the gradients conflicted else 0.0,
-             "grad_cos": cos(g_loc, g_al) before the projection} as 0-d tensors, plus
-             "pcgrad_extra_on_weights" (1.0 if `extra` reached the weights) when `extra` is given.
-    """
+    """Backward pass with one-sided PCGrad; writes `p.grad = g_loc' + g_al` for every p in `params`. Logs (0-d
+    tensors): `pcgrad_conflict` (1.0 if the gradients conflicted), `grad_cos` (cos(g_loc, g_al) before the
+    projection) and, when `extra` is given, `pcgrad_extra_on_weights`."""
     params = list(params)
-    if any(p.grad is not None for p in params):
-        for p in params:
-            p.grad = None  # a stale gradient would be mistaken for part of g_loc
+    for p in params:
+        p.grad = None  # a stale gradient would be mistaken for part of g_loc
     local.backward(retain_graph=True)
     g_loc = _take_grads(params)
     align.backward(retain_graph=extra is not None)

@@ -57,17 +57,12 @@ class TrainContext:
         """What clients align to: the target the server sent (`align_target`), else the fixed anchors."""
         return self.received.get("align_target", self.anchors)
 
-    @property
-    def total_epochs(self) -> int:
-        return self.cfg.total_epochs
-
 
 @CLIENT_ENGINES.register("sequential", description="one client after another")
 @CLIENT_ENGINES.register("threads", description="one thread per client, each on its own CUDA stream")
 class Client:
-    """One federated client: its data indices, its model (never replaced by a server model), its
-    optimizer and λ provider. `upload()` is all the server ever sees. Its `train_round` is the sequential and
-    threads engines' round."""
+    """One federated client: its data indices, its model (never replaced by a server model), its optimizer and λ
+    provider. `upload()` is all the server ever sees. Its `train_round` is the sequential and threads engines' round."""
 
     @staticmethod
     def check(cfg: Config) -> None:
@@ -75,12 +70,8 @@ class Client:
 
     def __init__(self, cid: int, indices: Tensor, model: torch.nn.Module, ctx: TrainContext,
                  normalized_entropy: float):
-        self.cid = cid
-        self.indices = indices
-        self.num_samples = int(indices.numel())
-        self.normalized_entropy = normalized_entropy
-        self.model = model
-        self.cfg = ctx.cfg
+        self.cid, self.indices, self.model, self.cfg = cid, indices, model, ctx.cfg
+        self.num_samples, self.normalized_entropy = int(indices.numel()), normalized_entropy
         facts = LamFacts(initial_lambda(ctx.cfg, normalized_entropy), ctx.cfg.align.schedule, ctx.device)
         self.lam: LamProvider = LAM_PROVIDERS.create(ctx.cfg.lam.learner, facts, ctx.cfg.lam.provider_options())
         self.optimizer: torch.optim.Optimizer | None = None
@@ -96,15 +87,9 @@ class Client:
     # -- optimisation -------------------------------------------------------------------------
     def _make_optimizer(self) -> torch.optim.Optimizer:
         o = self.cfg.optim
-        kw = {}
-        if self.model_device.type == "cuda":
-            kw["fused"] = True  # one kernel for the whole update (torch ≥ 2.0 for SGD on CUDA)
+        fused = True if next(self.model.parameters()).device.type == "cuda" else None  # CUDA: one kernel per update
         return torch.optim.SGD(self.model.parameters(), lr=self.cfg.base_lr, momentum=o.momentum,
-                               weight_decay=o.weight_decay, **kw)
-
-    @property
-    def model_device(self) -> torch.device:
-        return next(self.model.parameters()).device
+                               weight_decay=o.weight_decay, fused=fused)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -126,18 +111,15 @@ class Client:
                     on_step()
             logs.close(range(e, e + 1))
             self.epochs_done += 1
-        return self.round_record(ctx, plan, logs.means(0, len(plan.steps)), time.perf_counter() - t0)
+        return self.round_record(plan, logs.means(0, len(plan.steps)), time.perf_counter() - t0)
 
-    def round_record(self, ctx: TrainContext, plan: RoundPlan, means: dict[str, float], seconds: float) -> dict:
+    def round_record(self, plan: RoundPlan, means: dict[str, float], seconds: float) -> dict:
         """The client's metrics record of a round (both engines write it through here): `means`, its step logs
         averaged over the round (`RoundLogs.means`)."""
-        record = {"kind": "client", "round": plan.round_idx, "client": self.cid, "num_samples": self.num_samples,
-                  "normalized_entropy": self.normalized_entropy, "lr": plan.last_lr, "steps": len(plan.steps),
-                  "progress": progress(self.epochs_done, ctx.total_epochs)}
-        record.update(means)
-        record.update(self.lam.state_logs())
-        record["seconds"] = seconds
-        return record
+        return {"kind": "client", "round": plan.round_idx, "client": self.cid, "num_samples": self.num_samples,
+                "normalized_entropy": self.normalized_entropy, "lr": plan.last_lr, "steps": len(plan.steps),
+                "progress": progress(self.epochs_done, self.cfg.total_epochs), **means, **self.lam.state_logs(),
+                "seconds": seconds}
 
     def _set_lr(self, ctx: TrainContext, step: Step) -> None:
         sched = ctx.lr_schedule
@@ -163,9 +145,8 @@ class Client:
             with record_function("flare.forward"):
                 feat, logits = self.model(imgs)
         with record_function("flare.loss"):
-            target = None
-            if ctx.anchors is not None:
-                target = align_target(ctx.align_anchors, cfg.align.target, step.p_target, self.initial_prototypes)
+            target = (align_target(ctx.align_anchors, cfg.align.target, step.p_target, self.initial_prototypes)
+                      if ctx.anchors is not None else None)
             params = (dict((n, q) for n, q in self.model.named_parameters() if q.requires_grad)
                       if self.start_params is not None else None)
             loss = local_loss(cfg, feat, logits, y2, self.model.prototypes, target=target,
@@ -190,9 +171,7 @@ class Client:
         if self.extension is not None:
             self.extension.after_step(feat.detach(), y2)
 
-        logs = loss.logs()
-        logs.update(surgery_logs)
-        return logs
+        return {**loss.logs(), **surgery_logs}
 
     # -- what the server sees, and checkpoints ------------------------------------------------
     def upload(self, extras: dict[str, Tensor] | None = None) -> Upload:
@@ -200,14 +179,10 @@ class Client:
         return upload_of(self.cid, self.model, self.num_samples, extras)
 
     def state_dict(self) -> dict:
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "lam": self.lam.state_dict(),
-            "epochs_done": self.epochs_done,
-            "sgdr_cycle": self._sgdr_cycle,
-            "extension": self.extension.state_dict() if self.extension is not None else None,
-        }
+        return {"model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                "lam": self.lam.state_dict(), "epochs_done": self.epochs_done, "sgdr_cycle": self._sgdr_cycle,
+                "extension": self.extension.state_dict() if self.extension is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])

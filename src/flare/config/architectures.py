@@ -6,8 +6,7 @@ fusion rules that average tensor by tensor need); clients of one layout that sta
 one architecture for them, though each checkpoint is its own seeded init (`Architecture` equality). The
 default — neither key set — is one architecture, the top-level `model`, for every client, exactly as before these
 keys existed. The forms of `model.clients` and `model.mix` (a seeded deal, so a sweep over seeds also varies who
-runs what) and of an entry: docs/heterogeneous.md.
-"""
+runs what) and of an entry: docs/heterogeneous.md."""
 from __future__ import annotations
 
 import json
@@ -58,8 +57,7 @@ def _architecture(model, entry, key: str = "model") -> Architecture:
         key = "model"
         name, width, options, checkpoint = model.name, model.width, model.options, model.checkpoint
     else:
-        same = entry.name == model.name
-        name = entry.name
+        name, same = entry.name, entry.name == model.name
         width = entry.width if entry.width is not None else model.width
         options = entry.options if entry.options or not same else model.options
         checkpoint = entry.checkpoint if entry.checkpoint is not None else (model.checkpoint if same else None)

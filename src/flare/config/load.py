@@ -2,8 +2,7 @@
 
 A *method* is nothing but a preset: a few lines of YAML in `flare/presets/` that pick the composable parts
 (objective, anchors, schedule, λ learner, gradient surgery, server rules). Every mistake becomes a
-`FlareError` that names the key and the fix (the CLI prints it, exit code 2).
-"""
+`FlareError` that names the key and the fix (the CLI prints it, exit code 2)."""
 from __future__ import annotations
 
 import contextlib
@@ -94,10 +93,7 @@ def preset_mapping(name: str) -> dict:
 
 def preset_metadata(name: str) -> dict:
     """The report metadata (`PRESET_METADATA`) of preset `name`; {} for a name no preset has (a plugin's method)."""
-    f = _preset_dir() / f"{name}.yaml"
-    if "/" in name or not f.is_file():
-        return {}
-    m = load_yaml_text(f.read_text()) or {}
+    m = _parsed_presets().get(name, {})
     return {k: m[k] for k in PRESET_METADATA if k in m}
 
 
@@ -171,30 +167,27 @@ def parse_list(text: str, option: str, *, convert=str, duplicates: str = "refuse
     return out
 
 
-def known_keys(model: type[BaseModel] = None, prefix: str = "") -> list[str]:
+def _fields(model: type[BaseModel] = None, prefix: str = ""):
+    """(dotted key, field) of every key of the schema, each section before the keys inside it."""
+    for name, field in (model or Config).model_fields.items():
+        yield prefix + name, field
+        if _is_section(field.annotation):
+            yield from _fields(field.annotation, prefix + name + ".")
+
+
+def _is_section(ann) -> bool:
+    return isinstance(ann, type) and issubclass(ann, BaseModel)
+
+
+def known_keys() -> list[str]:
     """Every dotted key of the schema (sections included)."""
-    model = model or Config
-    keys = []
-    for name, field in model.model_fields.items():
-        keys.append(prefix + name)
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            keys += known_keys(ann, prefix + name + ".")
-    return keys
+    return [key for key, _ in _fields()]
 
 
-def mapping_keys(model: type[BaseModel] = None, prefix: str = "") -> list[str]:
+def mapping_keys() -> list[str]:
     """The keys whose value is a free mapping (a part's `options`, `loss.terms`): the keys under them belong to the
     chosen parts and are validated by their options models."""
-    model = model or Config
-    out = []
-    for name, field in model.model_fields.items():
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            out += mapping_keys(ann, prefix + name + ".")
-        elif typing.get_origin(ann) is dict:
-            out.append(prefix + name)
-    return out
+    return [key for key, field in _fields() if typing.get_origin(field.annotation) is dict]
 
 
 def _explain(err: ValidationError) -> FlareError:
@@ -276,11 +269,7 @@ def load_config(config_file: str | Path | None = None, preset: str | None = None
     file_map = read_yaml_mapping(config_file) if config_file is not None else {}
     ov = overrides if isinstance(overrides, dict) else parse_overrides(list(overrides or []))
     preset = preset or ov.get("preset") or file_map.get("preset")
-    mapping: dict = {}
-    if preset:
-        mapping = deep_merge(mapping, preset_mapping(preset))
-    mapping = deep_merge(mapping, file_map)
-    mapping = deep_merge(mapping, ov)
+    mapping = deep_merge(deep_merge(preset_mapping(preset) if preset else {}, file_map), ov)
     if preset:
         mapping["preset"] = preset
     return build_config(mapping)
@@ -300,20 +289,13 @@ def config_to_yaml(cfg: Config) -> str:
 
 def config_reference() -> list[tuple[str, str, str, str]]:
     """(key, type, default, description) for every key — docs/configuration.md's table is built from this."""
-    rows = []
-
-    def walk(model: type[BaseModel], inst: BaseModel, prefix: str):
-        for name, field in model.model_fields.items():
-            ann = field.annotation
-            val = getattr(inst, name)
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
-                walk(ann, val, prefix + name + ".")
-                continue
-            t = str(ann).replace("typing.", "").replace("<class '", "").replace("'>", "")
-            t = re.sub(r"Annotated\[(\w+), [^\]]*\]", r"\1", t)  # a part name inside a list: its plain type
-            rows.append((prefix + name, t, repr(val), field.description or ""))
-
-    walk(Config, Config(), "")
+    rows, defaults = [], Config()
+    for key, field in _fields():
+        if _is_section(field.annotation):
+            continue
+        t = str(field.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+        t = re.sub(r"Annotated\[(\w+), [^\]]*\]", r"\1", t)  # a part name inside a list: its plain type
+        rows.append((key, t, repr(functools.reduce(getattr, key.split("."), defaults)), field.description or ""))
     return rows
 
 

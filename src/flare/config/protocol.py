@@ -9,8 +9,7 @@ Layering. Before the schema validates a config, `fill_protocol` writes the refer
 mapping (defaults ← preset ← file ← overrides) does *not* set, so an item set anywhere wins over the protocol
 and `protocol=clean` (the schema's defaults) changes nothing. Some reference values depend on other keys, because
 the reference code changed between the notes' two batches of runs and its partition tells which batch a setting
-belongs to: `dirichlet-fafi` came with drop_last and the per-round progress reset, the card dealer without them.
-"""
+belongs to: `dirichlet-fafi` came with drop_last and the per-round progress reset, the card dealer without them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,19 +17,16 @@ from typing import Any, Callable
 
 PROTOCOLS = ("clean", "reference")
 DIRICHLET_KINDS = ("dirichlet", "dirichlet-fafi")
+_UNSET = object()
 
 
 def _get(mapping: dict, key: str, default: Any) -> Any:
     """A dotted key's value in a raw (possibly partial) config mapping; sections may be dicts or pydantic models."""
     node: Any = mapping
     for part in key.split("."):
-        if isinstance(node, dict):
-            if part not in node:
-                return default
+        if isinstance(node, dict) and part in node:
             node = node[part]
-        elif hasattr(node, "model_fields_set"):
-            if part not in node.model_fields_set:
-                return default
+        elif hasattr(node, "model_fields_set") and part in node.model_fields_set:
             node = getattr(node, part)
         else:
             return default
@@ -96,11 +92,6 @@ ITEMS: tuple[ProtocolItem, ...] = (
 ITEM_KEYS = tuple(i.key for i in ITEMS)
 
 
-def _is_set(mapping: dict, key: str) -> bool:
-    sentinel = object()
-    return _get(mapping, key, sentinel) is not sentinel
-
-
 def _set(mapping: dict, key: str, value: Any) -> None:
     parts = key.split(".")
     node = mapping
@@ -125,7 +116,7 @@ def fill_protocol(data: Any) -> Any:
         return data
     out = dict(data)
     for it in ITEMS:
-        if not _is_set(data, it.key):
+        if _get(data, it.key, _UNSET) is _UNSET:
             _set(out, it.key, it.reference_value(data))
     return out
 
@@ -148,9 +139,8 @@ def protocol_deviations(mapping: dict) -> dict[str, Any]:
 def protocol_label(mapping: dict) -> str:
     """`clean`, `reference`, or e.g. `reference, eval.bn=running` — the protocol a run directory's config.yaml
     says produced it (reports and summary.md print this)."""
-    proto = mapping.get("protocol", "clean")
-    dev = protocol_deviations(mapping)
-    return proto + "".join(f", {k}={_fmt(v)}" for k, v in dev.items())
+    deviations = protocol_deviations(mapping).items()
+    return mapping.get("protocol", "clean") + "".join(f", {k}={_fmt(v)}" for k, v in deviations)
 
 
 def _fmt(v: Any) -> str:

@@ -13,8 +13,7 @@ between fixed behaviours of the framework itself stay closed `Literal`s: protoco
 dataset.format (a built-in dataset's file reader; a plugin dataset brings its own loader), partition.rng,
 lr_schedule.kind (the LR schedule with SGDR's restarts and momentum reset, which the engines implement),
 loss.ce_input, align.target, align.target_progress, align.lambda_rule (λ0's formula,
-an input of every λ provider), the server's prototype and aggregation settings, and eval.bn.
-"""
+an input of every λ provider), the server's prototype and aggregation settings, and eval.bn."""
 from __future__ import annotations
 
 from typing import Literal
@@ -126,10 +125,8 @@ class AlignCfg(Strict):
     @model_validator(mode="after")
     def _range(self) -> "AlignCfg":
         if self.lambda_min > self.lambda_max:
-            raise ValueError(
-                f"align.lambda_min ({self.lambda_min}) > align.lambda_max ({self.lambda_max}); "
-                "the entropy rule needs lambda_min <= lambda_max"
-            )
+            raise ValueError(f"align.lambda_min ({self.lambda_min}) > align.lambda_max ({self.lambda_max}); "
+                             "the entropy rule needs lambda_min <= lambda_max")
         return self
 
 

@@ -14,8 +14,7 @@ Policy (torchvision's SupCon recipe, in this order):
 
 Where and why it departs from torchvision (the jitter's order, the crop's resample mode, the normalisation, the
 per-batch draws, the reference's input scaling, the random generators): the list under the policy in
-docs/method.md#local-objective-fafi.
-"""
+docs/method.md#local-objective-fafi."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -57,32 +56,15 @@ class TwoViewAugment(nn.Module):
     """Two independently augmented, normalised float32 views of a uint8 batch (see module docstring).
 
     The keyword-only arguments change the policy away from the SupCon recipe (tests use them to switch parts off);
-    the defaults are the SupCon policy.
-    """
+    the defaults are the SupCon policy."""
 
-    def __init__(
-        self,
-        image_size: int | Sequence[int],
-        in_channels: int,
-        mean,
-        std,
-        per_image: bool = True,
-        *,
-        crop_scale: tuple[float, float] = (0.2, 1.0),
-        crop_ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
-        flip_p: float = 0.5,
-        jitter: tuple[float, float, float, float] = (0.4, 0.4, 0.4, 0.1),
-        jitter_p: float = 0.8,
-        gray_p: float = 0.2,
-        pre_mean=None,
-        pre_std=None,
-    ):
+    def __init__(self, image_size: int | Sequence[int], in_channels: int, mean, std, per_image: bool = True, *,
+                 crop_scale: tuple[float, float] = (0.2, 1.0), crop_ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
+                 flip_p: float = 0.5, jitter: tuple[float, float, float, float] = (0.4, 0.4, 0.4, 0.1),
+                 jitter_p: float = 0.8, gray_p: float = 0.2, pre_mean=None, pre_std=None):
         super().__init__()
-        if isinstance(image_size, int):
-            size = (int(image_size), int(image_size))
-        else:
-            size = (int(image_size[0]), int(image_size[1]))
-        self.image_size = size
+        size = (image_size, image_size) if isinstance(image_size, int) else image_size[:2]
+        self.image_size = size = (int(size[0]), int(size[1]))
         self.in_channels = int(in_channels)
         self.per_image = bool(per_image)
         same = not self.per_image
@@ -91,22 +73,12 @@ class TwoViewAugment(nn.Module):
         if not rgb:  # saturation / hue / grayscale only make sense for RGB
             saturation, hue = 0.0, 0.0
 
-        ops: list[nn.Module] = [
-            K.RandomResizedCrop(
-                size,
-                scale=tuple(crop_scale),
-                ratio=tuple(crop_ratio),
-                same_on_batch=same,
-                cropping_mode="resample",
-                align_corners=True,
-            )
-        ]
+        ops: list[nn.Module] = [K.RandomResizedCrop(size, scale=tuple(crop_scale), ratio=tuple(crop_ratio),
+                                                    same_on_batch=same, cropping_mode="resample", align_corners=True)]
         if flip_p > 0:
             ops.append(K.RandomHorizontalFlip(p=flip_p, same_on_batch=same))
         if jitter_p > 0 and any(v != 0 for v in (brightness, contrast, saturation, hue)):
-            ops.append(
-                K.ColorJitter(brightness, contrast, saturation, hue, p=jitter_p, same_on_batch=same)
-            )
+            ops.append(K.ColorJitter(brightness, contrast, saturation, hue, p=jitter_p, same_on_batch=same))
         if rgb and gray_p > 0:
             ops.append(K.RandomGrayscale(p=gray_p, same_on_batch=same))
         self.policy = nn.Sequential(*ops)
@@ -123,23 +95,18 @@ class TwoViewAugment(nn.Module):
     def extra_repr(self) -> str:
         return f"image_size={self.image_size}, in_channels={self.in_channels}, per_image={self.per_image}"
 
-    def _check(self, x: Tensor) -> None:
-        if x.dtype != torch.uint8:
-            raise TypeError(f"TwoViewAugment expects a uint8 batch, got {x.dtype}")
-        if x.dim() != 4 or x.shape[1] != self.in_channels:
-            raise ValueError(f"expected a B×{self.in_channels}×H×W batch, got shape {tuple(x.shape)}")
-
     def single_view(self, x_uint8: Tensor) -> Tensor:
         """One augmented, normalised float32 view."""
-        self._check(x_uint8)
+        if x_uint8.dtype != torch.uint8:
+            raise TypeError(f"TwoViewAugment expects a uint8 batch, got {x_uint8.dtype}")
+        if x_uint8.dim() != 4 or x_uint8.shape[1] != self.in_channels:
+            raise ValueError(f"expected a B×{self.in_channels}×H×W batch, got shape {tuple(x_uint8.shape)}")
         with torch.no_grad(), torch.autocast(x_uint8.device.type, enabled=False):
             x = x_uint8.float().div_(255.0)
             if self.pre is not None:
                 x = _standardize(x, self.pre_mean.to(x.device), self.pre_std.to(x.device))
             x = self.policy(x)
-            mean = self.mean.to(x.device)
-            std = self.std.to(x.device)
-            return _standardize(x, mean, std).contiguous()
+            return _standardize(x, self.mean.to(x.device), self.std.to(x.device)).contiguous()
 
     def forward(self, x_uint8: Tensor) -> tuple[Tensor, Tensor]:
         return self.single_view(x_uint8), self.single_view(x_uint8)

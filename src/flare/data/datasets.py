@@ -7,8 +7,7 @@ Nothing is downloaded unless `download=True`, and a missing, partial or corrupt 
 `FlareError` naming the path and the command that fixes it; there is no silent fallback to another source.
 
 Sample order is deterministic: image folders are sorted by (label, file path), Tiny-ImageNet's val split
-follows `val_annotations.txt`, the other formats keep their files' order.
-"""
+follows `val_annotations.txt`, the other formats keep their files' order."""
 from __future__ import annotations
 
 import hashlib
@@ -116,8 +115,7 @@ def load_dataset(name: str, root: str | os.PathLike | None, format: str = "auto"
     """Load a dataset as whole tensors, decoding it only when the on-disk cache is missing or stale.
 
     The cache key is the dataset name, format and the absolute path, size and mtime of every source file,
-    so editing or replacing the source invalidates it.
-    """
+    so editing or replacing the source invalidates it."""
     info = DATASETS.get(name)
     if info.build is not None:
         data = info.build(DATASETS.options(name, options, "dataset.options"))
@@ -129,10 +127,8 @@ def load_dataset(name: str, root: str | os.PathLike | None, format: str = "auto"
         return synthetic_dataset(name)
     root_path = Path(root).expanduser() if root not in (None, "") else None
     fmt = _resolve_format(name, info, root_path, format)
-    if fmt == "imagefolder":
-        source = _locate_imagefolder(name, root_path)
-    else:
-        source = info.locate(name, root_path, fmt, download)
+    source = (_locate_imagefolder(name, root_path) if fmt == "imagefolder"
+              else info.locate(name, root_path, fmt, download))
 
     cache_file = _cache_file(_cache_dir(cache_dir), name, fmt, source.paths)
     data = _load_cache(cache_file, name)
@@ -156,8 +152,7 @@ def stratified_subset(y: torch.Tensor, n: int | None, seed: int) -> torch.Tensor
 
     Each class gets round(n * its share); the rounding surplus or deficit goes to the classes whose
     exact share was rounded the most (ties: lowest label), so the total is exactly n.
-    `n` None or >= len(y) gives all indices. Runs on CPU; returns CPU indices.
-    """
+    `n` None or >= len(y) gives all indices. Runs on CPU; returns CPU indices."""
     y = y.detach().cpu()
     total = len(y)
     if n is None or n >= total:
@@ -289,21 +284,28 @@ def _load_cache(path: Path, name: str) -> ImageData | None:
         return None
 
 
-def _save_cache(path: Path, data: ImageData) -> None:
-    """Write the cache atomically (temp file + rename), so a crash never leaves a half-written cache."""
-    tmp = None
+def atomic_save(path: Path, obj) -> None:
+    """torch.save to a temp file of its own renamed over `path`: a crash never leaves half a cache file, and two
+    processes filling one cache never write into the same file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
-            torch.save({"train_x": data.train_x.contiguous(), "train_y": data.train_y,
-                        "test_x": data.test_x.contiguous(), "test_y": data.test_y,
-                        "classes": data.classes, "mean": list(data.mean), "std": list(data.std)}, f)
+            torch.save(obj, f)
         os.chmod(tmp, 0o644)  # mkstemp makes it private; a shared FLARE_CACHE should stay readable
         os.replace(tmp, path)
-    except OSError as e:
-        if tmp and os.path.exists(tmp):
+    except BaseException:
+        if os.path.exists(tmp):
             os.unlink(tmp)
+        raise
+
+
+def _save_cache(path: Path, data: ImageData) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_save(path, {"train_x": data.train_x.contiguous(), "train_y": data.train_y,
+                           "test_x": data.test_x.contiguous(), "test_y": data.test_y,
+                           "classes": data.classes, "mean": list(data.mean), "std": list(data.std)})
+    except OSError as e:
         warnings.warn(f"could not write dataset cache {path} ({e}); the dataset will be decoded again next time",
                       stacklevel=3)
 

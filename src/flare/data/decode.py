@@ -25,8 +25,7 @@ def decode_image(data: bytes, where: str) -> torch.Tensor:
 
     JPEGs go through torchvision's libjpeg-turbo decoder: it releases the GIL and skips Pillow's
     per-image Python overhead (~3x faster on 32x32 images, identical pixels). Everything else (PNG with
-    palettes, BMP, TIFF, ...) goes through Pillow.
-    """
+    palettes, BMP, TIFF, ...) goes through Pillow."""
     if data[:3] == b"\xff\xd8\xff":
         # lazy: imported on the first JPEG, not with the module: torchvision pulls in torch._dynamo, seconds
         # of start-up for every process that never decodes one

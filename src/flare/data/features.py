@@ -13,14 +13,12 @@ streams (`FeatureViews`); with V = 0 both views are the plain feature.
 The cache file's key (encoder, weights, dataset, images, augmentation) is stored inside the file too: a file whose
 stored key differs or that cannot be read is refused with an error naming it — never silently used, never silently
 overwritten. Extraction runs in float32 (2 CPU cores have no fast bf16 path) and NHWC (oneDNN's fast layout for
-depthwise convolutions, about twice NCHW's throughput measured here), under inference_mode.
-"""
+depthwise convolutions, about twice NCHW's throughput measured here), under inference_mode."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +29,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from flare.data.augment import TwoViewAugment, normalize
-from flare.data.datasets import ImageData, _cache_dir, load_dataset, register_dataset
+from flare.data.datasets import ImageData, _cache_dir, atomic_save, load_dataset, register_dataset
 from flare.errors import FlareError
 from flare.registry import MODELS
 
@@ -150,20 +148,6 @@ def read_cache(path: Path, key: dict) -> dict | None:
     return {**tensors, "classes": classes}
 
 
-def write_cache(path: Path, key: dict, tensors: dict) -> None:
-    """Atomically (temp file + rename): a crash never leaves half a cache."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save({"key": json.dumps(key, sort_keys=True), **tensors}, f)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 # ----------------------------------------------------------------------------------------------- extraction
 
 
@@ -180,12 +164,20 @@ def encode(encoder: nn.Module, x: Tensor, view, batch_size: int, desc: str, quie
     return out
 
 
-def frozen_encoder(name: str, resolution: int) -> nn.Module:
-    """The registered encoder `name` at `resolution`, frozen, NHWC."""
+def _encoder_entry(name: str):
+    """The registry entry of `name`, refused unless it is a frozen pretrained encoder: a builder that takes a
+    `resolution` option and carries the `weights_sha256` function the cache keys on."""
     entry = MODELS.entry(name, "dataset.options.encoder")
-    if entry.options is None or "resolution" not in entry.options.model_fields:
+    if (entry.options is None or "resolution" not in entry.options.model_fields
+            or getattr(entry.obj, "weights_sha256", None) is None):
         raise FlareError(f"model {name!r} is not a frozen pretrained encoder.", key="dataset.options.encoder",
                          fix="use efficientnet_lite0 (`flare models`).")
+    return entry
+
+
+def frozen_encoder(name: str, resolution: int) -> nn.Module:
+    """The registered encoder `name` at `resolution`, frozen, NHWC."""
+    entry = _encoder_entry(name)
     enc = entry.obj(3, 1.0, entry.options(resolution=resolution))
     return enc.eval().to(memory_format=torch.channels_last)
 
@@ -200,16 +192,14 @@ def extract_features(opts: FeatureOptions, data: ImageData, quiet: bool = False)
     mean, std = enc.mean, enc.std
     plain = lambda b: normalize(b, mean, std)  # noqa: E731
     augment = TwoViewAugment(data.image_size, 3, mean, std)
-    t0, n = time.perf_counter(), 0
+    t0 = time.perf_counter()
     copies = [encode(enc, data.train_x, plain, opts.batch_size, f"{opts.encoder} train", quiet)]
-    n += len(data.train_x)
     torch.manual_seed(AUGMENT_SEED)
     for v in range(opts.views):
         copies.append(encode(enc, data.train_x, augment.single_view, opts.batch_size,
                              f"{opts.encoder} train copy {v + 1}/{opts.views}", quiet))
-        n += len(data.train_x)
     test = encode(enc, data.test_x, plain, opts.batch_size, f"{opts.encoder} test", quiet)
-    n += len(data.test_x)
+    n = len(data.train_x) * (1 + opts.views) + len(data.test_x)
     seconds = time.perf_counter() - t0
     tensors = {"train": torch.stack(copies, 1), "train_y": data.train_y.clone(), "test": test[:, None],
                "test_y": data.test_y.clone(), "classes": list(data.classes)}
@@ -222,29 +212,18 @@ def load_features(opts: FeatureOptions, quiet: bool | None = None) -> FeatureDat
     quiet = bool(os.environ.get("FLARE_QUIET")) if quiet is None else quiet
     cache_dir = _cache_dir(opts.cache_dir)
     images = load_dataset(opts.source, opts.root, format=opts.format, cache_dir=opts.cache_dir)
-    weights_sha = _weights_sha(opts.encoder)
-    key = cache_key(opts, images, weights_sha)
+    key = cache_key(opts, images, _encoder_entry(opts.encoder).obj.weights_sha256())
     path = cache_path(cache_dir, key)
     tensors = read_cache(path, key)
     if tensors is None:
         tensors, facts = extract_features(opts, images, quiet)
-        write_cache(path, key, tensors)
+        atomic_save(path, {"key": json.dumps(key, sort_keys=True), **tensors})
         path.with_suffix(".json").write_text(json.dumps({**key, "extraction": facts}, indent=1) + "\n")
         if not quiet:
             print(f"flare: cached {facts['images']} features in {path} ({facts['seconds']:.0f} s, "
                   f"{facts['images_per_second']:.0f} images/s)", flush=True)
     return FeatureData(f"{opts.source}@{opts.encoder}-{opts.resolution}px", tensors["train"], tensors["train_y"],
                        tensors["test"], tensors["test_y"], tensors["classes"], (0.0,), (1.0,), key=key)
-
-
-def _weights_sha(encoder: str) -> str:
-    """The SHA-256 of `encoder`'s weights: a frozen encoder's builder carries the function that computes it."""
-    entry = MODELS.entry(encoder, "dataset.options.encoder")
-    sha = getattr(entry.obj, "weights_sha256", None)
-    if sha is None:
-        raise FlareError(f"model {encoder!r} is not a frozen pretrained encoder.", key="dataset.options.encoder",
-                         fix="use efficientnet_lite0 (`flare models`).")
-    return sha()
 
 
 @register_dataset("features", options=FeatureOptions, num_classes=None)

@@ -2,8 +2,7 @@
 CIFAR pickles and SVHN .mat files, Tiny-ImageNet's tree, and image folders (a folder or a tar archive). `datasets`
 picks the reader, caches what it returns and registers the datasets by name.
 
-Every reader raises `FlareError` naming the path and the fix for a missing, partial or corrupt source.
-"""
+Every reader raises `FlareError` naming the path and the fix for a missing, partial or corrupt source."""
 from __future__ import annotations
 
 import gzip
@@ -213,8 +212,7 @@ def _locate_svhn(name: str, root: Path | None, fmt: str, download: bool) -> _Sou
 def _locate_tiny(name: str, root: Path | None, fmt: str, download: bool) -> _Source:
     """Tiny-ImageNet's official tree; its labelled val split is the test split (test/ has no labels).
 
-    Classes are the wnids sorted alphabetically (like torchvision's ImageFolder), not wnids.txt's order.
-    """
+    Classes are the wnids sorted alphabetically (like torchvision's ImageFolder), not wnids.txt's order."""
     fix = (f"download {TINY_URL} and unzip it into DIR, then set dataset.root=DIR "
            "(or set dataset.root=DIR dataset.download=true).")
     if root is None:
@@ -352,8 +350,7 @@ def _read_tree(name: str, where: str, entries: list[tuple[tuple[str, ...], Path 
         raise FlareError(f"{where}: test/ has classes with no train/ images: {', '.join(extra)}.",
                          key="dataset.root", fix="give every test class training images, or remove it from test/.")
     items = {s: sorted((label[cls], rel, payload) for cls, rel, payload in v) for s, v in splits.items()}
-    train = [(f"{where}/{rel}", payload, y) for y, rel, payload in items["train"]]
-    test = [(f"{where}/{rel}", payload, y) for y, rel, payload in items["test"]]
+    train, test = ([(f"{where}/{rel}", payload, y) for y, rel, payload in items[s]] for s in ("train", "test"))
     return decode_splits(name, train, test, classes)
 
 

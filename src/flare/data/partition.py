@@ -19,8 +19,7 @@ share of every client that already holds N/K samples or more, renormalise, and c
 floor(cumsum(q)·N_c); redraw the whole split until every client has at least `min_size` samples; finally shuffle
 every client's list. Every sample is used once. With rng="legacy" all draws come from a numpy RandomState seeded
 with the seed — the references' `np.random.seed(seed)` before `partition_data`, nothing drawn in between — so the
-same seed gives the references' client index sets (the training set in torchvision's order).
-"""
+same seed gives the references' client index sets (the training set in torchvision's order)."""
 from __future__ import annotations
 
 import math
@@ -76,31 +75,18 @@ class Partition:
         """Label entropy H_i in bits (0 for an empty client)."""
         out = []
         for row in self.histogram():
-            n = row.sum()
-            if n == 0:
-                out.append(0.0)
-                continue
-            q = row[row > 0] / n
-            out.append(float(-(q * np.log2(q)).sum()))
+            q = row[row > 0] / max(row.sum(), 1)
+            out.append(float(-(q * np.log2(q)).sum()) if len(q) else 0.0)
         return out
 
     def report(self) -> dict:
         hist = self.histogram()
         ent = self.entropies()
-        return {
-            "num_clients": len(self.client_indices),
-            "num_classes": self.num_classes,
-            "clients": [
-                {
-                    "client": i,
-                    "num_samples": int(hist[i].sum()),
-                    "class_histogram": hist[i].tolist(),
+        clients = [{"client": i, "num_samples": int(hist[i].sum()), "class_histogram": hist[i].tolist(),
                     "label_entropy": ent[i],
-                    "normalized_entropy": ent[i] / math.log2(self.num_classes) if self.num_classes > 1 else 0.0,
-                }
-                for i in range(len(self.client_indices))
-            ],
-        }
+                    "normalized_entropy": ent[i] / math.log2(self.num_classes) if self.num_classes > 1 else 0.0}
+                   for i in range(len(self.client_indices))]
+        return {"num_clients": len(self.client_indices), "num_classes": self.num_classes, "clients": clients}
 
 
 def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, seed: int,
@@ -120,10 +106,8 @@ def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, seed
         leftover = n_c - int(counts.sum())
         if leftover:  # leftover < K because each floor loses less than one sample
             counts[rng.choice(num_clients, size=leftover, replace=False)] += 1
-        start = 0
-        for i in range(num_clients):
-            buckets[i].append(idx[start:start + counts[i]])
-            start += counts[i]
+        for b, part in zip(buckets, np.split(idx, np.cumsum(counts)[:-1])):
+            b.append(part)
     return _finish(buckets, labels, C, rng)
 
 
@@ -207,17 +191,12 @@ def labeldir_partition(labels: np.ndarray, num_clients: int, alpha: float, seed:
     return Partition([np.asarray(b, dtype=np.int64) for b in batches], C, labels)
 
 
-def iid_partition_legacy(labels: np.ndarray, num_clients: int, seed: int,
-                         num_classes: int | None = None) -> Partition:
-    """The reference's iid split: `np.random.permutation(N)` from the legacy RandomState, `array_split` in K."""
-    perm = np.random.RandomState(seed).permutation(len(labels))
-    C = int(num_classes or labels.max() + 1)
-    return Partition([p.astype(np.int64) for p in np.array_split(perm, num_clients)], C, labels)
-
-
-def iid_partition(labels: np.ndarray, num_clients: int, seed: int, num_classes: int | None = None) -> Partition:
-    rng = np.random.default_rng(seed)
-    perm = rng.permutation(len(labels))
+def iid_partition(labels: np.ndarray, num_clients: int, seed: int, num_classes: int | None = None,
+                  rng: str = "generator") -> Partition:
+    """A random permutation cut in K (`array_split`); rng="legacy": the reference's `np.random.permutation(N)` from
+    the legacy RandomState."""
+    draw = np.random.RandomState(seed) if rng == "legacy" else np.random.default_rng(seed)
+    perm = draw.permutation(len(labels))
     C = int(num_classes or labels.max() + 1)
     return Partition([p.astype(np.int64) for p in np.array_split(perm, num_clients)], C, labels)
 
@@ -298,5 +277,5 @@ REFERENCE_PARTITIONS.register(
                                                        min_size=o.min_size, rng="legacy"),
     options=LabeldirOptions, description="NIID-Bench's split from the references' RandomState stream")
 REFERENCE_PARTITIONS.register(
-    "iid", lambda f, _: iid_partition_legacy(f.labels, f.num_clients, f.seed, f.num_classes),
+    "iid", lambda f, _: iid_partition(f.labels, f.num_clients, f.seed, f.num_classes, rng="legacy"),
     description="the reference's permutation split")

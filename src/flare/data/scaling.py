@@ -11,8 +11,7 @@ CIFAR-10. The un-augmented view (the baselines' `loss.ce_input=plain`, the serve
 the dataset transform alone. Each dataset's two transforms: docs/reproduction.md, item (b).
 
 `augment.input_scaling=none`: x/255 and nothing else — torchvision's `ToTensor()` alone, for training views and
-test images alike, as NIID-Bench, FedLPA and DENSE feed Fashion-MNIST and MNIST (docs/papers.md).
-"""
+test images alike, as NIID-Bench, FedLPA and DENSE feed Fashion-MNIST and MNIST (docs/papers.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -33,9 +33,8 @@ def run_compare(presets: list[str], out: Path, config_file: str | None = None, o
     if baseline is not None and baseline not in presets:
         raise FlareError(f"--baseline {baseline} is not among --presets {','.join(presets)}.", key="--baseline",
                          fix="add it to --presets, or name one of them.")
-    base = read_yaml_mapping(config_file) if config_file else {}
     ov = parse_overrides(overrides or [])
-    base = deep_merge(base, ov)
+    base = deep_merge(read_yaml_mapping(config_file) if config_file else {}, ov)
     if "preset" in base:
         raise FlareError("`preset` in the config or overrides of `flare compare` would be overridden by --presets.",
                          key="preset", fix="remove it; --presets lists the methods to compare.")

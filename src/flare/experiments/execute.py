@@ -43,24 +43,7 @@ class Point:
 
 
 def read_point_file(d: Path) -> dict:
-    p = Path(d) / POINT_FILE
-    if not p.exists():
-        return {}
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError:
-        return {}
-
-
-def _same_experiment(d: Path, cfg) -> tuple[bool, list[str]]:
-    try:
-        old = RunDir(d).read_config()
-    except FlareError:
-        return False, ["config.yaml (unreadable)"]
-    if old is None:
-        return True, []
-    diff = experiment_differences(old, cfg)
-    return not diff, diff
+    return RunDir(d).read_json(POINT_FILE)
 
 
 def point_status(p: Point) -> str:
@@ -68,8 +51,7 @@ def point_status(p: Point) -> str:
     d = p.dir
     if RunDir(d).read_state().get("status") == "finished":
         return "finished"
-    info = read_point_file(d)
-    if info.get("status") == "diverged":
+    if read_point_file(d).get("status") == "diverged":
         return "diverged"
     return "partial" if (d / "checkpoint.pt").exists() else "new"
 
@@ -78,8 +60,13 @@ def check_dirs(points: list[Point]) -> None:
     """Before anything runs: every existing run directory must hold the same experiment."""
     bad = []
     for p in points:
-        same, keys = _same_experiment(p.dir, p.config)
-        if not same:
+        try:
+            old = RunDir(p.dir).read_config()
+        except FlareError:
+            keys = ["config.yaml (unreadable)"]
+        else:
+            keys = experiment_differences(old, p.config) if old is not None else []
+        if keys:
             bad.append(f"{p.dir} (keys differ: {', '.join(keys)})")
     if bad:
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
@@ -94,9 +81,8 @@ def run_point(config: dict, out_dir: str, threads: int | None = None, gpus: floa
     sequential sweeps, inside a Ray task or a local worker process for parallel ones."""
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
-    info: dict = {"start": time.time(), "pid": os.getpid(), "host": socket.gethostname(), "status": "running"}
-    if gpus is not None:
-        info["gpus"] = gpus
+    info: dict = {"start": time.time(), "pid": os.getpid(), "host": socket.gethostname(), "status": "running",
+                  **({"gpus": gpus} if gpus is not None else {})}
     atomic_write_text(d / POINT_FILE, json.dumps(info, indent=1))
     if threads:
         torch.set_num_threads(max(1, int(threads)))
@@ -111,14 +97,9 @@ def run_point(config: dict, out_dir: str, threads: int | None = None, gpus: floa
         info.update(status="error", error=e.render(), key=e.key, fix=e.fix, message=e.message)
     except Exception:  # noqa: BLE001 — one broken point must not take the other points down
         info.update(status="failed", error=traceback.format_exc())
-    info["end"] = time.time()
-    info["seconds"] = time.perf_counter() - t0
+    info.update(end=time.time(), seconds=time.perf_counter() - t0)
     atomic_write_text(d / POINT_FILE, json.dumps(info, indent=1, default=str))
     return info
-
-
-def _bar(total: int, initial: int, quiet: bool, desc: str) -> Counter:
-    return Counter(total, initial, desc, unit="point", disable=quiet)
 
 
 def _gpu_count() -> int:
@@ -188,7 +169,7 @@ def execute_points(points: list[Point], *, workers: int = 1, address: str | None
         ran = _execute_local([p for p, _ in todo], workers, threads, quiet, desc, n_skip, len(points))
     if ran is None:
         ran = {}
-        with _bar(len(points), n_skip, quiet, desc) as bar:
+        with Counter(len(points), n_skip, desc, unit="point", disable=quiet) as bar:
             for p, _ in todo:
                 bar.set_postfix_str(p.name)
                 info = run_point(p.mapping, str(p.dir), threads)
@@ -213,22 +194,18 @@ def _execute_ray(points: list[Point], workers: int, address: str | None, cpus_pe
             warnings.simplefilter("ignore")
             import ray
     except ImportError:
-        if address:
-            log("flare: Ray is not installed, so the points run one after another in this process. "
-                "For a Ray cluster: pip install 'flare-ofl[sweep]' (or pip install ray).")
-        else:
-            log(f"flare: Ray is not installed, so the points run in {workers} processes on this machine. "
-                "For a Ray cluster: pip install 'flare-ofl[sweep]' (or pip install ray).")
+        how = "one after another in this process" if address else f"in {workers} processes on this machine"
+        log(f"flare: Ray is not installed, so the points run {how}. "
+            "For a Ray cluster: pip install 'flare-ofl[sweep]' (or pip install ray).")
         return None
     started = False
     if not ray.is_initialized():
         kw = dict(include_dashboard=False, log_to_driver=False, logging_level="ERROR", ignore_reinit_error=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            if address:
-                ray.init(address=address, **kw)
-            else:
-                ray.init(num_cpus=max(1, math.ceil(workers * cpus_per_point)), num_gpus=_gpu_count(), **kw)
+            where = dict(address=address) if address else dict(num_cpus=max(1, math.ceil(workers * cpus_per_point)),
+                                                                num_gpus=_gpu_count())
+            ray.init(**where, **kw)
         started = True
     try:
         total_gpus = float(ray.cluster_resources().get("GPU", 0))
@@ -237,11 +214,10 @@ def _execute_ray(points: list[Point], workers: int, address: str | None, cpus_pe
             f"{ray.cluster_resources().get('CPU', 0):g} CPUs, {total_gpus:g} GPUs; per point "
             f"{cpus_per_point:g} CPU, {gpus_per_point:g} GPU")
         task = ray.remote(num_cpus=cpus_per_point, num_gpus=gpus_per_point, max_retries=0)(run_point)
-        with _bar(total, n_skip, quiet, desc) as bar:
-            out = _keep_busy(points, workers, bar,
-                             submit=lambda p: task.remote(p.mapping, str(p.dir.resolve()), threads, gpus_per_point),
-                             wait_some=lambda refs: ray.wait(refs, num_returns=1)[0], result=ray.get)
-        return out
+        with Counter(total, n_skip, desc, unit="point", disable=quiet) as bar:
+            return _keep_busy(points, workers, bar,
+                              submit=lambda p: task.remote(p.mapping, str(p.dir.resolve()), threads, gpus_per_point),
+                              wait_some=lambda refs: ray.wait(refs, num_returns=1)[0], result=ray.get)
     finally:
         if started:
             ray.shutdown()
@@ -279,11 +255,10 @@ def _execute_local(points: list[Point], workers: int, threads: int | None, quiet
     gpus = 1.0 / workers if _gpu_count() else None
     ex = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
     try:
-        with _bar(total, n_skip, quiet, desc) as bar:
-            out = _keep_busy(points, workers, bar,
-                             submit=lambda p: ex.submit(run_point, p.mapping, str(p.dir.resolve()), threads, gpus),
-                             wait_some=lambda futs: wait(futs, return_when=FIRST_COMPLETED)[0],
-                             result=lambda f: f.result())
+        with Counter(total, n_skip, desc, unit="point", disable=quiet) as bar:
+            return _keep_busy(points, workers, bar,
+                              submit=lambda p: ex.submit(run_point, p.mapping, str(p.dir.resolve()), threads, gpus),
+                              wait_some=lambda futs: wait(futs, return_when=FIRST_COMPLETED)[0],
+                              result=lambda f: f.result())
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
-    return out

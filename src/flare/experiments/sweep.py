@@ -64,12 +64,8 @@ def unflatten(m: dict) -> dict:
     return out
 
 
-def _known_keys() -> set[str]:
-    return set(known_keys()) | {"preset", "seed"}
-
-
 def _check_key(key: str, where: str, src: str) -> None:
-    known = _known_keys()
+    known = set(known_keys()) | {"preset", "seed"}
     if key in known or any(key.startswith(m + ".") for m in mapping_keys()):  # plugin options: checked per point
         return
     close = difflib.get_close_matches(key, sorted(known), n=1)
@@ -91,8 +87,7 @@ def _check_values(key: str, vals: Any, where: str, src: str) -> list:
 def load_sweep(path: str | Path) -> tuple[SweepSpec, dict]:
     """Read and validate a sweep file; returns the spec and its base config mapping (file ← base)."""
     path = Path(path)
-    raw = read_yaml_mapping(path, what="sweep file")
-    return parse_sweep(raw, src=str(path), rel_to=path.parent)
+    return parse_sweep(read_yaml_mapping(path, what="sweep file"), src=str(path), rel_to=path.parent)
 
 
 def parse_sweep(raw: Any, src: str = "<sweep>", rel_to: Path | None = None) -> tuple[SweepSpec, dict]:
@@ -115,9 +110,7 @@ def parse_sweep(raw: Any, src: str = "<sweep>", rel_to: Path | None = None) -> t
                              "zip and resources (docs/experiments.md); config keys go under base or grid.") from None
     base: dict = {}
     if spec.config:
-        cpath = Path(spec.config)
-        if not cpath.is_absolute() and rel_to is not None:
-            cpath = rel_to / cpath
+        cpath = Path(rel_to or ".") / spec.config  # an absolute path stays as it is
         if not cpath.is_file():
             raise FlareError(f"sweep file '{src}': config file '{cpath}' does not exist.", key="config",
                              fix="give a path relative to the sweep file, or an absolute one.")
@@ -157,15 +150,13 @@ def parse_sweep(raw: Any, src: str = "<sweep>", rel_to: Path | None = None) -> t
             if key in (spec.grid or {}) or key in zip_keys:
                 raise FlareError(f"sweep file '{src}': {key} is given both as `{dim}` and in grid/zip.", key=dim,
                                  fix="give it in one place only.")
-    presets = spec.presets or (spec.grid or {}).get("preset") or []
-    if presets:
-        known = list_presets()
-        for p in presets:
-            if p not in known:
-                close = difflib.get_close_matches(str(p), known, n=3)
-                hint = f" Did you mean {', '.join(close)}?" if close else ""
-                raise FlareError(f"sweep file '{src}': preset '{p}' does not exist.{hint}", key="presets",
-                                 fix=f"use one of: {', '.join(known)} (`flare presets` lists them).")
+    known = list_presets()
+    for p in spec.presets or (spec.grid or {}).get("preset") or []:
+        if p not in known:
+            close = difflib.get_close_matches(str(p), known, n=3)
+            hint = f" Did you mean {', '.join(close)}?" if close else ""
+            raise FlareError(f"sweep file '{src}': preset '{p}' does not exist.{hint}", key="presets",
+                             fix=f"use one of: {', '.join(known)} (`flare presets` lists them).")
     if spec.name is None:
         spec.name = Path(src).stem if src != "<sweep>" else "sweep"
     return spec, base
@@ -227,21 +218,13 @@ def expand(spec: SweepSpec, base: dict, overrides: dict | None = None) -> list[P
         dims.append([({k: v}, f"{short[k]}={_fmt(v)}") for v in vals])
     for g in _zip_groups(spec):
         first = next(iter(g))
-        n = len(g[first])
-        dims.append([({k: g[k][i] for k in g}, f"{short[first]}={_fmt(g[first][i])}") for i in range(n)])
-    if seeds is not None:
-        dims.append([({"seed": s}, f"seed={_fmt(s)}") for s in seeds])
-    else:
-        dims.append([({}, f"seed={_fmt(base.get('seed', 1))}")])
+        dims.append([({k: g[k][i] for k in g}, f"{short[first]}={_fmt(g[first][i])}") for i in range(len(g[first]))])
+    dims.append([({"seed": s}, f"seed={_fmt(s)}") for s in seeds] if seeds is not None
+                else [({}, f"seed={_fmt(base.get('seed', 1))}")])
     points: list[Point] = []
     for combo in itertools.product(*dims):
-        values: dict = {}
-        parts = []
-        for assign, part in combo:
-            values.update(assign)
-            if part:
-                parts.append(part)
-        name = point_name(parts)
+        values = {k: v for assign, _ in combo for k, v in assign.items()}
+        name = point_name([part for _, part in combo if part])
         preset = values.get("preset") or base.get("preset")
         mapping = deep_merge(base, unflatten({k: v for k, v in values.items() if k != "preset"}))
         try:
@@ -264,10 +247,6 @@ def expand(spec: SweepSpec, base: dict, overrides: dict | None = None) -> list[P
 # the command
 
 
-def default_out(spec: SweepSpec) -> Path:
-    return Path("runs") / "sweeps" / _fmt(spec.name or "sweep")
-
-
 def manifest(spec: SweepSpec, points: list[Point], results: dict[str, dict], overrides: list[str] | None = None) -> dict:
     return {"name": spec.name, "description": spec.description, "overrides": list(overrides or []),
             "points": [{"name": p.name, "dir": str(p.dir), "values": p.values,
@@ -283,7 +262,7 @@ def run_sweep(path: str | Path, out: str | Path | None = None, *, overrides: lis
         raise FlareError(f"--workers must be at least 1, got {workers}.", key="--workers")
     spec, base = load_sweep(path)
     points = expand(spec, base, parse_overrides(overrides or []))
-    out = Path(out) if out else default_out(spec)
+    out = Path(out) if out else Path("runs") / "sweeps" / _fmt(spec.name or "sweep")
     for p in points:
         p.dir = out / p.name
     check_dirs(points)
@@ -298,10 +277,8 @@ def run_sweep(path: str | Path, out: str | Path | None = None, *, overrides: lis
     t0 = time.perf_counter()
     results = execute_points(points, workers=workers, address=address, cpus_per_point=cpp, gpus_per_point=gpp,
                              quiet=quiet, desc=f"sweep {spec.name}")
-    speed = throughput(results, time.perf_counter() - t0)
-    speed["workers"] = workers
-    man = manifest(spec, points, results, overrides)
-    man["throughput"] = speed
+    speed = {**throughput(results, time.perf_counter() - t0), "workers": workers}
+    man = {**manifest(spec, points, results, overrides), "throughput": speed}
     atomic_write_text(out / "sweep.json", json.dumps(man, indent=1, default=str))
     table = points_table([(p.name, p.dir, results.get(p.name, {}).get("status") or point_status(p),
                            results.get(p.name, {}).get("seconds")) for p in points])

@@ -1,16 +1,11 @@
 """FLARE's Flower ClientApp (`flare.flower.client_app:app`).
 
-A node answers `train` messages. Every message carries the run's config and the dataset facts; the first also
-what the server's primary strategy sends before training (`init`: `Strategy.initialize` — the seeded init of every
-client architecture, of which the node takes its own client's, the anchor seed and the public bank), and every
-message may carry what it sends before the round (`sent`, e.g. Plan B's G); the node loads its own data — from
-`data-path` in its node config (an .npz of its samples) or, in simulation and loopback federations, its
-part of the run's split (`partition-id`, with the same partitioner and seed as `flare run`) — trains the
-asked rounds with `flare.client.trainer.Client` on its client's architecture, and replies with its weights
-(an ArrayRecord), its sample count, class histogram and training logs. Between per-round messages
-(simulation) its state (model, optimizer, λ learner) waits in `context.state` as arrays plus a JSON skeleton.
-After its last round it keeps its upload there too, and answers the `query` messages of a server strategy that
-holds rounds with the clients after the upload (`handle_query`: FENS), with that strategy's memory kept beside it.
+A node answers `train` messages (the content: `server_app.train_content`) by training the asked rounds on its own
+data (`local_data`) with `protocol.client_train`, and replies with its weights (an ArrayRecord), its sample
+count, class histogram and training logs. Between per-round messages (simulation) its state (model, optimizer, λ
+learner) waits in `context.state` as arrays plus a JSON skeleton. After its last round it keeps its upload there
+too, and answers the `query` messages of a server strategy that holds rounds with the clients after the upload
+(`handle_query`: FENS), with that strategy's memory kept beside it.
 
 Node config keys: `partition-id` (the client id, required), `num-partitions` (checked against
 num_clients), `data-path` (deployment), `dataset-root` / `cache-dir` (where this node finds the
@@ -57,15 +52,11 @@ def local_data(task: Task, context: Context) -> LocalData:
         raise FlareError(f"this node was started with num-partitions={k}, the run has num_clients={cfg.num_clients}.",
                          key="num-partitions", fix="give every node num-partitions equal to num_clients.")
     if nc.get("data-path"):
-        local = file_data(str(nc["data-path"]), cid, task.meta)
-    else:
-        if nc.get("dataset-root") or nc.get("cache-dir"):
-            ds = cfg.dataset.model_copy(update={k2: str(nc[k1]) for k1, k2 in (("dataset-root", "root"),
-                                                                             ("cache-dir", "cache_dir"))
-                                                if nc.get(k1)})
-            cfg = cfg.model_copy(update={"dataset": ds})
-        local = partition_data(cfg, cid)
-    return local
+        return file_data(str(nc["data-path"]), cid, task.meta)
+    where = {k2: str(nc[k1]) for k1, k2 in (("dataset-root", "root"), ("cache-dir", "cache_dir")) if nc.get(k1)}
+    if where:
+        cfg = cfg.model_copy(update={"dataset": cfg.dataset.model_copy(update=where)})
+    return partition_data(cfg, cid)
 
 
 def handle_train(content: RecordDict, context: Context) -> RecordDict:
@@ -91,8 +82,7 @@ def handle_train(content: RecordDict, context: Context) -> RecordDict:
         state[_CARRY_SKELETON] = ConfigRecord({"skeleton": skeleton})
     else:
         for key in (_INIT, _CARRY, _CARRY_SKELETON):
-            if key in state:
-                del state[key]
+            state.pop(key, None)
         if res.state is not None:  # the trained model, for the rounds a server strategy may hold after the upload
             state[_TRAINED] = state_to_record(res.state)
 
@@ -120,8 +110,8 @@ def handle_query(content: RecordDict, context: Context) -> RecordDict:
         raise FlareError(f"asked for round {rnd + 1} of server strategy '{name}', but this node holds no trained "
                          "model (it restarted, or never finished training).")
     key = _MEMORY + name
-    if rnd == 0 and key in state:
-        del state[key]
+    if rnd == 0:
+        state.pop(key, None)
     memory = dict(record_to_state(state[key])) if key in state else {}
     reply = client_talk(task, local_data(task, context), record_to_state(state[_TRAINED]), name, rnd,
                         dict(record_to_state(content.array_records["message"])), memory,

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import suppress
 from importlib import resources
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from flare.config import load_config
 from flare.errors import FlareError
 from flare.flower.protocol import export_partitions
 from flare.rundata import RunData
+from flare.rundir import RunDir
 from flare.setup import check_buildable
 
 def app_dir() -> Path:
@@ -78,25 +80,18 @@ def _proc_table() -> dict[int, tuple[int, int, str, int]]:
 
 class LocalFederation:
     def __init__(self, workdir: str | Path, node_configs: list[dict] | None = None, simulation: bool = False,
-                 connection: str = "flare-local", startup_timeout: float = 60.0, echo: bool = False):
+                 connection: str = "flare-local", startup_timeout: float = 60.0):
         self.workdir = Path(workdir).resolve()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.node_configs = node_configs or []
-        self.simulation = simulation
-        self.connection = connection
-        self.startup_timeout = startup_timeout
-        self.echo = echo
+        self.simulation, self.connection, self.startup_timeout = simulation, connection, startup_timeout
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.node_procs: list[subprocess.Popen] = []
         self.port: int | None = None
         self.home = self.workdir / "flwr-home"
-        env = dict(os.environ)
-        env["FLWR_HOME"] = str(self.home)
-        env["FLWR_DISABLE_UPDATE_CHECK"] = "1"
-        env["FLWR_TELEMETRY_ENABLED"] = "0"
-        env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-        env.setdefault("RAY_DEDUP_LOGS", "0")
-        self.env = env
+        self.env = {"RAY_DEDUP_LOGS": "0", **os.environ, "FLWR_HOME": str(self.home), "FLWR_DISABLE_UPDATE_CHECK": "1",
+                    "FLWR_TELEMETRY_ENABLED": "0",
+                    "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
 
     # -- processes ----------------------------------------------------------------------------------
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
@@ -123,7 +118,7 @@ class LocalFederation:
             self.node_procs.append(self._spawn(f"supernode-{i}", [
                 _bin("flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{self.port}",
                 "--host", "127.0.0.1", "--port", str(free_port()),
-                "--node-config", " ".join(f"{k}={_toml_value(v)}" for k, v in nc.items())]))
+                "--node-config", run_config_arg(nc)]))
         self.home.mkdir(parents=True, exist_ok=True)
         (self.home / "config.toml").write_text(
             f'[superlink]\ndefault = "{self.connection}"\n\n[superlink.{self.connection}]\n'
@@ -150,10 +145,8 @@ class LocalFederation:
 
     @staticmethod
     def _signal(p: subprocess.Popen, sig) -> None:
-        try:
+        with suppress(ProcessLookupError, PermissionError):
             os.killpg(p.pid, sig)  # the process group this object created for it (start_new_session)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def descendants(self) -> set[tuple[int, int]]:
         """(pid, start time) of every live process descended from the ones this object started. Flower's
@@ -197,22 +190,16 @@ class LocalFederation:
                 self._signal(p, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for _, p in reversed(self.procs):
-            try:
+            with suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
         seen |= self.descendants()
         for _, p in self.procs:  # whatever ignored SIGTERM, and children left in the groups
             self._signal(p, signal.SIGKILL)
-            try:
+            with suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
         for pid in self._alive(seen):
-            try:
+            with suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         self._seen = seen
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and (any(self.group_alive(p) for _, p in self.procs)
@@ -232,12 +219,9 @@ class LocalFederation:
     # -- a run --------------------------------------------------------------------------------------
     def run(self, app: str | Path, run_config: dict, federation_config: dict | None = None,
             timeout: float = 600.0, log_name: str = "flwr-run") -> subprocess.CompletedProcess:
-        argv = [_bin("flwr"), "run", str(app), self.connection, "--stream",
-                "--run-config", run_config_arg(run_config)]
+        argv = [_bin("flwr"), "run", str(app), self.connection, "--stream", "--run-config", run_config_arg(run_config)]
         if federation_config:
             argv += ["--federation-config", run_config_arg(federation_config)]
-        if self.echo:
-            print("+", shlex.join(argv), flush=True)
         with open(self.workdir / f"{log_name}.log", "wb") as log:
             p = subprocess.Popen(argv, cwd=self.workdir, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, start_new_session=True)
@@ -267,19 +251,15 @@ def federate(cfg_file: str | None, preset: str | None, overrides: list[str], *, 
     cfg = load_config(cfg_file, preset, overrides)  # validate before starting anything
     check_buildable(cfg)  # and refuse what `flare run` refuses before writing (data, checkpoints, input sizes)
     K = cfg.num_clients
-    out = Path(out) if out else Path("runs") / f"federate-{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}"
-    out = out.resolve()
+    out = (Path(out) if out else Path("runs") / f"federate-{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     wd = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="flare-federation-"))
     run_config = {"preset": preset or "", "config-file": str(Path(cfg_file).resolve()) if cfg_file else "",
                   "overrides": shlex.join(overrides), "out-dir": str(out), "upload": upload,
                   "min-clients": int(min_clients), "timeout": float(timeout), "wait-nodes": 120.0}
-    nodes = []
-    if not simulation:
-        if local_data:
-            files = export_partitions(cfg, wd / "data")
-            nodes = [{"partition-id": i, "num-partitions": K, "data-path": str(files[i])} for i in range(K)]
-        else:
-            nodes = [{"partition-id": i, "num-partitions": K} for i in range(K)]
+    files = export_partitions(cfg, wd / "data") if local_data and not simulation else None
+    nodes = [] if simulation else [{"partition-id": i, "num-partitions": K} for i in range(K)]
+    for node, f in zip(nodes, files or []):
+        node["data-path"] = str(f)
     fed = LocalFederation(wd, node_configs=nodes, simulation=simulation)
     log(f"federation: {'Ray simulation' if simulation else f'SuperLink + {K} SuperNodes'} on 127.0.0.1, logs in {wd}")
     try:
@@ -290,15 +270,11 @@ def federate(cfg_file: str | None, preset: str | None, overrides: list[str], *, 
                       timeout=run_timeout or (timeout * (cfg.rounds if upload == "per-round" else 1) + 300))
     finally:
         fed.stop()
-    state_path = out / "state.json"
-    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    state = RunDir(out).read_state()
     if state.get("status") != "finished":
         err = state.get("error") or f"the run did not finish (flwr run exit code {res.returncode})"
         tail = "\n".join(res.stdout.strip().splitlines()[-15:])
         where = f"federation.json in {out} and " if (out / "federation.json").exists() else ""
         raise FlareError(f"federated run failed: {err}\nlast lines of flwr run:\n{tail}",
                          fix=f"see {where}the process logs in {wd}.")
-    summary = RunData.load(out).summary()
-    summary["out"] = str(out)
-    summary["logs"] = str(wd)
-    return summary
+    return {**RunData.load(out).summary(), "out": str(out), "logs": str(wd)}

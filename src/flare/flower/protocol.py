@@ -138,8 +138,7 @@ def file_data(path: str | Path, cid: int, meta: DataMeta) -> LocalData:
                          f"{' (all finite)' if meta.kind == 'features' else ''}.", key="data-path")
     if y.ndim != 1 or len(y) != len(x) or y.dtype.kind not in "iu" or (len(y) and (y.min() < 0 or
                                                                                   y.max() >= meta.num_classes)):
-        raise FlareError(f"'{p}': y must hold {len(x)} integer labels in 0..{meta.num_classes - 1}.",
-                         key="data-path")
+        raise FlareError(f"'{p}': y must hold {len(x)} integer labels in 0..{meta.num_classes - 1}.", key="data-path")
     return LocalData(cid, torch.from_numpy(np.array(x, copy=True)), torch.from_numpy(y.astype(np.int64)),
                      meta.num_classes)
 
@@ -150,12 +149,10 @@ def export_partitions(cfg: Config, out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data, _ = _run_partition(cfg)
-    paths = []
-    for i in range(cfg.num_clients):
+    paths = [out / f"client-{i}.npz" for i in range(cfg.num_clients)]
+    for i, p in enumerate(paths):
         d = partition_data(cfg, i)
-        p = out / f"client-{i}.npz"
         np.savez(p, x=d.x.numpy(), y=d.y.numpy())
-        paths.append(p)
     (out / "dataset-meta.json").write_text(DataMeta.from_data(data).to_json())
     return paths
 
@@ -184,8 +181,7 @@ def client_train(task: Task, local: LocalData, first: dict[str, Tensor], resume:
     hist = local.class_histogram()
     if local.num_samples == 0:
         return ClientResult(local.cid, 0, hist, None, [], None)
-    be = settle_speed(backend(cfg, device), cfg, (meta.in_channels, meta.image_size, meta.image_size),
-                      meta.num_classes)
+    be = settle_speed(backend(cfg, device), cfg, (meta.in_channels, meta.image_size, meta.image_size), meta.num_classes)
     arch = client_architecture(cfg, local.cid)  # its checkpoint, if any, is in the init sent already
     key = init_keys([*cfg.client_architectures(), arch])[-1]  # arch's: it is one of the run's
     if not (init_state := sent_init(first, key)):
@@ -207,8 +203,7 @@ def client_train(task: Task, local: LocalData, first: dict[str, Tensor], resume:
         raise FlareError(f"client {local.cid} has trained {client.epochs_done} epochs but was asked to start at "
                          f"round {task.round_start}; its state between rounds was lost.")
     records = [client.train_round(ctx, r) for r in range(task.round_start, task.round_end)]
-    upload = client.upload()
-    state = {k: v.detach().cpu() for k, v in upload.state.items()}
+    state = {k: v.detach().cpu() for k, v in client.upload().state.items()}
     carry = client.state_dict() if task.round_end < cfg.rounds else None
     return ClientResult(local.cid, local.num_samples, hist, state, records, carry,
                         block_extras(cfg, task.round_end - 1, client, ctx))

@@ -12,7 +12,7 @@ import copy
 import json
 import shlex
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -49,17 +49,12 @@ class FederationSettings:
     dataset_meta: str = ""         # JSON of DataMeta, for a server without the dataset (no test set)
     save_predictor: bool = True
 
-    KEYS = {"preset": "preset", "config-file": "config_file", "overrides": "overrides", "out-dir": "out_dir",
-            "upload": "upload", "min-clients": "min_clients", "timeout": "timeout", "wait-nodes": "wait_nodes",
-            "dataset-meta": "dataset_meta", "save-predictor": "save_predictor"}
-
     @classmethod
     def from_run_config(cls, rc) -> "FederationSettings":
         s = cls()
         for key, attr in cls.KEYS.items():
             if key in rc:
-                cur = getattr(s, attr)
-                v = rc[key]
+                cur, v = getattr(s, attr), rc[key]
                 setattr(s, attr, type(cur)(v) if not isinstance(cur, bool) else (
                     v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes")))
         if s.upload not in ("per-round", "once"):
@@ -71,6 +66,9 @@ class FederationSettings:
 
     def load_config(self) -> Config:
         return load_config(self.config_file or None, self.preset or None, shlex.split(self.overrides))
+
+
+FederationSettings.KEYS = {f.name.replace("_", "-"): f.name for f in fields(FederationSettings)}  # key → field
 
 
 @dataclass
@@ -101,21 +99,15 @@ def _sanitize_records(text, cid: int, rounds: range) -> tuple[list[dict], str | 
     for rec, r in zip(recs, rounds):
         if not isinstance(rec, dict) or rec.get("client") != cid or rec.get("round") != r:
             return [], f"training-log record for round {r} is malformed or names another client/round"
-        clean = {}
-        for k, v in rec.items():
-            if isinstance(k, str) and (v is None or isinstance(v, (bool, int, float, str))):
-                clean[k] = v
-            elif isinstance(k, str) and isinstance(v, list) and all(isinstance(x, (int, float)) for x in v):
-                clean[k] = v
-        clean["kind"] = "client"
-        out.append(clean)
+        out.append({**{k: v for k, v in rec.items() if isinstance(k, str) and (
+            v is None or isinstance(v, (bool, int, float, str))
+            or isinstance(v, list) and all(isinstance(x, (int, float)) for x in v))}, "kind": "client"})
     return out, None
 
 
 class ServerSession:
-    """The server of one federated run: it owns the run directory (the same files as `flare run`, minus
-    the client checkpoint), the test set (when it has one), the seeded inits, the anchors, the upload gate,
-    and every evaluation checkpoint."""
+    """The server of one federated run: the run directory (`flare run`'s files, minus the client checkpoint), the
+    server's setup (`flare.setup.ServerSetup`), the upload gate and every evaluation checkpoint."""
 
     def __init__(self, cfg: Config, fed: FederationSettings, log=print, talk=None):
         self.cfg, self.fed, self.log, self.talk = cfg, fed, log, talk
@@ -191,22 +183,17 @@ class ServerSession:
         """Check every reply of one block; returns (uploads sorted by client id, their training logs, the
         nodes to keep for the next block). Missing and rejected clients are logged and recorded."""
         rounds = range(round_start, round_end)
-        by_node: dict[int, Reply] = {}
-        for rep in replies:
-            if rep.node in nodes and rep.node not in by_node:
-                by_node[rep.node] = rep
+        by_node = {rep.node: rep for rep in reversed(replies) if rep.node in nodes}  # each node's first reply
         uploads: dict[int, Upload] = {}
         logs: dict[int, list[dict]] = {}
         keep: list[int] = []
         for node in nodes:
             rep = by_node.get(node)
             known = self.node_client.get(node)
-            if rep is None:
-                self._event("missing", round_end - 1, node, known,
-                            [f"no reply within {self.fed.timeout:g} s (crashed, disconnected or too slow)"])
-                continue
-            if rep.error is not None:
-                self._event("missing", round_end - 1, node, known, [f"the node reported an error: {rep.error}"])
+            if rep is None or rep.error is not None:
+                self._event("missing", round_end - 1, node, known, [
+                    f"no reply within {self.fed.timeout:g} s (crashed, disconnected or too slow)" if rep is None
+                    else f"the node reported an error: {rep.error}"])
                 continue
             reasons: list[str] = []
             m = rep.meta
@@ -273,8 +260,7 @@ class ServerSession:
                    f"from {self.cfg.num_clients} clients, fewer than min_clients={self.required}; missing or "
                    f"rejected: {missing}. The federation stops here; the run directory keeps the earlier rounds "
                    "and federation.json says who failed and why.")
-            self._fail(msg)
-            raise FlareError(msg, key="min-clients",
+            raise self._fail(msg, key="min-clients",
                              fix="bring the missing nodes up (see federation.json for the reasons), or lower "
                                  "min-clients if the run may proceed without them.")
 
@@ -301,15 +287,11 @@ class ServerSession:
                  + (f", missing {missing}" if missing else ""))
 
     def write_partition(self) -> None:
-        C, K = self.meta.num_classes, self.cfg.num_clients
-        labels, indices, start = [], [], 0
-        for i in range(K):
-            h = self.histograms.get(i, [0] * C)
-            lab = np.repeat(np.arange(C), h)
-            labels.append(lab)
-            indices.append(np.arange(start, start + len(lab)))
-            start += len(lab)
-        part = Partition(indices, C, np.concatenate(labels) if labels else np.zeros(0, np.int64))
+        C = self.meta.num_classes
+        labels = [np.repeat(np.arange(C), self.histograms.get(i, [0] * C)) for i in range(self.cfg.num_clients)]
+        ends = np.cumsum([0] + [len(lab) for lab in labels]).tolist()
+        part = Partition([np.arange(a, b) for a, b in zip(ends, ends[1:])], C,
+                         np.concatenate(labels) if labels else np.zeros(0, np.int64))
         report = describe_partition(self.cfg, part, self.meta.classes)
         for c in report["clients"]:
             if c["client"] not in self.histograms:
@@ -336,18 +318,18 @@ class ServerSession:
         d = {"status": status, "upload": self.fed.upload, "num_clients": self.cfg.num_clients,
              "min_clients": self.required, "timeout_s": self.fed.timeout,
              "nodes": {str(n): c for n, c in sorted(self.node_client.items())},
-             "clients_without_data": sorted(self.empty), "events": self.events}
-        if error:
-            d["error"] = error
+             "clients_without_data": sorted(self.empty), "events": self.events} | ({"error": error} if error else {})
         self.dir.write_text("federation.json", json.dumps(d, indent=1))
 
-    def _fail(self, msg: str) -> None:
+    def _fail(self, msg: str, key: str, fix: str) -> FlareError:
+        """Record the federation as failed (state.json, federation.json); returns the error to raise."""
         self.warnings.append(msg)
         if self.histograms:
             self.write_partition()
         self._write_federation("failed", msg)
         self.dir.write_state("failed", self.dir.read_state().get("rounds_done", 0), self.warnings,
                              self.config, error=msg)
+        return FlareError(msg, key=key, fix=fix)
 
     def _event(self, kind: str, round_idx: int, node: int, cid, reasons: list[str]) -> None:
         who = f"client {cid}" if cid is not None else f"node {node}"
@@ -382,10 +364,9 @@ class NodeClients:
             if why:
                 msg = (f"round {rnd + 1} of the rounds server strategy '{name}' holds after the upload: client "
                        f"{s.node_client[node]} did not answer ({why}); the strategy needs every client that uploaded.")
-                s._fail(msg)
-                raise FlareError(msg, key=f"server.strategies.{name}",
-                                 fix="bring the node up and run the federation again (federation.json says who "
-                                     "failed), or leave the strategy out of eval.rules.")
+                raise s._fail(msg, key=f"server.strategies.{name}",
+                              fix="bring the node up and run the federation again (federation.json says who failed), "
+                                  "or leave the strategy out of eval.rules.")
             out.append(dict(rep.state))
         return out
 
@@ -407,23 +388,17 @@ def run_federation(cfg: Config, fed: FederationSettings, exchange, node_ids: lis
         if len(node_ids) < s.required:
             msg = (f"only {len(node_ids)} node(s) connected, fewer than min_clients={s.required} "
                    f"(num_clients={cfg.num_clients}).")
-            s._fail(msg)
-            raise FlareError(msg, key="min-clients", fix="start more SuperNodes or lower min-clients.")
+            raise s._fail(msg, key="min-clients", fix="start more SuperNodes or lower min-clients.")
         if len(node_ids) < cfg.num_clients:
             s._warn(f"{len(node_ids)} node(s) connected for {cfg.num_clients} clients; proceeding with min_clients="
                     f"{s.required}.")
         nodes = list(node_ids)
-        logs: list[dict] = []
-        for start, end in s.blocks():
-            if not nodes:
-                uploads = []
-            else:
-                replies = exchange(s.task(start, end), start == 0, nodes, s)
-                uploads, logs, nodes = s.accept(start, end, nodes, replies)
+        for start, end in s.blocks():  # no node left: no upload, and check_quorum stops the federation
+            uploads, logs, nodes = (s.accept(start, end, nodes, exchange(s.task(start, end), start == 0, nodes, s))
+                                    if nodes else ([], [], []))
             s.check_quorum(uploads, end - 1)
             s.evaluate(end - 1, uploads, logs)
         summary = s.finish()
     finally:
         s.close()
-    summary["out"] = str(s.out)
-    return summary
+    return {**summary, "out": str(s.out)}

@@ -1,16 +1,12 @@
-"""FLARE's Flower ServerApp (`flare.flower.server_app:app`).
+"""FLARE's Flower ServerApp (`flare.flower.server_app:app`): the engine-free server (`flare.flower.server`) over
+Flower's grid.
 
-The server builds the run's config from the app's run config (`preset`, `config-file`, `overrides`),
-waits for the nodes, sends each a `train` message (the config, the dataset facts, what the primary strategy sends
-before the round (Plan B's G) and, in the first message, what it sends before training: every client architecture's
-seeded init, of which each node takes its own client's, the anchor seed and the public bank), validates every reply
-(`flare.server.upload.validate_upload`), evaluates every configured fusion rule on its test set with the same code as
-`flare run` (a strategy that holds rounds with the clients after their upload, such as FENS, sends each of them
-as one `query` message to the nodes: `make_talk`), and writes the same run directory plus federation.json (who answered, who was missing or
+It builds the run's config from the app's run config (the keys: `flare.flower.server.FederationSettings`), waits for
+the nodes, and sends each a `train` message per block of rounds (`train_content`); every reply passes the upload gate
+(`flare.server.upload.validate_upload`) and every configured fusion rule is scored with the same code as `flare run`.
+A strategy that holds rounds with the clients after their upload (FENS) sends each round as one `query` message to
+the nodes (`make_talk`). It writes the same run directory plus federation.json (who answered, who was missing or
 rejected, and why) and the global predictor (predictor.pt + predictor.json).
-
-Run-config keys (the app's pyproject.toml, or `flwr run --run-config 'key=value ...'`): see
-`flare.flower.server.FederationSettings`.
 """
 from __future__ import annotations
 
@@ -41,25 +37,22 @@ def wait_for_nodes(grid: Grid, want: int, seconds: float) -> list[int]:
         time.sleep(1.0)
 
 
-def decode_reply(msg: Message) -> Reply:
-    """A reply message → `Reply` (never raises: malformed content becomes a decode error the gate reports)."""
+def decode_reply(msg: Message, decode=None) -> Reply:
+    """A reply message → `Reply`, its content read by `decode` (default `decode_content`; never raises: malformed
+    content becomes a decode error the gate reports)."""
     node = int(msg.metadata.src_node_id)
     if msg.has_error():
         return Reply(node, error=f"{msg.error.reason} (code {msg.error.code})")
-    return decode_content(node, msg.content)
+    return (decode or decode_content)(node, msg.content)
 
 
 def decode_content(node: int, content: RecordDict) -> Reply:
     rep = Reply(node)
     try:
-        meta = content.config_records.get("meta")
-        rep.meta = dict(meta) if meta is not None else {}
-        up = content.array_records.get("upload")
-        if up is not None:
-            rep.state = dict(record_to_state(up))
-        ex = content.array_records.get("extras")
-        if ex is not None:
-            rep.extras = dict(record_to_state(ex))
+        rep.meta = dict(content.config_records.get("meta") or {})
+        up, ex = content.array_records.get("upload"), content.array_records.get("extras")
+        rep.state = dict(record_to_state(up)) if up is not None else None
+        rep.extras = dict(record_to_state(ex)) if ex is not None else None
     except Exception as e:  # noqa: BLE001 — anything a peer sends that does not decode is a rejection
         rep.state, rep.decode_error = None, f"{type(e).__name__}: {e}"
     return rep
@@ -82,14 +75,8 @@ def make_talk(grid: Grid, timeout: float):
         content = RecordDict({"task": ConfigRecord(task.to_config()),
                               "talk": ConfigRecord({"strategy": name, "round": rnd}),
                               "message": state_to_record(message)})
-        msgs = [Message(content=content, dst_node_id=n, message_type="query", group_id=f"{name}-{rnd}")
-                for n in nodes]
-        out = []
-        for m in grid.send_and_receive(msgs, timeout=timeout):
-            node = int(m.metadata.src_node_id)
-            out.append(Reply(node, error=f"{m.error.reason} (code {m.error.code})") if m.has_error()
-                       else decode_talk(node, m.content))
-        return out
+        msgs = [Message(content=content, dst_node_id=n, message_type="query", group_id=f"{name}-{rnd}") for n in nodes]
+        return [decode_reply(m, decode_talk) for m in grid.send_and_receive(msgs, timeout=timeout)]
 
     return talk
 
@@ -112,8 +99,7 @@ def make_exchange(grid: Grid, timeout: float):
         content = train_content(task, include_init, session)
         msgs = [Message(content=content, dst_node_id=n, message_type="train", group_id=str(task.round_start))
                 for n in nodes]
-        replies = grid.send_and_receive(msgs, timeout=timeout)
-        return [decode_reply(m) for m in replies]
+        return [decode_reply(m) for m in grid.send_and_receive(msgs, timeout=timeout)]
 
     return exchange
 

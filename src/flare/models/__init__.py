@@ -9,8 +9,7 @@ Registered names: `resnet18`, `resnet34`, `resnet50` (CIFAR-style, see `resnet.p
 `timm/<name>` for any timm architecture (`timm_zoo.py`), in `flare.registry.MODELS`, plus any a plugin registers;
 docs/models.md. `load_checkpoint` starts a model from a local state dict (`model.checkpoint`). A registered builder is
 `fn(in_channels: int, width: float[, options]) -> nn.Module` returning an encoder with a `feature_dim`
-attribute; `create_model` wraps it with a head into a `FlareNet`.
-"""
+attribute; `create_model` wraps it with a head into a `FlareNet`."""
 from __future__ import annotations
 
 import re
@@ -37,40 +36,24 @@ class ModelBuilder(Protocol):
     passed only to a builder that declares an options model. `create_model` adds the head the objective trains."""
     def __call__(self, in_channels: int, width: float, *options: BaseModel) -> nn.Module: ...
 
-__all__ = [
-    "FlareNet",
-    "PrototypeHead",
-    "LinearHead",
-    "create_model",
-    "list_models",
-    "register_model",
-    "HEADS",
-    "check_state_fits",
-    "layout",
-    "load_checkpoint",
-    "create_architecture",
-    "check_input_fits",
-    "timm_names",
-]
+__all__ = ["FlareNet", "PrototypeHead", "LinearHead", "create_model", "list_models", "register_model", "HEADS",
+           "check_state_fits", "layout", "load_checkpoint", "create_architecture", "check_input_fits", "timm_names"]
 
 HEADS: dict[str, type[nn.Module]] = {"prototype": PrototypeHead, "linear": LinearHead, "etf": ETFHead}
 
 
 def register_model(name_or_fn, *, options: type[BaseModel] | None = None, description: str = "",
                    check=None, overwrite: bool = False):
-    """Register an encoder builder `fn(in_channels, width[, options]) -> encoder` (encoder has `.feature_dim`) in
-    `flare.registry.MODELS`.
+    """Register an encoder builder `fn(in_channels, width[, options]) -> encoder` (encoder has `.feature_dim`).
 
     Use as `@register_model` (name = function name) or `@register_model("name", options=MyOptions)`; a builder
     that declares options receives them (validated from `model.options`) as a third argument; `check(cfg)`
     refuses a config the model cannot serve (`Registry.register`). Re-registering a name raises unless
-    `overwrite=True`.
-    """
+    `overwrite=True`."""
+    kw = dict(options=options, description=description, check=check, overwrite=overwrite)
     if callable(name_or_fn):
-        return MODELS.register(name_or_fn.__name__, name_or_fn, options=options, description=description,
-                               check=check, overwrite=overwrite)
-    return MODELS.register(str(name_or_fn), options=options, description=description, check=check,
-                           overwrite=overwrite)
+        return MODELS.register(name_or_fn.__name__, name_or_fn, **kw)
+    return MODELS.register(str(name_or_fn), **kw)
 
 
 def list_models() -> list[str]:
@@ -103,38 +86,25 @@ class FlareNet(nn.Module):
         return getattr(self.head, "prototypes", None)
 
 
-def create_model(
-    name: str,
-    in_channels: int,
-    num_classes: int,
-    width: float = 1.0,
-    head: str = "prototype",
-    options: dict | None = None,
-    feature_dim: int | None = None,
-) -> FlareNet:
+def create_model(name: str, in_channels: int, num_classes: int, width: float = 1.0, head: str = "prototype",
+                 options: dict | None = None, feature_dim: int | None = None) -> FlareNet:
     """Build a registered encoder + head. Unknown names raise `FlareError` (key `model.name`). `feature_dim`: a
     linear projection of the encoder's feature to that d before the head (`model.feature_dim`: the shared d that
     makes prototypes, anchors and features of different encoders comparable)."""
     entry = MODELS.entry(name)
     if head not in HEADS:
-        raise FlareError(
-            f"unknown head {head!r}.", key="model.head", fix="one of " + ", ".join(sorted(HEADS)) + "."
-        )
+        raise FlareError(f"unknown head {head!r}.", key="model.head", fix="one of " + ", ".join(sorted(HEADS)) + ".")
     try:
         w = float(width)
     except (TypeError, ValueError):
         w = float("nan")
     if not w > 0:  # also rejects NaN
-        raise FlareError(
-            f"width must be a positive number, got {width!r}.", key="model.width", fix="use e.g. 1.0, 0.5 or 0.25."
-        )
+        raise FlareError(f"width must be a positive number, got {width!r}.", key="model.width",
+                         fix="use e.g. 1.0, 0.5 or 0.25.")
     width = w
     if int(in_channels) < 1 or int(num_classes) < 1:
-        raise FlareError(
-            f"in_channels and num_classes must be ≥ 1 (got {in_channels}, {num_classes}).",
-            key="model",
-            fix="check the dataset: 1 channel for Fashion-MNIST, 3 for CIFAR.",
-        )
+        raise FlareError(f"in_channels and num_classes must be ≥ 1 (got {in_channels}, {num_classes}).", key="model",
+                         fix="check the dataset: 1 channel for Fashion-MNIST, 3 for CIFAR.")
     opts = MODELS.options(name, options, "model.options") if entry.options is not None else None
     try:
         encoder = entry.obj(int(in_channels), width, *([opts] if opts is not None else []))
@@ -166,9 +136,8 @@ register_model("cnn_mnist_dense", description="DENSE's FMNIST/MNIST CNN (BN; d =
 register_model("efficientnet_lite0", options=_pretrained.EncoderOptions, check=_pretrained.refuse_image_runs,
                description="EfficientNet-Lite0 with ImageNet weights (the encoders extra), frozen; read through "
                            "dataset.name=features (d = 1280)")(_pretrained.efficientnet_lite0)
-register_model("adapter", options=_pretrained.AdapterOptions,
-               description="linear / MLP adapter over cached encoder features (d = dim·width; dim 0: identity)")(
-    _pretrained.adapter)
+register_model("adapter", options=_pretrained.AdapterOptions, description="linear / MLP adapter over cached "
+               "encoder features (d = dim·width; dim 0: identity)")(_pretrained.adapter)
 
 
 def layout(model: nn.Module | dict) -> tuple:
@@ -276,9 +245,8 @@ def load_checkpoint(model: FlareNet, path: str, key: str = "model.checkpoint") -
                          f"{str(e).splitlines()[0] if str(e) else ''}).", key=key,
                          fix="save it with torch.save(model.state_dict(), path); files that need code to load "
                              "(weights_only=False) are refused.") from None
-    state = obj
-    if isinstance(obj, dict):
-        state = next((obj[k] for k in ("model", "state_dict") if isinstance(obj.get(k), dict)), obj)
+    state = (next((obj[k] for k in ("model", "state_dict") if isinstance(obj.get(k), dict)), obj)
+             if isinstance(obj, dict) else obj)
     whole = isinstance(state, dict) and any(str(k).startswith(("encoder.", "proj.", "head.")) for k in state)
     target = model if whole or not isinstance(state, dict) else model.encoder
     check_state_fits(target, state, f"checkpoint {path}" + ("" if target is model else " (an encoder's state)"),

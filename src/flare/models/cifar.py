@@ -9,8 +9,7 @@
 An adaptive average pool to 4×4 (the identity at 32×32, as in their papers) keeps d the same at other sizes. As in
 the papers, the CNNs have no BatchNorm and their convolutions a bias. `width` scales every channel count
 (`resnet.scaled`); initialisation is `resnet.init_weights` and torch's default Linear — for the WRNs the same
-N(0, 2/(k²·out)) their code draws.
-"""
+N(0, 2/(k²·out)) their code draws."""
 from __future__ import annotations
 
 import torch
@@ -75,12 +74,9 @@ class PaperCNN(nn.Module):
     def __init__(self, channels: tuple[int, int, int], fc: int | None, in_channels: int = 3, width: float = 1.0):
         super().__init__()
         c1, c2, c3 = (scaled(c, width) for c in channels)
-        self.body = nn.Sequential(
-            nn.Conv2d(int(in_channels), c1, 3), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-            nn.Conv2d(c1, c2, 3), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-            nn.Conv2d(c2, c3, 3), nn.ReLU(inplace=True),
-            nn.AdaptiveAvgPool2d(4), nn.Flatten(1),
-        )
+        self.body = nn.Sequential(nn.Conv2d(int(in_channels), c1, 3), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+                                  nn.Conv2d(c1, c2, 3), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+                                  nn.Conv2d(c2, c3, 3), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(4), nn.Flatten(1))
         self.fc: nn.Module = nn.Identity()
         self.feature_dim = c3 * 16
         if fc is not None:

@@ -5,8 +5,7 @@
     conv3×3(64w → 128w) - BN - ReLU
     global average pool  →  d = round(128·width)
 
-Padding 1 everywhere, so any input ≥ 4×4 works (28×28, 32×32, 64×64, ...). Same init as the ResNets.
-"""
+Padding 1 everywhere, so any input ≥ 4×4 works (28×28, 32×32, 64×64, ...). Same init as the ResNets."""
 from __future__ import annotations
 
 import torch
@@ -29,13 +28,8 @@ class SmallCNN(nn.Module):
         self.in_channels = int(in_channels)
         self.width = float(width)
         c1, c2, c3 = scaled(32, width), scaled(64, width), scaled(128, width)
-        self.body = nn.Sequential(
-            *_block(self.in_channels, c1),
-            nn.MaxPool2d(2),
-            *_block(c1, c2),
-            nn.MaxPool2d(2),
-            *_block(c2, c3),
-        )
+        self.body = nn.Sequential(*_block(self.in_channels, c1), nn.MaxPool2d(2), *_block(c1, c2), nn.MaxPool2d(2),
+                                  *_block(c2, c3))
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.feature_dim = c3
         init_weights(self)

@@ -5,8 +5,7 @@
 * `LinearHead` — a plain `nn.Linear(d, C)` for the baselines that train ordinary classifiers
   (`fedavg`, `ensemble`).
 * `ETFHead` — FedETF's fixed classifier (as the official FAFI code builds it): a linear projection d → C, L2
-  normalised, times a fixed C×C simplex ETF (a buffer, never trained); the `fedetf` preset.
-"""
+  normalised, times a fixed C×C simplex ETF (a buffer, never trained); the `fedetf` preset."""
 from __future__ import annotations
 
 import math
@@ -24,8 +23,7 @@ def simplex_etf(num_classes: int, dim: int, generator: torch.Generator | None = 
     """Rows of a simplex equiangular tight frame: unit norm, pairwise cosine −1/(C−1).
 
     d ≥ C: A = sqrt(C/(C−1)) (I − 11ᵀ/C) Uᵀ with U (d×C) random orthonormal columns.
-    d = C−1: the same rows written in an orthonormal basis of the subspace ⟂ 1.
-    """
+    d = C−1: the same rows written in an orthonormal basis of the subspace ⟂ 1."""
     C, d = num_classes, dim
     if C < 2:
         raise FlareError("an ETF needs at least 2 classes.", key="align.anchors")

@@ -12,8 +12,7 @@ timm's pretrained config for these weights: 0.5, 0.5), resized to `resolution` i
 
 `adapter`: what a client trains over the cached features — a linear map (or a one-hidden-layer MLP) of the D-vector
 to `dim`, or nothing at all (`dim: 0`, a head-only client: a linear probe under `head=linear`). Its output is the
-feature FAFI's and FLARE's alignment act on.
-"""
+feature FAFI's and FLARE's alignment act on."""
 from __future__ import annotations
 
 import hashlib
@@ -143,15 +142,13 @@ class Adapter(nn.Module):
     def __init__(self, in_dim: int, dim: int, hidden: int):
         super().__init__()
         self.in_dim = int(in_dim)  # D, the frozen feature's size (the FedCGS / FedPFT uploads are shaped by it)
+        self.feature_dim = int(dim or in_dim)
         if dim == 0:
             self.net = nn.Identity()
-            self.feature_dim = int(in_dim)
         elif hidden:
             self.net = nn.Sequential(nn.Linear(in_dim, hidden), nn.ReLU(), nn.Linear(hidden, dim))
-            self.feature_dim = int(dim)
         else:
             self.net = nn.Linear(in_dim, dim)
-            self.feature_dim = int(dim)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x.flatten(1))

@@ -8,8 +8,7 @@ The encoder returns the pooled feature f(x) ∈ R^{B×d} with d = 512·width (Ba
 
 `width` scales every channel count (stem included); counts are rounded to the nearest integer and clamped to ≥ 1.
 Initialisation follows torchvision: kaiming-normal (fan_out, relu) for convolutions, BN weight 1 / bias 0.
-Only stock layers are used, so the encoders run in channels_last and under torch.autocast.
-"""
+Only stock layers are used, so the encoders run in channels_last and under torch.autocast."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -97,24 +96,16 @@ class Bottleneck(nn.Module):
 class ResNetEncoder(nn.Module):
     """f: B×C×H×W → B×d. Submodules `stem`, `layer1`..`layer4`, `pool` are public for inspection."""
 
-    def __init__(
-        self,
-        block: type[BasicBlock] | type[Bottleneck],
-        layers: Sequence[int],
-        in_channels: int = 3,
-        width: float = 1.0,
-    ):
+    def __init__(self, block: type[BasicBlock] | type[Bottleneck], layers: Sequence[int], in_channels: int = 3,
+                 width: float = 1.0):
         super().__init__()
         if width <= 0:
             raise ValueError(f"width must be > 0, got {width}")
         self.in_channels = int(in_channels)
         self.width = float(width)
         stem_out = scaled(64, width)
-        self.stem = nn.Sequential(
-            nn.Conv2d(self.in_channels, stem_out, kernel_size=3, stride=1, padding=1, bias=False),
-            nn.BatchNorm2d(stem_out),
-            nn.ReLU(inplace=True),
-        )  # no max-pool (CIFAR-style)
+        self.stem = nn.Sequential(conv3x3(self.in_channels, stem_out), nn.BatchNorm2d(stem_out),
+                                  nn.ReLU(inplace=True))  # no max-pool (CIFAR-style)
         cin = stem_out
         stages = []
         for s, (n, stride) in enumerate(zip(layers, (1, 2, 2, 2))):

@@ -9,8 +9,7 @@
   the reference's `fc` (Linear 1568 → C).
 
 Both keep torch's default initialisation (kaiming-uniform with a = √5, uniform biases), as their references do —
-they never re-initialise. `width` scales every channel and hidden count (rounded, at least 1).
-"""
+they never re-initialise. `width` scales every channel and hidden count (rounded, at least 1)."""
 from __future__ import annotations
 
 import torch

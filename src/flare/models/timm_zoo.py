@@ -7,8 +7,7 @@ ever downloaded: `pretrained` is always False and weights come from `model.check
 
 With `stem: small` (the default) the ImageNet stem keeps a small input's resolution: every strided convolution of
 the stem gets stride 1 and every max-pool becomes an Identity; a patchify stem is left alone. `model.width` must
-stay 1 (a timm name fixes its width). The stem rule and the width: docs/models.md#timm.
-"""
+stay 1 (a timm name fixes its width). The stem rule and the width: docs/models.md#timm."""
 from __future__ import annotations
 
 from functools import lru_cache

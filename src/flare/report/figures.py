@@ -3,8 +3,7 @@ methods, and the report figures over rows of runs (accuracy curves, learned λ, 
 
 Conventions shared by every figure: a method has one colour everywhere (its preset's: `style.method_colour`), rounds
 are counted from 1 (round r = the evaluation after r rounds of training) and ticked at integers, legends sit outside
-the axes so they never cover data, and a curve over seeds is the mean with a ±std band.
-"""
+the axes so they never cover data, and a curve over seeds is the mean with a ±std band."""
 from __future__ import annotations
 
 import math
@@ -50,6 +49,22 @@ def integer_rounds(*axes) -> None:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
+def _dress(ax, ylabel: str, title: str, xlabel: str = "round", which: str = "major") -> None:
+    """Axis labels, a 9-point title, a light grid, and integer ticks where x counts rounds."""
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.title.set_fontsize(9)
+    ax.grid(alpha=0.3, which=which)
+    if xlabel == "round":
+        integer_rounds(ax)
+
+
+def _annotate_counts(ax, hist: np.ndarray, fontsize: int) -> None:
+    """Each cell's count written on a heat map, white on the dark half of the colour scale."""
+    for i, j in np.ndindex(hist.shape):
+        ax.text(j, i, str(hist[i, j]), ha="center", va="center", fontsize=fontsize,
+                color="white" if hist[i, j] < hist.max() / 2 else "black")
+
+
 def _legend_outside(ax, **kw) -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=kw.pop("fontsize", 8),
@@ -89,10 +104,7 @@ def plot_accuracy(run: RunData, path: Path) -> None:
         rule = k.removeprefix("acc_")
         ax.plot(x, 100 * run.curve(k), marker="o", ms=3, color=rule_colour(rule) or f"C{5 + i}",
                 label=rule + (" (primary)" if rule == run.primary else ""))
-    ax.set(xlabel="round", ylabel="test accuracy (%)", title=wrap_title(run_title(run), 60))
-    ax.title.set_fontsize(9)
-    integer_rounds(ax)
-    ax.grid(alpha=0.3)
+    _dress(ax, "test accuracy (%)", wrap_title(run_title(run), 60))
     _legend_outside(ax, title="global predictor")  # a server without a test set has no curves: no legend
     save_figure(fig, path)
 
@@ -105,10 +117,7 @@ def plot_label_distribution(partition: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(5.5, 0.45 * C + 2.5), max(2.8, 0.45 * K + 2.0)))
     im = ax.imshow(hist, aspect="auto", cmap="viridis")
     if K * C <= 400:
-        for i in range(K):
-            for j in range(C):
-                ax.text(j, i, str(hist[i, j]), ha="center", va="center", fontsize=7,
-                        color="white" if hist[i, j] < hist.max() / 2 else "black")
+        _annotate_counts(ax, hist, 7)
     ax.set(xlabel="class", ylabel="client", title=f"label distribution: {partition.get('dataset', '')}, "
                                                   f"{partition.get('kind', '')} α={partition.get('alpha', '')}, "
                                                   f"seed {partition.get('seed', '')}")
@@ -129,10 +138,7 @@ def plot_diagnostics(run: RunData, path: Path) -> None:
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.6), squeeze=False)
     for ax, k in zip(axes[0], keys):
         ax.plot(run.round_numbers(), run.curve(k), marker="o", ms=3, color=method_colour(run.method))
-        ax.set(xlabel="round", ylabel=k, title=k)
-        ax.title.set_fontsize(9)
-        integer_rounds(ax)
-        ax.grid(alpha=0.3)
+        _dress(ax, k, k)
     fig.suptitle(f"diagnostics — {run_title(run)}", fontsize=9)
     fig.tight_layout()
     save_figure(fig, path)
@@ -167,10 +173,7 @@ def plot_lambda(run: RunData, path: Path) -> bool:
         finite = [v for v in vals if math.isfinite(v) and v > 0]
         if finite and max(finite) / max(min(finite), 1e-12) > 100:
             ax.set_yscale("log")
-        ax.set(xlabel="round", ylabel=k, title=f"{k} per client")
-        ax.title.set_fontsize(9)
-        integer_rounds(ax)
-        ax.grid(alpha=0.3)
+        _dress(ax, k, f"{k} per client")
         _legend_outside(ax, fontsize=7)
     fig.suptitle(f"alignment strength — {run_title(run)}"
                  + (" (every client has the same λ)" if shared_any else ""), fontsize=9)
@@ -212,11 +215,8 @@ def plot_accuracy_curves(rows: list[Row], path: Path, title: str) -> None:
             continue
         _mean_band(ax, row, rounds_axis(row, c.shape[1]), c, 100.0,
                    label=f"{row.label} ({row.runs[0].primary}){_seed_note(row)}")
-    ax.set(xlabel="round", ylabel="test accuracy (%)", title=wrap_title(title, 110))
-    ax.title.set_fontsize(9)
-    ax.grid(alpha=0.3)
+    _dress(ax, "test accuracy (%)", wrap_title(title, 110))
     _legend_outside(ax)
-    integer_rounds(ax)
     save_figure(fig, path)
 
 
@@ -233,10 +233,7 @@ def plot_compare_diagnostics(rows: list[Row], path: Path, title: str = "") -> bo
                 continue
             c = row.curves(k)
             _mean_band(ax, row, rounds_axis(row, c.shape[1]), c, label=row.label + _seed_note(row))
-        ax.set(xlabel="round", ylabel=k, title=k)
-        ax.title.set_fontsize(9)
-        integer_rounds(ax)
-        ax.grid(alpha=0.3)
+        _dress(ax, k, k)
     _legend_outside(axes[0][-1], fontsize=7)
     if title:
         fig.suptitle(wrap_title(title, 110), fontsize=9)
@@ -268,17 +265,13 @@ def plot_lambda_eff(rows: list[Row], path: Path, title: str, v7_rows: list[Row] 
         ax.fill_between(x, lo, hi, alpha=0.1, color=method_colour(row.method), hatch="//", lw=0,
                         label=f"{row.label}: range over clients")
         allv += list(m) + list(lo) + list(hi)
-    drawn = False
-    for row in v7_rows or []:
-        c = row.client_mean_curves("lambda")
-        if c is None:
-            continue
+    v7 = [(row, c) for row in v7_rows or [] if (c := row.client_mean_curves("lambda")) is not None]
+    for row, c in v7:
         m = np.nanmean(c, axis=0)
         ax.plot(rounds_axis(row, c.shape[1]), m, "--", color=method_colour(row.method), lw=1.5,
                 label=f"{row.label}: hand-made λ0(1−p), λ0={fmt_value(row.runs[0].cfg.get('align', {}).get('lambda0'))}")
         allv += list(m)
-        drawn = True
-    if not drawn:
+    if not v7:
         ref = rows[0].runs[0]
         n = rows[0].client_mean_curves("lambda_eff").shape[1]
         y = v7_schedule(ref.cfg, n)
@@ -286,10 +279,7 @@ def plot_lambda_eff(rows: list[Row], path: Path, title: str, v7_rows: list[Row] 
                 label=f"V7 schedule λ0(1−p), λ0={fmt_value(v7_lambda0())}")
         allv += list(y)
     _log_if_decades(ax, allv)
-    ax.set(xlabel="round", ylabel="λ_eff (alignment weight)", title=wrap_title(title))
-    integer_rounds(ax)
-    ax.title.set_fontsize(9)
-    ax.grid(alpha=0.3, which="both")
+    _dress(ax, "λ_eff (alignment weight)", wrap_title(title), which="both")
     _legend_outside(ax, fontsize=7)
     save_figure(fig, path)
     return True
@@ -345,9 +335,7 @@ def plot_param_sweep(key: str, lines: list[SweepLine], path: Path, title: str) -
             ax.errorbar(ln.x, y, yerr=e if e.any() else None, marker="o", ms=4, capsize=3, label=ln.label,
                         color=method_colour(ln.rows[0].method))
         _log_if_decades(ax, xs_all, axis="x", ratio=10)
-        ax.set(xlabel=key, ylabel=ylabel, title=f"{ylabel} vs {short_key(key)}")
-        ax.title.set_fontsize(9)
-        ax.grid(alpha=0.3, which="both")
+        _dress(ax, ylabel, f"{ylabel} vs {short_key(key)}", xlabel=key, which="both")
     _legend_outside(axes[0][-1], fontsize=7)
     fig.suptitle(wrap_title(title, 120), fontsize=9)
     fig.tight_layout()
@@ -358,13 +346,10 @@ def plot_label_distributions(runs: list[RunData], path: Path, max_panels: int = 
     """One heat map (clients × classes, sample counts) per distinct partition among the runs."""
     parts: dict[str, tuple[str, dict]] = {}
     for r in runs:
-        if not r.partition or "clients" not in r.partition:
-            continue
-        key = repr(r.partition.get("clients"))
-        if key not in parts:
-            pt = r.partition
-            parts[key] = (f"{pt.get('dataset')} {pt.get('kind')} α={fmt_value(pt.get('alpha'))} seed {pt.get('seed')}",
-                          pt)
+        pt = r.partition
+        if pt and "clients" in pt:  # the first run of each distinct split draws it
+            parts.setdefault(repr(pt["clients"]), (f"{pt.get('dataset')} {pt.get('kind')} "
+                                                   f"α={fmt_value(pt.get('alpha'))} seed {pt.get('seed')}", pt))
     if not parts:
         return False
     items = sorted(parts.values(), key=lambda t: t[0])[:max_panels]
@@ -381,10 +366,7 @@ def plot_label_distributions(runs: list[RunData], path: Path, max_panels: int = 
         hist = np.array([c["class_histogram"] for c in pt["clients"]])
         im = ax.imshow(hist, aspect="auto", cmap="viridis")
         if hist.size <= 200:
-            for i in range(hist.shape[0]):
-                for j in range(hist.shape[1]):
-                    ax.text(j, i, str(hist[i, j]), ha="center", va="center", fontsize=6,
-                            color="white" if hist[i, j] < hist.max() / 2 else "black")
+            _annotate_counts(ax, hist, 6)
         classes = [str(c) for c in pt.get("classes") or range(hist.shape[1])]
         if len(classes) <= 40:
             ax.set_xticks(range(len(classes)), classes, rotation=45, ha="right", fontsize=6)

@@ -5,8 +5,7 @@ research — clients trained once per method and seed, every server scored on th
 time; `fused_vs_table` tests every (strategy, clients) cell against one reference cell — e.g. FAFI's own server
 (`feature`) over FAFI clients — paired by seed, Holm-adjusted over the table (report/tables.py explains
 the test). A strategy the run itself evaluated (its last round's `acc_<name>`) counts as fused too, so a run's
-built-in rules need no second pass.
-"""
+built-in rules need no second pass."""
 from __future__ import annotations
 
 import math
@@ -37,13 +36,9 @@ def _seconds(rows: list[Row], strategy: str) -> float:
     return float(np.mean(s)) if s else math.nan
 
 
-def fused_strategies(rows: list[Row]) -> list[str]:
-    return list(dict.fromkeys(f["strategy"] for row in rows for r in row.runs for f in r.fused))
-
-
 def fused_table(rows: list[Row], strategies: list[str] | None = None) -> str | None:
     """| strategy | <method> … | s per run |: accuracy (%) mean ± std over seeds; None when nothing was fused."""
-    strategies = strategies or fused_strategies(rows)
+    strategies = strategies or list(dict.fromkeys(f["strategy"] for row in rows for r in row.runs for f in r.fused))
     if not strategies:
         return None
     body = []

@@ -2,8 +2,7 @@
 
 Runs are read back from their files (config.yaml, metrics.jsonl, partition.json, state.json), so the report
 works on old, partial and foreign runs alike; how they are grouped into sections, rows and parameter sweeps
-is `report.runs`.
-"""
+is `report.runs`."""
 from __future__ import annotations
 
 import time

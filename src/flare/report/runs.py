@@ -5,11 +5,11 @@ aggregated), which form a parameter sweep.
   rounds, local_epochs, batch_size) that differ between the runs;
 * inside a section a **row** per method (`method`, i.e. the preset) plus the keys that vary between runs of the
   same method (e.g. `align.lambda0` of a λ0 sweep), aggregated over seeds (mean ± std);
-* a **parameter sweep** for every numeric key that takes ≥ 2 values with everything else equal (λ0, α, ...).
-"""
+* a **parameter sweep** for every numeric key that takes ≥ 2 values with everything else equal (λ0, α, ...)."""
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -53,13 +53,10 @@ def discover(paths: Iterable[str | Path]) -> list[Path]:
         for c in sorted(p.rglob("config.yaml")):
             if (c.parent / "metrics.jsonl").exists():
                 found.append(c.parent)
-    seen, out = set(), []
+    unique: dict[Path, Path] = {}
     for d in found:
-        r = d.resolve()
-        if r not in seen:
-            seen.add(r)
-            out.append(d)
-    return out
+        unique.setdefault(d.resolve(), d)
+    return list(unique.values())
 
 
 def load_runs(paths: Iterable[str | Path]) -> list[RunData]:
@@ -85,9 +82,7 @@ def fmt_value(v: Any) -> str:
 
 def protocols_line(runs: list[RunData]) -> str:
     """Which protocol produced the runs of a report: e.g. "Protocol: clean (4 runs), reference (4 runs)."."""
-    counts: dict[str, int] = {}
-    for r in runs:
-        counts[r.protocol] = counts.get(r.protocol, 0) + 1
+    counts = Counter(r.protocol for r in runs)
     parts = [f"`{p}` ({n} run{'s' if n > 1 else ''})" for p, n in counts.items()]
     return "Protocol (config/protocol.py, docs/reproduction.md): " + ", ".join(parts) + "."
 
@@ -134,8 +129,7 @@ class Row:
 
     def client_mean_curves(self, key: str) -> np.ndarray | None:
         """seeds × rounds of the per-round mean over clients."""
-        cs = [r.client_curve(key) for r in self.runs if r.rounds]
-        cs = [c for c in cs if c is not None]
+        cs = [c for r in self.runs if r.rounds and (c := r.client_curve(key)) is not None]
         if not cs:
             return None
         n = min(len(c) for c in cs)
@@ -180,13 +174,8 @@ def _nanmean_rows(a: np.ndarray) -> np.ndarray:
 def make_rows(runs: list[RunData], variant_keys: list[str] | None = None) -> list[Row]:
     """Rows by method plus the keys that vary between runs of the same method (seeds aggregated)."""
     if variant_keys is None:
-        variant_keys = set()
-        by_method: dict[str, list[RunData]] = {}
-        for r in runs:
-            by_method.setdefault(r.method, []).append(r)
-        for rs in by_method.values():
-            variant_keys |= set(varying_keys(rs))
-        variant_keys = sorted(variant_keys)
+        variant_keys = sorted({k for m in {r.method for r in runs}
+                               for k in varying_keys([r for r in runs if r.method == m])})
     rows: dict[tuple, Row] = {}
     for r in runs:
         var = {k: r.flat.get(k) for k in variant_keys
@@ -229,14 +218,11 @@ def sections(runs: list[RunData]) -> list[Section]:
         sl = slug("_".join(f"{short_key(k)}={fmt_value(v)}" for k, v in setting.items()) or "all")
         nonsetting = [k for k in varying_keys(rs) if not is_setting(k)]
         out.append(Section(title, sl, setting, rs, make_rows(rs, None if nonsetting else [])))
-    # unique slugs
-    seen: dict[str, int] = {}
+    seen: Counter = Counter()  # unique slugs: the second `x` is `x-1`
     for s in out:
-        if s.slug in seen:
-            seen[s.slug] += 1
-            s.slug = f"{s.slug}-{seen[s.slug]}"
-        else:
-            seen[s.slug] = 0
+        seen[s.slug] += 1
+        if seen[s.slug] > 1:
+            s.slug = f"{s.slug}-{seen[s.slug] - 1}"
     return out
 
 

@@ -4,8 +4,7 @@ names a preset. How a server strategy looks: its `title` and `colour`, attribute
 (`flare.registry.STRATEGIES`), so no report code names a strategy either.
 
 A method no preset describes (a plugin's, or `method=` set by hand) is labelled by its name and gets a colour from
-matplotlib's default cycle, picked by a hash of the name: the same colour in every figure and every session.
-"""
+matplotlib's default cycle, picked by a hash of the name: the same colour in every figure and every session."""
 from __future__ import annotations
 
 import math

@@ -43,17 +43,17 @@ def md_table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
+def _row_cells(row: Row) -> list:
+    """A row's seeds, final and peak accuracy (the peak's round beside it) and final prototype diagnostics."""
+    pk, pr, psd = row.peak()
+    return [len(row.seeds), fmt_ms(*row.stat("acc")[:2]), f"{fmt_ms(pk, psd)} ({pr})" if pr is not None else "—",
+            *(fmt_ms(*row.stat(k)[:2], pct=False) for k in ("g_protos_std", "inter_client_proto_std"))]
+
+
 def results_table(rows: list[Row]) -> str:
     head = ["method", "notes", "seeds", "final acc (%)", "peak acc (%) (round)", "g_protos_std",
             "inter_client_proto_std", "status"]
-    body = []
-    for row in rows:
-        pk, pr, psd = row.peak()
-        body.append([row.label, row.notes_name, len(row.seeds), fmt_ms(*row.stat("acc")[:2]),
-                     f"{fmt_ms(pk, psd)} ({pr})" if pr is not None else "—",
-                     fmt_ms(*row.stat("g_protos_std")[:2], pct=False),
-                     fmt_ms(*row.stat("inter_client_proto_std")[:2], pct=False), row.status])
-    return md_table(head, body)
+    return md_table(head, [[row.label, row.notes_name, *_row_cells(row), row.status] for row in rows])
 
 
 def strategy_table(rows: list[Row]) -> str | None:
@@ -78,24 +78,16 @@ def lambda_table(rows: list[Row]) -> str | None:
         mx = max((float(np.nanmax(c)) for r in row.runs if (c := r.client_curve("lambda_raw")) is not None
                   and np.isfinite(c).any()), default=float("nan"))
         lam_raw = row.stat("lambda_raw")
-        lam_eff = row.stat("lambda_eff")
         body.append([row.label, row.notes_name, f"{fmt_ms(pk, psd)} ({pr})", fmt_ms(*row.stat("acc")[:2]),
                      fmt_big(lam_raw[0]) + (f" ± {fmt_big(lam_raw[1])}" if not math.isnan(lam_raw[1]) else ""),
-                     fmt_big(mx), fmt_big(lam_eff[0])])
+                     fmt_big(mx), fmt_big(row.stat("lambda_eff")[0])])
     return md_table(head, body)
 
 
 def sweep_table(key: str, lines: list[SweepLine]) -> str:
     head = ["method", short_key(key), "seeds", "final acc (%)", "peak acc (%) (round)", "g_protos_std",
             "inter_client_proto_std"]
-    body = []
-    for ln in lines:
-        for x, row in zip(ln.x, ln.rows):
-            pk, pr, psd = row.peak()
-            body.append([ln.label, fmt_value(x), len(row.seeds), fmt_ms(*row.stat("acc")[:2]),
-                         f"{fmt_ms(pk, psd)} ({pr})", fmt_ms(*row.stat("g_protos_std")[:2], pct=False),
-                         fmt_ms(*row.stat("inter_client_proto_std")[:2], pct=False)])
-    return md_table(head, body)
+    return md_table(head, [[ln.label, fmt_value(x), *_row_cells(row)] for ln in lines for x, row in zip(ln.x, ln.rows)])
 
 
 def compare_table(rows: list[tuple[dict, Row]]) -> str:

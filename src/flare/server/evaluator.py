@@ -86,8 +86,7 @@ def evaluate_predictors(models: list[torch.nn.Module], predictors: dict[str, Pre
         if channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         y = test_y[ix]
-        out = client_outputs(models, x, noise=gen, batch_bn=saved, amp=amp, channels_last=channels_last,
-                             clock=clock)
+        out = client_outputs(models, x, noise=gen, batch_bn=saved, amp=amp, channels_last=channels_last, clock=clock)
         client_correct += (out.logits.argmax(-1) == y).sum(1)
         tick = Ticker(clock)
         for name, p in predictors.items():

@@ -30,9 +30,8 @@ from flare.server.upload import Shapes, check_tensors
 
 @dataclass
 class ClientData:
-    """What a strategy's `client_extras` sees of one client after its training: its model (train mode is the
-    strategy's to set), its own samples (uint8 images and labels, on `device`), the run's input normalisation and
-    two-view augmentation."""
+    """What a strategy's `client_extras` sees of one client after its training (the model's train mode is the
+    strategy's to set; the samples are uint8 images and labels on `device`)."""
 
     cfg: Config
     cid: int
@@ -55,24 +54,20 @@ def client_side(cfg: Config, cid: int, model: nn.Module, x: Tensor, y: Tensor, n
 def extras_shapes(strategies: Mapping[str, Strategy], template: nn.Module) -> Shapes:
     """The prefixed shapes every upload must carry for `strategies` (name → the run's instance; empty when none
     asks)."""
-    out: Shapes = {}
-    for n, strategy in strategies.items():
-        for k, (shape, dtype) in strategy.extras_shapes(template).items():
-            out[f"{n}/{k}"] = (tuple(int(s) for s in shape), dtype)
-    return out
+    return {f"{n}/{k}": (tuple(int(s) for s in shape), dtype) for n, strategy in strategies.items()
+            for k, (shape, dtype) in strategy.extras_shapes(template).items()}
 
 
-def client_extras(strategies: Mapping[str, Strategy], data: ClientData,
-                  template: nn.Module | None = None) -> dict[str, Tensor]:
+def client_extras(strategies: Mapping[str, Strategy], data: ClientData) -> dict[str, Tensor]:
     """Every strategy's statistics of one client, prefixed and moved to the CPU; checked against the declared
     shapes (a strategy that computes what it did not declare is a FlareError naming it)."""
     out: dict[str, Tensor] = {}
     for n, strategy in strategies.items():
-        declared = strategy.extras_shapes(template if template is not None else data.model)
+        declared = strategy.extras_shapes(data.model)
         if not declared:
             continue
-        got = strategy.client_extras(data)
-        got = {f"{n}/{k}": (v.detach().cpu() if isinstance(v, Tensor) else v) for k, v in dict(got).items()}
+        got = {f"{n}/{k}": (v.detach().cpu() if isinstance(v, Tensor) else v)
+               for k, v in dict(strategy.client_extras(data)).items()}
         reasons = check_tensors("extras", got, {f"{n}/{k}": (tuple(s), d) for k, (s, d) in declared.items()})
         if reasons:
             raise FlareError(f"server strategy '{n}' computed client statistics that do not match what it declares "

@@ -24,8 +24,7 @@ from flare.server.exchange import Transport, hold_rounds
 from flare.server.extras import own_extras
 from flare.server.fusion import aggregation_weights
 from flare.server.protos import global_prototypes, mean_prototypes, train_global_prototypes
-from flare.server.strategy import (ClientPredictor, ModelPredictor, ServerContext, Strategy,
-                                  make_strategies)
+from flare.server.strategy import ClientPredictor, ModelPredictor, ServerContext, Strategy, make_strategies
 from flare.server.upload import Upload
 
 
@@ -106,14 +105,6 @@ def server_prototypes(cfg: Config, r: int, protos: list[Tensor], anchors: Tensor
         G, logs = global_prototypes(protos, cfg.server, anchors, derived_seed(cfg.seed, r, 99))
         return G, None, logs
     return None, None, {}
-
-
-def eval_options(cfg: Config, r: int, amp_dtype=None, channels_last: bool = False) -> dict:
-    """The keywords of `evaluate_predictors` a run's config fixes for round r; eval.bn=batch draws a new seeded test
-    order every round (the reference's shuffled test loader)."""
-    shuffle_seed = derived_seed(abs(cfg.eval.noise_seed), r, 5) if cfg.eval.bn == "batch" else 0
-    return dict(batch_size=cfg.test_batch_size, noise_seed=cfg.eval.noise_seed, amp_dtype=amp_dtype,
-                channels_last=channels_last, bn=cfg.eval.bn, shuffle_seed=shuffle_seed, round_idx=r)
 
 
 def accuracy_on_test(model: torch.nn.Module, test_x: Tensor, test_y: Tensor, norm, *, batch_size: int,
@@ -204,8 +195,11 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
     for n, p in preds.items():
         check_predictor(n, p, r)
     if test_x is not None:
-        rec.update(evaluate_predictors(models, preds, test_x, test_y, norm, **eval_options(cfg, r, amp_dtype,
-                                                                                          channels_last)))
+        # eval.bn=batch draws a new seeded test order every round (the reference's shuffled test loader)
+        shuffle_seed = derived_seed(abs(cfg.eval.noise_seed), r, 5) if cfg.eval.bn == "batch" else 0
+        rec.update(evaluate_predictors(models, preds, test_x, test_y, norm, batch_size=cfg.test_batch_size,
+                                       noise_seed=cfg.eval.noise_seed, amp_dtype=amp_dtype, channels_last=channels_last,
+                                       bn=cfg.eval.bn, shuffle_seed=shuffle_seed, round_idx=r))
         rec.update({f"{n}.{k}": v for n, p in preds.items() for k, v in p.logs.items()})
         if "seconds_eval_parts" in rec:  # a rule's own part includes building its predictor (FedAvg: averaging)
             parts = rec["seconds_eval_parts"]

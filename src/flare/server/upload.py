@@ -42,11 +42,9 @@ def upload_of(client: int, model: torch.nn.Module, num_samples: int, extras: dic
 
 @dataclass(frozen=True)
 class UploadSpec:
-    """What a well-formed upload looks like for one run: the template state dict's names, shapes and
-    dtypes (from the global init model), the class count C, the feature dimension d and whether the head
-    has prototypes."""
+    """What a well-formed upload looks like for one run (`from_model`: the shapes of an architecture's init)."""
 
-    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    shapes: Shapes
     num_classes: int
     feature_dim: int
     prototype_head: bool
@@ -58,10 +56,6 @@ class UploadSpec:
         shapes = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
         return cls(shapes, int(num_classes), int(model.feature_dim), getattr(model, "prototypes", None) is not None,
                    max_samples)
-
-
-def _shape(t) -> tuple[int, ...]:
-    return tuple(int(s) for s in t.shape)
 
 
 def check_tensors(what: str, got, shapes: Shapes, *, max_listed: int = 5) -> list[str]:
@@ -126,7 +120,7 @@ def validate_upload(upload: Upload, spec: UploadSpec) -> list[str]:
             reasons.append(f"prototypes are a {type(P).__name__}, not a tensor")
         else:
             if P.dim() != 2:
-                reasons.append(f"prototypes have shape {list(_shape(P))}, expected a {spec.num_classes}×"
+                reasons.append(f"prototypes have shape {list(P.shape)}, expected a {spec.num_classes}×"
                                f"{spec.feature_dim} matrix")
             else:
                 if P.shape[0] != spec.num_classes:

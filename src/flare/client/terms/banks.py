@@ -45,10 +45,7 @@ class ContrastBankFn(Protocol):
     def __call__(self, facts: BankFacts, options: LossCfg) -> Callable: ...
 
 
-# ----------------------------------------------------------------------------------------------
 # memory bank
-
-
 class MemoryBank:
     """Per-client FIFO of the `size` most recent (normalised feature, label) pairs, as a ring buffer."""
 
@@ -56,8 +53,7 @@ class MemoryBank:
         self.size, self.dim = int(size), int(dim)
         self.feats = torch.zeros(self.size, self.dim, device=device)
         self.labels = torch.zeros(self.size, dtype=torch.long, device=device)
-        self.ptr = 0      # next slot to write
-        self.count = 0    # filled slots
+        self.ptr, self.count = 0, 0  # the next slot to write, the filled slots
 
     def __len__(self) -> int:
         return self.count
@@ -115,10 +111,7 @@ class MemoryBankExtension:
         self.queue.load_state_dict(state)
 
 
-# ----------------------------------------------------------------------------------------------
 # public feature bank and two-stage
-
-
 def public_infonce(feat: Tensor, bank: Tensor, tau: float) -> Tensor:
     """InfoNCE over a batch laid out as [view1; view2] (2B rows): the positive of each row is the other
     view of the same image, the negatives are the (normalised) bank rows."""
@@ -165,16 +158,14 @@ def train_teacher(cfg: Config, public: tuple[Tensor, Tensor], global_model: torc
     teacher.train()
     opt = torch.optim.SGD(teacher.parameters(), lr=cfg.lr, momentum=cfg.optim.momentum,
                           weight_decay=cfg.optim.weight_decay)
-    rng_state = torch.get_rng_state()
-    torch.manual_seed(derived_seed(cfg.seed, 424242, 1))  # the teacher's augmentation stream
     order = torch.Generator().manual_seed(derived_seed(cfg.seed, 424242, 2))
     n, bs = len(y), cfg.batch_size
-    losses = []
-    try:
+    steps, losses = math.ceil(n / bs), []
+    with torch.random.fork_rng(devices=[]):  # leave the global stream as we found it
+        torch.manual_seed(derived_seed(cfg.seed, 424242, 1))  # the teacher's augmentation stream
         for _ in range(cfg.loss.teacher_epochs):
             perm = torch.randperm(n, generator=order).to(device)
             total = 0.0
-            steps = math.ceil(n / bs)
             for b in range(steps):
                 idx = perm[b * bs:(b + 1) * bs]
                 v1, v2 = augment(x[idx])
@@ -188,8 +179,6 @@ def train_teacher(cfg: Config, public: tuple[Tensor, Tensor], global_model: torc
                 opt.step()
                 total += float(loss.detach())
             losses.append(total / steps)
-    finally:
-        torch.set_rng_state(rng_state)  # leave the global stream as we found it
     return teacher, losses
 
 
@@ -198,14 +187,7 @@ def teacher_bank(teacher: torch.nn.Module, x_uint8: Tensor, norm, device: torch.
                  batch_size: int = 256) -> Tensor:
     """L2-normalised teacher features of the public slice (eval mode, no augmentation)."""
     teacher.eval()
-    out = []
-    for i in range(0, len(x_uint8), batch_size):
-        feat, _ = teacher(norm(x_uint8[i:i + batch_size].to(device)))
-        out.append(F.normalize(feat.float(), dim=1))
-    return torch.cat(out)
-
-
-# ----------------------------------------------------------------------------------------------
+    return torch.cat([F.normalize(teacher(norm(xb.to(device)))[0].float(), dim=1) for xb in x_uint8.split(batch_size)])
 
 
 def build_public_bank(cfg: Config, public: tuple[Tensor, Tensor] | None, global_model: torch.nn.Module, augment,
@@ -224,10 +206,7 @@ def build_public_bank(cfg: Config, public: tuple[Tensor, Tensor] | None, global_
 
 
 def _memory_bank(facts: BankFacts, loss: LossCfg):
-    def memory(client, ctx):
-        return MemoryBankExtension(loss.bank_size, client.model.feature_dim, facts.device)
-
-    return memory
+    return lambda client, ctx: MemoryBankExtension(loss.bank_size, client.model.feature_dim, facts.device)
 
 
 def _public_bank(facts: BankFacts, loss: LossCfg):
@@ -238,11 +217,7 @@ def _public_bank(facts: BankFacts, loss: LossCfg):
                                                   "setup (a Flower node receives it with its first task).")
     stages = loss.public_stage_epochs if kind == "two-stage" else None
     b = facts.public_bank.to(facts.device)
-
-    def public_ext(client, ctx):
-        return PublicBankExtension(b, loss.bank_tau, stages)
-
-    return public_ext
+    return lambda client, ctx: PublicBankExtension(b, loss.bank_tau, stages)
 
 
 def _public_check(cfg: Config) -> None:

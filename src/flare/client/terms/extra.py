@@ -4,11 +4,11 @@
       terms:
         feature_norm: {weight: 0.01}
 
-A term is `fn(batch: TermBatch, options) -> scalar tensor`, registered in `flare.registry.LOSS_TERMS` with an
-options model that subclasses `TermOptions` (so every term has a `weight`; a term without options gets
-`TermOptions`, the registry's default options model). The trainer adds `weight · fn(batch, options)` to the base loss and logs it as `term_<name>`
-in every engine and the LR probe (client/step.py `local_loss`; under client_engine=batched the term is vmapped, so it
-must not read values back to the host).
+A term is `fn(batch: TermBatch, options) -> scalar tensor`, registered in `flare.registry.LOSS_TERMS` with an options
+model that subclasses `TermOptions` (so every term has a `weight`; a term without options gets `TermOptions`, the
+registry's default options model). The trainer adds `weight · fn(batch, options)` to the base loss and logs it as
+`term_<name>` in every engine and the LR probe (client/step.py `local_loss`; under client_engine=batched the term is
+vmapped, so it must not read values back to the host).
 
 A term that regularises the weights themselves (FedProx's proximal term) declares `uses_params = True` on its
 options model: the sequential engines and the LR probe then pass the model's trainable parameters by name
@@ -106,7 +106,6 @@ def fedprox(batch: TermBatch, options: ProxOptions) -> Tensor:
     if batch.params is None or batch.start is None:
         raise FlareError("loss.terms.fedprox was called without the model's parameters.", key="loss.terms",
                          fix="run it with client_engine=sequential or threads.")
-    total = torch.zeros((), device=batch.logits.device)
-    for name, w in batch.params.items():
-        total = total + (w - batch.start[name]).pow(2).sum()
+    total = sum(((w - batch.start[name]).pow(2).sum() for name, w in batch.params.items()),
+                torch.zeros((), device=batch.logits.device))
     return 0.5 * options.mu * total
