@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from contextlib import suppress
 from pathlib import Path
 from typing import Callable
@@ -24,14 +25,22 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _atomic(path: Path, write: Callable) -> None:
-    """Write to a temporary file, fsync it, rename it over `path`, fsync the folder: `path` is old or new, never torn."""
+    """Write to a temporary file, fsync it, rename it over `path`, fsync the folder: `path` is old or new, never torn.
+    The temporary file's name is its own (two processes filling one shared cache never write into the same file),
+    and it is removed when the write fails."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a shared FLARE_CACHE should stay readable
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise
     _fsync_dir(path.parent)
 
 

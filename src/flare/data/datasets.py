@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from pydantic import BaseModel
 
 from flare.data.formats import (DEBIAN_FMNIST, _Source, _has_idx_files, _is_archive, _locate_cifar,
                                 _locate_imagefolder, _locate_mnist, _locate_svhn, _locate_tiny, _tiny_base)
+from flare.durable import atomic_torch_save
 from flare.errors import FlareError
 from flare.registry import DATASETS
 
@@ -284,27 +284,12 @@ def _load_cache(path: Path, name: str) -> ImageData | None:
         return None
 
 
-def atomic_save(path: Path, obj) -> None:
-    """torch.save to a temp file of its own renamed over `path`: a crash never leaves half a cache file, and two
-    processes filling one cache never write into the same file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; a shared FLARE_CACHE should stay readable
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _save_cache(path: Path, data: ImageData) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_save(path, {"train_x": data.train_x.contiguous(), "train_y": data.train_y,
+        atomic_torch_save({"train_x": data.train_x.contiguous(), "train_y": data.train_y,
                            "test_x": data.test_x.contiguous(), "test_y": data.test_y,
-                           "classes": data.classes, "mean": list(data.mean), "std": list(data.std)})
+                           "classes": data.classes, "mean": list(data.mean), "std": list(data.std)}, path)
     except OSError as e:
         warnings.warn(f"could not write dataset cache {path} ({e}); the dataset will be decoded again next time",
                       stacklevel=3)

@@ -29,7 +29,8 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from flare.data.augment import TwoViewAugment, normalize
-from flare.data.datasets import ImageData, _cache_dir, atomic_save, load_dataset, register_dataset
+from flare.data.datasets import ImageData, _cache_dir, load_dataset, register_dataset
+from flare.durable import atomic_torch_save
 from flare.errors import FlareError
 from flare.registry import MODELS
 
@@ -217,7 +218,7 @@ def load_features(opts: FeatureOptions, quiet: bool | None = None) -> FeatureDat
     tensors = read_cache(path, key)
     if tensors is None:
         tensors, facts = extract_features(opts, images, quiet)
-        atomic_save(path, {"key": json.dumps(key, sort_keys=True), **tensors})
+        atomic_torch_save({"key": json.dumps(key, sort_keys=True), **tensors}, path)
         path.with_suffix(".json").write_text(json.dumps({**key, "extraction": facts}, indent=1) + "\n")
         if not quiet:
             print(f"flare: cached {facts['images']} features in {path} ({facts['seconds']:.0f} s, "
