@@ -49,6 +49,27 @@ def test_expansion_names_and_zip():
     assert c.align.anchors == "etf"  # the preset is applied under the base and the point's values
 
 
+def test_top_level_presets_and_seeds_keep_the_product_order():
+    spec, base = parse_sweep({"name": "t", "presets": ["fafi", "flare"], "seeds": [1, 2],
+                              "grid": {"partition.alpha": [0.05, 0.1]}, "zip": {"rounds": [1, 2], "local_epochs": [3, 4]}})
+    names = [p.name for p in expand(spec, base)]
+    assert names[:4] == ["fafi_alpha=0.05_rounds=1_seed=1", "fafi_alpha=0.05_rounds=1_seed=2",
+                         "fafi_alpha=0.05_rounds=2_seed=1", "fafi_alpha=0.05_rounds=2_seed=2"]
+    assert names[-1] == "flare_alpha=0.1_rounds=2_seed=2"
+
+
+def test_preset_and_seed_inside_the_grid_set_the_run_order_not_the_names():
+    """A sweep that lists `seed` before `preset` in its grid runs every method of seed 1 before any of seed 2, so
+    what finishes first in a cut-short sweep is a paired comparison; the directory names stay canonical."""
+    spec, base = parse_sweep({"name": "t", "grid": {"protocol": ["reference", "clean"], "seed": [1, 2],
+                                                    "preset": ["fafi", "flare"]}})
+    pts = expand(spec, base)
+    assert [p.name for p in pts[:5]] == ["fafi_protocol=reference_seed=1", "flare_protocol=reference_seed=1",
+                                         "fafi_protocol=reference_seed=2", "flare_protocol=reference_seed=2",
+                                         "fafi_protocol=clean_seed=1"]
+    assert (pts[1].config.preset, pts[1].config.seed, pts[1].config.protocol) == ("flare", 1, "reference")
+
+
 @pytest.mark.parametrize("spec, words", [
     ({"grid": {"partition.alpah": [0.1]}}, ["partition.alpah", "did you mean 'partition.alpha'"]),
     ({"grid": {}}, ["grid is empty"]),

@@ -203,28 +203,35 @@ def point_name(parts: list[str]) -> str:
 
 
 def expand(spec: SweepSpec, base: dict, overrides: dict | None = None) -> list[Point]:
-    """Every point of the sweep with its validated Config (raises FlareError naming the point)."""
+    """Every point of the sweep with its validated Config (raises FlareError naming the point).
+
+    Points come in product order: presets, the grid's keys, the zip groups, seeds — except that a `preset` or
+    `seed` given inside `grid` keeps its place in the grid's file order, so a sweep can say which runs come first
+    (`grid: {protocol: [...], seed: [...], preset: [...]}` runs seed by seed). Directory names do not depend on
+    that order: preset first, seed last."""
     base = deep_merge(base, overrides or {})
     grid = dict(spec.grid or {})
-    presets = spec.presets if spec.presets is not None else grid.pop("preset", None)
-    seeds = spec.seeds if spec.seeds is not None else grid.pop("seed", None)
-    named = list(grid) + [next(iter(g)) for g in _zip_groups(spec)]
+    if spec.presets is not None:
+        grid = {"preset": spec.presets, **grid}
+    named = [k for k in grid if k not in ("preset", "seed")] + [next(iter(g)) for g in _zip_groups(spec)]
     short = _short_keys(named)
-    # a dimension: a list of (assignment, name part)
-    dims: list[list[tuple[dict, str | None]]] = []
-    if presets is not None:
-        dims.append([({"preset": p}, _fmt(p)) for p in presets])
+    rank = {k: i + 1 for i, k in enumerate(named)} | {"preset": 0, "seed": len(named) + 1}
+    # a dimension: a list of (assignment, (name rank, name part))
+    dims: list[list[tuple[dict, tuple[int, str]]]] = []
     for k, vals in grid.items():
-        dims.append([({k: v}, f"{short[k]}={_fmt(v)}") for v in vals])
+        part = {"preset": _fmt, "seed": lambda v: f"seed={_fmt(v)}"}.get(k, lambda v, k=k: f"{short[k]}={_fmt(v)}")
+        dims.append([({k: v}, (rank[k], part(v))) for v in vals])
     for g in _zip_groups(spec):
         first = next(iter(g))
-        dims.append([({k: g[k][i] for k in g}, f"{short[first]}={_fmt(g[first][i])}") for i in range(len(g[first]))])
-    dims.append([({"seed": s}, f"seed={_fmt(s)}") for s in seeds] if seeds is not None
-                else [({}, f"seed={_fmt(base.get('seed', 1))}")])
+        dims.append([({k: g[k][i] for k in g}, (rank[first], f"{short[first]}={_fmt(g[first][i])}"))
+                     for i in range(len(g[first]))])
+    if "seed" not in grid:  # the seeds' own list (or the base's one seed) varies fastest
+        seeds = spec.seeds if spec.seeds is not None else [base.get("seed", 1)]
+        dims.append([({"seed": s} if spec.seeds is not None else {}, (rank["seed"], f"seed={_fmt(s)}")) for s in seeds])
     points: list[Point] = []
     for combo in itertools.product(*dims):
         values = {k: v for assign, _ in combo for k, v in assign.items()}
-        name = point_name([part for _, part in combo if part])
+        name = point_name([part for _, (_, part) in sorted(combo, key=lambda c: c[1][0]) if part])
         preset = values.get("preset") or base.get("preset")
         mapping = deep_merge(base, unflatten({k: v for k, v in values.items() if k != "preset"}))
         try:
