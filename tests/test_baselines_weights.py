@@ -314,3 +314,22 @@ def test_fedlpa_over_an_unsupported_layer_exits_2(tiny_overrides, tmp_path):
     assert r.returncode == 2, r.stderr
     assert "eval.rules" in r.stderr and "'encoder.3' (LayerNorm)" in r.stderr and "fedlpa" in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 3, r.stderr
+
+
+def test_without_pot_everything_but_otfusion_runs(monkeypatch):
+    """POT is the optional `baselines` extra: a config loads (which imports every built-in part) in a process
+    where `import ot` fails, and OTFusion's transport says what to install instead of a traceback."""
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["ot"] = None  # `import ot` raises ImportError from here on
+        from flare.config import load_config
+        cfg = load_config(None, "fafi", ["dataset.name=synthetic-cifar10"])
+        print("loaded", cfg.preset)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "loaded fafi" in out.stdout, out.stderr
+    from flare.baselines import otfusion
+    monkeypatch.setitem(sys.modules, "ot", None)
+    with pytest.raises(FlareError, match="needs POT") as e:
+        otfusion._transport(torch.randn(4, 3), torch.randn(4, 3), "euclidean")
+    assert "flare-ofl[baselines]" in e.value.fix

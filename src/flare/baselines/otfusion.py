@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-import ot
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
@@ -171,13 +170,23 @@ def _map_out(t: Tensor, T: Tensor) -> Tensor:
     return (T.t() @ t.reshape(T.shape[0], -1)).reshape(t.shape)
 
 
+def _pot():
+    """POT, imported on OTFusion's first transport: it is an optional extra, so every other part runs without it."""
+    try:
+        import ot
+    except ImportError:
+        raise FlareError("OTFusion needs POT (Python Optimal Transport), which is not installed.",
+                         key="server.strategies", fix="pip install 'flare-ofl[baselines]' (or pip install pot).") from None
+    return ot
+
+
 def _transport(x: Tensor, y: Tensor, cost: str) -> Tensor:
     """The exact OT plan between the rows of x (client) and y (pivot), uniform marginals, times n."""
     n = x.shape[0]
     c = torch.cdist(x, y)
     c = c * c if cost == "sqeuclidean" else c
     u = torch.full((n,), 1.0 / n, dtype=torch.float64)
-    T = ot.emd(u, u, c.cpu(), numItermax=max(100_000, 50 * n * n))
+    T = _pot().emd(u, u, c.cpu(), numItermax=max(100_000, 50 * n * n))
     return torch.as_tensor(T, dtype=torch.float64).to(x.device) * n
 
 
