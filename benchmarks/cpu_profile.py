@@ -157,7 +157,7 @@ def main(argv=None) -> int:
                     help="another profile: a name, '=', then overrides separated by spaces")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="overrides for every profile (a smaller setting; the reference's time is then not shown)")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # KEY=VALUE may come before or after the options
     profiles = dict(PROFILES)
     for p in args.profile:
         name, _, rest = p.partition("=")

@@ -66,7 +66,7 @@ def main(argv=None):
     ap.add_argument("--record", default=None, metavar="FILE",
                     help="with --schedules: also write the figures as JSON (what a docs block is rendered from)")
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # KEY=VALUE may come before or after the options
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     ov = ["dataset.name=synthetic-cifar10", "batch_size=512", "model.name=resnet18", "model.width=0.25"] + args.overrides
     cfg = load_config(None, args.preset, ov)

@@ -48,7 +48,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None)
     ap.add_argument("--cpu-smoke", action="store_true", help="a tiny CPU configuration that runs in seconds")
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # KEY=VALUE may come before or after the options
     if "=" in args.setting:  # no setting named: the first word is already an override
         args.overrides.insert(0, args.setting)
         args.setting = "cifar10"

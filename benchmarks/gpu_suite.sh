@@ -4,6 +4,10 @@
 #   bash benchmarks/gpu_suite.sh run     # full CIFAR-10 FAFI run (batched eager, batched compiled), efficiency at
 #                                        # width 1 and 0.25, one profiled round                     (≈ 9 min)
 #   bash benchmarks/gpu_suite.sh sweep   # Table 1 throughput: 8 of its 72 runs, --workers $WORKERS   (≤ 9.5 min)
+#   bash benchmarks/gpu_suite.sh lease   # one call for a short lease: the full FAFI run (which is also the
+#                                        # table's clean seed-1 FAFI point), efficiency at width 1 and 0.25, then
+#                                        # the α = 0.05 table (configs/sweeps/alpha005-full*.yaml) until $DEADLINE
+#                                        # seconds, then torch.compile for 5 rounds if time is left  (= $DEADLINE)
 #
 # Expects the CIFAR-10 export in .carry/ and the packages the GPU image lacks as wheels in .whl/ (both ignored by
 # git; docs/performance.md says how to fill them). Everything it prints goes to $OUT/suite.log; the run's
@@ -51,5 +55,56 @@ case "$what" in
       --workers "$WORKERS" --out /tmp/sweep --no-report --quiet "dataset.root=$DATA"
     cp /tmp/sweep/sweep.md "$OUT/sweep.md" 2>/dev/null && cat /tmp/sweep/sweep.md >>"$LOG"
     ;;
-  *) echo "usage: $0 run|sweep" >&2; exit 2 ;;
+  lease)
+    DEADLINE=${DEADLINE:-560}  # seconds from the start by which everything is packed into $OUT
+    EXTRA=(${EXTRA:-})          # KEY=VALUE over every run (a CPU rehearsal shrinks the runs with it)
+    TABLE=${TABLE:-/tmp/table}
+    # Every 15 s the records of every run so far (never checkpoints) go into $OUT/records.tar.gz, so a call cut
+    # short still brings back each finished run.
+    pack() {
+      (cd "$TABLE" 2>/dev/null && find . \( -name config.yaml -o -name partition.json -o -name metrics.jsonl \
+        -o -name fuse.jsonl -o -name summary.md -o -name sweep_point.json -o -name sweep.json -o -name sweep.md \
+        -o -name state.json \) -print0 | tar --null -czf "$OUT/records.tmp" -T - && mv "$OUT/records.tmp" "$OUT/records.tar.gz")
+    }
+    ( while sleep 15; do pack; done ) & packer=$!
+    python3 - >>"$LOG" 2>&1 <<'PY'
+import sys, torch
+sys.path.insert(0, "benchmarks")
+from profile_round import conv_dtype_under_vmap
+if torch.cuda.is_available():
+    print("a convolution under vmap + autocast(bf16) computes in", conv_dtype_under_vmap(torch.device("cuda"), torch.bfloat16))
+PY
+    point="$TABLE/alpha005-full/fafi_protocol=clean_seed=1"
+    stage full-batched "${FULL_LIMIT:-200}" python3 "${FULL[@]}" --out "$point" client_engine=batched "${EXTRA[@]}"
+    rc_full=$(grep -c "^final acc" "$LOG")
+    cp "$point/metrics.jsonl" "$OUT/full-batched-metrics.jsonl" 2>/dev/null
+    engine=batched
+    if [ "$rc_full" = 0 ]; then  # the batched engine failed on this device: the table runs client by client
+      engine=sequential; rm -rf "$point"
+    fi
+    if [ "${EFFICIENCY:-1}" = 1 ]; then  # EFFICIENCY=0: measured in an earlier call
+      stage efficiency-w1 60 python3 benchmarks/efficiency.py model.width=1 --clients 5 --repeats 2 "${EXTRA[@]}"
+      stage efficiency-w025 45 python3 benchmarks/efficiency.py model.width=0.25 --clients 5 --repeats 2 "${EXTRA[@]}"
+    fi
+    wall=$(sed -n 's/^wall \([0-9.]*\) s.*/\1/p' "$LOG" | head -1)
+    # Concurrent runs share the GPU: when one run leaves it idle, more of them finish in all, but each takes
+    # longer, and a run cut off by the deadline brings back nothing. So one at a time unless a run is short.
+    workers=$(awk -v w="${wall:-999}" 'BEGIN { print (w <= 40 ? 3 : (w <= 60 ? 2 : 1)) }')
+    workers=${TABLE_WORKERS:-$workers}
+    for sweep in alpha005-full alpha005-full-baselines; do
+      left=$((DEADLINE - SECONDS - 20))
+      [ "$left" -gt 30 ] || break
+      stage "table-$sweep" "$left" python3 -m flare.cli sweep --config "configs/sweeps/$sweep.yaml" \
+        --out "$TABLE/$sweep" --workers "$workers" --no-report --quiet "dataset.root=$DATA" \
+        "client_engine=$engine" "${EXTRA[@]}"
+      cat "$TABLE/$sweep/sweep.md" >>"$LOG" 2>/dev/null
+    done
+    left=$((DEADLINE - SECONDS - 15))
+    if [ "$left" -gt 60 ]; then
+      stage full-compiled-5-rounds "$left" python3 "${FULL[@]}" --out /tmp/full-compiled client_engine=batched \
+        compile=true rounds=5 "${EXTRA[@]}"
+    fi
+    kill "$packer" 2>/dev/null; pack
+    ;;
+  *) echo "usage: $0 run|sweep|lease" >&2; exit 2 ;;
 esac

@@ -101,7 +101,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None, help="folder for trace.json (default: a temporary folder)")
     ap.add_argument("--cpu-smoke", action="store_true", help="a tiny CPU configuration that runs in seconds")
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # KEY=VALUE may come before or after the options
     base = SMOKE if args.cpu_smoke else []
     cfg = load_config(None, args.preset, base + args.overrides)
     cfg = cfg.model_copy(update={"rounds": max(cfg.rounds, args.warmup + 1)})

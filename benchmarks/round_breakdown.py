@@ -20,7 +20,7 @@ def main(argv=None):
     ap.add_argument("--preset", default="fafi")
     ap.add_argument("--out", default=None)
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # KEY=VALUE may come before or after the options
     cfg = load_config(None, args.preset, ["rounds=2", "dataset.train_subset=5000", "dataset.test_subset=1000",
                                           "model.name=resnet18", "model.width=0.25"] + args.overrides)
     out = args.out or tempfile.mkdtemp(prefix="flare-breakdown-")

@@ -18,7 +18,8 @@ def _script(name):
 
 @pytest.mark.parametrize("engine", ["sequential", "batched"])
 def test_full_run_cpu_smoke(engine, tmp_path, capsys):
-    res = _script("full_run").main(["--cpu-smoke", "--out", str(tmp_path / "run"), f"client_engine={engine}"])
+    # the setting first and KEY=VALUE after the options, as benchmarks/gpu_suite.sh writes them
+    res = _script("full_run").main(["cifar10", "--cpu-smoke", "--out", str(tmp_path / "run"), f"client_engine={engine}"])
     out = capsys.readouterr().out
     assert res["rounds"] == 2 and res["wall_s"] > res["train_s"] > 0 and 0 <= res["acc"] <= 1
     assert math.isfinite(res["train_s_per_round"]) and math.isfinite(res["eval_s_per_round"])
