@@ -173,7 +173,7 @@ def _map_out(t: Tensor, T: Tensor) -> Tensor:
 def _pot():
     """POT, imported on OTFusion's first transport: it is an optional extra, so every other part runs without it."""
     try:
-        import ot
+        import ot  # lazy: the optional baselines extra
     except ImportError:
         raise FlareError("OTFusion needs POT (Python Optimal Transport), which is not installed.",
                          key="server.strategies", fix="pip install 'flare-ofl[baselines]' (or pip install pot).") from None
