@@ -87,9 +87,14 @@ PY
       stage efficiency-w025 45 python3 benchmarks/efficiency.py model.width=0.25 --clients 5 --repeats 2 "${EXTRA[@]}"
     fi
     wall=$(sed -n 's/^wall \([0-9.]*\) s.*/\1/p' "$LOG" | head -1)
-    # Concurrent runs share the GPU: when one run leaves it idle, more of them finish in all, but each takes
-    # longer, and a run cut off by the deadline brings back nothing. So one at a time unless a run is short.
-    workers=$(awk -v w="${wall:-999}" 'BEGIN { print (w <= 40 ? 3 : (w <= 60 ? 2 : 1)) }')
+    # Concurrent runs share the GPU: more of them finish in all, but each takes longer, and a run cut off by the
+    # deadline brings back nothing. So as many at once as still finish in the time left: one run alone takes the
+    # full run's wall (or, where the batched run failed, ~280 s: per-client training alone on an H200), and k runs
+    # sharing a GPU take about 1 + 0.42 (k - 1) times as long each (three on an H100: 10.1 s per round each; one
+    # alone on an H200: 5.4 s).
+    left=$((DEADLINE - SECONDS - 20))
+    workers=$(awk -v t="${wall:-280}" -v left="$left" \
+      'BEGIN { w = 1; for (k = 2; k <= 3; k++) if (t * (1 + 0.42 * (k - 1)) <= left) w = k; print w }')
     workers=${TABLE_WORKERS:-$workers}
     for sweep in alpha005-full alpha005-full-baselines; do
       left=$((DEADLINE - SECONDS - 20))

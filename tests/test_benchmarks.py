@@ -2,6 +2,7 @@
 import importlib.util
 import json
 import math
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,9 @@ def test_efficiency_times_each_augment_schedule(tiny_folder, tmp_path, capsys):
     assert set(rec["schedules"]) == {"per_batch", "chunked"} and rec["clock"] == "cpu"
     for sched in ("per_batch", "chunked"):
         assert f"{rec['schedules'][sched]['median']:9.1f}" in lines[sched]
+
+
+def test_gpu_suite_parses():
+    """The device calls run this script with no second chance: a syntax error would cost a whole lease."""
+    r = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_suite.sh")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
