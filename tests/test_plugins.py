@@ -92,6 +92,7 @@ def test_batched_engine_names_a_part_it_cannot_vmap(tmp_path):
     with pytest.raises(FlareError) as e:
         Run(cfg, tmp_path / "run", quiet=True).execute()
     assert e.value.key == "loss.terms.demo_host_mean" and "client_engine=sequential" in e.value.render()
+    assert f"model.name={cfg.model.name}" in e.value.message  # the model is a suspect too
 
 
 def test_batched_engine_refuses_a_lam_provider_with_its_own_step(tmp_path):

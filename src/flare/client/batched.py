@@ -283,14 +283,16 @@ def by_architecture(clients: list[Client], ctx: TrainContext, compile: bool = Fa
 
 @contextmanager
 def _vmap_errors(cfg):
-    """A registered loss term or λ provider that cannot run under vmap (a `.item()`, data-dependent control flow)
-    fails with the part named and the way out, not with vmap's internals."""
+    """A registered loss term, λ provider or model that cannot run under vmap (a `.item()`, data-dependent control
+    flow, an op whose batching rule is missing on this device) fails with the parts named and the way out, not with
+    vmap's internals. The model is among them: a CUDA batch-norm path once failed here with a healthy λ provider."""
     try:
         yield
     except RuntimeError as e:
         if "vmap" not in str(e) and "Batched" not in str(e):
             raise
-        parts = [f"loss.terms.{n}" for n in cfg.loss.terms] + [f"lam.learner={cfg.lam.learner}"]
+        parts = ([f"loss.terms.{n}" for n in cfg.loss.terms] + [f"lam.learner={cfg.lam.learner}"]
+                 + [f"model.name={cfg.model.name}"])
         raise FlareError(f"client_engine=batched traces one client's loss under torch.vmap, and it failed: {e}. A "
                          f"part of this config is not vmappable (one of: {', '.join(parts)}).",
                          key=f"loss.terms.{next(iter(cfg.loss.terms))}" if cfg.loss.terms else "lam.learner",
