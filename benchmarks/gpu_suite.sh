@@ -64,7 +64,8 @@ case "$what" in
     pack() {
       (cd "$TABLE" 2>/dev/null && find . \( -name config.yaml -o -name partition.json -o -name metrics.jsonl \
         -o -name fuse.jsonl -o -name summary.md -o -name sweep_point.json -o -name sweep.json -o -name sweep.md \
-        -o -name state.json \) -print0 | tar --null -czf "$OUT/records.tmp" -T - && mv "$OUT/records.tmp" "$OUT/records.tar.gz")
+        -o -name state.json \) -print0 | tar --null -czf "$OUT/records.tmp" -T - \
+        && mv "$OUT/records.tmp" "$OUT/records.tar.gz")
     }
     ( while sleep 15; do pack; done ) & packer=$!
     python3 - >>"$LOG" 2>&1 <<'PY'
@@ -72,7 +73,8 @@ import sys, torch
 sys.path.insert(0, "benchmarks")
 from profile_round import conv_dtype_under_vmap
 if torch.cuda.is_available():
-    print("a convolution under vmap + autocast(bf16) computes in", conv_dtype_under_vmap(torch.device("cuda"), torch.bfloat16))
+    dtype = conv_dtype_under_vmap(torch.device("cuda"), torch.bfloat16)
+    print("a convolution under vmap + autocast(bf16) computes in", dtype)
 PY
     point="$TABLE/alpha005-full/fafi_protocol=clean_seed=1"
     stage full-batched "${FULL_LIMIT:-200}" python3 "${FULL[@]}" --out "$point" client_engine=batched "${EXTRA[@]}"
@@ -86,10 +88,17 @@ PY
       stage efficiency-w1 60 python3 benchmarks/efficiency.py model.width=1 --clients 5 --repeats 2 "${EXTRA[@]}"
       stage efficiency-w025 45 python3 benchmarks/efficiency.py model.width=0.25 --clients 5 --repeats 2 "${EXTRA[@]}"
     fi
+    # The table trains with the engine that ran faster end to end in the first efficiency stage (width 1:
+    # "÷ sequential end to end"); a batched full run that lost stays beside the sweep as a measurement.
+    ratio=$(sed -n 's/.*sequential end to end: \([0-9.]*\)).*/\1/p' "$LOG" | head -1)
+    if [ "$engine" = batched ] && [ -n "$ratio" ] && awk -v r="$ratio" 'BEGIN { exit !(r < 1) }'; then
+      engine=sequential; mkdir -p "$TABLE/full-run" && mv "$point" "$TABLE/full-run/fafi_protocol=clean_seed=1_batched"
+    fi
     wall=$(sed -n 's/^wall \([0-9.]*\) s.*/\1/p' "$LOG" | head -1)
+    [ "$engine" = batched ] || wall=""
     # Concurrent runs share the GPU: more of them finish in all, but each takes longer, and a run cut off by the
     # deadline brings back nothing. So as many at once as still finish in the time left: one run alone takes the
-    # full run's wall (or, where the batched run failed, ~280 s: per-client training alone on an H200), and k runs
+    # full run's wall (or, training client by client, ~280 s: per-client training alone on an H200), and k runs
     # sharing a GPU take about 1 + 0.42 (k - 1) times as long each (three on an H100: 10.1 s per round each; one
     # alone on an H200: 5.4 s).
     left=$((DEADLINE - SECONDS - 20))

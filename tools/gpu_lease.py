@@ -77,8 +77,9 @@ def render(base: Path, calls: list[str]) -> str:
                        else f"failed: `{s['error']}`" if s["error"] else f"failed (exit {s['rc']})")
             md.append(f"| {s['name']} | {outcome} | {s['seconds']} |")
         if log["efficiency"]:
-            md += ["", "| ResNet-18 width | bare step (samples/s) | end to end | efficiency | bare batched step (5 clients) "
-                   "| end-to-end batched | ÷ bare batched | batched ÷ sequential end to end |",
+            md += ["", "| ResNet-18 width | bare step (samples/s) | end to end | efficiency "
+                   "| bare batched step (5 clients) | end-to-end batched | ÷ bare batched "
+                   "| batched ÷ sequential end to end |",
                    "| --- | --- | --- | --- | --- | --- | --- | --- |"]
             for w, e in log["efficiency"].items():
                 md.append(f"| {w} | {e['bare']:,.0f} | {e['e2e']:,.0f} | {e['eff']:.3f} | {e['bare_b']:,.0f} | "
@@ -88,7 +89,9 @@ def render(base: Path, calls: list[str]) -> str:
             md += ["", "| run | engine | runs sharing the GPU | rounds done | accuracy at the last round | "
                    "train s/round | eval s/round |", "| --- | --- | --- | --- | --- | --- | --- |"]
             for r in map(run_row, points):
-                md.append(f"| {r['point']} | {r['engine']} | {r['sharing']} | {r['done']} of {r['of']} | "
-                          f"{100 * r['acc']:.2f} | {r['train']:.2f} | {r['eval']:.2f} |")
+                acc, train, ev = ((f"{100 * r['acc']:.2f}", f"{r['train']:.2f}", f"{r['eval']:.2f}") if r["done"]
+                                  else ("—",) * 3)
+                md.append(f"| {r['point']} | {r['engine']} | {r['sharing']} | {r['done']} of {r['of']} | {acc} "
+                          f"| {train} | {ev} |")
         md.append("")
     return "\n".join(md)
