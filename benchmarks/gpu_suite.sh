@@ -26,12 +26,14 @@ fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 LOG="$OUT/suite.log"
 
-stage() {  # stage NAME SECONDS CMD...: run CMD under a time limit, its whole output into the log
+stage() {  # stage NAME SECONDS CMD...: run CMD under a time limit, its whole output into the log; returns its rc
   local name=$1 limit=$2; shift 2
   echo "== $name (limit ${limit} s): $*" | tee -a "$LOG"
-  local t0=$SECONDS
+  local t0=$SECONDS rc
   timeout "$limit" "$@" >>"$LOG" 2>&1
-  echo "== $name: rc $? after $((SECONDS - t0)) s" | tee -a "$LOG"
+  rc=$?
+  echo "== $name: rc $rc after $((SECONDS - t0)) s" | tee -a "$LOG"
+  return $rc
 }
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -78,10 +80,10 @@ if torch.cuda.is_available():
 PY
     point="$TABLE/alpha005-full/fafi_protocol=clean_seed=1"
     stage full-batched "${FULL_LIMIT:-200}" python3 "${FULL[@]}" --out "$point" client_engine=batched "${EXTRA[@]}"
-    rc_full=$(grep -c "^final acc" "$LOG")
+    rc_full=$?
     cp "$point/metrics.jsonl" "$OUT/full-batched-metrics.jsonl" 2>/dev/null
     engine=batched
-    if [ "$rc_full" = 0 ]; then  # the batched engine failed on this device: the table runs client by client
+    if [ "$rc_full" != 0 ]; then  # the batched engine failed (or ran out of time) here: the table runs client by client
       engine=sequential; rm -rf "$point"
     fi
     if [ "${EFFICIENCY:-1}" = 1 ]; then  # EFFICIENCY=0: measured in an earlier call

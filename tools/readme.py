@@ -218,12 +218,19 @@ def kernels_table(dirs: dict[str, str]) -> Callable[[Path], str]:
     return render
 
 
+def _script(path: str):
+    """A script of this checkout (tools/…, benchmarks/…) as a module: they are not a package, and a block renders
+    through the script's own functions so the page and the script cannot disagree."""
+    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def kernel_paths_table(out: str, paths: list[str]) -> Callable[[Path], str]:
     """tools/kernel_paths.py's table, computed again from the runs under `out` (not from its printed copy)."""
     def render(base: Path) -> str:
-        spec = importlib.util.spec_from_file_location("kernel_paths", ROOT / "tools" / "kernel_paths.py")
-        kp = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(kp)
+        kp = _script("tools/kernel_paths.py")
         results = {p: kp.path_results(base / out, p, MAIN_PRESETS) for p in paths}
         rows = kp.analyse(results, MAIN_PRESETS)
         final = ", ".join(sorted({results[p]["final"] for p in paths}))
@@ -233,18 +240,14 @@ def kernel_paths_table(out: str, paths: list[str]) -> Callable[[Path], str]:
 
 def frozen_encoder_block(base: Path) -> str:
     """tools/frozen_grid.py's tables, computed from the finished runs under base (docs/frozen-encoder.md)."""
-    spec = importlib.util.spec_from_file_location("frozen_grid", ROOT / "tools" / "frozen_grid.py")
-    grid = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(grid)
+    grid = _script("tools/frozen_grid.py")
     return grid.render(base)
 
 
 def gpu_lease_block(calls: list[str]) -> Callable[[Path], str]:
     """tools/gpu_lease.py's tables of what each `benchmarks/gpu_suite.sh lease` call brought back."""
     def render(base: Path) -> str:
-        spec = importlib.util.spec_from_file_location("gpu_lease", ROOT / "tools" / "gpu_lease.py")
-        lease = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(lease)
+        lease = _script("tools/gpu_lease.py")
         return lease.render(base / "runs" / "gpu-lease", calls)
     return render
 
@@ -252,9 +255,7 @@ def gpu_lease_block(calls: list[str]) -> Callable[[Path], str]:
 def cpu_profile_block(record: str) -> Callable[[Path], str]:
     """benchmarks/cpu_profile.py's tables, rendered by the benchmark's own `markdown` from its JSON record."""
     def render(base: Path) -> str:
-        spec = importlib.util.spec_from_file_location("cpu_profile", ROOT / "benchmarks" / "cpu_profile.py")
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)
+        bench = _script("benchmarks/cpu_profile.py")
         return bench.markdown(json.loads((base / record).read_text()))
     return render
 
