@@ -291,3 +291,85 @@ def test_a_cell_counts_as_fused_only_with_the_tables_server_options(tmp_path):
         f.write(json.dumps({"kind": "fuse", "strategy": "dense", "acc": 0.4,
                             "options": dict(reversed(list(cell["fuse_options"]["dense"].items())))}) + "\n")
     assert papers._key("dense", cell["fuse_options"]["dense"]) in papers.fused(tmp_path)
+
+
+def _bn_buffers(model):
+    return {n: b.clone() for n, b in model.named_buffers() if n.endswith(("running_mean", "running_var"))}
+
+
+def test_train_mode_epochs_freezes_batchnorm_statistics_after_the_first_epochs():
+    """DENSE's client loop tests after every epoch and never calls model.train() again: epochs after the first
+    train in eval mode. With train_mode_epochs=1 the running statistics stop at their first-epoch values while the
+    weights keep moving; without it they keep moving too."""
+    from test_alignment import tiny_client
+    for n, frozen in ((1, True), (None, False)):
+        client, ctx = tiny_client({"preset": "fedavg", "train_mode_epochs": n, "rounds": 2, "local_epochs": 2})
+        assert _bn_buffers(client.model), "the test model must hold BatchNorm statistics"
+        client.train_round(ctx, 0)  # epochs 1-2: the second already in eval mode when n=1
+        after_round = _bn_buffers(client.model)
+        weights = {k: v.clone() for k, v in client.model.state_dict().items() if k not in after_round}
+        client.train_round(ctx, 1)
+        moved = [k for k, v in _bn_buffers(client.model).items() if not torch.equal(v, after_round[k])]
+        assert (not moved) == frozen, (n, moved)
+        assert any(not torch.equal(v, client.model.state_dict()[k]) for k, v in weights.items())
+
+
+def test_train_mode_epochs_refused_by_the_batched_engine():
+    with pytest.raises((FlareError, ValueError), match="train_mode_epochs"):
+        build_config({"preset": "fedavg", "client_engine": "batched", "train_mode_epochs": 1})
+
+
+def test_a_table_extends_another_by_the_keys_it_changes(tmp_path):
+    papers = _papers()
+    parent = papers.load_table(ROOT / "configs" / "papers" / "dense-fmnist.yaml")
+    child = papers.load_table(ROOT / "configs" / "papers" / "dense-fmnist-bn-train.yaml")
+    assert child["table"] == "dense-fmnist-bn-train" and child["alphas"] == [0.1] and child["seeds"] == [0]
+    assert set(child["columns"]) == {"FedAvg", "Ensemble"}            # replaced, not merged
+    assert child["base"]["train_mode_epochs"] is None and parent["base"]["train_mode_epochs"] == 1
+    assert child["base"]["model"] == parent["base"]["model"]          # merged key by key
+    assert child["methods"]["fedavg"]["fuse"] == [] and child["methods"]["fedavg"]["preset"] == "fedavg"
+    assert "extends" not in child
+    (c,) = papers.cells(child)
+    assert build_config(dict(c["config"])).train_mode_epochs is None
+
+
+def test_a_recorded_cell_of_another_setting_is_neither_skipped_nor_replaced(tmp_path, capsys):
+    """Editing a table file after a cell was recorded: the run stops (exit 2) naming the keys that differ and
+    leaves the records alone; the dry run lists it the same way."""
+    papers = _papers()
+    spec = papers.load_table(ROOT / "configs" / "papers" / "dense-fmnist.yaml")
+    cell = papers.cells(spec)[0]
+    rec = tmp_path / "res" / spec["table"] / cell["name"]
+    rec.mkdir(parents=True)
+    from flare.config.load import load_config
+    recorded = load_config(overrides=papers._merge(cell["config"], {"train_mode_epochs": None})).model_dump(mode="json")
+    (rec / "config.yaml").write_text(yaml.safe_dump(recorded))
+    (rec / "cell.json").write_text(json.dumps({"method": "fedavg", "alpha": 0.1, "seed": 0, "table": spec["table"]}))
+    assert papers.stale(rec, cell, []) == ["train_mode_epochs"]
+    assert papers.stale(rec, cell, ["train_mode_epochs=null"]) == []  # the override is part of the cell
+    before = {p.name: p.read_text() for p in rec.iterdir()}
+    rc = papers.run(spec, tmp_path / "runs", commit=False, dry_run=False, overrides=[], dest=tmp_path / "res")
+    assert rc == 2 and "keys differ: train_mode_epochs" in capsys.readouterr().out
+    assert {p.name: p.read_text() for p in rec.iterdir()} == before and not (tmp_path / "runs" / spec["table"] /
+                                                                             cell["name"]).exists()
+    papers.run(spec, tmp_path / "runs", commit=False, dry_run=True, overrides=[], dest=tmp_path / "res")
+    assert "recorded at another setting" in capsys.readouterr().out
+
+
+def test_a_note_and_column_pairs_render(tmp_path):
+    papers = _papers()
+    for t, cols, extra in (("t", {"FedAvg": "acc_fedavg", "Ens": "acc_output"}, {}),
+                           ("d", {"FedAvg": "acc_fedavg", "Ens": "acc_output"},
+                            {"note": "Diagnostic.", "paired_with": {"table": "t", "columns": {"Ens": "Ens"}}})):
+        (tmp_path / t).mkdir()
+        (tmp_path / t / "table.yaml").write_text(yaml.safe_dump({
+            "table": t, "paper": "P", "alphas": [0.1], "seeds": [0], **extra,
+            "columns": {k: {"method": "fedavg", "key": v, "paper_rule": "final"} for k, v in cols.items()}}))
+        d = tmp_path / t / "fedavg-a0.1-s0"
+        d.mkdir()
+        acc = 0.5 if t == "t" else 0.6
+        (d / "metrics.jsonl").write_text(json.dumps({"kind": "round", "acc_fedavg": acc, "acc_output": acc + 0.1}) + "\n")
+        (d / "cell.json").write_text(json.dumps({"method": "fedavg", "alpha": 0.1, "seed": 0, "table": t}))
+    out = papers.render(tmp_path)
+    assert "*Diagnostic.*" in out
+    assert "| Ens | Ens | 0.1 | 0 | +10.00 | — |" in out and "| FedAvg | Ens |" not in out and "| Ens | FedAvg |" not in out

@@ -41,7 +41,13 @@ BEGIN, END = "<!-- BEGIN published -->", "<!-- END published -->"
 
 # ------------------------------------------------------------------------------------------------ the cells
 def load_table(path: str | Path) -> dict:
+    """A table file; `extends: OTHER.yaml` (beside it) starts from that table and changes a few keys — a variant of
+    a table (a diagnostic at one setting changed) is the few keys it changes, never a copy. `base` and `methods`
+    merge key by key (a cell's config); every other key (`columns`, `alphas`, `published`, ...) replaces."""
     spec = yaml.safe_load(Path(path).read_text())
+    if "extends" in spec:
+        parent = load_table(Path(path).parent / spec.pop("extends"))
+        spec = {**parent, **spec, **{k: _merge(parent.get(k, {}), spec[k]) for k in ("base", "methods") if k in spec}}
     for k in ("table", "alphas", "seeds", "base", "methods", "columns"):
         if k not in spec:
             raise SystemExit(f"papers: {path} lacks '{k}'")
@@ -84,6 +90,16 @@ def finished(run_dir: Path) -> bool:
         return False
 
 
+def stale(rec: Path, cell: dict, overrides: list[str]) -> list[str]:
+    """The keys in which a recorded cell's config and the table's cell (with `overrides`) are different experiments:
+    a table file edited after a cell was recorded. Such a cell is never skipped as done nor silently replaced."""
+    if not (rec / "config.yaml").is_file():
+        return []
+    from flare.config.load import experiment_differences, load_config, parse_overrides
+    new = load_config(overrides=_merge(cell["config"], parse_overrides(list(overrides))))
+    return experiment_differences(yaml.safe_load((rec / "config.yaml").read_text()), new)
+
+
 def _key(strategy: str, options: dict) -> str:
     return strategy + json.dumps(options or {}, sort_keys=True)
 
@@ -121,7 +137,7 @@ def copy_records(spec: dict, cell: dict, run_dir: Path, dest: Path) -> Path:
     meta["table"] = spec["table"]
     (d / "cell.json").write_text(json.dumps(meta, indent=1) + "\n")
     (dest / spec["table"] / "table.yaml").write_text(yaml.safe_dump(
-        {k: spec[k] for k in ("table", "paper", "alphas", "seeds", "columns", "published", "paired_with")
+        {k: spec[k] for k in ("table", "paper", "note", "alphas", "seeds", "columns", "published", "paired_with")
          if k in spec},
         sort_keys=False))
     return d
@@ -166,6 +182,16 @@ def run(spec: dict, runs: Path, *, commit: bool, dry_run: bool, overrides: list[
         done = (rec / "cell.json").is_file() and {_key(f, cell["fuse_options"].get(f)) for f in todo_fuse} <= fused(rec)
         status = "recorded" if done else ("finished" if finished(run_dir) else
                                           "partial" if run_dir.exists() else "new")
+        changed = stale(rec, cell, overrides)
+        if changed:
+            msg = (f"[{i}/{len(todo)}] {cell['name']}: recorded at another setting (keys differ: {', '.join(changed)}); "
+                   f"move {rec.relative_to(ROOT) if rec.is_relative_to(ROOT) else rec} and {run_dir} aside (or "
+                   "restore the table file) to run it at this one")
+            if dry_run:
+                print(msg)
+                continue
+            _log(log, msg)
+            return 2
         if dry_run:
             print(f"[{i}/{len(todo)}] {cell['name']}: {status}")
             continue
@@ -263,7 +289,10 @@ def render(results: Path = RESULTS, img_dir: Path | None = None) -> str:
         spec = yaml.safe_load((tdir / "table.yaml").read_text())
         metas = [(d, json.loads((d / "cell.json").read_text())) for d in sorted(tdir.iterdir())
                  if (d / "cell.json").is_file()]
-        lines += [f"### {spec['table']} — {spec.get('paper', '')}", "",
+        lines += [f"### {spec['table']} — {spec.get('paper', '')}", ""]
+        if spec.get("note"):
+            lines += [f"*{spec['note'].strip()}*", ""]
+        lines += [
                   "| column | α | seeds | ours: final | ours: paper's rule | paper | ours − paper | paper in our 95 % CI |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         published = spec.get("published") or {}
@@ -375,28 +404,30 @@ def curve_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | Non
 
 def paired_rows(spec: dict, metas: list[tuple[Path, dict]], results: Path) -> list[str]:
     """`paired_with: {table: T, columns: [...]}`: each of this table's columns minus each of T's, seed by seed
-    at the same α (the same partition and initial weights), final values: mean ± std and the 95 % half-width."""
+    at the same α (the same partition and initial weights), final values: mean ± std and the 95 % half-width.
+    `columns: {OURS: THEIRS, ...}` pairs only those."""
     pw = spec.get("paired_with")
     if not pw or not (results / pw["table"] / "table.yaml").is_file():
         return []
     other = yaml.safe_load((results / pw["table"] / "table.yaml").read_text())
     theirs = [(d, json.loads((d / "cell.json").read_text())) for d in sorted((results / pw["table"]).iterdir())
               if (d / "cell.json").is_file()]
-    out = [f"Paired with {pw['table']} by seed (ours − theirs, final values):", "",
+    pairs = (list(pw["columns"].items()) if isinstance(pw["columns"], dict)
+             else [(col, ocol) for col in spec["columns"] for ocol in pw["columns"]])
+    out = ["", f"Paired with {pw['table']} by seed (ours − theirs, final values):", "",
            "| ours | theirs | α | seeds | mean difference ± std | 95 % half-width |", "| --- | --- | --- | --- | --- | --- |"]
-    for col, c in spec["columns"].items():
-        for ocol in pw["columns"]:
-            oc = other["columns"][ocol]
-            for alpha in spec["alphas"]:
-                mine = {m["seed"]: cell_value(d, c["key"], "final") for d, m in metas
-                        if m["method"] == c["method"] and float(m["alpha"]) == float(alpha)}
-                them = {m["seed"]: cell_value(d, oc["key"], "final") for d, m in theirs
-                        if m["method"] == oc["method"] and float(m["alpha"]) == float(alpha)}
-                seeds = sorted(k for k in mine.keys() & them.keys() if math.isfinite(mine[k]) and math.isfinite(them[k]))
-                mean, sd, hw, n = summarise([mine[k] - them[k] for k in seeds])
-                out.append(f"| {col} | {ocol} | {alpha:g} | {','.join(map(str, seeds)) or '—'} | "
-                           f"{'—' if n == 0 else (f'{mean:+.2f}' if n == 1 else f'{mean:+.2f} ± {sd:.2f}')} | "
-                           f"{'—' if not math.isfinite(hw) else f'±{hw:.2f}'} |")
+    for col, ocol in pairs:
+        c, oc = spec["columns"][col], other["columns"][ocol]
+        for alpha in spec["alphas"]:
+            mine = {m["seed"]: cell_value(d, c["key"], "final") for d, m in metas
+                    if m["method"] == c["method"] and float(m["alpha"]) == float(alpha)}
+            them = {m["seed"]: cell_value(d, oc["key"], "final") for d, m in theirs
+                    if m["method"] == oc["method"] and float(m["alpha"]) == float(alpha)}
+            seeds = sorted(k for k in mine.keys() & them.keys() if math.isfinite(mine[k]) and math.isfinite(them[k]))
+            mean, sd, hw, n = summarise([mine[k] - them[k] for k in seeds])
+            out.append(f"| {col} | {ocol} | {alpha:g} | {','.join(map(str, seeds)) or '—'} | "
+                       f"{'—' if n == 0 else (f'{mean:+.2f}' if n == 1 else f'{mean:+.2f} ± {sd:.2f}')} | "
+                       f"{'—' if not math.isfinite(hw) else f'±{hw:.2f}'} |")
     return out + [""]
 
 

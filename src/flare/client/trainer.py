@@ -102,8 +102,8 @@ class Client:
             self.optimizer = self._make_optimizer()
         plan = RoundPlan(self, ctx, round_idx)
         logs = RoundLogs([self.cid], plan.E, round_idx, ctx.device)
-        self.model.train()
         for e in range(plan.E):
+            self.model.train(self._train_mode())
             for t in plan.epoch_steps(e):
                 self._set_lr(ctx, plan.steps[t])
                 logs.add(self._step(ctx, plan, t), slice(e, e + 1), plan.steps[t].batch)
@@ -120,6 +120,13 @@ class Client:
                 "normalized_entropy": self.normalized_entropy, "lr": plan.last_lr, "steps": len(plan.steps),
                 "progress": progress(self.epochs_done, self.cfg.total_epochs), **means, **self.lam.state_logs(),
                 "seconds": seconds}
+
+    def _train_mode(self) -> bool:
+        """Train mode for the client's next epoch: always, unless `train_mode_epochs` stops it after that many
+        epochs — a reference loop that evaluates every epoch and never calls `model.train()` again trains the
+        rest in eval mode, and reproducing its numbers means doing the same."""
+        n = self.cfg.train_mode_epochs
+        return n is None or self.epochs_done < n
 
     def _set_lr(self, ctx: TrainContext, step: Step) -> None:
         sched = ctx.lr_schedule

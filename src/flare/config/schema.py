@@ -226,6 +226,12 @@ class Config(Strict):
     drop_last: bool = Field(False, description="clients drop their last incomplete batch every epoch (the official "
                                                "FAFI loader); a client with fewer than batch_size samples then "
                                                "trains no step")
+    train_mode_epochs: int | None = Field(
+        None, ge=0, description="how many of a client's local epochs (counted over its whole training) run with the "
+                                "model in train mode; the later ones run in eval mode: BatchNorm normalises with the "
+                                "running statistics it had then and stops updating them, dropout is off. null: every "
+                                "epoch in train mode. 1 is DENSE's client loop, whose per-epoch test leaves the model "
+                                "in eval mode (docs/papers.md)")
     amp: Literal["auto", "off", "bf16"] = Field("auto", description="bf16 autocast: auto (on GPUs that support "
                                                                     "it; on CPU under speed=fast where the probe "
                                                                     "measures it faster), off, bf16")
