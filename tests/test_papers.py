@@ -373,3 +373,20 @@ def test_a_note_and_column_pairs_render(tmp_path):
     out = papers.render(tmp_path)
     assert "*Diagnostic.*" in out
     assert "| Ens | Ens | 0.1 | 0 | +10.00 | — |" in out and "| FedAvg | Ens |" not in out and "| Ens | FedAvg |" not in out
+
+
+def test_spread_lists_every_draw_and_places_the_papers_single_run(tmp_path):
+    papers = _papers()
+    spec = {"table": "t", "paper": "P", "alphas": [0.1], "seeds": [0, 1, 2], "spread": True,
+            "columns": {"FedAvg": {"method": "fedavg", "key": "acc_fedavg", "paper_rule": "final"}},
+            "published": {"FedAvg": {0.1: 45.0}}}
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "table.yaml").write_text(yaml.safe_dump(spec))
+    for s, v in enumerate([0.40, 0.55, 0.50]):
+        _fake_cell(tmp_path, "t", "fedavg", 0.1, s, [v])
+    out = papers.render(tmp_path)
+    assert "FedAvg, α = 0.1, by seed: 0: 40.00, 1: 55.00, 2: 50.00 — range 40.00–55.00 over 3 draws; the paper's " \
+           "45.00 lies inside it." in out
+    spec["published"]["FedAvg"][0.1] = 39.0
+    (tmp_path / "t" / "table.yaml").write_text(yaml.safe_dump(spec))
+    assert "the paper's 39.00 lies outside it." in papers.render(tmp_path)

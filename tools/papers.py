@@ -137,7 +137,8 @@ def copy_records(spec: dict, cell: dict, run_dir: Path, dest: Path) -> Path:
     meta["table"] = spec["table"]
     (d / "cell.json").write_text(json.dumps(meta, indent=1) + "\n")
     (dest / spec["table"] / "table.yaml").write_text(yaml.safe_dump(
-        {k: spec[k] for k in ("table", "paper", "note", "alphas", "seeds", "columns", "published", "paired_with")
+        {k: spec[k] for k in ("table", "paper", "note", "spread", "alphas", "seeds", "columns", "published",
+                              "paired_with")
          if k in spec},
         sort_keys=False))
     return d
@@ -316,6 +317,7 @@ def render(results: Path = RESULTS, img_dir: Path | None = None) -> str:
                     inci = "—" if not math.isfinite(hf) else ("yes" if abs(mf - float(pub)) <= hf else "no")
                 lines.append(f"| {col} | {alpha:g} | {seeds or '—'} | {_ms(mf, sf, n)} | {rule_txt} | "
                              f"{'not found' if pub is None else f'{float(pub):.2f}'} | {diff} | {inci} |")
+        lines += spread_lines(spec, metas)
         lines += budget_notes(spec, metas)
         lines += paired_rows(spec, metas, results)
         fig = curve_figure(spec, metas, img_dir)
@@ -331,6 +333,29 @@ def render(results: Path = RESULTS, img_dir: Path | None = None) -> str:
 
 def _cell_config(d: Path) -> dict:
     return yaml.safe_load((d / "config.yaml").read_text()) if (d / "config.yaml").is_file() else {}
+
+
+def spread_lines(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
+    """`spread: true`: every seed's final value and their range beside the paper's number. A paper that prints one
+    run is one draw: the question is whether it lies among our draws, not whether it lies in our mean's interval."""
+    if not spec.get("spread"):
+        return []
+    out = [""]
+    for col, c in spec["columns"].items():
+        for alpha in spec["alphas"]:
+            vals = sorted(((m["seed"], cell_value(d, c["key"], "final")) for d, m in metas
+                           if m["method"] == c["method"] and float(m["alpha"]) == float(alpha)), key=lambda t: t[0])
+            vals = [(s, v) for s, v in vals if math.isfinite(v)]
+            if not vals:
+                continue
+            lo, hi = min(v for _, v in vals), max(v for _, v in vals)
+            pub = ((spec.get("published") or {}).get(col) or {}).get(alpha)
+            where = ("" if pub is None else f"; the paper's {float(pub):.2f} lies "
+                     f"{'inside' if lo <= float(pub) <= hi else 'outside'} it")
+            out.append(f"{col}, α = {alpha:g}, by seed: " + ", ".join(f"{s}: {v:.2f}" for s, v in vals)
+                       + f" — range {lo:.2f}–{hi:.2f} over {len(vals)} draw{'s' if len(vals) > 1 else ''}{where}.")
+            out.append("")
+    return out
 
 
 def budget_notes(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
