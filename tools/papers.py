@@ -185,8 +185,8 @@ def run(spec: dict, runs: Path, *, commit: bool, dry_run: bool, overrides: list[
                                           "partial" if run_dir.exists() else "new")
         changed = stale(rec, cell, overrides)
         if changed:
-            msg = (f"[{i}/{len(todo)}] {cell['name']}: recorded at another setting (keys differ: {', '.join(changed)}); "
-                   f"move {rec.relative_to(ROOT) if rec.is_relative_to(ROOT) else rec} and {run_dir} aside (or "
+            msg = (f"[{i}/{len(todo)}] {cell['name']}: recorded at another setting (keys differ: "
+                   f"{', '.join(changed)}); move {rec.relative_to(ROOT) if rec.is_relative_to(ROOT) else rec} and {run_dir} aside (or "
                    "restore the table file) to run it at this one")
             if dry_run:
                 print(msg)
@@ -293,8 +293,7 @@ def render(results: Path = RESULTS, img_dir: Path | None = None) -> str:
         lines += [f"### {spec['table']} — {spec.get('paper', '')}", ""]
         if spec.get("note"):
             lines += [f"*{spec['note'].strip()}*", ""]
-        lines += [
-                  "| column | α | seeds | ours: final | ours: paper's rule | paper | ours − paper | paper in our 95 % CI |",
+        lines += ["| column | α | seeds | ours: final | ours: paper's rule | paper | ours − paper | paper in our 95 % CI |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         published = spec.get("published") or {}
         for col, c in spec["columns"].items():

@@ -90,8 +90,8 @@ class BatchedClients:
         (docs/performance.md): gradient surgery needs each client's two gradients apart, the engine takes one
         backward of all clients' summed loss; the contrast banks are per-client queues rewritten after every step; a
         moving alignment target starts from each client's own initial prototypes at its own progress (the engine
-        plans strengths only); SGDR's momentum reset changes state between steps the stack does not hold; eval-mode epochs
-        (train_mode_epochs) would need every client's mode switched inside the one program."""
+        plans strengths only); SGDR's momentum reset changes state between steps the stack does not hold; eval-mode
+        epochs (train_mode_epochs) would need every client's mode switched inside the one program."""
         blocked = [(key, value) for key, value, on in (
             ("align.surgery", cfg.align.surgery, cfg.align.surgery != "none"),
             ("loss.contrast", cfg.loss.contrast, cfg.loss.contrast != "none"),
