@@ -384,9 +384,11 @@ def test_spread_lists_every_draw_and_places_the_papers_single_run(tmp_path):
     (tmp_path / "t" / "table.yaml").write_text(yaml.safe_dump(spec))
     for s, v in enumerate([0.40, 0.55, 0.50]):
         _fake_cell(tmp_path, "t", "fedavg", 0.1, s, [v])
-    out = papers.render(tmp_path)
+    out = papers.render(tmp_path, img_dir=tmp_path / "img")
     assert "FedAvg, α = 0.1, by seed: 0: 40.00, 1: 55.00, 2: 50.00 — range 40.00–55.00 over 3 draws; the paper's " \
            "45.00 lies inside it." in out
+    assert (tmp_path / "img" / "papers-t-spread.png").stat().st_size > 0 and "(img/papers-t-spread.png)" in out
+    assert out == papers.render(tmp_path)  # the check names the figure without drawing it
     spec["published"]["FedAvg"][0.1] = 39.0
     (tmp_path / "t" / "table.yaml").write_text(yaml.safe_dump(spec))
     assert "the paper's 39.00 lies outside it." in papers.render(tmp_path)

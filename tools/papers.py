@@ -319,6 +319,9 @@ def render(results: Path = RESULTS, img_dir: Path | None = None) -> str:
         lines += spread_lines(spec, metas)
         lines += budget_notes(spec, metas)
         lines += paired_rows(spec, metas, results)
+        fig = spread_figure(spec, metas, img_dir)
+        if fig is not None:
+            lines += [f"![{spec['table']}: every draw beside the paper's single run](img/{fig.name})", ""]
         fig = curve_figure(spec, metas, img_dir)
         if fig is not None:
             lines += [f"![{spec['table']}: test accuracy against the data-free server's generator steps]"
@@ -354,6 +357,50 @@ def spread_lines(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
             out.append(f"{col}, α = {alpha:g}, by seed: " + ", ".join(f"{s}: {v:.2f}" for s, v in vals)
                        + f" — range {lo:.2f}–{hi:.2f} over {len(vals)} draw{'s' if len(vals) > 1 else ''}{where}.")
             out.append("")
+    return out
+
+
+def spread_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | None) -> Path | None:
+    """`spread: true`: one row of dots per column and α (a dot per seed, labelled) with the paper's number as a
+    mark on the same row; None when the table lists no spread or has no value yet."""
+    if not spec.get("spread"):
+        return None
+    rows = []
+    for col, c in spec["columns"].items():
+        for alpha in spec["alphas"]:
+            vals = [(m["seed"], cell_value(d, c["key"], "final")) for d, m in metas
+                    if m["method"] == c["method"] and float(m["alpha"]) == float(alpha)]
+            vals = [(sd, v) for sd, v in vals if math.isfinite(v)]
+            if vals:
+                pub = ((spec.get("published") or {}).get(col) or {}).get(alpha)
+                rows.append((f"{col}, α = {alpha:g}", vals, pub))
+    if not rows:
+        return None
+    out = Path(f"papers-{spec['table']}-spread.png")
+    if img_dir is None:
+        return out
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.4, 1.2 + 0.7 * len(rows)))
+    for y, (label, vals, pub) in enumerate(rows):
+        ax.scatter([v for _, v in vals], [y] * len(vals), color="C0", zorder=3, label="our draws" if y == 0 else None)
+        for sd, v in vals:
+            ax.annotate(str(sd), (v, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+        if pub is not None:
+            ax.scatter([float(pub)], [y], marker="|", s=400, color="C3", zorder=4,
+                       label="the paper's run" if y == 0 or not any(r[2] for r in rows[:y]) else None)
+    ax.set_yticks(range(len(rows)), [r[0] for r in rows])
+    ax.set_ylim(len(rows) - 0.4, -0.6)  # the first row on top
+    ax.set_xlabel("test accuracy (%), each dot one seed (labelled)")
+    ax.set_title(f"{spec['table']}: the spread of partition draws", fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    img_dir.mkdir(parents=True, exist_ok=True)
+    fig.savefig(img_dir / out, dpi=110)
+    plt.close(fig)
     return out
 
 
