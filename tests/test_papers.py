@@ -392,3 +392,11 @@ def test_spread_lists_every_draw_and_places_the_papers_single_run(tmp_path):
     spec["published"]["FedAvg"][0.1] = 39.0
     (tmp_path / "t" / "table.yaml").write_text(yaml.safe_dump(spec))
     assert "the paper's 39.00 lies outside it." in papers.render(tmp_path)
+
+
+def test_render_check_reads_the_records_directory_it_is_given(tmp_path):
+    """`render --results DIR` (what a committing run calls in a fresh process) renders DIR's records: the committed
+    block matches results/papers/ and not an empty directory."""
+    papers = _papers()
+    assert papers.main(["render", "--check"]) == 0
+    assert papers.main(["render", "--check", "--results", str(tmp_path)]) == 1

@@ -221,8 +221,11 @@ def run(spec: dict, runs: Path, *, commit: bool, dry_run: bool, overrides: list[
         d = copy_records(spec, cell, run_dir, dest)
         _log(log, f"[{i}/{len(todo)}] {cell['name']}: done in {time.time() - t0:.0f} s → {d.relative_to(ROOT)}"
              if d.is_relative_to(ROOT) else f"[{i}/{len(todo)}] {cell['name']}: done → {d}")
-        if commit:  # the records and the docs block rendered from them, in one commit: never a stale block
-            DOC.write_text(replace_block(DOC.read_text(), render(dest, img_dir=DOC.parent / "img")))
+        if commit:  # the records and the docs block rendered from them, in one commit: never a stale block.
+            # Rendered by a fresh process: a table runs for days, and the block must be what the checked-out
+            # renderer makes of the records, not what the renderer was when this process started.
+            subprocess.check_call([sys.executable, str(Path(__file__).resolve()), "render", "--results", str(dest)],
+                                  cwd=ROOT)
             _git_commit([str(d), str(d.parent / "table.yaml"), str(DOC), str(DOC.parent / "img")],
                         f"papers: {spec['table']} {cell['name']} records")
     return 0
@@ -528,12 +531,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="a flare override for every cell (a shortened budget: it lands in each cell's config)")
     g = sub.add_parser("render", help="rewrite docs/papers.md's block from results/papers/")
     g.add_argument("--check", action="store_true", help="exit 1 if the committed block is stale")
+    g.add_argument("--results", default=str(RESULTS), help="the records directory (default results/papers)")
     a = ap.parse_args(argv)
     if a.cmd == "run":
         return run(load_table(a.table), Path(a.runs), commit=a.commit, dry_run=a.dry_run, overrides=a.set,
                    defer=tuple(a.defer), fuse_only=a.fuse_only)
     text = DOC.read_text()
-    body = render(img_dir=None if a.check else DOC.parent / "img")
+    body = render(Path(a.results), img_dir=None if a.check else DOC.parent / "img")
     if a.check:
         if committed_block(text) != body:
             print("papers: docs/papers.md's block differs from results/papers/ (run tools/papers.py render)")
