@@ -389,11 +389,15 @@ def spread_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | No
     fig, ax = plt.subplots(figsize=(7.4, 1.2 + 0.7 * len(rows)))
     for y, (label, vals, pub) in enumerate(rows):
         ax.scatter([v for _, v in vals], [y] * len(vals), color="C0", zorder=3, label="our draws" if y == 0 else None)
-        for sd, v in vals:
-            ax.annotate(str(sd), (v, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+        last, up = None, True
+        for sd, v in sorted(vals, key=lambda t: t[1]):  # neighbours closer than 1.5 points: labels above and below
+            up = not up if last is not None and v - last < 1.5 else True
+            ax.annotate(str(sd), (v, y), textcoords="offset points", xytext=(0, 7 if up else -14), ha="center",
+                        fontsize=7)
+            last = v
         if pub is not None:
-            ax.scatter([float(pub)], [y], marker="|", s=400, color="C3", zorder=4,
-                       label="the paper's run" if y == 0 or not any(r[2] for r in rows[:y]) else None)
+            ax.vlines(float(pub), y - 0.35, y + 0.35, colors="C3", linestyles="--", zorder=1,
+                      label="the paper's run" if not any(r[2] is not None for r in rows[:y]) else None)
     ax.set_yticks(range(len(rows)), [r[0] for r in rows])
     ax.set_ylim(len(rows) - 0.4, -0.6)  # the first row on top
     ax.set_xlabel("test accuracy (%), each dot one seed (labelled)")
