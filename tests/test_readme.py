@@ -135,3 +135,22 @@ def test_records_are_what_a_block_renders_from_and_never_checkpoints(tmp_path, m
     assert all((dest / g).read_bytes() == (tmp_path / g).read_bytes() for g in got)
     (dest / "runs/x/fafi/seed=1/stale.json").write_text("{}")  # a record the next run no longer writes
     assert not (tool.record(block) / "runs/x/fafi/seed=1/stale.json").exists()
+
+
+def test_a_block_that_keeps_its_benchmark_outputs_records_its_facts_file_alone(tmp_path, monkeypatch):
+    """A block with `keep`: its `--record` outputs (timings every run rewrites) are read into its facts file at
+    --run and not copied to results/; its table renders from the facts file."""
+    monkeypatch.setattr(tool, "ROOT", tmp_path)
+    monkeypatch.setattr(tool, "OUT", tmp_path / "runs" / "readme")
+    monkeypatch.setattr(tool, "RESULTS_DIR", tmp_path / "results")
+    monkeypatch.setattr(tool, "machine", lambda: {"cpu": "test"})
+    out = tmp_path / "runs" / "readme"
+    out.mkdir(parents=True)
+    cmd = "python -c \"open('runs/readme/b-1.json', 'w').write('{\\\"v\\\": 7}')\" --record runs/readme/b-1.json"
+    block = tool.Results("b", [cmd], lambda base: str(json.loads((base / "runs/readme/b.json").read_text())["kept"]),
+                         keep=lambda base: {"1": json.loads((base / "runs/readme/b-1.json").read_text())})
+    assert tool.record_paths(block) == ["runs/readme/b.json"]
+    tool.run_block(block)
+    dest = tool.records_of(block)
+    assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()) == ["runs/readme/b.json"]
+    assert block.render(dest) == "{'1': {'v': 7}}"
