@@ -31,6 +31,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from flare.config.load import experiment_differences, load_config, parse_overrides  # noqa: E402
 from flare.stats import mean_ci  # noqa: E402
 
 RESULTS = ROOT / "results" / "papers"
@@ -95,7 +96,6 @@ def stale(rec: Path, cell: dict, overrides: list[str]) -> list[str]:
     a table file edited after a cell was recorded. Such a cell is never skipped as done nor silently replaced."""
     if not (rec / "config.yaml").is_file():
         return []
-    from flare.config.load import experiment_differences, load_config, parse_overrides
     new = load_config(overrides=_merge(cell["config"], parse_overrides(list(overrides))))
     return experiment_differences(yaml.safe_load((rec / "config.yaml").read_text()), new)
 
@@ -298,7 +298,6 @@ def render(results: Path = RESULTS, img_dir: Path | None = None) -> str:
             lines += [f"*{spec['note'].strip()}*", ""]
         lines += ["| column | α | seeds | ours: final | ours: paper's rule | paper | ours − paper | paper in our 95 % CI |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-        published = spec.get("published") or {}
         for col, c in spec["columns"].items():
             for alpha in spec["alphas"]:
                 dirs = sorted(((m["seed"], d) for d, m in metas if m["method"] == c["method"]
@@ -308,17 +307,15 @@ def render(results: Path = RESULTS, img_dir: Path | None = None) -> str:
                 mf, sf, hf, n = summarise(final)
                 mr, sr, hr, nr = summarise(rule)
                 seeds = ",".join(str(s) for s, d in dirs if math.isfinite(cell_value(d, c["key"], "final")))
-                pub = (published.get(col) or {}).get(alpha)
-                if pub is None:
-                    pub = (published.get(col) or {}).get(str(alpha))
+                pub = published(spec, col, alpha)
                 rule_txt = f"{_ms(mr, sr, nr)} ({c.get('paper_rule', 'final')})"
                 if pub is None or n == 0:
                     diff, inci = "—", "—"
                 else:
-                    diff = f"{mf - float(pub):+.2f}"
-                    inci = "—" if not math.isfinite(hf) else ("yes" if abs(mf - float(pub)) <= hf else "no")
+                    diff = f"{mf - pub:+.2f}"
+                    inci = "—" if not math.isfinite(hf) else ("yes" if abs(mf - pub) <= hf else "no")
                 lines.append(f"| {col} | {alpha:g} | {seeds or '—'} | {_ms(mf, sf, n)} | {rule_txt} | "
-                             f"{'not found' if pub is None else f'{float(pub):.2f}'} | {diff} | {inci} |")
+                             f"{'not found' if pub is None else f'{pub:.2f}'} | {diff} | {inci} |")
         lines += spread_lines(spec, metas)
         lines += budget_notes(spec, metas)
         lines += paired_rows(spec, metas, results)
@@ -340,43 +337,45 @@ def _cell_config(d: Path) -> dict:
     return yaml.safe_load((d / "config.yaml").read_text()) if (d / "config.yaml").is_file() else {}
 
 
-def spread_lines(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
-    """`spread: true`: every seed's final value and their range beside the paper's number. A paper that prints one
-    run is one draw: the question is whether it lies among our draws, not whether it lies in our mean's interval."""
+def published(spec: dict, col: str, alpha: float) -> float | None:
+    """The paper's printed number for a column at α (YAML may key α as a number or a string), or None."""
+    by_alpha = (spec.get("published") or {}).get(col) or {}
+    pub = by_alpha.get(alpha, by_alpha.get(str(alpha)))
+    return None if pub is None else float(pub)
+
+
+def draws(spec: dict, metas: list[tuple[Path, dict]]) -> list[tuple[str, float, list[tuple[int, float]]]]:
+    """`spread: true`: per column and α that has values, every seed's final value in seed order."""
     if not spec.get("spread"):
         return []
-    out = [""]
+    out = []
     for col, c in spec["columns"].items():
         for alpha in spec["alphas"]:
             vals = sorted(((m["seed"], cell_value(d, c["key"], "final")) for d, m in metas
                            if m["method"] == c["method"] and float(m["alpha"]) == float(alpha)), key=lambda t: t[0])
-            vals = [(s, v) for s, v in vals if math.isfinite(v)]
-            if not vals:
-                continue
-            lo, hi = min(v for _, v in vals), max(v for _, v in vals)
-            pub = ((spec.get("published") or {}).get(col) or {}).get(alpha)
-            where = ("" if pub is None else f"; the paper's {float(pub):.2f} lies "
-                     f"{'inside' if lo <= float(pub) <= hi else 'outside'} it")
-            out.append(f"{col}, α = {alpha:g}, by seed: " + ", ".join(f"{s}: {v:.2f}" for s, v in vals)
-                       + f" — range {lo:.2f}–{hi:.2f} over {len(vals)} draw{'s' if len(vals) > 1 else ''}{where}.")
-            out.append("")
+            vals = [(sd, v) for sd, v in vals if math.isfinite(v)]
+            if vals:
+                out.append((col, alpha, vals))
     return out
 
 
+def spread_lines(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
+    """Every draw's value and their range beside the paper's number. A paper that prints one run is one draw: the
+    question is whether it lies among our draws, not whether it lies in our mean's interval."""
+    out = []
+    for col, alpha, vals in draws(spec, metas):
+        lo, hi = min(v for _, v in vals), max(v for _, v in vals)
+        pub = published(spec, col, alpha)
+        where = ("" if pub is None else f"; the paper's {pub:.2f} lies {'inside' if lo <= pub <= hi else 'outside'} it")
+        out += [f"{col}, α = {alpha:g}, by seed: " + ", ".join(f"{sd}: {v:.2f}" for sd, v in vals)
+                + f" — range {lo:.2f}–{hi:.2f} over {len(vals)} draw{'s' if len(vals) > 1 else ''}{where}.", ""]
+    return [""] + out if spec.get("spread") else []
+
+
 def spread_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | None) -> Path | None:
-    """`spread: true`: one row of dots per column and α (a dot per seed, labelled) with the paper's number as a
-    mark on the same row; None when the table lists no spread or has no value yet."""
-    if not spec.get("spread"):
-        return None
-    rows = []
-    for col, c in spec["columns"].items():
-        for alpha in spec["alphas"]:
-            vals = [(m["seed"], cell_value(d, c["key"], "final")) for d, m in metas
-                    if m["method"] == c["method"] and float(m["alpha"]) == float(alpha)]
-            vals = [(sd, v) for sd, v in vals if math.isfinite(v)]
-            if vals:
-                pub = ((spec.get("published") or {}).get(col) or {}).get(alpha)
-                rows.append((f"{col}, α = {alpha:g}", vals, pub))
+    """One row of dots per column and α (a dot per seed, labelled) with the paper's number as a mark on the same
+    row; None when the table lists no spread or has no value yet."""
+    rows = [(f"{col}, α = {alpha:g}", vals, published(spec, col, alpha)) for col, alpha, vals in draws(spec, metas)]
     if not rows:
         return None
     out = Path(f"papers-{spec['table']}-spread.png")
@@ -396,7 +395,7 @@ def spread_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | No
                         fontsize=7)
             last = v
         if pub is not None:
-            ax.vlines(float(pub), y - 0.35, y + 0.35, colors="C3", linestyles="--", zorder=1,
+            ax.vlines(pub, y - 0.35, y + 0.35, colors="C3", linestyles="--", zorder=1,
                       label="the paper's run" if not any(r[2] is not None for r in rows[:y]) else None)
     ax.set_yticks(range(len(rows)), [r[0] for r in rows])
     ax.set_ylim(len(rows) - 0.4, -0.6)  # the first row on top
