@@ -211,7 +211,8 @@ def test_render_on_synthetic_records(tmp_path):
     papers = _papers()
     spec = {"table": "t", "paper": "P, Table 1", "alphas": [0.1], "seeds": [0, 1, 2],
             "columns": {"FedAvg": {"method": "fedavg", "key": "acc_fedavg", "paper_rule": "peak"},
-                        "DENSE": {"method": "fedavg", "key": "fuse:dense", "paper_rule": "final"}},
+                        "DENSE": {"method": "fedavg", "key": "fuse:dense", "paper_rule": "final"},
+                        "Extra": {"method": "fedavg", "key": "fuse:dense", "paper_rule": "final"}},
             "published": {"FedAvg": {0.1: 55.0}, "DENSE": {0.1: None}}}
     (tmp_path / "t").mkdir()
     (tmp_path / "t" / "table.yaml").write_text(yaml.safe_dump(spec))
@@ -223,6 +224,9 @@ def test_render_on_synthetic_records(tmp_path):
     assert "| 0,1,2 | 52.00 ± 2.00 | 62.00 ± 2.00 (peak) | 55.00 | -3.00 | yes |" in row
     dense = next(line for line in out.splitlines() if line.startswith("| DENSE"))
     assert "70.00 ± 0.00" in dense and "not found" in dense
+    # a column the paper does not have is not reported as a number we failed to find
+    extra = next(line for line in out.splitlines() if line.startswith("| Extra"))
+    assert "| not in the paper |" in extra and "not found" not in extra
     # a published value outside the interval
     spec["published"]["FedAvg"][0.1] = 60.0
     (tmp_path / "t" / "table.yaml").write_text(yaml.safe_dump(spec))

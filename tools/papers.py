@@ -315,7 +315,7 @@ def render(results: Path = RESULTS, img_dir: Path | None = None) -> str:
                     diff = f"{mf - pub:+.2f}"
                     inci = "—" if not math.isfinite(hf) else ("yes" if abs(mf - pub) <= hf else "no")
                 lines.append(f"| {col} | {alpha:g} | {seeds or '—'} | {_ms(mf, sf, n)} | {rule_txt} | "
-                             f"{'not found' if pub is None else f'{pub:.2f}'} | {diff} | {inci} |")
+                             f"{published_text(spec, col, alpha)} | {diff} | {inci} |")
         lines += spread_lines(spec, metas)
         lines += budget_notes(spec, metas)
         lines += paired_rows(spec, metas, results)
@@ -329,7 +329,9 @@ def render(results: Path = RESULTS, img_dir: Path | None = None) -> str:
         lines.append("")
     lines.append("final: the last round's model (or the fused model); peak: the best evaluated round (a data-free "
                  "server: its best epoch on the test curve), a selection on the test set. The difference and the CI "
-                 "use the final column.")
+                 "use the final column. Paper: not found — the paper prints this cell but no stored source gave its "
+                 "number; not in the paper — a column the paper does not have (an extra column, or a method it "
+                 "does not run).")
     return "\n".join(lines) + "\n"
 
 
@@ -342,6 +344,16 @@ def published(spec: dict, col: str, alpha: float) -> float | None:
     by_alpha = (spec.get("published") or {}).get(col) or {}
     pub = by_alpha.get(alpha, by_alpha.get(str(alpha)))
     return None if pub is None else float(pub)
+
+
+def published_text(spec: dict, col: str, alpha: float) -> str:
+    """The paper column's text. A column the table's `published` does not list is one the paper has no such column
+    for (an extra column, or a method the paper does not run); a listed column whose value is null is one the
+    paper prints but no stored source gave us. The reader must be able to tell the two apart."""
+    pub = published(spec, col, alpha)
+    if pub is not None:
+        return f"{pub:.2f}"
+    return "not found" if col in (spec.get("published") or {}) else "not in the paper"
 
 
 def draws(spec: dict, metas: list[tuple[Path, dict]]) -> list[tuple[str, float, list[tuple[int, float]]]]:
