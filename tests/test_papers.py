@@ -404,3 +404,30 @@ def test_render_check_reads_the_records_directory_it_is_given(tmp_path):
     papers = _papers()
     assert papers.main(["render", "--check"]) == 0
     assert papers.main(["render", "--check", "--results", str(tmp_path)]) == 1
+
+
+def test_cost_line_is_measured_from_the_records(tmp_path):
+    """The cost line sums each cell's round seconds, reads each server's fuse seconds, and prices the cells and
+    fusions the table still lacks at those rates; a method with no recorded cell has no rate, and says so."""
+    papers = _papers()
+    spec = {"table": "t", "paper": "P", "alphas": [0.1], "seeds": [0, 1, 2],
+            "columns": {"FedAvg": {"method": "fedavg", "key": "acc_fedavg"},
+                        "DENSE": {"method": "fedavg", "key": "fuse:dense"},
+                        "FLARE": {"method": "flare", "key": "acc"}},
+            "published": {}}
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "table.yaml").write_text(yaml.safe_dump(spec))
+    for seed, (round_s, dense_s) in enumerate([(1800.0, 3600.0), (3600.0, None)]):
+        _fake_cell(tmp_path, "t", "fedavg", 0.1, seed, [0.5, 0.6], {"dense": 0.7} if dense_s else None)
+        d = tmp_path / "t" / f"fedavg-a0.1-s{seed}"
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"kind": "round", "round": i, "acc_fedavg": 0.5,
+                                                             "seconds": round_s / 2}) + "\n" for i in range(2)))
+        if dense_s:
+            (d / "fuse.jsonl").write_text(json.dumps({"kind": "fuse", "strategy": "dense", "acc": 0.7,
+                                                      "seconds": dense_s}) + "\n")
+    line = next(ln for ln in papers.render(tmp_path).splitlines() if ln.startswith("Cost"))
+    assert "fedavg clients 45 min a cell (30 min–1.00 h, 2)" in line
+    assert "its dense server 1.00 h a fusion (1)" in line
+    # seed 2's cell (0.75 h) and two fusions (seed 1's and seed 2's, 1 h each): 2.75 h; FLARE's three cells unpriced
+    assert "still to run: 3 client cells and fusions, ≈ 2.75 h at these rates" in line
+    assert "no rate yet for 3 flare cells" in line

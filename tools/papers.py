@@ -318,6 +318,8 @@ def render(results: Path = RESULTS, img_dir: Path | None = None) -> str:
                              f"{published_text(spec, col, alpha)} | {diff} | {inci} |")
         lines += spread_lines(spec, metas)
         lines += budget_notes(spec, metas)
+        cost = cost_lines(spec, metas)
+        lines += ([""] if cost and lines[-1] else []) + cost
         lines += paired_rows(spec, metas, results)
         fig = spread_figure(spec, metas, img_dir)
         if fig is not None:
@@ -447,6 +449,64 @@ def budget_notes(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
             out.append(f"{col}'s server: {e} epochs × {g} generator steps = {e * g:,} (the paper's: {pe} × {pg} = "
                        f"{pe * pg:,}){short}.")
     return ([""] + out + [""]) if out else []
+
+
+def _client_hours(cell_dir: Path) -> float:
+    """A cell's clients and evaluation in wall hours: the sum of its round records' `seconds` (local training,
+    aggregation, evaluation). Resumed runs keep every finished round's record, so the sum is the cell's cost
+    however often it was interrupted."""
+    return sum(float(r.get("seconds", 0.0)) for r in _jsonl(cell_dir / "metrics.jsonl")
+               if r.get("kind") == "round") / 3600
+
+
+def _duration(hours: float) -> str:
+    return f"{hours:.2f} h" if hours >= 1 else f"{hours * 60:.0f} min" if hours * 60 >= 1 else f"{hours * 3600:.0f} s"
+
+
+def _rate(values: list[float], unit: str) -> str:
+    """Mean duration per unit, with the range and the count where there is more than one."""
+    if len(values) == 1:
+        return f"{_duration(values[0])} a {unit} (1)"
+    return f"{_duration(float(np.mean(values)))} a {unit} ({_duration(min(values))}–{_duration(max(values))}, {len(values)})"
+
+
+def cost_lines(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
+    """What the table's cells cost, measured from the records' own timings, and what its unrecorded cells and
+    fusions would cost at those rates: the budget a reader plans with, from runs rather than from an estimate made
+    before them. The table's cells are its columns' methods × α × seeds. Wall time, not CPU time: a process that
+    shared its core or was paused reads slower, so the range is printed with the mean."""
+    recorded = {d.name for d, _ in metas}
+    plan: dict[str, set[str]] = {}                       # method -> the servers its columns fuse
+    for c in spec["columns"].values():
+        plan.setdefault(c["method"], set()).update([c["key"][5:]] if c["key"].startswith("fuse:") else [])
+    parts, todo_h, todo_n, unknown = [], 0.0, 0, []
+    for method, servers in plan.items():
+        mine = [d for d, m in metas if m["method"] == method]
+        hours = [h for h in map(_client_hours, mine) if h > 0]
+        todo = [cell_name(method, a, sd) for sd in spec["seeds"] for a in spec["alphas"]
+                if cell_name(method, a, sd) not in recorded]
+        if hours:
+            parts.append(f"{method} clients {_rate(hours, 'cell')}")
+            todo_h, todo_n = todo_h + np.mean(hours) * len(todo), todo_n + len(todo)
+        elif todo:
+            unknown.append(f"{len(todo)} {method} cell{'s' * (len(todo) != 1)}")
+        for server in sorted(servers):
+            secs = [float(fuse_records(d, server)[-1].get("seconds", 0.0)) / 3600 for d in mine
+                    if fuse_records(d, server)]
+            missing = len(todo) + sum(1 for d in mine if not fuse_records(d, server))
+            if secs:
+                parts.append(f"its {server} server {_rate(secs, 'fusion')}")
+                todo_h, todo_n = todo_h + np.mean(secs) * missing, todo_n + missing
+            elif missing:
+                unknown.append(f"{missing} {server} fusion{'s' * (missing != 1)}")
+    if not parts:
+        return []
+    rest = (f"still to run: {todo_n} client cells and fusions, ≈ {_duration(todo_h)} at these rates"
+            if todo_n else "nothing left to run")
+    if unknown:
+        rest += f"; no rate yet for {', '.join(unknown)}"
+    return [f"Cost, in wall hours from the records' own timings (one thread per process, on a machine shared with the "
+            f"other tables' runs): {'; '.join(parts)}; {rest}.", ""]
 
 
 def curve_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | None) -> Path | None:
