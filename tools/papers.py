@@ -451,7 +451,7 @@ def budget_notes(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
     return ([""] + out + [""]) if out else []
 
 
-def _client_hours(cell_dir: Path) -> float:
+def _cell_hours(cell_dir: Path) -> float:
     """A cell's clients and evaluation in wall hours: the sum of its round records' `seconds` (local training,
     aggregation, evaluation). Resumed runs keep every finished round's record, so the sum is the cell's cost
     however often it was interrupted."""
@@ -467,7 +467,8 @@ def _rate(values: list[float], unit: str) -> str:
     """Mean duration per unit, with the range and the count where there is more than one."""
     if len(values) == 1:
         return f"{_duration(values[0])} a {unit} (1)"
-    return f"{_duration(float(np.mean(values)))} a {unit} ({_duration(min(values))}–{_duration(max(values))}, {len(values)})"
+    spread = f"{_duration(min(values))}–{_duration(max(values))}"
+    return f"{_duration(float(np.mean(values)))} a {unit} ({spread}, {len(values)})"
 
 
 def cost_lines(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
@@ -482,7 +483,7 @@ def cost_lines(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
     parts, todo_h, todo_n, unknown = [], 0.0, 0, []
     for method, servers in plan.items():
         mine = [d for d, m in metas if m["method"] == method]
-        hours = [h for h in map(_client_hours, mine) if h > 0]
+        hours = [h for h in map(_cell_hours, mine) if h > 0]
         todo = [cell_name(method, a, sd) for sd in spec["seeds"] for a in spec["alphas"]
                 if cell_name(method, a, sd) not in recorded]
         if hours:
