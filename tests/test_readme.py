@@ -154,3 +154,9 @@ def test_a_block_that_keeps_its_benchmark_outputs_records_its_facts_file_alone(t
     dest = tool.records_of(block)
     assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()) == ["runs/readme/b.json"]
     assert block.render(dest) == "{'1': {'v': 7}}"
+
+
+def test_records_leave_out_the_reports_a_command_derives_from_its_runs():
+    """A run's config, partition and metrics are records; the compare.md `flare compare` renders from them is not."""
+    assert tool._is_record(Path("fafi/seed=1/metrics.jsonl")) and tool._is_record(Path("fafi/seed=1/config.yaml"))
+    assert not tool._is_record(Path("compare.md"))

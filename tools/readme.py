@@ -583,8 +583,14 @@ def records_of(block: Results) -> Path:
     return RESULTS_DIR / block.id
 
 
+# Reports a command derives from the runs it wrote (`flare compare` rewrites compare.md from the runs' metrics): no
+# block renders from them, and a committed copy would only be a second, drifting rendering of the same records.
+DERIVED_REPORTS = {"compare.md"}
+
+
 def _is_record(path: Path) -> bool:
-    return path.suffix in RECORD_SUFFIXES and not any(part.startswith(".") for part in path.parts)
+    return (path.suffix in RECORD_SUFFIXES and path.name not in DERIVED_REPORTS
+            and not any(part.startswith(".") for part in path.parts))
 
 
 def record(block: Results) -> Path:
