@@ -492,9 +492,9 @@ def cost_lines(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
         elif todo:
             unknown.append(f"{len(todo)} {method} cell{'s' * (len(todo) != 1)}")
         for server in sorted(servers):
-            secs = [float(fuse_records(d, server)[-1].get("seconds", 0.0)) / 3600 for d in mine
-                    if fuse_records(d, server)]
-            missing = len(todo) + sum(1 for d in mine if not fuse_records(d, server))
+            recs = [fuse_records(d, server) for d in mine]  # each cell's fuse file read once
+            secs = [float(r[-1].get("seconds", 0.0)) / 3600 for r in recs if r]
+            missing = len(todo) + sum(1 for r in recs if not r)
             if secs:
                 parts.append(f"its {server} server {_rate(secs, 'fusion')}")
                 todo_h, todo_n = todo_h + np.mean(secs) * missing, todo_n + missing
