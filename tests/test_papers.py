@@ -390,12 +390,35 @@ def test_spread_lists_every_draw_and_places_the_papers_single_run(tmp_path):
         _fake_cell(tmp_path, "t", "fedavg", 0.1, s, [v])
     out = papers.render(tmp_path, img_dir=tmp_path / "img")
     assert "FedAvg, α = 0.1, by seed: 0: 40.00, 1: 55.00, 2: 50.00 — range 40.00–55.00 over 3 draws; the paper's " \
-           "45.00 lies inside it." in out
+           "45.00 lies inside it; were it one more draw of this setting, one at least this low has rank probability " \
+           "(1 + 1)/(3 + 1) = 0.500 (one-sided)." in out
     assert (tmp_path / "img" / "papers-t-spread.png").stat().st_size > 0 and "(img/papers-t-spread.png)" in out
     assert out == papers.render(tmp_path)  # the check names the figure without drawing it
     spec["published"]["FedAvg"][0.1] = 39.0
     (tmp_path / "t" / "table.yaml").write_text(yaml.safe_dump(spec))
-    assert "the paper's 39.00 lies outside it." in papers.render(tmp_path)
+    assert "the paper's 39.00 lies outside it; were it one more draw of this setting, one at least this low has " \
+           "rank probability (0 + 1)/(3 + 1) = 0.250 (one-sided)." in papers.render(tmp_path)
+
+
+def test_rank_probability_counts_the_draws_on_the_papers_side():
+    papers = _papers()
+    assert papers.rank_p([70.0, 73.0, 52.0, 76.0], 82.96) == ("above", 0, 0.2)  # every draw under it: 1/(n+1)
+    assert papers.rank_p([70.0, 73.0, 52.0, 76.0], 73.0) == ("above", 2, 0.6)   # a tie counts as at or beyond
+    assert papers.rank_p([70.0, 73.0, 52.0, 76.0], 60.0) == ("below", 1, 0.4)
+    side, beyond, p = papers.rank_p([float(v) for v in range(19)], 99.0)
+    assert (beyond, p) == (0, 0.05)  # 19 draws all under: the first n at which the test reaches 0.05
+
+
+def test_seeds_given_per_alpha_run_only_those_cells(tmp_path):
+    papers = _papers()
+    spec = {"table": "t", "alphas": [0.1, 0.3], "seeds": {0.1: [0, 1], 0.3: [0, 1, 2, 3]},
+            "base": {}, "methods": {"fedavg": {"preset": "fedavg"}}, "columns": {}}
+    assert [c["name"] for c in papers.cells(spec)] == ["fedavg-a0.1-s0", "fedavg-a0.3-s0", "fedavg-a0.1-s1",
+                                                       "fedavg-a0.3-s1", "fedavg-a0.3-s2", "fedavg-a0.3-s3"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**spec, "seeds": {0.1: [0], 0.5: [0]}}))
+    with pytest.raises(SystemExit, match="must name every α"):
+        papers.load_table(bad)
 
 
 def test_render_check_reads_the_records_directory_it_is_given(tmp_path):

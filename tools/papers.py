@@ -52,7 +52,19 @@ def load_table(path: str | Path) -> dict:
     for k in ("table", "alphas", "seeds", "base", "methods", "columns"):
         if k not in spec:
             raise SystemExit(f"papers: {path} lacks '{k}'")
+    if isinstance(spec["seeds"], dict) and sorted(map(float, spec["seeds"])) != sorted(map(float, spec["alphas"])):
+        raise SystemExit(f"papers: {path}: 'seeds' given per α must name every α of 'alphas' and no other "
+                         f"(alphas {spec['alphas']}, seeds for {list(spec['seeds'])})")
     return spec
+
+
+def seeds_for(spec: dict, alpha: float) -> list[int]:
+    """The table's seeds at α: one list for every α, or a mapping α → list where one α needs more draws than the
+    others (a diagnostic that must reach a test's power at one α only need not pay for it at every α)."""
+    seeds = spec["seeds"]
+    if isinstance(seeds, dict):
+        return next((list(v) for k, v in seeds.items() if float(k) == float(alpha)), [])
+    return list(seeds)
 
 
 def cell_name(method: str, alpha: float, seed: int) -> str:
@@ -70,8 +82,8 @@ def cells(spec: dict) -> list[dict]:
     """Every (method, α, seed) of the table with its flare config (the base, the method's preset and overrides,
     α and seed), in the order they run: seeds outermost, so a partial table already pairs its methods by seed."""
     out = []
-    for seed in spec["seeds"]:
-        for alpha in spec["alphas"]:
+    for seed in sorted({sd for a in spec["alphas"] for sd in seeds_for(spec, a)}):
+        for alpha in (a for a in spec["alphas"] if seed in seeds_for(spec, a)):
             for method, m in spec["methods"].items():
                 cfg = _merge(spec["base"], m.get("config", {}))
                 cfg = _merge(cfg, {"preset": m["preset"], "seed": seed, "partition": {"alpha": alpha}})
@@ -373,14 +385,30 @@ def draws(spec: dict, metas: list[tuple[Path, dict]]) -> list[tuple[str, float, 
     return out
 
 
+def rank_p(values: list[float], pub: float) -> tuple[str, int, float]:
+    """Were the paper's run one more draw of our setting (exchangeable with our draws), the chance that it lies at
+    least as far out on its side of our draws as it does: (our draws at or beyond it + 1) / (our draws + 1). A rank
+    test: it assumes nothing of the draws' distribution (they are skewed, so a normal interval would mislead), and
+    with every draw on one side it is 1 / (n + 1) — so n draws can reject "one lucky draw" at 0.05 only when
+    n ≥ 19. Returns the side ('above' or 'below' the median of our draws), the draws at or beyond it, and p."""
+    side = "above" if pub >= float(np.median(values)) else "below"
+    beyond = sum(1 for v in values if (v >= pub if side == "above" else v <= pub))
+    return side, beyond, (beyond + 1) / (len(values) + 1)
+
+
 def spread_lines(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
     """Every draw's value and their range beside the paper's number. A paper that prints one run is one draw: the
-    question is whether it lies among our draws, not whether it lies in our mean's interval."""
+    question is whether it lies among our draws, not whether it lies in our mean's interval — answered by the range
+    and by `rank_p`."""
     out = []
     for col, alpha, vals in draws(spec, metas):
         lo, hi = min(v for _, v in vals), max(v for _, v in vals)
         pub = published(spec, col, alpha)
         where = ("" if pub is None else f"; the paper's {pub:.2f} lies {'inside' if lo <= pub <= hi else 'outside'} it")
+        if pub is not None:
+            side, beyond, p = rank_p([v for _, v in vals], pub)
+            where += (f"; were it one more draw of this setting, one at least this {'high' if side == 'above' else 'low'}"
+                      f" has rank probability ({beyond} + 1)/({len(vals)} + 1) = {p:.3f} (one-sided)")
         out += [f"{col}, α = {alpha:g}, by seed: " + ", ".join(f"{sd}: {v:.2f}" for sd, v in vals)
                 + f" — range {lo:.2f}–{hi:.2f} over {len(vals)} draw{'s' if len(vals) > 1 else ''}{where}.", ""]
     return [""] + out if spec.get("spread") else []
@@ -484,7 +512,7 @@ def cost_lines(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
     for method, servers in plan.items():
         mine = [d for d, m in metas if m["method"] == method]
         hours = [h for h in map(_cell_hours, mine) if h > 0]
-        todo = [cell_name(method, a, sd) for sd in spec["seeds"] for a in spec["alphas"]
+        todo = [cell_name(method, a, sd) for a in spec["alphas"] for sd in seeds_for(spec, a)
                 if cell_name(method, a, sd) not in recorded]
         if hours:
             parts.append(f"{method} clients {_rate(hours, 'cell')}")
