@@ -417,8 +417,21 @@ def test_seeds_given_per_alpha_run_only_those_cells(tmp_path):
                                                        "fedavg-a0.3-s1", "fedavg-a0.3-s2", "fedavg-a0.3-s3"]
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({**spec, "seeds": {0.1: [0], 0.5: [0]}}))
-    with pytest.raises(SystemExit, match="must name every α"):
+    with pytest.raises(papers.TableError, match="must name every α"):
         papers.load_table(bad)
+
+
+def test_a_bad_table_file_stops_with_exit_2_before_anything_runs(tmp_path, capsys):
+    papers = _papers()
+    runs = tmp_path / "runs"
+    bad = tmp_path / "bad.yaml"
+    for text in ("table: t\nalphas: [0.1]\n", "- a list\n", "table: [unclosed\n"):
+        bad.write_text(text)
+        assert papers.main(["run", str(bad), "--runs", str(runs)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("papers: ") and "Traceback" not in err and err.count("\n") == 1
+    assert papers.main(["run", str(tmp_path / "missing.yaml"), "--runs", str(runs)]) == 2
+    assert "cannot read the table file" in capsys.readouterr().err and not runs.exists()
 
 
 def test_render_check_reads_the_records_directory_it_is_given(tmp_path):

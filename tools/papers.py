@@ -41,19 +41,29 @@ BEGIN, END = "<!-- BEGIN published -->", "<!-- END published -->"
 
 
 # ------------------------------------------------------------------------------------------------ the cells
+class TableError(ValueError):
+    """A table file that cannot describe a table: `run` stops before it writes anything (exit 2)."""
+
+
 def load_table(path: str | Path) -> dict:
     """A table file; `extends: OTHER.yaml` (beside it) starts from that table and changes a few keys — a variant of
     a table (a diagnostic at one setting changed) is the few keys it changes, never a copy. `base` and `methods`
     merge key by key (a cell's config); every other key (`columns`, `alphas`, `published`, ...) replaces."""
-    spec = yaml.safe_load(Path(path).read_text())
+    try:
+        spec = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        why = " ".join(str(e).split())  # YAML's message spans lines with a caret drawing: one line here
+        raise TableError(f"{path}: cannot read the table file ({type(e).__name__}: {why})") from None
+    if not isinstance(spec, dict):
+        raise TableError(f"{path}: a table file is a mapping of keys (table, alphas, seeds, base, methods, columns)")
     if "extends" in spec:
         parent = load_table(Path(path).parent / spec.pop("extends"))
         spec = {**parent, **spec, **{k: _merge(parent.get(k, {}), spec[k]) for k in ("base", "methods") if k in spec}}
     for k in ("table", "alphas", "seeds", "base", "methods", "columns"):
         if k not in spec:
-            raise SystemExit(f"papers: {path} lacks '{k}'")
+            raise TableError(f"{path} lacks '{k}'")
     if isinstance(spec["seeds"], dict) and sorted(map(float, spec["seeds"])) != sorted(map(float, spec["alphas"])):
-        raise SystemExit(f"papers: {path}: 'seeds' given per α must name every α of 'alphas' and no other "
+        raise TableError(f"{path}: 'seeds' given per α must name every α of 'alphas' and no other "
                          f"(alphas {spec['alphas']}, seeds for {list(spec['seeds'])})")
     return spec
 
@@ -638,7 +648,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--results", default=str(RESULTS), help="the records directory (default results/papers)")
     a = ap.parse_args(argv)
     if a.cmd == "run":
-        return run(load_table(a.table), Path(a.runs), commit=a.commit, dry_run=a.dry_run, overrides=a.set,
+        try:
+            spec = load_table(a.table)
+        except TableError as e:
+            print(f"papers: {e}", file=sys.stderr)
+            return 2
+        return run(spec, Path(a.runs), commit=a.commit, dry_run=a.dry_run, overrides=a.set,
                    defer=tuple(a.defer), fuse_only=a.fuse_only)
     text = DOC.read_text()
     body = render(Path(a.results), img_dir=None if a.check else DOC.parent / "img")
