@@ -110,6 +110,24 @@ def test_pin_sets_every_library_and_native_undoes_only_its_own(monkeypatch):
         cpu.pin("avx9000")
 
 
+def test_a_cap_the_user_exported_survives_the_default_pin_and_comes_back_under_native(monkeypatch):
+    # importing FLARE pins the default before the command line says `native`: the user's oneDNN cap (a Cascade
+    # Lake's level, say) must be what native runs under, not the CPU's best
+    for k in (*cpu._ENV, cpu._MARK):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(cpu, "is_x86", lambda: True)
+    monkeypatch.setenv(cpu._USER, "{}")  # a parent FLARE process (a benchmark) recorded its own, empty, environment
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_VNNI")
+    cpu.pin("avx2")  # what `import flare` does
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2"  # exact is exact whatever the user exported
+    cpu.pin("native")  # what the CLI then does for speed=fast
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_VNNI"
+    assert not any(k in os.environ for k in cpu._ENV if k != "ONEDNN_MAX_CPU_ISA")
+    child = dict(os.environ)  # a child process inherits the record, and re-pinning there changes nothing
+    cpu.pin("avx2"), cpu.pin("native")
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_VNNI" and child[cpu._USER] == os.environ[cpu._USER]
+
+
 def test_a_level_that_cannot_apply_in_this_process_is_a_warning_not_silence():
     got = torch.backends.cpu.get_cpu_capability()  # fixed for this process already
     other = "avx512" if got != "AVX512" else "avx2"

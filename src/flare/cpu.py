@@ -11,6 +11,7 @@ measurements behind it and which claims hold on which CPUs: docs/reproducibility
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import platform
 
@@ -25,6 +26,9 @@ LEVELS: dict[str, tuple[str, str, str, str, str] | None] = {
 DEFAULT_ISA = "avx2"
 _ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS")
 _MARK = "FLARE_CPU_ISA_PINNED"  # the level FLARE pinned: children keep it, and `native` knows the pin was ours
+# The kernel variables the user had exported before FLARE's first pin (JSON; children inherit it): importing FLARE
+# pins the default before the command line is read, so `native` must restore these, not merely drop FLARE's own.
+_USER = "FLARE_CPU_USER_ENV"
 
 
 def is_x86() -> bool:
@@ -40,11 +44,17 @@ def pin(level: str) -> None:
     if level not in LEVELS:
         raise ValueError(f"unknown cpu_isa {level!r}; one of {', '.join(LEVELS)}")
     spec, prev = LEVELS[level], os.environ.get(_MARK)
+    if prev is None:  # no pin of FLARE's in this environment yet: what it holds is the user's
+        os.environ[_USER] = json.dumps({k: os.environ[k] for k in _ENV if k in os.environ})
     os.environ[_MARK] = level  # also for native: a child process must not re-pin the default
     if spec is None:
         if prev not in (None, "native"):
+            user = json.loads(os.environ.get(_USER) or "{}")
             for k in _ENV:
-                os.environ.pop(k, None)
+                if k in user:
+                    os.environ[k] = user[k]
+                else:
+                    os.environ.pop(k, None)
         return
     if is_x86():
         for k, v in zip(_ENV, (spec[0], spec[1], spec[3], spec[4])):
