@@ -115,6 +115,39 @@ def test_figures_are_cached_per_machine_and_model(tmp_path, monkeypatch):
     assert len(seen) == 6 and len(json.loads(speed.cache_path().read_text())) == 2
 
 
+def test_a_kernel_cap_the_user_exported_is_measured_again_not_read_from_the_cache(tmp_path, monkeypatch):
+    # oneDNN capped below the CPU's bf16 instructions (a Cascade Lake's level on this AMD) emulates bf16: the
+    # uncapped figures, where bf16 won, must not decide for it
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    cfg, seen = fast_cfg(), []
+    uncapped = {"exact": 30, "fp32": 36, "fp32 NHWC": 50, "bf16": 60, "bf16 NHWC": 98}
+    be = settle_speed(backend(cfg), cfg, SHAPE, 10, cpu_facts=AMD_BF16, measure=fake_measure(uncapped, seen))
+    assert be.amp_dtype == torch.bfloat16 and len(seen) == 5
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_VNNI")
+    capped = {"exact": 30, "fp32": 36, "fp32 NHWC": 50, "bf16": 20, "bf16 NHWC": 22}
+    be = settle_speed(backend(cfg), cfg, SHAPE, 10, cpu_facts=AMD_BF16, measure=fake_measure(capped, seen))
+    assert len(seen) == 10 and not be.speed_choice["cached"]
+    assert be.amp_dtype != torch.bfloat16 and be.channels_last
+    assert len(json.loads(speed.cache_path().read_text())) == 2
+
+
+def test_a_run_shorter_than_the_probe_is_not_probed_unless_the_cache_has_it(tmp_path):
+    cfg = fast_cfg("rounds=1", "local_epochs=1")  # batch 16: the probe steps 3 candidates × 3 steps × 32 images
+    seen = []
+    be = settle_speed(backend(cfg), cfg, SHAPE, 10, cpu_facts=INTEL_NO_BF16, cache=tmp_path / "c.json",
+                      measure=fake_measure({"exact": 30, "fp32": 36, "fp32 NHWC": 50}, seen), train_size=200)
+    assert seen == [] and be.amp_dtype is None and not be.channels_last  # the floor: fp32 NCHW
+    assert be.speed_choice["probe"]["skipped"] and "trains 200 images" in be.speed_choice["statement"]
+    assert "would step through 288" in be.speed_choice["statement"]
+    be = settle_speed(backend(cfg), cfg, SHAPE, 10, cpu_facts=INTEL_NO_BF16, cache=tmp_path / "c.json",
+                      measure=fake_measure({"exact": 30, "fp32": 36, "fp32 NHWC": 50}, seen), train_size=300)
+    assert len(seen) == 3 and be.channels_last  # 300 images > 288: measured, and cached
+    be = settle_speed(backend(cfg), cfg, SHAPE, 10, cpu_facts=INTEL_NO_BF16, cache=tmp_path / "c.json",
+                      measure=fake_measure({}, seen), train_size=200)
+    assert len(seen) == 3 and be.speed_choice["cached"] and be.channels_last  # the cache costs nothing: it decides
+
+
 def test_exact_and_explicit_keys_are_left_alone(tmp_path):
     boom = fake_measure({})  # any measurement would raise KeyError
     exact = load_config(None, "fafi", ["device=cpu"])
@@ -144,7 +177,9 @@ def test_a_fast_run_records_its_choice_in_state_and_summary(tiny_overrides, tmp_
     from flare.cli import main
     out = tmp_path / "r"
     tiny = [o for o in tiny_overrides if not o.startswith("rounds=")]
-    assert main(["run", "--preset", "fafi", *tiny, "rounds=1", "speed=fast", "--out", str(out), "--quiet"]) == 0
+    # 96 training images × 6 epochs: more than the probe steps through (≤ 5 candidates × 3 steps × 32), so it probes
+    assert main(["run", "--preset", "fafi", *tiny, "rounds=1", "local_epochs=6", "speed=fast", "--out", str(out),
+                 "--quiet"]) == 0
     choice = json.loads((out / "state.json").read_text())["backend"]["speed_choice"]
     assert set(choice["samples_per_s"]) >= {"exact", "fp32", "fp32 NHWC"} and choice["probe"]["images_per_step"] == 32
     assert all(v > 0 for v in choice["samples_per_s"].values())

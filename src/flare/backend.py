@@ -85,11 +85,12 @@ def backend(cfg: Config, device: str | None = None) -> Backend:
 
 
 def settle_speed(be: Backend, cfg: Config, shape: tuple[int, int, int], num_classes: int, *, cpu_facts=None,
-                 measure=None, cache=None) -> Backend:
+                 measure=None, cache=None, train_size: int | None = None) -> Backend:
     """`speed=fast` on CPU: the precision (amp=auto) and layout (cpu_channels_last=auto) the probe measures fastest
     for the run's model at its input `shape` (flare/speed.py), never a candidate that does not beat plain fp32 by
-    the margin; the choice and its figures go into the run's facts. Anything else: `be` unchanged. `cpu_facts`,
-    `measure`, `cache`: injectable for tests."""
+    the margin; the choice and its figures go into the run's facts. `train_size`: the training images of all
+    clients (None: unknown), from which the run's own training is counted — a run shorter than the probe is not
+    probed. Anything else: `be` unchanged. `cpu_facts`, `measure`, `cache`: injectable for tests."""
     decide_amp, decide_layout = cfg.amp == "auto", cfg.cpu_channels_last == "auto"
     if cfg.speed != "fast" or be.device.type != "cpu" or not (decide_amp or decide_layout):
         return be
@@ -99,7 +100,8 @@ def settle_speed(be: Backend, cfg: Config, shape: tuple[int, int, int], num_clas
     images = min(2 * cfg.batch_size, speed.PROBE_IMAGES)
     spec = speed.ProbeSpec(cfg.model_dump(mode="json"), tuple(shape), num_classes, images)
     try:
-        choice = speed.probe(spec, cands, cpu.DEFAULT_ISA, facts, measure, cache)
+        run_images = None if train_size is None else train_size * cfg.rounds * cfg.local_epochs  # one view each
+        choice = speed.probe(spec, cands, cpu.DEFAULT_ISA, facts, measure, cache, run_images)
     except RuntimeError as e:  # the child process of the exact profile failed: fall back to the floor, say so
         be.warnings.append(f"speed=fast: the probe could not run ({e}); running {cands[1].name}")
         be.amp_dtype, be.channels_last = (torch.bfloat16 if cands[1].bf16 else None), cands[1].channels_last

@@ -114,6 +114,8 @@ class RunData:
             return None
         figures = ", ".join(f"{k} {v:.1f}" for k, v in c.get("samples_per_s", {}).items())
         p = c.get("probe", {})
+        if p.get("skipped"):
+            return f"{c.get('statement')} (CPU: {c.get('cpu')})"
         return (f"{c.get('statement')}. Probe on {c.get('cpu')}: {figures} samples/s ({p.get('images_per_step')} "
                 f"images per step, fastest of {p.get('steps')}; exact = fp32 NCHW on {p.get('exact_level')} kernels; "
                 f"{'from the cache, measured' if c.get('cached') else 'measured'} in {p.get('seconds')} s)")

@@ -189,7 +189,8 @@ class ServerSetup:
             warnings.append(f"the server has no dataset ({e.message}); it evaluates nothing and uses the dataset "
                             f"facts in {dataset_meta}.")
         n_before = len(be.warnings)
-        settle_speed(be, cfg, (meta.in_channels, meta.image_size, meta.image_size), meta.num_classes)
+        settle_speed(be, cfg, (meta.in_channels, meta.image_size, meta.image_size), meta.num_classes,
+                     train_size=len(data.train_y) if data is not None else None)
         warnings += be.warnings[n_before:]
         norm = normalizer(cfg, meta)
         model, inits = init_models(cfg, meta, device, channels_last=be.channels_last, checkpoints=checkpoints)

@@ -38,6 +38,7 @@ PROBE_IMAGES = 256
 PROBE_STEPS = 2        # timed steps per candidate after one warm-up step; the fastest counts
 GIVE_UP = 1.5          # a candidate whose timed step took this many times the best step so far is not timed again
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+KERNEL_ENV = cpu._ENV  # the variables that cap torch's kernel libraries (the `cpu` argument below is a CpuFacts)
 
 
 @dataclass(frozen=True)
@@ -225,8 +226,12 @@ def cache_path() -> Path:
 
 
 def cache_key(cpu: CpuFacts, spec: ProbeSpec, cands: list[Candidate], exact_level: str) -> tuple[str, dict]:
+    """The figures' key: the CPU, torch, threads, the kernels and the model. The kernel caps a user exported
+    (`ONEDNN_MAX_CPU_ISA` and the rest: under `native` FLARE leaves them) are part of it — ATen's level alone does
+    not show a oneDNN capped below the CPU's bf16 instructions, where bf16 is emulated and far slower."""
     fields = {"version": PROBE_VERSION, "cpu": cpu.model, "flags": sorted(cpu.flags), "torch": torch.__version__,
               "threads": torch.get_num_threads(), "kernels": str(torch.backends.cpu.get_cpu_capability()),
+              "kernel_env": {k: os.environ[k] for k in KERNEL_ENV if k in os.environ},
               "exact_level": exact_level, "candidates": [c.name for c in cands], **spec.model_key()}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20], fields
 
@@ -239,17 +244,32 @@ def _read_cache(path: Path) -> dict:
         return {}
 
 
+def probe_images(spec: ProbeSpec, cands: list[Candidate]) -> int:
+    """The images the probe steps through when it times every candidate, warm-up steps included."""
+    return len(cands) * (spec.steps + 1) * spec.images
+
+
 def probe(spec: ProbeSpec, cands: list[Candidate], exact_level: str, cpu: CpuFacts | None = None,
-          measure=None, cache: Path | None = None) -> Choice:
+          measure=None, cache: Path | None = None, run_images: int | None = None) -> Choice:
     """Figures for every candidate (from the cache, else measured and cached), and the choice among them.
+    `run_images`: the images the run's training steps through (None: unknown). A probe that would step through
+    more than that costs more than the run it would speed up, so it is not measured: the run takes the floor
+    (plain fp32 at these kernels) and says why — cached figures, which cost nothing, still decide.
     `measure(candidate) -> samples/s` and `cpu` are injectable (tests: a CPU that is not this one)."""
     cpu = cpu or read_cpu()
     cache = cache or cache_path()
     key, fields = cache_key(cpu, spec, cands, exact_level)
     entries = _read_cache(cache)
     hit = entries.get(key)
+    cost = probe_images(spec, cands)
     if hit and all(c.name in hit.get("figures", {}) for c in cands):
         figures, cached = hit["figures"], True
+    elif run_images is not None and cost > run_images:
+        floor = cands[1]
+        text = (f"speed=fast runs {floor.name}, unmeasured: the run trains {run_images:,} images and the probe "
+                f"would step through {cost:,}, so measuring would cost more than it could save")
+        return Choice(floor, {}, text, cpu.short, False, {"images_per_step": spec.images, "steps": spec.steps,
+                                                          "exact_level": exact_level, "skipped": True})
     else:
         t, figures, cached = time.perf_counter(), {}, False
         for c in cands:
