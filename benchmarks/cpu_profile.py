@@ -18,6 +18,11 @@ speed=fast chose and why; then the exact profile's evaluation seconds per shared
 recorded wall time is shown only for its own setting (no --set, the 5,000 / 1,000 subset), and is an AMD EPYC
 figure: on another CPU compare with the reference timed there.
 
+`--onednn-isa AVX512_CORE_VNNI` exports that cap on oneDNN to every profile (the exact one pins its own AVX2): on
+a CPU with native bf16 it gives oneDNN a Cascade Lake Xeon's instruction set, so bf16 is emulated as it is on an
+Intel AVX512 machine without bf16 — that machine's code paths on this CPU's cores (its flags still list bf16, so
+speed=fast's probe times the emulated bf16 too, and must reject it by measurement). The CPU line says so.
+
 With `--record FILE` it also writes what it measured as JSON — the CPU (model, flags that matter, cores), torch,
 threads, the load average before and after, the setting, every profile's row and the probe's choice — and
 `markdown(record)` renders the printed tables from that record alone: tools/readme.py's `cpu-profile` block on
@@ -38,6 +43,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from flare import cpu
 from flare.speed import read_cpu
 
 REFERENCE_SECONDS = 453.5  # the reference's OursV4, same setting, same VM type
@@ -55,8 +61,12 @@ def run_profile(name: str, extra: list[str], args, out: Path) -> dict:
     cmd = [sys.executable, "-m", "flare.cli", "run", *SETTING, f"dataset.root={args.data_root}",
            f"dataset.train_subset={args.train_subset}", f"dataset.test_subset={args.test_subset}", *args.set, *extra,
            "--out", str(d), "--quiet"]
-    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
-                                                            "FLARE_CPU_ISA_PINNED")}
+    # This process pinned its own kernels when it imported FLARE: its children get the environment the user gave
+    # it instead (FLARE recorded that before pinning), so each profile's `cpu_isa` alone decides their kernels.
+    env = {k: v for k, v in os.environ.items() if k not in (*cpu._ENV, cpu._MARK, cpu._USER)}
+    env.update(json.loads(os.environ.get(cpu._USER) or "{}"))
+    if args.onednn_isa:
+        env["ONEDNN_MAX_CPU_ISA"] = args.onednn_isa
     t0 = time.perf_counter()
     r = subprocess.run(cmd, env={**env, "FLARE_QUIET": "1"}, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -102,11 +112,14 @@ def machine_facts() -> dict:
 def markdown(rec: dict) -> str:
     """The benchmark's tables, from its record alone (what it prints, and what the docs block shows)."""
     m, rows, choice = rec["machine"], rec["rows"], rec.get("choice") or {}
-    own = rec["reference_setting"]
+    own = rec["reference_setting"] and not rec.get("onednn_isa")  # the reference was timed without the cap
     setting = " ".join(rec["set"])
     load = rec.get("load_average") or {}
     fmt_load = lambda v: "/".join(f"{x:.2f}" for x in v) if v else "unknown"  # noqa: E731
-    out = [f"CPU: {m['cpu']}, {m['cores']} cores; torch {m['torch']}, torch threads {m['torch_threads']}, each profile "
+    cap = rec.get("onednn_isa")
+    cpu_txt = m["cpu"] + (f", oneDNN capped at {cap} (bf16 emulated: an AVX512 CPU without native bf16, emulated on "
+                          f"this one's cores)" if cap else "")
+    out = [f"CPU: {cpu_txt}, {m['cores']} cores; torch {m['torch']}, torch threads {m['torch_threads']}, each profile "
            f"its own process; load average (1/5/15 min) {fmt_load(load.get('before'))} before, "
            f"{fmt_load(load.get('after'))} after.", "",
            f"FAFI, CIFAR-10 export {rec['train_subset']}/{rec['test_subset']}, ResNet-18, 5 clients, α = 0.05, batch "
@@ -125,14 +138,18 @@ def markdown(rec: dict) -> str:
                  f"{r['train_rate'] / bare:.2f}" if bare else "—", f"{base / r['wall']:.2f}×"]
         cells += [f"{REFERENCE_SECONDS / r['wall']:.2f}×"] if own else []
         out.append("| " + " | ".join(map(str, cells)) + " |")
-    if choice:
+    if choice and (choice.get("probe") or {}).get("skipped"):
+        out += ["", f"{choice.get('statement')}."]
+    elif choice:
         p = choice.get("probe", {})
         when = "from the cache" if choice.get("cached") else f"measured in {p.get('seconds')} s"
         out += ["", f"speed=fast's probe ({p.get('images_per_step')} images per step, fastest of {p.get('steps')} "
                 f"timed steps after a warm-up; exact = fp32 NCHW on {p.get('exact_level')} kernels, in its own "
                 f"process; {when}):", "", "| candidate | samples/s | ÷ exact |", "| --- | --- | --- |"]
         ex = choice["samples_per_s"].get("exact")
-        for k, v in choice["samples_per_s"].items():
+        order = ["exact", "fp32", "fp32 NHWC", "bf16", "bf16 NHWC"]  # the probe's own order (the cache sorts keys)
+        rates = sorted(choice["samples_per_s"].items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 9)
+        for k, v in rates:
             out.append(f"| {k}{' (chosen)' if k == choice.get('chosen') else ''} | {v:.1f} | "
                        f"{f'{v / ex:.2f}' if ex else '—'} |")
         out += ["", f"{choice.get('statement')}."]
@@ -155,6 +172,8 @@ def main(argv=None) -> int:
     ap.add_argument("--record", default=None, metavar="FILE", help="also write the measurements as JSON here")
     ap.add_argument("--profile", action="append", default=[], metavar="NAME=KEY=VALUE ...",
                     help="another profile: a name, '=', then overrides separated by spaces")
+    ap.add_argument("--onednn-isa", default=None, metavar="ISA",
+                    help="export ONEDNN_MAX_CPU_ISA=ISA to every profile (AVX512_CORE_VNNI: a Cascade Lake's level)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="overrides for every profile (a smaller setting; the reference's time is then not shown)")
     args = ap.parse_intermixed_args(argv)  # KEY=VALUE may come before or after the options
@@ -178,6 +197,7 @@ def main(argv=None) -> int:
     rec = {"machine": machine_facts(), "load_average": {"before": before, "after": load_average()},
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "train_subset": args.train_subset,
            "test_subset": args.test_subset, "set": list(args.set), "profiles": profiles,
+           "onednn_isa": args.onednn_isa,
            "reference_setting": args.set == [] and (args.train_subset, args.test_subset) == (5000, 1000),
            "rows": rows, "choice": choice}
     if args.record:

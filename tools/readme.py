@@ -486,6 +486,17 @@ RESULTS = {r.id: r for r in [
              "--set model.width=0.25 --out runs/readme/cpu-profile --record runs/readme/cpu-profile-record.json"],
             cpu_profile_block("runs/readme/cpu-profile-record.json"),
             page="docs/performance.md"),
+    Results("cpu-emulated-no-bf16",  # an Intel AVX512 Xeon without bf16, as far as oneDNN can be told to be one
+            [f"python benchmarks/cpu_profile.py --data-root {CIFAR} --onednn-isa AVX512_CORE_VNNI "
+             "--out runs/readme/cpu-emulated --record runs/readme/cpu-emulated-record.json"],
+            cpu_profile_block("runs/readme/cpu-emulated-record.json"),
+            page="docs/performance.md"),
+    Results("cpu-emulated-no-bf16-small",  # the same at the small setting, where emulated bf16 loses to fp32
+            [f"python benchmarks/cpu_profile.py --data-root {CIFAR} --onednn-isa AVX512_CORE_VNNI --train-subset 1000 "
+             "--test-subset 200 --set model.width=0.25 --out runs/readme/cpu-emulated-small --record "
+             "runs/readme/cpu-emulated-small-record.json"],
+            cpu_profile_block("runs/readme/cpu-emulated-small-record.json"),
+            page="docs/performance.md"),
     Results("baselines",
             [cmd for a in (0.05, 0.5) for cmd in (
                 f"flare compare --presets {','.join(BASELINE_PRESETS)} --seeds 1,2,3 {BASELINE_ARGS} "
