@@ -62,9 +62,8 @@ def run_profile(name: str, extra: list[str], args, out: Path) -> dict:
            f"dataset.train_subset={args.train_subset}", f"dataset.test_subset={args.test_subset}", *args.set, *extra,
            "--out", str(d), "--quiet"]
     # This process pinned its own kernels when it imported FLARE: its children get the environment the user gave
-    # it instead (FLARE recorded that before pinning), so each profile's `cpu_isa` alone decides their kernels.
-    env = {k: v for k, v in os.environ.items() if k not in (*cpu._ENV, cpu._MARK, cpu._USER)}
-    env.update(json.loads(os.environ.get(cpu._USER) or "{}"))
+    # it instead, so each profile's `cpu_isa` alone decides their kernels.
+    env = cpu.user_environment()
     if args.onednn_isa:
         env["ONEDNN_MAX_CPU_ISA"] = args.onednn_isa
     t0 = time.perf_counter()

@@ -123,6 +123,8 @@ def test_a_cap_the_user_exported_survives_the_default_pin_and_comes_back_under_n
     cpu.pin("native")  # what the CLI then does for speed=fast
     assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_VNNI"
     assert not any(k in os.environ for k in cpu._ENV if k != "ONEDNN_MAX_CPU_ISA")
+    mine = cpu.user_environment()  # what a benchmark hands its profiles: the user's cap, none of FLARE's pins
+    assert mine["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_VNNI" and cpu._MARK not in mine and "MKL_CBWR" not in mine
     child = dict(os.environ)  # a child process inherits the record, and re-pinning there changes nothing
     cpu.pin("avx2"), cpu.pin("native")
     assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_VNNI" and child[cpu._USER] == os.environ[cpu._USER]

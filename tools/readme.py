@@ -491,7 +491,7 @@ RESULTS = {r.id: r for r in [
              "--out runs/readme/cpu-emulated --record runs/readme/cpu-emulated-record.json"],
             cpu_profile_block("runs/readme/cpu-emulated-record.json"),
             page="docs/performance.md"),
-    Results("cpu-emulated-no-bf16-small",  # the same at the small setting, where emulated bf16 loses to fp32
+    Results("cpu-emulated-no-bf16-small",  # the same at the small setting: a run too short to be probed
             [f"python benchmarks/cpu_profile.py --data-root {CIFAR} --onednn-isa AVX512_CORE_VNNI --train-subset 1000 "
              "--test-subset 200 --set model.width=0.25 --out runs/readme/cpu-emulated-small --record "
              "runs/readme/cpu-emulated-small-record.json"],

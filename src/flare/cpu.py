@@ -31,6 +31,16 @@ _MARK = "FLARE_CPU_ISA_PINNED"  # the level FLARE pinned: children keep it, and 
 _USER = "FLARE_CPU_USER_ENV"
 
 
+def user_environment(environ: dict | None = None) -> dict:
+    """The environment as the user gave it: FLARE's own pins and marks removed and the kernel variables the user
+    had exported put back — what a child process that chooses its own kernel level (a benchmark's profiles)
+    starts from."""
+    environ = os.environ if environ is None else environ
+    env = {k: v for k, v in environ.items() if k not in (*_ENV, _MARK, _USER)}
+    env.update(json.loads(environ.get(_USER) or "{}"))
+    return env
+
+
 def is_x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 
