@@ -467,3 +467,18 @@ def test_cost_line_is_measured_from_the_records(tmp_path):
     # seed 2's cell (0.75 h) and two fusions (seed 1's and seed 2's, 1 h each): 2.75 h; FLARE's three cells unpriced
     assert "still to run: 3 client cells and fusions, ≈ 2.75 h at these rates" in line
     assert "no rate yet for 3 flare cells" in line
+
+
+def test_cells_option_takes_only_the_named_cells_and_refuses_an_unknown_one(tmp_path, capsys):
+    """Two processes training two cells of one table at once: each takes only the cells it names, so neither
+    resumes the other's partial cell; a name the table lacks stops with exit 2 before anything is written."""
+    papers = _papers()
+    table = ROOT / "configs" / "papers" / "dense-fmnist.yaml"
+    runs = tmp_path / "runs"
+    assert papers.main(["run", str(table), "--runs", str(runs), "--dry-run",
+                        "--cells", "fedavg-a0.5-s2", "--cells", "fedavg-a0.3-s1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0].split()[1] for line in out] == ["fedavg-a0.3-s1", "fedavg-a0.5-s2"]
+    assert papers.main(["run", str(table), "--runs", str(tmp_path / "r2"), "--cells", "fedavg-a0.4-s0"]) == 2
+    err = capsys.readouterr().err
+    assert "has no cell fedavg-a0.4-s0" in err and err.count("\n") == 1 and not (tmp_path / "r2").exists()

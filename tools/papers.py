@@ -189,16 +189,19 @@ def _git_commit(paths: list[str], message: str, attempts: int = 20) -> None:
 
 
 def run(spec: dict, runs: Path, *, commit: bool, dry_run: bool, overrides: list[str], dest: Path = RESULTS,
-        defer: tuple[str, ...] = (), fuse_only: bool = False) -> int:
+        defer: tuple[str, ...] = (), fuse_only: bool = False, only: tuple[str, ...] = ()) -> int:
     """Run every cell not yet recorded. `defer` names server strategies left for a later pass (the data-free
     servers cost hours per cell): the cell is recorded without them, and a pass without `defer` fuses them over
     the kept run directory and records the cell again. `fuse_only`: train nothing — only fuse the cells whose
-    clients have finished (a second process beside the one training)."""
+    clients have finished (a second process beside the one training). `only` names the cells this process takes,
+    so that two processes can train two cells of one table at once without both resuming the same one."""
     table_runs = runs / spec["table"]
     table_runs.mkdir(parents=True, exist_ok=True)
     log = table_runs / "progress.log"
     todo = cells(spec)
     for i, cell in enumerate(todo, 1):
+        if only and cell["name"] not in only:
+            continue
         run_dir = table_runs / cell["name"]
         rec = dest / spec["table"] / cell["name"]
         todo_fuse = [f for f in cell["fuse"] if f not in defer]
@@ -641,6 +644,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="leave this server strategy for a later pass; the cell is recorded without it")
     r.add_argument("--fuse-only", action="store_true",
                    help="train nothing: fuse (and record) only the cells whose clients have finished")
+    r.add_argument("--cells", action="append", default=[], metavar="NAME",
+                   help="take only this cell (repeatable; names as --dry-run lists them): two processes, two cells")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a flare override for every cell (a shortened budget: it lands in each cell's config)")
     g = sub.add_parser("render", help="rewrite docs/papers.md's block from results/papers/")
@@ -653,8 +658,14 @@ def main(argv: list[str] | None = None) -> int:
         except TableError as e:
             print(f"papers: {e}", file=sys.stderr)
             return 2
+        names = [c["name"] for c in cells(spec)]
+        unknown = [n for n in a.cells if n not in names]
+        if unknown:
+            print(f"papers: {a.table} has no cell {', '.join(unknown)}; its cells are {', '.join(names)}",
+                  file=sys.stderr)
+            return 2
         return run(spec, Path(a.runs), commit=a.commit, dry_run=a.dry_run, overrides=a.set,
-                   defer=tuple(a.defer), fuse_only=a.fuse_only)
+                   defer=tuple(a.defer), fuse_only=a.fuse_only, only=tuple(a.cells))
     text = DOC.read_text()
     body = render(Path(a.results), img_dir=None if a.check else DOC.parent / "img")
     if a.check:
