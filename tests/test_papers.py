@@ -482,3 +482,32 @@ def test_cells_option_takes_only_the_named_cells_and_refuses_an_unknown_one(tmp_
     assert papers.main(["run", str(table), "--runs", str(tmp_path / "r2"), "--cells", "fedavg-a0.4-s0"]) == 2
     err = capsys.readouterr().err
     assert "has no cell fedavg-a0.4-s0" in err and err.count("\n") == 1 and not (tmp_path / "r2").exists()
+
+
+def test_the_papers_numbers_and_their_source_follow_the_table_file_not_the_process(tmp_path, capsys):
+    """A table runs for days: a correction to the paper's numbers made while a process runs must not be undone when
+    that process records its next cell (the records take the table file as it reads then), `describe` applies one
+    without running a cell, and the block prints where the numbers were read."""
+    papers = _papers()
+    table = tmp_path / "t.yaml"
+    spec = {"table": "t", "paper": "P, Table 1", "alphas": [0.1], "seeds": [0], "base": {},
+            "methods": {"fedavg": {"preset": "fedavg"}},
+            "columns": {"FedAvg": {"method": "fedavg", "key": "acc_fedavg"}}, "published": {"FedAvg": {0.1: None}}}
+    table.write_text(yaml.safe_dump(spec))
+    res = tmp_path / "res"
+    assert papers.main(["describe", str(table), "--results", str(res)]) == 2  # no records yet: nothing to describe
+    assert "has no records" in capsys.readouterr().err and not res.exists()
+    started = papers.load_table(table)  # what a running process holds
+    table.write_text(yaml.safe_dump({**spec, "published": {"FedAvg": {0.1: 41.5}}, "published_source": "Table 1, p. 7"}))
+    cell = papers.cells(started)[0]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"round": 0, "acc_fedavg": 0.4}) + "\n")
+    papers.copy_records(started, cell, run_dir, res, papers.load_table(table))
+    shown = yaml.safe_load((res / "t" / "table.yaml").read_text())
+    assert shown["published"]["FedAvg"][0.1] == 41.5 and shown["published_source"] == "Table 1, p. 7"
+    assert "The paper's numbers: Table 1, p. 7" in papers.render(res)
+    papers.copy_records(started, cell, run_dir, res)  # without the file: as the process read it
+    assert yaml.safe_load((res / "t" / "table.yaml").read_text())["published"]["FedAvg"][0.1] is None
+    assert papers.main(["describe", str(table), "--results", str(res)]) == 0
+    assert yaml.safe_load((res / "t" / "table.yaml").read_text())["published"]["FedAvg"][0.1] == 41.5

@@ -148,8 +148,9 @@ def fuse_args(cell: dict, strategy: str) -> list[str]:
     return [f"server.strategies.{strategy}.{k}={v}" for k, v in cell["fuse_options"].get(strategy, {}).items()]
 
 
-def copy_records(spec: dict, cell: dict, run_dir: Path, dest: Path) -> Path:
-    """The cell's records (never a checkpoint) and what the cell is, under dest/<cell>/."""
+def copy_records(spec: dict, cell: dict, run_dir: Path, dest: Path, shown: dict | None = None) -> Path:
+    """The cell's records (never a checkpoint) and what the cell is, under dest/<cell>/; the table's description
+    (columns, the paper's numbers, notes) from `shown`, the table file as it reads now, when given."""
     d = dest / spec["table"] / cell["name"]
     d.mkdir(parents=True, exist_ok=True)
     for name in RECORDS:
@@ -158,12 +159,21 @@ def copy_records(spec: dict, cell: dict, run_dir: Path, dest: Path) -> Path:
     meta = {k: cell[k] for k in ("method", "alpha", "seed", "fuse", "fuse_options")}
     meta["table"] = spec["table"]
     (d / "cell.json").write_text(json.dumps(meta, indent=1) + "\n")
-    (dest / spec["table"] / "table.yaml").write_text(yaml.safe_dump(
-        {k: spec[k] for k in ("table", "paper", "note", "spread", "alphas", "seeds", "columns", "published",
-                              "paired_with")
-         if k in spec},
-        sort_keys=False))
+    describe(spec, dest, shown)
     return d
+
+
+def describe(spec: dict, dest: Path, shown: dict | None = None) -> Path:
+    """dest/<table>/table.yaml: what the block shows of the table (columns, the paper's numbers and their source,
+    notes), from `shown` when given. The renderer reads this, never the table file, so the block is the records'."""
+    shown = {**(shown or spec), "table": spec["table"]}
+    path = dest / spec["table"] / "table.yaml"
+    path.write_text(yaml.safe_dump(
+        {k: shown[k] for k in ("table", "paper", "note", "spread", "alphas", "seeds", "columns", "published",
+                               "published_source", "paired_with")
+         if k in shown},
+        sort_keys=False))
+    return path
 
 
 def _log(log: Path, msg: str) -> None:
@@ -189,12 +199,15 @@ def _git_commit(paths: list[str], message: str, attempts: int = 20) -> None:
 
 
 def run(spec: dict, runs: Path, *, commit: bool, dry_run: bool, overrides: list[str], dest: Path = RESULTS,
-        defer: tuple[str, ...] = (), fuse_only: bool = False, only: tuple[str, ...] = ()) -> int:
+        defer: tuple[str, ...] = (), fuse_only: bool = False, only: tuple[str, ...] = (),
+        table_path: str | Path | None = None) -> int:
     """Run every cell not yet recorded. `defer` names server strategies left for a later pass (the data-free
     servers cost hours per cell): the cell is recorded without them, and a pass without `defer` fuses them over
     the kept run directory and records the cell again. `fuse_only`: train nothing — only fuse the cells whose
     clients have finished (a second process beside the one training). `only` names the cells this process takes,
-    so that two processes can train two cells of one table at once without both resuming the same one."""
+    so that two processes can train two cells of one table at once without both resuming the same one.
+    `table_path`: the table file, read again as each cell is recorded — a table runs for days, and a correction to
+    what it shows (the paper's numbers, a note) made meanwhile must not be undone by a process started before it."""
     table_runs = runs / spec["table"]
     table_runs.mkdir(parents=True, exist_ok=True)
     log = table_runs / "progress.log"
@@ -243,7 +256,13 @@ def run(spec: dict, runs: Path, *, commit: bool, dry_run: bool, overrides: list[
             if rc != 0:
                 _log(log, f"[{i}/{len(todo)}] {cell['name']}: flare fuse {s} exited {rc}; stopping")
                 return rc
-        d = copy_records(spec, cell, run_dir, dest)
+        shown = None
+        if table_path is not None:
+            try:
+                shown = load_table(table_path)
+            except TableError as e:  # the records still land; the description stays as this process read it
+                _log(log, f"[{i}/{len(todo)}] {cell['name']}: {e}; recording the table as it read at the start")
+        d = copy_records(spec, cell, run_dir, dest, shown)
         _log(log, f"[{i}/{len(todo)}] {cell['name']}: done in {time.time() - t0:.0f} s → {d.relative_to(ROOT)}"
              if d.is_relative_to(ROOT) else f"[{i}/{len(todo)}] {cell['name']}: done → {d}")
         if commit:  # the records and the docs block rendered from them, in one commit: never a stale block.
@@ -341,6 +360,8 @@ def render(results: Path = RESULTS, img_dir: Path | None = None) -> str:
                     inci = "—" if not math.isfinite(hf) else ("yes" if abs(mf - pub) <= hf else "no")
                 lines.append(f"| {col} | {alpha:g} | {seeds or '—'} | {_ms(mf, sf, n)} | {rule_txt} | "
                              f"{published_text(spec, col, alpha)} | {diff} | {inci} |")
+        if spec.get("published_source"):  # where the paper column's numbers were read, and how sure that is
+            lines += ["", f"The paper's numbers: {' '.join(spec['published_source'].split())}"]
         lines += spread_lines(spec, metas)
         lines += budget_notes(spec, metas)
         cost = cost_lines(spec, metas)
@@ -648,6 +669,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="take only this cell (repeatable; names as --dry-run lists them): two processes, two cells")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a flare override for every cell (a shortened budget: it lands in each cell's config)")
+    t = sub.add_parser("describe", help="rewrite a recorded table's description (the paper's numbers, notes) "
+                                        "from its table file, without running a cell")
+    t.add_argument("table")
+    t.add_argument("--results", default=str(RESULTS), help="the records directory (default results/papers)")
     g = sub.add_parser("render", help="rewrite docs/papers.md's block from results/papers/")
     g.add_argument("--check", action="store_true", help="exit 1 if the committed block is stale")
     g.add_argument("--results", default=str(RESULTS), help="the records directory (default results/papers)")
@@ -665,7 +690,19 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         return run(spec, Path(a.runs), commit=a.commit, dry_run=a.dry_run, overrides=a.set,
-                   defer=tuple(a.defer), fuse_only=a.fuse_only, only=tuple(a.cells))
+                   defer=tuple(a.defer), fuse_only=a.fuse_only, only=tuple(a.cells), table_path=a.table)
+    if a.cmd == "describe":
+        try:
+            spec = load_table(a.table)
+        except TableError as e:
+            print(f"papers: {e}", file=sys.stderr)
+            return 2
+        if not (Path(a.results) / spec["table"]).is_dir():
+            print(f"papers: {spec['table']} has no records under {a.results} yet; its first cell writes the "
+                  "description", file=sys.stderr)
+            return 2
+        print(describe(spec, Path(a.results)))
+        return 0
     text = DOC.read_text()
     body = render(Path(a.results), img_dir=None if a.check else DOC.parent / "img")
     if a.check:
