@@ -511,3 +511,29 @@ def test_the_papers_numbers_and_their_source_follow_the_table_file_not_the_proce
     assert yaml.safe_load((res / "t" / "table.yaml").read_text())["published"]["FedAvg"][0.1] is None
     assert papers.main(["describe", str(table), "--results", str(res)]) == 0
     assert yaml.safe_load((res / "t" / "table.yaml").read_text())["published"]["FedAvg"][0.1] == 41.5
+
+
+def test_a_cell_recorded_without_a_server_whose_clients_are_gone_is_named_and_skipped_by_fuse_only(
+        tmp_path, capsys, monkeypatch):
+    """Checkpoints are never committed, so a cell recorded without DENSE on a machine that is gone has no clients
+    to fuse over: the dry run says so, a --fuse-only pass skips it (and goes on) instead of failing on a missing run
+    directory, and a training pass is told it will train them again."""
+    papers = _papers()
+    spec = papers.load_table(ROOT / "configs" / "papers" / "fedlpa-fmnist.yaml")
+    cell = papers.cells(spec)[0]
+    rec = tmp_path / "res" / spec["table"] / cell["name"]
+    rec.mkdir(parents=True)
+    from flare.config.load import load_config
+    (rec / "config.yaml").write_text(yaml.safe_dump(load_config(overrides=cell["config"]).model_dump(mode="json")))
+    (rec / "cell.json").write_text(json.dumps({"method": "fedavg", "alpha": 0.1, "seed": 0, "table": spec["table"]}))
+    (rec / "fuse.jsonl").write_text(json.dumps({"kind": "fuse", "strategy": "fedlpa", "options": None}) + "\n")
+    calls = []
+    monkeypatch.setattr(papers.subprocess, "call", lambda *a, **k: calls.append(a) or 0)
+    kw = dict(commit=False, overrides=[], dest=tmp_path / "res", only=(cell["name"],))
+    papers.run(spec, tmp_path / "runs", dry_run=True, **kw)
+    assert "recorded without dense; its clients are not on disk" in capsys.readouterr().out
+    assert papers.run(spec, tmp_path / "runs", dry_run=False, fuse_only=True, **kw) == 0 and calls == []
+    log = (tmp_path / "runs" / spec["table"] / "progress.log").read_text()
+    assert "its clients are not on disk; skipped" in log
+    papers.run(spec, tmp_path / "runs", dry_run=True, fuse_only=False, **kw)
+    assert "training them again" in capsys.readouterr().out

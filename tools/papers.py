@@ -221,6 +221,12 @@ def run(spec: dict, runs: Path, *, commit: bool, dry_run: bool, overrides: list[
         done = (rec / "cell.json").is_file() and {_key(f, cell["fuse_options"].get(f)) for f in todo_fuse} <= fused(rec)
         status = "recorded" if done else ("finished" if finished(run_dir) else
                                           "partial" if run_dir.exists() else "new")
+        if not done and (rec / "cell.json").is_file():  # recorded without a strategy the table now fuses
+            missing = [f for f in todo_fuse if _key(f, cell["fuse_options"].get(f)) not in fused(rec)]
+            status = (f"recorded without {', '.join(missing) or 'this budget'}; its clients "
+                      + ("are on disk" if finished(run_dir) else
+                         "are not on disk (checkpoints are never committed): "
+                         + ("skipped by --fuse-only" if fuse_only else "training them again")))
         changed = stale(rec, cell, overrides)
         if changed:
             msg = (f"[{i}/{len(todo)}] {cell['name']}: recorded at another setting (keys differ: "
@@ -238,6 +244,10 @@ def run(spec: dict, runs: Path, *, commit: bool, dry_run: bool, overrides: list[
             _log(log, f"[{i}/{len(todo)}] {cell['name']}: recorded, skipped")
             continue
         if fuse_only and not (rec / "cell.json").is_file():  # the training process records, then fuses it
+            continue
+        if fuse_only and not finished(run_dir):  # recorded on a machine that is gone: nothing here to fuse over
+            _log(log, f"[{i}/{len(todo)}] {cell['name']}: {status.split(';')[0]}, but its clients are not on disk; "
+                      "skipped (a pass without --fuse-only trains them again from the same seed)")
             continue
         cfg_path = table_runs / f"{cell['name']}.yaml"
         cfg_path.write_text(yaml.safe_dump(cell["config"], sort_keys=False))
