@@ -18,6 +18,9 @@ speed=fast chose and why; then the exact profile's evaluation seconds per shared
 recorded wall time is shown only for its own setting (no --set, the 5,000 / 1,000 subset), and is an AMD EPYC
 figure: on another CPU compare with the reference timed there.
 
+`--avx2-only` caps ATen, oneDNN and MKL at AVX2 in every profile: an AVX2-only CPU's code paths on this CPU's
+cores (its flags still list AVX512 and bf16, so speed=fast's probe also times bf16, under the cap).
+
 `--onednn-isa AVX512_CORE_VNNI` exports that cap on oneDNN to every profile (the exact one pins its own AVX2): on
 a CPU with native bf16 it gives oneDNN a Cascade Lake Xeon's instruction set, so bf16 is emulated as it is on an
 Intel AVX512 machine without bf16 — that machine's code paths on this CPU's cores (its flags still list bf16, so
@@ -63,9 +66,7 @@ def run_profile(name: str, extra: list[str], args, out: Path) -> dict:
            "--out", str(d), "--quiet"]
     # This process pinned its own kernels when it imported FLARE: its children get the environment the user gave
     # it instead, so each profile's `cpu_isa` alone decides their kernels.
-    env = cpu.user_environment()
-    if args.onednn_isa:
-        env["ONEDNN_MAX_CPU_ISA"] = args.onednn_isa
+    env = {**cpu.user_environment(), **caps(args)}
     t0 = time.perf_counter()
     r = subprocess.run(cmd, env={**env, "FLARE_QUIET": "1"}, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -81,6 +82,31 @@ def run_profile(name: str, extra: list[str], args, out: Path) -> dict:
             "train_rate": images / rnd["seconds_train"], "eval_parts": rnd.get("seconds_eval_parts") or {},
             "eval_rules": rnd.get("seconds_eval_rules") or {},
             "backend": st.get("backend", {}), "warnings": st.get("warnings", [])}
+
+
+# An AVX2-only CPU (an older AMD EPYC or Xeon), as far as the kernel libraries can be told to be one: every library's
+# dispatch capped at AVX2. The CPU's flags still list what it has, so speed=fast's probe also times bf16 (under the
+# cap), which such a CPU's flags leave out.
+AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def caps(args) -> dict:
+    """The kernel caps exported to every profile (the exact profile pins its own AVX2 over them)."""
+    if args.avx2_only:
+        return dict(AVX2_ONLY)
+    return {"ONEDNN_MAX_CPU_ISA": args.onednn_isa} if args.onednn_isa else {}
+
+
+def cap_text(rec: dict) -> str:
+    """What the CPU line says of the caps a record ran under."""
+    capped = rec.get("caps") or ({"ONEDNN_MAX_CPU_ISA": rec["onednn_isa"]} if rec.get("onednn_isa") else {})
+    if capped == AVX2_ONLY:
+        return (", ATen, oneDNN and MKL capped at AVX2 (an AVX2-only CPU, emulated on this one's cores; its flags "
+                "still list AVX512 and bf16, so speed=fast's probe times bf16 too, under the cap)")
+    if capped:
+        return (f", oneDNN capped at {capped['ONEDNN_MAX_CPU_ISA']} (bf16 emulated: an AVX512 CPU without native "
+                "bf16, emulated on this one's cores)")
+    return ""
 
 
 def probe_rate(row: dict, choice: dict) -> float | None:
@@ -111,13 +137,11 @@ def machine_facts() -> dict:
 def markdown(rec: dict) -> str:
     """The benchmark's tables, from its record alone (what it prints, and what the docs block shows)."""
     m, rows, choice = rec["machine"], rec["rows"], rec.get("choice") or {}
-    own = rec["reference_setting"] and not rec.get("onednn_isa")  # the reference was timed without the cap
+    own = rec["reference_setting"] and not (rec.get("onednn_isa") or rec.get("caps"))  # timed without a cap
     setting = " ".join(rec["set"])
     load = rec.get("load_average") or {}
     fmt_load = lambda v: "/".join(f"{x:.2f}" for x in v) if v else "unknown"  # noqa: E731
-    cap = rec.get("onednn_isa")
-    cpu_txt = m["cpu"] + (f", oneDNN capped at {cap} (bf16 emulated: an AVX512 CPU without native bf16, emulated on "
-                          f"this one's cores)" if cap else "")
+    cpu_txt = m["cpu"] + cap_text(rec)
     out = [f"CPU: {cpu_txt}, {m['cores']} cores; torch {m['torch']}, torch threads {m['torch_threads']}, each profile "
            f"its own process; load average (1/5/15 min) {fmt_load(load.get('before'))} before, "
            f"{fmt_load(load.get('after'))} after.", "",
@@ -173,9 +197,13 @@ def main(argv=None) -> int:
                     help="another profile: a name, '=', then overrides separated by spaces")
     ap.add_argument("--onednn-isa", default=None, metavar="ISA",
                     help="export ONEDNN_MAX_CPU_ISA=ISA to every profile (AVX512_CORE_VNNI: a Cascade Lake's level)")
+    ap.add_argument("--avx2-only", action="store_true",
+                    help="cap ATen, oneDNN and MKL at AVX2 in every profile: an AVX2-only CPU on this one's cores")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="overrides for every profile (a smaller setting; the reference's time is then not shown)")
     args = ap.parse_intermixed_args(argv)  # KEY=VALUE may come before or after the options
+    if args.avx2_only and args.onednn_isa:
+        ap.error("--avx2-only caps oneDNN itself; give it or --onednn-isa, not both")
     profiles = dict(PROFILES)
     for p in args.profile:
         name, _, rest = p.partition("=")
@@ -196,7 +224,7 @@ def main(argv=None) -> int:
     rec = {"machine": machine_facts(), "load_average": {"before": before, "after": load_average()},
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "train_subset": args.train_subset,
            "test_subset": args.test_subset, "set": list(args.set), "profiles": profiles,
-           "onednn_isa": args.onednn_isa,
+           "onednn_isa": args.onednn_isa, "caps": caps(args),
            "reference_setting": args.set == [] and (args.train_subset, args.test_subset) == (5000, 1000),
            "rows": rows, "choice": choice}
     if args.record:

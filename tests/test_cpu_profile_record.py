@@ -49,3 +49,25 @@ def test_an_edited_record_changes_the_block(tmp_path):
 def test_the_record_is_copied_with_the_runs():
     paths = tool.record_paths(tool.RESULTS["cpu-profile"])
     assert RECORD in paths and "runs/readme/cpu-profile" in paths
+
+
+def test_an_avx2_only_record_says_so_and_drops_the_reference_column():
+    """`--avx2-only` caps every kernel library at AVX2 in every profile; its record's CPU line says so, and the
+    reference's AMD EPYC time (measured uncapped) is not shown beside it, as under the oneDNN cap."""
+    bench = _load("cpu_profile_bench", ROOT / "benchmarks" / "cpu_profile.py")
+    rec = json.loads((tool.records_of(tool.RESULTS["cpu-speed"]) / "runs/readme/cpu-speed-record.json").read_text())
+    assert rec["reference_setting"] and "over the reference" in bench.markdown(rec)
+    capped = {**rec, "caps": dict(bench.AVX2_ONLY)}
+    text = bench.markdown(capped)
+    assert "ATen, oneDNN and MKL capped at AVX2 (an AVX2-only CPU" in text and "over the reference" not in text
+    old = {**rec, "onednn_isa": "AVX512_CORE_VNNI"}  # a record written before `caps` existed
+    assert "oneDNN capped at AVX512_CORE_VNNI" in bench.markdown(old)
+    args = bench.argparse.Namespace(avx2_only=True, onednn_isa=None)
+    assert bench.caps(args) == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                                "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    try:
+        bench.main(["--data-root", "x", "--avx2-only", "--onednn-isa", "AVX2"])
+    except SystemExit as e:
+        assert e.code == 2
+    else:
+        raise AssertionError("--avx2-only with --onednn-isa must be refused")

@@ -497,6 +497,11 @@ RESULTS = {r.id: r for r in [
              "runs/readme/cpu-emulated-small-record.json"],
             cpu_profile_block("runs/readme/cpu-emulated-small-record.json"),
             page="docs/performance.md"),
+    Results("cpu-emulated-avx2",  # an AVX2-only CPU, as far as ATen, oneDNN and MKL can be told to be one
+            [f"python benchmarks/cpu_profile.py --data-root {CIFAR} --avx2-only --out runs/readme/cpu-avx2 --record "
+             "runs/readme/cpu-avx2-record.json"],
+            cpu_profile_block("runs/readme/cpu-avx2-record.json"),
+            page="docs/performance.md"),
     Results("baselines",
             [cmd for a in (0.05, 0.5) for cmd in (
                 f"flare compare --presets {','.join(BASELINE_PRESETS)} --seeds 1,2,3 {BASELINE_ARGS} "
