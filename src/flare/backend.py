@@ -85,18 +85,20 @@ def backend(cfg: Config, device: str | None = None) -> Backend:
 
 
 def settle_speed(be: Backend, cfg: Config, shape: tuple[int, int, int], num_classes: int, *, cpu_facts=None,
-                 measure=None, cache=None, train_size: int | None = None) -> Backend:
+                 measure=None, cache=None, train_size: int | None = None, kernels_bf16: bool | None = None) -> Backend:
     """`speed=fast` on CPU: the precision (amp=auto) and layout (cpu_channels_last=auto) the probe measures fastest
     for the run's model at its input `shape` (flare/speed.py), never a candidate that does not beat plain fp32 by
     the margin; the choice and its figures go into the run's facts. `train_size`: the training images of all
     clients (None: unknown), from which the run's own training is counted — a run shorter than the probe is not
-    probed. Anything else: `be` unchanged. `cpu_facts`, `measure`, `cache`: injectable for tests."""
+    probed. Anything else: `be` unchanged. `cpu_facts`, `measure`, `cache`, `kernels_bf16` (whether this process's
+    kernels may use bf16 instructions; None: `cpu.kernels_run_bf16()`): injectable for tests."""
     decide_amp, decide_layout = cfg.amp == "auto", cfg.cpu_channels_last == "auto"
     if cfg.speed != "fast" or be.device.type != "cpu" or not (decide_amp or decide_layout):
         return be
     facts = cpu_facts or speed.read_cpu()
     cands = speed.candidates(facts, decide_amp=decide_amp, decide_layout=decide_layout,
-                             bf16=be.amp_dtype == torch.bfloat16, channels_last=be.channels_last)
+                             bf16=be.amp_dtype == torch.bfloat16, channels_last=be.channels_last,
+                             kernels_bf16=cpu.kernels_run_bf16() if kernels_bf16 is None else kernels_bf16)
     images = min(2 * cfg.batch_size, speed.PROBE_IMAGES)
     spec = speed.ProbeSpec(cfg.model_dump(mode="json"), tuple(shape), num_classes, images)
     try:

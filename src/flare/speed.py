@@ -93,11 +93,14 @@ EXACT = Candidate(False, False, exact=True)
 
 
 def candidates(cpu: CpuFacts, *, decide_amp: bool, decide_layout: bool, bf16: bool = False,
-               channels_last: bool = False) -> list[Candidate]:
+               channels_last: bool = False, kernels_bf16: bool = True) -> list[Candidate]:
     """The exact profile, then the candidates at this process's kernels: the items the config leaves to the probe
     (`decide_*`) in every allowed value, the others as the config fixed them. The first after `EXACT` is the
-    floor: plain fp32 NCHW where the config leaves both open."""
-    precisions = [False, True] if decide_amp and cpu.native_bf16 else [False] if decide_amp else [bf16]
+    floor: plain fp32 NCHW where the config leaves both open. bf16 is a candidate only where the CPU has bf16
+    instructions and the kernels may use them (`kernels_bf16`: no exported cap below them, `cpu.kernels_run_bf16`):
+    emulated bf16 is never worth the probe's time (one warm-up step of it took minutes under an AVX2 cap)."""
+    native = cpu.native_bf16 and kernels_bf16
+    precisions = [False, True] if decide_amp and native else [False] if decide_amp else [bf16]
     layouts = [False, True] if decide_layout else [channels_last]
     return [EXACT] + [Candidate(p, cl) for p in precisions for cl in layouts]
 
