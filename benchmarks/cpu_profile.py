@@ -19,12 +19,13 @@ recorded wall time is shown only for its own setting (no --set, the 5,000 / 1,00
 figure: on another CPU compare with the reference timed there.
 
 `--avx2-only` caps ATen, oneDNN and MKL at AVX2 in every profile: an AVX2-only CPU's code paths on this CPU's
-cores (its flags still list AVX512 and bf16, so speed=fast's probe also times bf16, under the cap).
+cores (its flags still list AVX512 and bf16; under the cap bf16 is emulated, so speed=fast does not time it).
 
 `--onednn-isa AVX512_CORE_VNNI` exports that cap on oneDNN to every profile (the exact one pins its own AVX2): on
 a CPU with native bf16 it gives oneDNN a Cascade Lake Xeon's instruction set, so bf16 is emulated as it is on an
-Intel AVX512 machine without bf16 — that machine's code paths on this CPU's cores (its flags still list bf16, so
-speed=fast's probe times the emulated bf16 too, and must reject it by measurement). The CPU line says so.
+Intel AVX512 machine without bf16 — that machine's code paths on this CPU's cores (its flags still list bf16;
+speed=fast sees the cap and does not time the emulated bf16, as a Xeon's flags would leave it out). The CPU line
+says so, and whether the record's probe timed bf16 (records made before speed=fast read the cap did).
 
 With `--record FILE` it also writes what it measured as JSON — the CPU (model, flags that matter, cores), torch,
 threads, the load average before and after, the setting, every profile's row and the probe's choice — and
@@ -85,8 +86,7 @@ def run_profile(name: str, extra: list[str], args, out: Path) -> dict:
 
 
 # An AVX2-only CPU (an older AMD EPYC or Xeon), as far as the kernel libraries can be told to be one: every library's
-# dispatch capped at AVX2. The CPU's flags still list what it has, so speed=fast's probe also times bf16 (under the
-# cap), which such a CPU's flags leave out.
+# dispatch capped at AVX2. The CPU's flags still list what it has; speed=fast sees the cap and leaves bf16 out.
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
@@ -100,12 +100,15 @@ def caps(args) -> dict:
 def cap_text(rec: dict) -> str:
     """What the CPU line says of the caps a record ran under."""
     capped = rec.get("caps") or ({"ONEDNN_MAX_CPU_ISA": rec["onednn_isa"]} if rec.get("onednn_isa") else {})
+    timed = "bf16" in ((rec.get("choice") or {}).get("samples_per_s") or {})
+    probe = ("speed=fast's probe timed the emulated bf16 too" if timed else
+             "bf16, emulated under the cap, is no candidate for speed=fast's probe")
     if capped == AVX2_ONLY:
         return (", ATen, oneDNN and MKL capped at AVX2 (an AVX2-only CPU, emulated on this one's cores; its flags "
-                "still list AVX512 and bf16, so speed=fast's probe times bf16 too, under the cap)")
+                f"still list AVX512 and bf16: {probe})")
     if capped:
         return (f", oneDNN capped at {capped['ONEDNN_MAX_CPU_ISA']} (bf16 emulated: an AVX512 CPU without native "
-                "bf16, emulated on this one's cores)")
+                f"bf16, emulated on this one's cores; {probe})")
     return ""
 
 

@@ -60,6 +60,9 @@ def test_an_avx2_only_record_says_so_and_drops_the_reference_column():
     capped = {**rec, "caps": dict(bench.AVX2_ONLY)}
     text = bench.markdown(capped)
     assert "ATen, oneDNN and MKL capped at AVX2 (an AVX2-only CPU" in text and "over the reference" not in text
+    assert "timed the emulated bf16" in text  # this record's probe timed bf16 (it ran uncapped)
+    no_bf16 = {**capped, "choice": {**rec["choice"], "samples_per_s": {"exact": 1.0, "fp32": 1.0}}}
+    assert "no candidate" in bench.markdown(no_bf16)
     old = {**rec, "onednn_isa": "AVX512_CORE_VNNI"}  # a record written before `caps` existed
     assert "oneDNN capped at AVX512_CORE_VNNI" in bench.markdown(old)
     args = bench.argparse.Namespace(avx2_only=True, onednn_isa=None)
