@@ -687,12 +687,13 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--check", action="store_true", help="exit 1 if the committed block is stale")
     g.add_argument("--results", default=str(RESULTS), help="the records directory (default results/papers)")
     a = ap.parse_args(argv)
-    if a.cmd == "run":
+    if a.cmd in ("run", "describe"):
         try:
             spec = load_table(a.table)
         except TableError as e:
             print(f"papers: {e}", file=sys.stderr)
             return 2
+    if a.cmd == "run":
         names = [c["name"] for c in cells(spec)]
         unknown = [n for n in a.cells if n not in names]
         if unknown:
@@ -702,11 +703,6 @@ def main(argv: list[str] | None = None) -> int:
         return run(spec, Path(a.runs), commit=a.commit, dry_run=a.dry_run, overrides=a.set,
                    defer=tuple(a.defer), fuse_only=a.fuse_only, only=tuple(a.cells), table_path=a.table)
     if a.cmd == "describe":
-        try:
-            spec = load_table(a.table)
-        except TableError as e:
-            print(f"papers: {e}", file=sys.stderr)
-            return 2
         if not (Path(a.results) / spec["table"]).is_dir():
             print(f"papers: {spec['table']} has no records under {a.results} yet; its first cell writes the "
                   "description", file=sys.stderr)
