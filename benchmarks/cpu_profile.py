@@ -97,9 +97,14 @@ def caps(args) -> dict:
     return {"ONEDNN_MAX_CPU_ISA": args.onednn_isa} if args.onednn_isa else {}
 
 
+def record_caps(rec: dict) -> dict:
+    """The kernel caps a record ran under (records written before `caps` name only their oneDNN cap)."""
+    return rec.get("caps") or ({"ONEDNN_MAX_CPU_ISA": rec["onednn_isa"]} if rec.get("onednn_isa") else {})
+
+
 def cap_text(rec: dict) -> str:
     """What the CPU line says of the caps a record ran under."""
-    capped = rec.get("caps") or ({"ONEDNN_MAX_CPU_ISA": rec["onednn_isa"]} if rec.get("onednn_isa") else {})
+    capped = record_caps(rec)
     timed = "bf16" in ((rec.get("choice") or {}).get("samples_per_s") or {})
     probe = ("speed=fast's probe timed the emulated bf16 too" if timed else
              "bf16, emulated under the cap, is no candidate for speed=fast's probe")
@@ -140,7 +145,7 @@ def machine_facts() -> dict:
 def markdown(rec: dict) -> str:
     """The benchmark's tables, from its record alone (what it prints, and what the docs block shows)."""
     m, rows, choice = rec["machine"], rec["rows"], rec.get("choice") or {}
-    own = rec["reference_setting"] and not (rec.get("onednn_isa") or rec.get("caps"))  # timed without a cap
+    own = rec["reference_setting"] and not record_caps(rec)  # the reference was timed without a cap
     setting = " ".join(rec["set"])
     load = rec.get("load_average") or {}
     fmt_load = lambda v: "/".join(f"{x:.2f}" for x in v) if v else "unknown"  # noqa: E731
@@ -227,7 +232,7 @@ def main(argv=None) -> int:
     rec = {"machine": machine_facts(), "load_average": {"before": before, "after": load_average()},
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "train_subset": args.train_subset,
            "test_subset": args.test_subset, "set": list(args.set), "profiles": profiles,
-           "onednn_isa": args.onednn_isa, "caps": caps(args),
+           "caps": caps(args),
            "reference_setting": args.set == [] and (args.train_subset, args.test_subset) == (5000, 1000),
            "rows": rows, "choice": choice}
     if args.record:

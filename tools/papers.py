@@ -218,12 +218,13 @@ def run(spec: dict, runs: Path, *, commit: bool, dry_run: bool, overrides: list[
         run_dir = table_runs / cell["name"]
         rec = dest / spec["table"] / cell["name"]
         todo_fuse = [f for f in cell["fuse"] if f not in defer]
-        done = (rec / "cell.json").is_file() and {_key(f, cell["fuse_options"].get(f)) for f in todo_fuse} <= fused(rec)
+        recorded, have = (rec / "cell.json").is_file(), fused(rec)
+        missing = [f for f in todo_fuse if _key(f, cell["fuse_options"].get(f)) not in have]
+        done = recorded and not missing
         status = "recorded" if done else ("finished" if finished(run_dir) else
                                           "partial" if run_dir.exists() else "new")
-        if not done and (rec / "cell.json").is_file():  # recorded without a strategy the table now fuses
-            missing = [f for f in todo_fuse if _key(f, cell["fuse_options"].get(f)) not in fused(rec)]
-            status = (f"recorded without {', '.join(missing) or 'this budget'}; its clients "
+        if recorded and missing:  # recorded without a strategy the table now fuses
+            status = (f"recorded without {', '.join(missing)}; its clients "
                       + ("are on disk" if finished(run_dir) else
                          "are not on disk (checkpoints are never committed): "
                          + ("skipped by --fuse-only" if fuse_only else "training them again")))
@@ -243,7 +244,7 @@ def run(spec: dict, runs: Path, *, commit: bool, dry_run: bool, overrides: list[
         if done:
             _log(log, f"[{i}/{len(todo)}] {cell['name']}: recorded, skipped")
             continue
-        if fuse_only and not (rec / "cell.json").is_file():  # the training process records, then fuses it
+        if fuse_only and not recorded:  # the training process records, then fuses it
             continue
         if fuse_only and not finished(run_dir):  # recorded on a machine that is gone: nothing here to fuse over
             _log(log, f"[{i}/{len(todo)}] {cell['name']}: {status.split(';')[0]}, but its clients are not on disk; "
