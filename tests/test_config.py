@@ -23,6 +23,17 @@ def test_layering_preset_then_file_then_overrides(tmp_path):
     assert cfg.rounds == 7 and cfg.lr == 0.02 and cfg.loss.objective == "ce" and cfg.method == "fedavg"
 
 
+def test_amp_off_as_yaml_reads_it(tmp_path):
+    """`off` is a YAML 1.1 boolean: the documented `amp=off` must mean "off" from the command line and a file."""
+    assert load_config(None, "fafi", ["amp=off"]).amp == "off"
+    f = tmp_path / "c.yaml"
+    f.write_text("amp: off\n")
+    assert load_config(f, "fafi", []).amp == "off"
+    with pytest.raises(FlareError) as e:  # `on` has no documented meaning: still refused, naming the key
+        load_config(None, "fafi", ["amp=on"])
+    assert e.value.key == "amp"
+
+
 @pytest.mark.parametrize("ov,key", [
     (["num_client=3"], "num_client"),
     (["rounds=abc"], "rounds"),

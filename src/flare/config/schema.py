@@ -274,6 +274,13 @@ class Config(Strict):
             load_plugins(data.get("plugins"))
         return fill_speed(fill_protocol(data))
 
+    @field_validator("amp", mode="before")
+    @classmethod
+    def _amp_off(cls, v):
+        """YAML 1.1 reads a bare `off` as false: `amp=off` on the command line and `amp: off` in a file mean the
+        documented value, not a type error."""
+        return "off" if v is False else v
+
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:
