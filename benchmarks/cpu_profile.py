@@ -47,7 +47,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from flare import cpu
+from flare import cpu, speed
+from flare.config import Config
 from flare.speed import read_cpu
 
 REFERENCE_SECONDS = 453.5  # the reference's OursV4, same setting, same VM type
@@ -83,6 +84,23 @@ def run_profile(name: str, extra: list[str], args, out: Path) -> dict:
             "train_rate": images / rnd["seconds_train"], "eval_parts": rnd.get("seconds_eval_parts") or {},
             "eval_rules": rnd.get("seconds_eval_rules") or {},
             "backend": st.get("backend", {}), "warnings": st.get("warnings", [])}
+
+
+IMAGE_SHAPE, CLASSES = (3, 32, 32), 10  # the setting's CIFAR-10
+
+
+def bare_step(d: Path, row: dict, args) -> dict:
+    """The bare training step (forward, CE, backward, SGD with momentum on random input: flare/speed.py) of the
+    configuration a profile ran — its kernels, precision and layout — at the run's own step size (2 × batch: the
+    two views), in its own process under the same caps. speed=fast's probe steps 256 images to keep its cost below
+    a run's; on ResNet-18 a 1,024-image step runs fewer images a second than a 256-image one, so only this figure
+    says how much of the training's time the kernels alone would take."""
+    cfg = Config.model_validate(yaml.safe_load((d / "config.yaml").read_text()))
+    b = row["backend"]
+    cand = speed.Candidate(b.get("amp") == "bf16", bool(b.get("channels_last")))
+    spec = speed.ProbeSpec(cfg.model_dump(mode="json"), IMAGE_SHAPE, CLASSES, 2 * cfg.batch_size)
+    rate = speed.measure_in_child(spec, cfg.cpu_isa, cand, {**cpu.user_environment(), **caps(args)})
+    return {"images": spec.images, "steps": spec.steps, "samples_per_s": rate}
 
 
 # An AVX2-only CPU (an older AMD EPYC or Xeon), as far as the kernel libraries can be told to be one: every library's
@@ -156,17 +174,22 @@ def markdown(rec: dict) -> str:
            f"FAFI, CIFAR-10 export {rec['train_subset']}/{rec['test_subset']}, ResNet-18, 5 clients, α = 0.05, batch "
            f"512, one round{'; ' + setting if setting else ''}.", ""]
     ref = f" over the reference ({REFERENCE_SECONDS} s, AMD EPYC) |" if own else ""
+    step = next((r["bare_step"]["images"] for r in rows if r.get("bare_step")), None)
+    step = f"{step:,} images" if step else "the run's images"  # records made before the column: none measured
     out += ["| profile | settings | CPU kernels | amp | channels_last | rules evaluated | wall (s) | train (s) | "
-            "eval (s) | train (samples/s) | bare-kernel probe (samples/s) | train ÷ probe | "
+            f"eval (s) | train (samples/s) | bare step, {step} (samples/s) | train ÷ bare step | "
+            f"probe, {(choice.get('probe') or {}).get('images_per_step', 256)} images (samples/s) | train ÷ probe | "
             f"speed-up over exact |{ref}",
-            "| --- " * (13 + bool(ref)) + "|"]
+            "| --- " * (15 + bool(ref)) + "|"]
     base = rows[0]["wall"]
+    ratio = lambda v: f"{r['train_rate'] / v:.2f}" if v else "—"  # noqa: E731
     for r in rows:
         b, bare = r["backend"], probe_rate(r, choice)
+        own_step = (r.get("bare_step") or {}).get("samples_per_s")
         cells = [r["profile"], f"`{r['settings']}`", b.get("cpu_kernels"), b.get("amp"), b.get("channels_last"),
                  ", ".join(b.get("eval_rules") or []), f"{r['wall']:.1f}", f"{r['train']:.1f}", f"{r['eval']:.1f}",
-                 f"{r['train_rate']:.1f}", f"{bare:.1f}" if bare else "—",
-                 f"{r['train_rate'] / bare:.2f}" if bare else "—", f"{base / r['wall']:.2f}×"]
+                 f"{r['train_rate']:.1f}", f"{own_step:.1f}" if own_step else "—", ratio(own_step),
+                 f"{bare:.1f}" if bare else "—", ratio(bare), f"{base / r['wall']:.2f}×"]
         cells += [f"{REFERENCE_SECONDS / r['wall']:.2f}×"] if own else []
         out.append("| " + " | ".join(map(str, cells)) + " |")
     if choice and (choice.get("probe") or {}).get("skipped"):
@@ -228,6 +251,8 @@ def main(argv=None) -> int:
     if warm.returncode != 0:
         raise SystemExit(f"cannot read the dataset: {warm.stderr}")
     rows = [run_profile(n, x, args, out) for n, x in profiles.items()]
+    for r in rows:  # after every profile, so none of them waits on it; one child per configuration
+        r["bare_step"] = bare_step(out / r["profile"], r, args)
     choice = next((r["backend"]["speed_choice"] for r in rows if r["backend"].get("speed_choice")), {})
     rec = {"machine": machine_facts(), "load_average": {"before": before, "after": load_average()},
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "train_subset": args.train_subset,

@@ -74,3 +74,20 @@ def test_an_avx2_only_record_says_so_and_drops_the_reference_column():
         assert e.code == 2
     else:
         raise AssertionError("--avx2-only with --onednn-isa must be refused")
+
+
+def test_each_profile_is_set_against_its_bare_step_at_the_runs_own_size():
+    """The bare-step column: the profile's own configuration at 2 × batch images, beside the probe's 256-image
+    figure; a record made before the column existed shows a dash, never another figure."""
+    bench = _load("cpu_profile_bench", ROOT / "benchmarks" / "cpu_profile.py")
+    rec = json.loads((tool.records_of(tool.RESULTS["cpu-speed"]) / "runs/readme/cpu-speed-record.json").read_text())
+    rows = [{**r, "bare_step": {"images": 1024, "steps": 2, "samples_per_s": r["train_rate"] * 1.25}}
+            for r in rec["rows"]]
+    text = bench.markdown({**rec, "rows": rows})
+    assert "bare step, 1,024 images (samples/s) | train ÷ bare step |" in text
+    for r in rows:
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"| {r['profile']} |"))
+        assert f"| {r['train_rate'] * 1.25:.1f} | 0.80 |" in line
+    old = bench.markdown({**rec, "rows": [{k: v for k, v in r.items() if k != "bare_step"} for r in rec["rows"]]})
+    assert "the run's images (samples/s)" in old
+    assert all("| — | — |" in ln for ln in old.splitlines() if ln.startswith(("| exact | `", "| fast | `")))

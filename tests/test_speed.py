@@ -1,6 +1,7 @@
 """speed=fast chooses precision and layout by the CPU's flags and a measured probe (flare/speed.py): CPUs and probe
 results that are not this machine's are injected, so the Intel-without-bf16 behaviour is tested here too."""
 import json
+import os
 
 import pytest
 import torch
@@ -192,6 +193,15 @@ def test_the_exact_profile_is_measured_in_its_own_process():
     cfg = fast_cfg()
     spec = speed.ProbeSpec(cfg.model_dump(mode="json"), SHAPE, 10, 8, 1)
     assert speed.measure_exact(spec, "avx2") > 0
+
+
+@pytest.mark.slow
+def test_a_benchmark_measures_another_configuration_in_its_own_process():
+    """benchmarks/cpu_profile.py times each profile's bare step (its kernels, precision and layout) this way."""
+    cfg = fast_cfg()
+    spec = speed.ProbeSpec(cfg.model_dump(mode="json"), SHAPE, 10, 8, 1)
+    env = {k: v for k, v in os.environ.items() if k not in (*cpu._ENV, cpu._MARK)}
+    assert speed.measure_in_child(spec, "native", speed.Candidate(False, True), env) > 0
 
 
 def test_a_fast_run_records_its_choice_in_state_and_summary(tiny_overrides, tmp_path):

@@ -210,17 +210,29 @@ def measure_here(spec: ProbeSpec, cand: Candidate, beat: float = 0.0) -> float:
 
 def measure_exact(spec: ProbeSpec, level: str) -> float:
     """The exact profile's step in a child process pinned to `level` (the kernel level is fixed per process)."""
-    env = {k: v for k, v in os.environ.items() if k not in (*cpu._ENV, cpu._MARK)}
+    return measure_in_child(spec, level)
+
+
+def measure_in_child(spec: ProbeSpec, level: str, cand: Candidate = EXACT, env: dict | None = None) -> float:
+    """`cand`'s bare step in a child process at kernel level `level` (`cpu_isa`'s values). `env`: the child's
+    environment before FLARE's level is set (default: this process's, FLARE's own pins removed) — a benchmark
+    passes the user's, with the kernel caps it exports to its profiles."""
+    env = dict(env) if env is not None else {k: v for k, v in os.environ.items() if k not in (*cpu._ENV, cpu._MARK)}
     env["FLARE_CPU_ISA"] = level
-    payload = json.dumps({"config": spec.config, "shape": list(spec.shape), "num_classes": spec.num_classes,
-                          "images": spec.images, "steps": spec.steps})
+    payload = {"config": spec.config, "shape": list(spec.shape), "num_classes": spec.num_classes,
+               "images": spec.images, "steps": spec.steps}
+    if not cand.exact:
+        payload.update(bf16=cand.bf16, channels_last=cand.channels_last)
     src = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    r = subprocess.run([sys.executable, "-m", "flare.speed"], input=payload, env=env, capture_output=True,
-                       text=True)
+    r = subprocess.run([sys.executable, "-m", "flare.speed"], input=json.dumps(payload), env=env,
+                       capture_output=True, text=True)
     if r.returncode != 0:
-        raise RuntimeError(f"the exact profile's probe failed: {r.stderr.strip()[-500:]}")
-    return float(json.loads(r.stdout.strip().splitlines()[-1])["samples_per_s"])
+        raise RuntimeError(f"the {cand.name} step's measurement failed: {r.stderr.strip()[-500:]}")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    if out.get("candidate") != cand.name:  # a figure of another configuration must never pass for this one's
+        raise RuntimeError(f"asked for the {cand.name} step, the child measured {out.get('candidate')}")
+    return float(out["samples_per_s"])
 
 
 def cache_path() -> Path:
@@ -297,10 +309,12 @@ def probe(spec: ProbeSpec, cands: list[Candidate], exact_level: str, cpu: CpuFac
 
 
 def _child() -> None:
-    """`python -m flare.speed`: one exact-profile measurement from the JSON spec on stdin (its own kernels)."""
+    """`python -m flare.speed`: one measurement from the JSON spec on stdin, at this process's own kernels — the
+    exact profile's, or (with "bf16" and "channels_last") a benchmark's bare step of another configuration."""
     d = json.loads(sys.stdin.read())
     spec = ProbeSpec(d["config"], tuple(d["shape"]), d["num_classes"], d["images"], d["steps"])
-    print(json.dumps({"samples_per_s": measure_here(spec, EXACT)}))
+    cand = Candidate(d["bf16"], d["channels_last"]) if "bf16" in d else EXACT
+    print(json.dumps({"samples_per_s": measure_here(spec, cand), "candidate": cand.name}))
 
 
 if __name__ == "__main__":
