@@ -214,9 +214,8 @@ def measure_exact(spec: ProbeSpec, level: str) -> float:
 
 
 def measure_in_child(spec: ProbeSpec, level: str, cand: Candidate = EXACT, env: dict | None = None) -> float:
-    """`cand`'s bare step in a child process at kernel level `level` (`cpu_isa`'s values). `env`: the child's
-    environment before FLARE's level is set (default: this process's, FLARE's own pins removed) — a benchmark
-    passes the user's, with the kernel caps it exports to its profiles."""
+    """`cand`'s bare step in a child process at kernel level `level` (a `cpu_isa`). `env`: the child's environment
+    before the level (default: this process's less FLARE's pins; a benchmark passes the user's, with its caps)."""
     env = dict(env) if env is not None else {k: v for k, v in os.environ.items() if k not in (*cpu._ENV, cpu._MARK)}
     env["FLARE_CPU_ISA"] = level
     payload = {"config": spec.config, "shape": list(spec.shape), "num_classes": spec.num_classes,
@@ -309,8 +308,7 @@ def probe(spec: ProbeSpec, cands: list[Candidate], exact_level: str, cpu: CpuFac
 
 
 def _child() -> None:
-    """`python -m flare.speed`: one measurement from the JSON spec on stdin, at this process's own kernels — the
-    exact profile's, or (with "bf16" and "channels_last") a benchmark's bare step of another configuration."""
+    """`python -m flare.speed`: one step's measurement (the exact profile's, or the candidate the JSON names)."""
     d = json.loads(sys.stdin.read())
     spec = ProbeSpec(d["config"], tuple(d["shape"]), d["num_classes"], d["images"], d["steps"])
     cand = Candidate(d["bf16"], d["channels_last"]) if "bf16" in d else EXACT

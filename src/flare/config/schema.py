@@ -277,8 +277,7 @@ class Config(Strict):
     @field_validator("amp", mode="before")
     @classmethod
     def _amp_off(cls, v):
-        """YAML 1.1 reads a bare `off` as false: `amp=off` on the command line and `amp: off` in a file mean the
-        documented value, not a type error."""
+        """YAML 1.1 reads a bare `off` (`amp=off`, `amp: off`) as false: it means the documented value."""
         return "off" if v is False else v
 
     @field_validator("device")
