@@ -14,7 +14,8 @@ Prints, with the CPU named (its model and whether it has native bf16): a table p
 evaluation seconds, the kernels, precision and layout it ran, its training throughput against the bare-kernel
 probe's figure for the same configuration (speed=fast's probe: forward, CE, backward and SGD on random input at
 the run's batch, flare/speed.py), and the speed-up over `exact`; then the probe's figures for every candidate, what
-speed=fast chose and why; then the exact profile's evaluation seconds per shared pass and per rule. The reference's
+speed=fast chose and why; then the exact profile's evaluation seconds per shared pass and per rule; last, one
+sentence setting the fast profile against the speed targets. The reference's
 recorded wall time is shown only for its own setting (no --set, the 5,000 / 1,000 subset), and is an AMD EPYC
 figure: on another CPU compare with the reference timed there.
 
@@ -212,9 +213,29 @@ def markdown(rec: dict) -> str:
                 "what each rule would cost alone (the shared passes it reads plus its own part):", "",
                 "| part | seconds | rule alone (s) |", "| --- | --- | --- |"]
         out += [f"| {k} | {v:.2f} | {rows[0]['eval_rules'].get(k, '—')} |" for k, v in rows[0]["eval_parts"].items()]
+    out += ["", targets(rec)] if targets(rec) else []
     for r in rows:
         out += [f"\n{r['profile']}: warning: {w}" for w in r["warnings"]]
     return "\n".join(out) + "\n"
+
+
+def targets(rec: dict) -> str:
+    """The fast profile against the speed targets, as one sentence computed from the record, so that the prose
+    around a block never has to copy its figures (and cannot drift from them)."""
+    by = {r["profile"]: r for r in rec["rows"]}
+    if not {"exact", "fast"} <= by.keys():
+        return ""
+    fast, exact = by["fast"], by["exact"]
+    parts = [f"speed=fast ran {exact['wall'] / fast['wall']:.2f}× exact's wall time (target: never below 1×)"]
+    bare = (fast.get("bare_step") or {}).get("samples_per_s")
+    parts.append(f"its training at {fast['train_rate'] / bare:.2f} of its own bare step at the run's step size "
+                 "(target: at least 0.85)" if bare else "its bare step at the run's step size is not in this record")
+    if rec["reference_setting"] and not record_caps(rec):
+        native_bf16 = bool({"avx512_bf16", "amx_bf16"} & set(rec["machine"].get("flags", [])))
+        parts.append(f"{REFERENCE_SECONDS / fast['wall']:.2f}× the reference's wall time (target: "
+                     f"{'at least 1.5× on a CPU with native bf16' if native_bf16 else 'above 1×'}), and the exact "
+                     f"default {REFERENCE_SECONDS / exact['wall']:.2f}× it (target: at most 10 % slower than it)")
+    return "Against the targets, from this record: " + "; ".join(parts) + "."
 
 
 def main(argv=None) -> int:

@@ -91,3 +91,22 @@ def test_each_profile_is_set_against_its_bare_step_at_the_runs_own_size():
     old = bench.markdown({**rec, "rows": [{k: v for k, v in r.items() if k != "bare_step"} for r in rec["rows"]]})
     assert "the run's images (samples/s)" in old
     assert all("| — | — |" in ln for ln in old.splitlines() if ln.startswith(("| exact | `", "| fast | `")))
+
+
+def test_the_targets_sentence_is_computed_from_the_record():
+    """Below the tables, one sentence sets the fast profile against the speed targets from the record's own figures:
+    the prose around a block cites no figure of its own. A capped record has no reference to be set against."""
+    bench = _load("cpu_profile_bench", ROOT / "benchmarks" / "cpu_profile.py")
+    rec = json.loads((tool.records_of(tool.RESULTS["cpu-speed"]) / "runs/readme/cpu-speed-record.json").read_text())
+    by = {r["profile"]: r for r in rec["rows"]}
+    text = bench.markdown(rec)
+    assert f"speed=fast ran {by['exact']['wall'] / by['fast']['wall']:.2f}× exact's wall time" in text
+    assert "bare step at the run's step size is not in this record" in text  # made before the column
+    assert f"{bench.REFERENCE_SECONDS / by['fast']['wall']:.2f}× the reference's wall time" in text
+    rows = [{**r, "bare_step": {"images": 1024, "steps": 2, "samples_per_s": r["train_rate"] / 0.9}}
+            for r in rec["rows"]]
+    assert "its training at 0.90 of its own bare step" in bench.markdown({**rec, "rows": rows})
+    no_bf16 = {**rec, "machine": {**rec["machine"], "flags": ["avx2", "avx512f"]}}
+    assert "(target: above 1×)" in bench.markdown(no_bf16) and "1.5×" not in bench.markdown(no_bf16)
+    capped = bench.markdown({**rec, "caps": dict(bench.AVX2_ONLY)})
+    assert "Against the targets" in capped and "the reference's wall time" not in capped
