@@ -11,9 +11,10 @@ machine and model: its figures are cached), training, evaluation, report.
     python benchmarks/cpu_profile.py --data-root ... --train-subset 1000 --test-subset 200 --set model.width=0.25
 
 Prints, with the CPU named (its model and whether it has native bf16): a table per profile — wall, training and
-evaluation seconds, the kernels, precision and layout it ran, its training throughput against the bare-kernel
-probe's figure for the same configuration (speed=fast's probe: forward, CE, backward and SGD on random input at
-the run's batch, flare/speed.py), and the speed-up over `exact`; then the probe's figures for every candidate, what
+evaluation seconds, the kernels, precision and layout it ran, its training throughput against two bare-kernel
+figures for the same configuration (forward, CE, backward and SGD on random input, flare/speed.py: the bare step
+at the run's own step size, timed after the profiles, and speed=fast's 256-image probe), and the speed-up over
+`exact`; then the probe's figures for every candidate, what
 speed=fast chose and why; then the exact profile's evaluation seconds per shared pass and per rule; last, one
 sentence setting the fast profile against the speed targets. The reference's
 recorded wall time is shown only for its own setting (no --set, the 5,000 / 1,000 subset), and is an AMD EPYC
