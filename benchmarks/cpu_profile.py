@@ -214,7 +214,8 @@ def markdown(rec: dict) -> str:
                 "what each rule would cost alone (the shared passes it reads plus its own part):", "",
                 "| part | seconds | rule alone (s) |", "| --- | --- | --- |"]
         out += [f"| {k} | {v:.2f} | {rows[0]['eval_rules'].get(k, '—')} |" for k, v in rows[0]["eval_parts"].items()]
-    out += ["", targets(rec)] if targets(rec) else []
+    summary = targets(rec)
+    out += ["", summary] if summary else []
     for r in rows:
         out += [f"\n{r['profile']}: warning: {w}" for w in r["warnings"]]
     return "\n".join(out) + "\n"
