@@ -69,7 +69,7 @@ def main(argv=None) -> dict:
     wall = time.perf_counter() - t
     rounds = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "round"]
     train = [r["seconds_train"] for r in rounds]
-    ev = [r["seconds_eval"] for r in rounds]
+    ev = [r["seconds_eval"] for r in rounds if "seconds_eval" in r]  # eval.every > 1 skips rounds
     dev = torch.cuda.get_device_name() if cuda else f"CPU ({torch.get_num_threads()} threads)"
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     reserved = torch.cuda.max_memory_reserved() / 2**30 if cuda else float("nan")
@@ -83,8 +83,8 @@ def main(argv=None) -> dict:
     print(f"wall {wall:.1f} s (data loading, {len(rounds)} rounds, run directory and report)")
     print(f"train {sum(train):.1f} s = {res['train_s_per_round']:.3f} s/round "
           f"({res['train_s_per_round_after_first']:.3f} s/round after the first)")
-    print(f"eval  {sum(ev):.1f} s = {res['eval_s_per_round']:.3f} s/round "
-          f"({res['eval_s_per_round_after_first']:.3f} s/round after the first)")
+    print(f"eval  {sum(ev):.1f} s = {res['eval_s_per_round']:.3f} s per evaluation, {len(ev)} of them "
+          f"({res['eval_s_per_round_after_first']:.3f} s after the first)")
     print(f"peak GPU memory {peak:.2f} GiB allocated, {reserved:.2f} GiB reserved")
     print(f"final acc ({s['primary']}) {100 * s['acc']:.2f}%, peak {100 * s['peak_acc']:.2f}% at round {s['peak_round']}")
     return res

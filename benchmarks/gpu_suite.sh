@@ -8,6 +8,8 @@
 #                                        # table's clean seed-1 FAFI point), efficiency at width 1 and 0.25, then
 #                                        # the α = 0.05 table (configs/sweeps/alpha005-full*.yaml) until $DEADLINE
 #                                        # seconds, then torch.compile for 5 rounds if time is left  (= $DEADLINE)
+#     FULL_ROUNDS=N: the batched run checks N rounds instead of being the table's point; TABLE_ENGINE=sequential
+#     trains the table client by client whatever the checks showed; TABLE_WORKERS=k runs k table points at once
 #
 # Expects the CIFAR-10 export in .carry/ and the packages the GPU image lacks as wheels in .whl/ (both ignored by
 # git; docs/performance.md says how to fill them). Everything it prints goes to $OUT/suite.log; the run's
@@ -79,11 +81,16 @@ if torch.cuda.is_available():
     print("a convolution under vmap + autocast(bf16) computes in", dtype)
 PY
     point="$TABLE/alpha005-full/fafi_protocol=clean_seed=1"
-    stage full-batched "${FULL_LIMIT:-200}" python3 "${FULL[@]}" --out "$point" client_engine=batched "${EXTRA[@]}"
+    short=()
+    if [ -n "${FULL_ROUNDS:-}" ]; then  # FULL_ROUNDS=N: the batched run is a check of N rounds, not a table point
+      point=/tmp/full-check; short=("rounds=$FULL_ROUNDS")
+    fi
+    stage full-batched "${FULL_LIMIT:-200}" python3 "${FULL[@]}" --out "$point" client_engine=batched "${EXTRA[@]}" \
+      "${short[@]}"
     rc_full=$?
     cp "$point/metrics.jsonl" "$OUT/full-batched-metrics.jsonl" 2>/dev/null
     engine=batched
-    if [ "$rc_full" != 0 ]; then  # the batched engine failed (or ran out of time) here: the table runs client by client
+    if [ "$rc_full" != 0 ] || [ -n "${FULL_ROUNDS:-}" ]; then  # failed, cut, or a check: the table runs client by client
       engine=sequential; rm -rf "$point"
     fi
     if [ "${EFFICIENCY:-1}" = 1 ]; then  # EFFICIENCY=0: measured in an earlier call
@@ -106,7 +113,7 @@ PY
     left=$((DEADLINE - SECONDS - 20))
     workers=$(awk -v t="${wall:-280}" -v left="$left" \
       'BEGIN { w = 1; for (k = 2; k <= 3; k++) if (t * (1 + 0.42 * (k - 1)) <= left) w = k; print w }')
-    workers=${TABLE_WORKERS:-$workers}
+    workers=${TABLE_WORKERS:-$workers}; engine=${TABLE_ENGINE:-$engine}
     for sweep in alpha005-full alpha005-full-baselines; do
       left=$((DEADLINE - SECONDS - 20))
       [ "$left" -gt 30 ] || break

@@ -238,3 +238,30 @@ def test_compile_wraps_the_batched_step(tiny_overrides, tmp_path, monkeypatch):
         for k, v in a.items():
             if isinstance(v, float):
                 assert _close(v, b[k], 1e-4), k
+
+
+def test_cuda_batch_norm_wrapper_computes_batch_norm_under_vmap():
+    """The float32-native BatchNorm the engine installs on CUDA is BatchNorm: under vmap over stacked clients it
+    gives each client's own output and running statistics, and returns the input's dtype (checked on CPU, where
+    only the CUDA-specific switches differ)."""
+    from torch.func import functional_call, stack_module_state
+
+    from flare.client.batched import _batch_norm_fp32_native
+
+    torch.manual_seed(0)
+    bns = [torch.nn.BatchNorm2d(3) for _ in range(2)]
+    with torch.no_grad():
+        for bn in bns:
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(2, 8, 3, 4, 4) * 3 + 1
+    template = torch.nn.BatchNorm2d(3)
+    template.forward = lambda inp: _batch_norm_fp32_native(template, inp)
+    params, buffers = stack_module_state(bns)
+    out = torch.vmap(lambda p, b, xi: functional_call(template, (p, b), (xi,)))(params, buffers, x)
+    for i, bn in enumerate([torch.nn.BatchNorm2d(3) for _ in range(2)]):
+        bn.load_state_dict({**{n: v[i] for n, v in params.items()}, "running_mean": torch.zeros(3),
+                            "running_var": torch.ones(3), "num_batches_tracked": torch.tensor(0)})
+        torch.testing.assert_close(out[i], bn(x[i]))
+        torch.testing.assert_close(buffers["running_mean"][i], bn.running_mean)
+    assert _batch_norm_fp32_native(bns[0], x[0].bfloat16()).dtype == torch.bfloat16

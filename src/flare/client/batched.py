@@ -21,16 +21,16 @@ the same math per client (tests/test_batched.py holds them to float tolerance on
   and weight decay computed as `torch.optim.SGD` computes them (a fresh momentum buffer is a zero buffer: 0·m + g
   is g exactly).
 
-The clients stay the home of every state: the stack is built from their models, optimizers and λ providers when a
-round starts and written back when it ends, so uploads, evaluation, checkpoints (`Client.state_dict`) and resume are
-those of the sequential engine. No host sync per step: a round's per-step numbers (lr, λ strength) are one table
-copied to the device once, and the step logs are summed on the device and read once per round. What the engine does
-not implement it states itself (`BatchedClients.check`, `BatchedClients.lam_unsupported`); channels_last is not used
-(vmap cannot query an NHWC layout).
+The clients stay the home of every state: the stack is built from them when a round starts and written back when it
+ends, so uploads, evaluation, checkpoints and resume are the sequential engine's. No host sync per step: a round's
+lr and λ strength are one table copied to the device once; the step logs are read once per round. What the engine
+does not implement it states (`check`, `lam_unsupported`). No channels_last: vmap cannot query an NHWC layout; on
+CUDA, BatchNorm runs in float32 on the native kernel (`_batch_norm_fp32_native`).
 """
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -79,10 +79,8 @@ class _StepTable:
 @CLIENT_ENGINES.register("batched")
 class BatchedClients:
     """Trains `clients` (all active clients of a run, in a fixed order) one round at a time as one batched program.
-
-    What it cannot run it states beside the code that would have to run it: settings (`check`, at config
-    validation, before any data is read), λ providers (`lam_unsupported`, when the engine is built); a loss term
-    that cannot be vmapped fails at its first step (`_vmap_errors`)."""
+    What it cannot run it states: settings at config validation (`check`), λ providers when it is built
+    (`lam_unsupported`), a loss term that cannot be vmapped at its first step (`_vmap_errors`)."""
 
     @staticmethod
     def check(cfg: Config) -> None:
@@ -132,16 +130,17 @@ class BatchedClients:
         self.clients, self.ctx, self.cfg = clients, ctx, ctx.cfg
         # The template's own tensors are never used: functional_call swaps the clients' stacked state in.
         self.template = copy.deepcopy(clients[0].model)
+        for m in self.template.modules() if ctx.device.type == "cuda" else ():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                m.forward = functools.partial(_batch_norm_fp32_native, m)
         self.proto_name = "head.prototypes" if self.template.prototypes is not None else None
         self.lam = clients[0].lam  # the λ arithmetic (its coefficients are the config's, the same for every client)
-        why = self.lam_unsupported(self.lam)
-        if why:
+        if why := self.lam_unsupported(self.lam):
             raise FlareError(f"client_engine=batched cannot run the λ provider lam.learner={self.cfg.lam.learner}: "
                              f"{why}.", key="lam.learner",
                              fix=f"use client_engine=sequential (or threads) for lam.learner={self.cfg.lam.learner}.")
-        step = torch.vmap(self._client_loss)
-        self._step = torch.compile(step) if compile else step
-        self._update = torch.compile(_sgd_update) if compile else _sgd_update
+        self._step, self._update = ((torch.compile(f) if compile else f)
+                                    for f in (torch.vmap(self._client_loss), _sgd_update))
         self._index: dict[tuple, Tensor] = {}
         self.calls = 0  # vmapped calls made (tests and the profiler read it)
 
@@ -181,7 +180,7 @@ class BatchedClients:
             for p in params.values():
                 p.grad = None
             for size, members in groups.items():
-                gi = None if len(members) == K else self._gidx(members, params[names[0]].device)
+                gi = None if len(members) == K else self._cached(tuple(members), lambda: torch.tensor(members))
                 imgs, y2 = self._views(plans, members, t)
                 pick = (lambda v: v) if gi is None else (lambda v: v.index_select(0, gi))
                 b_g = buffers if gi is None else {n: pick(v) for n, v in buffers.items()}
@@ -200,7 +199,8 @@ class BatchedClients:
                     for _ in members:
                         on_step()
             active = sorted(i for m in groups.values() for i in m)
-            mask = None if len(active) == K else self._mask(active, K)
+            mask = None if len(active) == K else self._cached(("mask", *active), lambda: torch.zeros(
+                K, dtype=torch.bool).index_fill_(0, torch.tensor(active), True))
             with record_function("flare.optimizer"):
                 grads = [params[n].grad for n in names]
                 if any(g is None for g in grads):
@@ -246,23 +246,15 @@ class BatchedClients:
         out = []
         for c in self.clients:
             p = c.model.get_parameter(name)
-            st = c.optimizer.state.get(p, {}) if (c.optimizer is not None and not self.cfg.optim.reset_each_round) \
-                else {}
-            buf = st.get("momentum_buffer")
+            keep = c.optimizer is not None and not self.cfg.optim.reset_each_round
+            buf = c.optimizer.state.get(p, {}).get("momentum_buffer") if keep else None
             out.append(buf.detach().clone() if buf is not None else torch.zeros_like(p))
         return torch.stack(out)
 
-    def _gidx(self, members: list[int], device) -> Tensor:
-        key = tuple(members)
-        if key not in self._index:  # built once per distinct group: no host-to-device copy per step
-            self._index[key] = torch.tensor(members, dtype=torch.long).to(device)
-        return self._index[key]
-
-    def _mask(self, active: list[int], K: int) -> Tensor:
-        key = ("mask",) + tuple(active)
+    def _cached(self, key: tuple, make) -> Tensor:
+        """A group's index or mask, built once per distinct group: no host-to-device copy per step."""
         if key not in self._index:
-            self._index[key] = torch.zeros(K, dtype=torch.bool).index_fill_(0, torch.tensor(active), True).to(
-                self.ctx.device)
+            self._index[key] = make().to(self.ctx.device)
         return self._index[key]
 
     def _views(self, plans: list[RoundPlan], members: list[int], t: int) -> tuple[Tensor, Tensor]:
@@ -281,6 +273,14 @@ def by_architecture(clients: list[Client], ctx: TrainContext, compile: bool = Fa
     for c in clients:
         groups.setdefault(layout(c.model), []).append(c)
     return [BatchedClients(g, ctx, compile=compile) for g in groups.values()]
+
+
+def _batch_norm_fp32_native(bn: torch.nn.Module, x: Tensor) -> Tensor:
+    """A CUDA BatchNorm under vmap: float32 in, on the native kernel (cuDNN off around this op only), out in the
+    input's dtype. `batch_norm` picks its backend before vmap's rule sees the call: bf16 in, the native kernel
+    refuses float32 running statistics; float32 in, cuDNN queries the batched tensor's memory format (NYI)."""
+    with torch.autocast("cuda", enabled=False), torch.backends.cudnn.flags(enabled=False):
+        return type(bn).forward(bn, x.float()).to(x.dtype)
 
 
 @contextmanager
