@@ -8,8 +8,9 @@
 #                                        # table's clean seed-1 FAFI point), efficiency at width 1 and 0.25, then
 #                                        # the α = 0.05 table (configs/sweeps/alpha005-full*.yaml) until $DEADLINE
 #                                        # seconds, then torch.compile for 5 rounds if time is left  (= $DEADLINE)
-#     FULL_ROUNDS=N: the batched run checks N rounds instead of being the table's point; TABLE_ENGINE=sequential
-#     trains the table client by client whatever the checks showed; TABLE_WORKERS=k runs k table points at once
+#     FULL_ROUNDS=N: the batched run checks N rounds instead of being the table's point (0: none); TABLE_ENGINE=sequential
+#     trains the table client by client whatever the checks showed; TABLE_WORKERS=k runs k table points at once;
+#     RESUME=results/gpu-lease/runs/gpu-lease/callN/table carries that call's finished runs into the table
 #
 # Expects the CIFAR-10 export in .carry/ and the packages the GPU image lacks as wheels in .whl/ (both ignored by
 # git; docs/performance.md says how to fill them). Everything it prints goes to $OUT/suite.log; the run's
@@ -65,12 +66,20 @@ case "$what" in
     TABLE=${TABLE:-/tmp/table}
     # Every 15 s the records of every run so far (never checkpoints) go into $OUT/records.tar.gz, so a call cut
     # short still brings back each finished run.
-    pack() {
+    pack() {  # what this call ran (a run copied in by RESUME is not its record)
       (cd "$TABLE" 2>/dev/null && find . \( -name config.yaml -o -name partition.json -o -name metrics.jsonl \
         -o -name fuse.jsonl -o -name summary.md -o -name sweep_point.json -o -name sweep.json -o -name sweep.md \
-        -o -name state.json \) -print0 | tar --null -czf "$OUT/records.tmp" -T - \
-        && mv "$OUT/records.tmp" "$OUT/records.tar.gz")
+        -o -name state.json \) -print0 | grep -z -v -F -f <(cat .resumed 2>/dev/null; echo ./.none/) \
+        | tar --null -czf "$OUT/records.tmp" -T - && mv "$OUT/records.tmp" "$OUT/records.tar.gz")
     }
+    # RESUME=DIR: a committed call's table (results/gpu-lease/runs/gpu-lease/callN/table); its finished runs are
+    # copied in, so that each sweep reports them finished and goes on with the points they lack.
+    for d in ${RESUME:+$RESUME/*/*}; do
+      if grep -q '"status": "finished"' "$d/state.json" 2>/dev/null; then
+        sweep=$(basename "$(dirname "$d")"); mkdir -p "$TABLE/$sweep" && cp -r "$d" "$TABLE/$sweep/"
+        echo "./$sweep/$(basename "$d")/" >>"$TABLE/.resumed"; echo "resumed: $sweep/$(basename "$d")" >>"$LOG"
+      fi
+    done
     ( while sleep 15; do pack; done ) & packer=$!
     python3 - >>"$LOG" 2>&1 <<'PY'
 import sys, torch
@@ -85,9 +94,12 @@ PY
     if [ -n "${FULL_ROUNDS:-}" ]; then  # FULL_ROUNDS=N: the batched run is a check of N rounds, not a table point
       point=/tmp/full-check; short=("rounds=$FULL_ROUNDS")
     fi
-    stage full-batched "${FULL_LIMIT:-200}" python3 "${FULL[@]}" --out "$point" client_engine=batched "${EXTRA[@]}" \
-      "${short[@]}"
-    rc_full=$?
+    rc_full=1
+    if [ "${FULL_ROUNDS:-}" != 0 ]; then  # FULL_ROUNDS=0: no batched run at all
+      stage full-batched "${FULL_LIMIT:-200}" python3 "${FULL[@]}" --out "$point" client_engine=batched \
+        "${EXTRA[@]}" "${short[@]}"
+      rc_full=$?
+    fi
     cp "$point/metrics.jsonl" "$OUT/full-batched-metrics.jsonl" 2>/dev/null
     engine=batched
     if [ "$rc_full" != 0 ] || [ -n "${FULL_ROUNDS:-}" ]; then  # failed, cut, or a check: the table runs client by client

@@ -160,3 +160,23 @@ def test_records_leave_out_the_reports_a_command_derives_from_its_runs():
     """A run's config, partition and metrics are records; the compare.md `flare compare` renders from them is not."""
     assert tool._is_record(Path("fafi/seed=1/metrics.jsonl")) and tool._is_record(Path("fafi/seed=1/config.yaml"))
     assert not tool._is_record(Path("compare.md"))
+
+
+def test_the_full_scale_table_follows_the_gpu_records(tmp_path):
+    """The α = 0.05 full-scale table and its sentence are read from the committed GPU runs: a changed final accuracy
+    moves the FLARE − FAFI gap, and a run that did not finish is not counted."""
+    lease = tool._script("tools/gpu_lease.py")
+    base = tmp_path / "gpu-lease"
+    shutil.copytree(ROOT / "results" / "gpu-lease" / "runs" / "gpu-lease", base)
+    calls = ["call1", "call2", "call3", "call4"]
+    text = lease.full_scale(base, calls)
+    assert "FLARE − FAFI is -0.97 points over 1 paired seed" in text
+    assert "etf-anneal" not in text  # V7 seed 1 was cut at round 14
+    flare = base / "call3" / "table" / "alpha005-full" / "flare_protocol=clean_seed=1" / "metrics.jsonl"
+    rows = [json.loads(line) for line in flare.read_text().splitlines()]
+    rows[-1].update(acc=0.5314, acc_feature=0.5314)
+    flare.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "FLARE − FAFI is +2.00 points over 1 paired seed" in lease.full_scale(base, calls)
+    state = flare.parent / "state.json"
+    state.write_text(state.read_text().replace('"status": "finished"', '"status": "interrupted"'))
+    assert "FLARE and FAFI have not both finished a seed" in lease.full_scale(base, calls)

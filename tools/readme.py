@@ -478,8 +478,11 @@ RESULTS = {r.id: r for r in [
             page="docs/results/cpu-speed.md"),
     Results("gpu-lease",  # device calls (docs/performance.md); each $OUT fetched to runs/gpu-lease/callN
             ["DEADLINE=565 bash benchmarks/gpu_suite.sh lease    # call1",
-             "EFFICIENCY=0 FULL_LIMIT=225 DEADLINE=250 bash benchmarks/gpu_suite.sh lease    # call2"],
-            gpu_lease_block(["call1", "call2"]),
+             "EFFICIENCY=0 FULL_LIMIT=225 DEADLINE=250 bash benchmarks/gpu_suite.sh lease    # call2",
+             "DEADLINE=565 FULL_ROUNDS=3 FULL_LIMIT=80 EFFICIENCY=0 TABLE_WORKERS=2 TABLE_ENGINE=sequential "
+             "EXTRA=eval.every=5 bash benchmarks/gpu_suite.sh lease    # call3",
+             "bash results/gpu-lease/runs/gpu-lease/call4/command.sh    # call4: 4 rounds sequential, 4 compiled"],
+            gpu_lease_block(["call1", "call2", "call3", "call4"]),
             page="docs/performance.md"),
     Results("cpu-profile",
             [f"python benchmarks/cpu_profile.py --data-root {CIFAR} --train-subset 1000 --test-subset 200 "
