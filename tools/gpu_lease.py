@@ -204,6 +204,15 @@ def gpu_column(base: Path, calls: list[str]) -> str:
         peak = "—" if r["peak"] is None else f"{r['peak']:.2f}"
         md.append(f"| {r['engine']} | {r['call']} | {r['rounds']} | {r['first']:.2f} | {r['train']:.2f} | "
                   f"{r['eval']:.2f} | {peak} |")
+    line = None
+    for call in (c for c in calls if (base / c / "suite.log").exists()):
+        eff = parse_log((base / call / "suite.log").read_text())["efficiency"]
+        if "1.0" in eff:  # the efficiency stage's width-1 figures, from the last call that measured them
+            e = eff["1.0"]
+            line = (f"Efficiency at width 1 ({call}, before the BatchNorm fix): per-client training "
+                    f"{e['eff']:.3f} of its bare step, the batched engine {e['eff_b']:.3f} of its bare batched step "
+                    f"and {e['vs_seq']:.3f}× per-client training end to end.")
+    md += ["", line] if line else []
     md += ["", "| call | table runs finished | runs sharing the GPU | wall, first start to last end (s) | runs per hour |",
            "| --- | --- | --- | --- | --- |"]
     for call in calls:
