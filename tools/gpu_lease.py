@@ -70,9 +70,9 @@ def run_row(point: Path) -> dict:
 def render(base: Path, calls: list[str]) -> str:
     """Per lease call its stages, efficiency and runs; then the engines' full-run figures of every call, and the
     α = 0.05 table from every run that finished."""
-    md = []
-    for call in (c for c in calls if (base / c / "suite.log").exists()):
-        log = parse_log((base / call / "suite.log").read_text())
+    md, logs = [], {c: parse_log((base / c / "suite.log").read_text()) for c in calls
+                    if (base / c / "suite.log").exists()}  # call4 ran by hand: a call.log, no stages
+    for call, log in logs.items():
         md += [f"**{call}** — {log['gpu']}, torch {log['torch']}; a convolution under vmap + autocast computes in "
                f"`{log['conv_dtype']}`.", "", "| stage | outcome | seconds |", "| --- | --- | --- |"]
         for s in log["stages"]:
@@ -102,7 +102,8 @@ def render(base: Path, calls: list[str]) -> str:
                           f"| {train} | {ev} |")
         md.append("")
     md += ["**The engines on the full run** (FAFI, CIFAR-10, ResNet-18 width 1, 5 clients, α = 0.05, batch 512, bf16; "
-           "short runs of the rounds shown, then the finished table runs' throughput):", "", gpu_column(base, calls), "",
+           "short runs of the rounds shown, then the finished table runs' throughput):", "",
+           gpu_column(base, calls, logs), "",
            "**The notes' α = 0.05 setting at full scale** (CIFAR-10, ResNet-18, 5 clients, R = 50, E = 1, batch 512, "
            "the card dealer; every run that finished, whichever call):", "", full_scale(base, calls)]
     return "\n".join(md)
@@ -111,7 +112,8 @@ def render(base: Path, calls: list[str]) -> str:
 # -- what the calls measured per engine, and the α = 0.05 table from every finished run ---------------------------
 ENGINES = {"full-batched": "batched, eager", "seq": "sequential", "compiled": "batched, compiled"}
 PEAK = re.compile(r"^peak GPU memory ([\d.]+) GiB allocated")
-BEFORE = {"engine": "sequential, before the engines (an H100)", "train": 4.2, "eval": 1.4}  # docs/performance.md's opening paragraph: measured before the engines existed
+# docs/performance.md's opening paragraph: one H100 run, measured before the engines existed
+BEFORE = {"engine": "sequential, before the engines (an H100)", "train": 4.2, "eval": 1.4}
 
 
 def engine_rows(base: Path, calls: list[str]) -> list[dict]:
@@ -124,19 +126,17 @@ def engine_rows(base: Path, calls: list[str]) -> list[dict]:
         log = next((folder / n for n in ("suite.log", "call.log") if (folder / n).exists()), None)
         peaks = [float(m[1]) for line in (log.read_text().splitlines() if log else []) if (m := PEAK.match(line))]
         order = (folder / "FULL_ORDER").read_text().split() if (folder / "FULL_ORDER").exists() else []
-        gpu = parse_log((folder / "suite.log").read_text())["gpu"] if (folder / "suite.log").exists() else None
-        for name in order or sorted(ENGINES):
+        for i, name in enumerate(order or sorted(ENGINES)):
             f = folder / f"{name}-metrics.jsonl"
             if not f.exists():
                 continue
             rounds = [r for r in map(json.loads, f.read_text().splitlines()) if r["kind"] == "round"]
             ev = [r["seconds_eval"] for r in rounds if "seconds_eval" in r]
-            i = order.index(name) if name in order else None
             rows.append({"call": call, "engine": ENGINES[name], "rounds": len(rounds),
                          "first": rounds[0]["seconds_train"],
                          "train": statistics.mean(r["seconds_train"] for r in rounds[1:]),
                          "eval": statistics.mean(ev) if ev else float("nan"),
-                         "peak": peaks[i] if i is not None and i < len(peaks) else None, "gpu": gpu})
+                         "peak": peaks[i] if order and i < len(peaks) else None})
     return rows
 
 
@@ -150,7 +150,7 @@ def _points(base: Path, calls: list[str]) -> dict[str, list[Path]]:
             if state.exists() and json.loads(state.read_text()).get("status") == "finished":
                 done[p.name] = p
     out: dict[str, list[Path]] = {}
-    for name, p in sorted(done.items(), key=lambda kv: kv[0]):
+    for name, p in sorted(done.items()):
         out.setdefault(name.rsplit("_seed=", 1)[0], []).append(p)
     return out
 
@@ -175,10 +175,10 @@ def full_scale(base: Path, calls: list[str]) -> str:
             continue
         meta_rows = compare_rows(methods)
         md += [f"**protocol={protocol}** (seeds that finished: "
-               + "; ".join(f"{p} {', '.join(str(r.seed) for r in row.runs)}" for p, (_, row) in
-                           zip([m for m, _ in methods], meta_rows)) + ")", "", compare_markdown(meta_rows), ""]
-        refs = [f"{p}: {r.value:.2f} ({r.label()})" for (p, _), (_, row) in zip(methods, meta_rows)
-                for r in references_for(row.runs[0].flat, p)]
+               + "; ".join(f"{row.label} {', '.join(str(r.seed) for r in row.runs)}" for _, row in meta_rows)
+               + ")", "", compare_markdown(meta_rows), ""]
+        refs = [f"{row.label}: {r.value:.2f} ({r.label()})" for _, row in meta_rows
+                for r in references_for(row.runs[0].flat, row.label)]
         md += ["The notes' numbers in this setting (their reference protocol; final round): "
                + ("; ".join(refs) if refs else "none") + ".", ""]
         rows = {row.label: row for _, row in meta_rows}
@@ -194,9 +194,10 @@ def full_scale(base: Path, calls: list[str]) -> str:
     return "\n".join(md)
 
 
-def gpu_column(base: Path, calls: list[str]) -> str:
+def gpu_column(base: Path, calls: list[str], logs: dict[str, dict]) -> str:
     """The full-run figures per engine, beside the measurement before the engines existed, then the throughput of
-    each call's finished table runs (how many shared the GPU, their wall from first start to last end, runs/hour)."""
+    each call's finished table runs (how many shared the GPU, their wall from first start to last end, runs/hour).
+    `logs`: the parsed suite.log of each call that has one (the lease calls)."""
     md = ["| engine | call | rounds timed | first round: train (s) | train s/round after it | s per evaluation | "
           "peak memory (GiB) |", "| --- | --- | --- | --- | --- | --- | --- |",
           f"| {BEFORE['engine']} | before | 50 | — | {BEFORE['train']} | {BEFORE['eval']} | — |"]
@@ -205,15 +206,16 @@ def gpu_column(base: Path, calls: list[str]) -> str:
         md.append(f"| {r['engine']} | {r['call']} | {r['rounds']} | {r['first']:.2f} | {r['train']:.2f} | "
                   f"{r['eval']:.2f} | {peak} |")
     line = None
-    for call in (c for c in calls if (base / c / "suite.log").exists()):
-        eff = parse_log((base / call / "suite.log").read_text())["efficiency"]
+    for call, log in logs.items():
+        eff = log["efficiency"]
         if "1.0" in eff:  # the efficiency stage's width-1 figures, from the last call that measured them
             e = eff["1.0"]
             line = (f"Efficiency at width 1 ({call}, before the BatchNorm fix): per-client training "
                     f"{e['eff']:.3f} of its bare step, the batched engine {e['eff_b']:.3f} of its bare batched step "
                     f"and {e['vs_seq']:.3f}× per-client training end to end.")
     md += ["", line] if line else []
-    md += ["", "| call | table runs finished | runs sharing the GPU | wall, first start to last end (s) | runs per hour |",
+    md += ["", "| call | table runs finished | runs sharing the GPU | wall, first start to last end (s) "
+           "| runs per hour |",
            "| --- | --- | --- | --- | --- |"]
     for call in calls:
         sps = [json.loads((p / "sweep_point.json").read_text()) for p in sorted((base / call / "table").glob("*/*"))
