@@ -266,12 +266,14 @@ def test_render_budget_curve_and_pairing(tmp_path):
         (d / "config.yaml").write_text(yaml.safe_dump({"server": {"strategies": {"dense": {"epochs": 200,
                                                                                             "g_steps": 30}}}}))
     other = {"table": "u", "paper": "P", "alphas": [0.1], "seeds": [0, 1],
-             "columns": {"FAFI": {"method": "fafi", "key": "acc_fedavg", "paper_rule": "final"}},
-             "paired_with": {"table": "t", "columns": ["FedAvg"]}}
+             "columns": {"FAFI": {"method": "fafi", "key": "acc_fedavg", "paper_rule": "final"},
+                         "FLARE": {"method": "flare", "key": "acc_fedavg", "paper_rule": "final"}},
+             "paired_with": [{"table": "t", "columns": ["FedAvg"]}, {"table": "u", "columns": {"FLARE": "FAFI"}}]}
     (res / "u").mkdir()
     (res / "u" / "table.yaml").write_text(yaml.safe_dump(other))
     for s in (0, 1):
         _fake_cell(res, "u", "fafi", 0.1, s, [0.5 + s / 10])
+        _fake_cell(res, "u", "flare", 0.1, s, [0.47 + s / 5])
     out = papers.render(res, img_dir=img)
     dense = next(line for line in out.splitlines() if line.startswith("| DENSE"))
     # final 40 and 34 → 37 ± 4.24; the best curve epochs 40 and 36 → 38 ± 2.83
@@ -281,6 +283,8 @@ def test_render_budget_curve_and_pairing(tmp_path):
     assert out == papers.render(res)  # the check renders the same text without drawing
     # FAFI − FedAvg: seed 0 50 − 20, seed 1 60 − 30 → +30 ± 0
     assert "| FAFI | FedAvg | 0.1 | 0,1 | +30.00 ± 0.00 | ±0.00 |" in out
+    # a list of pairings, one of them within the table itself: FLARE − FAFI, seed 0 47 − 50, seed 1 67 − 60 → +2 ± 7.07
+    assert "Paired within u by seed" in out and "| FLARE | FAFI | 0.1 | 0,1 | +2.00 ± 7.07 | ±63.53 |" in out
 
 
 def test_a_cell_counts_as_fused_only_with_the_tables_server_options(tmp_path):

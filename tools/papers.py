@@ -626,18 +626,24 @@ def curve_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | Non
 
 
 def paired_rows(spec: dict, metas: list[tuple[Path, dict]], results: Path) -> list[str]:
-    """`paired_with: {table: T, columns: [...]}`: each of this table's columns minus each of T's, seed by seed
-    at the same α (the same partition and initial weights), final values: mean ± std and the 95 % half-width.
-    `columns: {OURS: THEIRS, ...}` pairs only those."""
-    pw = spec.get("paired_with")
-    if not pw or not (results / pw["table"] / "table.yaml").is_file():
-        return []
+    """`paired_with: {table: T, columns: [...]}` (or a list of such): each of this table's columns minus each of T's,
+    seed by seed at the same α (the same partition and initial weights), final values: mean ± std and the 95 %
+    half-width. `columns: {OURS: THEIRS, ...}` pairs only those; T may be this table itself (FLARE − FAFI)."""
+    out, pws = [], spec.get("paired_with") or []
+    for pw in pws if isinstance(pws, list) else [pws]:
+        if (results / pw["table"] / "table.yaml").is_file():
+            out += _paired_with(spec, metas, results, pw)
+    return out
+
+
+def _paired_with(spec: dict, metas: list[tuple[Path, dict]], results: Path, pw: dict) -> list[str]:
     other = yaml.safe_load((results / pw["table"] / "table.yaml").read_text())
     theirs = [(d, json.loads((d / "cell.json").read_text())) for d in sorted((results / pw["table"]).iterdir())
               if (d / "cell.json").is_file()]
     pairs = (list(pw["columns"].items()) if isinstance(pw["columns"], dict)
              else [(col, ocol) for col in spec["columns"] for ocol in pw["columns"]])
-    out = ["", f"Paired with {pw['table']} by seed (ours − theirs, final values):", "",
+    where = "within" if pw["table"] == spec["table"] else "with"
+    out = ["", f"Paired {where} {pw['table']} by seed (ours − theirs, final values):", "",
            "| ours | theirs | α | seeds | mean difference ± std | 95 % half-width |", "| --- | --- | --- | --- | --- | --- |"]
     for col, ocol in pairs:
         c, oc = spec["columns"][col], other["columns"][ocol]
