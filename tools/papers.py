@@ -637,9 +637,12 @@ def paired_rows(spec: dict, metas: list[tuple[Path, dict]], results: Path) -> li
 
 
 def _paired_with(spec: dict, metas: list[tuple[Path, dict]], results: Path, pw: dict) -> list[str]:
-    other = yaml.safe_load((results / pw["table"] / "table.yaml").read_text())
-    theirs = [(d, json.loads((d / "cell.json").read_text())) for d in sorted((results / pw["table"]).iterdir())
-              if (d / "cell.json").is_file()]
+    if pw["table"] == spec["table"]:  # a pairing within the table: its spec and cells are already read
+        other, theirs = spec, metas
+    else:
+        other = yaml.safe_load((results / pw["table"] / "table.yaml").read_text())
+        theirs = [(d, json.loads((d / "cell.json").read_text())) for d in sorted((results / pw["table"]).iterdir())
+                  if (d / "cell.json").is_file()]
     pairs = (list(pw["columns"].items()) if isinstance(pw["columns"], dict)
              else [(col, ocol) for col in spec["columns"] for ocol in pw["columns"]])
     where = "within" if pw["table"] == spec["table"] else "with"
