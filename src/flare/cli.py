@@ -131,8 +131,7 @@ def cmd_parts(args) -> None:
         print(f"{kind} ({reg.key}): {reg.call_signature()}")
         for name in reg.names():
             print(f"  {name:<16}  {reg.entry(name).description}")
-            rows = reg.option_rows(name)
-            if rows:
+            if rows := reg.option_rows(name):
                 print(f"  {'':<16}  options: " + ", ".join(f"{o}: {t} = {d}" for o, t, d in rows))
         for name, desc in reg.namespaces():
             print(f"  {name:<16}  {desc}")
@@ -168,8 +167,7 @@ def cmd_report(args) -> None:
         out = Path(args.dirs[0]) / "report"
     else:
         out = _default_out("report")
-    path = write_report(args.dirs, out, title=args.title or "FLARE report", baseline=args.baseline)
-    print(f"report: {path}")
+    print(f"report: {write_report(args.dirs, out, title=args.title or 'FLARE report', baseline=args.baseline)}")
 
 
 def cmd_fuse(args) -> None:

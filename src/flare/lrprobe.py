@@ -50,8 +50,7 @@ def hvp_fn(loss_fns: list[Callable[[], Tensor]], params: list[Tensor]) -> Callab
     def hvp(v: list[Tensor]) -> list[Tensor]:
         out = [torch.zeros_like(p) for p in params]
         for fn in loss_fns:
-            loss = fn()
-            grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+            grads = torch.autograd.grad(fn(), params, create_graph=True, allow_unused=True)
             pairs = [(g, vi) for g, vi in zip(grads, v) if g is not None]
             if not pairs:
                 continue
@@ -107,8 +106,7 @@ def top_hessian_eigenvalue(loss_fns: list[Callable[[], Tensor]], params: list[Te
     est = power_iteration(hvp, params, iters, seed, tol=tol, on_iter=on_iter)
     if est.value < 0:  # the dominant eigenvalue is negative: look for the largest one above it
         shifted = power_iteration(hvp, params, iters, seed + 1, shift=est.value, tol=tol, on_iter=on_iter)
-        est = EigenEstimate(shifted.value + est.value, [h + est.value for h in shifted.history],
-                            shifted.rel_change)
+        est = EigenEstimate(shifted.value + est.value, [h + est.value for h in shifted.history], shifted.rel_change)
     return est
 
 
@@ -137,8 +135,7 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 2
     if not 0 <= tol < 1:
         raise FlareError(f"--tol must be in [0, 1), got {tol}.", key="--tol")
     if not all_data and not 0 <= client < cfg.num_clients:
-        raise FlareError(f"--client {client} is not a client of this run (0..{cfg.num_clients - 1}).",
-                         key="--client")
+        raise FlareError(f"--client {client} is not a client of this run (0..{cfg.num_clients - 1}).", key="--client")
     server = ServerSetup.build(cfg, bank=False)  # the run's data, seeded global init, anchors and augmentation
     device, augment = server.backend.device, server.augment
     data = server.take_data()

@@ -39,10 +39,9 @@ from flare.errors import FlareError, KeyedValueError
 
 # The modules that register the built-in parts (imported on the first lookup of any registry).
 BUILTIN_MODULES = ("flare.models", "flare.schedules", "flare.data.datasets", "flare.data.features", "flare.data.partition",
-                   "flare.data.scaling",
-                   "flare.client.terms.align", "flare.client.lam", "flare.client.surgery", "flare.client.objective",
-                   "flare.client.terms.banks", "flare.client.terms.extra", "flare.client.trainer",
-                   "flare.client.batched", "flare.server.rules", "flare.baselines")
+                   "flare.data.scaling", "flare.client.terms.align", "flare.client.lam", "flare.client.surgery",
+                   "flare.client.objective", "flare.client.terms.banks", "flare.client.terms.extra",
+                   "flare.client.trainer", "flare.client.batched", "flare.server.rules", "flare.baselines")
 ENTRY_POINT_GROUP = "flare.plugins"
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
@@ -269,8 +268,7 @@ class Registry:
                 raise KeyedValueError(key, f"{key}: {self.kind} '{name}' takes no options, got {sorted(mapping)}")
             return None
         for option, value in mapping.items():
-            why = boolean_number(model, option, value)
-            if why:
+            if why := boolean_number(model, option, value):
                 raise KeyedValueError(f"{key}.{option}", f"{key}.{option}={value!r}: {why}")
         try:
             return model.model_validate(mapping)

@@ -46,8 +46,7 @@ class RngStreams:
         if len(generators) != len(seeds):
             raise ValueError(f"{len(generators)} generators but {len(seeds)} seeds")
         self.generators = generators
-        self.states = [torch.Generator(device=g.device).manual_seed(s).get_state()
-                       for g, s in zip(generators, seeds)]
+        self.states = [torch.Generator(device=g.device).manual_seed(s).get_state() for g, s in zip(generators, seeds)]
 
     @contextmanager
     def active(self):

@@ -275,8 +275,7 @@ def check_buildable(cfg: Config) -> None:
     data, split, every architecture's init, checkpoint and input size, one feature dimension): for a caller that hands
     the run to other processes (`flare federate`), where the same mistake would surface as a server process's
     traceback. The public bank's teacher is not trained (nothing the config could get wrong is left in it)."""
-    server = ServerSetup.build(cfg, bank=False)
-    data = server.take_data()
+    data = ServerSetup.build(cfg, bank=False).take_data()
     split(cfg, data.train_y, data.num_classes)
 
 

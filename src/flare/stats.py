@@ -56,8 +56,7 @@ def mean_ci(values, confidence: float = 1 - ALPHA) -> tuple[float, float, float,
 def paired(method: dict, baseline: dict, confidence: float = 1 - ALPHA) -> Paired:
     """Pair two {seed: value} mappings on their common seeds (non-finite values dropped) and test the mean
     difference against 0."""
-    seeds = sorted(s for s in set(method) & set(baseline)
-                   if math.isfinite(method[s]) and math.isfinite(baseline[s]))
+    seeds = sorted(s for s in set(method) & set(baseline) if math.isfinite(method[s]) and math.isfinite(baseline[s]))
     d = np.array([method[s] - baseline[s] for s in seeds], dtype=float)
     n = len(d)
     if n == 0:

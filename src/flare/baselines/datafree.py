@@ -148,8 +148,7 @@ class Synthesis:
     `teacher` (what the generator's CE and BN terms read), `adversary` (the logits the adversarial term pulls the
     teacher away from) and `batch_loss` (the learner's loss on one batch of the pool)."""
 
-    def __init__(self, cfg, o: DenseOptions, ctx: ServerContext, shape: tuple[int, int, int], tag: int,
-                 coboost: bool):
+    def __init__(self, cfg, o: DenseOptions, ctx: ServerContext, shape: tuple[int, int, int], tag: int, coboost: bool):
         self.cfg, self.o, self.ctx, self.shape, self.tag, self.coboost = cfg, o, ctx, shape, tag, coboost
         self.dev, self.models = ctx.device, ctx.models
         self.g = generator(cfg, ctx.round, tag)
@@ -235,8 +234,7 @@ class Synthesis:
                 with torch.no_grad():
                     z = client_logits(self.models, x)
                 w = self.w.clone().requires_grad_(True)
-                loss = F.cross_entropy(weighted_mean(w, z), y)
-                (grad,) = torch.autograd.grad(loss, w)
+                (grad,) = torch.autograd.grad(F.cross_entropy(weighted_mean(w, z), y), w)
                 self.w = (self.w - step * grad.sign()).clamp(0.0, 1.0)
 
     def perturb(self, x: Tensor, outputs: Callable[[Tensor], Tensor] | None = None) -> Tensor:

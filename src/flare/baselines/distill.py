@@ -94,8 +94,7 @@ class FedDF(Strategy):
                 z = client_logits(ctx.models, x)  # K×B×C
                 teacher = ((w[:, None, None] * z).sum(0) if o.ensemble == "logits"
                            else (w[:, None, None] * z.softmax(-1)).sum(0))
-            loss = kd_loss(student(x)[1].float(), teacher, o.temperature, probs=o.ensemble == "softmax",
-                           scale=False)
+            loss = kd_loss(student(x)[1].float(), teacher, o.temperature, probs=o.ensemble == "softmax", scale=False)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if o.clip is not None:

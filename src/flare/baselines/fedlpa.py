@@ -338,13 +338,11 @@ class _Factors(Strategy):
         layers = self._layers(model)
         want = self.extras_shapes(model)
         for u, e in zip(ctx.uploads, ctx.extras):
-            missing = [k for k in want if k not in e]
-            if missing:
+            if missing := [k for k in want if k not in e]:
                 raise FlareError(f"server strategy '{self._name}' got no factor '{missing[0]}' from client "
                                  f"{u.client}.", key=key,
                                  fix="score it in a run (or flare fuse), which asks the clients for its factors.")
-        state, logs = merge([u.state for u in ctx.uploads], ctx.extras, ctx.weights, layers, self.options,
-                            self.use_g)
+        state, logs = merge([u.state for u in ctx.uploads], ctx.extras, ctx.weights, layers, self.options, self.use_g)
         fused = copy.deepcopy(model)
         fused.load_state_dict(state)
         mb = [sum(v.numel() * v.element_size() for v in e.values()) / 2 ** 20 for e in ctx.extras]

@@ -71,8 +71,7 @@ def _refuse(where: str, m: nn.Module, why: str, key: str) -> FlareError:
                           "and BatchNorm layers (cnn, resnet18/34/50).")
 
 
-def _write(m: nn.Module, prefix: str, inp: int | None, out: int | None, plan: Plan, key: str,
-           new_rows: bool) -> int:
+def _write(m: nn.Module, prefix: str, inp: int | None, out: int | None, plan: Plan, key: str, new_rows: bool) -> int:
     """A Conv2d/Linear reading group `inp`; writes a new group (out None), or into group `out` (its rows added when
     `new_rows`: a projection shortcut; not for a block writing into an identity stream)."""
     if isinstance(m, nn.Conv2d) and m.groups != 1:
@@ -83,8 +82,7 @@ def _write(m: nn.Module, prefix: str, inp: int | None, out: int | None, plan: Pl
         plan.groups.append(Group(size))
         out = len(plan.groups) - 1
     elif plan.groups[out].size != size:
-        raise _refuse(prefix[:-1], m, f"writes {size} channels into a residual stream of {plan.groups[out].size}",
-                      key)
+        raise _refuse(prefix[:-1], m, f"writes {size} channels into a residual stream of {plan.groups[out].size}", key)
     if new_rows:
         plan.groups[out].rows.append((w, b, inp))
     plan.axes[w] = (out, inp)
@@ -225,8 +223,7 @@ def check_same_architecture(states: list[dict[str, Tensor]], clients: list[int],
     ref = {k: tuple(v.shape) for k, v in states[0].items()}
     for c, s in zip(clients[1:], states[1:]):
         got = {k: tuple(v.shape) for k, v in s.items()}
-        diff = sorted(set(ref) ^ set(got)) or [k for k in ref if ref[k] != got[k]]
-        if diff:
+        if diff := sorted(set(ref) ^ set(got)) or [k for k in ref if ref[k] != got[k]]:
             k = diff[0]
             raise FlareError(f"server strategy '{name}' fuses models of one architecture, but client {c}'s state "
                              f"differs from client {clients[0]}'s at '{k}' ({got.get(k, 'missing')} vs "

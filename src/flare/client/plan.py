@@ -188,8 +188,7 @@ class RoundLogs:
         first = self.first_bad[rows.start:rows.stop].tolist()
         for row, s, f in zip(rows, sums, first):
             i, e = divmod(row, self.E)
-            bad = [(step, j) for j, step in enumerate(f) if step >= 0]
-            if bad:
+            if bad := [(step, j) for j, step in enumerate(f) if step >= 0]:
                 step, j = min(bad)
                 raise TrainingDiverged(
                     f"loss term '{self.keys[j]}' became {s[j]} for client {self.cids[i]} in round "

@@ -50,8 +50,7 @@ class Architecture:
 def _architecture(model, entry, key: str = "model") -> Architecture:
     """The Architecture of one entry (None: the top-level model), its missing fields filled from `model`; `key`:
     the entry's config key."""
-    checkpoint_key = f"{key}.checkpoint" if entry is not None and entry.checkpoint is not None \
-        else "model.checkpoint"
+    checkpoint_key = f"{key}.checkpoint" if entry is not None and entry.checkpoint is not None else "model.checkpoint"
     if entry is None or entry.name == model.name and entry.width is None and not entry.options \
             and entry.checkpoint is None:
         key = "model"

@@ -328,8 +328,7 @@ class Config(Strict):
             raise KeyedValueError("model.clients", f"model.clients lists {len(m.clients)} architectures for "
                                   f"num_clients={k}; give one entry per client (or a mapping client index → entry)")
         if isinstance(m.clients, dict):
-            bad = sorted(i for i in m.clients if not 0 <= i < k)
-            if bad:
+            if bad := sorted(i for i in m.clients if not 0 <= i < k):
                 raise KeyedValueError("model.clients", f"model.clients names client {bad[0]}, but the clients are "
                                       f"0 … {k - 1} (num_clients={k})")
         if m.mix is not None:

@@ -22,8 +22,7 @@ class Strict(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        why = boolean_number(cls, info.field_name, value)
-        if why:
+        if why := boolean_number(cls, info.field_name, value):
             raise ValueError(why)
         return value
 

@@ -162,8 +162,7 @@ def stratified_subset(y: torch.Tensor, n: int | None, seed: int) -> torch.Tensor
     labels, counts = torch.unique(y, return_counts=True)
     exact = counts.double() * n / total
     take = torch.floor(exact + 0.5).long()
-    diff = n - int(take.sum())
-    if diff:
+    if diff := n - int(take.sum()):
         rest = exact - take  # > 0: got less than its share
         order = torch.argsort(-rest if diff > 0 else rest, stable=True)
         take[order[:abs(diff)]] += 1 if diff > 0 else -1

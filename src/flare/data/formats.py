@@ -100,8 +100,7 @@ def _locate_mnist(name: str, root: Path | None, fmt: str, download: bool) -> _So
         files = [folder / stem for stem in _IDX_FILES]  # torchvision keeps them gunzipped
         if download and not all(f.is_file() for f in files):
             _download(name, root, lambda: _torchvision_class(tv_name)(str(root), train=True, download=True))
-        missing = [f for f in files if not f.is_file()]
-        if missing:
+        if missing := [f for f in files if not f.is_file()]:
             raise _missing_mnist(name, root, str(missing[0].relative_to(root)), debian=False)
 
     def read() -> Arrays:
@@ -145,8 +144,7 @@ def _locate_cifar(name: str, root: Path | None, fmt: str, download: bool) -> _So
     files = [folder / f for f in train_files + test_files + [meta_file]]
     if download and not all(f.is_file() for f in files):
         _download(name, root, lambda: _torchvision_class(tv_name)(str(root), train=True, download=True))
-    missing = [f.name for f in files if not f.is_file()]
-    if missing:
+    if missing := [f.name for f in files if not f.is_file()]:
         raise FlareError(f"{name} not found under {root} (missing {folder_name}/{', '.join(missing)}).",
                          key="dataset.root", fix=fix)
 
@@ -187,8 +185,7 @@ def _locate_svhn(name: str, root: Path | None, fmt: str, download: bool) -> _Sou
     for split, f in zip(("train", "test"), files):
         if download and not f.is_file():
             _download(name, root, lambda split=split: _torchvision_class("SVHN")(str(root), split=split, download=True))
-    missing = [f.name for f in files if not f.is_file()]
-    if missing:
+    if missing := [f.name for f in files if not f.is_file()]:
         raise FlareError(f"svhn not found under {root} (missing {', '.join(missing)}).", key="dataset.root", fix=fix)
 
     def read_split(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,8 +280,7 @@ def _locate_imagefolder(name: str, root: Path | None) -> _Source:
 
 
 def _require_splits(where: str, top: set[str], layout: str | None = None) -> None:
-    missing = [s for s in ("train", "test") if s not in top]
-    if missing:
+    if missing := [s for s in ("train", "test") if s not in top]:
         found = layout or ", ".join(f"{t}/" for t in sorted(top)) or "no folders"
         raise FlareError(f"{where} has no {' and no '.join(s + '/' for s in missing)} folder with "
                          f"class subfolders of images (found: {found}).",
@@ -345,8 +341,7 @@ def _read_tree(name: str, where: str, entries: list[tuple[tuple[str, ...], Path 
             splits[parts[0]].append((parts[1], "/".join(parts), payload))
     classes = sorted({cls for cls, _, _ in splits["train"]})
     label = {c: i for i, c in enumerate(classes)}
-    extra = sorted({cls for cls, _, _ in splits["test"]} - set(classes))
-    if extra:
+    if extra := sorted({cls for cls, _, _ in splits["test"]} - set(classes)):
         raise FlareError(f"{where}: test/ has classes with no train/ images: {', '.join(extra)}.",
                          key="dataset.root", fix="give every test class training images, or remove it from test/.")
     items = {s: sorted((label[cls], rel, payload) for cls, rel, payload in v) for s, v in splits.items()}

@@ -103,8 +103,7 @@ def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, seed
         n_c = len(idx)
         q = rng.dirichlet(alpha * np.ones(num_clients))
         counts = np.floor(q * n_c).astype(np.int64)
-        leftover = n_c - int(counts.sum())
-        if leftover:  # leftover < K because each floor loses less than one sample
+        if leftover := n_c - int(counts.sum()):  # leftover < K because each floor loses less than one sample
             counts[rng.choice(num_clients, size=leftover, replace=False)] += 1
         for b, part in zip(buckets, np.split(idx, np.cumsum(counts)[:-1])):
             b.append(part)
@@ -216,8 +215,7 @@ def shards_partition(labels: np.ndarray, num_clients: int, k: int, seed: int,
     for i in range(num_clients):
         for j in range(k):
             holders[int(order[(i * k + j) % C])].append(i)
-    unused = [c for c, h in holders.items() if not h]
-    if unused:
+    if unused := [c for c, h in holders.items() if not h]:
         warnings.warn(f"shards partition: classes {unused} are held by no client (K·k < C).", stacklevel=2)
     buckets: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
     for c, hs in holders.items():

@@ -54,8 +54,7 @@ class DataMeta:
 def prepare_data(cfg: Config) -> tuple[ImageData, tuple[Tensor, Tensor] | None]:
     """Load the dataset, apply the seeded subsets, carve out the server's public slice (if any)."""
     d = cfg.dataset
-    data = load_dataset(d.name, d.root, format=d.format, download=d.download, cache_dir=d.cache_dir,
-                        options=d.options)
+    data = load_dataset(d.name, d.root, format=d.format, download=d.download, cache_dir=d.cache_dir, options=d.options)
     for key, size, n in (("dataset.train_subset", d.train_subset, len(data.train_y)),
                          ("dataset.test_subset", d.test_subset, len(data.test_y))):
         if size is not None and size > n:

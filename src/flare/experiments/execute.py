@@ -178,8 +178,7 @@ def execute_points(points: list[Point], *, workers: int = 1, address: str | None
                 if info["status"] == "error":
                     break
     results.update(ran)
-    errors = [(n, r) for n, r in ran.items() if r.get("status") == "error"]
-    if errors:
+    if errors := [(n, r) for n, r in ran.items() if r.get("status") == "error"]:
         n, r = errors[0]
         raise FlareError(f"sweep point '{n}' stopped: {r.get('message', r.get('error'))}", key=r.get("key"),
                          fix=r.get("fix"))

@@ -294,8 +294,7 @@ def run_sweep(path: str | Path, out: str | Path | None = None, *, overrides: lis
     if not quiet:
         print(f"\n{table}\n\n{line}\n")
     if report:
-        dirs = [p.dir for p in points if (p.dir / "metrics.jsonl").exists()]
-        if dirs:
+        if dirs := [p.dir for p in points if (p.dir / "metrics.jsonl").exists()]:
             md = write_report(dirs, out / "report", title=f"Sweep {spec.name}")
             if not quiet:
                 print(f"report: {md}")

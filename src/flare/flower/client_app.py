@@ -53,8 +53,7 @@ def local_data(task: Task, context: Context) -> LocalData:
                          key="num-partitions", fix="give every node num-partitions equal to num_clients.")
     if nc.get("data-path"):
         return file_data(str(nc["data-path"]), cid, task.meta)
-    where = {k2: str(nc[k1]) for k1, k2 in (("dataset-root", "root"), ("cache-dir", "cache_dir")) if nc.get(k1)}
-    if where:
+    if where := {k2: str(nc[k1]) for k1, k2 in (("dataset-root", "root"), ("cache-dir", "cache_dir")) if nc.get(k1)}:
         cfg = cfg.model_copy(update={"dataset": cfg.dataset.model_copy(update=where)})
     return partition_data(cfg, cid)
 

@@ -230,8 +230,7 @@ class LocalFederation:
             except subprocess.TimeoutExpired:
                 self._signal(p, signal.SIGKILL)
                 p.wait()
-                raise FederationError(f"flwr run did not finish within {timeout:g} s; logs in {self.workdir}") \
-                    from None
+                raise FederationError(f"flwr run did not finish within {timeout:g} s; logs in {self.workdir}") from None
         return subprocess.CompletedProcess(argv, rc, self.log_text(log_name), "")
 
 

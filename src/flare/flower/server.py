@@ -371,8 +371,7 @@ class NodeClients:
         return out
 
 
-def run_federation(cfg: Config, fed: FederationSettings, exchange, node_ids: list[int], log=print,
-                   talk=None) -> dict:
+def run_federation(cfg: Config, fed: FederationSettings, exchange, node_ids: list[int], log=print, talk=None) -> dict:
     """The server's whole protocol over an engine: `exchange(task, include_init, nodes) -> list[Reply]`
     sends one task to `nodes` and returns their replies within the timeout (Flower's grid in
     `server_app.py`; a direct call in tests); `talk` carries the rounds a strategy holds with the clients after

@@ -88,8 +88,7 @@ def train_content(task, include_init: bool, session: ServerSession) -> RecordDic
     content = RecordDict({"task": ConfigRecord(task.to_config())})
     if include_init:
         content["init"] = state_to_record(session.setup.initial_message())
-    sent = session.setup.train_message(task.round_start)
-    if sent:
+    if sent := session.setup.train_message(task.round_start):
         content["sent"] = state_to_record(sent)
     return content
 

@@ -164,8 +164,7 @@ def check_state_fits(model: nn.Module, state: dict, source: str, *, key: str, fi
             raise FlareError(f"{source} does not fit the model: tensor '{name}' has shape "
                              f"{tuple(got) if got is not None else type(state[name]).__name__} there, the model's is "
                              f"{tuple(t.shape)}.", key=key, fix=fix)
-    extra = [k for k in state if k not in own]
-    if extra:
+    if extra := [k for k in state if k not in own]:
         raise FlareError(f"{source} does not fit the model: it holds tensor '{extra[0]}', which the model has not "
                          f"({len(extra)} such).", key=key, fix=fix)
 
@@ -178,8 +177,7 @@ def check_input_fits(model: FlareNet, in_channels: int, image_size: int, label: 
     statistics, the RNG) moves. Whatever that forward raises is the model's refusal of the input: networks say so by
     RuntimeError (a kernel larger than its input), AssertionError (timm's size checks) or ValueError alike."""
     was = model.training
-    x = torch.zeros(2, int(in_channels), int(image_size), int(image_size),
-                    device=next(model.parameters()).device)
+    x = torch.zeros(2, int(in_channels), int(image_size), int(image_size), device=next(model.parameters()).device)
     try:
         with torch.no_grad():
             model.eval()(x)

@@ -84,8 +84,7 @@ def _builder(name: str):
                                                     "timm/mobilenetv3_small_050), or pass the family's own width "
                                                     "argument in model.options.")
         kwargs: dict[str, Any] = {k: v for k, v in options.model_dump().items() if k != "stem"}
-        bad = [k for k in kwargs if k in RESERVED]
-        if bad:
+        if bad := [k for k in kwargs if k in RESERVED]:
             raise FlareError(f"model.options.{bad[0]} is set by FLARE for a timm model.", key=f"model.options.{bad[0]}",
                              fix="remove it (weights come from model.checkpoint; classes and channels from the "
                                  "dataset).")

@@ -44,8 +44,7 @@ def compare_markdown(meta_rows: list[tuple[dict, Row]], baseline: str | None = N
     """The comparison table, then (with several methods) each against the baseline, paired by seed."""
     rows = [row for _, row in meta_rows]
     table = compare_table(meta_rows)
-    fused = fused_table(rows)
-    if fused:  # `flare fuse` ran over these runs: every server strategy on the same uploads
+    if fused := fused_table(rows):  # `flare fuse` ran over these runs: every server strategy on the same uploads
         table += ("\n\nServer strategies over the saved uploads (`flare fuse`; accuracy %, mean ± std over seeds):"
                   f"\n\n{fused}")
     base = default_baseline([r.label for r in rows], baseline)
@@ -62,8 +61,7 @@ def write_compare_report(methods: list[tuple[str, list[Path]]], out: Path,
     meta_rows = compare_rows(methods)
     rows = [row for _, row in meta_rows]
     table = compare_markdown(meta_rows, baseline)
-    seeds = [r.seed for r in rows[0].runs]
-    title = compare_title(rows[0].runs[0], seeds)
+    title = compare_title(rows[0].runs[0], [r.seed for r in rows[0].runs])
     plot_accuracy_curves(rows, out / "compare_accuracy.png", title)
     figures = "![accuracy](compare_accuracy.png)\n"
     if plot_compare_diagnostics(rows, out / "compare_diagnostics.png", title):

@@ -47,11 +47,9 @@ def write_report(paths: Iterable[str | Path], out: str | Path, title: str = "Rep
             md += [f"### Against {base}, paired by seed", "", paired_table(sec.rows, base), "", PAIRED_EXPLAIN, ""]
         plot_accuracy_curves(sec.rows, out / f"accuracy_{sec.slug}.png", f"test accuracy — {sec.title}")
         md += [f"![accuracy against rounds](accuracy_{sec.slug}.png)", ""]
-        st = strategy_table(sec.rows)
-        if st:
+        if st := strategy_table(sec.rows):
             md += ["### Global predictors (server strategies), final accuracy (%)", "", st, ""]
-        lt = lambda_table(sec.rows)
-        if lt:
+        if lt := lambda_table(sec.rows):
             md += ["### Learned alignment strength", "", lt, ""]
             v7 = [r for r in sec.rows if r.runs[0].learner == "none"
                   and r.runs[0].cfg.get("align", {}).get("schedule") == "linear"
@@ -62,15 +60,13 @@ def write_report(paths: Iterable[str | Path], out: str | Path, title: str = "Rep
             if plot_acc_lambda_raw(sec.rows, out / f"lambda_raw_{sec.slug}.png",
                                    f"accuracy and raw λ — {sec.title}"):
                 md += [f"![accuracy and lambda_raw against rounds](lambda_raw_{sec.slug}.png)", ""]
-    sweeps = param_sweeps(with_rounds)
-    if sweeps:
+    if sweeps := param_sweeps(with_rounds):
         md += ["## Parameter sweeps", ""]
         for k, lines in sweeps.items():
             f = f"sweep_{slug(k)}.png"
             plot_param_sweep(k, lines, out / f, f"sweep over {k}")
             md += [f"### {k}", "", sweep_table(k, lines), "", f"![sweep over {k}]({f})", ""]
-    fused = [r for r in runs if r.fused]
-    if fused:
+    if fused := [r for r in runs if r.fused]:
         md += ["## Server strategies over the saved uploads", "", "`flare fuse`: each strategy over every client's "
                "state after the last round (no client retrained); test accuracy in %.", "",
                md_table(["run", "method", "seed", "strategy", "accuracy", "seconds"],

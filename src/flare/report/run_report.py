@@ -52,8 +52,7 @@ def summary_markdown(run: RunData) -> str:
         if "client_acc" in rounds[-1]:
             lines.append(f"| client accuracies (alone) | {', '.join(f'{100 * a:.1f}' for a in rounds[-1]['client_acc'])} |")
         lines.append("")
-        own = _strategy_logs(rounds[-1])
-        if own:
+        if own := _strategy_logs(rounds[-1]):
             lines += ["## What the server strategies measured at the last round", "",
                       "Their cost (seconds, MiB) and what they minimised, as each strategy logged it.", "",
                       "| strategy | numbers |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in own.items()] + [""]
@@ -72,8 +71,7 @@ def summary_markdown(run: RunData) -> str:
             lines.append(f"| {c['client']} | {c.get('model', cfg.get('model', {}).get('name'))} | {c['num_samples']} | "
                          f"{c['normalized_entropy']:.4f} |")
         lines.append("")
-    warns = run.state.get("warnings") or []
-    if warns:
+    if warns := run.state.get("warnings"):
         lines += ["## Warnings", ""] + [f"- {w}" for w in warns] + [""]
     lines += ["## Plots", "", "![accuracy](plots/accuracy.png)", "", "![labels](plots/label_distribution.png)", "",
               "![diagnostics](plots/diagnostics.png)", ""]

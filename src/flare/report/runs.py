@@ -206,8 +206,7 @@ class Section:
 
 
 def sections(runs: list[RunData]) -> list[Section]:
-    vary = varying_keys(runs)
-    setting_keys = [k for k in vary if is_setting(k)]
+    setting_keys = [k for k in varying_keys(runs) if is_setting(k)]
     groups: dict[tuple, list[RunData]] = {}
     for r in runs:
         groups.setdefault(tuple(repr(r.flat.get(k)) for k in setting_keys), []).append(r)
@@ -256,8 +255,7 @@ def param_sweeps(runs: list[RunData]) -> dict[str, list[SweepLine]]:
             fixed = [f"{short_key(o)}={fmt_value(rs[0].flat.get(o))}" for o in others
                      if not is_setting(o) and len({repr(x.flat.get(o)) for x in runs if x.method == rs[0].method}) > 1]
             label = rs[0].method + (f" ({', '.join(fixed)})" if fixed else "")
-            setting = [f"{short_key(o)}={fmt_value(rs[0].flat.get(o))}" for o in others if is_setting(o)]
-            if setting:
+            if setting := [f"{short_key(o)}={fmt_value(rs[0].flat.get(o))}" for o in others if is_setting(o)]:
                 label += " · " + ", ".join(setting)
             lines.append(SweepLine(label, xs, [Row(label, rs[0].method, {}, by_x[x]) for x in xs]))
         if lines:

@@ -62,8 +62,7 @@ def strategy_table(rows: list[Row]) -> str | None:
     if len(rules) < 2:
         return None
     head = ["method"] + [rule_title(k.removeprefix("acc_")) or k for k in rules]
-    body = [[row.label] + [fmt_ms(*row.stat(k)[:2]) for k in rules] for row in rows]
-    return md_table(head, body)
+    return md_table(head, [[row.label] + [fmt_ms(*row.stat(k)[:2]) for k in rules] for row in rows])
 
 
 def lambda_table(rows: list[Row]) -> str | None:

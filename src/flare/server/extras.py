@@ -68,8 +68,7 @@ def client_extras(strategies: Mapping[str, Strategy], data: ClientData) -> dict[
             continue
         got = {f"{n}/{k}": (v.detach().cpu() if isinstance(v, Tensor) else v)
                for k, v in dict(strategy.client_extras(data)).items()}
-        reasons = check_tensors("extras", got, {f"{n}/{k}": (tuple(s), d) for k, (s, d) in declared.items()})
-        if reasons:
+        if reasons := check_tensors("extras", got, {f"{n}/{k}": (tuple(s), d) for k, (s, d) in declared.items()}):
             raise FlareError(f"server strategy '{n}' computed client statistics that do not match what it declares "
                              f"(extras_shapes) for client {data.cid}: " + "; ".join(reasons) + ".",
                              key=f"server.strategies.{n}",

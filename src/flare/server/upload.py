@@ -86,8 +86,7 @@ def check_tensors(what: str, got, shapes: Shapes, *, max_listed: int = 5) -> lis
             reasons.append(f"'{k}' has dtype {t.dtype}, expected {dtype}")
             continue
         if t.is_floating_point():
-            bad = int((~torch.isfinite(t)).sum())
-            if bad:
+            if bad := int((~torch.isfinite(t)).sum()):
                 reasons.append(f"'{k}' holds {bad} non-finite value(s)")
         elif t.numel() and t.dtype != torch.bool and int(t.min()) < 0:
             reasons.append(f"'{k}' (a counter) is negative")
