@@ -255,3 +255,59 @@ def test_register_model_decorator():
         from flare import models
 
         models.MODELS._entries.pop("tiny_test_net", None)
+
+
+@pytest.mark.parametrize("kw", [dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1),
+                                dict(kernel_size=2, ceil_mode=True)])
+@pytest.mark.parametrize("shape", [(16, 8, 28, 28), (5, 1, 9, 11), (4, 32, 7, 7)])
+def test_channels_last_max_pool_is_torchs_bit_for_bit(kw, shape):
+    """flare's MaxPool2d takes its own path (the grad_fn says so) and gives torch's values and gradients exactly,
+    on inputs full of ties (ReLU zeros, values on a coarse grid) where a different tie rule would show."""
+    from flare.models.pool import MaxPool2d
+
+    torch.manual_seed(0)
+    x = ((torch.randn(*shape) * 4).round() / 4).relu()
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = nn.MaxPool2d(**kw)(a), MaxPool2d(**kw)(b)
+    assert "MaxPool" in type(yb.grad_fn).__name__ and type(yb.grad_fn) is not type(ya.grad_fn)
+    g = torch.randn_like(ya)
+    ya.backward(g)
+    yb.backward(g)
+    with torch.no_grad():
+        yc = MaxPool2d(**kw)(x)
+    assert torch.equal(ya, yb) and torch.equal(ya, yc) and torch.equal(a.grad, b.grad)
+    assert yb.is_contiguous() and yc.is_contiguous() and b.grad.is_contiguous()
+
+
+def test_channels_last_max_pool_under_vmap_and_grad():
+    """The batched engine vmaps a functional call of K stacked models: the same losses and gradients as torch's
+    pool under vmap, with autograd outside it and with torch.func.grad inside."""
+    from torch.func import functional_call, grad, stack_module_state, vmap
+
+    from flare.models.pool import MaxPool2d
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(196, 10))
+    ours = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), MaxPool2d(2), nn.Flatten(), nn.Linear(196, 10))
+    ours.load_state_dict(net.state_dict())
+    params, bufs = stack_module_state([net, net, net])
+    x, y = torch.randn(3, 8, 1, 14, 14), torch.randint(0, 10, (3, 8))
+
+    def loss(m):
+        return lambda p, b, xx, yy: F.cross_entropy(functional_call(m, (p, b), (xx,)), yy)
+
+    grads = []
+    for m in (net, ours):
+        p = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+        vmap(loss(m))(p, bufs, x, y).sum().backward()
+        grads.append(({k: v.grad for k, v in p.items()}, vmap(grad(loss(m)))(params, bufs, x, y)))
+    for k in params:
+        assert torch.equal(grads[0][0][k], grads[1][0][k]) and torch.equal(grads[0][1][k], grads[1][1][k])
+
+
+def test_small_networks_pool_through_flare_max_pool():
+    from flare.models.pool import MaxPool2d
+
+    for name in ("cnn", "simple-cnn", "cnn_mnist_dense", "cnn_dense", "cnn_coboost"):
+        pools = [m for m in create_model(name, 1, 10, 1.0).modules() if isinstance(m, nn.MaxPool2d)]
+        assert pools and all(type(m) is MaxPool2d for m in pools), name

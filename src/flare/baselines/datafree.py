@@ -88,8 +88,7 @@ class Generator(nn.Module):
         c, self.h, self.w = shape
         self.s = (math.ceil(self.h / 4), math.ceil(self.w / 4))
         self.l1 = nn.Linear(nz, 2 * ngf * self.s[0] * self.s[1])
-        self.body = nn.Sequential(
-            nn.BatchNorm2d(2 * ngf), nn.Upsample(scale_factor=2),
+        self.body = nn.Sequential(nn.BatchNorm2d(2 * ngf), nn.Upsample(scale_factor=2),
             nn.Conv2d(2 * ngf, 2 * ngf, 3, padding=1, bias=False), nn.BatchNorm2d(2 * ngf), nn.LeakyReLU(0.2),
             nn.Upsample(scale_factor=2),
             nn.Conv2d(2 * ngf, ngf, 3, padding=1, bias=False), nn.BatchNorm2d(ngf), nn.LeakyReLU(0.2),

@@ -68,8 +68,7 @@ class Client:
     def check(cfg: Config) -> None:
         """What the sequential and threads engines cannot run: nothing (every part is written for them)."""
 
-    def __init__(self, cid: int, indices: Tensor, model: torch.nn.Module, ctx: TrainContext,
-                 normalized_entropy: float):
+    def __init__(self, cid: int, indices: Tensor, model: torch.nn.Module, ctx: TrainContext, normalized_entropy: float):
         self.cid, self.indices, self.model, self.cfg = cid, indices, model, ctx.cfg
         self.num_samples, self.normalized_entropy = int(indices.numel()), normalized_entropy
         facts = LamFacts(initial_lambda(ctx.cfg, normalized_entropy), ctx.cfg.align.schedule, ctx.device)

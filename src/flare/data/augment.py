@@ -87,8 +87,7 @@ class TwoViewAugment(nn.Module):
         self.register_buffer("std", _as_stats(std, self.in_channels, None, "std"), persistent=False)
         self.pre = None
         if pre_mean is not None:
-            self.register_buffer("pre_mean", _as_stats(pre_mean, self.in_channels, None, "pre_mean"),
-                                 persistent=False)
+            self.register_buffer("pre_mean", _as_stats(pre_mean, self.in_channels, None, "pre_mean"), persistent=False)
             self.register_buffer("pre_std", _as_stats(pre_std, self.in_channels, None, "pre_std"), persistent=False)
             self.pre = True
 

@@ -136,8 +136,7 @@ def format_throughput(t: dict) -> str:
 
 def execute_points(points: list[Point], *, workers: int = 1, address: str | None = None,
                    cpus_per_point: float = 1.0, gpus_per_point: float | None = None, quiet: bool = False,
-                   desc: str = "sweep", log: Callable[[str], None] | None = None,
-                   ray: bool = True) -> dict[str, dict]:
+                   desc: str = "sweep", log: Callable[[str], None] | None = None, ray: bool = True) -> dict[str, dict]:
     """Run every unfinished point; returns name -> outcome ({'status': ..., ...}). Raises FlareError for a
     user mistake that a point reports at run time (e.g. a missing dataset), after stopping the others.
     `ray=False` keeps parallel points in plain local processes even where Ray is installed (a command whose

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import FlareError
+from .pool import MaxPool2d
 from .resnet import conv1x1, conv3x3, init_weights, scaled
 
 __all__ = ["WideResNet", "PaperCNN", "wrn16_1", "wrn40_1", "cnn_dense", "cnn_coboost"]
@@ -74,8 +75,8 @@ class PaperCNN(nn.Module):
     def __init__(self, channels: tuple[int, int, int], fc: int | None, in_channels: int = 3, width: float = 1.0):
         super().__init__()
         c1, c2, c3 = (scaled(c, width) for c in channels)
-        self.body = nn.Sequential(nn.Conv2d(int(in_channels), c1, 3), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-                                  nn.Conv2d(c1, c2, 3), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+        self.body = nn.Sequential(nn.Conv2d(int(in_channels), c1, 3), nn.ReLU(inplace=True), MaxPool2d(2),
+                                  nn.Conv2d(c1, c2, 3), nn.ReLU(inplace=True), MaxPool2d(2),
                                   nn.Conv2d(c2, c3, 3), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(4), nn.Flatten(1))
         self.fc: nn.Module = nn.Identity()
         self.feature_dim = c3 * 16

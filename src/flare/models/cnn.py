@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .pool import MaxPool2d
 from .resnet import init_weights, scaled
 
 __all__ = ["SmallCNN", "cnn"]
@@ -28,7 +29,7 @@ class SmallCNN(nn.Module):
         self.in_channels = int(in_channels)
         self.width = float(width)
         c1, c2, c3 = scaled(32, width), scaled(64, width), scaled(128, width)
-        self.body = nn.Sequential(*_block(self.in_channels, c1), nn.MaxPool2d(2), *_block(c1, c2), nn.MaxPool2d(2),
+        self.body = nn.Sequential(*_block(self.in_channels, c1), MaxPool2d(2), *_block(c1, c2), MaxPool2d(2),
                                   *_block(c2, c3))
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.feature_dim = c3

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .pool import MaxPool2d
 from .resnet import scaled
 
 __all__ = ["SimpleCNN", "DenseMnistCNN", "simple_cnn", "cnn_mnist_dense"]
@@ -32,7 +33,7 @@ class SimpleCNN(nn.Module):
         self.image_size = s
         self.conv1 = nn.Conv2d(int(in_channels), c1, 5)
         self.conv2 = nn.Conv2d(c1, c2, 5)
-        self.pool = nn.MaxPool2d(2, 2)
+        self.pool = MaxPool2d(2, 2)
         self.fc1 = nn.Linear(c2 * side * side, h1)
         self.fc2 = nn.Linear(h1, h2)
         self.feature_dim = h2
@@ -50,8 +51,8 @@ class DenseMnistCNN(nn.Module):
         super().__init__()
         c1, c2 = scaled(16, width), scaled(32, width)
         self.layer1 = nn.Sequential(nn.Conv2d(int(in_channels), c1, 5, padding=2), nn.BatchNorm2d(c1), nn.ReLU(),
-                                    nn.MaxPool2d(2))
-        self.layer2 = nn.Sequential(nn.Conv2d(c1, c2, 5, padding=2), nn.BatchNorm2d(c2), nn.ReLU(), nn.MaxPool2d(2))
+                                    MaxPool2d(2))
+        self.layer2 = nn.Sequential(nn.Conv2d(c1, c2, 5, padding=2), nn.BatchNorm2d(c2), nn.ReLU(), MaxPool2d(2))
         self.feature_dim = c2 * (image_size // 4) ** 2
 
     def forward(self, x: Tensor) -> Tensor:

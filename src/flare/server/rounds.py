@@ -148,8 +148,7 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
                      anchors: Tensor | None, test_x: Tensor | None, test_y: Tensor | None, norm, *,
                      amp_dtype=None, channels_last: bool = False, server_G: Tensor | None = None,
                      strategy_state: dict | None = None, public_x: Tensor | None = None,
-                     rules: tuple[str, ...] | None = None,
-                     strategies: Mapping[str, Strategy] | None = None,
+                     rules: tuple[str, ...] | None = None, strategies: Mapping[str, Strategy] | None = None,
                      clients: Transport | None = None) -> Evaluation:
     """One evaluation checkpoint (docs/method.md#server-rules) from the uploads alone: global prototypes, every fusion
     rule scored on the test set (skipped when `test_x` is None: a server without a test set), diagnostics. `models[i]`
