@@ -75,3 +75,16 @@ def test_gpu_suite_parses():
     """The device calls run this script with no second chance: a syntax error would cost a whole lease."""
     r = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_suite.sh")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_max_pool_benchmark_records_both_pools(tmp_path, capsys):
+    """benchmarks/max_pool.py times torch's pool against flare's on the same network and records that both trained
+    to the same bits (what the docs block renders from)."""
+    bench = _script("max_pool")
+    rec = tmp_path / "max-pool.json"
+    bench.main(["--models", "cnn@0.125", "--steps", "1", "--repeats", "1", "--eval-images", "64",
+                "--record", str(rec)])
+    rows = json.loads(rec.read_text())["rows"]
+    assert [r["model"] for r in rows] == ["cnn width 0.125"] and rows[0]["same_bits"] is True
+    assert all(v > 0 for r in rows for part in ("train", "eval") for v in r[part].values())
+    assert bench.table_row(rows[0]) in capsys.readouterr().out

@@ -215,6 +215,16 @@ def augment_schedule_table(base: Path) -> str:
     return "\n".join(rows) + "\n"
 
 
+MAX_POOL_MODELS = "cnn@0.25,cnn@0.5,simple-cnn@1,cnn_mnist_dense@1"  # the main job's CNN and the papers' tables'
+
+
+def max_pool_table(base: Path) -> str:
+    """benchmarks/max_pool.py --record: torch's pool against flare's, rendered by the benchmark's own row format."""
+    bench = _script("benchmarks/max_pool.py")
+    rec = json.loads((base / OUT.relative_to(ROOT) / "max-pool-record.json").read_text())
+    return f"{rec['setting']}.\n\n" + "\n".join([bench.HEADER, *map(bench.table_row, rec["rows"])]) + "\n"
+
+
 def kernels_table(dirs: dict[str, str]) -> Callable[[Path], str]:
     """The same command under each kernel level: what torch dispatched to (state.json) and the digits it gave."""
     def render(base: Path) -> str:
@@ -467,6 +477,10 @@ RESULTS = {r.id: r for r in [
              f"--record runs/readme/augment-schedule-{name}.json" for name, args in AUGMENT_SCHEDULE_RUNS.items()],
             augment_schedule_table,
             page="docs/performance.md", keep=augment_schedule_kept),
+    Results("max-pool",
+            [f"OMP_NUM_THREADS=1 python benchmarks/max_pool.py --models {MAX_POOL_MODELS} --repeats 15 "
+             "--record runs/readme/max-pool-record.json"],
+            max_pool_table, page="docs/performance.md"),
     Results("kernels",
             [f"{UX} --out runs/readme/ux-pinned", f"{UX} cpu_isa=native --out runs/readme/ux-native"],
             kernels_table({"default": "runs/readme/ux-pinned", "`cpu_isa=native`": "runs/readme/ux-native"}),
