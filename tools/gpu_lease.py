@@ -210,7 +210,7 @@ def gpu_column(base: Path, calls: list[str], logs: dict[str, dict]) -> str:
         eff = log["efficiency"]
         if "1.0" in eff:  # the efficiency stage's width-1 figures, from the last call that measured them
             e = eff["1.0"]
-            line = (f"Efficiency at width 1 ({call}, before the BatchNorm fix): per-client training "
+            line = (f"Efficiency at width 1 ({call}): per-client training "
                     f"{e['eff']:.3f} of its bare step, the batched engine {e['eff_b']:.3f} of its bare batched step "
                     f"and {e['vs_seq']:.3f}× per-client training end to end.")
     md += ["", line] if line else []
