@@ -233,6 +233,45 @@ def test_the_strategies_compose_with_every_client_kind(preset, rule):
     assert make_strategy(cfg, "bnrecal").rule == rule
 
 
+@pytest.mark.parametrize("name", ["dense", "coboosting", "intactofl"])
+def test_an_interrupted_build_resumes_from_its_last_epoch_bit_for_bit(name, tmp_path, monkeypatch):
+    """With a scratch folder the build saves its progress after every epoch; killed in its second epoch and run
+    again, it starts at the second epoch and ends where an uninterrupted build without a folder ends."""
+    from flare.baselines.datafree import Synthesis
+
+    extra = [f"server.strategies.intactofl.{k}={v}" for k, v in TINY["dense"].items()]
+    x = norm(patterns(16, 5))
+    cfg, ctx = context(extra=extra)
+    whole = make_strategy(cfg, name).predictor(ctx)
+    distil, calls = Synthesis.distil, []
+
+    def dies_in_epoch_two(self):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        distil(self)
+
+    cfg, ctx = context(extra=extra)
+    ctx.scratch = tmp_path / name
+    monkeypatch.setattr(Synthesis, "distil", dies_in_epoch_two)
+    with pytest.raises(KeyboardInterrupt):
+        make_strategy(cfg, name).predictor(ctx)
+    assert len(list(ctx.scratch.glob("*.pt"))) == 1
+    calls.clear()
+    monkeypatch.setattr(Synthesis, "distil", lambda self: (calls.append(1), distil(self)))
+    resumed = make_strategy(cfg, name).predictor(ctx)
+    assert len(calls) == 2  # epochs 2 and 3 only
+    with torch.no_grad():
+        assert torch.equal(resumed.scores(x), whole.scores(x))
+    assert {k: v for k, v in resumed.logs.items() if k != "seconds"} == \
+        {k: v for k, v in whole.logs.items() if k != "seconds"}
+    cfg, ctx = context(extra=extra + [f"server.strategies.{name}.epochs=4"])  # other options: another file
+    ctx.scratch = tmp_path / name
+    calls.clear()
+    make_strategy(cfg, name).predictor(ctx)
+    assert len(calls) == 4 and len(list(ctx.scratch.glob("*.pt"))) == 2
+
+
 def test_fuse_gives_a_data_free_server_another_budget_and_its_curve(tiny_overrides, tmp_path, capsys):
     """`flare fuse` takes server-strategy options anew (the clients are the checkpoint's): the record names them,
     the same options count as fused, others fuse again; the budget curve scores the student on the way without
@@ -245,6 +284,7 @@ def test_fuse_gives_a_data_free_server_another_budget_and_its_curve(tiny_overrid
     opts = [f"server.strategies.dense.{k}={v}" for k, v in TINY["dense"].items()]
     assert main(["fuse", str(d), "--strategies", "dense", *opts, "server.strategies.dense.curve_every=1"]) == 0
     assert "[epochs=3 g_steps=6" in capsys.readouterr().out
+    assert not (d / "fuse-scratch").exists()  # the build's progress, kept while it runs, is gone with its record
     assert main(["fuse", str(d), "--strategies", "dense", *opts, "server.strategies.dense.curve_every=1"]) == 0
     (rec,) = [f for f in read_jsonl(d / "fuse.jsonl") if f["kind"] == "fuse"]  # the same options: not again
     assert rec["options"]["curve_every"] == 1 and rec["options"]["epochs"] == 3

@@ -10,7 +10,7 @@ A table file (configs/papers/*.yaml) names the base config, the methods (a prese
 strategies scored afterwards with `flare fuse`), the α and seed grid, the columns and the paper's printed numbers.
 A cell is one method at one (α, seed): one `flare run` into runs/papers/<table>/<cell> — rerunning resumes an
 unfinished one, a finished one is not recomputed — then `flare fuse` for its strategies (already fused ones are
-skipped). Cells run one at a time. A finished cell's records (config, partition, metrics, fuse records, state,
+skipped; an interrupted data-free fuse goes on from its last finished epoch). Cells run one at a time. A finished cell's records (config, partition, metrics, fuse records, state,
 summary; never a checkpoint) are copied to results/papers/<table>/<cell>/ with the table's spec beside them, and
 `--commit` commits that directory alone. `render` reads results/papers/ only.
 """

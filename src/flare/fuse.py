@@ -6,7 +6,8 @@ The run's server is rebuilt from its config.yaml by the one builder a run uses (
 strategy is scored by that server's own evaluation at the last round (`ServerSetup.evaluate`, the one strategy
 alone): a built-in strategy reproduces the run's own last-round accuracy exactly.
 Results are appended to fuse.jsonl (one record per strategy, under the run directory's lock); a rerun skips the
-strategies already there, so an interrupted fuse resumes. summary.md is rewritten with them.
+strategies already there, so an interrupted fuse resumes (a data-free server's build from its last finished epoch,
+kept in `fuse-scratch/` until its record is written). summary.md is rewritten with them.
 
 A server strategy's options (`server.strategies.<name>.<option>=VALUE`) may be given anew: they change only what
 the server builds from the same clients — a data-free server's budget, say — never the clients, so they are the one
@@ -15,8 +16,10 @@ only with the same options.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +30,7 @@ from flare.config import Config, build_config, deep_merge, parse_list, parse_ove
 from flare.errors import FlareError
 from flare.registry import STRATEGIES, load_plugins
 from flare.report.run_report import write_run_report
-from flare.rundir import CHECKPOINT, FUSE, RunDir, read_jsonl
+from flare.rundir import CHECKPOINT, FUSE, SCRATCH, RunDir, read_jsonl
 from flare.server.exchange import LocalClients
 from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
 from flare.server.upload import upload_of
@@ -173,8 +176,12 @@ def _score(job: FuseJob, names: list[str]) -> None:
         for u, ex in zip(uploads, extras):
             u.extras = ex
         talks = server.strategies[name].extra_rounds() > 0
-        ev = server.evaluate(r, uploads, models, rules=(name,), clients=LocalClients(clients()) if talks else None)
+        ev = server.evaluate(r, uploads, models, rules=(name,), clients=LocalClients(clients()) if talks else None,
+                             scratch=rd.path / SCRATCH)
         # seconds: the clients' statistics, the rounds it holds with them, its build and its test pass
         rd.append([{"kind": "fuse", "strategy": name, "round": r, "acc": ev.record[f"acc_{name}"],
                     "seconds": time.perf_counter() - t0, **({"options": job.options[name]} if job.options[name] else {}),
                     **{f"{name}.{k}": v for k, v in ev.predictors[name].logs.items()}}], FUSE)
+        shutil.rmtree(rd.path / SCRATCH / name, ignore_errors=True)  # its progress is in the record now
+        with contextlib.suppress(OSError):
+            (rd.path / SCRATCH).rmdir()

@@ -48,7 +48,7 @@ except ImportError:  # pragma: no cover
 
 CONFIG, PARTITION, METRICS, STATE = "config.yaml", "partition.json", "metrics.jsonl", "state.json"
 CHECKPOINT, PREV_CHECKPOINT, LOCK, SUMMARY = "checkpoint.pt", "checkpoint.prev.pt", ".lock", "summary.md"
-FUSE = "fuse.jsonl"
+FUSE, SCRATCH = "fuse.jsonl", "fuse-scratch"  # the scratch: builds in progress that resume (never a record)
 RECORDS = (PARTITION,)  # records besides config.yaml that later commands trust, fingerprinted in state.json
 DIAG = ("g_protos_std", "inter_client_proto_std", "model_variance_mean")                   # docs/method.md#metrics
 

@@ -246,14 +246,16 @@ class ServerSetup:
         return {n: self.strategies[n] for n in rules_for(self.cfg, r)}
 
     def evaluate(self, r: int, uploads: list[Upload], models: list[torch.nn.Module],
-                 rules: tuple[str, ...] | None = None, clients: Transport | None = None) -> Evaluation:
+                 rules: tuple[str, ...] | None = None, clients: Transport | None = None,
+                 scratch: Path | None = None) -> Evaluation:
         """`rounds.evaluate_uploads` with this server's test set, anchors, G and strategy states. Plan B's new G is in
         the result: the caller decides whether the run carries it on (`carry`)."""
         be = self.backend
         return evaluate_uploads(self.cfg, r, uploads, models, self.anchors, self.test_x, self.test_y, self.norm,
                                 amp_dtype=be.amp_dtype, channels_last=be.channels_last,
                                 server_G=self.carried.get("G"), strategy_state=self.strategy_state,
-                                public_x=self.public_x, rules=rules, strategies=self.strategies, clients=clients)
+                                public_x=self.public_x, rules=rules, strategies=self.strategies, clients=clients,
+                                scratch=scratch)
 
 
 def client_context(cfg: Config, meta: DataMeta, be: Backend, feature_dim: int, train_x: Tensor, train_y: Tensor,

@@ -10,8 +10,10 @@ codes' lines (zj-jayzhang/DENSE, rong-dai/Co-Boosting), the options and the depa
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from functools import partial
+from pathlib import Path
 from typing import Callable, Literal
 
 import torch
@@ -21,6 +23,7 @@ from torch import Tensor, nn
 
 from flare.baselines.kd import (BN, Cost, affine_normalizer, client_logits, crop_flip, eval_mode, fresh_model,
                                 generator, kd_loss, passes, private_stream, to_uint8)
+from flare.durable import atomic_torch_save
 from flare.errors import FlareError
 from flare.registry import STRATEGIES
 from flare.rng import derived_seed
@@ -275,18 +278,51 @@ class Synthesis:
         if self.sched is not None:
             self.sched.step()
 
+    def state(self) -> dict:
+        """All that the epochs so far leave to the next (the generator restarts from `g` every epoch): a build
+        resumed from it goes on bit for bit."""
+        return {"student": self.student.state_dict(), "opt": self.opt.state_dict(), "g": self.g.get_state(),
+                "sched": self.sched and self.sched.state_dict(), "w": self.w, "pool_x": self.pool_x,
+                "pool_y": self.pool_y, "g_losses": self.g_losses, "kd_losses": self.kd_losses}
+
+    def load_state(self, s: dict) -> None:
+        for k in ("student", "opt", "sched"):
+            if s[k] is not None:
+                getattr(self, k).load_state_dict(s[k])
+        self.g.set_state(s["g"])
+        self.w, self.pool_x, self.pool_y = (s[k].to(self.dev) for k in ("w", "pool_x", "pool_y"))
+        self.g_losses, self.kd_losses = s["g_losses"], s["kd_losses"]
+
+    def progress_file(self) -> Path | None:
+        """Where this build keeps its progress in `ServerContext.scratch`, named by all it depends on (options, round,
+        strategy, the clients' states): a file of another build is never read."""
+        if self.ctx.scratch is None:
+            return None
+        self.ctx.scratch.mkdir(parents=True, exist_ok=True)
+        h = hashlib.sha256(repr((self.o.model_dump(), self.ctx.round, self.tag, type(self).__name__)).encode())
+        for t in (t for m in self.models for t in m.state_dict().values()):
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return self.ctx.scratch / f"{h.hexdigest()[:16]}.pt"
+
     def run(self) -> tuple[nn.Module, dict[str, float]]:
-        cost = Cost(self.dev)
+        cost, file = Cost(self.dev), self.progress_file()
         curve: list[list[float]] = []  # [epoch, generator steps so far, test accuracy]
-        every = self.o.curve_every
+        every, start = self.o.curve_every, 0
+        if file is not None and file.is_file():  # an interrupted build: on from its last finished epoch
+            s = torch.load(file, map_location="cpu", weights_only=True)
+            self.load_state(s)
+            start, curve, cost.t0 = s["epoch"], s["curve"], cost.t0 - s["seconds"]
         with eval_mode(self.models):
-            for epoch in range(self.o.epochs):
+            for epoch in range(start, self.o.epochs):
                 self.synthesize()
                 if self.coboost and epoch > 0:
                     self.reweight(epoch)
                 self.distil()
                 if every and self.ctx.score is not None and ((epoch + 1) % every == 0 or epoch + 1 == self.o.epochs):
                     curve.append([epoch + 1, (epoch + 1) * self.o.g_steps, self.ctx.score(self.student)])
+                if file is not None:
+                    atomic_torch_save({**self.state(), "epoch": epoch + 1, "curve": curve,
+                                       "seconds": cost.logs()["seconds"]}, file)
         self.student.eval().requires_grad_(False)
         n = len(self.g_losses)  # the generator restarts every epoch: its first and last steps, averaged
         logs = {**cost.logs(), "epochs": float(self.o.epochs), "g_loss_first": sum(g[0] for g in self.g_losses) / n,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
@@ -149,7 +150,7 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
                      amp_dtype=None, channels_last: bool = False, server_G: Tensor | None = None,
                      strategy_state: dict | None = None, public_x: Tensor | None = None,
                      rules: tuple[str, ...] | None = None, strategies: Mapping[str, Strategy] | None = None,
-                     clients: Transport | None = None) -> Evaluation:
+                     clients: Transport | None = None, scratch: Path | None = None) -> Evaluation:
     """One evaluation checkpoint (docs/method.md#server-rules) from the uploads alone: global prototypes, every fusion
     rule scored on the test set (skipped when `test_x` is None: a server without a test set), diagnostics. `models[i]`
     holds `uploads[i].state` (the in-process runner passes the live client models). `server_G`: the G Plan B continues
@@ -159,7 +160,8 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
     strategies to score (`flare fuse`'s one), else the round's own (`rules_for`). `strategies`: name → the run's
     instances (`make_strategies`, built once per run); built here only for a caller that keeps none. `clients`: the
     transport to the owners of the uploads, for a strategy that holds rounds with them after their upload
-    (server/exchange.py); None where the engine cannot reach them."""
+    (server/exchange.py); None where the engine cannot reach them. `scratch`: a folder whose subfolder `<name>` is each
+    strategy's `ServerContext.scratch`."""
     t0 = time.perf_counter()
     weights = aggregation_weights([u.num_samples for u in uploads], cfg.server.weights)
     protos = [u.prototypes for u in uploads if u.prototypes is not None]
@@ -185,7 +187,7 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
     for n in names:
         t = time.perf_counter()
         ctx = ServerContext(cfg, r, uploads, models, weights, G, anchors, states.setdefault(n, {}),
-                            own_extras(uploads, n), public_x, norm, shape, score)
+                            own_extras(uploads, n), public_x, norm, shape, score, scratch and scratch / n)
         talk = hold_rounds(n, strategies[n], ctx, clients)
         preds[n] = strategies[n].predictor(ctx)
         if talk:  # the extra rounds' cost beside what the strategy logs itself

@@ -17,6 +17,7 @@ built-in rules are strategies written exactly so, in server/rules.py; `ClientOut
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
@@ -43,7 +44,8 @@ class ServerContext:
     `extras[i]`: the statistics this strategy asked client i for (`Strategy.client_extras`), without the prefix.
     `public_x`: the server's unlabeled public slice (uint8 images, `dataset.public_size`; None without one) and
     `normalize`, the run's uint8 → model-input map — for servers that distil or recalibrate on data. `score`: the
-    test accuracy of an intermediate model, for the record only."""
+    test accuracy of an intermediate model, for the record only. `scratch`: a folder of this strategy's own where a
+    build of hours may keep its progress, so that an interrupted one resumes (`flare fuse` gives one; None: none)."""
 
     cfg: Config
     round: int
@@ -60,6 +62,7 @@ class ServerContext:
     # the test accuracy of a model the strategy is still building, for a record of how it progressed (a curve of
     # accuracy against the server's budget); a strategy must never choose with it. None without a test set.
     score: Callable[[nn.Module], float] | None = None
+    scratch: Path | None = None
 
     @property
     def device(self) -> torch.device:
