@@ -41,9 +41,7 @@ RENAMED = {
     "server.ensemble": "server.strategies.output.ensemble",
     "server.fedavg_buffers": "server.strategies.fedavg.buffers",
 }
-RENAMED_VALUES = {
-    "concurrent_clients": {True: "threads", False: "sequential"},
-}
+RENAMED_VALUES = {"concurrent_clients": {True: "threads", False: "sequential"}}
 
 # The keys that name a part or hold its options: checked against the part's registry (config/sections.py).
 ObjectiveName = part(OBJECTIVES)

@@ -202,8 +202,7 @@ class LocalFederation:
                 os.kill(pid, signal.SIGKILL)
         self._seen = seen
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (any(self.group_alive(p) for _, p in self.procs)
-                                               or self._alive(seen)):
+        while time.monotonic() < deadline and (any(self.group_alive(p) for _, p in self.procs) or self._alive(seen)):
             time.sleep(0.2)
 
     def leftovers(self) -> list[int]:

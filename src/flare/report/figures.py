@@ -67,8 +67,7 @@ def _annotate_counts(ax, hist: np.ndarray, fontsize: int) -> None:
 
 def _legend_outside(ax, **kw) -> None:
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=kw.pop("fontsize", 8),
-                  **kw)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=kw.pop("fontsize", 8), **kw)
 
 
 def save_figure(fig, path: Path, dpi: int = 120) -> None:
