@@ -43,8 +43,7 @@ def summary_markdown(run: RunData) -> str:
             if k in rounds[-1]:
                 best, at = run.peak(k)
                 mark = " (primary)" if k == f"acc_{primary}" else ""
-                lines.append(f"| {k.removeprefix('acc_')}{mark} | {100 * run.final(k):.2f} | {100 * best:.2f} | "
-                             f"{at} |")
+                lines.append(f"| {k.removeprefix('acc_')}{mark} | {100 * run.final(k):.2f} | {100 * best:.2f} | {at} |")
         lines += ["", "## Diagnostics at the last round", "", "| metric | value |", "| --- | --- |"]
         for k in DIAG:
             if k in rounds[-1]:
