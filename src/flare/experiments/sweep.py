@@ -163,9 +163,7 @@ def parse_sweep(raw: Any, src: str = "<sweep>", rel_to: Path | None = None) -> t
 
 
 def _zip_groups(spec: SweepSpec) -> list[dict]:
-    if spec.zip is None:
-        return []
-    return [spec.zip] if isinstance(spec.zip, dict) else list(spec.zip)
+    return [spec.zip] if isinstance(spec.zip, dict) else list(spec.zip or [])
 
 
 # ----------------------------------------------------------------------------------------------
