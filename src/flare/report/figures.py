@@ -272,9 +272,8 @@ def plot_lambda_eff(rows: list[Row], path: Path, title: str, v7_rows: list[Row] 
                 label=f"{row.label}: hand-made λ0(1−p), λ0={fmt_value(row.runs[0].cfg.get('align', {}).get('lambda0'))}")
         allv += list(m)
     if not v7:
-        ref = rows[0].runs[0]
         n = rows[0].client_mean_curves("lambda_eff").shape[1]
-        y = v7_schedule(ref.cfg, n)
+        y = v7_schedule(rows[0].runs[0].cfg, n)
         ax.plot(rounds_axis(rows[0], n), y, "--", color=method_colour("etf-anneal"), lw=1.5,
                 label=f"V7 schedule λ0(1−p), λ0={fmt_value(v7_lambda0())}")
         allv += list(y)

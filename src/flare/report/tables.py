@@ -110,11 +110,9 @@ def points_table(points: list[tuple[str, Path, str, float | None]]) -> str:
     body = []
     for name, d, status, secs in points:
         run = RunData.load(d)
-        acc = peak = "—"
-        if run.rounds:
-            acc = f"{100 * run.final('acc'):.2f}"
-            best, at = run.peak("acc")
-            peak = "—" if at is None else f"{100 * best:.2f} ({at})"
+        best, at = run.peak("acc")  # (nan, None) without rounds
+        acc = f"{100 * run.final('acc'):.2f}" if run.rounds else "—"
+        peak = "—" if at is None else f"{100 * best:.2f} ({at})"
         body.append([name, status, acc, peak, "—" if secs is None else f"{secs:.1f}"])
     return md_table(["point", "status", "final acc", "peak acc (round)", "seconds"], body)
 
