@@ -16,10 +16,9 @@ from flare.server.rounds import rules_for
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise FlareError(f"device={name} was asked for, but torch sees no CUDA GPU on this machine.",
-                             key="device", fix="use device=auto or device=cpu, or install a CUDA build of torch.")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise FlareError(f"device={name} was asked for, but torch sees no CUDA GPU on this machine.",
+                         key="device", fix="use device=auto or device=cpu, or install a CUDA build of torch.")
     if name == "mps" and not torch.backends.mps.is_available():
         raise FlareError("device=mps was asked for, but MPS is not available.", key="device",
                          fix="use device=auto or device=cpu.")
@@ -51,12 +50,10 @@ class Backend:
     speed_choice: dict | None = None  # speed=fast on CPU: what the probe chose and its figures (flare/speed.py)
 
     def facts(self, cfg: Config) -> dict:
-        facts = {"speed": cfg.speed, "cpu_isa": cfg.cpu_isa, "cpu_kernels": self.cpu_kernels, "mkl": self.mkl,
-                 "amp": "bf16" if self.amp_dtype == torch.bfloat16 else "off", "channels_last": self.channels_last,
-                 "eval_every": cfg.eval.every, "eval_rules": list(rules_for(cfg))}
-        if self.speed_choice is not None:
-            facts["speed_choice"] = self.speed_choice
-        return facts
+        return {"speed": cfg.speed, "cpu_isa": cfg.cpu_isa, "cpu_kernels": self.cpu_kernels, "mkl": self.mkl,
+                "amp": "bf16" if self.amp_dtype == torch.bfloat16 else "off", "channels_last": self.channels_last,
+                "eval_every": cfg.eval.every, "eval_rules": list(rules_for(cfg)),
+                **({"speed_choice": self.speed_choice} if self.speed_choice is not None else {})}
 
 
 def backend(cfg: Config, device: str | None = None) -> Backend:

@@ -161,12 +161,8 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_report(args) -> None:
-    if args.out:
-        out = Path(args.out)
-    elif len(args.dirs) == 1:
-        out = Path(args.dirs[0]) / "report"
-    else:
-        out = _default_out("report")
+    default = Path(args.dirs[0]) / "report" if len(args.dirs) == 1 else _default_out("report")
+    out = Path(args.out) if args.out else default
     print(f"report: {write_report(args.dirs, out, title=args.title or 'FLARE report', baseline=args.baseline)}")
 
 

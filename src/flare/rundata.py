@@ -35,8 +35,6 @@ def peak_index(values) -> int | None:
 
 @dataclass
 class RunData:
-    """A run directory read back for reports (works on old, partial and foreign runs alike)."""
-
     dir: Path
     cfg: dict
     rounds: list[dict]
@@ -181,9 +179,7 @@ class RunData:
     def final_label(self) -> str:
         """What "final" means for this run, in words: the last round, or the mean of rounds a–b."""
         rounds = self.round_numbers()[-self.final_rounds:]
-        if len(rounds) <= 1:
-            return "last round"
-        return f"mean of rounds {rounds[0]}–{rounds[-1]}"
+        return "last round" if len(rounds) <= 1 else f"mean of rounds {rounds[0]}–{rounds[-1]}"
 
     def peak(self, key: str = "acc") -> tuple[float, int | None]:
         """The best value of a round metric and the round it was reached in (`peak_index`)."""

@@ -66,11 +66,8 @@ def _preset_dir():
 def _parsed_presets() -> dict[str, dict]:
     """The package's preset files never change while a process runs: parsed once, not on every config built (a
     sweep builds one per point; parsing every preset was nearly all of `load_config`'s time)."""
-    out = {}
-    for f in sorted(_preset_dir().iterdir(), key=lambda p: p.name):
-        if f.name.endswith(".yaml"):
-            out[f.name[:-5]] = load_yaml_text(f.read_text()) or {}
-    return out
+    return {f.name[:-5]: load_yaml_text(f.read_text()) or {}
+            for f in sorted(_preset_dir().iterdir(), key=lambda p: p.name) if f.name.endswith(".yaml")}
 
 
 def list_presets() -> dict[str, dict]:
@@ -302,8 +299,7 @@ def config_reference() -> list[tuple[str, str, str, str]]:
 def config_reference_markdown() -> str:
     """The table `flare config-reference` prints and docs/configuration.md embeds."""
     rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
-    for k, t, d, desc in config_reference():
-        rows.append(f"| `{k}` | {t.replace('|', chr(92) + '|')} | `{d}` | {desc} |")
+    rows += [f"| `{k}` | {t.replace('|', chr(92) + '|')} | `{d}` | {desc} |" for k, t, d, desc in config_reference()]
     return "\n".join(rows)
 
 

@@ -41,9 +41,7 @@ RENAMED = {
     "server.ensemble": "server.strategies.output.ensemble",
     "server.fedavg_buffers": "server.strategies.fedavg.buffers",
 }
-RENAMED_VALUES = {
-    "concurrent_clients": {True: "threads", False: "sequential"},
-}
+RENAMED_VALUES = {"concurrent_clients": {True: "threads", False: "sequential"}}
 
 # The keys that name a part or hold its options: checked against the part's registry (config/sections.py).
 ObjectiveName = part(OBJECTIVES)
@@ -108,8 +106,7 @@ class LossCfg(Strict):
 
 class AlignCfg(Strict):
     anchors: AnchorKind = Field("none", description="fixed anchors A: none, random, etf or a plugin's")
-    target: Literal["fixed", "progressive"] = Field("fixed", description="fixed (A) or progressive "
-                                                                         "((1−p)P⁰ + pA, V8)")
+    target: Literal["fixed", "progressive"] = Field("fixed", description="fixed (A) or progressive ((1−p)P⁰ + pA, V8)")
     lambda0: float = Field(1.0, ge=0, description="λ0 for lambda_rule=fixed")
     lambda_rule: Literal["fixed", "entropy"] = Field("fixed", description="fixed (λ0) or entropy "
                                                                           "(V9: λ_min + H/log2C·(λ_max − λ_min))")
@@ -154,8 +151,7 @@ class LamCfg(Strict):
 class ServerCfg(Strict):
     weights: Literal["size", "uniform"] = Field("size", description="aggregation weights: size (n_i/Σn) or "
                                                                     "uniform (1/K)")
-    protos: Literal["mean", "trainable"] = Field("mean", description="global prototypes: mean or trainable "
-                                                                     "(Plan B)")
+    protos: Literal["mean", "trainable"] = Field("mean", description="global prototypes: mean or trainable (Plan B)")
     protos_init: Literal["mean", "anchors"] = Field("mean", description="Plan B init: mean of client prototypes "
                                                                         "or the anchors")
     server_epochs: int = Field(20, ge=1, description="Plan B server epochs")
@@ -205,8 +201,7 @@ class Config(Strict):
     plugins: list[str] = Field([], description="modules imported before the rest of the config is validated, so "
                                                "their parts and options validate (module names on PYTHONPATH; "
                                                "docs/extending.md)")
-    preset: str | None = Field(None, description="method preset applied under the file and overrides "
-                                                 "(`flare presets`)")
+    preset: str | None = Field(None, description="method preset applied under the file and overrides (`flare presets`)")
     method: str = Field("fafi", description="display name of the method (defaults to the preset's name)")
     description: str = Field("", description="one-line description (set by presets)")
     notes_name: str = Field("", description="the research notes' name for this method, e.g. V7")

@@ -192,8 +192,7 @@ class ModelCfg(Strict):
     name: ModelName = Field("resnet18", description="resnet18, resnet34, resnet50 (CIFAR-style), cnn, wrn16_1, "
                                                       "wrn40_1, cnn_dense, cnn_coboost, timm/<any timm name> or a "
                                                       "plugin's (`flare models`; docs/models.md)")
-    width: float = Field(1.0, gt=0, le=MAX_WIDTH, description="channel width multiplier (0.25 → d = 128 for "
-                                                                 "resnet18)")
+    width: float = Field(1.0, gt=0, le=MAX_WIDTH, description="channel width multiplier (0.25 → d = 128 for resnet18)")
     options: ModelOptions = Field({}, description=OPTIONS_DESCRIPTION)
     checkpoint: str | None = Field(None, description="a local state dict every client starts from, loaded "
                                                      "weights_only into the seeded init (null: the seeded init; "

@@ -296,10 +296,7 @@ def _save_cache(path: Path, data: ImageData) -> None:
 
 # name -> (classes, channels, size, train, test): stand-ins of the real shapes for benchmarks and
 # smoke tests on machines without the real files. Not learnable beyond a class-dependent colour.
-SYNTHETIC = {
-    "synthetic-cifar10": (10, 3, 32, 50_000, 10_000),
-    "synthetic-cifar100": (100, 3, 32, 50_000, 10_000),
-}
+SYNTHETIC = {"synthetic-cifar10": (10, 3, 32, 50_000, 10_000), "synthetic-cifar100": (100, 3, 32, 50_000, 10_000)}
 
 
 def synthetic_dataset(name: str, seed: int = 0) -> ImageData:

@@ -52,10 +52,7 @@ def _has_idx_files(path: Path) -> bool:
 
 
 def _tiny_base(root: Path) -> Path | None:
-    for base in (root, root / "tiny-imagenet-200"):
-        if (base / "wnids.txt").is_file():
-            return base
-    return None
+    return next((base for base in (root, root / "tiny-imagenet-200") if (base / "wnids.txt").is_file()), None)
 
 
 # ----------------------------------------------------------------------------- IDX (MNIST family)

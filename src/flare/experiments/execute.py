@@ -171,10 +171,9 @@ def execute_points(points: list[Point], *, workers: int = 1, address: str | None
         with Counter(len(points), n_skip, desc, unit="point", disable=quiet) as bar:
             for p, _ in todo:
                 bar.set_postfix_str(p.name)
-                info = run_point(p.mapping, str(p.dir), threads)
-                ran[p.name] = info
+                ran[p.name] = run_point(p.mapping, str(p.dir), threads)
                 bar.update(1)
-                if info["status"] == "error":
+                if ran[p.name]["status"] == "error":
                     break
     results.update(ran)
     if errors := [(n, r) for n, r in ran.items() if r.get("status") == "error"]:

@@ -163,9 +163,7 @@ def parse_sweep(raw: Any, src: str = "<sweep>", rel_to: Path | None = None) -> t
 
 
 def _zip_groups(spec: SweepSpec) -> list[dict]:
-    if spec.zip is None:
-        return []
-    return [spec.zip] if isinstance(spec.zip, dict) else list(spec.zip)
+    return [spec.zip] if isinstance(spec.zip, dict) else list(spec.zip or [])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -293,9 +291,8 @@ def run_sweep(path: str | Path, out: str | Path | None = None, *, overrides: lis
     atomic_write_text(out / "sweep.md", f"# Sweep {spec.name}\n\n{spec.description}\n\n{table}\n\n{line}\n")
     if not quiet:
         print(f"\n{table}\n\n{line}\n")
-    if report:
-        if dirs := [p.dir for p in points if (p.dir / "metrics.jsonl").exists()]:
-            md = write_report(dirs, out / "report", title=f"Sweep {spec.name}")
-            if not quiet:
-                print(f"report: {md}")
+    if report and (dirs := [p.dir for p in points if (p.dir / "metrics.jsonl").exists()]):
+        md = write_report(dirs, out / "report", title=f"Sweep {spec.name}")
+        if not quiet:
+            print(f"report: {md}")
     return points, results

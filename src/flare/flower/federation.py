@@ -116,9 +116,8 @@ class LocalFederation:
         self._wait_port(self.port, "superlink")
         for i, nc in enumerate(self.node_configs):
             self.node_procs.append(self._spawn(f"supernode-{i}", [
-                _bin("flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{self.port}",
-                "--host", "127.0.0.1", "--port", str(free_port()),
-                "--node-config", run_config_arg(nc)]))
+                _bin("flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{self.port}", "--host", "127.0.0.1",
+                "--port", str(free_port()), "--node-config", run_config_arg(nc)]))
         self.home.mkdir(parents=True, exist_ok=True)
         (self.home / "config.toml").write_text(
             f'[superlink]\ndefault = "{self.connection}"\n\n[superlink.{self.connection}]\n'
@@ -202,8 +201,7 @@ class LocalFederation:
                 os.kill(pid, signal.SIGKILL)
         self._seen = seen
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (any(self.group_alive(p) for _, p in self.procs)
-                                               or self._alive(seen)):
+        while time.monotonic() < deadline and (any(self.group_alive(p) for _, p in self.procs) or self._alive(seen)):
             time.sleep(0.2)
 
     def leftovers(self) -> list[int]:

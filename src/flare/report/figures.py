@@ -67,13 +67,20 @@ def _annotate_counts(ax, hist: np.ndarray, fontsize: int) -> None:
 
 def _legend_outside(ax, **kw) -> None:
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=kw.pop("fontsize", 8),
-                  **kw)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=kw.pop("fontsize", 8), **kw)
 
 
 def save_figure(fig, path: Path, dpi: int = 120) -> None:
     fig.savefig(path, dpi=dpi, bbox_inches="tight")
     plt.close(fig)
+
+
+def _save_panels(fig, path: Path, title: str = "", dpi: int = 120) -> None:
+    """A figure of panels: its title (if any) over them all, laid out tight, saved."""
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    save_figure(fig, path, dpi)
 
 
 def wrap_title(title: str, width: int = 90) -> str:
@@ -139,9 +146,7 @@ def plot_diagnostics(run: RunData, path: Path) -> None:
     for ax, k in zip(axes[0], keys):
         ax.plot(run.round_numbers(), run.curve(k), marker="o", ms=3, color=method_colour(run.method))
         _dress(ax, k, k)
-    fig.suptitle(f"diagnostics — {run_title(run)}", fontsize=9)
-    fig.tight_layout()
-    save_figure(fig, path)
+    _save_panels(fig, path, f"diagnostics — {run_title(run)}")
 
 
 def plot_lambda(run: RunData, path: Path) -> bool:
@@ -175,10 +180,8 @@ def plot_lambda(run: RunData, path: Path) -> bool:
             ax.set_yscale("log")
         _dress(ax, k, f"{k} per client")
         _legend_outside(ax, fontsize=7)
-    fig.suptitle(f"alignment strength — {run_title(run)}"
-                 + (" (every client has the same λ)" if shared_any else ""), fontsize=9)
-    fig.tight_layout()
-    save_figure(fig, path)
+    _save_panels(fig, path, f"alignment strength — {run_title(run)}"
+                 + (" (every client has the same λ)" if shared_any else ""))
     return True
 
 
@@ -235,10 +238,7 @@ def plot_compare_diagnostics(rows: list[Row], path: Path, title: str = "") -> bo
             _mean_band(ax, row, rounds_axis(row, c.shape[1]), c, label=row.label + _seed_note(row))
         _dress(ax, k, k)
     _legend_outside(axes[0][-1], fontsize=7)
-    if title:
-        fig.suptitle(wrap_title(title, 110), fontsize=9)
-    fig.tight_layout()
-    save_figure(fig, path)
+    _save_panels(fig, path, wrap_title(title, 110))
     return True
 
 
@@ -272,9 +272,8 @@ def plot_lambda_eff(rows: list[Row], path: Path, title: str, v7_rows: list[Row] 
                 label=f"{row.label}: hand-made λ0(1−p), λ0={fmt_value(row.runs[0].cfg.get('align', {}).get('lambda0'))}")
         allv += list(m)
     if not v7:
-        ref = rows[0].runs[0]
         n = rows[0].client_mean_curves("lambda_eff").shape[1]
-        y = v7_schedule(ref.cfg, n)
+        y = v7_schedule(rows[0].runs[0].cfg, n)
         ax.plot(rounds_axis(rows[0], n), y, "--", color=method_colour("etf-anneal"), lw=1.5,
                 label=f"V7 schedule λ0(1−p), λ0={fmt_value(v7_lambda0())}")
         allv += list(y)
@@ -314,9 +313,7 @@ def plot_acc_lambda_raw(rows: list[Row], path: Path, title: str) -> bool:
     for a in (a1, a2):
         a.grid(alpha=0.3, which="both")
     _legend_outside(a2, fontsize=7)
-    fig.suptitle(wrap_title(title, 120), fontsize=9)
-    fig.tight_layout()
-    save_figure(fig, path)
+    _save_panels(fig, path, wrap_title(title, 120))
     return True
 
 
@@ -337,9 +334,7 @@ def plot_param_sweep(key: str, lines: list[SweepLine], path: Path, title: str) -
         _log_if_decades(ax, xs_all, axis="x", ratio=10)
         _dress(ax, ylabel, f"{ylabel} vs {short_key(key)}", xlabel=key, which="both")
     _legend_outside(axes[0][-1], fontsize=7)
-    fig.suptitle(wrap_title(title, 120), fontsize=9)
-    fig.tight_layout()
-    save_figure(fig, path)
+    _save_panels(fig, path, wrap_title(title, 120))
 
 
 def plot_label_distributions(runs: list[RunData], path: Path, max_panels: int = 12) -> bool:
@@ -374,7 +369,5 @@ def plot_label_distributions(runs: list[RunData], path: Path, max_panels: int = 
         ax.set(xlabel="class", ylabel="client", title=title)
         ax.title.set_fontsize(8)
         fig.colorbar(im, ax=ax, label="samples")
-    fig.suptitle("label distribution per client (non-IID partitions)", fontsize=9)
-    fig.tight_layout()
-    save_figure(fig, path, dpi=110)
+    _save_panels(fig, path, "label distribution per client (non-IID partitions)", dpi=110)
     return True

@@ -13,8 +13,8 @@ import math
 import numpy as np
 
 from flare.report.runs import Row
-from flare.report.tables import fmt_ms, md_table
-from flare.stats import holm, paired, verdict
+from flare.report.tables import fmt_ms, md_table, paired_cells
+from flare.stats import holm, paired
 
 
 def fused_values(row: Row, strategy: str) -> dict:
@@ -61,11 +61,8 @@ def fused_vs_table(rows: list[Row], strategies: list[str], base_row: str, base_s
              and fused_values(row, s)]
     tests = [paired(fused_values(row, s), ref) for s, row in cells]
     adjusted = holm([t.p for t in tests])
-    body = []
-    for (s, row), t, pa in zip(cells, tests, adjusted):
-        ci = f"[{100 * t.low:+.2f}, {100 * t.high:+.2f}]" if t.testable else "—"
-        body.append([s, row.label, t.n, f"{100 * t.mean:+.2f}", ci, f"{t.p:.3g}" if t.testable else "—",
-                     f"{pa:.3g}" if t.testable else "—", verdict(t, pa)])
+    body = [[s, row.label, t.n, f"{100 * t.mean:+.2f}", *paired_cells(t, pa)]
+            for (s, row), t, pa in zip(cells, tests, adjusted)]
     head = ["strategy", "clients", "paired seeds", f"Δ vs {base_strategy} on {base_row} (points)", "95 % CI",
             "p (paired t)", "p (Holm)", "difference"]
     return md_table(head, body)

@@ -31,8 +31,7 @@ def write_report(paths: Iterable[str | Path], out: str | Path, title: str = "Rep
           "the primary global predictor's test accuracy in % (mean ± std over seeds where there are several); "
           "`peak` is the best round of the seed-mean curve (round r = the evaluation after r rounds of training); "
           "g_protos_std and inter_client_proto_std are the diagnostics of docs/method.md#metrics at the last "
-          "round.", "",
-          protocols_line(runs), ""]
+          "round.", "", protocols_line(runs), ""]
     if empty:
         md += ["Runs without a complete round (left out): " + ", ".join(f"`{r.dir}`" for r in empty), ""]
     secs = sections(with_rounds)
@@ -54,11 +53,9 @@ def write_report(paths: Iterable[str | Path], out: str | Path, title: str = "Rep
             v7 = [r for r in sec.rows if r.runs[0].learner == "none"
                   and r.runs[0].cfg.get("align", {}).get("schedule") == "linear"
                   and r.client_mean_curves("lambda") is not None]
-            if plot_lambda_eff(sec.rows, out / f"lambda_eff_{sec.slug}.png",
-                               f"λ_eff against rounds — {sec.title}", v7):
+            if plot_lambda_eff(sec.rows, out / f"lambda_eff_{sec.slug}.png", f"λ_eff against rounds — {sec.title}", v7):
                 md += [f"![lambda_eff against rounds](lambda_eff_{sec.slug}.png)", ""]
-            if plot_acc_lambda_raw(sec.rows, out / f"lambda_raw_{sec.slug}.png",
-                                   f"accuracy and raw λ — {sec.title}"):
+            if plot_acc_lambda_raw(sec.rows, out / f"lambda_raw_{sec.slug}.png", f"accuracy and raw λ — {sec.title}"):
                 md += [f"![accuracy and lambda_raw against rounds](lambda_raw_{sec.slug}.png)", ""]
     if sweeps := param_sweeps(with_rounds):
         md += ["## Parameter sweeps", ""]

@@ -43,12 +43,9 @@ def summary_markdown(run: RunData) -> str:
             if k in rounds[-1]:
                 best, at = run.peak(k)
                 mark = " (primary)" if k == f"acc_{primary}" else ""
-                lines.append(f"| {k.removeprefix('acc_')}{mark} | {100 * run.final(k):.2f} | {100 * best:.2f} | "
-                             f"{at} |")
+                lines.append(f"| {k.removeprefix('acc_')}{mark} | {100 * run.final(k):.2f} | {100 * best:.2f} | {at} |")
         lines += ["", "## Diagnostics at the last round", "", "| metric | value |", "| --- | --- |"]
-        for k in DIAG:
-            if k in rounds[-1]:
-                lines.append(f"| {k} | {_f(rounds[-1][k], 6)} |")
+        lines += [f"| {k} | {_f(rounds[-1][k], 6)} |" for k in DIAG if k in rounds[-1]]
         if "client_acc" in rounds[-1]:
             lines.append(f"| client accuracies (alone) | {', '.join(f'{100 * a:.1f}' for a in rounds[-1]['client_acc'])} |")
         lines.append("")
@@ -67,10 +64,8 @@ def summary_markdown(run: RunData) -> str:
                   f"{_strategy_logs(f).get(f.get('strategy'), '')} |" for f in run.fused] + [""]
     if part:
         lines += ["## Partition", "", "| client | model | samples | normalized entropy |", "| --- | --- | --- | --- |"]
-        for c in part["clients"]:
-            lines.append(f"| {c['client']} | {c.get('model', cfg.get('model', {}).get('name'))} | {c['num_samples']} | "
-                         f"{c['normalized_entropy']:.4f} |")
-        lines.append("")
+        lines += [f"| {c['client']} | {c.get('model', cfg.get('model', {}).get('name'))} | {c['num_samples']} | "
+                  f"{c['normalized_entropy']:.4f} |" for c in part["clients"]] + [""]
     if warns := run.state.get("warnings"):
         lines += ["## Warnings", ""] + [f"- {w}" for w in warns] + [""]
     lines += ["## Plots", "", "![accuracy](plots/accuracy.png)", "", "![labels](plots/label_distribution.png)", "",

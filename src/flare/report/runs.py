@@ -50,9 +50,7 @@ def discover(paths: Iterable[str | Path]) -> list[Path]:
         if (p / "config.yaml").exists() and (p / "metrics.jsonl").exists():
             found.append(p)
             continue
-        for c in sorted(p.rglob("config.yaml")):
-            if (c.parent / "metrics.jsonl").exists():
-                found.append(c.parent)
+        found += [c.parent for c in sorted(p.rglob("config.yaml")) if (c.parent / "metrics.jsonl").exists()]
     unique: dict[Path, Path] = {}
     for d in found:
         unique.setdefault(d.resolve(), d)
@@ -157,9 +155,7 @@ class Row:
     @property
     def status(self) -> str:
         unfinished = [r for r in self.runs if not r.finished]
-        if not unfinished:
-            return "finished"
-        return ", ".join(f"{len(r.rounds)}/{r.cfg.get('rounds')} rounds" for r in unfinished)
+        return ", ".join(f"{len(r.rounds)}/{r.cfg.get('rounds')} rounds" for r in unfinished) or "finished"
 
 
 def _nanmean_rows(a: np.ndarray) -> np.ndarray:

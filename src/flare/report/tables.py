@@ -99,13 +99,9 @@ def compare_table(rows: list[tuple[dict, Row]]) -> str:
         "g_protos_std", "inter_client_proto_std"]
     body = []
     for preset, row in rows:
-        pk, pr, psd = row.peak()
-        cells = [row.label, preset.get("notes_name", ""), len(row.runs),
-                 f"{fmt_ms(*row.stat('acc')[:2])} ({row.runs[0].primary})",
-                 "—" if pr is None else f"{fmt_ms(pk, psd)} ({pr})"]
-        cells += [fmt_ms(*row.stat(c)[:2]) for c in cols]
-        cells += [fmt_ms(*row.stat(k)[:2], pct=False) for k in ("g_protos_std", "inter_client_proto_std")]
-        body.append(cells)
+        _, acc, peak, *protos = _row_cells(row)
+        body.append([row.label, preset.get("notes_name", ""), len(row.runs), f"{acc} ({row.runs[0].primary})", peak,
+                     *(fmt_ms(*row.stat(c)[:2]) for c in cols), *protos])
     return md_table(head, body)
 
 
@@ -114,11 +110,9 @@ def points_table(points: list[tuple[str, Path, str, float | None]]) -> str:
     body = []
     for name, d, status, secs in points:
         run = RunData.load(d)
-        acc = peak = "—"
-        if run.rounds:
-            acc = f"{100 * run.final('acc'):.2f}"
-            best, at = run.peak("acc")
-            peak = "—" if at is None else f"{100 * best:.2f} ({at})"
+        best, at = run.peak("acc")  # (nan, None) without rounds
+        acc = f"{100 * run.final('acc'):.2f}" if run.rounds else "—"
+        peak = "—" if at is None else f"{100 * best:.2f} ({at})"
         body.append([name, status, acc, peak, "—" if secs is None else f"{secs:.1f}"])
     return md_table(["point", "status", "final acc", "peak acc (round)", "seconds"], body)
 
@@ -134,16 +128,15 @@ def paired_rows(rows: list[Row], baseline: str, key: str = "acc") -> list[list[s
     others = [row for row in rows if row is not base]
     tests = [paired(seed_values(row, key), seed_values(base, key)) for row in others]
     adjusted = holm([t.p for t in tests])
-    out = []
-    for row, t, pa in zip(others, tests, adjusted):
-        if not t.testable:
-            ci = p_raw = p_adj = "—"
-        else:
-            ci = f"[{100 * t.low:+.2f}, {100 * t.high:+.2f}]"
-            p_raw, p_adj = f"{t.p:.3g}", f"{pa:.3g}"
-        mean = "—" if math.isnan(t.mean) else f"{100 * t.mean:+.2f}"
-        out.append([row.label, baseline, t.n, mean, ci, p_raw, p_adj, verdict(t, pa)])
-    return out
+    return [[row.label, baseline, t.n, "—" if math.isnan(t.mean) else f"{100 * t.mean:+.2f}", *paired_cells(t, pa)]
+            for row, t, pa in zip(others, tests, adjusted)]
+
+
+def paired_cells(t, pa: float) -> list[str]:
+    """A paired test's 95 % CI, raw and Holm-adjusted p, and verdict; — where it cannot be tested."""
+    if not t.testable:
+        return ["—", "—", "—", verdict(t, pa)]
+    return [f"[{100 * t.low:+.2f}, {100 * t.high:+.2f}]", f"{t.p:.3g}", f"{pa:.3g}", verdict(t, pa)]
 
 
 def paired_table(rows: list[Row], baseline: str, key: str = "acc") -> str:

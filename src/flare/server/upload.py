@@ -65,14 +65,11 @@ def check_tensors(what: str, got, shapes: Shapes, *, max_listed: int = 5) -> lis
     reasons: list[str] = []
     if not isinstance(got, dict):
         return [f"{what} is a {type(got).__name__}, not a mapping of tensors"]
-    missing = [k for k in shapes if k not in got]
-    extra = [k for k in got if k not in shapes]
-    if missing:
-        reasons.append(f"{what} is missing {len(missing)} tensor(s): {', '.join(missing[:max_listed])}"
-                       + (" …" if len(missing) > max_listed else ""))
-    if extra:
-        reasons.append(f"{what} has {len(extra)} unexpected tensor(s): {', '.join(map(str, extra[:max_listed]))}"
-                       + (" …" if len(extra) > max_listed else ""))
+    missing, extra = [k for k in shapes if k not in got], [k for k in got if k not in shapes]
+    for names, how in ((missing, "is missing {} tensor(s)"), (extra, "has {} unexpected tensor(s)")):
+        if names:
+            reasons.append(f"{what} {how.format(len(names))}: {', '.join(map(str, names[:max_listed]))}"
+                           + (" …" if len(names) > max_listed else ""))
     for k, (shape, dtype) in shapes.items():
         t = got.get(k)
         if t is None:
