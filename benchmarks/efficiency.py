@@ -15,12 +15,15 @@ the eager ceiling of per-client training).
 
 With `--schedules per_batch,chunked` it also times end to end under each `augment.schedule` (its own client,
 same model, data and batch), interleaved with the rest, and prints each one's best and median over the repeats
-and its ratio to the bare step: what chunked augmentation buys on this machine.
+and its ratio to the bare step: what chunked augmentation buys on this machine. `SCHEDULE+CROP` (e.g.
+`chunked+separable`) times that schedule with `augment.crop=CROP`.
 
     python benchmarks/efficiency.py model.name=resnet18 model.width=0.25 dataset.name=synthetic-cifar10
     python benchmarks/efficiency.py model.name=cnn dataset.name=synthetic-cifar10
     python benchmarks/efficiency.py model.name=resnet18 model.width=1 --clients 5 compile=true    # GPU
     python benchmarks/efficiency.py model.name=cnn model.width=0.25 --schedules per_batch,chunked --repeats 5
+    python benchmarks/efficiency.py dataset.name=fmnist batch_size=64 model.name=cnn model.width=0.25 \\
+        --steps 30 --clock cpu --schedules per_batch,chunked,chunked+separable
 """
 from __future__ import annotations
 
@@ -58,7 +61,8 @@ def main(argv=None):
     ap.add_argument("--clients", type=int, default=None,
                     help="clients of the batched-engine measurement (default 5 on a GPU, 0 = skip on a CPU)")
     ap.add_argument("--schedules", default="", metavar="S,S",
-                    help="also time end to end under each of these augment.schedule values (comma-separated)")
+                    help="also time end to end under each of these augment.schedule values (comma-separated; "
+                         "SCHEDULE+CROP also sets augment.crop)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: this process's CPU seconds instead of wall seconds — on a machine shared with other "
                          "processes it counts the work done rather than the waiting (with OMP_NUM_THREADS=1, and "
@@ -124,8 +128,11 @@ def main(argv=None):
     if args.record and not schedules:
         ap.error("--record writes the --schedules figures; give --schedules too")
     for sched in schedules:
-        cfg_s = cfg.model_copy(update={"augment": cfg.augment.model_copy(update={"schedule": sched})})
-        ctx_s = make_train_context(cfg_s, x, y, aug, None, device, amp, cl, None)
+        schedule, _, crop = sched.partition("+")  # e.g. chunked+separable: augment.crop=separable too
+        cfg_s = cfg.model_copy(update={"augment": cfg.augment.model_copy(
+            update={"schedule": schedule, "crop": crop or cfg.augment.crop})})
+        aug_s = make_augment(cfg_s, DataMeta.from_data(data), device) if crop else aug
+        ctx_s = make_train_context(cfg_s, x, y, aug_s, None, device, amp, cl, None)
         client_s = Client(0, torch.arange(n, device=device), copy.deepcopy(model), ctx_s, 1.0)
 
         def e2e_schedule(client_s=client_s, ctx_s=ctx_s):
@@ -203,12 +210,12 @@ def main(argv=None):
                   + "/".join(f"{v:.2f}" for v in os.getloadavg()) + " after")
         med = sorted(every[0])[len(every[0]) // 2]
         print(f"augment.schedule, end to end (samples/s; ÷ bare, best and median of {args.repeats}, interleaved):")
-        print(f"  bare step   : best {b_best:9.1f}           median {med:9.1f}")
+        print(f"  {'bare step':17s}: best {b_best:9.1f}           median {med:9.1f}")
         series = {}
         for j, sched in enumerate(schedules):
             xs = sorted(every[2 + j])
             series[sched] = {"best": xs[-1], "median": xs[len(xs) // 2]}
-            print(f"  {sched:12s}: best {xs[-1]:9.1f} ({xs[-1] / b_best:.3f})   median {xs[len(xs) // 2]:9.1f} "
+            print(f"  {sched:17s}: best {xs[-1]:9.1f} ({xs[-1] / b_best:.3f})   median {xs[len(xs) // 2]:9.1f} "
                   f"({xs[len(xs) // 2] / med:.3f})")
         if args.record:
             Path(args.record).write_text(json.dumps(

@@ -184,3 +184,58 @@ def test_the_input_scaling_is_a_registered_part_a_plugin_adds_like_the_reference
         assert build_config({"augment": {"input_scaling": "quarter"}}).augment.input_scaling == "quarter"
     finally:
         del SCALINGS._entries["quarter"]
+
+
+@pytest.mark.parametrize("per_image", [True, False])
+@pytest.mark.parametrize("c,size,out", [(1, 28, 28), (3, 32, 32), (3, 32, 24)])
+def test_the_separable_crop_draws_and_resamples_as_kornias(c, size, out, per_image):
+    """augment.crop=separable: kornia's crop boxes (the same draws from the same seed) and kornia's corner-aligned
+    bilinear values, up to float rounding; the stream after it is where kornia's leaves it."""
+    import kornia.augmentation as K
+
+    from flare.data.augment import SeparableResizedCrop
+    kw = dict(scale=(0.2, 1.0), ratio=(0.75, 4 / 3), cropping_mode="resample", align_corners=True,
+              same_on_batch=not per_image)
+    x = torch.rand(64, c, size, size) * 4 - 1
+    torch.manual_seed(5)
+    want, after = K.RandomResizedCrop((out, out), **kw)(x), torch.rand(3)
+    torch.manual_seed(5)
+    got = SeparableResizedCrop((out, out), **kw)(x)
+    assert got.shape == want.shape == (64, c, out, out)
+    assert torch.allclose(got, want, atol=1e-4, rtol=0) and not torch.equal(got, x[..., :out, :out])  # x spans 4
+    assert torch.equal(torch.rand(3), after)
+
+
+def test_the_separable_crop_of_one_pixel_and_of_the_whole_image():
+    """A one-pixel crop axis repeats that pixel (kornia's guard); a crop of the whole image is the image."""
+    import kornia.augmentation as K
+
+    from flare.data.augment import SeparableResizedCrop
+    kw = dict(cropping_mode="resample", align_corners=True)
+    x = torch.rand(3, 2, 9, 9)
+    params = K.RandomResizedCrop((6, 6), **kw).forward_parameters(x.shape)
+    params["src"] = torch.tensor([[[4., 2.], [4., 2.], [4., 7.], [4., 7.]],  # one column wide
+                                  [[1., 5.], [6., 5.], [6., 5.], [1., 5.]],  # one row high
+                                  [[0., 0.], [8., 0.], [8., 8.], [0., 8.]]])  # the whole image
+    want = K.RandomResizedCrop((6, 6), **kw)(x, params=params)
+    got = SeparableResizedCrop((6, 6), **kw)(x, params=params)
+    assert torch.allclose(got, want, atol=1e-6, rtol=0)
+    assert torch.equal(got[0], got[0][..., :1].expand(2, 6, 6)) and torch.equal(got[1], got[1][:, :1].expand(2, 6, 6))
+    whole = SeparableResizedCrop((9, 9), **kw)(x, params={**params, "dst": params["dst"] * 8 / 5})
+    assert torch.allclose(whole[2], x[2], atol=1e-6, rtol=0)
+
+
+def test_augment_crop_chooses_the_crop_and_refuses_others():
+    from flare.data.augment import SeparableResizedCrop
+    from flare.data.prepare import DataMeta
+    from flare.errors import FlareError
+    from flare.setup import make_augment
+    meta = DataMeta(name="fmnist", classes=list("0123456789"), in_channels=1, image_size=28, mean=[0.5], std=[0.25])
+    crop = {c: make_augment(build_config({"augment": {"crop": c}}), meta, torch.device("cpu")).policy[0]
+            for c in ("kornia", "separable")}
+    assert isinstance(crop["separable"], SeparableResizedCrop) and type(crop["kornia"]) is not SeparableResizedCrop
+    assert build_config({}).augment.crop == "kornia"
+    with pytest.raises(FlareError, match="augment.crop='bilinear'"):
+        build_config({"augment": {"crop": "bilinear"}})
+    with pytest.raises(KeyError):
+        TwoViewAugment(28, 1, 0.5, 0.25, crop="bilinear")

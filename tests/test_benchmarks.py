@@ -52,22 +52,22 @@ def test_efficiency_reports_both_engines(tiny_folder, tmp_path, capsys):
 
 
 def test_efficiency_times_each_augment_schedule(tiny_folder, tmp_path, capsys):
-    """--schedules adds one end-to-end series per augment.schedule (ratios to the bare step), and the batched
-    engine's figures after them are still its own."""
+    """--schedules adds one end-to-end series per augment.schedule (ratios to the bare step; SCHEDULE+CROP with its
+    own augment.crop), and the batched engine's figures after them are still its own."""
     _script("efficiency").main(["--steps", "2", "--repeats", "2", "--clients", "2", "--clock", "cpu",
-                                "--schedules", "per_batch,chunked", "--record", str(tmp_path / "rec.json"),
+                                "--schedules", "per_batch,chunked,chunked+separable", "--record", str(tmp_path / "rec.json"),
                                 "dataset.name=imagefolder",
                                 f"dataset.root={tiny_folder}", f"dataset.cache_dir={tmp_path / 'cache'}",
                                 "model.name=cnn", "model.width=0.25", "batch_size=16", "device=cpu"])
     out = capsys.readouterr().out
     lines = {ln.split(":")[0].strip(): ln for ln in out.splitlines()}
-    for sched in ("per_batch", "chunked"):
+    for sched in ("per_batch", "chunked", "chunked+separable"):
         assert "best" in lines[sched] and "median" in lines[sched], out
     assert "clock: cpu" in out and "end-to-end batched" in out, out
     import json  # the record holds the printed series, the block's source
     rec = json.loads((tmp_path / "rec.json").read_text())
-    assert set(rec["schedules"]) == {"per_batch", "chunked"} and rec["clock"] == "cpu"
-    for sched in ("per_batch", "chunked"):
+    assert set(rec["schedules"]) == {"per_batch", "chunked", "chunked+separable"} and rec["clock"] == "cpu"
+    for sched in rec["schedules"]:
         assert f"{rec['schedules'][sched]['median']:9.1f}" in lines[sched]
 
 

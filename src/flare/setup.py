@@ -109,7 +109,7 @@ def make_augment(cfg: Config, meta: DataMeta, device: torch.device) -> TwoViewAu
     sc = scaling(cfg, meta)
     pre = sc.pre or (None, None)
     return TwoViewAugment(meta.image_size, meta.in_channels, *sc.post, per_image=cfg.augment.per_image,
-                          pre_mean=pre[0], pre_std=pre[1]).to(device)
+                          pre_mean=pre[0], pre_std=pre[1], crop=cfg.augment.crop).to(device)
 
 
 def normalizer(cfg: Config, meta: DataMeta) -> Callable[[Tensor], Tensor]:

@@ -160,8 +160,7 @@ class Synthesis:
         with private_stream(derived_seed(cfg.seed, ctx.round, tag, 1)):
             self.gen_net = Generator(o.nz, o.ngf, shape).to(self.dev)
         self.student = self.make_student()
-        self.opt = torch.optim.SGD(self.student.parameters(), lr=o.lr, momentum=o.momentum,
-                                   weight_decay=o.weight_decay)
+        self.opt = torch.optim.SGD(self.student.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
         self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, o.epochs) if o.cosine else None
         self.pool_x = torch.empty(0, *shape, dtype=torch.uint8, device=self.dev)
         self.pool_y = torch.empty(0, dtype=torch.long, device=self.dev)

@@ -34,13 +34,9 @@ __all__ = ["KeyedValueError", "DatasetCfg", "PartitionCfg", "ModelCfg", "OptimCf
 
 # Renamed keys: an old one in a config given is refused naming the new key (and the value that stands for the old
 # one); a recorded run's config is a record, not input, and is read with it moved to the new key (`load.migrate`).
-RENAMED = {
-    "lam.lambda_max": "lam.valve_threshold",
-    "loss.alignment_epochs": "loss.public_stage_epochs",
-    "concurrent_clients": "client_engine",
-    "server.ensemble": "server.strategies.output.ensemble",
-    "server.fedavg_buffers": "server.strategies.fedavg.buffers",
-}
+RENAMED = {"lam.lambda_max": "lam.valve_threshold", "loss.alignment_epochs": "loss.public_stage_epochs",
+           "concurrent_clients": "client_engine", "server.ensemble": "server.strategies.output.ensemble",
+           "server.fedavg_buffers": "server.strategies.fedavg.buffers"}
 RENAMED_VALUES = {"concurrent_clients": {True: "threads", False: "sequential"}}
 
 # The keys that name a part or hold its options: checked against the part's registry (config/sections.py).

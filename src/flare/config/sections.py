@@ -244,6 +244,8 @@ class AugmentCfg(Strict):
                                  "of an epoch are augmented in one call and the steps slice their views out of it "
                                  "(faster for small models at small batches; other random draws, needs "
                                  "per_image=true; docs/performance.md#chunked-augmentation)")
+    crop: Literal["kornia", "separable"] = Field("kornia", description="separable: kornia's crops as two small matrix "
+                                                 "products per image, faster on small images; other last digits")
     input_scaling: InputScalingName = Field(
         "dataset", description="dataset: (x − mean)/std of the training set for training and test; reference: the "
                                "reference's transforms (CIFAR-10, Tiny and datasets it lacks: train views "

@@ -23,7 +23,7 @@ import kornia.augmentation as K
 import torch
 from torch import Tensor, nn
 
-__all__ = ["TwoViewAugment", "normalize"]
+__all__ = ["SeparableResizedCrop", "TwoViewAugment", "normalize"]
 
 
 def _as_stats(v, channels: int, device, name: str) -> Tensor:
@@ -52,6 +52,27 @@ def normalize(x_uint8: Tensor, mean, std) -> Tensor:
     return _standardize(x_uint8.float().div_(255.0), m, s)
 
 
+def _resize_matrix(lo: Tensor, hi: Tensor, n_out: int, n_in: int) -> Tensor:
+    """N×n_out×n_in: row i holds the two bilinear weights of sample lo + i·(hi − lo)/(n_out − 1) (corner-aligned)."""
+    pos = torch.lerp(lo[:, None], hi[:, None], torch.linspace(0, 1, n_out, device=lo.device))
+    first = pos.floor().clamp_(0, n_in - 1)
+    frac, first = (pos - first)[..., None], first.long()[..., None]
+    m = torch.zeros(lo.shape[0], n_out, n_in, device=lo.device).scatter_add_(2, first, 1 - frac)
+    return m.scatter_add_(2, (first + 1).clamp_(max=n_in - 1), frac)
+
+
+class SeparableResizedCrop(K.RandomResizedCrop):
+    """kornia's RandomResizedCrop (its draws, boxes, corner-aligned bilinear values) as two small matrix products per
+    image: an axis-aligned crop is separable, and kornia's eager sampling grid costs more than the sampling on small
+    images (docs/performance.md#chunked-augmentation). Other last digits: `augment.crop=separable`, not the default."""
+
+    def apply_transform(self, input: Tensor, params: dict, flags: dict, transform: Tensor | None = None) -> Tensor:
+        box = params["src"].to(input)  # corners (x, y): top-left first, bottom-right third
+        (h, w), (hi, wi) = flags["size"], input.shape[-2:]
+        rows = _resize_matrix(box[:, 0, 1], box[:, 2, 1], h, hi)
+        return rows[:, None] @ input @ _resize_matrix(box[:, 0, 0], box[:, 2, 0], w, wi).transpose(1, 2)[:, None]
+
+
 class TwoViewAugment(nn.Module):
     """Two independently augmented, normalised float32 views of a uint8 batch (see module docstring).
 
@@ -61,7 +82,7 @@ class TwoViewAugment(nn.Module):
     def __init__(self, image_size: int | Sequence[int], in_channels: int, mean, std, per_image: bool = True, *,
                  crop_scale: tuple[float, float] = (0.2, 1.0), crop_ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
                  flip_p: float = 0.5, jitter: tuple[float, float, float, float] = (0.4, 0.4, 0.4, 0.1),
-                 jitter_p: float = 0.8, gray_p: float = 0.2, pre_mean=None, pre_std=None):
+                 jitter_p: float = 0.8, gray_p: float = 0.2, pre_mean=None, pre_std=None, crop: str = "kornia"):
         super().__init__()
         size = (image_size, image_size) if isinstance(image_size, int) else image_size[:2]
         self.image_size = size = (int(size[0]), int(size[1]))
@@ -73,8 +94,9 @@ class TwoViewAugment(nn.Module):
         if not rgb:  # saturation / hue / grayscale only make sense for RGB
             saturation, hue = 0.0, 0.0
 
-        ops: list[nn.Module] = [K.RandomResizedCrop(size, scale=tuple(crop_scale), ratio=tuple(crop_ratio),
-                                                    same_on_batch=same, cropping_mode="resample", align_corners=True)]
+        resized_crop = {"kornia": K.RandomResizedCrop, "separable": SeparableResizedCrop}[crop]
+        ops: list[nn.Module] = [resized_crop(size, scale=tuple(crop_scale), ratio=tuple(crop_ratio),
+                                             same_on_batch=same, cropping_mode="resample", align_corners=True)]
         if flip_p > 0:
             ops.append(K.RandomHorizontalFlip(p=flip_p, same_on_batch=same))
         if jitter_p > 0 and any(v != 0 for v in (brightness, contrast, saturation, hue)):

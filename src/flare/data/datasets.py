@@ -331,10 +331,7 @@ _BUILTIN: dict[str, DatasetInfo] = {
                                 ("imagefolder",), 200, _locate_tiny),
     "imagefolder": DatasetInfo("any train/<class>/*, test/<class>/* tree, as a folder or .tar/.tar.gz",
                                ("imagefolder",), None, None),
-    "synthetic-cifar10": DatasetInfo("generated stand-in with CIFAR-10's shapes (benchmarks, no files needed)",
-                                     (), 10, None),
-    "synthetic-cifar100": DatasetInfo("generated stand-in with CIFAR-100's shapes (benchmarks, no files needed)",
-                                      (), 100, None),
-}
+    "synthetic-cifar10": DatasetInfo("generated stand-in, CIFAR-10's shapes (benchmarks; no files)", (), 10, None),
+    "synthetic-cifar100": DatasetInfo("generated stand-in, CIFAR-100's shapes (benchmarks; no files)", (), 100, None)}
 for _name, _info in _BUILTIN.items():
     DATASETS.register(_name, _info, description=_info.description)

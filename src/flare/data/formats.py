@@ -127,8 +127,7 @@ def _missing_mnist(name: str, folder: Path | None, what: str, debian: bool) -> F
 _CIFAR = {
     "cifar10": ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"],
                 "batches.meta", "label_names", "labels", "CIFAR10"),
-    "cifar100": ("cifar-100-python", ["train"], ["test"], "meta", "fine_label_names", "fine_labels", "CIFAR100"),
-}
+    "cifar100": ("cifar-100-python", ["train"], ["test"], "meta", "fine_label_names", "fine_labels", "CIFAR100")}
 
 
 def _locate_cifar(name: str, root: Path | None, fmt: str, download: bool) -> _Source:

@@ -30,8 +30,7 @@ def summary_markdown(run: RunData) -> str:
         f"{cfg.get('seed')}",
         f"- protocol: `{run.protocol}` (config/protocol.py; docs/reproduction.md lists what each item changes)",
         f"- status: {run.state.get('status', 'unknown')}, rounds done: {run.state.get('rounds_done', len(rounds))}",
-        f"- computed with: {run.backend}",
-    ]
+        f"- computed with: {run.backend}"]
     if run.speed_choice:
         lines.append(f"- speed=fast's choice: {run.speed_choice}")
     lines.append("")
