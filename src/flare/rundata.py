@@ -35,6 +35,7 @@ def peak_index(values) -> int | None:
 
 @dataclass
 class RunData:
+    """One run directory's records, read once: what every report, comparison and docs block reads a run through."""
     dir: Path
     cfg: dict
     rounds: list[dict]
