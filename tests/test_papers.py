@@ -1,6 +1,7 @@
 """The parts of other papers' tables at their own settings (docs/papers.md) and tools/papers.py's block."""
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import sys
@@ -231,6 +232,29 @@ def test_render_on_synthetic_records(tmp_path):
     spec["published"]["FedAvg"][0.1] = 60.0
     (tmp_path / "t" / "table.yaml").write_text(yaml.safe_dump(spec))
     assert "| -8.00 | no |" in papers.render(tmp_path)
+
+
+def test_servers_fused_by_hand_are_listed_apart_from_the_columns(tmp_path):
+    """A fuse record that is not one of the table's servers at the table's options (another option, a plugin's
+    strategy) is listed under the table with its options, and never feeds a column."""
+    papers = _papers()
+    spec = {"table": "t", "paper": "P", "alphas": [0.1], "seeds": [0],
+            "columns": {"FedLPA": {"method": "fedavg", "key": "fuse:fedlpa", "paper_rule": "final"}},
+            "published": {"FedLPA": {0.1: 55.0}}}
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "table.yaml").write_text(yaml.safe_dump(spec))
+    _fake_cell(tmp_path, "t", "fedavg", 0.1, 0, [0.3], {"fedlpa": 0.45})
+    d = tmp_path / "t" / "fedavg-a0.1-s0"
+    (d / "cell.json").write_text(json.dumps({**json.loads((d / "cell.json").read_text()), "fuse": ["fedlpa"]}))
+    assert "Other servers" not in papers.render(tmp_path)
+    with (d / "fuse.jsonl").open("a") as f:
+        for strategy, acc, opts in (("fedlpa_reference", 0.51, {"refine_steps": 0}), ("fedlpa", 0.48, {"batches": 9})):
+            f.write(json.dumps({"kind": "fuse", "strategy": strategy, "acc": acc, "seconds": 90, "options": opts}) + "\n")
+    out = papers.render(tmp_path)
+    assert "| fedavg | 0.1 | 0 | fedlpa_reference | refine_steps=0 | 51.00 | 2 min |" in out
+    assert "| fedavg | 0.1 | 0 | fedlpa | batches=9 | 48.00 | 2 min |" in out
+    assert "| FedLPA | 0.1 | 0 | 45.00 |" in out  # the column still reads the table's own server
+    assert out.count("| fedavg | 0.1 | 0 |") == 2
 
 
 def test_committed_block_equals_the_records():
@@ -541,3 +565,65 @@ def test_a_cell_recorded_without_a_server_whose_clients_are_gone_is_named_and_sk
     assert "its clients are not on disk; skipped" in log
     papers.run(spec, tmp_path / "runs", dry_run=True, fuse_only=False, **kw)
     assert "training them again" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------- FedLPA's server as its reference builds it
+def _reference_kfac(model, x, y, coor):
+    """The reference's factors of every Linear / Conv2d, by its own formulas (kfac_utils.py ComputeCovA and
+    ComputeCovG with batch_averaged=True, over one batch holding every sample), each + √(1 − coor)·I."""
+    ins, outs = {}, {}
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))}
+    def keep(n):
+        def hook(mod, args, out):
+            ins[n] = args[0].detach()
+            out.register_hook(lambda g: outs.__setitem__(n, g))
+        return hook
+
+    handles = [m.register_forward_hook(keep(n)) for n, m in layers.items()]
+    loss = F.cross_entropy(model(x)[1], y)  # the reference's CrossEntropyLoss: the batch mean
+    loss.backward()
+    for h in handles:
+        h.remove()
+    b, c, out = x.shape[0], (1 - coor) ** 0.5, {}
+    for n, m in layers.items():
+        a, g = ins[n], outs[n]
+        if isinstance(m, torch.nn.Conv2d):
+            a = F.unfold(a, m.kernel_size).transpose(1, 2)
+            spatial = a.shape[1]
+            a = torch.cat([a.reshape(-1, a.shape[-1]), a.new_ones(b * spatial, 1)], 1) / spatial
+            g = g.permute(0, 2, 3, 1).reshape(-1, g.shape[1]) * b * spatial
+            A, G = a.t() @ (a / b), g.t() @ (g / g.shape[0])
+        else:
+            a = torch.cat([a, a.new_ones(b, 1)], 1)
+            A, G = a.t() @ (a / b), g.t() @ (g * b)
+        out[f"{n}.A"] = A + c * torch.eye(A.shape[0])
+        out[f"{n}.G"] = G + c * torch.eye(G.shape[0])
+    return out
+
+
+def test_the_reference_fedlpa_plugin_uploads_the_references_kfac_factors(monkeypatch):
+    from flare.config import load_config
+    from flare.server.extras import ClientData
+    from flare.server.strategy import ServerContext, make_strategy
+    from flare.server.upload import Upload
+
+    monkeypatch.syspath_prepend(str(ROOT / "configs" / "papers" / "plugins"))
+    importlib.import_module("flare_fedlpa_reference")
+    torch.manual_seed(0)
+    models = [create_model("simple-cnn", 1, 10, head="linear").eval() for _ in range(2)]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (40, 1, 28, 28), dtype=torch.uint8, generator=g)
+    y = torch.randint(0, 10, (40,), generator=g)
+    cfg = load_config(None, "fedavg", ["model.name=simple-cnn", "server.strategies.fedlpa_reference.batch_size=16"])
+    s = make_strategy(cfg, "fedlpa_reference", "eval.rules")
+    scale = lambda u: u.float() / 255  # noqa: E731
+    extras = [s.client_extras(ClientData(cfg, i, m, x, y, scale, None, torch.device("cpu"))) for i, m in enumerate(models)]
+    want = _reference_kfac(models[0], scale(x), y, coor=0.999)
+    assert sorted(extras[0]) == sorted(want) and any(".conv" in k for k in want)
+    for k, v in want.items():  # conv A divided by its 24·24 and 8·8 positions, G multiplied: a scale bug fails here
+        assert torch.allclose(extras[0][k][0], v, rtol=1e-4, atol=1e-6), k
+    uploads = [Upload(i, m.state_dict(), 40, None) for i, m in enumerate(models)]
+    ctx = ServerContext(cfg, 0, uploads, models, torch.tensor([0.5, 0.5]), None, None, extras=extras)
+    fused = s.predictor(ctx).model.state_dict()
+    assert fused.keys() == models[0].state_dict().keys()
+    assert all(torch.isfinite(v).all() for v in fused.values())

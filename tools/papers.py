@@ -375,6 +375,7 @@ def render(results: Path = RESULTS, img_dir: Path | None = None) -> str:
             lines += ["", f"The paper's numbers: {' '.join(spec['published_source'].split())}"]
         lines += spread_lines(spec, metas)
         lines += budget_notes(spec, metas)
+        lines += other_servers(spec, metas)
         cost = cost_lines(spec, metas)
         lines += ([""] if cost and lines[-1] else []) + cost
         lines += paired_rows(spec, metas, results)
@@ -522,6 +523,25 @@ def budget_notes(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
             out.append(f"{col}'s server: {e} epochs × {g} generator steps = {e * g:,} (the paper's: {pe} × {pg} = "
                        f"{pe * pg:,}){short}.")
     return ([""] + out + [""]) if out else []
+
+
+def other_servers(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
+    """Every fuse record of a cell that is not one of the table's servers at the table's options — a server fused
+    over the same clients by hand (another option, a plugin's strategy): a diagnostic, listed, never a column."""
+    rows = []
+    for d, m in sorted(metas, key=lambda t: (float(t[1]["alpha"]), t[1]["seed"], t[1]["method"])):
+        table_keys = {_key(s, (m.get("fuse_options") or {}).get(s)) for s in m.get("fuse", [])}
+        for r in _jsonl(d / "fuse.jsonl"):
+            if r.get("kind") != "fuse" or _key(r.get("strategy"), r.get("options")) in table_keys:
+                continue
+            opts = ", ".join(f"{k}={v}" for k, v in sorted((r.get("options") or {}).items())) or "its defaults"
+            rows.append(f"| {m['method']} | {float(m['alpha']):g} | {m['seed']} | {r['strategy']} | {opts} | "
+                        f"{100 * float(r['acc']):.2f} | {_duration(float(r.get('seconds', 0)) / 3600)} |")
+    if not rows:
+        return []
+    return ["", "Other servers fused over the same clients (by hand, `flare fuse`; diagnostics, not columns):", "",
+            "| clients | α | seed | server | options | accuracy | wall |", "| --- | --- | --- | --- | --- | --- | --- |",
+            *rows]
 
 
 def _cell_hours(cell_dir: Path) -> float:
