@@ -4,6 +4,7 @@ recalibration sets the statistics of the public slice and leaves the clients alo
 the seed, and all of them run through `flare run` and `flare fuse` (and refuse a run without public data)."""
 import copy
 import functools
+import re
 import subprocess
 import sys
 
@@ -272,18 +273,23 @@ def test_an_interrupted_build_resumes_from_its_last_epoch_bit_for_bit(name, tmp_
     assert len(calls) == 4 and len(list(ctx.scratch.glob("*.pt"))) == 2
 
 
-def test_fuse_gives_a_data_free_server_another_budget_and_its_curve(tiny_overrides, tmp_path, capsys):
+def test_fuse_gives_a_data_free_server_another_budget_and_its_curve(tiny_overrides, tmp_path, capsys, monkeypatch):
     """`flare fuse` takes server-strategy options anew (the clients are the checkpoint's): the record names them,
     the same options count as fused, others fuse again; the budget curve scores the student on the way without
-    changing it (its last point is the fused accuracy, and the accuracy is that of a fuse without a curve)."""
+    changing it (its last point is the fused accuracy, and the accuracy is that of a fuse without a curve). The
+    build reports its epochs as it goes (hours at the published budget), with the curve's last point."""
     from flare.cli import main
 
     cfg = load_config(None, "fedavg", tiny_overrides + ["rounds=1"])
     d = tmp_path / "ce"
     Run(cfg, d, quiet=True).execute()
     opts = [f"server.strategies.dense.{k}={v}" for k, v in TINY["dense"].items()]
+    monkeypatch.setenv("FLARE_QUIET", "0")
     assert main(["fuse", str(d), "--strategies", "dense", *opts, "server.strategies.dense.curve_every=1"]) == 0
-    assert "[epochs=3 g_steps=6" in capsys.readouterr().out
+    monkeypatch.setenv("FLARE_QUIET", "1")
+    printed = capsys.readouterr()
+    assert "[epochs=3 g_steps=6" in printed.out
+    assert re.search(r"^dense: 3/3 epochs \(student \d+\.\d\d% after epoch 3\), \d+ s$", printed.err, re.M)
     assert not (d / "fuse-scratch").exists()  # the build's progress, kept while it runs, is gone with its record
     assert main(["fuse", str(d), "--strategies", "dense", *opts, "server.strategies.dense.curve_every=1"]) == 0
     (rec,) = [f for f in read_jsonl(d / "fuse.jsonl") if f["kind"] == "fuse"]  # the same options: not again

@@ -25,6 +25,7 @@ from flare.baselines.kd import (BN, Cost, affine_normalizer, client_logits, crop
                                 generator, kd_loss, passes, private_stream, to_uint8)
 from flare.durable import atomic_torch_save
 from flare.errors import FlareError
+from flare.progress import Counter
 from flare.registry import STRATEGIES
 from flare.rng import derived_seed
 from flare.server.strategy import ModelPredictor, ServerContext, Strategy
@@ -164,8 +165,7 @@ class Synthesis:
         self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, o.epochs) if o.cosine else None
         self.pool_x = torch.empty(0, *shape, dtype=torch.uint8, device=self.dev)
         self.pool_y = torch.empty(0, dtype=torch.long, device=self.dev)
-        self.g_losses: list[list[float]] = []  # per epoch, per generator step
-        self.kd_losses: list[float] = []
+        self.g_losses, self.kd_losses = [], []  # per epoch, per generator step; per distillation step
 
     def make_student(self) -> nn.Module:
         """A fresh model of the server architecture (seeded by the round and the strategy's tag)."""
@@ -182,12 +182,10 @@ class Synthesis:
 
     def synthesize(self) -> None:
         o, g = self.o, self.g
-        self.gen_net.reset(g)
-        self.gen_net.train()
+        self.gen_net.train().reset(g)
         z = torch.randn(o.synthesis_batch, o.nz, generator=g).to(self.dev).requires_grad_(True)
         y = torch.randint(0, self.C, (o.synthesis_batch,), generator=g).to(self.dev)
-        if not self.coboost:
-            y = y.sort()[0]  # DENSE sorts its pseudo-labels
+        y = y if self.coboost else y.sort()[0]  # DENSE sorts its pseudo-labels
         params = [*self.gen_net.parameters(), z]
         opt = torch.optim.Adam(params, lr=o.lr_g, betas=(0.5, 0.999))
         hooks, best, best_cost = BNStats(self.models), None, math.inf
@@ -264,14 +262,13 @@ class Synthesis:
 
     def distil(self) -> None:
         """One epoch of learning on the pool."""
-        o = self.o
         self.student.train()
-        for ix in passes(self.pool_x.shape[0], o.batch_size, self.g):
+        for ix in passes(self.pool_x.shape[0], self.o.batch_size, self.g):
             loss = self.batch_loss(ix)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
-            if o.clip is not None:
-                nn.utils.clip_grad_norm_(self.student.parameters(), o.clip)
+            if self.o.clip is not None:
+                nn.utils.clip_grad_norm_(self.student.parameters(), self.o.clip)
             self.opt.step()
             self.kd_losses.append(float(loss.detach()))
         if self.sched is not None:
@@ -311,7 +308,8 @@ class Synthesis:
             s = torch.load(file, map_location="cpu", weights_only=True)
             self.load_state(s)
             start, curve, cost.t0 = s["epoch"], s["curve"], cost.t0 - s["seconds"]
-        with eval_mode(self.models):
+        with eval_mode(self.models), Counter(self.o.epochs, start, "coboosting" if self.coboost else "dense",
+                                              unit="epoch") as bar:
             for epoch in range(start, self.o.epochs):
                 self.synthesize()
                 if self.coboost and epoch > 0:
@@ -319,9 +317,11 @@ class Synthesis:
                 self.distil()
                 if every and self.ctx.score is not None and ((epoch + 1) % every == 0 or epoch + 1 == self.o.epochs):
                     curve.append([epoch + 1, (epoch + 1) * self.o.g_steps, self.ctx.score(self.student)])
+                    bar.set_postfix_str(f"student {100 * curve[-1][2]:.2f}% after epoch {epoch + 1}")
                 if file is not None:
                     atomic_torch_save({**self.state(), "epoch": epoch + 1, "curve": curve,
                                        "seconds": cost.logs()["seconds"]}, file)
+                bar.update()
         self.student.eval().requires_grad_(False)
         n = len(self.g_losses)  # the generator restarts every epoch: its first and last steps, averaged
         logs = {**cost.logs(), "epochs": float(self.o.epochs), "g_loss_first": sum(g[0] for g in self.g_losses) / n,
