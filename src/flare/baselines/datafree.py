@@ -317,10 +317,10 @@ class Synthesis:
                 self.distil()
                 if every and self.ctx.score is not None and ((epoch + 1) % every == 0 or epoch + 1 == self.o.epochs):
                     curve.append([epoch + 1, (epoch + 1) * self.o.g_steps, self.ctx.score(self.student)])
-                    bar.set_postfix_str(f"student {100 * curve[-1][2]:.2f}% after epoch {epoch + 1}")
                 if file is not None:
                     atomic_torch_save({**self.state(), "epoch": epoch + 1, "curve": curve,
                                        "seconds": cost.logs()["seconds"]}, file)
+                bar.set_postfix_str(f"student {100 * curve[-1][2]:.2f}% after epoch {curve[-1][0]}" if curve else "")
                 bar.update()
         self.student.eval().requires_grad_(False)
         n = len(self.g_losses)  # the generator restarts every epoch: its first and last steps, averaged
