@@ -317,3 +317,32 @@ def test_fuse_refuses_an_override_that_is_not_an_option_of_a_fused_strategy(over
                        capture_output=True, text=True)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (d / "fuse.jsonl").exists()
+
+
+def test_fuse_refuses_a_torn_progress_file_and_names_it(tiny_overrides, tmp_path, monkeypatch):
+    """A data-free build's saved progress that cannot be read (a copy cut short) stops `flare fuse` with exit 2 and
+    the file's name, no traceback, the file left as it was: never hours of build restarted without a word."""
+    from flare.baselines.datafree import Synthesis
+    from flare.cli import main
+
+    cfg = load_config(None, "fedavg", tiny_overrides + ["rounds=1"])
+    d = tmp_path / "ce"
+    Run(cfg, d, quiet=True).execute()
+    opts = [f"server.strategies.dense.{k}={v}" for k, v in TINY["dense"].items()]
+    distil, calls = Synthesis.distil, []
+
+    def dies_in_epoch_two(self):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        distil(self)
+
+    monkeypatch.setattr(Synthesis, "distil", dies_in_epoch_two)
+    assert main(["fuse", str(d), "--strategies", "dense", *opts]) != 0  # interrupted in its second epoch
+    (saved,) = (d / "fuse-scratch" / "dense").glob("*.pt")
+    torn = saved.read_bytes()[:1000]
+    saved.write_bytes(torn)
+    r = subprocess.run([sys.executable, "-m", "flare.cli", "fuse", str(d), "--strategies", "dense", *opts],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and saved.name in r.stderr and "delete it" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and saved.read_bytes() == torn and not (d / "fuse.jsonl").exists()

@@ -28,9 +28,7 @@ def peak_index(values) -> int | None:
     """Where a curve peaks: the first index of its largest finite value (None if it has none). "Peak" means
     this everywhere — summaries, tables, sweep reports."""
     a = np.array([num(v) for v in values], dtype=float)
-    if not len(a) or np.isnan(a).all():
-        return None
-    return int(np.nanargmax(a))
+    return None if not len(a) or np.isnan(a).all() else int(np.nanargmax(a))
 
 
 @dataclass

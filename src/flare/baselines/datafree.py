@@ -305,7 +305,11 @@ class Synthesis:
         curve: list[list[float]] = []  # [epoch, generator steps so far, test accuracy]
         every, start = self.o.curve_every, 0
         if file is not None and file.is_file():  # an interrupted build: on from its last finished epoch
-            s = torch.load(file, map_location="cpu", weights_only=True)
+            try:  # a torn copy must not silently restart hours of build, nor end in a traceback
+                s = torch.load(file, map_location="cpu", weights_only=True)
+            except Exception as e:
+                raise FlareError(f"{file} holds this data-free build's progress and cannot be read ({e}).",
+                                 fix="delete it: the build starts again from its first epoch.") from e
             self.load_state(s)
             start, curve, cost.t0 = s["epoch"], s["curve"], cost.t0 - s["seconds"]
         with eval_mode(self.models), Counter(self.o.epochs, start, "coboosting" if self.coboost else "dense",

@@ -64,6 +64,4 @@ def reference_scaling(dataset: str, mean, std) -> InputScaling:
     """The reference code's per-dataset transforms (the reference protocol's item b; the module docstring's table)."""
     if dataset == "cifar100":
         return InputScaling(CIFAR100, CIFAR100, CIFAR100)
-    if dataset == "svhn":
-        return InputScaling(HALF, HALF, HALF)
-    return InputScaling(None, HALF, IDENTITY)
+    return InputScaling(HALF, HALF, HALF) if dataset == "svhn" else InputScaling(None, HALF, IDENTITY)

@@ -24,9 +24,7 @@ from torch import Tensor
 def aggregation_weights(sizes: list[int], mode: str) -> Tensor:
     """w_i = n_i / Σn ("size") or 1/K ("uniform")."""
     n = torch.tensor(sizes, dtype=torch.float32)
-    if mode == "uniform":
-        return torch.full_like(n, 1.0 / len(sizes))
-    return n / n.sum()
+    return torch.full_like(n, 1.0 / len(sizes)) if mode == "uniform" else n / n.sum()
 
 
 @dataclass
