@@ -87,6 +87,14 @@ def ensemble_argmax(models, w, x):
         return sum(wk * m(x)[1] for wk, m in zip(w, models)).argmax(1)
 
 
+def test_feddf_reports_its_steps_as_it_goes(capsys, monkeypatch):
+    """FedDF's 10,000 published steps take minutes on a CPU: off a terminal the build prints its progress lines."""
+    cfg, ctx = context()
+    monkeypatch.setenv("FLARE_QUIET", "0")
+    make_strategy(cfg, "feddf").predictor(ctx)
+    assert re.search(r"^feddf: 40/40 steps, \d+ s$", capsys.readouterr().err, re.M)
+
+
 def test_feddf_student_agrees_more_with_the_ensemble_on_held_out_inputs():
     cfg, ctx = context()
     held = norm(patterns(64, 2))  # never seen by the distillation

@@ -28,6 +28,4 @@ def g_protos_std(G: Tensor) -> float:
 
 def inter_client_proto_std(protos: list[Tensor]) -> float:
     """Per entry (c, j), the unbiased std over clients of P_i[c, j]; then the mean."""
-    if len(protos) < 2:
-        return 0.0
-    return float(torch.stack([p.float() for p in protos]).std(dim=0, unbiased=True).mean())
+    return 0.0 if len(protos) < 2 else float(torch.stack([p.float() for p in protos]).std(dim=0, unbiased=True).mean())

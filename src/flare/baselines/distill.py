@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from flare.baselines.kd import (Cost, agreement, client_logits, crop_flip, eval_mode, fresh_model, generator, kd_loss,
                                 passes, public_slice, require_public)
 from flare.models import layout
+from flare.progress import Counter
 from flare.rng import derived_seed
 from flare.registry import STRATEGIES
 from flare.server.rules import FedAvgRule, fedavg_model
@@ -87,22 +88,25 @@ class FedDF(Strategy):
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, o.steps) if o.cosine else None
         student.train()
         losses = []
-        for _, ix in zip(range(o.steps), batches(pub.shape[0], o.batch_size, gen)):
-            xb = pub[ix.to(pub.device)]
-            x = ctx.normalize(crop_flip(xb, gen) if o.augment else xb)
-            with torch.no_grad():
-                z = client_logits(ctx.models, x)  # K×B×C
-                teacher = ((w[:, None, None] * z).sum(0) if o.ensemble == "logits"
-                           else (w[:, None, None] * z.softmax(-1)).sum(0))
-            loss = kd_loss(student(x)[1].float(), teacher, o.temperature, probs=o.ensemble == "softmax", scale=False)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if o.clip is not None:
-                torch.nn.utils.clip_grad_norm_(student.parameters(), o.clip)
-            opt.step()
-            if sched is not None:
-                sched.step()
-            losses.append(float(loss.detach()))
+        with Counter(o.steps, desc="feddf", unit="step") as bar:  # 10,000 steps: minutes on a CPU
+            for _, ix in zip(range(o.steps), batches(pub.shape[0], o.batch_size, gen)):
+                xb = pub[ix.to(pub.device)]
+                x = ctx.normalize(crop_flip(xb, gen) if o.augment else xb)
+                with torch.no_grad():
+                    z = client_logits(ctx.models, x)  # K×B×C
+                    teacher = ((w[:, None, None] * z).sum(0) if o.ensemble == "logits"
+                               else (w[:, None, None] * z.softmax(-1)).sum(0))
+                s = student(x)[1].float()
+                loss = kd_loss(s, teacher, o.temperature, probs=o.ensemble == "softmax", scale=False)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if o.clip is not None:
+                    torch.nn.utils.clip_grad_norm_(student.parameters(), o.clip)
+                opt.step()
+                if sched is not None:
+                    sched.step()
+                losses.append(float(loss.detach()))
+                bar.update()
         student.eval().requires_grad_(False)
         logs = {**cost.logs(), "steps": float(len(losses)), "loss_first": losses[0], "loss_last": losses[-1],
                 "agree_public_before": before, "agree_public_after": agreement(student, ctx.models, w, plain)}

@@ -47,9 +47,7 @@ def free_port() -> int:
 def _toml_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    return json.dumps(str(v))  # a TOML basic string
+    return repr(v) if isinstance(v, (int, float)) else json.dumps(str(v))  # else a TOML basic string
 
 
 def run_config_arg(d: dict) -> str:

@@ -85,8 +85,6 @@ def unpack_nested(rec: ArrayRecord, skeleton: str, device: torch.device | str = 
             if "__tuple__" in o:
                 return tuple(dec(v) for v in o["__tuple__"])
             raise ValueError(f"malformed skeleton entry {o!r}")
-        if isinstance(o, list):
-            return [dec(v) for v in o]
-        return o
+        return [dec(v) for v in o] if isinstance(o, list) else o
 
     return dec(json.loads(skeleton))
