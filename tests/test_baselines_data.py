@@ -242,6 +242,21 @@ def test_the_strategies_compose_with_every_client_kind(preset, rule):
     assert make_strategy(cfg, "bnrecal").rule == rule
 
 
+def dies_in_epoch_two(calls: list):
+    """`Synthesis.distil` as a kill in the build's second epoch sees it: KeyboardInterrupt there, the real epoch
+    before (each call appends to `calls`)."""
+    from flare.baselines.datafree import Synthesis
+
+    distil = Synthesis.distil
+
+    def distil_or_die(self):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        distil(self)
+    return distil_or_die
+
+
 @pytest.mark.parametrize("name", ["dense", "coboosting", "intactofl"])
 def test_an_interrupted_build_resumes_from_its_last_epoch_bit_for_bit(name, tmp_path, monkeypatch):
     """With a scratch folder the build saves its progress after every epoch; killed in its second epoch and run
@@ -254,15 +269,9 @@ def test_an_interrupted_build_resumes_from_its_last_epoch_bit_for_bit(name, tmp_
     whole = make_strategy(cfg, name).predictor(ctx)
     distil, calls = Synthesis.distil, []
 
-    def dies_in_epoch_two(self):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        distil(self)
-
     cfg, ctx = context(extra=extra)
     ctx.scratch = tmp_path / name
-    monkeypatch.setattr(Synthesis, "distil", dies_in_epoch_two)
+    monkeypatch.setattr(Synthesis, "distil", dies_in_epoch_two(calls))
     with pytest.raises(KeyboardInterrupt):
         make_strategy(cfg, name).predictor(ctx)
     assert len(list(ctx.scratch.glob("*.pt"))) == 1
@@ -337,15 +346,7 @@ def test_fuse_refuses_a_torn_progress_file_and_names_it(tiny_overrides, tmp_path
     d = tmp_path / "ce"
     Run(cfg, d, quiet=True).execute()
     opts = [f"server.strategies.dense.{k}={v}" for k, v in TINY["dense"].items()]
-    distil, calls = Synthesis.distil, []
-
-    def dies_in_epoch_two(self):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        distil(self)
-
-    monkeypatch.setattr(Synthesis, "distil", dies_in_epoch_two)
+    monkeypatch.setattr(Synthesis, "distil", dies_in_epoch_two([]))
     assert main(["fuse", str(d), "--strategies", "dense", *opts]) != 0  # interrupted in its second epoch
     (saved,) = (d / "fuse-scratch" / "dense").glob("*.pt")
     torn = saved.read_bytes()[:1000]
