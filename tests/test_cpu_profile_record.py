@@ -103,7 +103,7 @@ def test_the_targets_sentence_is_computed_from_the_record():
     assert f"speed=fast ran {by['exact']['wall'] / by['fast']['wall']:.2f}× exact's wall time" in text
     old = {**rec, "rows": [{k: v for k, v in r.items() if k != "bare_step"} for r in rec["rows"]]}
     assert "bare step at the run's step size is not in this record" in bench.markdown(old)  # made before the column
-    assert f"{bench.REFERENCE_SECONDS / by['fast']['wall']:.2f}× the reference's wall time" in text
+    assert f"{453.5 / by['fast']['wall']:.2f}× the reference's wall time" in text  # its AMD EPYC time
     rows = [{**r, "bare_step": {"images": 1024, "steps": 2, "samples_per_s": r["train_rate"] / 0.9}}
             for r in rec["rows"]]
     assert "its training at 0.90 of its own bare step" in bench.markdown({**rec, "rows": rows})
@@ -111,3 +111,23 @@ def test_the_targets_sentence_is_computed_from_the_record():
     assert "(target: above 1×)" in bench.markdown(no_bf16) and "1.5×" not in bench.markdown(no_bf16)
     capped = bench.markdown({**rec, "caps": dict(bench.AVX2_ONLY)})
     assert "Against the targets" in capped and "the reference's wall time" not in capped
+
+
+def test_the_reference_is_shown_only_beside_the_cpu_type_it_was_timed_on():
+    """The reference's wall time is a figure of one CPU type: a record from an AVX2-only EPYC gets no column and a
+    sentence saying so, an Intel Xeon without native bf16 gets the time measured there, never the AMD one."""
+    bench = _load("cpu_profile_bench", ROOT / "benchmarks" / "cpu_profile.py")
+    rec = json.loads((tool.records_of(tool.RESULTS["cpu-speed"]) / "runs/readme/cpu-speed-record.json").read_text())
+    assert rec["machine"]["cpu"] == "AMD EPYC (AVX512, native bf16)" and bench.reference(rec)[1] == 453.5
+    fast = next(r for r in rec["rows"] if r["profile"] == "fast")
+    zen3 = {**rec, "machine": {**rec["machine"], "cpu": "AMD EPYC (AVX2, no native bf16)", "flags": ["avx2"]}}
+    text = bench.markdown(zen3)
+    assert bench.reference(zen3) is None and "over the reference" not in text
+    assert "never timed on this CPU type (AMD EPYC (AVX2, no native bf16))" in text
+    xeon = {**rec, "machine": {**rec["machine"], "cpu": "Intel(R) Xeon(R) Platinum 8259CL CPU @ 2.50GHz (AVX512, no "
+                               "native bf16)", "flags": ["avx2", "avx512f", "avx512bw", "avx512_vnni"]}}
+    text = bench.markdown(xeon)
+    assert "over the reference (334.0 s, Intel, AVX512, no native bf16) |" in text
+    assert f"{334.0 / fast['wall']:.2f}× the reference's wall time (target: above 1×)" in text
+    small = {**rec, "reference_setting": False}
+    assert bench.reference(small) is None and "never timed" not in bench.markdown(small)
