@@ -407,6 +407,27 @@ def test_a_note_and_column_pairs_render(tmp_path):
     assert "| Ens | Ens | 0.1 | 0 | +10.00 | — |" in out and "| FedAvg | Ens |" not in out and "| Ens | FedAvg |" not in out
 
 
+def test_pairings_with_one_table_share_one_table(tmp_path):
+    """Two entries naming the same table (a dict holds one pair per key: FedDF − FedAvg and FedDF − Ensemble need
+    two) print one table with both pairs' rows, in the order given."""
+    papers = _papers()
+    cols = {"FedAvg": "acc_fedavg", "FedDF": "fuse:feddf", "Ens": "acc_output"}
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "table.yaml").write_text(yaml.safe_dump({
+        "table": "t", "paper": "P", "alphas": [0.1], "seeds": [0],
+        "paired_with": [{"table": "t", "columns": {"FedDF": "FedAvg"}}, {"table": "t", "columns": {"FedDF": "Ens"}}],
+        "columns": {k: {"method": "fedavg", "key": v, "paper_rule": "final"} for k, v in cols.items()}}))
+    d = tmp_path / "t" / "fedavg-a0.1-s0"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text(json.dumps({"kind": "round", "acc_fedavg": 0.3, "acc_output": 0.5}) + "\n")
+    (d / "fuse.jsonl").write_text(json.dumps({"kind": "fuse", "strategy": "feddf", "acc": 0.45}) + "\n")
+    (d / "cell.json").write_text(json.dumps({"method": "fedavg", "alpha": 0.1, "seed": 0, "table": "t"}))
+    out = papers.render(tmp_path)
+    assert out.count("Paired within t by seed") == 1
+    rows = [line for line in out.splitlines() if line.startswith("| FedDF |")]
+    assert rows[-2:] == ["| FedDF | FedAvg | 0.1 | 0 | +15.00 | — |", "| FedDF | Ens | 0.1 | 0 | -5.00 | — |"]
+
+
 def test_spread_lists_every_draw_and_places_the_papers_single_run(tmp_path):
     papers = _papers()
     spec = {"table": "t", "paper": "P", "alphas": [0.1], "seeds": [0, 1, 2], "spread": True,

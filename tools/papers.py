@@ -648,25 +648,27 @@ def curve_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | Non
 def paired_rows(spec: dict, metas: list[tuple[Path, dict]], results: Path) -> list[str]:
     """`paired_with: {table: T, columns: [...]}` (or a list of such): each of this table's columns minus each of T's,
     seed by seed at the same α (the same partition and initial weights), final values: mean ± std and the 95 %
-    half-width. `columns: {OURS: THEIRS, ...}` pairs only those; T may be this table itself (FLARE − FAFI)."""
-    out, pws = [], spec.get("paired_with") or []
+    half-width. `columns: {OURS: THEIRS, ...}` pairs only those; T may be this table itself (FLARE − FAFI). Entries
+    naming the same T share one table (a dict holds one pair per key, so two pairs of one column need two entries)."""
+    pws, grouped = spec.get("paired_with") or [], {}
     for pw in pws if isinstance(pws, list) else [pws]:
-        if (results / pw["table"] / "table.yaml").is_file():
-            out += _paired_with(spec, metas, results, pw)
-    return out
+        grouped.setdefault(pw["table"], []).extend(
+            list(pw["columns"].items()) if isinstance(pw["columns"], dict)
+            else [(col, ocol) for col in spec["columns"] for ocol in pw["columns"]])
+    return [line for table, pairs in grouped.items() if (results / table / "table.yaml").is_file()
+            for line in _paired_with(spec, metas, results, table, pairs)]
 
 
-def _paired_with(spec: dict, metas: list[tuple[Path, dict]], results: Path, pw: dict) -> list[str]:
-    if pw["table"] == spec["table"]:  # a pairing within the table: its spec and cells are already read
+def _paired_with(spec: dict, metas: list[tuple[Path, dict]], results: Path, table: str,
+                 pairs: list[tuple[str, str]]) -> list[str]:
+    if table == spec["table"]:  # a pairing within the table: its spec and cells are already read
         other, theirs = spec, metas
     else:
-        other = yaml.safe_load((results / pw["table"] / "table.yaml").read_text())
-        theirs = [(d, json.loads((d / "cell.json").read_text())) for d in sorted((results / pw["table"]).iterdir())
+        other = yaml.safe_load((results / table / "table.yaml").read_text())
+        theirs = [(d, json.loads((d / "cell.json").read_text())) for d in sorted((results / table).iterdir())
                   if (d / "cell.json").is_file()]
-    pairs = (list(pw["columns"].items()) if isinstance(pw["columns"], dict)
-             else [(col, ocol) for col in spec["columns"] for ocol in pw["columns"]])
-    where = "within" if pw["table"] == spec["table"] else "with"
-    out = ["", f"Paired {where} {pw['table']} by seed (ours − theirs, final values):", "",
+    where = "within" if table == spec["table"] else "with"
+    out = ["", f"Paired {where} {table} by seed (ours − theirs, final values):", "",
            "| ours | theirs | α | seeds | mean difference ± std | 95 % half-width |", "| --- | --- | --- | --- | --- | --- |"]
     for col, ocol in pairs:
         c, oc = spec["columns"][col], other["columns"][ocol]
