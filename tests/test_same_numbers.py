@@ -103,3 +103,38 @@ def test_read_records_and_finished_marker(tmp_path):
     assert not tool.finished(d)
     (d / "state.json").write_text(json.dumps({"status": "finished", "rounds_done": 2, "warnings": []}))
     assert tool.finished(d)
+
+
+def _tree(root: Path, runs: dict) -> Path:
+    for (method, seed), recs in runs.items():
+        d = root / method / f"seed={seed}"
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return root
+
+
+def test_dirs_compares_two_run_trees_made_anywhere(tmp_path, capsys):
+    """`--dirs A B`: another machine's `make run` against the committed records — identical runs pass (timing keys
+    aside), a changed bit or a run on one side only fails, and a missing tree is bad input (exit 2)."""
+    slower = [{**r, "seconds": 9.0} for r in records()]
+    a = _tree(tmp_path / "a", {("fafi", 1): records(), ("fedavg", 1): records()})
+    b = _tree(tmp_path / "b", {("fafi", 1): slower, ("fedavg", 1): records()})
+    assert tool.main(["--dirs", str(a), str(b)]) == 0
+    assert "ALL IDENTICAL" in capsys.readouterr().out
+    changed = records()
+    changed[1]["acc_feature"] = math.nextafter(0.135, 1)
+    c = _tree(tmp_path / "c", {("fafi", 1): records(), ("fedavg", 1): changed, ("flare", 2): records()})
+    rows, ok, _ = tool.compare_dirs(a, c)
+    assert not ok and [r[0] for r in rows] == ["fafi/seed=1", "fedavg/seed=1", "flare/seed=2"]
+    assert rows[1][2] == "no" and "record 1, acc_feature" in rows[1][3]
+    assert rows[2][2] == "no" and "only under" in rows[2][3]
+    assert tool.main(["--dirs", str(a), str(c)]) == 1
+    assert tool.main(["--dirs", str(a), str(tmp_path / "nowhere")]) == 2
+    assert "not a directory of runs" in capsys.readouterr().err
+    for argv in (["--before", "HEAD"], ["--dirs", str(a), str(b), "--before", "HEAD"]):
+        try:
+            tool.parse_args(argv)
+        except SystemExit as e:
+            assert e.code == 2
+        else:
+            raise AssertionError(f"{argv} must be refused")

@@ -3,6 +3,12 @@ compare their metrics.jsonl record by record.
 
     python tools/same_numbers.py --before REV --after REV [--presets all|a,b,c] [--main-seed N] [--out DIR]
                                  [--jobs 1] [--threads 1] [--python PY]
+    python tools/same_numbers.py --dirs RECORDS RUNS     # two finished run trees, e.g. on two machines
+
+`--dirs A B` runs nothing: it compares every <method>/seed=N/metrics.jsonl found under either tree with its
+namesake in the other, by the same rule (timing keys aside), and says ALL IDENTICAL only when both trees hold the
+same runs and every pair is identical. Its use: `make run` on another machine against the main job's committed
+records (results/main/runs/main), which tells whether that machine reproduces them bit for bit.
 
 What it does
   1. Makes a detached git worktree of each revision under --out (default /tmp/same-numbers): OUT/tree-<sha12>,
@@ -373,6 +379,42 @@ def compare_fuses(args, sides: list[Side], presets: list[str], strategies: list[
 # ----------------------------------------------------------------------------------------------
 
 
+def compare_dirs(a: Path, b: Path) -> tuple[list[list[str]], bool, set[str]]:
+    """Rows (run, records, identical, first difference), whether all are identical, the timing keys seen: every
+    <method>/seed=N run directory holding a metrics.jsonl under either tree, against its namesake in the other."""
+    runs = sorted({d.parent.relative_to(root) for root in (a, b) for d in root.glob("*/seed=*/metrics.jsonl")})
+    rows, ok, ignored = [], bool(runs), set()
+    for r in runs:
+        fa, fb = a / r / "metrics.jsonl", b / r / "metrics.jsonl"
+        if not (fa.is_file() and fb.is_file()):
+            rows.append([str(r), "-", "no", f"only under {a if fa.is_file() else b}"])
+            ok = False
+            continue
+        c = compare_records(read_records(fa), read_records(fb))
+        ignored |= c.ignored
+        first = c.differences[0].describe() if c.differences else ""
+        first += f"  (+{len(c.differences) - 1} more)" if len(c.differences) > 1 else ""
+        n = str(c.records[0]) if c.records[0] == c.records[1] else f"{c.records[0]}/{c.records[1]}"
+        rows.append([str(r), n, "yes" if c.identical else "no", first])
+        ok &= c.identical
+    return rows, ok, ignored
+
+
+def main_dirs(a: Path, b: Path) -> int:
+    for d in (a, b):
+        if not d.is_dir():
+            print(f"same_numbers: {d} is not a directory of runs (<method>/seed=N/metrics.jsonl)", file=sys.stderr)
+            return 2
+    rows, ok, ignored = compare_dirs(a, b)
+    if not rows:
+        print(f"same_numbers: neither {a} nor {b} holds a <method>/seed=N/metrics.jsonl", file=sys.stderr)
+        return 2
+    print(table(rows, ["run", "records", "identical", f"first difference (record, key: {a.name} -> {b.name})"]))
+    print(f"\nignored timing keys seen: {', '.join(sorted(ignored)) or 'none'}")
+    print(f"\n{'ALL IDENTICAL' if ok else 'DIFFERENCES FOUND'} — {a} vs {b}, {len(rows)} run(s)")
+    return 0 if ok else 1
+
+
 def table(rows: list[list[str]], head: list[str]) -> str:
     w = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     line = lambda r: "  ".join(str(c).ljust(w[i]) for i, c in enumerate(r)).rstrip()  # noqa: E731
@@ -382,8 +424,10 @@ def table(rows: list[list[str]], head: list[str]) -> str:
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before", required=True, help="the revision before the refactor (any git revision)")
-    ap.add_argument("--after", required=True, help="the revision after it")
+    ap.add_argument("--before", help="the revision before the refactor (any git revision)")
+    ap.add_argument("--after", help="the revision after it")
+    ap.add_argument("--dirs", nargs=2, type=Path, metavar=("A", "B"),
+                    help="run nothing: compare two finished run trees (<method>/seed=N/) record by record")
     ap.add_argument("--presets", default="all", help="all (what `flare presets` lists) or a,b,c")
     ap.add_argument("--main-seed", type=int, default=None, help="also run the main job's command for this seed")
     ap.add_argument("--out", default="/tmp/same-numbers", help="worktrees, runs and logs (default %(default)s)")
@@ -395,11 +439,18 @@ def parse_args(argv):
     ap.add_argument("--fuse-runs", default="fafi,fedavg", help="the presets whose runs --fuse fuses (%(default)s)")
     ap.add_argument("--python", default=sys.executable, help="the interpreter (default: this one)")
     ap.add_argument("--repo", default=str(Path(__file__).resolve().parents[1]), help="the git repository")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.dirs is None and not (args.before and args.after):
+        ap.error("give --before REV and --after REV, or --dirs A B")
+    if args.dirs is not None and (args.before or args.after):
+        ap.error("--dirs compares two run trees; it takes no revisions")
+    return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.dirs is not None:
+        return main_dirs(*args.dirs)
     t_start = time.time()
     log = Progress()
     repo, out = Path(args.repo), Path(args.out).resolve()
