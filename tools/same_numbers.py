@@ -409,7 +409,7 @@ def main_dirs(a: Path, b: Path) -> int:
     if not rows:
         print(f"same_numbers: neither {a} nor {b} holds a <method>/seed=N/metrics.jsonl", file=sys.stderr)
         return 2
-    print(table(rows, ["run", "records", "identical", f"first difference (record, key: {a.name} -> {b.name})"]))
+    print(f"A: {a}\nB: {b}\n\n" + table(rows, ["run", "records", "identical", "first difference (record, key: A -> B)"]))
     print(f"\nignored timing keys seen: {', '.join(sorted(ignored)) or 'none'}")
     print(f"\n{'ALL IDENTICAL' if ok else 'DIFFERENCES FOUND'} — {a} vs {b}, {len(rows)} run(s)")
     return 0 if ok else 1
