@@ -522,6 +522,11 @@ RESULTS = {r.id: r for r in [
              "runs/readme/cpu-avx2-record.json"],
             cpu_profile_block("runs/readme/cpu-avx2-record.json"),
             page="docs/performance.md"),
+    Results("cpu-avx2-only",  # the same on a CPU that is AVX2-only (no cap): the machine the block above emulates
+            [f"python benchmarks/cpu_profile.py --data-root {CIFAR} --out runs/readme/cpu-avx2-only --record "
+             "runs/readme/cpu-avx2-only-record.json"],
+            cpu_profile_block("runs/readme/cpu-avx2-only-record.json"),
+            page="docs/performance.md"),
     Results("baselines",
             [cmd for a in (0.05, 0.5) for cmd in (
                 f"flare compare --presets {','.join(BASELINE_PRESETS)} --seeds 1,2,3 {BASELINE_ARGS} "
