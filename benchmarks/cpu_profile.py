@@ -143,10 +143,15 @@ def cap_text(rec: dict) -> str:
     return ""
 
 
+def timed_setting(rec: dict) -> bool:
+    """Whether the record ran the setting the reference was timed in: no --set, the 5,000 / 1,000 subset, no cap."""
+    return rec["reference_setting"] and not record_caps(rec)
+
+
 def reference(rec: dict) -> tuple[str, float] | None:
     """(CPU type, seconds) of the reference timed on this record's CPU type, in this record's setting; else None
     (another setting, a kernel cap — the reference ran uncapped — or a CPU type it was never timed on)."""
-    if not rec["reference_setting"] or record_caps(rec):
+    if not timed_setting(rec):
         return None
     cpu = rec["machine"]["cpu"]
     return next(((f"{model}, {isa}", s) for model, isa, s in REFERENCE_TIMES if model in cpu and f"({isa})" in cpu),
@@ -253,7 +258,7 @@ def targets(rec: dict) -> str:
         parts.append(f"{ref[1] / fast['wall']:.2f}× the reference's wall time (target: "
                      f"{'at least 1.5× on a CPU with native bf16' if native_bf16 else 'above 1×'}), and the exact "
                      f"default {ref[1] / exact['wall']:.2f}× it (target: at most 10 % slower than it)")
-    elif rec["reference_setting"] and not record_caps(rec):
+    elif timed_setting(rec):
         parts.append(f"the reference was never timed on this CPU type ({rec['machine']['cpu']}), so no multiple of "
                      "its wall time is given")
     return "Against the targets, from this record: " + "; ".join(parts) + "."

@@ -379,6 +379,14 @@ def compare_fuses(args, sides: list[Side], presets: list[str], strategies: list[
 # ----------------------------------------------------------------------------------------------
 
 
+def comparison_row(label: str, c: Comparison) -> list[str]:
+    """One row of the printed table: run, records (n, or n/m when the counts differ), identical, first difference."""
+    n = str(c.records[0]) if c.records[0] == c.records[1] else f"{c.records[0]}/{c.records[1]}"
+    first = c.differences[0].describe() if c.differences else ""
+    first += f"  (+{len(c.differences) - 1} more)" if len(c.differences) > 1 else ""
+    return [label, n, "yes" if c.identical else "no", first]
+
+
 def compare_dirs(a: Path, b: Path) -> tuple[list[list[str]], bool, set[str]]:
     """Rows (run, records, identical, first difference), whether all are identical, the timing keys seen: every
     <method>/seed=N run directory holding a metrics.jsonl under either tree, against its namesake in the other."""
@@ -392,10 +400,7 @@ def compare_dirs(a: Path, b: Path) -> tuple[list[list[str]], bool, set[str]]:
             continue
         c = compare_records(read_records(fa), read_records(fb))
         ignored |= c.ignored
-        first = c.differences[0].describe() if c.differences else ""
-        first += f"  (+{len(c.differences) - 1} more)" if len(c.differences) > 1 else ""
-        n = str(c.records[0]) if c.records[0] == c.records[1] else f"{c.records[0]}/{c.records[1]}"
-        rows.append([str(r), n, "yes" if c.identical else "no", first])
+        rows.append(comparison_row(str(r), c))
         ok &= c.identical
     return rows, ok, ignored
 
@@ -536,11 +541,7 @@ def main(argv=None) -> int:
             row_label = label if len(jb.dirs) == 1 else f"main:{db.parent.name} {db.name}"
             c = compare_records(read_records(db / "metrics.jsonl"), read_records(da / "metrics.jsonl"))
             ignored |= c.ignored
-            n = str(c.records[0]) if c.records[0] == c.records[1] else f"{c.records[0]}/{c.records[1]}"
-            first = c.differences[0].describe() if c.differences else ""
-            if len(c.differences) > 1:
-                first += f"  (+{len(c.differences) - 1} more)"
-            rows.append([row_label, n, "yes" if c.identical else "no", first])
+            rows.append(comparison_row(row_label, c))
             all_ok &= c.identical
             for k, cnt in c.allowed.items():
                 notes.append(f"{row_label}: allow-listed key '{k}' only in after's records ({cnt} records)")
