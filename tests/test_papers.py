@@ -16,6 +16,7 @@ import yaml
 from flare.client.step import local_loss
 from flare.client.lam import LamStep
 from flare.config import build_config
+from flare.config.load import experiment_differences
 from flare.data.partition import labeldir_partition
 from flare.data.scaling import IDENTITY, input_scaling
 from flare.errors import FlareError
@@ -363,6 +364,13 @@ def test_a_table_extends_another_by_the_keys_it_changes(tmp_path):
     assert "extends" not in child
     (c,) = papers.cells(child)
     assert build_config(dict(c["config"])).train_mode_epochs is None
+    # a method given as null is not run: the μ diagnostic trains FedProx alone, its config the table's but μ
+    mu = papers.load_table(ROOT / "configs" / "papers" / "fedlpa-fmnist-fedprox-mu.yaml")
+    table = {c["name"]: c for c in papers.cells(papers.load_table(ROOT / "configs" / "papers" / "fedlpa-fmnist.yaml"))}
+    (c,) = papers.cells(mu)
+    assert c["name"] == "fedprox-a0.1-s2" and c["config"]["loss"]["terms"]["fedprox"]["mu"] == 0.001
+    old = build_config(dict(table[c["name"]]["config"])).model_dump(mode="json")
+    assert experiment_differences(old, build_config(dict(c["config"]))) == ["loss.terms.fedprox.mu"]
 
 
 def test_a_recorded_cell_of_another_setting_is_neither_skipped_nor_replaced(tmp_path, capsys):

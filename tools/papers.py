@@ -48,7 +48,8 @@ class TableError(ValueError):
 def load_table(path: str | Path) -> dict:
     """A table file; `extends: OTHER.yaml` (beside it) starts from that table and changes a few keys — a variant of
     a table (a diagnostic at one setting changed) is the few keys it changes, never a copy. `base` and `methods`
-    merge key by key (a cell's config); every other key (`columns`, `alphas`, `published`, ...) replaces."""
+    merge key by key (a cell's config); every other key (`columns`, `alphas`, `published`, ...) replaces. A method
+    given as null is not run (a diagnostic of one method need not train the parent's others again)."""
     try:
         spec = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as e:
@@ -59,6 +60,7 @@ def load_table(path: str | Path) -> dict:
     if "extends" in spec:
         parent = load_table(Path(path).parent / spec.pop("extends"))
         spec = {**parent, **spec, **{k: _merge(parent.get(k, {}), spec[k]) for k in ("base", "methods") if k in spec}}
+        spec["methods"] = {m: v for m, v in spec.get("methods", {}).items() if v is not None}
     for k in ("table", "alphas", "seeds", "base", "methods", "columns"):
         if k not in spec:
             raise TableError(f"{path} lacks '{k}'")
