@@ -122,6 +122,36 @@ def test_resume_trusts_the_checkpoint_and_drops_a_torn_line(tiny_folder, tmp_pat
     assert _no_timing(read_jsonl(d / "metrics.jsonl")) == _no_timing(read_jsonl(ref / "metrics.jsonl"))
 
 
+def test_a_run_resumed_on_another_machine_says_so(tiny_folder, tmp_path, monkeypatch):
+    """state.json names the machine (CPU, torch, device) the run computed on; a run resumed on another one warns,
+    naming both, and the report says where it ran."""
+    import flare.client.trainer as trainer
+
+    cfg = load_config(None, "fedavg", _overrides(tiny_folder, tmp_path, ["rounds=2", "batch_size=16"]))
+    d, real = tmp_path / "run", trainer.Client.train_round
+
+    def interrupted(self, ctx, round_idx, on_step=None):
+        if round_idx == 1:
+            raise KeyboardInterrupt
+        return real(self, ctx, round_idx, on_step)
+
+    monkeypatch.setattr(trainer.Client, "train_round", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        Run(cfg, d, quiet=True).execute()
+    monkeypatch.setattr(trainer.Client, "train_round", real)
+    st = _state(d)
+    here = st["backend"]["machine"]
+    assert f"torch {torch.__version__}; device cpu" in here and st["rounds_done"] == 1
+    st["backend"]["machine"] = "Another CPU (AVX2, no native bf16); torch 2.11.0; device cpu"
+    (d / "state.json").write_text(json.dumps(st))
+    Run(cfg, d, quiet=True).execute()
+    st = _state(d)
+    assert st["status"] == "finished" and st["backend"]["machine"] == here
+    assert st["warnings"] == [f"rounds 1–1 ran with machine Another CPU (AVX2, no native bf16); torch 2.11.0; "
+                              f"device cpu, the rest with {here}"]
+    assert f"; on {here}" in (d / "summary.md").read_text()
+
+
 def test_finished_run_without_summary_gets_its_report(tiny_folder, tmp_path):
     ov = _overrides(tiny_folder, tmp_path, ["rounds=1", "batch_size=16"])
     cfg = load_config(None, "fafi", ov)

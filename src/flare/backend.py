@@ -50,10 +50,18 @@ class Backend:
     speed_choice: dict | None = None  # speed=fast on CPU: what the probe chose and its figures (flare/speed.py)
 
     def facts(self, cfg: Config) -> dict:
-        return {"speed": cfg.speed, "cpu_isa": cfg.cpu_isa, "cpu_kernels": self.cpu_kernels, "mkl": self.mkl,
+        return {"machine": machine(self.device), "speed": cfg.speed, "cpu_isa": cfg.cpu_isa,
+                "cpu_kernels": self.cpu_kernels, "mkl": self.mkl,
                 "amp": "bf16" if self.amp_dtype == torch.bfloat16 else "off", "channels_last": self.channels_last,
                 "eval_every": cfg.eval.every, "eval_rules": list(rules_for(cfg)),
                 **({"speed_choice": self.speed_choice} if self.speed_choice is not None else {})}
+
+
+def machine(device: torch.device) -> str:
+    """The CPU model and ISA, torch's version and the device: what a reader needs to place a run's digits (the
+    exact profile's are the same across CPU types; another torch may move them)."""
+    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return f"{speed.read_cpu().short}; torch {torch.__version__}; device {dev}"
 
 
 def backend(cfg: Config, device: str | None = None) -> Backend:

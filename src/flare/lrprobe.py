@@ -219,8 +219,7 @@ def format_probe(cfg: Config, r: dict) -> str:
         f"L = {r['L']:.6g}    (largest Hessian eigenvalue; last relative change {r['rel_change']:.2e})",
         f"eta_crit = 2/L = {r['eta_crit']:.6g}",
         f"lr = {r['lr']:.6g}    (configured peak local lr"
-        + (", linear scaling applied" if cfg.optim.linear_scaling else "") + ")",
-    ]
+        + (", linear scaling applied" if cfg.optim.linear_scaling else "") + ")"]
     if r["lr"] > r["eta_crit"]:
         lines.append(f"WARNING: lr = {r['lr']:.6g} exceeds eta_crit = {r['eta_crit']:.6g}: gradient descent is "
                      "unstable along the sharpest direction at the initial model (momentum and clipping change "

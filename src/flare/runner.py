@@ -64,10 +64,10 @@ class Run:
         for w in setup.backend.warnings:
             self._warn(w)
         self.facts = setup.backend.facts(cfg)
-        before = (self.dir.read_state().get("backend") or {}).get("cpu_kernels") if rp.rounds_done else None
-        if before and before != self.facts["cpu_kernels"]:
-            self._warn(f"rounds 1–{rp.rounds_done} ran on {before} CPU kernels, the rest on "
-                       f"{self.facts['cpu_kernels']}: the digits of the two parts follow different kernels")
+        before = (self.dir.read_state().get("backend") or {}) if rp.rounds_done else {}
+        for key in ("cpu_kernels", "machine"):  # the digits of the two parts may differ: say so, with both
+            if before.get(key) and before[key] != self.facts[key]:
+                self._warn(f"rounds 1–{rp.rounds_done} ran with {key} {before[key]}, the rest with {self.facts[key]}")
         clients = setup.make_clients(self._warn, self._log)
         if cfg.compile and cfg.client_engine != "batched":  # the batched engine compiles its own batched step
             for c in clients:

@@ -118,8 +118,7 @@ def save_predictor(out: RunDir, cfg: Config, meta: DataMeta, uploads: list[Uploa
         "model": describe(next(iter(archs.values()))),
         "image_size": meta.image_size, "mean": list(test_mean), "std": list(test_std), "classes": meta.classes,
         "dataset": cfg.dataset.name, "noise_seed": cfg.eval.noise_seed, "states": list(states),
-        "ensemble": OutputRule.options_in(cfg).ensemble, "bn": "running",
-    }
+        "ensemble": OutputRule.options_in(cfg).ensemble, "bn": "running"}
     if len(set(archs.values())) > 1:  # clients of different architectures: each state's own
         info["models"] = {key: describe(a) for key, a in archs.items()}
     out.write_text("predictor.json", json.dumps(info, indent=1))

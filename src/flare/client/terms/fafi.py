@@ -56,12 +56,9 @@ def fafi_terms(feat: Tensor, logits: Tensor, y: Tensor, prototypes: Tensor, *, t
         con = supcon_loss(z, y, bank[0], bank[1], tau=bank_tau or tau_con, base_tau=bank_tau or base_tau)
     else:
         con = supcon_loss(z, y, tau=tau_con, base_tau=base_tau)
-    return {
-        "loss_cls": F.cross_entropy(logits.float(), y),
-        "loss_con": con,
-        "loss_pf": proto_feature_loss(z, prototypes.float(), y, tau_pf),
-        "loss_pp": proto_proto_loss(prototypes.float(), tau_pp),
-    }
+    return {"loss_cls": F.cross_entropy(logits.float(), y), "loss_con": con,
+            "loss_pf": proto_feature_loss(z, prototypes.float(), y, tau_pf),
+            "loss_pp": proto_proto_loss(prototypes.float(), tau_pp)}
 
 
 def ce_terms(logits: Tensor, y: Tensor) -> dict[str, Tensor]:
