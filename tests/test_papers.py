@@ -367,8 +367,8 @@ def test_a_table_extends_another_by_the_keys_it_changes(tmp_path):
     # a method given as null is not run: the μ diagnostic trains FedProx alone, its config the table's but μ
     mu = papers.load_table(ROOT / "configs" / "papers" / "fedlpa-fmnist-fedprox-mu.yaml")
     table = {c["name"]: c for c in papers.cells(papers.load_table(ROOT / "configs" / "papers" / "fedlpa-fmnist.yaml"))}
-    (c,) = papers.cells(mu)
-    assert c["name"] == "fedprox-a0.1-s2" and c["config"]["loss"]["terms"]["fedprox"]["mu"] == 0.001
+    c, _ = papers.cells(mu)
+    assert c["name"] == "fedprox-a0.1-s1" and c["config"]["loss"]["terms"]["fedprox"]["mu"] == 0.001
     old = build_config(dict(table[c["name"]]["config"])).model_dump(mode="json")
     assert experiment_differences(old, build_config(dict(c["config"]))) == ["loss.terms.fedprox.mu"]
 
