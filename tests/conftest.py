@@ -110,6 +110,24 @@ def copy_of_finished_run(key: str, dest: Path, make) -> Path:
     return dest
 
 
+def run_interrupted(cfg, d, monkeypatch, at_round):
+    """Run `cfg` into `d` until round `at_round` (0-based) starts, then stop as a crash would."""
+    import flare.client.trainer as trainer
+    from flare.runner import Run
+
+    real = trainer.Client.train_round
+
+    def crash(self, ctx, round_idx, on_step=None):
+        if round_idx == at_round:
+            raise KeyboardInterrupt
+        return real(self, ctx, round_idx, on_step)
+
+    monkeypatch.setattr(trainer.Client, "train_round", crash)
+    with pytest.raises(KeyboardInterrupt):
+        Run(cfg, d, quiet=True).execute()
+    monkeypatch.setattr(trainer.Client, "train_round", real)
+
+
 def make_partition(labels, num_clients, kind, seed, *, alpha=0.5, shards_per_client=2, num_classes=None,
                    rng="generator", options=None):
     """A split as the run draws it (data.prepare.split): the kind built by name from the run facts, with rng="legacy"

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from conftest import copy_of_finished_run
+from conftest import copy_of_finished_run, run_interrupted
 from flare.baselines.kd import fresh_model
 from flare.cli import main
 from flare.client.batched import BatchedClients
@@ -216,20 +216,8 @@ def test_the_batched_engine_gives_the_sequential_numbers(mixed_run, mixed_ov, tm
 def test_an_interrupted_mixed_run_resumes_to_the_uninterrupted_one(mixed_ov, tmp_path, monkeypatch):
     """Stopped after its first round (as test_resume.py does), then resumed: the metrics and every client's state
     of the same two-round run uninterrupted, each client in its own architecture."""
-    import flare.client.trainer as trainer
-
     cfg = load_config(None, "fafi", mixed_ov + ["rounds=2"])
-    real = trainer.Client.train_round
-
-    def interrupted(self, ctx, round_idx, on_step=None):
-        if round_idx == 1:
-            raise KeyboardInterrupt
-        return real(self, ctx, round_idx, on_step)
-
-    monkeypatch.setattr(trainer.Client, "train_round", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        Run(cfg, tmp_path / "run", quiet=True).execute()
-    monkeypatch.setattr(trainer.Client, "train_round", real)
+    run_interrupted(cfg, tmp_path / "run", monkeypatch, at_round=1)
     assert json.loads((tmp_path / "run" / "state.json").read_text())["rounds_done"] == 1
     assert main(["run", "--resume", str(tmp_path / "run"), "--quiet"]) == 0
     Run(cfg, tmp_path / "ref", quiet=True).execute()

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from conftest import run_interrupted
 from flare.cli import main
 from flare.config import load_config
 from flare.rundir import read_jsonl
@@ -92,22 +93,10 @@ def test_sigkill_mid_round_then_resume_equals_uninterrupted(tiny_folder, tmp_pat
 def test_resume_trusts_the_checkpoint_and_drops_a_torn_line(tiny_folder, tmp_path, monkeypatch):
     """Killed between checkpoint.pt and state.json (state one round behind), with a torn last line in
     metrics.jsonl: the resume starts after the checkpoint's round, keeps round 0 as it was, and matches."""
-    import flare.client.trainer as trainer
-
     ov = _overrides(tiny_folder, tmp_path, ["rounds=3", "batch_size=16", "optim.reset_each_round=false"])
     cfg = load_config(None, "etf-anneal", ov)
     d = tmp_path / "run"
-    real = trainer.Client.train_round
-
-    def interrupted(self, ctx, round_idx, on_step=None):
-        if round_idx == 2:
-            raise KeyboardInterrupt
-        return real(self, ctx, round_idx, on_step)
-
-    monkeypatch.setattr(trainer.Client, "train_round", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        Run(cfg, d, quiet=True).execute()
-    monkeypatch.setattr(trainer.Client, "train_round", real)
+    run_interrupted(cfg, d, monkeypatch, at_round=2)
     assert _state(d)["rounds_done"] == 2
     (d / "state.json").write_text(json.dumps({"status": "running", "rounds_done": 1}))
     kept = (d / "metrics.jsonl").read_text()
@@ -125,20 +114,9 @@ def test_resume_trusts_the_checkpoint_and_drops_a_torn_line(tiny_folder, tmp_pat
 def test_a_run_resumed_on_another_machine_says_so(tiny_folder, tmp_path, monkeypatch):
     """state.json names the machine (CPU, torch, device) the run computed on; a run resumed on another one warns,
     naming both, and the report says where it ran."""
-    import flare.client.trainer as trainer
-
     cfg = load_config(None, "fedavg", _overrides(tiny_folder, tmp_path, ["rounds=2", "batch_size=16"]))
-    d, real = tmp_path / "run", trainer.Client.train_round
-
-    def interrupted(self, ctx, round_idx, on_step=None):
-        if round_idx == 1:
-            raise KeyboardInterrupt
-        return real(self, ctx, round_idx, on_step)
-
-    monkeypatch.setattr(trainer.Client, "train_round", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        Run(cfg, d, quiet=True).execute()
-    monkeypatch.setattr(trainer.Client, "train_round", real)
+    d = tmp_path / "run"
+    run_interrupted(cfg, d, monkeypatch, at_round=1)
     st = _state(d)
     here = st["backend"]["machine"]
     assert f"torch {torch.__version__}; device cpu" in here and st["rounds_done"] == 1

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from conftest import run_interrupted
 from flare.cli import main
 from flare.config import load_config
 from flare.errors import FlareError
@@ -37,23 +38,6 @@ def _same_as_uninterrupted(cfg, d, tmp_path):
     assert json.loads((d / "state.json").read_text())["status"] == "finished"
 
 
-def _interrupted(cfg, d, monkeypatch, at_round):
-    """Run until round `at_round` (0-based) starts, then stop as a crash would."""
-    import flare.client.trainer as trainer
-
-    real = trainer.Client.train_round
-
-    def crash(self, ctx, round_idx, on_step=None):
-        if round_idx == at_round:
-            raise KeyboardInterrupt
-        return real(self, ctx, round_idx, on_step)
-
-    monkeypatch.setattr(trainer.Client, "train_round", crash)
-    with pytest.raises(KeyboardInterrupt):
-        Run(cfg, d, quiet=True).execute()
-    monkeypatch.setattr(trainer.Client, "train_round", real)
-
-
 @pytest.fixture
 def cfg(tiny_folder, tmp_path):
     return load_config(None, "flare", _overrides(tiny_folder, tmp_path, ["rounds=4"]))
@@ -61,7 +45,7 @@ def cfg(tiny_folder, tmp_path):
 
 def test_unfinished_run_with_a_log_cut_mid_line(cfg, tmp_path, monkeypatch):
     d = tmp_path / "run"
-    _interrupted(cfg, d, monkeypatch, at_round=3)
+    run_interrupted(cfg, d, monkeypatch, at_round=3)
     text = (d / "metrics.jsonl").read_bytes()
     (d / "metrics.jsonl").write_bytes(text[: int(len(text) * 0.4)])  # rounds 2–3 gone, a line torn in round 1
     with pytest.warns(UserWarning, match="torn"):
@@ -91,7 +75,7 @@ def test_finished_run_with_a_log_cut_mid_line_is_revalidated(cfg, tmp_path, caps
 @pytest.mark.parametrize("damage", ["truncated", "empty"])
 def test_unreadable_checkpoint_falls_back_to_the_previous_one(damage, cfg, tmp_path, monkeypatch):
     d = tmp_path / "run"
-    _interrupted(cfg, d, monkeypatch, at_round=3)
+    run_interrupted(cfg, d, monkeypatch, at_round=3)
     assert (d / "checkpoint.prev.pt").exists()
     ck = (d / "checkpoint.pt").read_bytes()
     (d / "checkpoint.pt").write_bytes(ck[: len(ck) // 2] if damage == "truncated" else b"")
@@ -102,7 +86,7 @@ def test_unreadable_checkpoint_falls_back_to_the_previous_one(damage, cfg, tmp_p
 
 def test_no_readable_checkpoint_at_all_starts_over(cfg, tmp_path, monkeypatch):
     d = tmp_path / "run"
-    _interrupted(cfg, d, monkeypatch, at_round=1)  # one round done: no previous checkpoint yet
+    run_interrupted(cfg, d, monkeypatch, at_round=1)  # one round done: no previous checkpoint yet
     assert not (d / "checkpoint.prev.pt").exists()
     (d / "checkpoint.pt").write_bytes(b"")
     with pytest.warns(UserWarning, match="starts again from round 1"):
@@ -259,7 +243,7 @@ def test_a_run_recorded_with_the_old_server_keys_resumes_and_fuses(tiny_folder, 
     cfg = load_config(None, "fafi", _overrides(tiny_folder, tmp_path, [
         "rounds=3", "server.strategies.output.ensemble=logits", "server.strategies.fedavg.buffers=first"]))
     d = tmp_path / "run"
-    _interrupted(cfg, d, monkeypatch, at_round=2)
+    run_interrupted(cfg, d, monkeypatch, at_round=2)
     _old_strategy_keys(d)
     assert "ensemble: logits" in (d / "config.yaml").read_text()
     with pytest.raises(FlareError) as e:
@@ -281,7 +265,7 @@ def test_a_run_recorded_before_an_option_existed_resumes_where_the_option_is_at_
     experiment and resumes to exactly the uninterrupted run's numbers; moving the option off its default is
     another experiment and is refused, naming the key."""
     d = tmp_path / "run"
-    _interrupted(cfg, d, monkeypatch, at_round=2)
+    run_interrupted(cfg, d, monkeypatch, at_round=2)
     _strip_key(d, "augment", "schedule")
     with pytest.raises(FlareError) as e:
         moved = cfg.model_copy(update={"augment": cfg.augment.model_copy(update={"schedule": "chunked"})})
