@@ -119,15 +119,15 @@ def test_a_run_resumed_on_another_machine_says_so(tiny_folder, tmp_path, monkeyp
     run_interrupted(cfg, d, monkeypatch, at_round=1)
     st = _state(d)
     here = st["backend"]["machine"]
-    assert f"torch {torch.__version__}; device cpu" in here and st["rounds_done"] == 1
-    st["backend"]["machine"] = "Another CPU (AVX2, no native bf16); torch 2.11.0; device cpu"
+    assert f", torch {torch.__version__}, device cpu" in here and st["rounds_done"] == 1
+    st["backend"]["machine"] = "Another CPU (AVX2, no native bf16), torch 2.11.0, device cpu"
     (d / "state.json").write_text(json.dumps(st))
     Run(cfg, d, quiet=True).execute()
     st = _state(d)
     assert st["status"] == "finished" and st["backend"]["machine"] == here
-    assert st["warnings"] == [f"rounds 1–1 ran with machine Another CPU (AVX2, no native bf16); torch 2.11.0; "
-                              f"device cpu, the rest with {here}"]
-    assert f"; on {here}" in (d / "summary.md").read_text()
+    assert st["warnings"] == [f"rounds 1–1 ran with machine 'Another CPU (AVX2, no native bf16), torch 2.11.0, "
+                              f"device cpu', the rest with '{here}'"]
+    assert f" — on {here}" in (d / "summary.md").read_text()
 
 
 def test_finished_run_without_summary_gets_its_report(tiny_folder, tmp_path):

@@ -61,7 +61,7 @@ def machine(device: torch.device) -> str:
     """The CPU model and ISA, torch's version and the device: what a reader needs to place a run's digits (the
     exact profile's are the same across CPU types; another torch may move them)."""
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    return f"{speed.read_cpu().short}; torch {torch.__version__}; device {dev}"
+    return f"{speed.read_cpu().short}, torch {torch.__version__}, device {dev}"
 
 
 def backend(cfg: Config, device: str | None = None) -> Backend:

@@ -102,7 +102,7 @@ class RunData:
         return (f"speed={b.get('speed')}, cpu_isa={b.get('cpu_isa')} → {b.get('cpu_kernels')} CPU kernels{mkl}, "
                 f"amp={b.get('amp')}, channels_last={b.get('channels_last')}, evaluated every "
                 f"{b.get('eval_every')} round(s) (the last always), rules: {rules}"
-                + (f"; on {b['machine']}" if "machine" in b else ""))
+                + (f" — on {b['machine']}" if "machine" in b else ""))
 
     @property
     def speed_choice(self) -> str | None:

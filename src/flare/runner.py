@@ -66,8 +66,8 @@ class Run:
         self.facts = setup.backend.facts(cfg)
         before = (self.dir.read_state().get("backend") or {}) if rp.rounds_done else {}
         for key in ("cpu_kernels", "machine"):  # the digits of the two parts may differ: say so, with both
-            if before.get(key) and before[key] != self.facts[key]:
-                self._warn(f"rounds 1–{rp.rounds_done} ran with {key} {before[key]}, the rest with {self.facts[key]}")
+            if (was := before.get(key)) and was != (now := self.facts[key]):
+                self._warn(f"rounds 1–{rp.rounds_done} ran with {key} '{was}', the rest with '{now}'")
         clients = setup.make_clients(self._warn, self._log)
         if cfg.compile and cfg.client_engine != "batched":  # the batched engine compiles its own batched step
             for c in clients:
