@@ -367,10 +367,18 @@ def test_a_table_extends_another_by_the_keys_it_changes(tmp_path):
     # a method given as null is not run: the μ diagnostic trains FedProx alone, its config the table's but μ
     mu = papers.load_table(ROOT / "configs" / "papers" / "fedlpa-fmnist-fedprox-mu.yaml")
     table = {c["name"]: c for c in papers.cells(papers.load_table(ROOT / "configs" / "papers" / "fedlpa-fmnist.yaml"))}
-    c, _ = papers.cells(mu)
-    assert c["name"] == "fedprox-a0.1-s1" and c["config"]["loss"]["terms"]["fedprox"]["mu"] == 0.001
+    assert [c["name"] for c in papers.cells(mu)] == ["fedprox-a0.1-s0", "fedprox-a0.1-s1", "fedprox-a0.1-s2"]
+    for c in papers.cells(mu):
+        old = build_config(dict(table[c["name"]]["config"])).model_dump(mode="json")
+        assert experiment_differences(old, build_config(dict(c["config"]))) == ["loss.terms.fedprox.mu"]
+    # the full-budget diagnostic changes the server's budget only: its clients are the table's cell, key for key
+    full = papers.load_table(ROOT / "configs" / "papers" / "fedlpa-fmnist-dense-full.yaml")
+    (c,) = papers.cells(full)
+    assert c["name"] == "fedavg-a0.3-s1" and c["fuse"] == ["dense"]
+    assert c["fuse_options"]["dense"]["epochs"] * c["config"]["server"]["strategies"]["dense"]["g_steps"] == 6000
+    assert table[c["name"]]["fuse_options"]["dense"]["epochs"] == 20
     old = build_config(dict(table[c["name"]]["config"])).model_dump(mode="json")
-    assert experiment_differences(old, build_config(dict(c["config"]))) == ["loss.terms.fedprox.mu"]
+    assert experiment_differences(old, build_config(dict(c["config"]))) == []
 
 
 def test_a_recorded_cell_of_another_setting_is_neither_skipped_nor_replaced(tmp_path, capsys):
