@@ -18,8 +18,9 @@ at the run's own step size, timed after the profiles, and speed=fast's 256-image
 speed=fast chose and why; then the exact profile's evaluation seconds per shared pass and per rule; last, one
 sentence setting the fast profile against the speed targets. The reference's
 recorded wall time is shown only for its own setting (no --set, the 5,000 / 1,000 subset, no kernel cap) and only on
-a CPU type it was timed on (`REFERENCE_TIMES`: an AMD EPYC with AVX512 and native bf16, an Intel Xeon with AVX512
-and no native bf16); on any other CPU the sentence says it was never timed there.
+a CPU type it was timed on (a record of benchmarks/reference_fafi.py under results/reference-fafi/, such as the
+AVX2-only EPYC's; else `REFERENCE_TIMES`: an AMD EPYC with AVX512 and native bf16, an Intel Xeon with AVX512 and no
+native bf16); on any other CPU the sentence says it was never timed there.
 
 `--avx2-only` caps ATen, oneDNN and MKL at AVX2 in every profile: an AVX2-only CPU's code paths on this CPU's
 cores (its flags still list AVX512 and bf16; under the cap bf16 is emulated, so speed=fast does not time it).
@@ -55,11 +56,13 @@ from flare.config import Config
 from flare.speed import read_cpu
 
 # The reference's OursV4 in this setting (its own defaults, 2 threads), by the CPU type it was timed on: a model
-# name's part, the ISA text `CpuFacts.short` prints, and the wall seconds. AMD: timed on this project's VM beside the
-# benchmark; Intel: the figure timed on a 2-core Xeon without native bf16 where speed=fast had picked emulated bf16.
-# A record from any other CPU type (an AVX2-only EPYC, say) shows no reference: a wall time from another CPU is no
-# yardstick.
+# name's part, the ISA text `CpuFacts.short` prints, and the wall seconds. Two figures we were given: AMD, timed on
+# this project's VM beside the benchmark; Intel, timed on a 2-core Xeon without native bf16 where speed=fast had picked
+# emulated bf16. The others are our own measurements, one record per CPU type under REFERENCE_RECORDS
+# (benchmarks/reference_fafi.py --record), read before these. A record from a CPU type with neither shows no
+# reference: a wall time from another CPU is no yardstick.
 REFERENCE_TIMES = (("AMD EPYC", "AVX512, native bf16", 453.5), ("Intel", "AVX512, no native bf16", 334.0))
+REFERENCE_RECORDS = Path(__file__).resolve().parents[1] / "results" / "reference-fafi"
 SETTING = ["--preset", "fafi", "dataset.name=cifar10", "dataset.format=imagefolder", "model.name=resnet18",
            "num_clients=5", "partition.alpha=0.05", "batch_size=512", "rounds=1"]
 PROFILES = {
@@ -154,6 +157,10 @@ def reference(rec: dict) -> tuple[str, float] | None:
     if not timed_setting(rec):
         return None
     cpu = rec["machine"]["cpu"]
+    for f in sorted(REFERENCE_RECORDS.glob("*.json")):  # timed here by reference_fafi.py, on this very CPU type
+        ref = json.loads(f.read_text())
+        if ref["machine"]["cpu"] == cpu:
+            return f"{cpu.replace(' (', ', ').rstrip(')')}, timed {ref['date']}", ref["wall"]
     return next(((f"{model}, {isa}", s) for model, isa, s in REFERENCE_TIMES if model in cpu and f"({isa})" in cpu),
                 None)
 

@@ -3,6 +3,7 @@ import importlib.util
 import json
 import math
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,63 @@ def test_max_pool_benchmark_records_both_pools(tmp_path, capsys):
     assert [r["model"] for r in rows] == ["cnn width 0.125"] and rows[0]["same_bits"] is True
     assert all(v > 0 for r in rows for part in ("train", "eval") for v in r[part].values())
     assert bench.table_row(rows[0]) in capsys.readouterr().out
+
+
+FAKE_REFERENCE = {  # a stand-in for the FAFI checkout: the calls reference_fafi.py makes, recording what it got
+    "configs/CIFAR10_alpha0.05.yaml": "seed: 1\nserver: {num_rounds: 300}\ndevice: cuda:0\ncheckpoint: {save_path: x}\n"
+                                      "client: {num_clients: 2}\ndataset: {train_batch_size: 4, test_batch_size: 3}\n"
+                                      "distribution: {type: dirichlet, label_num_per_client: 2, alpha: 0.05}\n",
+    "common_libs.py": "import yaml\ndef load_yaml_config(p):\n    return yaml.safe_load(open(p))\n"
+                      "def setup_seed(s):\n    pass\nimport visdom, cv2  # the figure-only imports get stand-ins\n",
+    "dataset_helper.py": "def load_dataset(name, path):\n    raise RuntimeError('would download')\n"
+                         "def get_fl_dataset(name, path, k, kind, params, alpha):\n"
+                         "    tr, te = load_dataset(name, path)\n    return tr, te, {0: [0, 1, 2, 3, 4], 1: [5, 6, 7]}\n",
+    "oneshot_algorithms/__init__.py": "",
+    "oneshot_algorithms/ours/__init__.py": "",
+    "oneshot_algorithms/ours/our_local_training.py":  # an epoch of 0.2 s, then its two accuracy passes of 0.1 s
+        "import time\ndef test_acc(*a):\n    time.sleep(0.1)\ndef save_best_local_model(*a):\n    pass\n"
+        "def ours_local_training(**kw):\n    time.sleep(0.2)\n    test_acc()\n    test_acc()\n"
+        "    save_best_local_model()\n",
+    "oneshot_algorithms/ours/our_main.py":
+        "import json, sys\nfrom oneshot_algorithms.ours.our_local_training import ours_local_training\n"
+        "def OneshotOurs(trainset, loader, idx, config, device):\n"
+        "    for c in idx:\n        ours_local_training(model=None)\n"
+        "    x, y = trainset[0]\n    xb, yb = next(iter(loader))\n"
+        "    json.dump({'rounds': config['server']['num_rounds'], 'device': device, 'item': [list(x.shape), str(x.dtype),"
+        " float(x.max()), y], 'test_batch': list(xb.shape), 'flare': 'flare' in sys.modules}, open('seen.json', 'w'))\n",
+}
+
+
+def test_reference_fafi_runs_the_checkouts_own_path_on_the_subset(tmp_path):
+    """benchmarks/reference_fafi.py's timed child, over a stand-in checkout: one round on the CPU, the subset served
+    as torchvision's CIFAR10 serves it (a float tensor in [0, 1] per item), what it trained counted after drop_last."""
+    import numpy as np
+
+    for rel, text in FAKE_REFERENCE.items():
+        (tmp_path / "ref" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "ref" / rel).write_text(text)
+    rng = np.random.default_rng(0)
+    npz = tmp_path / "subset.npz"
+    np.savez(npz, train_x=rng.integers(0, 256, (8, 3, 32, 32), dtype=np.uint8), train_y=np.arange(8) % 10,
+             test_x=rng.integers(0, 256, (3, 3, 32, 32), dtype=np.uint8), test_y=np.arange(3))
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "reference_fafi.py"), "--checkout",
+                        str(tmp_path / "ref"), "--out", str(tmp_path / "run"), "--child", str(npz)],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rec["client_sizes"] == [5, 3] and rec["samples"] == 8 and rec["batch"] == 4
+    assert rec["samples_trained"] == 4  # drop_last: 5 → 4, 3 → 0
+    # where the round went: two clients' training (0.2 s each) apart from their accuracy passes (2 × 0.1 s each)
+    assert 0.4 <= rec["client_eval_seconds"] < rec["round_seconds"] and 0.4 <= rec["train_seconds"] < 0.8
+    assert rec["train_rate"] == pytest.approx(2 * 4 / rec["train_seconds"], rel=0.01)
+    seen = json.loads((tmp_path / "run" / "seen.json").read_text())
+    assert seen["rounds"] == 1 and seen["device"] == "cpu"
+    assert seen["item"][:2] == [[3, 32, 32], "torch.float32"] and 0 < seen["item"][2] <= 1 and seen["item"][3] == 0
+    assert seen["test_batch"] == [3, 3, 32, 32]
+    assert seen["flare"] is False  # the timed child never imports FLARE (importing it pins the kernels)
+
+
+def test_reference_fafi_refuses_a_folder_that_is_no_checkout(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "reference_fafi.py"), "--checkout", str(tmp_path),
+                        "--data-root", str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 2 and "is not a checkout of FAFI_ICML25" in r.stderr and "Traceback" not in r.stderr

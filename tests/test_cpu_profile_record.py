@@ -114,16 +114,25 @@ def test_the_targets_sentence_is_computed_from_the_record():
 
 
 def test_the_reference_is_shown_only_beside_the_cpu_type_it_was_timed_on():
-    """The reference's wall time is a figure of one CPU type: a record from an AVX2-only EPYC gets no column and a
-    sentence saying so, an Intel Xeon without native bf16 gets the time measured there, never the AMD one."""
+    """The reference's wall time is a figure of one CPU type: an AVX2-only EPYC gets the time reference_fafi.py
+    recorded on one (results/reference-fafi/), an Intel Xeon without native bf16 the time measured there, never the
+    AMD one, and a CPU type it was never timed on no column and a sentence saying so."""
     bench = _load("cpu_profile_bench", ROOT / "benchmarks" / "cpu_profile.py")
     rec = json.loads((tool.records_of(tool.RESULTS["cpu-speed"]) / "runs/readme/cpu-speed-record.json").read_text())
     assert rec["machine"]["cpu"] == "AMD EPYC (AVX512, native bf16)" and bench.reference(rec)[1] == 453.5
     fast = next(r for r in rec["rows"] if r["profile"] == "fast")
     zen3 = {**rec, "machine": {**rec["machine"], "cpu": "AMD EPYC (AVX2, no native bf16)", "flags": ["avx2"]}}
+    timed = json.loads((bench.REFERENCE_RECORDS / "amd-epyc-avx2.json").read_text())
+    assert timed["machine"]["cpu"] == zen3["machine"]["cpu"] and timed["commit"].startswith("26cf90e")
+    own = f"AMD EPYC, AVX2, no native bf16, timed {timed['date']}"
+    assert bench.reference(zen3) == (own, timed["wall"])
     text = bench.markdown(zen3)
-    assert bench.reference(zen3) is None and "over the reference" not in text
-    assert "never timed on this CPU type (AMD EPYC (AVX2, no native bf16))" in text
+    assert f"over the reference ({timed['wall']} s, {own}) |" in text and "never timed" not in text
+    assert f"{timed['wall'] / fast['wall']:.2f}× the reference's wall time (target: above 1×)" in text
+    other = {**rec, "machine": {**rec["machine"], "cpu": "AMD EPYC (AVX512, no native bf16)", "flags": ["avx512f"]}}
+    text = bench.markdown(other)
+    assert bench.reference(other) is None and "over the reference" not in text
+    assert "never timed on this CPU type (AMD EPYC (AVX512, no native bf16))" in text
     xeon = {**rec, "machine": {**rec["machine"], "cpu": "Intel(R) Xeon(R) Platinum 8259CL CPU @ 2.50GHz (AVX512, no "
                                "native bf16)", "flags": ["avx2", "avx512f", "avx512bw", "avx512_vnni"]}}
     text = bench.markdown(xeon)
