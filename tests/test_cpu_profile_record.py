@@ -140,3 +140,22 @@ def test_the_reference_is_shown_only_beside_the_cpu_type_it_was_timed_on():
     assert f"{334.0 / fast['wall']:.2f}× the reference's wall time (target: above 1×)" in text
     small = {**rec, "reference_setting": False}
     assert bench.reference(small) is None and "never timed" not in bench.markdown(small)
+
+
+def test_the_cpu_types_against_the_reference_come_from_the_records(monkeypatch, tmp_path):
+    """docs/performance.md's summary: a row per uncapped reference-setting record, its ratios computed from that
+    record and the reference's time on its CPU type; a CPU type the reference was timed on where FLARE has no such
+    record (the Intel Xeon) is listed as not measured, and one whose record the reference never met says so."""
+    bench = _load("cpu_profile_bench2", ROOT / "benchmarks" / "cpu_profile.py")
+    text = tool.cpu_against_reference()
+    for b in tool.REFERENCE_SETTING_BLOCKS:
+        rec = json.loads((tool.records_of(tool.RESULTS[b]) / f"runs/readme/{b}-record.json").read_text())
+        by, ref = {r["profile"]: r for r in rec["rows"]}, bench.reference(rec)
+        row = next(line for line in text.splitlines() if line.startswith(f"| {rec['machine']['cpu']} |"))
+        assert f"{by['fast']['wall']:.1f} s ({ref[1] / by['fast']['wall']:.2f}× faster)" in row
+        assert f"{by['exact']['wall']:.1f} s ({ref[1] / by['exact']['wall']:.2f}× faster)" in row
+    assert "| Intel (AVX512, no native bf16) | 334.0 s, the figure we were given | not measured" in text
+    assert "980.0 s, timed here 2026-11-29 (reference_fafi.py)" in text
+    monkeypatch.setattr(tool, "_script", lambda path: type("B", (), {"reference": staticmethod(lambda rec: None),
+                                                                     "REFERENCE_TIMES": ()}))
+    assert tool.cpu_against_reference().count("never timed on this CPU type") == len(tool.REFERENCE_SETTING_BLOCKS)

@@ -111,7 +111,8 @@ class Static:
 
 STATIC = {"presets": Static(methods_at_a_glance, "README.md"),
           "methods": Static(methods_table, "docs/methods.md"),
-          "config-reference": Static(config_table, "docs/configuration.md")}
+          "config-reference": Static(config_table, "docs/configuration.md"),
+          "cpu-vs-reference": Static(lambda: cpu_against_reference(), "docs/performance.md")}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -283,6 +284,38 @@ def cpu_profile_block(record: str) -> Callable[[Path], str]:
         bench = _script("benchmarks/cpu_profile.py")
         return bench.markdown(json.loads((base / record).read_text()))
     return render
+
+
+# The cpu_profile blocks that ran the reference's own setting with no kernel cap: a CPU type each, and FLARE's exact
+# and fast profiles there against the reference's wall time on that type.
+REFERENCE_SETTING_BLOCKS = ("cpu-speed", "cpu-avx2-only")
+
+
+def cpu_against_reference() -> str:
+    """One row per CPU type: the reference's wall time (ours where reference_fafi.py timed it, else the figure we
+    were given) beside FLARE's exact and fast profiles, from the committed records of the blocks that ran its
+    setting, and the CPU types the reference was timed on where FLARE has no uncapped record."""
+    bench = _script("benchmarks/cpu_profile.py")
+    out = ["| CPU | the reference (OursV4), wall | FLARE exact (default), wall | FLARE `speed=fast`, wall | record |",
+           "| --- | --- | --- | --- | --- |"]
+    shown = set()
+    for b in REFERENCE_SETTING_BLOCKS:
+        rec = json.loads((records_of(RESULTS[b]) / f"runs/readme/{b}-record.json").read_text())
+        by, ref = {r["profile"]: r for r in rec["rows"]}, bench.reference(rec)
+        where = f"[{b}]({RESULTS[b].page.removeprefix('docs/')})" if RESULTS[b].page != "docs/performance.md" \
+            else f"the {b} block on this page"
+        if ref is None:
+            ref_txt, times = "never timed on this CPU type", lambda p: f"{by[p]['wall']:.1f} s"
+        else:
+            ref_txt = f"{ref[1]:.1f} s, " + (f"timed here {ref[0].split(', timed ')[1]} (reference_fafi.py)"
+                                             if ", timed " in ref[0] else "the figure we were given")
+            times = lambda p: f"{by[p]['wall']:.1f} s ({ref[1] / by[p]['wall']:.2f}× faster)"  # noqa: E731
+            shown.add(ref[1])
+        out.append(f"| {rec['machine']['cpu']} | {ref_txt} | {times('exact')} | {times('fast')} | {where}, "
+                   f"{rec['date']} |")
+    out += [f"| {model} ({isa}) | {secs:.1f} s, the figure we were given | not measured: no such CPU at hand | "
+            "not measured | — |" for model, isa, secs in bench.REFERENCE_TIMES if secs not in shown]
+    return "\n".join(out) + "\n"
 
 
 def file_text(path: str) -> Callable[[Path], str]:
