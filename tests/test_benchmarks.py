@@ -92,14 +92,20 @@ def test_max_pool_benchmark_records_both_pools(tmp_path, capsys):
 
 
 FAKE_REFERENCE = {  # a stand-in for the FAFI checkout: the calls reference_fafi.py makes, recording what it got
-    "configs/CIFAR10_alpha0.05.yaml": "seed: 1\nserver: {num_rounds: 300}\ndevice: cuda:0\ncheckpoint: {save_path: x}\n"
-                                      "client: {num_clients: 2}\ndataset: {train_batch_size: 4, test_batch_size: 3}\n"
-                                      "distribution: {type: dirichlet, label_num_per_client: 2, alpha: 0.05}\n",
+    "configs/CIFAR10_alpha0.05.yaml":
+        "seed: 1\nserver: {num_rounds: 300, model_name: resnet18}\ndevice: cuda:0\ncheckpoint: {save_path: x}\n"
+        "client: {num_clients: 2}\ndataset: {train_batch_size: 4, test_batch_size: 3, num_classes: 10}\n"
+        "distribution: {type: dirichlet, label_num_per_client: 2, alpha: 0.05}\n",
     "common_libs.py": "import yaml\ndef load_yaml_config(p):\n    return yaml.safe_load(open(p))\n"
                       "def setup_seed(s):\n    pass\nimport visdom, cv2  # the figure-only imports get stand-ins\n",
     "dataset_helper.py": "def load_dataset(name, path):\n    raise RuntimeError('would download')\n"
                          "def get_fl_dataset(name, path, k, kind, params, alpha):\n"
                          "    tr, te = load_dataset(name, path)\n    return tr, te, {0: [0, 1, 2, 3, 4], 1: [5, 6, 7]}\n",
+    "models_lib/__init__.py":  # a model returning (logits, features), as the reference's does
+        "import torch\nclass Net(torch.nn.Module):\n    def __init__(self, k):\n        super().__init__()\n"
+        "        self.fc = torch.nn.Linear(3 * 32 * 32, k)\n    def forward(self, x):\n"
+        "        z = self.fc(x.flatten(1))\n        return z, z\n"
+        "def get_train_models(model_name, num_classes, mode):\n    return Net(num_classes)\n",
     "oneshot_algorithms/__init__.py": "",
     "oneshot_algorithms/ours/__init__.py": "",
     "oneshot_algorithms/ours/our_local_training.py":  # an epoch of 0.2 s, then its two accuracy passes of 0.1 s
@@ -138,6 +144,7 @@ def test_reference_fafi_runs_the_checkouts_own_path_on_the_subset(tmp_path):
     # where the round went: two clients' training (0.2 s each) apart from their accuracy passes (2 × 0.1 s each)
     assert 0.4 <= rec["client_eval_seconds"] < rec["round_seconds"] and 0.4 <= rec["train_seconds"] < 0.8
     assert rec["train_rate"] == pytest.approx(2 * 4 / rec["train_seconds"], rel=0.01)
+    assert rec["bare_step"]["images"] == 8 and rec["bare_step"]["reference"] > 0  # its model's step, 2 × batch
     seen = json.loads((tmp_path / "run" / "seen.json").read_text())
     assert seen["rounds"] == 1 and seen["device"] == "cpu"
     assert seen["item"][:2] == [[3, 32, 32], "torch.float32"] and 0 < seen["item"][2] <= 1 and seen["item"][3] == 0
