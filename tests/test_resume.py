@@ -125,7 +125,7 @@ def test_a_run_resumed_on_another_machine_says_so(tiny_folder, tmp_path, monkeyp
     Run(cfg, d, quiet=True).execute()
     st = _state(d)
     assert st["status"] == "finished" and st["backend"]["machine"] == here
-    assert st["warnings"] == [f"round 1 ran with machine 'Another CPU (AVX2, no native bf16), torch 2.11.0, "
+    assert st["warnings"] == [f"rounds 1–1 ran with machine 'Another CPU (AVX2, no native bf16), torch 2.11.0, "
                               f"device cpu', the rest with '{here}'"]
     assert f" — on {here}" in (d / "summary.md").read_text()
 

@@ -1,8 +1,9 @@
 """One experiment in one process: rounds × clients, an evaluation checkpoint after every round.
 
-The pieces come from `setup.RunSetup`, the files go through `rundir.RunDir` (see there for the layout and its
-guarantees). A run killed at any instant loses at most the round in progress: rerunning into the same directory
-validates what is there and resumes from the last complete round; a finished run is re-validated, not recomputed.
+The pieces come from `setup.RunSetup`, the files go through `rundir.RunDir` (see there for the layout and
+its guarantees). A run killed at any instant loses at most the round in progress: rerunning into the same
+directory validates what is there and resumes from the last complete round; a finished run is re-validated,
+not recomputed.
 """
 from __future__ import annotations
 
@@ -66,8 +67,7 @@ class Run:
         before = (self.dir.read_state().get("backend") or {}) if rp.rounds_done else {}
         for key in ("cpu_kernels", "machine"):  # the digits of the two parts may differ: say so, with both
             if (was := before.get(key)) and was != (now := self.facts[key]):
-                done = "round 1" if rp.rounds_done == 1 else f"rounds 1–{rp.rounds_done}"
-                self._warn(f"{done} ran with {key} '{was}', the rest with '{now}'")
+                self._warn(f"rounds 1–{rp.rounds_done} ran with {key} '{was}', the rest with '{now}'")
         clients = setup.make_clients(self._warn, self._log)
         if cfg.compile and cfg.client_engine != "batched":  # the batched engine compiles its own batched step
             for c in clients:
