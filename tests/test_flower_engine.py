@@ -108,7 +108,7 @@ def test_loopback_deployment_real_round_then_killed_node(tiny_overrides, tmp_pat
 
         # 2. a client crashes (SIGKILL); min_clients=2 is met: the server proceeds and records who was missing
         fed.kill_node(2)
-        res = fed.run(app_dir(), run_config(tiny_overrides, tmp_path / "run-met", upload="once", timeout=20.0,
+        res = fed.run(app_dir(), run_config(tiny_overrides, tmp_path / "run-met", upload="once", timeout=30.0,
                                             **{"min-clients": 2, "wait-nodes": 5.0}), timeout=300, log_name="run-met")
         out = tmp_path / "run-met"
         state = json.loads((out / "state.json").read_text())
@@ -118,7 +118,7 @@ def test_loopback_deployment_real_round_then_killed_node(tiny_overrides, tmp_pat
         assert any("missing" in w for w in state["warnings"])
 
         # 3. the same with min_clients=3: a clear failure, recorded in the run directory
-        res = fed.run(app_dir(), run_config(tiny_overrides, tmp_path / "run-unmet", upload="once", timeout=20.0,
+        res = fed.run(app_dir(), run_config(tiny_overrides, tmp_path / "run-unmet", upload="once", timeout=30.0,
                                             **{"min-clients": 3, "wait-nodes": 5.0}), timeout=300,
                       log_name="run-unmet")
         state = json.loads((tmp_path / "run-unmet" / "state.json").read_text())
