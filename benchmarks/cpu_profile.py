@@ -151,16 +151,20 @@ def timed_setting(rec: dict) -> bool:
     return rec["reference_setting"] and not record_caps(rec)
 
 
+def timed_here(cpu: str) -> dict | None:
+    """benchmarks/reference_fafi.py's record of the reference timed on this very CPU type, if one is committed."""
+    return next((ref for f in sorted(REFERENCE_RECORDS.glob("*.json"))
+                 if (ref := json.loads(f.read_text()))["machine"]["cpu"] == cpu), None)
+
+
 def reference(rec: dict) -> tuple[str, float] | None:
     """(CPU type, seconds) of the reference timed on this record's CPU type, in this record's setting; else None
     (another setting, a kernel cap — the reference ran uncapped — or a CPU type it was never timed on)."""
     if not timed_setting(rec):
         return None
     cpu = rec["machine"]["cpu"]
-    for f in sorted(REFERENCE_RECORDS.glob("*.json")):  # timed here by reference_fafi.py, on this very CPU type
-        ref = json.loads(f.read_text())
-        if ref["machine"]["cpu"] == cpu:
-            return f"{cpu.replace(' (', ', ').rstrip(')')}, timed {ref['date']}", ref["wall"]
+    if ref := timed_here(cpu):
+        return f"{cpu.replace(' (', ', ').rstrip(')')}, timed {ref['date']}", ref["wall"]
     return next(((f"{model}, {isa}", s) for model, isa, s in REFERENCE_TIMES if model in cpu and f"({isa})" in cpu),
                 None)
 

@@ -37,18 +37,13 @@ import time
 import types
 from pathlib import Path
 
-SEED = 1  # the subset's seed: cpu_profile's runs use FLARE's default seed, 1 (the reference's config also says 1)
-
-
-def prepare(data_root: str, npz: Path) -> list[int]:
-    """FLARE's 5,000 / 1,000 subset of the setting, saved for the child."""
+def prepare(cfg, npz: Path) -> list[int]:
+    """FLARE's 5,000 / 1,000 subset of the setting (cpu_profile's, at FLARE's default seed 1; the reference's config
+    also says seed 1), saved for the child."""
     import numpy as np
 
-    from flare.config import load_config
     from flare.data.prepare import prepare_data
 
-    cfg = load_config(None, "fafi", ["dataset.name=cifar10", "dataset.format=imagefolder", f"dataset.root={data_root}",
-                                     "dataset.train_subset=5000", "dataset.test_subset=1000", f"seed={SEED}"])
     data, _ = prepare_data(cfg)
     np.savez(npz, train_x=data.train_x.numpy(), train_y=data.train_y.numpy(), test_x=data.test_x.numpy(),
              test_y=data.test_y.numpy())
@@ -182,11 +177,14 @@ def main(argv=None) -> int:
         return 2
     import cpu_profile  # noqa: E402  (beside this file): the machine facts and load average its records keep
 
-    from flare import cpu
+    from flare import cpu, speed
+    from flare.config import load_config
 
+    cfg = load_config(None, "fafi", [*cpu_profile.SETTING[2:], f"dataset.root={args.data_root}",
+                                     "dataset.train_subset=5000", "dataset.test_subset=1000"])
     args.out.mkdir(parents=True, exist_ok=True)
     npz = args.out / "subset.npz"
-    subset = prepare(args.data_root, npz)
+    subset = prepare(cfg, npz)
     commit = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or None
     before = cpu_profile.load_average()
@@ -202,10 +200,6 @@ def main(argv=None) -> int:
     timed = json.loads(res.stdout.strip().splitlines()[-1])
     # FLARE's exact profile's bare step at the same size, in a process of its own, right after: the kernels of the
     # two codes compared in one sitting (a VM's speed drifts from day to day; records of two days do not compare)
-    from flare import speed
-    from flare.config import load_config
-
-    cfg = load_config(None, "fafi", cpu_profile.SETTING[2:])
     spec = speed.ProbeSpec(cfg.model_dump(mode="json"), cpu_profile.IMAGE_SHAPE, cpu_profile.CLASSES,
                            timed["bare_step"]["images"])
     rate = speed.measure_in_child(spec, cfg.cpu_isa, speed.Candidate(False, False), cpu.user_environment())
