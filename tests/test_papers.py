@@ -664,3 +664,56 @@ def test_the_reference_fedlpa_plugin_uploads_the_references_kfac_factors(monkeyp
     fused = s.predictor(ctx).model.state_dict()
     assert fused.keys() == models[0].state_dict().keys()
     assert all(torch.isfinite(v).all() for v in fused.values())
+
+
+def test_an_unfinished_fusion_is_recorded_as_progress_apart_from_the_columns(tmp_path, capsys):
+    """A fusion at the published budget spans sittings and its state is never committed: `progress` records its
+    curve so far beside the cell's records (no weights), the block prints it apart from the column (which stays
+    empty), prices what is left at its own rate and draws it; two build states are named and skipped; the fuse
+    record, when it lands, removes the note."""
+    papers = _papers()
+    spec = {"table": "t", "paper": "P", "alphas": [0.3], "seeds": [1], "base": {},
+            "methods": {"fedavg": {"preset": "fedavg", "fuse": ["dense"],
+                                   "fuse_options": {"dense": {"epochs": 200, "curve_every": 2}}}},
+            "columns": {"DENSE": {"method": "fedavg", "key": "fuse:dense", "paper_rule": "peak"}},
+            "published": {"DENSE": {0.3: 64.27}}}
+    res, runs = tmp_path / "res", tmp_path / "runs"
+    cell = papers.cells(spec)[0]
+    run_dir = runs / "t" / cell["name"]
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({"server": {"strategies": {"dense": {"epochs": 20,
+                                                                                             "g_steps": 30}}}}))
+    papers.copy_records(spec, cell, run_dir, res)
+    scratch = run_dir / "fuse-scratch" / "dense"
+    scratch.mkdir(parents=True)
+    torch.save({"student": {"w": torch.zeros(3)}, "epoch": 4, "curve": [[2, 60, 0.3], [4, 120, 0.45]],
+                "seconds": 100.0}, scratch / "a.pt")
+    written, skipped = papers.progress(spec, runs, res)
+    note = json.loads((res / "t" / cell["name"] / papers.PROGRESS).read_text())
+    assert written and not skipped and note["dense"]["epoch"] == 4 and "student" not in note["dense"]
+    out = papers.render(res, img_dir=tmp_path / "img")
+    assert ("DENSE over the fedavg α = 0.3, seed-1 clients: **in progress, not a result** — epoch 4 of 200 "
+            "(120 of 6,000 generator steps), 2 min so far") in out
+    assert "the student's test accuracy every 60 steps: 30.00, 45.00 (highest 45.00 at step 120)." in out
+    assert "| DENSE | 0.3 | — | — | — (peak) | 64.27 | — | — |" in out  # the column holds no value of it
+    # 100 s for 4 epochs: 196 more take 4,900 s
+    assert "its dense server in progress, epoch 4 of 200 after 2 min (≈ 1.36 h more at its own rate)" in out
+    assert (tmp_path / "img" / "papers-t-curve.png").stat().st_size > 0
+    torch.save({"epoch": 1, "curve": [], "seconds": 5.0}, scratch / "b.pt")  # a build at other options
+    (res / "t" / cell["name"] / papers.PROGRESS).unlink()
+    assert papers.main(["progress", str(_write_table(tmp_path, spec)), "--runs", str(runs),
+                        "--results", str(res)]) == 0
+    assert "2 dense build states (a.pt, b.pt)" in capsys.readouterr().err
+    assert not (res / "t" / cell["name"] / papers.PROGRESS).exists()
+    (scratch / "b.pt").unlink()
+    papers.progress(spec, runs, res)
+    (run_dir / "fuse.jsonl").write_text(json.dumps({"kind": "fuse", "strategy": "dense", "acc": 0.6,
+                                                    "options": {"epochs": 200, "curve_every": 2}}) + "\n")
+    papers.copy_records(spec, cell, run_dir, res)
+    assert not (res / "t" / cell["name"] / papers.PROGRESS).exists() and "in progress" not in papers.render(res)
+
+
+def _write_table(tmp_path: Path, spec: dict) -> Path:
+    path = tmp_path / "table.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path

@@ -3,6 +3,7 @@ comparison with the published numbers.
 
     python tools/papers.py run configs/papers/fedlpa-fmnist.yaml [--commit] [--runs runs/papers] [--dry-run]
                                                                  [--set KEY=VALUE ...]
+    python tools/papers.py progress configs/papers/T.yaml [--commit]   # how far unfinished fusions got, recorded
     python tools/papers.py render                    # rewrite docs/papers.md's "Against the published numbers"
     python tools/papers.py render --check            # exit 1 if the committed block differs from the records
 
@@ -37,6 +38,7 @@ from flare.stats import mean_ci  # noqa: E402
 RESULTS = ROOT / "results" / "papers"
 DOC = ROOT / "docs" / "papers.md"
 RECORDS = ("config.yaml", "partition.json", "metrics.jsonl", "fuse.jsonl", "state.json", "summary.md")
+PROGRESS = "fuse-progress.json"  # how far an unfinished data-free fusion has got (`progress`): curve, no weights
 BEGIN, END = "<!-- BEGIN published -->", "<!-- END published -->"
 
 
@@ -161,8 +163,58 @@ def copy_records(spec: dict, cell: dict, run_dir: Path, dest: Path, shown: dict 
     meta = {k: cell[k] for k in ("method", "alpha", "seed", "fuse", "fuse_options")}
     meta["table"] = spec["table"]
     (d / "cell.json").write_text(json.dumps(meta, indent=1) + "\n")
+    _drop_finished_progress(d)
     describe(spec, dest, shown)
     return d
+
+
+def _drop_finished_progress(d: Path) -> None:
+    """A fusion's progress note goes once its fuse record is in: the record is the result, the note was its way."""
+    f = d / PROGRESS
+    if not f.is_file():
+        return
+    left = {s: e for s, e in json.loads(f.read_text()).items() if not fuse_records(d, s)}
+    if left:
+        f.write_text(json.dumps(left, indent=1) + "\n")
+    else:
+        f.unlink()
+
+
+def progress(spec: dict, runs: Path, dest: Path = RESULTS) -> tuple[list[Path], list[str]]:
+    """Record how far each recorded cell's unfinished data-free fusion has got: its curve so far, epochs done and
+    wall seconds, read from the build's state in the cell's run directory (`fuse-scratch/<strategy>/`), into
+    dest/<table>/<cell>/fuse-progress.json. A fusion at the published budget spans sittings, and its state (weights
+    included) is never committed, so without this a session that ends mid-fusion leaves no trace of where the
+    student was heading. The note is no result: the block prints it apart from the columns, and the fuse record
+    supersedes it. A cell whose strategy folder holds more than one state (a build at other options interrupted
+    too) is named and skipped: which one is the table's cannot be told from the files. Returns the files written
+    and the skipped cells' reasons."""
+    import torch  # only here: rendering and running never need it
+
+    written, skipped = [], []
+    for cell in cells(spec):
+        rec = dest / spec["table"] / cell["name"]
+        if not (rec / "cell.json").is_file():
+            continue
+        notes = {}
+        for s in cell["fuse"]:
+            if _key(s, cell["fuse_options"].get(s)) in fused(rec):
+                continue
+            states = sorted((runs / spec["table"] / cell["name"] / "fuse-scratch" / s).glob("*.pt"))
+            if len(states) > 1:
+                skipped.append(f"{cell['name']}: {len(states)} {s} build states ({', '.join(p.name for p in states)});"
+                               " remove the ones not at the table's options")
+                continue
+            if not states:
+                continue
+            st = torch.load(states[0], map_location="cpu", weights_only=True)
+            notes[s] = {"options": cell["fuse_options"].get(s) or {}, "epoch": int(st["epoch"]),
+                        "curve": st["curve"], "seconds": round(float(st["seconds"]), 1),
+                        "as_of": time.strftime("%Y-%m-%d %H:%M", time.gmtime(states[0].stat().st_mtime)) + " UTC"}
+        if notes:
+            (rec / PROGRESS).write_text(json.dumps(notes, indent=1) + "\n")
+            written.append(rec / PROGRESS)
+    return written, skipped
 
 
 def describe(spec: dict, dest: Path, shown: dict | None = None) -> Path:
@@ -377,6 +429,7 @@ def render(results: Path = RESULTS, img_dir: Path | None = None) -> str:
             lines += ["", f"The paper's numbers: {' '.join(spec['published_source'].split())}"]
         lines += spread_lines(spec, metas)
         lines += budget_notes(spec, metas)
+        lines += progress_lines(spec, metas)
         lines += other_servers(spec, metas)
         cost = cost_lines(spec, metas)
         lines += ([""] if cost and lines[-1] else []) + cost
@@ -527,6 +580,44 @@ def budget_notes(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
     return ([""] + out + [""]) if out else []
 
 
+def in_progress(cell_dir: Path) -> dict[str, dict]:
+    """A cell's unfinished fusions (`progress`), each with the budget it runs to (`epochs`, `g_steps`: the cell's
+    config under the note's options); a strategy whose fuse record is in has none."""
+    f = cell_dir / PROGRESS
+    if not f.is_file():
+        return {}
+    out = {}
+    for s, e in json.loads(f.read_text()).items():
+        if fuse_records(cell_dir, s):
+            continue
+        used = {**_cell_config(cell_dir).get("server", {}).get("strategies", {}).get(s, {}), **e["options"]}
+        out[s] = {**e, "epochs": used.get("epochs"), "g_steps": used.get("g_steps")}
+    return out
+
+
+def progress_lines(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
+    """One line per unfinished fusion of a table's column: how far it got and its curve so far — no result (its
+    column stays empty), the way the budget was heading when the last sitting ended."""
+    out = []
+    for col, c in spec["columns"].items():
+        if not c["key"].startswith("fuse:"):
+            continue
+        for d, m in sorted(metas, key=lambda t: (float(t[1]["alpha"]), t[1]["seed"])):
+            e = in_progress(d).get(c["key"][5:]) if m["method"] == c["method"] else None
+            if e is None:
+                continue
+            steps = ("" if e["g_steps"] is None else
+                     f" ({e['epoch'] * e['g_steps']:,} of {e['epochs'] * e['g_steps']:,} generator steps)")
+            curve = ", ".join(f"{100 * p[2]:.2f}" for p in e["curve"])
+            best = max(e["curve"], key=lambda p: p[2]) if e["curve"] else None
+            out.append(f"{col} over the {m['method']} α = {float(m['alpha']):g}, seed-{m['seed']} clients: **in "
+                       f"progress, not a result** — epoch {e['epoch']} of {e['epochs']}{steps}, "
+                       f"{_duration(e['seconds'] / 3600)} so far (state of {e['as_of']})"
+                       + (f"; the student's test accuracy every {e['curve'][0][1]:,} steps: {curve} (highest "
+                          f"{100 * best[2]:.2f} at step {best[1]:,})" if best else "") + ".")
+    return ([""] + out + [""]) if out else []
+
+
 def other_servers(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
     """Every fuse record of a cell that is not one of the table's servers at the table's options — a server fused
     over the same clients by hand (another option, a plugin's strategy): a diagnostic, listed, never a column."""
@@ -589,7 +680,13 @@ def cost_lines(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
         for server in sorted(servers):
             recs = [fuse_records(d, server) for d in mine]  # each cell's fuse file read once
             secs = [float(r[-1].get("seconds", 0.0)) / 3600 for r in recs if r]
-            missing = len(todo) + sum(1 for r in recs if not r)
+            going = [e for e in (in_progress(d).get(server) for d in mine) if e and e["epoch"] and e["epochs"]]
+            for e in going:
+                left = e["seconds"] / e["epoch"] * (e["epochs"] - e["epoch"]) / 3600
+                parts.append(f"its {server} server in progress, epoch {e['epoch']} of {e['epochs']} after "
+                             f"{_duration(e['seconds'] / 3600)} (≈ {_duration(left)} more at its own rate)")
+                todo_h, todo_n = todo_h + left, todo_n + 1
+            missing = len(todo) + sum(1 for r in recs if not r) - len(going)
             if secs:
                 parts.append(f"its {server} server {_rate(secs, 'fusion')}")
                 todo_h, todo_n = todo_h + np.mean(secs) * missing, todo_n + missing
@@ -609,6 +706,7 @@ def curve_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | Non
     """Test accuracy against generator steps of each fused data-free server (the records' `<name>.curve`), one
     line per α (the mean over the seeds) over thin per-seed lines; None when no record has a curve."""
     curves: dict[tuple[str, float], list[list]] = {}
+    going: list[tuple[str, list]] = []  # unfinished fusions: their curve so far, dashed
     for col, c in spec["columns"].items():
         if not c["key"].startswith("fuse:"):
             continue
@@ -618,7 +716,11 @@ def curve_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | Non
             for r in fuse_records(d, c["key"][5:])[-1:]:
                 if r.get(f"{c['key'][5:]}.curve"):
                     curves.setdefault((col, float(m["alpha"])), []).append(r[f"{c['key'][5:]}.curve"])
-    if not curves:
+            e = in_progress(d).get(c["key"][5:])
+            if e and e["curve"]:
+                going.append((f"{col}, α = {float(m['alpha']):g}, seed {m['seed']} (in progress: epoch {e['epoch']}"
+                              f" of {e['epochs']})", e["curve"]))
+    if not curves and not going:
         return None
     out = Path(f"papers-{spec['table']}-curve.png")
     if img_dir is None:  # the block names the figure; only `render` draws it
@@ -635,6 +737,8 @@ def curve_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | Non
         n = min(len(cv) for cv in cs)
         ax.plot([p[1] for p in cs[0][:n]], [100 * float(np.mean([cv[k][2] for cv in cs])) for k in range(n)],
                 color=colour, lw=2, label=f"{col}, α = {alpha:g} ({len(cs)} seed{'s' if len(cs) > 1 else ''})")
+    for j, (label, cv) in enumerate(going, len(curves)):
+        ax.plot([p[1] for p in cv], [100 * p[2] for p in cv], color=f"C{j}", lw=1.5, ls="--", marker=".", label=label)
     ax.set_xlabel("generator steps")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title(f"{spec['table']}: the data-free server's student during its budget", fontsize=10)
@@ -717,11 +821,17 @@ def main(argv: list[str] | None = None) -> int:
                                         "from its table file, without running a cell")
     t.add_argument("table")
     t.add_argument("--results", default=str(RESULTS), help="the records directory (default results/papers)")
+    q = sub.add_parser("progress", help="record how far the table's unfinished data-free fusions have got (their "
+                                        "curve so far, no weights), for a sitting that ends before they do")
+    q.add_argument("table")
+    q.add_argument("--runs", default=str(ROOT / "runs" / "papers"))
+    q.add_argument("--results", default=str(RESULTS), help="the records directory (default results/papers)")
+    q.add_argument("--commit", action="store_true", help="render the block and commit it with the notes")
     g = sub.add_parser("render", help="rewrite docs/papers.md's block from results/papers/")
     g.add_argument("--check", action="store_true", help="exit 1 if the committed block is stale")
     g.add_argument("--results", default=str(RESULTS), help="the records directory (default results/papers)")
     a = ap.parse_args(argv)
-    if a.cmd in ("run", "describe"):
+    if a.cmd in ("run", "describe", "progress"):
         try:
             spec = load_table(a.table)
         except TableError as e:
@@ -736,6 +846,18 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return run(spec, Path(a.runs), commit=a.commit, dry_run=a.dry_run, overrides=a.set,
                    defer=tuple(a.defer), fuse_only=a.fuse_only, only=tuple(a.cells), table_path=a.table)
+    if a.cmd == "progress":
+        written, skipped = progress(spec, Path(a.runs), Path(a.results))
+        for why in skipped:
+            print(f"papers: skipped {why}", file=sys.stderr)
+        for f in written:
+            print(f)
+        if a.commit and written:
+            subprocess.check_call([sys.executable, str(Path(__file__).resolve()), "render", "--results", a.results],
+                                  cwd=ROOT)
+            _git_commit([*map(str, written), str(DOC), str(DOC.parent / "img")],
+                        f"papers: {spec['table']} fusions in progress ({len(written)} cell{'s' * (len(written) != 1)})")
+        return 0
     if a.cmd == "describe":
         if not (Path(a.results) / spec["table"]).is_dir():
             print(f"papers: {spec['table']} has no records under {a.results} yet; its first cell writes the "
