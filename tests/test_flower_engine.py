@@ -3,8 +3,9 @@
 * the simulation runtime (a SuperLink with --simulation, Ray backend) through `flwr run`, against
   `flare run` on the same config and seed;
 * a loopback deployment — a SuperLink and three SuperNodes, started, run and stopped by the test —
-  with a real round, then a SuperNode killed with SIGKILL and the federation run again with min_clients
-  met and not met.
+  with a real round, then a SuperNode killed with SIGKILL mid-round (min_clients met) and the federation
+  run again without it (min_clients not met);
+* a loopback deployment whose nodes send broken uploads.
 
 Each test bounds its own time and stops every process it started (in a finally).
 """
@@ -82,13 +83,25 @@ def test_flwr_run_simulation_reproduces_flare_run(tiny_overrides, tmp_path):
     assert clients and all(r["term_demo_center"] > 0 and r["lambda"] == pytest.approx(0.4242) for r in clients)
 
 
-def test_loopback_deployment_real_round_then_killed_node(tiny_overrides, tmp_path):
+def test_loopback_deployment_real_round_then_a_node_killed_mid_round(tiny_overrides, tmp_path):
+    """docs/federation.md, "Failures", on a real deployment: a round with every node; then a SuperNode killed with
+    SIGKILL while it trains, which the run waits out (`timeout`) and records as missing, finishing on the others
+    (min_clients met); then the federation run again without it and min_clients not met: a recorded failure."""
+    import threading
+    import time
+
     cfg = load_config(None, "fafi", tiny_overrides)
     files = export_partitions(cfg, tmp_path / "data")
     nodes = [{"partition-id": 0, "num-partitions": K, "data-path": str(files[0])},  # its own local file
              {"partition-id": 1, "num-partitions": K}, {"partition-id": 2, "num-partitions": K}]
     Run(cfg, tmp_path / "inproc", quiet=True).execute()
+    # local work long enough that the kill lands mid-round (about 4 s of training here) and short enough that the
+    # live nodes reply well inside the timeout, which the run then waits out for the killed one (the test's cost:
+    # keep it a few times the training, no more)
+    slow = [o for o in tiny_overrides if not o.startswith(("batch_size=", "rounds="))] + [
+        "batch_size=8", "rounds=1", "local_epochs=2"]
     fed = LocalFederation(tmp_path / "fed", node_configs=nodes)
+    result = {}
     try:
         fed.start()
         assert fed.port and all(p.poll() is None for _, p in fed.procs)
@@ -106,18 +119,36 @@ def test_loopback_deployment_real_round_then_killed_node(tiny_overrides, tmp_pat
         assert strip(last) == strip(rounds_of(tmp_path / "inproc")[-1])  # same numbers as flare run
         assert sorted(json.loads((out / "federation.json").read_text())["nodes"].values()) == [0, 1, 2]
 
-        # 2. a client crashes (SIGKILL); min_clients=2 is met: the server proceeds and records who was missing
+        # 2. a node killed while it trains; min_clients=2 is met: the run waits out the timeout for it, records it
+        # as missing and finishes on the others
+        def tasks():  # the train messages node 2 has received
+            return fed.log_text("supernode-2").lower().count("receiving: train")
+
+        n_train = tasks()  # step 1's
+        t = threading.Thread(target=lambda: result.update(res=fed.run(
+            app_dir(), run_config(slow, tmp_path / "killed", upload="once", timeout=45.0,
+                                  **{"min-clients": 2, "wait-nodes": 30.0}), timeout=400, log_name="killed")))
+        t.start()
+        deadline = time.time() + 240
+        while tasks() <= n_train:  # until node 2 has received this run's task
+            assert t.is_alive() and time.time() < deadline, fed.log_text("supernode-2")[-2000:]
+            time.sleep(0.2)
+        time.sleep(1.0)
+        state = json.loads((tmp_path / "killed" / "state.json").read_text())
+        assert state["status"] == "running" and state["rounds_done"] == 0  # the round is in progress
         fed.kill_node(2)
-        res = fed.run(app_dir(), run_config(tiny_overrides, tmp_path / "run-met", upload="once", timeout=30.0,
-                                            **{"min-clients": 2, "wait-nodes": 5.0}), timeout=300, log_name="run-met")
-        out = tmp_path / "run-met"
+        t.join(timeout=400)
+        assert not t.is_alive()
+        out = tmp_path / "killed"
         state = json.loads((out / "state.json").read_text())
-        assert state["status"] == "finished", res.stdout[-3000:]
+        assert state["status"] == "finished", result["res"].stdout[-3000:]
         (last,) = rounds_of(out)
         assert last["clients"] == [0, 1] and last["missing_clients"] == [2]
         assert any("missing" in w for w in state["warnings"])
+        (ev,) = json.loads((out / "federation.json").read_text())["events"]
+        assert ev["kind"] == "missing" and "no reply within 45 s" in ev["reasons"][0]
 
-        # 3. the same with min_clients=3: a clear failure, recorded in the run directory
+        # 3. the federation again without node 2 and min_clients=3: a clear failure, recorded in the run directory
         res = fed.run(app_dir(), run_config(tiny_overrides, tmp_path / "run-unmet", upload="once", timeout=30.0,
                                             **{"min-clients": 3, "wait-nodes": 5.0}), timeout=300,
                       log_name="run-unmet")
@@ -130,13 +161,10 @@ def test_loopback_deployment_real_round_then_killed_node(tiny_overrides, tmp_pat
     assert_all_stopped(fed)
 
 
-def test_loopback_broken_uploads_are_rejected_and_a_node_killed_mid_round_is_missing(tiny_overrides, tmp_path):
-    """docs/federation.md, "Failures" and "Untrusted uploads", on a real deployment: nodes that send a wrong shape,
-    NaN weights or a missing tensor are rejected with the reason and never aggregated; a SuperNode killed while it
-    trains is missing after `timeout`; with min-clients met the run finishes on the others."""
-    import threading
-    import time
-
+def test_loopback_broken_uploads_are_rejected(tiny_overrides, tmp_path):
+    """docs/federation.md, "Untrusted uploads", on a real deployment: nodes that send a wrong shape, NaN weights or
+    a missing tensor are rejected with the reason and never aggregated; with min-clients met the run finishes on
+    the others."""
     ov = [o for o in tiny_overrides if not o.startswith("num_clients=")] + ["num_clients=4"]
     faults = [None, "wrong-shape", "nan", "missing-key"]
     nodes = [{"partition-id": i, "num-partitions": 4, **({"fault": f} if f else {})} for i, f in enumerate(faults)]
@@ -157,37 +185,3 @@ def test_loopback_broken_uploads_are_rejected_and_a_node_killed_mid_round_is_mis
     finally:
         fed.stop()
     assert_all_stopped(fed)
-
-    # a node killed in the middle of its training: local work long enough that the kill lands mid-round (about
-    # 4 s of training here) and short enough that the live nodes reply well inside the timeout, which the run
-    # then waits out for the killed one (the test's cost: keep it a few times the training, no more)
-    slow = [o for o in tiny_overrides if not o.startswith(("batch_size=", "rounds="))] + [
-        "batch_size=8", "rounds=1", "local_epochs=2"]
-    fed = LocalFederation(tmp_path / "fed2", node_configs=[{"partition-id": i, "num-partitions": K} for i in range(K)])
-    result = {}
-    try:
-        fed.start()
-        t = threading.Thread(target=lambda: result.update(res=fed.run(
-            app_dir(), run_config(slow, tmp_path / "killed", upload="once", timeout=45.0,
-                                  **{"min-clients": 2, "wait-nodes": 30.0}), timeout=400, log_name="killed")))
-        t.start()
-        deadline = time.time() + 240
-        while "train" not in fed.log_text("supernode-2").lower():  # node 2 has received its task
-            assert t.is_alive() and time.time() < deadline, fed.log_text("supernode-2")[-2000:]
-            time.sleep(0.2)
-        time.sleep(1.0)
-        state = json.loads((tmp_path / "killed" / "state.json").read_text())
-        assert state["status"] == "running" and state["rounds_done"] == 0  # the round is in progress
-        fed.kill_node(2)
-        t.join(timeout=400)
-        assert not t.is_alive()
-    finally:
-        fed.stop()
-    assert_all_stopped(fed)
-    out = tmp_path / "killed"
-    state = json.loads((out / "state.json").read_text())
-    assert state["status"] == "finished", result["res"].stdout[-3000:]
-    (last,) = rounds_of(out)
-    assert last["clients"] == [0, 1] and last["missing_clients"] == [2]
-    (ev,) = json.loads((out / "federation.json").read_text())["events"]
-    assert ev["kind"] == "missing" and "no reply within 45 s" in ev["reasons"][0]
