@@ -698,6 +698,7 @@ def test_an_unfinished_fusion_is_recorded_as_progress_apart_from_the_columns(tmp
     assert "| DENSE | 0.3 | — | — | — (peak) | 64.27 | — | — |" in out  # the column holds no value of it
     # 100 s for 4 epochs: 196 more take 4,900 s
     assert "its dense server in progress, epoch 4 of 200 after 2 min (≈ 1.36 h more at its own rate)" in out
+    assert "still to run: 1 client cell or fusion, ≈ 1.36 h at these rates" in out
     assert (tmp_path / "img" / "papers-t-curve.png").stat().st_size > 0
     torch.save({"epoch": 1, "curve": [], "seconds": 5.0}, scratch / "b.pt")  # a build at other options
     (res / "t" / cell["name"] / papers.PROGRESS).unlink()

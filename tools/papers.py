@@ -694,7 +694,8 @@ def cost_lines(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
                 unknown.append(f"{missing} {server} fusion{'s' * (missing != 1)}")
     if not parts:
         return []
-    rest = (f"still to run: {todo_n} client cells and fusions, ≈ {_duration(todo_h)} at these rates"
+    rest = (f"still to run: {todo_n} {'client cell or fusion' if todo_n == 1 else 'client cells and fusions'}, "
+            f"≈ {_duration(todo_h)} at these rates"
             if todo_n else "nothing left to run")
     if unknown:
         rest += f"; no rate yet for {', '.join(unknown)}"
