@@ -196,9 +196,9 @@ def progress(spec: dict, runs: Path, dest: Path = RESULTS) -> tuple[list[Path], 
         rec = dest / spec["table"] / cell["name"]
         if not (rec / "cell.json").is_file():
             continue
-        notes = {}
+        notes, have = {}, fused(rec)  # the cell's fuse file read once
         for s in cell["fuse"]:
-            if _key(s, cell["fuse_options"].get(s)) in fused(rec):
+            if _key(s, cell["fuse_options"].get(s)) in have:
                 continue
             states = sorted((runs / spec["table"] / cell["name"] / "fuse-scratch" / s).glob("*.pt"))
             if len(states) > 1:
