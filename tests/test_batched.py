@@ -240,6 +240,28 @@ def test_compile_wraps_the_batched_step(tiny_overrides, tmp_path, monkeypatch):
                 assert _close(v, b[k], 1e-4), k
 
 
+def test_a_compiled_step_without_alignment_keeps_its_gradient():
+    """FedAvg's step has one term and no alignment, so its total is that term. Summed as `0 + ce` and returned
+    beside `ce.detach()` in the logs, inductor (torch 2.14) gave the total back without a gradient, and the batched
+    engine's compiled step stopped at backward for FedAvg and FAFI; `local_loss` and `StepLoss.total` add only the
+    terms that exist. A one-matrix graph: it compiles in seconds."""
+    from flare.client.lam import LamStep
+    from flare.client.step import local_loss
+
+    cfg = load_config(None, "fedavg", [])
+
+    def step(w, x, y):
+        logits = x @ w
+        loss = local_loss(cfg, logits, logits, y, None, target=None, weigh=lambda base, align: LamStep(base, None))
+        return loss.total(), loss.logs()
+
+    w = torch.nn.Parameter(torch.ones(4, 3))
+    total, logs = torch.compile(step)(w, torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1]))
+    assert total.requires_grad and not logs["base_loss"].requires_grad
+    total.backward()
+    assert w.grad is not None
+
+
 def test_cuda_batch_norm_wrapper_computes_batch_norm_under_vmap():
     """The float32-native BatchNorm the engine installs on CUDA is BatchNorm: under vmap over stacked clients it
     gives each client's own output and running statistics, and returns the input's dtype (checked on CPU, where

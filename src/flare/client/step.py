@@ -26,9 +26,13 @@ class StepLoss:
     lam: LamStep              # what the λ provider made of them
 
     def total(self) -> Tensor:
-        """What one backward pass differentiates: the weights' loss plus the provider's own (σ) loss."""
+        """What one backward pass differentiates: the weights' loss plus the provider's own (σ) loss. Only the
+        parts that exist are added (and `local_loss` sums its terms from the first, not from 0): inductor (torch
+        2.14) removes an addition of 0 and then returned the total without a gradient when the logs also hold the
+        same term detached — the batched engine's compiled step could not run backward for FedAvg or FAFI."""
         st = self.lam
-        return st.local + (st.align if st.align is not None else 0) + (st.sigma if st.sigma is not None else 0)
+        parts = [p for p in (st.align, st.sigma) if p is not None]
+        return sum(parts, st.local) if parts else st.local
 
     def logs(self) -> dict[str, Tensor]:
         """The step's logged numbers (detached tensors on the loss's device; no host sync)."""
@@ -55,6 +59,7 @@ def local_loss(cfg: Config, feat: Tensor, logits: Tensor, y: Tensor, prototypes:
     if extension is not None:
         terms = extension.adjust_terms(terms, feat, y, epoch)
     terms.update(extra_terms(cfg.loss, feat, logits, y, prototypes, params, start))  # loss.terms (plugins)
-    base = sum(terms.values())
+    first, *rest = terms.values()
+    base = sum(rest, first)  # not 0 + first: see StepLoss.total
     align = align_loss(prototypes, target) if target is not None else None
     return StepLoss(terms, base, align, weigh(base, align))
