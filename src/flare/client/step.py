@@ -1,8 +1,7 @@
 """The local loss of one step, written once: the sequential and threads engines (`Client._step`), the batched engine
 (`BatchedClients`, vmapped over the clients) and the LR probe all call `local_loss`, so a registered loss term or λ
 provider means the same thing under every engine. The forward pass and the optimiser step stay with each engine: the
-batched one runs a functional call over stacked client states and a functional SGD (client/batched.py says why).
-"""
+batched one runs a functional call over stacked client states and a functional SGD (client/batched.py: why)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,13 +25,9 @@ class StepLoss:
     lam: LamStep              # what the λ provider made of them
 
     def total(self) -> Tensor:
-        """What one backward pass differentiates: the weights' loss plus the provider's own (σ) loss. Only the
-        parts that exist are added (and `local_loss` sums its terms from the first, not from 0): inductor (torch
-        2.14) removes an addition of 0 and then returned the total without a gradient when the logs also hold the
-        same term detached — the batched engine's compiled step could not run backward for FedAvg or FAFI."""
-        st = self.lam
-        parts = [p for p in (st.align, st.sigma) if p is not None]
-        return sum(parts, st.local) if parts else st.local
+        """The weights' loss plus the provider's own (σ) loss, summed from the first part present, never from 0:
+        inductor (torch 2.14) drops a `+ 0`, then lost the gradient of FedAvg's total, whose log holds it detached."""
+        return sum((p for p in (self.lam.align, self.lam.sigma) if p is not None), self.lam.local)
 
     def logs(self) -> dict[str, Tensor]:
         """The step's logged numbers (detached tensors on the loss's device; no host sync)."""
@@ -60,6 +55,6 @@ def local_loss(cfg: Config, feat: Tensor, logits: Tensor, y: Tensor, prototypes:
         terms = extension.adjust_terms(terms, feat, y, epoch)
     terms.update(extra_terms(cfg.loss, feat, logits, y, prototypes, params, start))  # loss.terms (plugins)
     first, *rest = terms.values()
-    base = sum(rest, first)  # not 0 + first: see StepLoss.total
+    base = sum(rest, first)  # from the first term, not 0 + it (StepLoss.total)
     align = align_loss(prototypes, target) if target is not None else None
     return StepLoss(terms, base, align, weigh(base, align))
