@@ -205,7 +205,7 @@ def test_compile_wraps_the_batched_step(tiny_overrides, tmp_path, monkeypatch):
     the eager batched engine to float rounding. compile on CPU is refused under kernels pinned below the CPU's own
     (flare.backend), and the tests' process is pinned (conftest), so on such a CPU this test runs itself again in a
     process at native kernels. One shape throughout (iid, drop_last: every client the same steps of the same batch)
-    compiles the step once: about 40 s of inductor with a cold cache on 2 busy cores, seconds with a warm one."""
+    compiles the step once: about 80 s of inductor with a cold cache on 2 busy cores, seconds with a warm one."""
     from flare import cpu
     if cpu.is_x86() and cpu.kernels() != cpu.native_level():
         assert not os.environ.get(_NATIVE_CHILD), f"a process started at native kernels runs at {cpu.kernels()}"
