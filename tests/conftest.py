@@ -12,6 +12,9 @@ from flare.data.partition import PartitionFacts  # noqa: E402
 from flare.registry import PARTITIONS, REFERENCE_PARTITIONS  # noqa: E402
 
 os.environ.setdefault("FLARE_QUIET", "1")
+# A run's plots/ cost a second or two of matplotlib per run, about a sixth of the suite: off, except in the tests
+# marked `plots`, which look at them (FLARE_PLOTS=1 in the environment draws them everywhere).
+os.environ.setdefault("FLARE_PLOTS", "0")
 
 # The plugin modules of tests/plugins/ live outside src/, as a user's would: importable here and in every process
 # the tests start (flare run subprocesses, sweep workers).
@@ -37,6 +40,13 @@ def write_tiny_imagefolder(root, classes=4, train_per_class=24, test_per_class=8
 
 
 _THREADS = {}
+
+
+@pytest.fixture(autouse=True)
+def _run_plots(request, monkeypatch):
+    """A test marked `plots` gets every run's figures, in this process and in those it starts."""
+    if request.node.get_closest_marker("plots"):
+        monkeypatch.setenv("FLARE_PLOTS", "1")
 
 
 @pytest.fixture(autouse=True, scope="session")

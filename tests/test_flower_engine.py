@@ -83,6 +83,7 @@ def test_flwr_run_simulation_reproduces_flare_run(tiny_overrides, tmp_path):
     assert clients and all(r["term_demo_center"] > 0 and r["lambda"] == pytest.approx(0.4242) for r in clients)
 
 
+@pytest.mark.plots
 def test_loopback_deployment_real_round_then_a_node_killed_mid_round(tiny_overrides, tmp_path):
     """docs/federation.md, "Failures", on a real deployment: a round with every node; then a SuperNode killed with
     SIGKILL while it trains, which the run waits out (`timeout`) and records as missing, finishing on the others

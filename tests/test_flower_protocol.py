@@ -144,6 +144,7 @@ def test_an_object_array_is_never_unpickled(tmp_path):
 # the same numbers as `flare run`
 
 
+@pytest.mark.plots
 def test_federation_reproduces_flare_run_bit_for_bit(tiny_overrides, tmp_path):
     Run(load_config(None, "fafi", tiny_overrides), tmp_path / "inproc", quiet=True).execute()
     Nodes().federate(tiny_overrides, tmp_path / "fed")  # per-round snapshots

@@ -17,6 +17,7 @@ def metrics(d):
     return read_jsonl(d / "metrics.jsonl")
 
 
+@pytest.mark.plots
 def test_run_writes_the_run_directory(tiny_overrides, tmp_path):
     out = tmp_path / "run"
     cfg = load_config(None, "fafi", tiny_overrides)
@@ -37,6 +38,25 @@ def test_run_writes_the_run_directory(tiny_overrides, tmp_path):
     assert 0.0 <= s["acc"] <= 1.0
     part = json.loads((out / "partition.json").read_text())
     assert sum(c["num_samples"] for c in part["clients"]) == 4 * 24
+
+
+def test_flare_plots_0_draws_no_figure_links_none_and_leaves_none_behind(tiny_overrides, tmp_path, monkeypatch):
+    """FLARE_PLOTS=0 (the suite's default, tests/conftest.py): the same records, no plots/*.png, summary.md without
+    a Plots section; figures an earlier report drew are removed, and with the switch on they are drawn and linked."""
+    from flare.report.run_report import PLOTS, write_run_report
+
+    out = tmp_path / "run"
+    Run(load_config(None, "flare", tiny_overrides), out, quiet=True).execute()
+    assert os.environ["FLARE_PLOTS"] == "0" and not list((out / "plots").glob("*.png"))
+    assert "## Plots" not in (out / "summary.md").read_text()
+    monkeypatch.setenv("FLARE_PLOTS", "1")
+    write_run_report(out)
+    summary = (out / "summary.md").read_text()
+    assert sorted(p.stem for p in (out / "plots").glob("*.png")) == sorted(PLOTS.values())  # flare learns λ: four
+    assert all(f"![{alt}](plots/{name}.png)" in summary for alt, name in PLOTS.items())
+    monkeypatch.setenv("FLARE_PLOTS", "0")
+    write_run_report(out)
+    assert not list((out / "plots").glob("*.png")) and "## Plots" not in (out / "summary.md").read_text()
 
 
 def test_linear_baseline_has_only_its_rules(tiny_overrides, tmp_path):

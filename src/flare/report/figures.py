@@ -149,13 +149,13 @@ def plot_diagnostics(run: RunData, path: Path) -> None:
     _save_panels(fig, path, f"diagnostics — {run_title(run)}")
 
 
-def plot_lambda(run: RunData, path: Path) -> bool:
+def plot_lambda(run: RunData, path: Path) -> None:
     """λ per client against rounds; for λ-learner runs λ_eff and λ_raw, with V7's λ0(1 − p) beside. Clients whose
     curves coincide (a fixed λ0 is the same for every client) are drawn once and said to be shared."""
     clients = run.clients
     keys = [k for k in ("lambda_eff", "lambda_raw", "lambda") if clients and k in clients[0]]
     if not keys:
-        return False
+        return
     fig, axes = plt.subplots(1, len(keys), figsize=(5.2 * len(keys), 3.8), squeeze=False)
     ids = sorted({c["client"] for c in clients})
     shared_any = False
@@ -165,7 +165,6 @@ def plot_lambda(run: RunData, path: Path) -> bool:
         for cid, pts in curves.items():  # equal to 6 significant digits (a per-epoch mean's last bits differ)
             key = tuple((r, float(f"{v:.6g}")) for r, v in pts)
             distinct.setdefault(key, []).append(cid)
-        vals = [v for pts in distinct for _, v in pts]
         for i, (pts, who) in enumerate(distinct.items()):
             label = (f"all {len(who)} clients (the same λ)" if len(who) == len(ids) and len(ids) > 1
                      else ", ".join(f"client {c}" for c in who))
@@ -175,14 +174,11 @@ def plot_lambda(run: RunData, path: Path) -> bool:
             R, w = int(run.cfg["rounds"]), v7_weight()  # λ at the start of each round
             ax.plot(np.arange(1, R + 1), [w(progress(r, R)) for r in range(R)], "k--",
                     label=f"V7: λ0(1−p), λ0={v7_lambda0():g}")
-        finite = [v for v in vals if math.isfinite(v) and v > 0]
-        if finite and max(finite) / max(min(finite), 1e-12) > 100:
-            ax.set_yscale("log")
+        _log_if_decades(ax, [v for pts in distinct for _, v in pts])
         _dress(ax, k, f"{k} per client")
         _legend_outside(ax, fontsize=7)
     _save_panels(fig, path, f"alignment strength — {run_title(run)}"
                  + (" (every client has the same λ)" if shared_any else ""))
-    return True
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 from flare.report.figures import plot_accuracy, plot_diagnostics, plot_label_distribution, plot_lambda
@@ -16,6 +17,11 @@ def _f(v, digits=4):
     if isinstance(v, float):
         return f"{v:.{digits}f}" if math.isfinite(v) else str(v)
     return str(v)
+
+
+# A run's own figures, alt text → file in plots/. FLARE_PLOTS=0 (the process's switch: no config records it) draws
+# none: a second or two of matplotlib text layout per run adds up over hundreds of short runs (a sweep, the tests).
+PLOTS = {"accuracy": "accuracy", "labels": "label_distribution", "diagnostics": "diagnostics", "lambda": "lambda"}
 
 
 def summary_markdown(run: RunData) -> str:
@@ -67,11 +73,8 @@ def summary_markdown(run: RunData) -> str:
                   f"{c['normalized_entropy']:.4f} |" for c in part["clients"]] + [""]
     if warns := run.state.get("warnings"):
         lines += ["## Warnings", ""] + [f"- {w}" for w in warns] + [""]
-    lines += ["## Plots", "", "![accuracy](plots/accuracy.png)", "", "![labels](plots/label_distribution.png)", "",
-              "![diagnostics](plots/diagnostics.png)", ""]
-    if (run.dir / "plots" / "lambda.png").exists():
-        lines += ["![lambda](plots/lambda.png)", ""]
-    return "\n".join(lines)
+    drawn = [f"![{alt}](plots/{name}.png)" for alt, name in PLOTS.items() if (run.dir / "plots" / f"{name}.png").exists()]
+    return "\n".join(lines + (["## Plots", ""] + [x for link in drawn for x in (link, "")] if drawn else []))
 
 
 SHARED_PASSES = {"clients": "the K client models on the test set (every client rule, client_acc)",
@@ -105,14 +108,15 @@ def _strategy_logs(rec: dict) -> dict[str, str]:
 
 def write_run_report(run_dir: str | Path) -> RunData:
     """Plots and summary.md; returns the RunData it read (callers need not read the directory again)."""
-    run = RunData.load(run_dir)
-    plots = Path(run_dir) / "plots"
-    plots.mkdir(exist_ok=True)
-    if run.rounds:
+    run, draw = RunData.load(run_dir), os.environ.get("FLARE_PLOTS", "1") != "0"
+    (plots := Path(run_dir) / "plots").mkdir(exist_ok=True)
+    if draw and run.rounds:
         plot_accuracy(run, plots / "accuracy.png")
         plot_diagnostics(run, plots / "diagnostics.png")
         plot_lambda(run, plots / "lambda.png")
-    if run.partition:
+    if draw and run.partition:
         plot_label_distribution(run.partition, plots / "label_distribution.png")
+    for name in () if draw else PLOTS.values():  # none drawn, and none left that the records have outgrown
+        (plots / f"{name}.png").unlink(missing_ok=True)
     atomic_write_text(Path(run_dir) / SUMMARY, summary_markdown(run))
     return run
