@@ -39,9 +39,10 @@ run: setup data
 	     extra="dataset.root=data dataset.download=true"; fi; \
 	$(BIN)/flare compare --config configs/main.yaml --presets $(PRESETS) --seeds $(SEEDS) --workers $(WORKERS) --out $(OUT) $$extra
 
-# -n 2: two test processes, one per core (the suite's tests train with one torch thread each)
+# -n 2: two test processes, one per core (the suite's tests train with one torch thread each); worksteal: a worker
+# that runs out takes queued tests from the other, so one long test near the end does not leave a core idle
 test: setup data
-	$(BIN)/python -m pytest -q -n 2 -m "not slow" tests
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not slow" tests
 
 # A real Flower deployment on loopback: a SuperLink and 3 SuperNodes as processes, one run, then stopped.
 federation: setup data
@@ -52,7 +53,7 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -x -n 2 -m "not slow" tests
+	$(BIN)/python -m pytest -q -x -n 2 --dist worksteal -m "not slow" tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache site
