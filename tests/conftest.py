@@ -12,7 +12,7 @@ from flare.data.partition import PartitionFacts  # noqa: E402
 from flare.registry import PARTITIONS, REFERENCE_PARTITIONS  # noqa: E402
 
 os.environ.setdefault("FLARE_QUIET", "1")
-# A run's plots/ cost a second or two of matplotlib per run, about a sixth of the suite: off, except in the tests
+# A run's plots/ cost a second or two of matplotlib per run, about a quarter of the suite: off, except in the tests
 # marked `plots`, which look at them (FLARE_PLOTS=1 in the environment draws them everywhere).
 os.environ.setdefault("FLARE_PLOTS", "0")
 
