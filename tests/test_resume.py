@@ -36,6 +36,7 @@ def _state(d):
         return {}
 
 
+@pytest.mark.long
 def test_sigkill_mid_round_then_resume_equals_uninterrupted(tiny_folder, tmp_path):
     # FLARE's λ learner and momentum kept across rounds: every piece of client state must survive the kill.
     # Small batches and several local epochs make a round last long enough to be killed in its middle.
@@ -125,8 +126,8 @@ def test_a_run_resumed_on_another_machine_says_so(tiny_folder, tmp_path, monkeyp
     Run(cfg, d, quiet=True).execute()
     st = _state(d)
     assert st["status"] == "finished" and st["backend"]["machine"] == here
-    assert st["warnings"] == [f"rounds 1–1 ran with machine 'Another CPU (AVX2, no native bf16), torch 2.11.0, "
-                              f"device cpu', the rest with '{here}'"]
+    assert st["warnings"] == [f"through round 1 it ran with machine 'Another CPU (AVX2, no native bf16), torch "
+                              f"2.11.0, device cpu', from then on with '{here}'"]
     assert f" — on {here}" in (d / "summary.md").read_text()
 
 

@@ -67,7 +67,7 @@ class Run:
         before = (self.dir.read_state().get("backend") or {}) if rp.rounds_done else {}
         for key in ("cpu_kernels", "machine"):  # the digits of the two parts may differ: say so, with both
             if (was := before.get(key)) and was != (now := self.facts[key]):
-                self._warn(f"rounds 1–{rp.rounds_done} ran with {key} '{was}', the rest with '{now}'")
+                self._warn(f"through round {rp.rounds_done} it ran with {key} '{was}', from then on with '{now}'")
         clients = setup.make_clients(self._warn, self._log)
         if cfg.compile and cfg.client_engine != "batched":  # the batched engine compiles its own batched step
             for c in clients:
