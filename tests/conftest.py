@@ -147,3 +147,22 @@ def make_partition(labels, num_clients, kind, seed, *, alpha=0.5, shards_per_cli
         return REFERENCE_PARTITIONS.create(kind, facts, options, key="partition.rng")
     return PARTITIONS.create(kind, facts, options)
 
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected: the slices are of the tests that run
+def pytest_collection_modifyitems(items):
+    """The tests marked `long` start first, spread over the test processes: longest first is the classic rule for
+    packing jobs onto workers, and a minute-long test that starts last leaves the other process idle that long.
+    xdist's worksteal hands its i-th of n processes the next len(pending) // (n - i) tests, one contiguous slice,
+    then moves tests from the back of a busy queue to an idle process: so each slice begins with its share of the
+    long tests, and what moves at the end is short. Without xdist they simply run first."""
+    n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    long = [it for it in items if it.get_closest_marker("long")]
+    rest = [it for it in items if not it.get_closest_marker("long")]
+    ordered, pending = [], len(items)
+    for i in range(n):
+        size = pending // (n - i)
+        take = max(0, size - len(long[i::n]))
+        ordered += long[i::n] + rest[:take]
+        rest, pending = rest[take:], pending - size
+    items[:] = ordered + rest

@@ -193,6 +193,7 @@ def rounds_of(d):
     return [r for r in read_jsonl(d / "metrics.jsonl") if r["kind"] == "round"]
 
 
+@pytest.mark.long
 def test_end_to_end_through_flare_run_and_flare_fuse(tiny_overrides, tmp_path, default_torch_threads):
     names = ["feddf", "dense", "coboosting", "bnrecal"]
     cfg = load_config(None, "fafi", tiny_overrides + ["rounds=1", "dataset.public_size=16",

@@ -255,6 +255,7 @@ def check_run_and_fuse(d):
     return last
 
 
+@pytest.mark.long
 def test_fafi_clients_through_flare_run_and_fuse(tiny_overrides, tmp_path):
     d = tmp_path / "fafi"
     r = flare("run", "--preset", "fafi", "--out", d, "--quiet", *tiny_overrides, *FAST, RULES)

@@ -200,6 +200,7 @@ def test_nan_is_reported_as_the_sequential_engine_reports_it(tiny_overrides, tmp
     assert messages["batched"] == messages["sequential"]
 
 
+@pytest.mark.long
 def test_compile_wraps_the_batched_step(tiny_overrides, tmp_path, monkeypatch):
     """compile=true compiles the batched step and update (not the client models), and the numbers stay those of
     the eager batched engine to float rounding. compile on CPU is refused under kernels pinned below the CPU's own

@@ -2,6 +2,8 @@
 the accuracy figure and the diagnostics figure."""
 import json
 
+import pytest
+
 from flare.cli import main
 
 
@@ -80,6 +82,7 @@ def test_final_rounds_averages_the_tail_everywhere_a_final_accuracy_is_read(tiny
     assert "| rule | final (mean of rounds 2–3) |" in (out / "fafi" / "summary.md").read_text()
 
 
+@pytest.mark.long
 def test_compare_with_two_workers_gives_one_thread_runs_of_the_same_plan(tiny_overrides, tmp_path):
     """--workers 2 runs the plan in two one-thread processes: the same records as running each run alone at one
     thread, and the same table."""

@@ -26,6 +26,7 @@ def _flare_run(tiny, out, *extra, env=None):
             for ln in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.long
 @x86_avx2
 def test_default_pins_avx2_and_forcing_it_by_hand_gives_the_same_digits(tiny_overrides, tmp_path):
     by_default = _flare_run(tiny_overrides, tmp_path / "a")

@@ -50,6 +50,7 @@ PLUGIN = ["plugins=[flare_demo_plugin]", "loss.terms.demo_center.weight=0.5", "a
           "server.strategies.fens.rounds=3"]
 
 
+@pytest.mark.long
 def test_flwr_run_simulation_reproduces_flare_run(tiny_overrides, tmp_path):
     """With a plugin's loss term, λ provider and client-statistics strategy (tests/plugins): the Ray workers import
     it from the config, and each part leaves its own number in the records. FENS's rounds after the upload travel as
@@ -83,6 +84,7 @@ def test_flwr_run_simulation_reproduces_flare_run(tiny_overrides, tmp_path):
     assert clients and all(r["term_demo_center"] > 0 and r["lambda"] == pytest.approx(0.4242) for r in clients)
 
 
+@pytest.mark.long
 @pytest.mark.plots
 def test_loopback_deployment_real_round_then_a_node_killed_mid_round(tiny_overrides, tmp_path):
     """docs/federation.md, "Failures", on a real deployment: a round with every node; then a SuperNode killed with
@@ -162,6 +164,7 @@ def test_loopback_deployment_real_round_then_a_node_killed_mid_round(tiny_overri
     assert_all_stopped(fed)
 
 
+@pytest.mark.long
 def test_loopback_broken_uploads_are_rejected(tiny_overrides, tmp_path):
     """docs/federation.md, "Untrusted uploads", on a real deployment: nodes that send a wrong shape, NaN weights or
     a missing tensor are rejected with the reason and never aggregated; with min-clients met the run finishes on

@@ -243,6 +243,7 @@ def rounds_of(d):
     return [r for r in read_jsonl(d / "metrics.jsonl") if r["kind"] == "round"]
 
 
+@pytest.mark.long
 def test_through_flare_run_and_flare_fuse(tiny_overrides, tmp_path, default_torch_threads):
     cfg = load_config(None, "fedavg", tiny_overrides + ["rounds=2", "eval.rules=[primary,output,intactofl]",
                                                         *TINY_OPTIONS])

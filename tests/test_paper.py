@@ -19,6 +19,7 @@ def main(argv):
     return flare_main(argv, commands=[add_command])
 
 
+@pytest.mark.long
 @pytest.mark.skipif(not FMNIST.exists(), reason="Fashion-MNIST (Debian's dataset-fashion-mnist) is not installed")
 def test_paper_smoke_writes_the_three_tables_and_the_figures(tmp_path, capsys):
     out = tmp_path / "paper"
@@ -201,6 +202,7 @@ def test_reproduce_plan_at_full_scale(capsys, tmp_path):
     assert "--protocol" in capsys.readouterr().err
 
 
+@pytest.mark.long
 @pytest.mark.skipif(not FMNIST.exists(), reason="Fashion-MNIST (Debian's dataset-fashion-mnist) is not installed")
 def test_reproduce_end_to_end_at_smoke_scale(tmp_path, capsys):
     """The reproduction pipeline of the full-scale table, tiny: both protocols, the ablation, the report."""

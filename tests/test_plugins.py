@@ -107,6 +107,7 @@ def test_batched_engine_refuses_a_lam_provider_with_its_own_step(tmp_path):
     assert BatchedClients.lam_unsupported(LamProvider(0.5)) is None
 
 
+@pytest.mark.long
 def test_flare_run_with_a_plugin(tmp_path):
     """A fresh process: the plugin is imported from config.yaml's `plugins`, and each of its parts runs."""
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(demo_config(tmp_path)))

@@ -152,6 +152,7 @@ def _spawn(ov, out, blocked_marker=None):
                              "--quiet"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.long
 def test_a_second_writer_is_refused_while_the_first_runs_and_not_after_it_was_killed(tiny_folder, tmp_path):
     ov = _overrides(tiny_folder, tmp_path, ["rounds=3", "optim.reset_each_round=false"])
     d = tmp_path / "run"

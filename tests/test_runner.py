@@ -192,6 +192,7 @@ print(json.dumps(last))
 """
 
 
+@pytest.mark.long
 def test_compile_switch_trains_the_same_model(tiny_overrides, tmp_path):
     """compile=true (torch.compile, inductor on CPU) changes speed, not the numbers. In its own process at native
     kernels: compile under a pinned lower level is refused (flare.backend says why). drop_last=true gives training

@@ -160,6 +160,7 @@ def test_interrupted_point_resumes_on_the_next_invocation(tiny_folder, tmp_path,
     assert [r["round"] for r in read_jsonl(first / "metrics.jsonl") if r["kind"] == "round"] == [0, 1]
 
 
+@pytest.mark.long
 def test_without_ray_workers_run_in_local_processes(tiny_folder, tmp_path, monkeypatch, capsys):
     """No Ray: --workers 2 still runs two points at once, in two fresh processes on this machine."""
     import os
@@ -187,6 +188,7 @@ def test_gpu_fraction_shares_one_gpu_among_the_workers():
     assert gpu_fraction(1, 4, asked=0.5) == 0.5 and gpu_fraction(4, 2, asked=2.7) == 2.0
 
 
+@pytest.mark.long
 def test_ray_runs_points_in_parallel(tiny_folder, tmp_path, monkeypatch):
     """Ray told of one GPU (none is needed: device=cpu): --workers 2 gives each point half of it, so both run."""
     pytest.importorskip("ray")
