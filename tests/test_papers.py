@@ -266,10 +266,16 @@ def test_committed_block_equals_the_records():
     assert papers.committed_block(text) == papers.render(papers.RESULTS)
 
 
-def test_render_budget_curve_and_pairing(tmp_path):
+def test_render_budget_curve_and_pairing(tmp_path, monkeypatch):
     """A shortened data-free budget is stated against the paper's, its best test-curve epoch is the paper's-rule
-    column, the curve is drawn, and a table with `paired_with` prints its differences seed by seed."""
+    column, the curve is drawn with the paper's value beside it, and a table with `paired_with` prints its
+    differences seed by seed."""
+    from matplotlib.axes import Axes
+
     papers = _papers()
+    hlines, axhline = [], Axes.axhline
+    monkeypatch.setattr(Axes, "axhline", lambda ax, y=0, *a, **k: hlines.append((y, k.get("label"))) or
+                        axhline(ax, y, *a, **k))
     res, img = tmp_path / "res", tmp_path / "img"
     spec = {"table": "t", "paper": "P", "alphas": [0.1], "seeds": [0, 1],
             "columns": {"DENSE": {"method": "fedavg", "key": "fuse:dense", "paper_rule": "peak"},
@@ -305,6 +311,7 @@ def test_render_budget_curve_and_pairing(tmp_path):
     assert "| 37.00 ± 4.24 | 38.00 ± 2.83 (peak) | 50.00 | -13.00 |" in dense
     assert "2 epochs × 30 generator steps = 60 (the paper's: 200 × 30 = 6,000) — **a shortened budget**" in out
     assert (img / "papers-t-curve.png").stat().st_size > 0 and "(img/papers-t-curve.png)" in out
+    assert hlines == [(50.0, "DENSE, α = 0.1: the paper's 50.00")]  # the paper's DENSE at α = 0.1, once
     assert out == papers.render(res)  # the check renders the same text without drawing
     # FAFI − FedAvg: seed 0 50 − 20, seed 1 60 − 30 → +30 ± 0
     assert "| FAFI | FedAvg | 0.1 | 0,1 | +30.00 ± 0.00 | ±0.00 |" in out

@@ -705,7 +705,8 @@ def cost_lines(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
 
 def curve_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | None) -> Path | None:
     """Test accuracy against generator steps of each fused data-free server (the records' `<name>.curve`), one
-    line per α (the mean over the seeds) over thin per-seed lines; None when no record has a curve."""
+    line per α (the mean over the seeds) over thin per-seed lines, and the paper's printed value for that column and
+    α dotted in the same colour, so the gap is read off the figure; None when no record has a curve."""
     curves: dict[tuple[str, float], list[list]] = {}
     going: list[tuple[str, list]] = []  # unfinished fusions: their curve so far, dashed
     for col, c in spec["columns"].items():
@@ -719,8 +720,8 @@ def curve_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | Non
                     curves.setdefault((col, float(m["alpha"])), []).append(r[f"{c['key'][5:]}.curve"])
             e = in_progress(d).get(c["key"][5:])
             if e and e["curve"]:
-                going.append((f"{col}, α = {float(m['alpha']):g}, seed {m['seed']} (in progress: epoch {e['epoch']}"
-                              f" of {e['epochs']})", e["curve"]))
+                going.append((col, float(m["alpha"]), f"{col}, α = {float(m['alpha']):g}, seed {m['seed']} (in "
+                              f"progress: epoch {e['epoch']} of {e['epochs']})", e["curve"]))
     if not curves and not going:
         return None
     out = Path(f"papers-{spec['table']}-curve.png")
@@ -730,6 +731,13 @@ def curve_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    pubs = []
+
+    def paper_line(col: str, alpha: float, colour: str) -> None:
+        if (pub := published(spec, col, alpha)) is not None:
+            ax.axhline(pub, color=colour, ls=":", lw=1.2, label=f"{col}, α = {alpha:g}: the paper's {pub:.2f}")
+            pubs.append(pub)
+
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for i, ((col, alpha), cs) in enumerate(sorted(curves.items())):
         colour = f"C{i}"
@@ -738,8 +746,13 @@ def curve_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | Non
         n = min(len(cv) for cv in cs)
         ax.plot([p[1] for p in cs[0][:n]], [100 * float(np.mean([cv[k][2] for cv in cs])) for k in range(n)],
                 color=colour, lw=2, label=f"{col}, α = {alpha:g} ({len(cs)} seed{'s' if len(cs) > 1 else ''})")
-    for j, (label, cv) in enumerate(going, len(curves)):
+        paper_line(col, alpha, colour)
+    for j, (col, alpha, label, cv) in enumerate(going, len(curves)):
         ax.plot([p[1] for p in cv], [100 * p[2] for p in cv], color=f"C{j}", lw=1.5, ls="--", marker=".", label=label)
+        if (col, alpha) not in curves:
+            paper_line(col, alpha, f"C{j}")
+    if pubs:  # a dotted line on the frame's edge is not seen
+        ax.set_ylim(top=max(ax.get_ylim()[1], max(pubs) + 2))
     ax.set_xlabel("generator steps")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title(f"{spec['table']}: the data-free server's student during its budget", fontsize=10)
