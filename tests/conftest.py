@@ -148,7 +148,6 @@ def make_partition(labels, num_clients, kind, seed, *, alpha=0.5, shards_per_cli
     return PARTITIONS.create(kind, facts, options)
 
 
-
 @pytest.hookimpl(trylast=True)  # after `-m` has deselected: the slices are of the tests that run
 def pytest_collection_modifyitems(items):
     """The tests marked `long` start first, spread over the test processes: longest first is the classic rule for

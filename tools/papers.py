@@ -708,7 +708,7 @@ def curve_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | Non
     line per α (the mean over the seeds) over thin per-seed lines, and the paper's printed value for that column and
     α dotted in the same colour, so the gap is read off the figure; None when no record has a curve."""
     curves: dict[tuple[str, float], list[list]] = {}
-    going: list[tuple[str, list]] = []  # unfinished fusions: their curve so far, dashed
+    going: list[tuple[str, float, str, list]] = []  # unfinished fusions (column, α, label, curve so far): dashed
     for col, c in spec["columns"].items():
         if not c["key"].startswith("fuse:"):
             continue
