@@ -22,6 +22,8 @@ from flare.data.datasets import load_dataset, stratified_subset
 from flare.errors import FlareError
 from flare.registry import DATASETS
 
+from conftest import PLUGINS
+
 CIFAR_TAR = Path("/work/shared/data/cifar10-jpg.tar.gz")
 
 
@@ -436,7 +438,7 @@ def test_unknown_name_and_formats(tmp_path, cache):
 
 def test_list_datasets():
     # the datasets of tests/plugins/ are registered too when an earlier test in this process imported their module
-    plugins = {f.stem for f in (Path(__file__).parent / "plugins").glob("*.py")}
+    plugins = {f.stem for f in Path(PLUGINS).glob("*.py")}
     names = {n: d for n, d in D.list_datasets() if getattr(DATASETS.get(n).build, "__module__", None) not in plugins}
     assert set(names) == {"fmnist", "mnist", "cifar10", "cifar100", "svhn", "tinyimagenet", "imagefolder",
                           "synthetic-cifar10", "synthetic-cifar100", "features"}
