@@ -725,3 +725,46 @@ def _write_table(tmp_path: Path, spec: dict) -> Path:
     path = tmp_path / "table.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
+
+
+def test_a_fusion_whose_state_is_gone_is_marked_stopped_and_priced_from_the_start(tmp_path, capsys):
+    """A fusion's state lives on one machine; when that machine is replaced the note must stop saying "≈ N h more":
+    `progress --stopped WHY` marks it (reason and date in the block), the cost prices the clients and the whole
+    fusion again, and a state still on disk refuses the mark (exit 2, nothing written)."""
+    papers = _papers()
+    spec = {"table": "t", "paper": "P", "alphas": [0.3], "seeds": [1], "base": {},
+            "methods": {"fedavg": {"preset": "fedavg", "fuse": ["dense"],
+                                   "fuse_options": {"dense": {"epochs": 200, "curve_every": 2}}}},
+            "columns": {"DENSE": {"method": "fedavg", "key": "fuse:dense", "paper_rule": "peak"}},
+            "published": {"DENSE": {0.3: 64.27}}}
+    res, runs = tmp_path / "res", tmp_path / "runs"
+    cell = papers.cells(spec)[0]
+    run_dir = runs / "t" / cell["name"]
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({"server": {"strategies": {"dense": {"g_steps": 30}}}}))
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"kind": "round", "round": 1, "seconds": 3600.0}) + "\n")
+    papers.copy_records(spec, cell, run_dir, res)
+    scratch = run_dir / "fuse-scratch" / "dense"
+    scratch.mkdir(parents=True)
+    torch.save({"epoch": 100, "curve": [[50, 1500, 0.5], [100, 3000, 0.55]], "seconds": 36000.0}, scratch / "a.pt")
+    papers.progress(spec, runs, res)
+    note = res / "t" / cell["name"] / papers.PROGRESS
+    before = note.read_text()
+    table = str(_write_table(tmp_path, spec))
+    args = ["progress", table, "--runs", str(runs), "--results", str(res), "--stopped", "the machine was replaced"]
+    assert papers.main(args) == 2  # its state is still here: it can go on
+    assert "can go on" in capsys.readouterr().err and note.read_text() == before
+    (scratch / "a.pt").unlink()
+    assert papers.main(args[:-1] + [" "]) == 2 and note.read_text() == before  # no reason given
+    assert papers.main(args) == 0
+    assert json.loads(note.read_text())["dense"]["stopped"]["why"] == "the machine was replaced"
+    out = papers.render(res, img_dir=tmp_path / "img")
+    assert ("DENSE over the fedavg α = 0.3, seed-1 clients: **stopped, not a result** — at epoch 100 of 200 "
+            "(3,000 of 6,000 generator steps), after 10.00 h") in out
+    assert "in progress" not in out and ": the machine was replaced; the student's test accuracy" in out
+    # the clients' 1 h again and 200 epochs at 360 s each (20 h): 21 h, two items
+    assert ("its dense server stopped at epoch 100 of 200 after 10.00 h (to finish: the clients trained again and "
+            "the fusion from its first epoch, ≈ 21.00 h at their own rates)") in out
+    assert "still to run: 2 client cells and fusions, ≈ 21.00 h at these rates" in out
+    assert papers.main(args) == 2  # already stopped: nothing left to mark
+    assert "no recorded unfinished fusion" in capsys.readouterr().err

@@ -4,6 +4,7 @@ comparison with the published numbers.
     python tools/papers.py run configs/papers/fedlpa-fmnist.yaml [--commit] [--runs runs/papers] [--dry-run]
                                                                  [--set KEY=VALUE ...]
     python tools/papers.py progress configs/papers/T.yaml [--commit]   # how far unfinished fusions got, recorded
+    python tools/papers.py progress configs/papers/T.yaml --stopped "WHY" [--commit]   # their state is gone
     python tools/papers.py render                    # rewrite docs/papers.md's "Against the published numbers"
     python tools/papers.py render --check            # exit 1 if the committed block differs from the records
 
@@ -215,6 +216,33 @@ def progress(spec: dict, runs: Path, dest: Path = RESULTS) -> tuple[list[Path], 
             (rec / PROGRESS).write_text(json.dumps(notes, indent=1) + "\n")
             written.append(rec / PROGRESS)
     return written, skipped
+
+
+def stop(spec: dict, runs: Path, why: str, dest: Path = RESULTS, on: str | None = None) -> tuple[list[Path], list[str]]:
+    """Mark each recorded unfinished fusion of the table as stopped, with `why` and the date: its state (weights
+    included, never committed) is gone — the machine that held it was replaced — so it cannot go on, and the block
+    must no longer price it as "≈ N h more". A fusion whose state is still on disk under `runs` is refused (named in
+    the second list): it can go on, and marking it stopped would throw that away. Returns the notes written and the
+    refusals; nothing is written when anything is refused."""
+    on = on or time.strftime("%Y-%m-%d", time.gmtime())
+    todo, refused = [], []
+    for cell in cells(spec):
+        rec = dest / spec["table"] / cell["name"]
+        notes = json.loads((rec / PROGRESS).read_text()) if (rec / PROGRESS).is_file() else {}
+        open_ = [s for s in notes if s in in_progress(rec) and "stopped" not in notes[s]]
+        for s in open_:
+            states = sorted((runs / spec["table"] / cell["name"] / "fuse-scratch" / s).glob("*.pt"))
+            if states:
+                refused.append(f"{cell['name']}: its {s} build state is on disk ({states[0]}), so the fusion can go "
+                               f"on (run --fuse-only), not stop")
+        if open_:
+            todo.append((rec, {s: {**e, "stopped": {"why": why, "on": on}} if s in open_ else e
+                               for s, e in notes.items()}))
+    if refused:
+        return [], refused
+    for rec, notes in todo:
+        (rec / PROGRESS).write_text(json.dumps(notes, indent=1) + "\n")
+    return [rec / PROGRESS for rec, _ in todo], []
 
 
 def describe(spec: dict, dest: Path, shown: dict | None = None) -> Path:
@@ -610,9 +638,12 @@ def progress_lines(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
                      f" ({e['epoch'] * e['g_steps']:,} of {e['epochs'] * e['g_steps']:,} generator steps)")
             curve = ", ".join(f"{100 * p[2]:.2f}" for p in e["curve"])
             best = max(e["curve"], key=lambda p: p[2]) if e["curve"] else None
-            out.append(f"{col} over the {m['method']} α = {float(m['alpha']):g}, seed-{m['seed']} clients: **in "
-                       f"progress, not a result** — epoch {e['epoch']} of {e['epochs']}{steps}, "
-                       f"{_duration(e['seconds'] / 3600)} so far (state of {e['as_of']})"
+            head = (f"**stopped, not a result** — at epoch {e['epoch']} of {e['epochs']}{steps}, after "
+                    f"{_duration(e['seconds'] / 3600)} (state of {e['as_of']}); stopped on {e['stopped']['on']}: "
+                    f"{e['stopped']['why']}" if e.get("stopped") else
+                    f"**in progress, not a result** — epoch {e['epoch']} of {e['epochs']}{steps}, "
+                    f"{_duration(e['seconds'] / 3600)} so far (state of {e['as_of']})")
+            out.append(f"{col} over the {m['method']} α = {float(m['alpha']):g}, seed-{m['seed']} clients: {head}"
                        + (f"; the student's test accuracy every {e['curve'][0][1]:,} steps: {curve} (highest "
                           f"{100 * best[2]:.2f} at step {best[1]:,})" if best else "") + ".")
     return ([""] + out + [""]) if out else []
@@ -680,13 +711,22 @@ def cost_lines(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
         for server in sorted(servers):
             recs = [fuse_records(d, server) for d in mine]  # each cell's fuse file read once
             secs = [float(r[-1].get("seconds", 0.0)) / 3600 for r in recs if r]
-            going = [e for e in (in_progress(d).get(server) for d in mine) if e and e["epoch"] and e["epochs"]]
-            for e in going:
-                left = e["seconds"] / e["epoch"] * (e["epochs"] - e["epoch"]) / 3600
-                parts.append(f"its {server} server in progress, epoch {e['epoch']} of {e['epochs']} after "
-                             f"{_duration(e['seconds'] / 3600)} (≈ {_duration(left)} more at its own rate)")
-                todo_h, todo_n = todo_h + left, todo_n + 1
-            missing = len(todo) + sum(1 for r in recs if not r) - len(going)
+            notes = [(d, e) for d, e in ((d, in_progress(d).get(server)) for d in mine)
+                     if e and e["epoch"] and e["epochs"]]
+            for d, e in notes:
+                rate = e["seconds"] / e["epoch"] / 3600  # hours an epoch
+                if e.get("stopped"):  # its state is gone with its clients: both from the start again
+                    again = _cell_hours(d) + rate * e["epochs"]
+                    parts.append(f"its {server} server stopped at epoch {e['epoch']} of {e['epochs']} after "
+                                 f"{_duration(e['seconds'] / 3600)} (to finish: the clients trained again and the "
+                                 f"fusion from its first epoch, ≈ {_duration(again)} at their own rates)")
+                    todo_h, todo_n = todo_h + again, todo_n + 2
+                else:
+                    left = rate * (e["epochs"] - e["epoch"])
+                    parts.append(f"its {server} server in progress, epoch {e['epoch']} of {e['epochs']} after "
+                                 f"{_duration(e['seconds'] / 3600)} (≈ {_duration(left)} more at its own rate)")
+                    todo_h, todo_n = todo_h + left, todo_n + 1
+            missing = len(todo) + sum(1 for r in recs if not r) - len(notes)
             if secs:
                 parts.append(f"its {server} server {_rate(secs, 'fusion')}")
                 todo_h, todo_n = todo_h + np.mean(secs) * missing, todo_n + missing
@@ -720,8 +760,9 @@ def curve_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | Non
                     curves.setdefault((col, float(m["alpha"])), []).append(r[f"{c['key'][5:]}.curve"])
             e = in_progress(d).get(c["key"][5:])
             if e and e["curve"]:
-                going.append((col, float(m["alpha"]), f"{col}, α = {float(m['alpha']):g}, seed {m['seed']} (in "
-                              f"progress: epoch {e['epoch']} of {e['epochs']})", e["curve"]))
+                state = "stopped at" if e.get("stopped") else "in progress:"
+                going.append((col, float(m["alpha"]), f"{col}, α = {float(m['alpha']):g}, seed {m['seed']} ({state} "
+                              f"epoch {e['epoch']} of {e['epochs']})", e["curve"]))
     if not curves and not going:
         return None
     out = Path(f"papers-{spec['table']}-curve.png")
@@ -841,6 +882,9 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--runs", default=str(ROOT / "runs" / "papers"))
     q.add_argument("--results", default=str(RESULTS), help="the records directory (default results/papers)")
     q.add_argument("--commit", action="store_true", help="render the block and commit it with the notes")
+    q.add_argument("--stopped", metavar="WHY", help="mark the recorded unfinished fusions as stopped for this reason "
+                   "(their state is gone, e.g. the machine that held it was replaced): the block stops pricing them "
+                   "as going on; refused where a state is still on disk")
     g = sub.add_parser("render", help="rewrite docs/papers.md's block from results/papers/")
     g.add_argument("--check", action="store_true", help="exit 1 if the committed block is stale")
     g.add_argument("--results", default=str(RESULTS), help="the records directory (default results/papers)")
@@ -860,17 +904,28 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return run(spec, Path(a.runs), commit=a.commit, dry_run=a.dry_run, overrides=a.set,
                    defer=tuple(a.defer), fuse_only=a.fuse_only, only=tuple(a.cells), table_path=a.table)
-    if a.cmd == "progress":
+    if a.cmd == "progress" and a.stopped is not None:
+        if not a.stopped.strip():
+            print("papers: --stopped needs the reason, as the block will print it", file=sys.stderr)
+            return 2
+        written, refused = stop(spec, Path(a.runs), a.stopped.strip(), Path(a.results))
+        if refused or not written:
+            print("papers: nothing marked stopped — " + ("; ".join(refused) if refused else
+                  f"{spec['table']} has no recorded unfinished fusion that is not stopped already"), file=sys.stderr)
+            return 2
+    elif a.cmd == "progress":
         written, skipped = progress(spec, Path(a.runs), Path(a.results))
         for why in skipped:
             print(f"papers: skipped {why}", file=sys.stderr)
+    if a.cmd == "progress":
         for f in written:
             print(f)
         if a.commit and written:
             subprocess.check_call([sys.executable, str(Path(__file__).resolve()), "render", "--results", a.results],
                                   cwd=ROOT)
             _git_commit([*map(str, written), str(DOC), str(DOC.parent / "img")],
-                        f"papers: {spec['table']} fusions in progress ({len(written)} cell{'s' * (len(written) != 1)})")
+                        f"papers: {spec['table']} fusions {'stopped' if a.stopped else 'in progress'} "
+                        f"({len(written)} cell{'s' * (len(written) != 1)})")
         return 0
     if a.cmd == "describe":
         if not (Path(a.results) / spec["table"]).is_dir():
