@@ -35,7 +35,6 @@ from flare.experiments.sweep import run_sweep  # noqa: E402
 from flare.fuse import fuse_runs  # noqa: E402
 from flare.lrprobe import format_probe, probe  # noqa: E402
 from flare.registry import MODELS, REGISTRIES, load_plugins  # noqa: E402
-from flare.report.report import write_report  # noqa: E402
 from flare.rundir import RunDir, extension_problem  # noqa: E402
 from flare.runner import Run  # noqa: E402
 
@@ -161,8 +160,8 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_report(args) -> None:
-    default = Path(args.dirs[0]) / "report" if len(args.dirs) == 1 else _default_out("report")
-    out = Path(args.out) if args.out else default
+    from flare.report.report import write_report  # lazy: pyplot, about 0.8 s a process; only `flare report` needs it
+    out = Path(args.out or (Path(args.dirs[0]) / "report" if len(args.dirs) == 1 else _default_out("report")))
     print(f"report: {write_report(args.dirs, out, title=args.title or 'FLARE report', baseline=args.baseline)}")
 
 

@@ -8,7 +8,6 @@ from pathlib import Path
 from flare.config import config_for_preset, deep_merge, parse_list, parse_overrides, read_yaml_mapping
 from flare.errors import FlareError
 from flare.experiments.execute import Point, execute_points
-from flare.report.compare import write_compare_report
 from flare.rundir import RunDir
 from flare.runner import Run
 
@@ -63,4 +62,5 @@ def run_compare(presets: list[str], out: Path, config_file: str | None = None, o
     else:
         for name, d, cfg in plan:
             Run(cfg, d, quiet=quiet, label=name if seeds is None else f"{name} seed {cfg.seed}").execute()
+    from flare.report.compare import write_compare_report  # lazy: pyplot (about 0.8 s), once runs are done
     return write_compare_report([(n, [d for m, d, _ in plan if m == n]) for n in presets], out, baseline)

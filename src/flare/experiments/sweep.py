@@ -26,7 +26,6 @@ from flare.config import (build_config, config_for_preset, deep_merge, known_key
                           parse_overrides, read_yaml_mapping)
 from flare.config.protocol import _set
 from flare.errors import FlareError
-from flare.report.report import write_report
 from flare.report.tables import points_table
 from flare.experiments.execute import Point, check_dirs, execute_points, format_throughput, point_status, throughput
 from flare.rundir import RunDir, atomic_write_text
@@ -292,6 +291,7 @@ def run_sweep(path: str | Path, out: str | Path | None = None, *, overrides: lis
     if not quiet:
         print(f"\n{table}\n\n{line}\n")
     if report and (dirs := [p.dir for p in points if (p.dir / "metrics.jsonl").exists()]):
+        from flare.report.report import write_report  # lazy: pyplot (about 0.8 s), only a sweep that reports
         md = write_report(dirs, out / "report", title=f"Sweep {spec.name}")
         if not quiet:
             print(f"report: {md}")

@@ -5,7 +5,6 @@ import math
 import os
 from pathlib import Path
 
-from flare.report.figures import plot_accuracy, plot_diagnostics, plot_label_distribution, plot_lambda
 from flare.rundata import RunData, num
 from flare.records import acc_keys
 from flare.rundir import DIAG, SUMMARY, atomic_write_text
@@ -110,6 +109,8 @@ def write_run_report(run_dir: str | Path) -> RunData:
     """Plots and summary.md; returns the RunData it read (callers need not read the directory again)."""
     run, draw = RunData.load(run_dir), os.environ.get("FLARE_PLOTS", "1") != "0"
     (plots := Path(run_dir) / "plots").mkdir(exist_ok=True)
+    if draw:  # lazy: pyplot costs a process about 0.8 s to import; only a process that draws pays it
+        from flare.report.figures import plot_accuracy, plot_diagnostics, plot_label_distribution, plot_lambda
     if draw and run.rounds:
         plot_accuracy(run, plots / "accuracy.png")
         plot_diagnostics(run, plots / "diagnostics.png")

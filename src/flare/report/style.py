@@ -10,13 +10,8 @@ from __future__ import annotations
 import math
 import zlib
 
-import matplotlib
-from matplotlib.colors import to_hex
-
 from flare.config import preset_metadata
 from flare.registry import STRATEGIES
-
-_CYCLE = [to_hex(c) for c in matplotlib.rcParamsDefault["axes.prop_cycle"].by_key()["color"]]
 
 
 def method_label(method: str) -> str:
@@ -26,8 +21,12 @@ def method_label(method: str) -> str:
 
 def method_colour(method: str) -> str:
     """The preset's `color`, else a stable pick from matplotlib's default colour cycle."""
-    colour = preset_metadata(method).get("color")
-    return str(colour) if colour else _CYCLE[zlib.crc32(method.encode()) % len(_CYCLE)]
+    if colour := preset_metadata(method).get("color"):
+        return str(colour)
+    from matplotlib import rcParamsDefault  # lazy: about 0.4 s to import; paid where a figure is coloured
+    from matplotlib.colors import to_hex
+    cycle = [to_hex(c) for c in rcParamsDefault["axes.prop_cycle"].by_key()["color"]]
+    return cycle[zlib.crc32(method.encode()) % len(cycle)]
 
 
 def method_order(method: str) -> float:
