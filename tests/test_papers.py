@@ -673,11 +673,10 @@ def test_the_reference_fedlpa_plugin_uploads_the_references_kfac_factors(monkeyp
     assert all(torch.isfinite(v).all() for v in fused.values())
 
 
-def test_an_unfinished_fusion_is_recorded_as_progress_apart_from_the_columns(tmp_path, capsys):
-    """A fusion at the published budget spans sittings and its state is never committed: `progress` records its
-    curve so far beside the cell's records (no weights), the block prints it apart from the column (which stays
-    empty), prices what is left at its own rate and draws it; two build states are named and skipped; the fuse
-    record, when it lands, removes the note."""
+def _one_dense_cell(tmp_path: Path, config: dict, rounds_seconds: float | None = None):
+    """A table of one DENSE column at the published 200 epochs over one recorded cell (β = 0.3, seed 1) whose run
+    directory holds `config` (and one round record of `rounds_seconds`): papers, the spec, the cell, the run
+    directory, the results and runs roots, and the empty folder where the build's state goes."""
     papers = _papers()
     spec = {"table": "t", "paper": "P", "alphas": [0.3], "seeds": [1], "base": {},
             "methods": {"fedavg": {"preset": "fedavg", "fuse": ["dense"],
@@ -688,11 +687,22 @@ def test_an_unfinished_fusion_is_recorded_as_progress_apart_from_the_columns(tmp
     cell = papers.cells(spec)[0]
     run_dir = runs / "t" / cell["name"]
     run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump({"server": {"strategies": {"dense": {"epochs": 20,
-                                                                                             "g_steps": 30}}}}))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    if rounds_seconds is not None:
+        (run_dir / "metrics.jsonl").write_text(json.dumps({"kind": "round", "round": 1,
+                                                           "seconds": rounds_seconds}) + "\n")
     papers.copy_records(spec, cell, run_dir, res)
-    scratch = run_dir / "fuse-scratch" / "dense"
-    scratch.mkdir(parents=True)
+    (scratch := run_dir / "fuse-scratch" / "dense").mkdir(parents=True)
+    return papers, spec, cell, run_dir, res, runs, scratch
+
+
+def test_an_unfinished_fusion_is_recorded_as_progress_apart_from_the_columns(tmp_path, capsys):
+    """A fusion at the published budget spans sittings and its state is never committed: `progress` records its
+    curve so far beside the cell's records (no weights), the block prints it apart from the column (which stays
+    empty), prices what is left at its own rate and draws it; two build states are named and skipped; the fuse
+    record, when it lands, removes the note."""
+    papers, spec, cell, run_dir, res, runs, scratch = _one_dense_cell(
+        tmp_path, {"server": {"strategies": {"dense": {"epochs": 20, "g_steps": 30}}}})
     torch.save({"student": {"w": torch.zeros(3)}, "epoch": 4, "curve": [[2, 60, 0.3], [4, 120, 0.45]],
                 "seconds": 100.0}, scratch / "a.pt")
     written, skipped = papers.progress(spec, runs, res)
@@ -731,21 +741,8 @@ def test_a_fusion_whose_state_is_gone_is_marked_stopped_and_priced_from_the_star
     """A fusion's state lives on one machine; when that machine is replaced the note must stop saying "≈ N h more":
     `progress --stopped WHY` marks it (reason and date in the block), the cost prices the clients and the whole
     fusion again, and a state still on disk refuses the mark (exit 2, nothing written)."""
-    papers = _papers()
-    spec = {"table": "t", "paper": "P", "alphas": [0.3], "seeds": [1], "base": {},
-            "methods": {"fedavg": {"preset": "fedavg", "fuse": ["dense"],
-                                   "fuse_options": {"dense": {"epochs": 200, "curve_every": 2}}}},
-            "columns": {"DENSE": {"method": "fedavg", "key": "fuse:dense", "paper_rule": "peak"}},
-            "published": {"DENSE": {0.3: 64.27}}}
-    res, runs = tmp_path / "res", tmp_path / "runs"
-    cell = papers.cells(spec)[0]
-    run_dir = runs / "t" / cell["name"]
-    run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump({"server": {"strategies": {"dense": {"g_steps": 30}}}}))
-    (run_dir / "metrics.jsonl").write_text(json.dumps({"kind": "round", "round": 1, "seconds": 3600.0}) + "\n")
-    papers.copy_records(spec, cell, run_dir, res)
-    scratch = run_dir / "fuse-scratch" / "dense"
-    scratch.mkdir(parents=True)
+    papers, spec, cell, run_dir, res, runs, scratch = _one_dense_cell(
+        tmp_path, {"server": {"strategies": {"dense": {"g_steps": 30}}}}, rounds_seconds=3600.0)
     torch.save({"epoch": 100, "curve": [[50, 1500, 0.5], [100, 3000, 0.55]], "seconds": 36000.0}, scratch / "a.pt")
     papers.progress(spec, runs, res)
     note = res / "t" / cell["name"] / papers.PROGRESS
