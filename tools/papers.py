@@ -228,14 +228,14 @@ def stop(spec: dict, runs: Path, why: str, dest: Path = RESULTS, on: str | None 
     todo, refused = [], []
     for cell in cells(spec):
         rec = dest / spec["table"] / cell["name"]
-        notes = json.loads((rec / PROGRESS).read_text()) if (rec / PROGRESS).is_file() else {}
-        open_ = [s for s in notes if s in in_progress(rec) and "stopped" not in notes[s]]
+        open_ = [s for s, e in in_progress(rec).items() if "stopped" not in e]
         for s in open_:
             states = sorted((runs / spec["table"] / cell["name"] / "fuse-scratch" / s).glob("*.pt"))
             if states:
                 refused.append(f"{cell['name']}: its {s} build state is on disk ({states[0]}), so the fusion can go "
                                f"on (run --fuse-only), not stop")
         if open_:
+            notes = json.loads((rec / PROGRESS).read_text())
             todo.append((rec, {s: {**e, "stopped": {"why": why, "on": on}} if s in open_ else e
                                for s, e in notes.items()}))
     if refused:
@@ -904,20 +904,20 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return run(spec, Path(a.runs), commit=a.commit, dry_run=a.dry_run, overrides=a.set,
                    defer=tuple(a.defer), fuse_only=a.fuse_only, only=tuple(a.cells), table_path=a.table)
-    if a.cmd == "progress" and a.stopped is not None:
-        if not a.stopped.strip():
+    if a.cmd == "progress":
+        if a.stopped is None:
+            written, skipped = progress(spec, Path(a.runs), Path(a.results))
+            for why in skipped:
+                print(f"papers: skipped {why}", file=sys.stderr)
+        elif not a.stopped.strip():
             print("papers: --stopped needs the reason, as the block will print it", file=sys.stderr)
             return 2
-        written, refused = stop(spec, Path(a.runs), a.stopped.strip(), Path(a.results))
-        if refused or not written:
-            print("papers: nothing marked stopped — " + ("; ".join(refused) if refused else
-                  f"{spec['table']} has no recorded unfinished fusion that is not stopped already"), file=sys.stderr)
-            return 2
-    elif a.cmd == "progress":
-        written, skipped = progress(spec, Path(a.runs), Path(a.results))
-        for why in skipped:
-            print(f"papers: skipped {why}", file=sys.stderr)
-    if a.cmd == "progress":
+        else:
+            written, refused = stop(spec, Path(a.runs), a.stopped.strip(), Path(a.results))
+            if refused or not written:
+                why = "; ".join(refused) or f"{spec['table']} has no recorded unfinished fusion not stopped already"
+                print(f"papers: nothing marked stopped — {why}", file=sys.stderr)
+                return 2
         for f in written:
             print(f)
         if a.commit and written:
