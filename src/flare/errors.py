@@ -6,6 +6,16 @@ Everything a user can get wrong (a config key, a missing dataset, an unreadable 
 from __future__ import annotations
 
 
+SHORT = 80  # characters of a value an error message echoes
+
+
+def short(value) -> str:
+    """`repr(value)`, cut to its first SHORT characters: an error message names what the user wrote without echoing
+    megabytes of it back (a YAML alias bomb under a known key expands to a value of any size)."""
+    text = repr(value)
+    return text if len(text) <= SHORT else f"{text[:SHORT]}… ({len(text):,} characters)"
+
+
 class FlareError(Exception):
     """A problem the user can fix. `key` names the config key at fault (if any), `fix` says how."""
 
@@ -14,9 +24,18 @@ class FlareError(Exception):
         super().__init__(self.render())
 
     def render(self) -> str:
-        head = f"{self.key}: " if self.key else ""
-        tail = f" Fix: {self.fix}" if self.fix else ""
-        return f"{head}{self.message}{tail}"
+        """One paragraph, bounded: a part of it longer than MAX_PART (a value echoed whole somewhere) is cut."""
+        head = f"{_cut(self.key)}: " if self.key else ""
+        tail = f" Fix: {_cut(self.fix)}" if self.fix else ""
+        return f"{head}{_cut(self.message)}{tail}"
+
+
+MAX_PART = 4000  # characters of a message, a key or a fix; far above any message written on purpose
+
+
+def _cut(text: str) -> str:
+    text = str(text)
+    return text if len(text) <= MAX_PART else f"{text[:MAX_PART]}… (cut: {len(text):,} characters)"
 
 
 class KeyedValueError(ValueError):

@@ -100,6 +100,7 @@ def check(run_dir: str | Path, names: list[str], round_: int | None, options: di
         STRATEGIES.entry(n, key="--strategies")
         STRATEGIES.check(n, cfg)
         cfg.check_fuses_mixed(n, "--strategies")
+        cfg.check_reads(n, "--strategies")
         if STRATEGIES.get(n).needs_prototypes and cfg.head != "prototype":
             raise FlareError(f"strategy '{n}' reads prototypes, which the run '{rd.path}' (loss.objective="
                              f"{cfg.loss.objective}) has not.", key="--strategies",

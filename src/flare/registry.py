@@ -23,6 +23,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import math
 import re
 import sys
 import types
@@ -30,12 +31,12 @@ import typing
 import warnings
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticUndefined
 
-from flare.errors import FlareError, KeyedValueError
+from flare.errors import FlareError, KeyedValueError, short
 
 # The modules that register the built-in parts (imported on the first lookup of any registry).
 BUILTIN_MODULES = ("flare.models", "flare.schedules", "flare.data.datasets", "flare.data.features", "flare.data.partition",
@@ -60,6 +61,24 @@ def boolean_number(model: type[BaseModel], field: str, value: Any) -> str | None
     if float in args:
         return "a boolean is not a number; give a number"
     return None
+
+
+def nonfinite_option(model: BaseModel) -> str | None:
+    """The first float option of a validated `model` that holds NaN or ±inf, unless its field says it may
+    (`Field(allow_inf_nan=True)`): an infinite learning rate or temperature passes a `gt=0` bound and fails only
+    after the clients have trained, so every part's options are finite unless they say otherwise."""
+    for name, info in type(model).model_fields.items():
+        value = getattr(model, name, None)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        allowed = any(getattr(m, "allow_inf_nan", None) for m in info.metadata)
+        if not allowed and any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            return name
+    return None
+
+
+# Every seed a config or a part's options take: numpy's generators and scikit-learn's random_state take an unsigned
+# 32-bit seed and fail with a traceback on anything else, so the bound is checked with the config.
+Seed = Annotated[int, Field(ge=0, lt=2 ** 32)]
 
 
 class TermOptions(BaseModel):
@@ -213,7 +232,7 @@ class Registry:
     def unknown(self, name: object, key: str | None = None, also: tuple[str, ...] = ()) -> str:
         """The message for a name nobody registered: the key, the close matches, the registered names (and the
         other words the key accepts, `also`)."""
-        return f"unknown {self.kind} {name!r} for {key or self.key}{self._hint(name, also)}; {self._choices(also)}"
+        return f"unknown {self.kind} {short(name)} for {key or self.key}{self._hint(name, also)}; {self._choices(also)}"
 
     def _hint(self, name: object, also: tuple[str, ...] = ()) -> str:
         hit = self._space(name)
@@ -232,7 +251,7 @@ class Registry:
         if (hit := self._space(name)) is not None and hit[1] in hit[0].names():
             return hit[0].entry(hit[1])
         if name not in self._entries:
-            raise FlareError(f"unknown {self.kind} {name!r}{self._hint(name)}.", key=key or self.key,
+            raise FlareError(f"unknown {self.kind} {short(name)}{self._hint(name)}.", key=key or self.key,
                              fix=f"use a {self._choices()}.")
         return self._entries[name]
 
@@ -261,7 +280,7 @@ class Registry:
         entry = self.entry(name)
         mapping = mapping or {}
         if not isinstance(mapping, dict):
-            raise KeyedValueError(key, f"{key} must be a mapping of option: value, got {mapping!r}")
+            raise KeyedValueError(key, f"{key} must be a mapping of option: value, got {short(mapping)}")
         model = entry.options or self.default_options
         if model is None:
             if mapping:
@@ -269,13 +288,16 @@ class Registry:
             return None
         for option, value in mapping.items():
             if why := boolean_number(model, option, value):
-                raise KeyedValueError(f"{key}.{option}", f"{key}.{option}={value!r}: {why}")
+                raise KeyedValueError(f"{key}.{option}", f"{key}.{option}={short(value)}: {why}")
         try:
-            return model.model_validate(mapping)
+            opts = model.model_validate(mapping)
         except ValidationError as err:
             e = err.errors()[0]
             where = ".".join([key, *(str(x) for x in e["loc"])])
-            raise KeyedValueError(where, f"{where}={e.get('input')!r}: {e['msg']}") from None
+            raise KeyedValueError(where, f"{where}={short(e.get('input'))}: {e['msg']}") from None
+        if (bad := nonfinite_option(opts)) is not None:
+            raise KeyedValueError(f"{key}.{bad}", f"{key}.{bad}={getattr(opts, bad)!r}: give a finite number")
+        return opts
 
 
 MODELS = Registry("model", "model.name", "flare.models:ModelBuilder")
@@ -323,7 +345,7 @@ def load_plugins(modules: object, key: str = "plugins") -> list[str]:
     if modules is None:
         return []
     if not isinstance(modules, (list, tuple)) or not all(isinstance(m, str) for m in modules):
-        raise FlareError(f"plugins must be a list of module names, got {modules!r}.", key=key,
+        raise FlareError(f"plugins must be a list of module names, got {short(modules)}.", key=key,
                          fix="write e.g. plugins: [my_pkg.my_methods].")
     example = "--plugin my_methods" if key.startswith("--") else "plugins: [my_methods]"
     for m in modules:

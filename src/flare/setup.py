@@ -300,6 +300,9 @@ class RunSetup:
         server = ServerSetup.build(cfg)
         data = server.take_data()
         part = split(cfg, data.train_y, data.num_classes)
+        histogram = part.histogram()
+        for strategy in server.strategies.values():  # options the drawn data cannot serve: refused before training
+            strategy.check_partition(histogram)
         first = server.initial_message()
         ctx = client_context(cfg, server.meta, server.backend, server.template.feature_dim, data.train_x,
                              data.train_y, first)

@@ -345,6 +345,7 @@ class DataFree(Strategy):
 
     every_round = False
     mixed_architectures = True  # the ensemble teaches a fresh student of the server architecture (server.model)
+    inputs = ("images",)  # its generator synthesises images of the run's shape
     tag, coboost = 0, False
     synthesis = Synthesis
 

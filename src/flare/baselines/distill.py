@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flare.baselines.kd import (Cost, agreement, client_logits, crop_flip, eval_mode, fresh_model, generator, kd_loss,
                                 passes, public_slice, require_public)
+from flare.errors import FlareError
 from flare.models import layout
 from flare.progress import Counter
 from flare.rng import derived_seed
@@ -56,6 +57,10 @@ class FedDF(Strategy):
     @classmethod
     def check(cls, cfg) -> None:  # at config validation: before any client trains
         require_public(cfg, "feddf")
+        if cfg.data_kind != "images" and cls.options_in(cfg).augment:
+            raise FlareError(f"server.strategies.feddf.augment=true crops and flips images; dataset.name="
+                             f"{cfg.dataset.name} holds {cfg.data_kind}.", key="server.strategies.feddf.augment",
+                             fix="set server.strategies.feddf.augment=false.")
 
     def predictor(self, ctx: ServerContext) -> ModelPredictor:
         with eval_mode(ctx.models), torch.enable_grad():  # frozen teachers; the student trains whatever the caller set

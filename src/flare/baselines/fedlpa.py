@@ -29,14 +29,14 @@ from torch import Tensor, nn
 from flare.baselines.otfusion import BN_LAYERS, check_same_architecture, chosen_by
 from flare.errors import FlareError
 from flare.models import PrototypeHead, create_model
-from flare.registry import STRATEGIES
+from flare.registry import STRATEGIES, Seed
 from flare.server.strategy import ModelPredictor, ServerContext, Strategy
 
 class FactorOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     batches: int = Field(4, ge=1, description="batches of the client's samples the factors average over")
     batch_size: int = Field(128, ge=1, description="samples per batch (the factors' own, not the run's)")
-    seed: int = Field(0, description="with the run's seed and the client id, picks the samples (and sampled labels)")
+    seed: Seed = Field(0, description="with the run's seed and the client id, picks the samples (and sampled labels)")
     max_block: int = Field(0, ge=0, description="0: full factors; else a factor larger than this is kept "
                                                 "block-diagonal, in equal blocks of at most max_block")
     damping: float = Field(1e-3, ge=0, description="F_k + λ I, λ = damping · Σ_k w_k mean(diag F_k), on every factor")

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
 from flare.errors import FlareError
-from flare.registry import STRATEGIES
+from flare.registry import STRATEGIES, Seed
 from flare.rng import derived_seed
 from flare.server.strategy import ModelPredictor, ServerContext, Strategy
 
@@ -41,15 +41,6 @@ class FeatureLinear(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         x = x.flatten(1)
         return x, self.linear(x)
-
-
-def needs_features(name: str):
-    def check(cfg) -> None:
-        if cfg.dataset.name != "features":
-            raise FlareError(f"server strategy {name} reads a frozen encoder's features; dataset.name="
-                             f"{cfg.dataset.name} is an image dataset.", key=f"server.strategies.{name}",
-                             fix="set dataset.name=features (docs/frozen-encoder.md).")
-    return check
 
 
 def frozen_dim(template: nn.Module) -> int:
@@ -90,9 +81,11 @@ class FedCGSOptions(BaseModel):
     gamma: float = Field(0.0, ge=0, description="γ added to the covariance's diagonal (the reference's default 0)")
 
 
-@STRATEGIES.register("fedcgs", options=FedCGSOptions, check=needs_features("fedcgs"))
+@STRATEGIES.register("fedcgs", options=FedCGSOptions)
 class FedCGS(Strategy):
     """FedCGS: summed per-class first and second moments of the frozen features → a Gaussian (LDA) head."""
+
+    inputs = ("features",)
 
     mixed_architectures = True  # it never reads a client's model
 
@@ -123,7 +116,7 @@ class FedPFTOptions(BaseModel):
     cov_type: Literal["spherical", "diag"] = Field("spherical", description="the mixtures' covariance type")
     tol: float = Field(1e-12, gt=0, description="EM convergence tolerance")
     max_iter: int = Field(10000, ge=1, description="EM iterations at most")
-    gmm_seed: int = Field(0, description="the mixtures' random_state (fit and sample), as the baseline's seed")
+    gmm_seed: Seed = Field(0, description="the mixtures' random_state (fit and sample), as the baseline's seed")
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate of the server's head")
     epochs: int = Field(1, ge=1, description="epochs over the synthetic features")
     batch_size: int = Field(32, ge=1, description="synthetic features per step")
@@ -196,9 +189,19 @@ def train_head(x: Tensor, y: Tensor, num_classes: int, o: FedPFTOptions,
     return head, losses
 
 
-@STRATEGIES.register("fedpft", options=FedPFTOptions, check=needs_features("fedpft"))
+@STRATEGIES.register("fedpft", options=FedPFTOptions)
 class FedPFT(Strategy):
     """FedPFT: per-class Gaussian mixtures of the frozen features → synthetic features → a linear head (AdamW)."""
+
+    inputs = ("features",)
+
+    def check_partition(self, histogram) -> None:
+        if int(histogram.max(initial=0)) <= self.options.n_mixtures:  # fit_class_mixtures skips every class
+            raise FlareError(f"server.strategies.fedpft.n_mixtures={self.options.n_mixtures}: a client fits a class's "
+                             f"mixture only from more samples than components, and the largest class of any client "
+                             f"holds {int(histogram.max(initial=0))}; nothing would be uploaded.",
+                             key="server.strategies.fedpft.n_mixtures",
+                             fix=f"set it below {int(histogram.max(initial=0))}, or give the clients more data.")
 
     every_round = False
     mixed_architectures = True

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from flare.config.protocol import _get, _set
 from flare.config.schema import RENAMED, RENAMED_VALUES, Config, KeyedValueError
-from flare.errors import FlareError
+from flare.errors import FlareError, short
 from flare.records import config_differences, flatten
 from flare.registry import STRATEGIES
 
@@ -30,9 +30,46 @@ class DuplicateKey(yaml.YAMLError):
         self.key, self.first, self.again = key, first, again
 
 
+class TooLarge(yaml.YAMLError):
+    def __init__(self, values: int):
+        super().__init__(f"it expands to more than {MAX_VALUES:,} values ({values:,} counted so far): its aliases "
+                         "(*name) repeat anchored values (&name) inside each other")
+
+
+MAX_VALUES = 100_000  # values a document may expand to; a config holds hundreds
+
+
+def expanded_size(root: yaml.Node) -> int:
+    """How many values the document under `root` holds once every alias is expanded, counted on the composed node
+    graph (where an alias is a second reference to one node), stopping past MAX_VALUES: PyYAML expands aliases
+    without bound, so a few lines of nested aliases (a "billion laughs") become gigabytes wherever the value is
+    walked or echoed. Written here because PyYAML has no such limit."""
+    size: dict[int, int] = {}
+    stack = [(root, False)]
+    while stack:  # post-order without recursion: a deeply nested document must not exhaust the stack
+        node, children_done = stack.pop()
+        if id(node) in size:
+            continue
+        kids = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else (
+            node.value if isinstance(node, yaml.SequenceNode) else [])
+        if children_done or not kids:
+            size[id(node)] = total = 1 + sum(size[id(k)] for k in kids)
+            if total > MAX_VALUES:
+                raise TooLarge(total)
+        else:
+            stack.append((node, True))
+            stack.extend((k, False) for k in kids if id(k) not in size)
+    return size[id(root)]
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """yaml.safe_load keeps the last of two equal keys without a word; a config that says `rounds: 5` and later
-    `rounds: 50` is a mistake to report, not to guess at."""
+    `rounds: 50` is a mistake to report, not to guess at. A document that expands past MAX_VALUES is refused before
+    it is built (`expanded_size`)."""
+
+    def construct_document(self, node):
+        expanded_size(node)
+        return super().construct_document(node)
 
     def construct_mapping(self, node, deep=False):
         seen = {}
@@ -123,8 +160,10 @@ def parse_overrides(items: list[str]) -> dict:
         try:
             value = load_yaml_text(raw) if raw.strip() != "" else None
         except DuplicateKey as e:  # `model.clients={0: cnn, 0: wrn16_1}`: refused as in a config file
-            raise FlareError(f"override '{item}' sets the key {e.key!r} twice; YAML would silently keep the last.",
-                             key=key, fix="give each key once.") from None
+            raise FlareError(f"override {short(item)} sets the key {short(e.key)} twice; YAML would silently keep the "
+                             "last.", key=key, fix="give each key once.") from None
+        except TooLarge as e:
+            raise FlareError(f"the value of override {short(key)}: {e}.", key=key, fix="write the value out.") from None
         except yaml.YAMLError:
             value = raw
         node = out
@@ -203,7 +242,7 @@ def _explain(err: ValidationError) -> FlareError:
             fix = fix or "remove it or correct its spelling; docs/configuration.md (or `flare config-reference`) lists every key."
         else:
             msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"{msg}" if isinstance(cause, KeyedValueError) else f"{key}={e.get('input')!r}: {msg}")
+            lines.append(f"{msg}" if isinstance(cause, KeyedValueError) else f"{key}={short(e.get('input'))}: {msg}")
             fix = fix or "correct that value (docs/configuration.md gives types and ranges)."
     return FlareError("invalid configuration: " + "; ".join(lines) + ".", key=first_key, fix=fix)
 
@@ -253,6 +292,9 @@ def read_yaml_mapping(path: str | Path, what: str = "config file", key: str = "-
     except DuplicateKey as e:
         raise FlareError(f"{what} '{path}' sets the duplicate key '{e.key}' twice (lines {e.first} and {e.again}); "
                          "YAML would silently keep the last.", key=key, fix="keep one of the two lines.") from None
+    except TooLarge as e:
+        raise FlareError(f"{what} '{path}' is refused: {e}.", key=key, fix="write the values out, or anchor smaller "
+                                                                          "values.") from None
     except yaml.YAMLError as e:
         raise FlareError(f"{what} '{path}' is not valid YAML: {e}", key=key) from None
     if not isinstance(mapping, dict):

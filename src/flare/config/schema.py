@@ -26,7 +26,7 @@ from flare.config.sections import (OPTIONS_DESCRIPTION, AugmentCfg, DatasetCfg, 
                                    OptimCfg, PartitionCfg, Strict, architecture, part, part_options, part_table)
 from flare.errors import FlareError, KeyedValueError
 from flare.registry import (ANCHORS, CLIENT_ENGINES, CONTRAST, DATASETS, LAM_PROVIDERS, LOSS_TERMS, MODELS, OBJECTIVES,
-                            PARTITIONS, PROGRESS, REFERENCE_PARTITIONS, SCHEDULES, STRATEGIES, SURGERY, Registry,
+                            PARTITIONS, PROGRESS, REFERENCE_PARTITIONS, SCHEDULES, STRATEGIES, SURGERY, Registry, Seed,
                             load_plugins)
 
 __all__ = ["KeyedValueError", "DatasetCfg", "PartitionCfg", "ModelCfg", "OptimCfg", "LRScheduleCfg", "AugmentCfg",
@@ -179,7 +179,7 @@ class EvalCfg(Strict):
                                                                "evaluated rounds (1: the last round alone). One "
                                                                "round's value is one sample of a noisy curve; the "
                                                                "notes read theirs as the mean of rounds 43–47")
-    noise_seed: int = Field(0, description="seed of IFFI's noise inputs (and of the test order with bn=batch)")
+    noise_seed: Seed = Field(0, description="seed of IFFI's noise inputs (and of the test order with bn=batch)")
     bn: Literal["running", "batch"] = Field(
         "running", description="BatchNorm of the feature/IFFI rules at evaluation: running statistics, or the "
                                "statistics of each shuffled test batch (the reference's train-mode BN; output, "
@@ -201,7 +201,7 @@ class Config(Strict):
     method: str = Field("fafi", description="display name of the method (defaults to the preset's name)")
     description: str = Field("", description="one-line description (set by presets)")
     notes_name: str = Field("", description="the research notes' name for this method, e.g. V7")
-    seed: int = Field(1, description="seeds the partition, the global init, the anchors and every client's "
+    seed: Seed = Field(1, description="seeds the partition, the global init, the anchors and every client's "
                                      "random streams")
     device: str = Field("auto", description="auto (the GPU when there is one), cpu, cuda, cuda:N")
     num_clients: int = Field(5, ge=1, le=MAX_CLIENTS, description="K, the number of clients")
@@ -290,6 +290,8 @@ class Config(Strict):
         self._check_architectures()
         for registry, name in self.chosen_parts():
             registry.check(name, self)
+        for name in self.named_strategies():
+            self.check_reads(name, "server.primary" if name == self.server.primary else "eval.rules")
         kind = self.partition.kind
         if self.partition.rng == "legacy" and kind not in REFERENCE_PARTITIONS:  # the draw data.prepare.split would use
             raise FlareError(f"partition.rng=legacy draws a kind as the reference code did, and kind={kind} has no "
@@ -330,6 +332,21 @@ class Config(Strict):
         if self.mixed_architectures:
             for name in self.named_strategies():
                 self.check_fuses_mixed(name, "eval.rules" if name != self.server.primary else "server.primary")
+
+    @property
+    def data_kind(self) -> str:
+        """What the dataset's samples are (`DatasetInfo.kind`: images, or a frozen encoder's features)."""
+        return getattr(DATASETS.get(self.dataset.name), "kind", "images")
+
+    def check_reads(self, name: str, key: str) -> None:
+        """Refuse strategy `name` when it cannot read this run's kind of data (`Strategy.inputs`), naming the key to
+        change: one place for `flare run`, `flare fuse` and Flower, so no server starts on data it cannot read."""
+        reads = STRATEGIES.get(name, key).inputs
+        if self.data_kind not in reads:
+            want = ("dataset.name=features (docs/frozen-encoder.md)" if "features" in reads else
+                    "an image dataset (dataset.name=fmnist, cifar10, …)")
+            raise FlareError(f"server strategy '{name}' reads {' or '.join(reads)}; dataset.name={self.dataset.name} "
+                             f"holds {self.data_kind}.", key=key, fix=f"use {want}, or drop {name} from {key}.")
 
     def check_fuses_mixed(self, name: str, key: str) -> None:
         """Refuse strategy `name` when the clients run different architectures and it cannot fuse them."""

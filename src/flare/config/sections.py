@@ -8,8 +8,8 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
-from flare.errors import KeyedValueError
-from flare.registry import DATASETS, MODELS, PARTITIONS, SCALINGS, Registry, boolean_number
+from flare.errors import KeyedValueError, short
+from flare.registry import DATASETS, MODELS, PARTITIONS, SCALINGS, Registry, Seed, boolean_number
 
 
 class Strict(BaseModel):
@@ -17,7 +17,9 @@ class Strict(BaseModel):
     `rounds: true` as 1 and `lr: true` as 1.0; YAML writes true for yes, on and y as well, so such a value is a
     slip, not a number)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: a float key is finite unless its Field says otherwise (an infinite lr passes `gt=0` and
+    # would fail only after the clients trained)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -58,7 +60,7 @@ def part_table(registry: Registry, key: str) -> Any:
     against `registry`, its options validated and filled in."""
     def validate(table: Any) -> Any:
         if not isinstance(table, dict):
-            raise KeyedValueError(key, f"{key} must be a mapping of {registry.kind}: {{option: value}}, got {table!r}")
+            raise KeyedValueError(key, f"{key} must be a mapping of {registry.kind}: {{option: value}}, got {short(table)}")
         out = {}
         for name, opts in table.items():
             where = f"{key}.{name}"
@@ -136,7 +138,7 @@ def _architecture(where: str, value: Any) -> ArchitectureCfg:
             msg = e["msg"].removeprefix("Value error, ").replace("for model.name", f"for {where}")
             keyed = isinstance((e.get("ctx") or {}).get("error"), KeyedValueError)
             at = ".".join(str(x) for x in e["loc"])
-            msgs.append(msg if keyed else f"{where}.{at}={e.get('input')!r}: {msg}")
+            msgs.append(msg if keyed else f"{where}.{at}={short(e.get('input'))}: {msg}")
         raise KeyedValueError(where, "; ".join(msgs)) from None
 
 
@@ -155,17 +157,17 @@ def _client_entries(value: Any) -> Any:
         out = {}
         for k, e in value.items():
             if isinstance(k, bool) or not str(k).lstrip("-").isdigit():
-                raise KeyedValueError(key, f"{key} maps client indices to architectures, but {k!r} is not a client "
+                raise KeyedValueError(key, f"{key} maps client indices to architectures, but {short(k)} is not a client "
                                            "index (0, 1, …)")
             if int(k) in out:  # 0 and "0" (or 00) are one client: which entry wins must not be guessed
                 first = next(j for j in value if not isinstance(j, bool) and str(j).lstrip("-").isdigit()
                              and int(j) == int(k))
                 raise KeyedValueError(f"{key}.{int(k)}", f"{key} gives client {int(k)} twice (as {first!r} and "
-                                                         f"{k!r}); give each client one entry")
+                                                         f"{short(k)}); give each client one entry")
             out[int(k)] = _architecture(f"{key}.{k}", e)
         return out
     raise KeyedValueError(key, f"{key} must be a list with one architecture per client, or a mapping client index → "
-                               f"architecture; got {value!r}")
+                               f"architecture; got {short(value)}")
 
 
 def _mix(value: Any) -> Any:
@@ -174,12 +176,12 @@ def _mix(value: Any) -> Any:
         return None
     if not isinstance(value, dict) or not value:
         raise KeyedValueError(key, f"{key} must be a mapping model name → number of clients, e.g. "
-                                   f"{{resnet18: 3, cnn: 2}}; got {value!r}")
+                                   f"{{resnet18: 3, cnn: 2}}; got {short(value)}")
     for name, count in value.items():
         if name not in MODELS:
             raise KeyedValueError(f"{key}.{name}", MODELS.unknown(str(name), f"{key}"))
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise KeyedValueError(f"{key}.{name}", f"{key}.{name}={count!r}: a number of clients must be an "
+            raise KeyedValueError(f"{key}.{name}", f"{key}.{name}={short(count)}: a number of clients must be an "
                                                    "integer ≥ 0")
     return value
 

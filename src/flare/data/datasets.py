@@ -85,19 +85,20 @@ class DatasetInfo:
     num_classes: int | None   # checked when read from an image folder, to catch a tree of the wrong dataset
     locate: Callable[[str, Path | None, str, bool], _Source] | None  # (name, root, format, download)
     build: Callable[[object], ImageData] | None = None  # a plugin's dataset: options -> ImageData (not cached)
+    kind: str = "images"  # what its samples are (images, or a frozen encoder's features): `Strategy.inputs`
 
 
 def register_dataset(name: str, build: Callable | None = None, *, options=None, description: str = "",
-                     num_classes: int | None = None, check=None, overwrite: bool = False):
+                     num_classes: int | None = None, check=None, overwrite: bool = False, kind: str = "images"):
     """Register a dataset built in memory, `build(options) -> ImageData` (`options`: `dataset.options` validated
     by the `options` model, or None); usable as a decorator; `check(cfg)` refuses a config the dataset cannot
     serve (`Registry.register`). Built-in datasets are read from files instead."""
     if build is None:
         return lambda fn: register_dataset(name, fn, options=options, description=description,
-                                           num_classes=num_classes, check=check, overwrite=overwrite)
+                                           num_classes=num_classes, check=check, overwrite=overwrite, kind=kind)
     doc = (build.__doc__ or "").strip().splitlines()
     desc = description or (doc[0] if doc else "")
-    DATASETS.register(name, DatasetInfo(desc, (), num_classes, None, build), options=options, description=desc,
+    DATASETS.register(name, DatasetInfo(desc, (), num_classes, None, build, kind), options=options, description=desc,
                       check=check, overwrite=overwrite)
     return build
 

@@ -16,9 +16,11 @@ overwritten. Extraction runs in float32 (2 CPU cores have no fast bf16 path) and
 depthwise convolutions, about twice NCHW's throughput measured here), under inference_mode."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,7 +214,11 @@ def load_features(opts: FeatureOptions, quiet: bool | None = None) -> FeatureDat
     """The features dataset of `opts`: read from its cache, or computed (and cached) when there is none."""
     quiet = bool(os.environ.get("FLARE_QUIET")) if quiet is None else quiet
     cache_dir = _cache_dir(opts.cache_dir)
-    images = load_dataset(opts.source, opts.root, format=opts.format, cache_dir=opts.cache_dir)
+    try:
+        images = load_dataset(opts.source, opts.root, format=opts.format, cache_dir=opts.cache_dir)
+    except FlareError as e:  # the image dataset's keys are this dataset's options: name what the user wrote
+        own = functools.partial(re.sub, r"\bdataset\.(?!options\.)", "dataset.options.")
+        raise FlareError(own(e.message), key=e.key and own(e.key), fix=e.fix and own(e.fix)) from None
     key = cache_key(opts, images, _encoder_entry(opts.encoder).obj.weights_sha256())
     path = cache_path(cache_dir, key)
     tensors = read_cache(path, key)
@@ -227,7 +233,7 @@ def load_features(opts: FeatureOptions, quiet: bool | None = None) -> FeatureDat
                        tensors["test"], tensors["test_y"], tensors["classes"], (0.0,), (1.0,), key=key)
 
 
-@register_dataset("features", options=FeatureOptions, num_classes=None)
+@register_dataset("features", options=FeatureOptions, num_classes=None, kind="features")
 def features_dataset(options: FeatureOptions) -> FeatureData:
     """A frozen pretrained encoder's cached features of an image dataset (docs/frozen-encoder.md)"""
     return load_features(options)

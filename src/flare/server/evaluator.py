@@ -21,15 +21,22 @@ from flare.server.fusion import Ticker, client_outputs, snapshot_buffers
 from flare.server.strategy import ClientPredictor, ModelPredictor, Predictor
 
 
-def refuse(name: str, round_idx: int | None, what: str) -> FlareError:
-    """The error for a strategy whose output cannot be scored (`round_idx` 0-based, as in metrics.jsonl)."""
+def refuse(name: str, round_idx: int | None, what: str, numeric: bool = False) -> FlareError:
+    """The error for a strategy whose output cannot be scored (`round_idx` 0-based, as in metrics.jsonl). A wrong
+    kind or shape is its author's to fix; non-finite scores (`numeric`) of a built-in strategy come from the values
+    it was given, so the fix names its options rather than advising a plugin's author."""
     entry = STRATEGIES.entry(name) if name in STRATEGIES else None
     origin = f" (plugin module '{entry.plugin}')" if entry is not None and entry.plugin else ""
     when = f" in round {round_idx + 1}" if round_idx is not None else ""
-    return FlareError(f"server strategy '{name}'{origin}{when}: {what}; no accuracy is written for it.",
-                      key=f"server.strategies.{name}",
-                      fix="make its predictor() return a ClientPredictor or ModelPredictor (flare.server.strategy) "
-                          "whose scores(...) are a finite batch × classes tensor (docs/extending.md).")
+    key = f"server.strategies.{name}"
+    if numeric and entry is not None and not entry.plugin:
+        fix = (f"check the values of {key} (`flare parts` lists its options; a step size or regulariser that "
+               "overflows shows up here) and the clients' own accuracies in metrics.jsonl.")
+    else:
+        fix = ("make its predictor() return a ClientPredictor or ModelPredictor (flare.server.strategy) whose "
+               "scores(...) are a finite batch × classes tensor (docs/extending.md).")
+    return FlareError(f"server strategy '{name}'{origin}{when}: {what}; no accuracy is written for it.", key=key,
+                      fix=fix)
 
 
 def check_predictor(name: str, p: object, round_idx: int | None = None) -> None:
@@ -103,7 +110,7 @@ def evaluate_predictors(models: list[torch.nn.Module], predictors: dict[str, Pre
     for name, c in nonfinite.items():
         if int(c):
             raise refuse(name, round_idx, f"its predictor's scores hold {int(c)} non-finite values (NaN or ±inf) "
-                                          f"over the {n} test images")
+                                          f"over the {n} test images", numeric=True)
     res = {f"acc_{name}": float(c) / n for name, c in correct.items()}
     res["client_acc"] = (client_correct.float() / n).tolist()
     if clock is not None:

@@ -129,6 +129,9 @@ class Strategy:
     mixed_architectures = False  # it fuses clients of different architectures (docs/heterogeneous.md)
     one_architecture_why = ""    # why not, for the refusal (empty: it does not declare that it does)
     primary_for: tuple[str, ...] = ()
+    # the kinds of data its server can read (a dataset's `DatasetInfo.kind`): a server that synthesises images
+    # cannot run over a frozen encoder's features, and one that reads those features has no images to read
+    inputs: tuple[str, ...] = ("images", "features")
 
     def __init__(self, cfg: Config, options: BaseModel | None = None):
         self.cfg, self.options = cfg, options if options is not None else self.options_in(cfg)
@@ -144,6 +147,11 @@ class Strategy:
     def check(cls, cfg: Config) -> None:
         """Raise a FlareError when `cfg` cannot serve this strategy (e.g. it trains on a public slice the config
         does not carve out). Called when the config is validated, so a run fails before any client trains."""
+
+    def check_partition(self, histogram) -> None:
+        """Raise a FlareError when the drawn partition (K×C class counts) leaves this strategy nothing to build
+        from: called after the split and before the first client trains, so options whose validity depends on the
+        data (more mixture components than any class holds) are refused while nothing is written."""
 
     def predictor(self, ctx: ServerContext) -> Predictor:
         raise NotImplementedError
