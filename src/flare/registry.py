@@ -63,15 +63,22 @@ def boolean_number(model: type[BaseModel], field: str, value: Any) -> str | None
     return None
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # a float option reaches the float32 tensors of a run
+
+
+def nonfinite(value: Any) -> bool:
+    """NaN, ±inf, or beyond float32's range (1e308 is a finite float, and an overflow in the first float32 op)."""
+    return isinstance(value, float) and not (math.isfinite(value) and abs(value) <= FLOAT32_MAX)
+
+
 def nonfinite_option(model: BaseModel) -> str | None:
-    """The first float option of a validated `model` that holds NaN or ±inf, unless its field says it may
+    """The first float option of a validated `model` that is `nonfinite`, unless its field says it may
     (`Field(allow_inf_nan=True)`): an infinite learning rate or temperature passes a `gt=0` bound and fails only
     after the clients have trained, so every part's options are finite unless they say otherwise."""
     for name, info in type(model).model_fields.items():
         value = getattr(model, name, None)
-        values = value if isinstance(value, (list, tuple)) else [value]
         allowed = any(getattr(m, "allow_inf_nan", None) for m in info.metadata)
-        if not allowed and any(isinstance(v, float) and not math.isfinite(v) for v in values):
+        if not allowed and any(map(nonfinite, value if isinstance(value, (list, tuple)) else [value])):
             return name
     return None
 
@@ -296,7 +303,8 @@ class Registry:
             where = ".".join([key, *(str(x) for x in e["loc"])])
             raise KeyedValueError(where, f"{where}={short(e.get('input'))}: {e['msg']}") from None
         if (bad := nonfinite_option(opts)) is not None:
-            raise KeyedValueError(f"{key}.{bad}", f"{key}.{bad}={getattr(opts, bad)!r}: give a finite number")
+            raise KeyedValueError(f"{key}.{bad}", f"{key}.{bad}={getattr(opts, bad)!r}: give a finite number "
+                                  f"(within ±{FLOAT32_MAX:.3g})")
         return opts
 
 

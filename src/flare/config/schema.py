@@ -308,6 +308,11 @@ class Config(Strict):
                                   "reference the server trains the clients' next target G at every evaluation, so "
                                   "skipping evaluations would change training; set eval.every=1"
                                   + (" next to speed=fast, or drop speed=fast" if by_speed else ""))
+        evaluated = len({r for r in range(self.rounds) if (r + 1) % self.eval.every == 0} | {self.rounds - 1})
+        if self.eval.final_rounds > evaluated:  # the mean would silently cover fewer rounds than asked
+            raise KeyedValueError("eval.final_rounds", f"eval.final_rounds={self.eval.final_rounds} averages the last "
+                                  f"{self.eval.final_rounds} evaluated rounds, and rounds={self.rounds} with eval.every="
+                                  f"{self.eval.every} evaluates {evaluated}; set eval.final_rounds ≤ {evaluated}")
         CLIENT_ENGINES.get(self.client_engine).check(self)  # what the engine cannot run, stated beside its code
         return self
 

@@ -9,7 +9,8 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       field_validator, model_validator)
 
 from flare.errors import KeyedValueError, short
-from flare.registry import DATASETS, MODELS, PARTITIONS, SCALINGS, Registry, Seed, boolean_number
+from flare.registry import (DATASETS, FLOAT32_MAX, MODELS, PARTITIONS, SCALINGS, Registry, Seed, boolean_number,
+                            nonfinite)
 
 
 class Strict(BaseModel):
@@ -26,6 +27,13 @@ class Strict(BaseModel):
     def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
         if why := boolean_number(cls, info.field_name, value):
             raise ValueError(why)
+        return value
+
+    @field_validator("*")
+    @classmethod
+    def _float32_range(cls, value: Any) -> Any:
+        if nonfinite(value):  # NaN and ±inf are refused by allow_inf_nan=False before this runs
+            raise ValueError(f"give a finite number within ±{FLOAT32_MAX:.3g} (a run computes in float32)")
         return value
 
 

@@ -15,7 +15,7 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor
 
-from flare.errors import FlareError
+from flare.errors import FlareError, TrainingDiverged
 from flare.registry import STRATEGIES
 from flare.server.fusion import Ticker, client_outputs, snapshot_buffers
 from flare.server.strategy import ClientPredictor, ModelPredictor, Predictor
@@ -85,6 +85,7 @@ def evaluate_predictors(models: list[torch.nn.Module], predictors: dict[str, Pre
     correct = {name: 0 for name in predictors}
     nonfinite = {name: torch.zeros((), dtype=torch.long, device=device) for name in predictors}
     client_correct = torch.zeros(len(models), dtype=torch.long, device=device)
+    client_bad = torch.zeros((), dtype=torch.long, device=device)
     clock = {} if device.type == "cpu" else None
     n = 0
     for s in range(0, test_x.shape[0], batch_size):
@@ -95,6 +96,7 @@ def evaluate_predictors(models: list[torch.nn.Module], predictors: dict[str, Pre
         y = test_y[ix]
         out = client_outputs(models, x, noise=gen, batch_bn=saved, amp=amp, channels_last=channels_last, clock=clock)
         client_correct += (out.logits.argmax(-1) == y).sum(1)
+        client_bad += (~torch.isfinite(out.logits)).sum()
         tick = Ticker(clock)
         for name, p in predictors.items():
             if isinstance(p, ClientPredictor):
@@ -107,6 +109,11 @@ def evaluate_predictors(models: list[torch.nn.Module], predictors: dict[str, Pre
             correct[name] += (scores.argmax(1) == y).sum()
             tick(name)
         n += y.numel()
+    if int(client_bad):  # the clients' own weights diverged: no strategy is at fault, the training settings are
+        raise TrainingDiverged(f"the client models output {int(client_bad)} non-finite logits on the test set"
+                               f"{f' after round {round_idx + 1}' if round_idx is not None else ''}: their weights "
+                               "diverged in training though no loss term did.", key="lr",
+                               fix="lower lr, keep optim.grad_clip on, or check the λ settings of this method.")
     for name, c in nonfinite.items():
         if int(c):
             raise refuse(name, round_idx, f"its predictor's scores hold {int(c)} non-finite values (NaN or ±inf) "
