@@ -389,8 +389,8 @@ def test_a_table_extends_another_by_the_keys_it_changes(tmp_path):
 
 
 def test_a_recorded_cell_of_another_setting_is_neither_skipped_nor_replaced(tmp_path, capsys):
-    """Editing a table file after a cell was recorded: the run stops (exit 2) naming the keys that differ and
-    leaves the records alone; the dry run lists it the same way."""
+    """Editing a table file after a cell was recorded: the run is refused before it writes anything, naming the keys
+    that differ, and leaves the records alone; the dry run lists it the same way."""
     papers = _papers()
     spec = papers.load_table(ROOT / "configs" / "papers" / "dense-fmnist.yaml")
     cell = papers.cells(spec)[0]
@@ -403,10 +403,9 @@ def test_a_recorded_cell_of_another_setting_is_neither_skipped_nor_replaced(tmp_
     assert papers.stale(rec, cell, []) == ["train_mode_epochs"]
     assert papers.stale(rec, cell, ["train_mode_epochs=null"]) == []  # the override is part of the cell
     before = {p.name: p.read_text() for p in rec.iterdir()}
-    rc = papers.run(spec, tmp_path / "runs", commit=False, dry_run=False, overrides=[], dest=tmp_path / "res")
-    assert rc == 2 and "keys differ: train_mode_epochs" in capsys.readouterr().out
-    assert {p.name: p.read_text() for p in rec.iterdir()} == before and not (tmp_path / "runs" / spec["table"] /
-                                                                             cell["name"]).exists()
+    with pytest.raises(FlareError, match="keys differ: train_mode_epochs"):
+        papers.run(spec, tmp_path / "runs", commit=False, dry_run=False, overrides=[], dest=tmp_path / "res")
+    assert {p.name: p.read_text() for p in rec.iterdir()} == before and not (tmp_path / "runs").exists()
     papers.run(spec, tmp_path / "runs", commit=False, dry_run=True, overrides=[], dest=tmp_path / "res")
     assert "recorded at another setting" in capsys.readouterr().out
 
@@ -489,7 +488,7 @@ def test_seeds_given_per_alpha_run_only_those_cells(tmp_path):
                                                        "fedavg-a0.3-s1", "fedavg-a0.3-s2", "fedavg-a0.3-s3"]
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({**spec, "seeds": {0.1: [0], 0.5: [0]}}))
-    with pytest.raises(papers.TableError, match="must name every α"):
+    with pytest.raises(FlareError, match="must name every α"):
         papers.load_table(bad)
 
 
@@ -503,7 +502,7 @@ def test_a_bad_table_file_stops_with_exit_2_before_anything_runs(tmp_path, capsy
         err = capsys.readouterr().err
         assert err.startswith("papers: ") and "Traceback" not in err and err.count("\n") == 1
     assert papers.main(["run", str(tmp_path / "missing.yaml"), "--runs", str(runs)]) == 2
-    assert "cannot read the table file" in capsys.readouterr().err and not runs.exists()
+    assert "does not exist" in capsys.readouterr().err and not runs.exists()
 
 
 def test_render_check_reads_the_records_directory_it_is_given(tmp_path):
@@ -549,7 +548,7 @@ def test_cells_option_takes_only_the_named_cells_and_refuses_an_unknown_one(tmp_
     runs = tmp_path / "runs"
     assert papers.main(["run", str(table), "--runs", str(runs), "--dry-run",
                         "--cells", "fedavg-a0.5-s2", "--cells", "fedavg-a0.3-s1"]) == 0
-    out = capsys.readouterr().out.splitlines()
+    out = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     assert [line.split(":")[0].split()[1] for line in out] == ["fedavg-a0.3-s1", "fedavg-a0.5-s2"]
     assert papers.main(["run", str(table), "--runs", str(tmp_path / "r2"), "--cells", "fedavg-a0.4-s0"]) == 2
     err = capsys.readouterr().err
@@ -588,23 +587,34 @@ def test_the_papers_numbers_and_their_source_follow_the_table_file_not_the_proce
 def test_a_cell_recorded_without_a_server_whose_clients_are_gone_is_named_and_skipped_by_fuse_only(
         tmp_path, capsys, monkeypatch):
     """Checkpoints are never committed, so a cell recorded without DENSE on a machine that is gone has no clients
-    to fuse over: the dry run says so, a --fuse-only pass skips it (and goes on) instead of failing on a missing run
-    directory, and a training pass is told it will train them again."""
+    to fuse over: the dry run says so, a --fuse-only pass skips it (and goes on to a cell whose clients are on disk)
+    instead of failing on a missing run directory, a --fuse-only pass with no other cell is refused before it
+    writes anything, and a training pass is told it will train them again."""
     papers = _papers()
     spec = papers.load_table(ROOT / "configs" / "papers" / "fedlpa-fmnist.yaml")
-    cell = papers.cells(spec)[0]
-    rec = tmp_path / "res" / spec["table"] / cell["name"]
-    rec.mkdir(parents=True)
+    gone, here = papers.cells(spec)[0], papers.cells(spec)[2]
     from flare.config.load import load_config
-    (rec / "config.yaml").write_text(yaml.safe_dump(load_config(overrides=cell["config"]).model_dump(mode="json")))
-    (rec / "cell.json").write_text(json.dumps({"method": "fedavg", "alpha": 0.1, "seed": 0, "table": spec["table"]}))
-    (rec / "fuse.jsonl").write_text(json.dumps({"kind": "fuse", "strategy": "fedlpa", "options": None}) + "\n")
+    for cell in (gone, here):
+        rec = tmp_path / "res" / spec["table"] / cell["name"]
+        rec.mkdir(parents=True)
+        (rec / "config.yaml").write_text(yaml.safe_dump(load_config(overrides=cell["config"]).model_dump(mode="json")))
+        (rec / "cell.json").write_text(json.dumps({"method": "fedavg", "alpha": cell["alpha"], "seed": 0,
+                                                   "table": spec["table"]}))
+        (rec / "fuse.jsonl").write_text(json.dumps({"kind": "fuse", "strategy": "fedlpa", "options": None}) + "\n")
+    here_run = tmp_path / "runs" / spec["table"] / here["name"]
     calls = []
-    monkeypatch.setattr(papers.subprocess, "call", lambda *a, **k: calls.append(a) or 0)
-    kw = dict(commit=False, overrides=[], dest=tmp_path / "res", only=(cell["name"],))
+    monkeypatch.setattr(papers.subprocess, "call", lambda *a, **k: calls.append(a[0]) or 0)
+    kw = dict(commit=False, overrides=[], dest=tmp_path / "res", only=(gone["name"],))
     papers.run(spec, tmp_path / "runs", dry_run=True, **kw)
     assert "recorded without dense; its clients are not on disk" in capsys.readouterr().out
-    assert papers.run(spec, tmp_path / "runs", dry_run=False, fuse_only=True, **kw) == 0 and calls == []
+    with pytest.raises(FlareError, match="1 recorded without a server, their clients not on disk") as e:
+        papers.run(spec, tmp_path / "runs", dry_run=False, fuse_only=True, **kw)
+    assert e.value.key == "--fuse-only" and calls == [] and not (tmp_path / "runs").exists()
+    here_run.mkdir(parents=True)
+    (here_run / "state.json").write_text(json.dumps({"status": "finished"}))
+    kw["only"] = (gone["name"], here["name"])
+    assert papers.run(spec, tmp_path / "runs", dry_run=False, fuse_only=True, **kw) == 0
+    assert [(c[3], c[4], c[6]) for c in calls] == [("fuse", str(here_run), "dense")]
     log = (tmp_path / "runs" / spec["table"] / "progress.log").read_text()
     assert "its clients are not on disk; skipped" in log
     papers.run(spec, tmp_path / "runs", dry_run=True, fuse_only=False, **kw)
@@ -720,7 +730,7 @@ def test_an_unfinished_fusion_is_recorded_as_progress_apart_from_the_columns(tmp
     torch.save({"epoch": 1, "curve": [], "seconds": 5.0}, scratch / "b.pt")  # a build at other options
     (res / "t" / cell["name"] / papers.PROGRESS).unlink()
     assert papers.main(["progress", str(_write_table(tmp_path, spec)), "--runs", str(runs),
-                        "--results", str(res)]) == 0
+                        "--results", str(res)]) == 2  # nothing recorded: said so, with why
     assert "2 dense build states (a.pt, b.pt)" in capsys.readouterr().err
     assert not (res / "t" / cell["name"] / papers.PROGRESS).exists()
     (scratch / "b.pt").unlink()
