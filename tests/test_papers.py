@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -612,6 +613,7 @@ def test_a_cell_recorded_without_a_server_whose_clients_are_gone_is_named_and_sk
     assert e.value.key == "--fuse-only" and calls == [] and not (tmp_path / "runs").exists()
     here_run.mkdir(parents=True)
     (here_run / "state.json").write_text(json.dumps({"status": "finished"}))
+    shutil.copy(tmp_path / "res" / spec["table"] / here["name"] / "fuse.jsonl", here_run)  # fedlpa fused there
     kw["only"] = (gone["name"], here["name"])
     assert papers.run(spec, tmp_path / "runs", dry_run=False, fuse_only=True, **kw) == 0
     assert [(c[3], c[4], c[6]) for c in calls] == [("fuse", str(here_run), "dense")]

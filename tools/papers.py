@@ -91,7 +91,27 @@ Percent = Annotated[float, BeforeValidator(_number), Field(ge=0, le=100)]
 Seeds = Annotated[list[Seed], Field(min_length=1), AfterValidator(_unique)]
 
 
-class Column(Strict):
+class UnknownKey(ValueError):
+    def __init__(self, name: Any, close: list[str]):
+        super().__init__(f"unknown key {name!r}")
+        self.name, self.close = name, close
+
+
+class Section(Strict):
+    """A table file's section. A key it does not have is refused with the nearest key of this section — pydantic's
+    own refusal (Strict's extra="forbid") says nothing of what was meant, and `fuse_option:` for `fuse_options:`
+    would otherwise be a DENSE at its full published budget."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        for name in data if isinstance(data, dict) else ():
+            if name not in cls.model_fields:
+                raise UnknownKey(name, difflib.get_close_matches(str(name), cls.model_fields, n=1))
+        return data
+
+
+class Column(Section):
     """A printed column: one value of each cell of one method, and the rule the paper chose it by."""
 
     method: Name = Field(description="the method (a key of `methods`) whose cells the column reads")
@@ -103,7 +123,7 @@ class Column(Strict):
                              "(the best evaluated round on the test set; a data-free server's best epoch)")
 
 
-class Method(Strict):
+class Method(Section):
     """One client training run per (α, seed), and the servers scored over its clients afterwards."""
 
     preset: str = Field(description="the FLARE preset (`flare presets`) the method's cells start from")
@@ -127,7 +147,7 @@ class Method(Strict):
         return name
 
 
-class Pairing(Strict):
+class Pairing(Section):
     """Differences seed by seed between this table's columns and another recorded table's (or its own)."""
 
     table: Name = Field(description="the other table's `table` name (this table's own: a pairing within it)")
@@ -137,7 +157,7 @@ class Pairing(Strict):
                     "mapping of this table's column → the other table's")
 
 
-class Table(Strict):
+class Table(Section):
     """A table file: the grid of cells, how each is configured and fused, and what the block prints of them."""
 
     extends: str | None = Field(None, description="a table file beside this one to start from: `base` and "
@@ -205,10 +225,6 @@ class Table(Strict):
 def _close(name: str, names: typing.Iterable[str]) -> str:
     close = difflib.get_close_matches(str(name), list(names), n=1)
     return f" (did you mean '{close[0]}'?)" if close else f"; it has {', '.join(names) or 'none'}"
-
-
-SECTIONS = (Table, Method, Column, Pairing)
-TABLE_KEYS = sorted({k for model in SECTIONS for k in model.model_fields})
 
 
 def table_keys() -> list[tuple[str, str, str, str]]:
@@ -338,12 +354,12 @@ def _validate(spec: dict, chain: list[tuple[Path, dict]]) -> Table:
         lines, first, fix = [], None, None
         for e in err.errors():
             cause = (e.get("ctx") or {}).get("error")
-            parts = cause.key if isinstance(cause, KeyedValueError) else _written(e["loc"], spec, e["type"])
+            parts = (cause.key if isinstance(cause, KeyedValueError) else
+                     _written((*e["loc"], cause.name) if isinstance(cause, UnknownKey) else e["loc"], spec, e["type"]))
             key = ".".join(map(str, parts))
             first = first or parts
-            if e["type"] == "extra_forbidden":
-                close = difflib.get_close_matches(str(parts[-1]), TABLE_KEYS, n=1)
-                lines.append(f"unknown key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+            if isinstance(cause, UnknownKey):
+                lines.append(f"unknown key '{key}'" + (f" (did you mean '{cause.close[0]}'?)" if cause.close else ""))
                 fix = fix or f"remove it or correct its spelling ({KEYS_DOC}, lists every key)."
             elif e["type"] == "missing":
                 lines.append(f"'{key}' is missing")
@@ -649,7 +665,9 @@ def _plan(spec: dict, i: int, n: int, cell: dict, runs: Path, dest: Path, overri
     changed = stale(rec, cell, overrides)
     head = f"[{i}/{n}] {cell['name']}"
     plan = {"head": head, "cell": cell, "run_dir": run_dir, "rec": rec, "recorded": recorded, "stale": changed,
-            "done": recorded and not missing, "fuse": missing, "skip": None}
+            "done": recorded and not missing, "skip": None,  # the servers it fuses: all its run directory lacks
+            "fuse": [s for s in cell["fuse"] if s not in defer and _key(s, cell["fuse_options"].get(s)) not in
+                     fused(run_dir)]}
     if changed:
         status = (f"recorded at another setting (keys differ: {', '.join(changed)}); move {_rel(rec)} and {run_dir} "
                   "aside (or restore the table file) to run it at this one")
