@@ -737,13 +737,15 @@ def _nothing_to_do(spec: dict, plans: list[dict], dest: Path, fuse_only: bool, o
         return FlareError(f"{which} {'is' if k == 1 else 'are'} recorded with every server in "
                           f"{_rel(dest / table)}: nothing to run.", key="run",
                           fix="`render` shows them; to run a cell again, move its records directory aside.")
-    counts = [(sum(not p["recorded"] for p in plans), "not recorded yet: no clients to fuse over"),
-              (sum(p["skip"] is not None for p in plans), "recorded without a server, their clients not on disk"),
-              (done, "recorded with every server")]
+    waiting, gone = sum(not p["recorded"] for p in plans), sum(p["skip"] is not None for p in plans)
+    counts = [(waiting, "not recorded yet: no clients to fuse over"),
+              (gone, "recorded without a server, their clients not on disk"), (done, "recorded with every server")]
     return FlareError(f"--fuse-only has nothing to fuse among {which}: no cell has recorded clients on disk with a "
                       f"server left to fuse ({'; '.join(f'{k} {why}' for k, why in counts if k)}).", key="--fuse-only",
-                      fix="run the table without --fuse-only first (with --defer SERVER to record the clients "
-                          "before the long fusions), on the machine that will fuse them; --dry-run lists each cell.")
+                      fix="run the table without --fuse-only first (with --defer SERVER to record the clients before "
+                          "the long fusions), on the machine that will fuse them." if waiting else
+                          "a pass without --fuse-only trains their clients again from the same seed." if gone else
+                          "`render` shows them.")
 
 
 def show_plan(spec: dict, plans: list[dict], dest: Path, overrides: list[str], fuse_only: bool,
@@ -1410,7 +1412,7 @@ def _command(a: argparse.Namespace) -> int:
             if not written:
                 raise FlareError(f"nothing recorded: " + ("; ".join(f"skipped {why}" for why in skipped) or
                                  f"no cell of {spec['table']} recorded in {a.results} has a server left to fuse "
-                                 f"whose build state is under {Path(a.runs) / spec['table']}/<cell>/fuse-scratch/"),
+                                 f"whose build state is under {Path(a.runs) / spec['table']}/<cell>/fuse-scratch/") + ".",
                                  key="progress", fix="record progress after a sitting that ends mid-fusion "
                                                      "(`run --fuse-only` starts one).")
             for why in skipped:
