@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -389,8 +390,8 @@ def test_a_table_extends_another_by_the_keys_it_changes(tmp_path):
 
 
 def test_a_recorded_cell_of_another_setting_is_neither_skipped_nor_replaced(tmp_path, capsys):
-    """Editing a table file after a cell was recorded: the run stops (exit 2) naming the keys that differ and
-    leaves the records alone; the dry run lists it the same way."""
+    """Editing a table file after a cell was recorded: the run is refused before it writes anything, naming the keys
+    that differ, and leaves the records alone; the dry run lists it the same way."""
     papers = _papers()
     spec = papers.load_table(ROOT / "configs" / "papers" / "dense-fmnist.yaml")
     cell = papers.cells(spec)[0]
@@ -403,10 +404,9 @@ def test_a_recorded_cell_of_another_setting_is_neither_skipped_nor_replaced(tmp_
     assert papers.stale(rec, cell, []) == ["train_mode_epochs"]
     assert papers.stale(rec, cell, ["train_mode_epochs=null"]) == []  # the override is part of the cell
     before = {p.name: p.read_text() for p in rec.iterdir()}
-    rc = papers.run(spec, tmp_path / "runs", commit=False, dry_run=False, overrides=[], dest=tmp_path / "res")
-    assert rc == 2 and "keys differ: train_mode_epochs" in capsys.readouterr().out
-    assert {p.name: p.read_text() for p in rec.iterdir()} == before and not (tmp_path / "runs" / spec["table"] /
-                                                                             cell["name"]).exists()
+    with pytest.raises(FlareError, match="keys differ: train_mode_epochs"):
+        papers.run(spec, tmp_path / "runs", commit=False, dry_run=False, overrides=[], dest=tmp_path / "res")
+    assert {p.name: p.read_text() for p in rec.iterdir()} == before and not (tmp_path / "runs").exists()
     papers.run(spec, tmp_path / "runs", commit=False, dry_run=True, overrides=[], dest=tmp_path / "res")
     assert "recorded at another setting" in capsys.readouterr().out
 
@@ -489,7 +489,7 @@ def test_seeds_given_per_alpha_run_only_those_cells(tmp_path):
                                                        "fedavg-a0.3-s1", "fedavg-a0.3-s2", "fedavg-a0.3-s3"]
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({**spec, "seeds": {0.1: [0], 0.5: [0]}}))
-    with pytest.raises(papers.TableError, match="must name every α"):
+    with pytest.raises(FlareError, match="must name every α"):
         papers.load_table(bad)
 
 
@@ -503,7 +503,7 @@ def test_a_bad_table_file_stops_with_exit_2_before_anything_runs(tmp_path, capsy
         err = capsys.readouterr().err
         assert err.startswith("papers: ") and "Traceback" not in err and err.count("\n") == 1
     assert papers.main(["run", str(tmp_path / "missing.yaml"), "--runs", str(runs)]) == 2
-    assert "cannot read the table file" in capsys.readouterr().err and not runs.exists()
+    assert "does not exist" in capsys.readouterr().err and not runs.exists()
 
 
 def test_render_check_reads_the_records_directory_it_is_given(tmp_path):
@@ -549,7 +549,7 @@ def test_cells_option_takes_only_the_named_cells_and_refuses_an_unknown_one(tmp_
     runs = tmp_path / "runs"
     assert papers.main(["run", str(table), "--runs", str(runs), "--dry-run",
                         "--cells", "fedavg-a0.5-s2", "--cells", "fedavg-a0.3-s1"]) == 0
-    out = capsys.readouterr().out.splitlines()
+    out = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     assert [line.split(":")[0].split()[1] for line in out] == ["fedavg-a0.3-s1", "fedavg-a0.5-s2"]
     assert papers.main(["run", str(table), "--runs", str(tmp_path / "r2"), "--cells", "fedavg-a0.4-s0"]) == 2
     err = capsys.readouterr().err
@@ -588,23 +588,35 @@ def test_the_papers_numbers_and_their_source_follow_the_table_file_not_the_proce
 def test_a_cell_recorded_without_a_server_whose_clients_are_gone_is_named_and_skipped_by_fuse_only(
         tmp_path, capsys, monkeypatch):
     """Checkpoints are never committed, so a cell recorded without DENSE on a machine that is gone has no clients
-    to fuse over: the dry run says so, a --fuse-only pass skips it (and goes on) instead of failing on a missing run
-    directory, and a training pass is told it will train them again."""
+    to fuse over: the dry run says so, a --fuse-only pass skips it (and goes on to a cell whose clients are on disk)
+    instead of failing on a missing run directory, a --fuse-only pass with no other cell is refused before it
+    writes anything, and a training pass is told it will train them again."""
     papers = _papers()
     spec = papers.load_table(ROOT / "configs" / "papers" / "fedlpa-fmnist.yaml")
-    cell = papers.cells(spec)[0]
-    rec = tmp_path / "res" / spec["table"] / cell["name"]
-    rec.mkdir(parents=True)
+    gone, here = papers.cells(spec)[0], papers.cells(spec)[2]
     from flare.config.load import load_config
-    (rec / "config.yaml").write_text(yaml.safe_dump(load_config(overrides=cell["config"]).model_dump(mode="json")))
-    (rec / "cell.json").write_text(json.dumps({"method": "fedavg", "alpha": 0.1, "seed": 0, "table": spec["table"]}))
-    (rec / "fuse.jsonl").write_text(json.dumps({"kind": "fuse", "strategy": "fedlpa", "options": None}) + "\n")
+    for cell in (gone, here):
+        rec = tmp_path / "res" / spec["table"] / cell["name"]
+        rec.mkdir(parents=True)
+        (rec / "config.yaml").write_text(yaml.safe_dump(load_config(overrides=cell["config"]).model_dump(mode="json")))
+        (rec / "cell.json").write_text(json.dumps({"method": "fedavg", "alpha": cell["alpha"], "seed": 0,
+                                                   "table": spec["table"]}))
+        (rec / "fuse.jsonl").write_text(json.dumps({"kind": "fuse", "strategy": "fedlpa", "options": None}) + "\n")
+    here_run = tmp_path / "runs" / spec["table"] / here["name"]
     calls = []
-    monkeypatch.setattr(papers.subprocess, "call", lambda *a, **k: calls.append(a) or 0)
-    kw = dict(commit=False, overrides=[], dest=tmp_path / "res", only=(cell["name"],))
+    monkeypatch.setattr(papers.subprocess, "call", lambda *a, **k: calls.append(a[0]) or 0)
+    kw = dict(commit=False, overrides=[], dest=tmp_path / "res", only=(gone["name"],))
     papers.run(spec, tmp_path / "runs", dry_run=True, **kw)
     assert "recorded without dense; its clients are not on disk" in capsys.readouterr().out
-    assert papers.run(spec, tmp_path / "runs", dry_run=False, fuse_only=True, **kw) == 0 and calls == []
+    with pytest.raises(FlareError, match="1 recorded without a server, their clients not on disk") as e:
+        papers.run(spec, tmp_path / "runs", dry_run=False, fuse_only=True, **kw)
+    assert e.value.key == "--fuse-only" and calls == [] and not (tmp_path / "runs").exists()
+    here_run.mkdir(parents=True)
+    (here_run / "state.json").write_text(json.dumps({"status": "finished"}))
+    shutil.copy(tmp_path / "res" / spec["table"] / here["name"] / "fuse.jsonl", here_run)  # fedlpa fused there
+    kw["only"] = (gone["name"], here["name"])
+    assert papers.run(spec, tmp_path / "runs", dry_run=False, fuse_only=True, **kw) == 0
+    assert [(c[3], c[4], c[6]) for c in calls] == [("fuse", str(here_run), "dense")]
     log = (tmp_path / "runs" / spec["table"] / "progress.log").read_text()
     assert "its clients are not on disk; skipped" in log
     papers.run(spec, tmp_path / "runs", dry_run=True, fuse_only=False, **kw)
@@ -720,7 +732,7 @@ def test_an_unfinished_fusion_is_recorded_as_progress_apart_from_the_columns(tmp
     torch.save({"epoch": 1, "curve": [], "seconds": 5.0}, scratch / "b.pt")  # a build at other options
     (res / "t" / cell["name"] / papers.PROGRESS).unlink()
     assert papers.main(["progress", str(_write_table(tmp_path, spec)), "--runs", str(runs),
-                        "--results", str(res)]) == 0
+                        "--results", str(res)]) == 2  # nothing recorded: said so, with why
     assert "2 dense build states (a.pt, b.pt)" in capsys.readouterr().err
     assert not (res / "t" / cell["name"] / papers.PROGRESS).exists()
     (scratch / "b.pt").unlink()
@@ -765,3 +777,241 @@ def test_a_fusion_whose_state_is_gone_is_marked_stopped_and_priced_from_the_star
     assert "still to run: 2 client cells and fusions, ≈ 21.00 h at these rates" in out
     assert papers.main(args) == 2  # already stopped: nothing left to mark
     assert "no recorded unfinished fusion" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------- the table file's schema
+def _complete_table(tmp_path: Path) -> tuple[Path, dict]:
+    """A table file that gives every key of the schema (it extends a small parent beside it): the valid input each
+    bad one below is made from. The file sets its keys itself, so the misspelling of any one is its own error."""
+    parent = {"table": "parent", "alphas": [0.1], "seeds": [0], "base": {"rounds": 2},
+              "methods": {"fedavg": {"preset": "fedavg"}},
+              "columns": {"FedAvg": {"method": "fedavg", "key": "acc_fedavg"}}}
+    child = {"extends": "parent.yaml", "table": "t", "paper": "P, Table 1", "note": "a diagnostic",
+             "alphas": [0.1, 0.3], "seeds": {0.1: [0], 0.3: [0, 1]}, "spread": True,
+             "base": {"rounds": 2, "local_epochs": 1},
+             "methods": {"fedavg": {"preset": "fedavg", "label": "FedAvg", "fuse": ["dense"],
+                                    "fuse_options": {"dense": {"epochs": 2}}, "config": {"lr": 0.05}}},
+             "columns": {"FedAvg": {"method": "fedavg", "key": "acc_fedavg", "paper_rule": "final"},
+                         "DENSE": {"method": "fedavg", "key": "fuse:dense", "paper_rule": "peak"}},
+             "published": {"FedAvg": {0.1: 41.5, 0.3: None}}, "published_source": "Table 1, p. 7",
+             "paired_with": [{"table": "t", "columns": {"DENSE": "FedAvg"}}]}
+    (tmp_path / "parent.yaml").write_text(yaml.safe_dump(parent))
+    return tmp_path / "t.yaml", child
+
+
+def _schema_paths(model, example: dict, prefix: tuple = ()):
+    """(path in `example`, field) of every key of `model` and of the sections inside it, walking the example into
+    each section: a key the example lacks fails here, so a key added to the schema is a key these tests cover."""
+    for name, field in model.model_fields.items():
+        assert name in example, f"the complete table lacks {'.'.join(map(str, prefix + (name,)))}: add it"
+        yield prefix + (name,), field
+        for sub, value, path in _sections_in(field.annotation, example[name], prefix + (name,)):
+            yield from _schema_paths(sub, value, path)
+
+
+def _sections_in(ann, value, path):
+    import typing
+    from pydantic import BaseModel
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return [(ann, value, path)] if isinstance(value, dict) else []
+    if origin is dict and isinstance(value, dict) and value:
+        k = next(iter(value))
+        return _sections_in(args[1], value[k], path + (k,))
+    if origin is list and isinstance(value, list) and value:
+        return _sections_in(args[0], value[0], path + (0,))
+    return [s for a in (args[:1] if origin is typing.Annotated else args) for s in _sections_in(a, value, path)]
+
+
+def _wrong_values(field) -> list:
+    """Values of other kinds than the field takes (a number where text belongs, text where a list or a mapping
+    does, ...), as pydantic itself judges the field's type: two per key."""
+    from pydantic import TypeAdapter, ValidationError
+    import typing
+    adapter = TypeAdapter(typing.Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation)
+    out = []
+    for value in (1.5, "wrong", ["wrong"], {"wrong": 1}):
+        try:
+            adapter.validate_python(value)
+        except ValidationError:
+            out.append(value)
+    return out[:2]
+
+
+def _set(mapping: dict, path: tuple, value) -> dict:
+    import copy
+    out = copy.deepcopy(mapping)
+    node = out
+    for p in path[:-1]:
+        node = node[p]
+    node[path[-1]] = value
+    return out
+
+
+def _rename(mapping: dict, path: tuple, new: str) -> dict:
+    import copy
+    out = copy.deepcopy(mapping)
+    node = out
+    for p in path[:-1]:
+        node = node[p]
+    node[new] = node.pop(path[-1])
+    return out
+
+
+def _tree(root: Path) -> dict:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))} if root.exists() else {}
+
+
+def _refused(papers, capsys, monkeypatch, args: list[str], key: str, runs: Path) -> str:
+    """Run the command: exit 2, one paragraph on stderr naming `key`, no traceback, and nothing written — the runs
+    directory and results/papers/ as they were, no flare process started. Returns the paragraph."""
+    calls = []
+    monkeypatch.setattr(papers.subprocess, "call", lambda *a, **k: calls.append(a) or 0)
+    before = (_tree(runs), _tree(papers.RESULTS))
+    assert papers.main(args) == 2, args
+    out, err = capsys.readouterr()
+    assert key in err, (key, err)
+    assert err.startswith("papers: ") and err.count("\n") == 1 and "Traceback" not in err + out, err
+    assert (_tree(runs), _tree(papers.RESULTS)) == before and calls == []
+    return err
+
+
+def test_the_complete_table_is_valid_and_the_docs_list_every_key(tmp_path, capsys):
+    papers = _papers()
+    table, spec = _complete_table(tmp_path)
+    table.write_text(yaml.safe_dump(spec))
+    assert papers.main(["run", str(table), "--runs", str(tmp_path / "runs"), "--dry-run"]) == 0
+    assert "[1/3] fedavg-a0.1-s0: new" in capsys.readouterr().out and not (tmp_path / "runs").exists()
+    paths = list(_schema_paths(papers.Table, spec))
+    assert len(paths) == len(papers.table_keys()) > 20
+    doc = (ROOT / "docs" / "papers.md").read_text()
+    assert all(f"| `{key}` |" in doc for key, *_ in papers.table_keys())
+
+
+def test_every_misspelt_key_is_refused_with_the_key_it_meant(tmp_path, capsys, monkeypatch):
+    """Each key of the schema, misspelt (its last two letters swapped), in the complete table: refused, naming the key
+    as written and the one it meant — a misspelt key is never silently ignored (`fuse_option:` would run DENSE at its
+    full published budget)."""
+    papers = _papers()
+    table, spec = _complete_table(tmp_path)
+    runs = tmp_path / "runs"
+    for path, _ in _schema_paths(papers.Table, spec):
+        name = path[-1]
+        typo = name[:-2] + name[-1] + name[-2]
+        table.write_text(yaml.safe_dump(_rename(spec, path, typo)))
+        err = _refused(papers, capsys, monkeypatch, ["run", str(table), "--runs", str(runs)],
+                       ".".join(map(str, path[:-1] + (typo,))), runs)
+        assert f"did you mean '{name}'?" in err, err
+
+
+def test_every_key_of_a_wrong_type_is_refused(tmp_path, capsys, monkeypatch):
+    """Each key of the schema given values of other kinds than it takes (chosen by the field's own type): refused,
+    naming the key."""
+    papers = _papers()
+    table, spec = _complete_table(tmp_path)
+    runs = tmp_path / "runs"
+    cases = [(path, value) for path, field in _schema_paths(papers.Table, spec) for value in _wrong_values(field)]
+    assert len(cases) >= 2 * len(papers.table_keys()) - 6  # a key that takes anything has fewer wrong kinds
+    for path, value in cases:
+        table.write_text(yaml.safe_dump(_set(spec, path, value)))
+        _refused(papers, capsys, monkeypatch, ["run", str(table), "--runs", str(runs)], ".".join(map(str, path)), runs)
+
+
+@pytest.mark.parametrize("case", ["binary", "self-extends", "extends-cycle", "scalar-for-list", "no-preset",
+                                  "misspelt-server-option", "misspelt-config-key", "alpha-range", "percent-range",
+                                  "fuse-only"])
+def test_a_table_file_the_tool_cannot_run_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch, case):
+    papers = _papers()
+    table, spec = _complete_table(tmp_path)
+    runs, args = tmp_path / "runs", ["run", str(table), "--runs", str(tmp_path / "runs")]
+    if case == "binary":
+        table.write_bytes(bytes(range(256)) * 4)
+        key = "t.yaml"
+    elif case == "self-extends":
+        table.write_text(yaml.safe_dump({**spec, "extends": "t.yaml"}))
+        key = "extends"
+    elif case == "extends-cycle":
+        (tmp_path / "parent.yaml").write_text(yaml.safe_dump({**spec, "table": "parent", "extends": "t.yaml"}))
+        table.write_text(yaml.safe_dump(spec))
+        key = "extends"
+    elif case == "scalar-for-list":
+        table.write_text(yaml.safe_dump(_set(spec, ("methods", "fedavg", "fuse"), "dense")))
+        key = "methods.fedavg.fuse"
+    elif case == "no-preset":  # a table of its own (the parent's preset would fill it in)
+        table.write_text(yaml.safe_dump({k: v for k, v in _set(spec, ("methods", "fedavg"), {"fuse": ["dense"]}).items()
+                                         if k != "extends"}))
+        key = "methods.fedavg.preset"
+    elif case == "misspelt-server-option":  # the server's budget: FLARE's options for it, not the schema's keys
+        table.write_text(yaml.safe_dump(_set(spec, ("methods", "fedavg", "fuse_options"), {"dense": {"epoch": 2}})))
+        key = "methods.fedavg.fuse_options.dense.epoch"
+    elif case == "misspelt-config-key":
+        table.write_text(yaml.safe_dump(_set(spec, ("base", "roundz"), 2)))
+        key = "base.roundz"
+    elif case == "alpha-range":  # a Dirichlet α is > 0
+        table.write_text(yaml.safe_dump({**spec, "alphas": [0.0, 0.3], "seeds": {0.0: [0], 0.3: [0, 1]}}))
+        key = "alphas"
+    elif case == "percent-range":
+        table.write_text(yaml.safe_dump(_set(spec, ("published", "FedAvg", 0.1), 141.5)))
+        key = "published.FedAvg.0.1"
+    else:  # a valid table with nothing recorded: --fuse-only has no clients to fuse over
+        table.write_text(yaml.safe_dump(spec))
+        args.append("--fuse-only")
+        key = "--fuse-only"
+    err = _refused(papers, capsys, monkeypatch, args, key, runs)
+    if case == "extends-cycle":
+        assert "t.yaml → parent.yaml → t.yaml" in err
+    if case == "fuse-only":
+        assert "3 not recorded yet" in err
+
+
+def test_progress_and_run_with_nothing_to_do_say_so(tmp_path, capsys, monkeypatch):
+    papers, spec, cell, run_dir, res, runs, scratch = _one_dense_cell(tmp_path, {}, rounds_seconds=60.0)
+    table = str(_write_table(tmp_path, spec))
+    from flare.config.load import load_config
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(load_config(overrides=cell["config"]).model_dump(mode="json")))
+    (run_dir / "state.json").write_text(json.dumps({"status": "finished"}))
+    (run_dir / "fuse.jsonl").write_text(json.dumps({"kind": "fuse", "strategy": "dense", "acc": 0.6,
+                                                    "options": {"epochs": 200, "curve_every": 2}}) + "\n")
+    papers.copy_records(spec, cell, run_dir, res)
+    before = _tree(res)
+    assert papers.main(["progress", table, "--runs", str(runs), "--results", str(res)]) == 2
+    assert "progress: nothing recorded" in capsys.readouterr().err and _tree(res) == before
+    with pytest.raises(FlareError, match="the one cell of t is recorded with every server") as e:
+        papers.run(spec, tmp_path / "fresh", commit=False, dry_run=False, overrides=[], dest=res)
+    assert e.value.key == "run" and not (tmp_path / "fresh").exists()
+
+
+def test_the_dry_run_prices_each_cell_at_the_tables_recorded_rates(tmp_path, capsys):
+    """Recorded, resumable and new cells, each with what it will cost at the records' rates (a cell's round seconds,
+    a server's fuse seconds), the total, and a server with no record yet named as unpriced; nothing written."""
+    papers = _papers()
+    spec = {"table": "t", "alphas": [0.1], "seeds": [0, 1, 2], "base": {"rounds": 2},
+            "methods": {"fedavg": {"preset": "fedavg", "fuse": ["dense", "feddf"]}},
+            "columns": {"DENSE": {"method": "fedavg", "key": "fuse:dense"}}}
+    res, runs = tmp_path / "res", tmp_path / "runs"
+    done = res / "t" / "fedavg-a0.1-s0"
+    done.mkdir(parents=True)
+    (done / "metrics.jsonl").write_text("".join(json.dumps({"kind": "round", "seconds": 1800.0}) + "\n" for _ in "ab"))
+    (done / "fuse.jsonl").write_text("".join(json.dumps({"kind": "fuse", "strategy": s, "acc": 0.5, "seconds": 900.0})
+                                             + "\n" for s in ("dense", "feddf")))
+    (done / "cell.json").write_text(json.dumps({"method": "fedavg", "alpha": 0.1, "seed": 0, "table": "t",
+                                                "fuse": ["dense", "feddf"], "fuse_options": {}}))
+    (done / "fuse.jsonl").write_text(json.dumps({"kind": "fuse", "strategy": "dense", "acc": 0.5, "seconds": 900.0})
+                                     + "\n")  # recorded without feddf: no rate for it
+    partial = runs / "t" / "fedavg-a0.1-s1"
+    partial.mkdir(parents=True)
+    (partial / "metrics.jsonl").write_text(json.dumps({"kind": "round", "seconds": 1200.0}) + "\n")
+    before = (_tree(res), _tree(runs))
+    assert papers.run(spec, runs, commit=False, dry_run=True, overrides=[], dest=res) == 0
+    out = capsys.readouterr().out.splitlines()
+    # the recorded cell lacks feddf, its clients not on disk: trained again (1 h), and both servers fused over them
+    assert out[0] == ("[1/3] fedavg-a0.1-s0: recorded without feddf; its clients are not on disk (checkpoints are "
+                      "never committed): training them again — ≈ 1.25 h: clients 1.00 h, dense 15 min; no rate yet for its feddf "
+                      "fusion")
+    assert out[1] == ("[2/3] fedavg-a0.1-s1: resumable (1 of 2 rounds done) — ≈ 55 min: clients 40 min, dense 15 min; "
+                      "no rate yet for its feddf fusion")
+    assert out[2] == "[3/3] fedavg-a0.1-s2: new — ≈ 1.25 h: clients 1.00 h, dense 15 min; no rate yet for its feddf fusion"
+    assert out[3].startswith("3 of 3 cells to run (3 to train, 6 fusions): ≈ 3.42 h at the wall times recorded in ")
+    assert out[3].endswith("no rate yet for fedavg-a0.1-s0's feddf fusion, fedavg-a0.1-s1's feddf fusion, "
+                           "fedavg-a0.1-s2's feddf fusion.")
+    assert (_tree(res), _tree(runs)) == before

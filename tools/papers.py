@@ -10,30 +10,44 @@ comparison with the published numbers.
 
 A table file (configs/papers/*.yaml) names the base config, the methods (a preset, overrides and the server
 strategies scored afterwards with `flare fuse`), the α and seed grid, the columns and the paper's printed numbers.
+Its keys are a schema (`Table`, docs/papers.md "Table files"), checked as FLARE checks a config before anything
+runs: an unknown key, a value of the wrong type or range, an `extends` cycle, or a cell FLARE would refuse stops
+the command with exit 2 and one paragraph naming the file, the key and the fix, before anything is written.
 A cell is one method at one (α, seed): one `flare run` into runs/papers/<table>/<cell> — rerunning resumes an
 unfinished one, a finished one is not recomputed — then `flare fuse` for its strategies (already fused ones are
-skipped; an interrupted data-free fuse goes on from its last finished epoch). Cells run one at a time. A finished cell's records (config, partition, metrics, fuse records, state,
-summary; never a checkpoint) are copied to results/papers/<table>/<cell>/ with the table's spec beside them, and
-`--commit` commits that directory alone. `render` reads results/papers/ only.
+skipped; an interrupted data-free fuse goes on from its last finished epoch). Cells run one at a time. A finished
+cell's records (config, partition, metrics, fuse records, state, summary; never a checkpoint) are copied to
+results/papers/<table>/<cell>/ with the table's spec beside them, and `--commit` commits that directory alone.
+`render` reads results/papers/ only. A command with nothing to do (every cell recorded; `--fuse-only` with no
+recorded clients to fuse over; `progress` with no unfinished fusion) says what is missing and exits 2.
 """
-from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import shutil
 import subprocess
 import sys
 import time
+import types
+import typing
 from pathlib import Path
+from typing import Annotated, Any, Literal, Union
 
 import numpy as np
 import yaml
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, Discriminator, Field, Tag, ValidationError,
+                      field_validator, model_validator)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from flare.config.load import experiment_differences, load_config, parse_overrides  # noqa: E402
+from flare.config.load import (build_config, experiment_differences, load_config, parse_overrides,  # noqa: E402
+                               preset_mapping, read_yaml_mapping)
+from flare.config.sections import Strict  # noqa: E402
+from flare.errors import FlareError, KeyedValueError  # noqa: E402
+from flare.registry import STRATEGIES  # noqa: E402
 from flare.stats import mean_ci  # noqa: E402
 
 RESULTS = ROOT / "results" / "papers"
@@ -41,36 +55,386 @@ DOC = ROOT / "docs" / "papers.md"
 RECORDS = ("config.yaml", "partition.json", "metrics.jsonl", "fuse.jsonl", "state.json", "summary.md")
 PROGRESS = "fuse-progress.json"  # how far an unfinished data-free fusion has got (`progress`): curve, no weights
 BEGIN, END = "<!-- BEGIN published -->", "<!-- END published -->"
+KEYS_DOC = 'docs/papers.md, "Table files"'
 
 
-# ------------------------------------------------------------------------------------------------ the cells
-class TableError(ValueError):
-    """A table file that cannot describe a table: `run` stops before it writes anything (exit 2)."""
+# ------------------------------------------------------------------------------------------------ the table file
+def _number(value: Any) -> Any:
+    """A number inside a list or a mapping: a boolean is refused there as `Strict` refuses it in a field (YAML
+    writes `yes`, `on` and `true` alike, and pydantic would read them as 1)."""
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not a number; give a number")
+    return value
+
+
+def _unique(values: list) -> list:
+    """A list whose repeats are a slip (an α or a seed given twice would run one cell twice under one name)."""
+    if len(set(values)) < len(values):
+        raise ValueError(f"{values} names an element twice; give each once")
+    return values
+
+
+def _one_of(shapes: dict[str, Any], what: str) -> Any:
+    """A key that takes a list or a mapping (`seeds`, `paired_with`, a pairing's `columns`), validated as the shape
+    given: an error then speaks of that shape alone, not of every shape the key could have taken."""
+    def shape(value: Any) -> str | None:
+        return "list" if isinstance(value, list) else "mapping" if isinstance(value, dict) else None
+    return Annotated[Union[tuple(Annotated[t, Tag(k)] for k, t in shapes.items())],
+                     Discriminator(shape, custom_error_type="shape", custom_error_message=f"give {what}")]
+
+
+NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+Name = Annotated[str, Field(pattern=NAME)]                               # it names a directory: no '/', no space
+Alpha = Annotated[float, BeforeValidator(_number), Field(gt=0)]          # a Dirichlet concentration
+Seed = Annotated[int, BeforeValidator(_number), Field(ge=0)]             # the legacy RandomState takes no negative
+Percent = Annotated[float, BeforeValidator(_number), Field(ge=0, le=100)]
+Seeds = Annotated[list[Seed], Field(min_length=1), AfterValidator(_unique)]
+
+
+class UnknownKey(ValueError):
+    def __init__(self, name: Any, close: list[str]):
+        super().__init__(f"unknown key {name!r}")
+        self.name, self.close = name, close
+
+
+class Section(Strict):
+    """A table file's section. A key it does not have is refused with the nearest key of this section — pydantic's
+    own refusal (Strict's extra="forbid") says nothing of what was meant, and `fuse_option:` for `fuse_options:`
+    would otherwise be a DENSE at its full published budget."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        for name in data if isinstance(data, dict) else ():
+            if name not in cls.model_fields:
+                raise UnknownKey(name, difflib.get_close_matches(str(name), cls.model_fields, n=1))
+        return data
+
+
+class Column(Section):
+    """A printed column: one value of each cell of one method, and the rule the paper chose it by."""
+
+    method: Name = Field(description="the method (a key of `methods`) whose cells the column reads")
+    key: str = Field(pattern=r"^(acc\w*|fuse:[\w.-]+)$",
+                     description="the value: a round record's accuracy (`acc`, `acc_fedavg`, `acc_output`, ...) or "
+                                 "`fuse:<server>`, a server of the method's `fuse`")
+    paper_rule: Literal["final", "peak"] = Field(
+        "final", description="the paper's selection: `final` (the last round's model, or the fused one) or `peak` "
+                             "(the best evaluated round on the test set; a data-free server's best epoch)")
+
+
+class Method(Section):
+    """One client training run per (α, seed), and the servers scored over its clients afterwards."""
+
+    preset: str = Field(description="the FLARE preset (`flare presets`) the method's cells start from")
+    label: str | None = Field(None, description="the method's name as the paper prints it (kept with the table "
+                                                "file; the block names columns, not methods)")
+    fuse: Annotated[list[str], AfterValidator(_unique)] = Field(
+        [], description="server strategies scored over the cells' clients with `flare fuse` after training")
+    fuse_options: dict[str, dict[str, Any]] = Field(
+        {}, description="per server of `fuse`: options given to `flare fuse` (`server.strategies.<server>.<option>`)"
+                        " — the server's budget, never the clients'; checked against the server's options")
+    config: dict[str, Any] = Field({}, description="FLARE config keys over `base` for this method's cells "
+                                                   "(checked as `flare run` checks them)")
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, name: str) -> str:
+        try:
+            preset_mapping(name)
+        except FlareError as e:
+            raise ValueError(f"{e.message} {e.fix}") from None
+        return name
+
+
+class Pairing(Section):
+    """Differences seed by seed between this table's columns and another recorded table's (or its own)."""
+
+    table: Name = Field(description="the other table's `table` name (this table's own: a pairing within it)")
+    columns: _one_of({"list": list[str], "mapping": dict[str, str]},
+                     "a list of the other table's columns or a mapping of this table's column → the other's") = Field(
+        description="a list of the other table's columns (each paired with every column of this table), or a "
+                    "mapping of this table's column → the other table's")
+
+
+class Table(Section):
+    """A table file: the grid of cells, how each is configured and fused, and what the block prints of them."""
+
+    extends: str | None = Field(None, description="a table file beside this one to start from: `base` and "
+                                "`methods` merge key by key, every other key replaces, a method given as null is "
+                                "not run; the table must give its own `table` name")
+    table: Name = Field(description="the table's name: its cells run into `runs/papers/<table>/` and are "
+                                    "recorded in `results/papers/<table>/`")
+    paper: str | None = Field(None, description="the paper and table, as the block's heading prints it")
+    note: str | None = Field(None, description="a note the block prints under the heading (a diagnostic says so)")
+    alphas: Annotated[list[Alpha], Field(min_length=1), AfterValidator(_unique)] = Field(
+        description="the Dirichlet α of each column group (`partition.alpha`), each > 0")
+    seeds: _one_of({"list": Seeds, "mapping": dict[float, Seeds]},
+                   "a list of seeds, or a mapping from each α to its list of seeds") = Field(
+        description="the seeds run at every α, or a mapping α → seeds naming every α of `alphas`")
+    spread: bool = Field(False, description="list every seed's value and their range beside the paper's number")
+    base: dict[str, Any] = Field(description="FLARE config keys shared by every cell (checked as `flare run` "
+                                             "checks them)")
+    methods: Annotated[dict[Name, Method], Field(min_length=1)] = Field(
+        description="the methods, by name (a cell is `<method>-a<α>-s<seed>`)")
+    columns: dict[str, Column] = Field(description="the block's columns, by the name it prints")
+    published: dict[str, dict[float, Percent | None]] = Field(
+        {}, description="the paper's printed numbers (percent), column → α → value; null: printed but not found "
+                        "in any source; a column left out is one the paper does not have")
+    published_source: str | None = Field(None, description="where the published numbers were read, and how sure "
+                                                           "that reading is")
+    paired_with: _one_of({"mapping": Pairing, "list": list[Pairing]},
+                         "a pairing (table, columns) or a list of them") | None = Field(
+        None, description="pairings by seed with another table's columns (or this table's): one or a list")
+
+    @model_validator(mode="after")
+    def _keys_agree(self) -> "Table":
+        """The keys that name each other: every name must be one the table has, or the column, number or
+        pairing it belongs to would be silently empty."""
+        if isinstance(self.seeds, dict) and set(self.seeds) != set(self.alphas):
+            raise KeyedValueError(("seeds",), f"seeds given per α must name every α of alphas and no other "
+                                              f"(alphas {self.alphas}, seeds for {list(self.seeds)})")
+        for col, c in self.columns.items():
+            if c.method not in self.methods:
+                raise KeyedValueError(("columns", col, "method"), f"column {col} reads the method {c.method!r}, "
+                                      f"which the table does not run{_close(c.method, self.methods)}")
+            if c.key.startswith("fuse:") and c.key[5:] not in self.methods[c.method].fuse:
+                raise KeyedValueError(("columns", col, "key"), f"column {col} reads the server {c.key[5:]!r}, "
+                                      f"which {c.method} does not fuse (its fuse: {self.methods[c.method].fuse})")
+        for col, by_alpha in self.published.items():
+            if col not in self.columns:
+                raise KeyedValueError(("published", col), f"published numbers for {col!r}, which is no column of "
+                                      f"the table{_close(col, self.columns)}")
+            for alpha in by_alpha:
+                if alpha not in self.alphas:
+                    raise KeyedValueError(("published", col, alpha), f"a published number at α = {alpha:g}, which "
+                                          f"is not among the table's alphas {self.alphas}")
+        pairings = (self.paired_with if isinstance(self.paired_with, list) else
+                    [self.paired_with] if self.paired_with else [])
+        for i, p in enumerate(pairings):
+            where = ("paired_with", i) if isinstance(self.paired_with, list) else ("paired_with",)
+            ours = list(p.columns) if isinstance(p.columns, dict) else []
+            theirs = list(p.columns.values() if isinstance(p.columns, dict) else p.columns)
+            for col in ours + (theirs if p.table == self.table else []):
+                if col not in self.columns:
+                    raise KeyedValueError((*where, "columns", col), f"the pairing names the column {col!r}, which "
+                                          f"is no column of {self.table}{_close(col, self.columns)}")
+        return self
+
+
+def _close(name: str, names: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(str(name), list(names), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else f"; it has {', '.join(names) or 'none'}"
+
+
+def table_keys() -> list[tuple[str, str, str, str]]:
+    """(key, type, default, meaning) of every key a table file may hold, each section before the keys inside it:
+    docs/papers.md's "Table files" block is built from this (tools/readme.py), so it cannot fall behind the schema."""
+    rows = []
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, f in model.model_fields.items():
+            default = "required" if f.is_required() else "—" if f.default is None else f"`{json.dumps(f.default)}`"
+            rows.append((prefix + name, _annotate(_type_text(f.annotation), f.metadata), default.replace('"', ""),
+                         f.description or ""))
+            for sub, suffix in dict(_sections(f.annotation)).items():
+                walk(sub, f"{prefix}{name}{suffix}.")
+    walk(Table, "")
+    return rows
+
+
+def table_keys_markdown() -> str:
+    rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    rows += [f"| `{k}` | {t} | {d} | {m} |" for k, t, d, m in table_keys()]
+    return "\n".join(rows) + "\n"
+
+
+def _sections(ann: Any, suffix: str = "") -> list[tuple[type[BaseModel], str]]:
+    """The sections (models) a key's type holds, each with the path from the key to it (`.<name>` per mapping)."""
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return [(ann, suffix)]
+    if origin is dict:
+        return _sections(args[1], suffix + ".<name>")
+    return [s for a in (args[:1] if origin is Annotated else args) for s in _sections(a, suffix)]
+
+
+def _type_text(ann: Any) -> str:
+    """A key's type read aloud, with the limits its annotation sets."""
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin is Annotated:
+        return _annotate(_type_text(args[0]), args[1:])
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_text(a) for a in args if a is not type(None)) + (
+            " or null" if type(None) in args else "")
+    if origin is list:
+        return f"list of {_type_text(args[0])}"
+    if origin is dict:
+        return f"mapping {'α' if args[0] is float else 'name'} → {_type_text(args[1])}"
+    if origin is Literal:
+        return " or ".join(f"`{a}`" for a in args)
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return "section"
+    return {str: "text", float: "number", int: "whole number", bool: "true or false"}.get(ann, "any value")
+
+
+def _annotate(text: str, metadata: typing.Iterable) -> str:
+    """A type's text with the limits its metadata sets: a name's pattern, a number's bounds, a non-empty list."""
+    limits, items = [], [i for m in metadata for i in getattr(m, "metadata", [m])]  # Field() carries its own
+    for item in items:
+        limits += [f"{sign} {getattr(item, attr):g}" for attr, sign in (("gt", ">"), ("ge", "≥"), ("le", "≤"))
+                   if getattr(item, attr, None) is not None]
+    if any(getattr(i, "pattern", None) == NAME for i in items):
+        text = "name (letters, digits, `.`, `_`, `-`)"
+    if any(getattr(i, "min_length", None) for i in items):
+        text = f"non-empty {text}"
+    return text + (f" ({', '.join(limits)})" if limits else "")
 
 
 def load_table(path: str | Path) -> dict:
-    """A table file; `extends: OTHER.yaml` (beside it) starts from that table and changes a few keys — a variant of
-    a table (a diagnostic at one setting changed) is the few keys it changes, never a copy. `base` and `methods`
-    merge key by key (a cell's config); every other key (`columns`, `alphas`, `published`, ...) replaces. A method
-    given as null is not run (a diagnostic of one method need not train the parent's others again)."""
-    try:
-        spec = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as e:
-        why = " ".join(str(e).split())  # YAML's message spans lines with a caret drawing: one line here
-        raise TableError(f"{path}: cannot read the table file ({type(e).__name__}: {why})") from None
-    if not isinstance(spec, dict):
-        raise TableError(f"{path}: a table file is a mapping of keys (table, alphas, seeds, base, methods, columns)")
-    if "extends" in spec:
-        parent = load_table(Path(path).parent / spec.pop("extends"))
-        spec = {**parent, **spec, **{k: _merge(parent.get(k, {}), spec[k]) for k in ("base", "methods") if k in spec}}
-        spec["methods"] = {m: v for m, v in spec.get("methods", {}).items() if v is not None}
-    for k in ("table", "alphas", "seeds", "base", "methods", "columns"):
-        if k not in spec:
-            raise TableError(f"{path} lacks '{k}'")
-    if isinstance(spec["seeds"], dict) and sorted(map(float, spec["seeds"])) != sorted(map(float, spec["alphas"])):
-        raise TableError(f"{path}: 'seeds' given per α must name every α of 'alphas' and no other "
-                         f"(alphas {spec['alphas']}, seeds for {list(spec['seeds'])})")
+    """A table file as a mapping, checked: its keys against `Table`, the files it extends (beside it) merged in,
+    and each cell's FLARE config and fuse as `flare run` and `flare fuse` would check them — what they would refuse
+    an hour into a table is refused before its first cell. A FlareError names the file, the key and the fix."""
+    spec, chain = _resolve(Path(path), ())
+    _check_cells(spec, chain)
     return spec
+
+
+def _resolve(path: Path, seen: tuple[Path, ...]) -> tuple[dict, list[tuple[Path, dict]]]:
+    """The file's mapping with the tables it extends merged in and checked, and the files from it up the chain,
+    each with what it wrote itself (to name the file an error is in). A variant of a table (a diagnostic at one
+    setting changed) is the few keys it changes, never a copy: `base` and `methods` merge key by key (a cell's
+    config), every other key replaces, and a method given as null is not run (a diagnostic of one method need
+    not train the parent's others again)."""
+    if path.resolve() in seen:
+        loop = " → ".join(p.name for p in (*seen, path.resolve()))
+        raise FlareError(f"table file {seen[-1]} extends itself through {loop}.", key="extends",
+                         fix="extend a table that does not lead back to this one.")
+    try:
+        raw = read_yaml_mapping(path, "table file", "extends" if seen else None)
+    except FlareError as e:  # YAML's message spans lines with a caret drawing: one paragraph here
+        raise FlareError(" ".join(e.message.split()), key=e.key, fix=e.fix) from None
+    spec, chain, parent = dict(raw), [(path, raw)], None
+    if "extends" in spec:
+        ext = spec.pop("extends")
+        if not isinstance(ext, str) or not ext.strip():
+            raise FlareError(f"table file {path}: extends={ext!r} is not a file name.", key="extends",
+                             fix="give the name of the table file, beside this one, that this table starts from.")
+        parent, up = _resolve(path.parent / ext, (*seen, path.resolve()))
+        chain += up
+        spec = {**parent, **spec}
+        for k in ("base", "methods"):
+            if isinstance(raw.get(k), dict):
+                spec[k] = _merge(parent[k], raw[k])
+        dropped = [m for m, v in raw["methods"].items() if v is None] if isinstance(raw.get("methods"), dict) else []
+        for m in dropped:
+            if m not in parent["methods"]:
+                raise _error(chain, ("methods", m), f"methods.{m} is null, which drops a method of {ext}, and it has "
+                             f"no method {m!r}{_close(m, parent['methods'])}", "name a method of the table it extends.")
+            del spec["methods"][m]
+    table = _validate(spec, chain)
+    if parent is not None and table.table == parent["table"]:
+        raise FlareError(f"table file {path} extends {parent['table']} without a `table` name of its own: its cells "
+                         f"would be recorded as {parent['table']}'s.", key="table", fix="give it its own `table: NAME`.")
+    for m, own in (raw.get("methods") or {}).items():  # each file's own server options: for servers fused there
+        for s in (own or {}).get("fuse_options", {}):
+            if s not in table.methods[m].fuse:
+                raise _error(chain[:1], ("methods", m, "fuse_options", s), f"options for the server {s!r}, which "
+                             f"{m} does not fuse (its fuse: {table.methods[m].fuse}): `flare fuse` would never get them",
+                             f"add {s} to methods.{m}.fuse, or give the options under the server that is fused.")
+    return spec, chain
+
+
+def _validate(spec: dict, chain: list[tuple[Path, dict]]) -> Table:
+    """`spec` as a `Table`, or pydantic's report as one paragraph naming the file, each key as the table file writes
+    it and the fix (flare.config.load._explain's form, with the did-you-mean over the table files' keys)."""
+    try:
+        return Table.model_validate(spec)
+    except ValidationError as err:
+        lines, first, fix = [], None, None
+        for e in err.errors():
+            cause = (e.get("ctx") or {}).get("error")
+            parts = (cause.key if isinstance(cause, KeyedValueError) else
+                     _written((*e["loc"], cause.name) if isinstance(cause, UnknownKey) else e["loc"], spec, e["type"]))
+            key = ".".join(map(str, parts))
+            first = first or parts
+            if isinstance(cause, UnknownKey):
+                lines.append(f"unknown key '{key}'" + (f" (did you mean '{cause.close[0]}'?)" if cause.close else ""))
+                fix = fix or f"remove it or correct its spelling ({KEYS_DOC}, lists every key)."
+            elif e["type"] == "missing":
+                lines.append(f"'{key}' is missing")
+                fix = fix or f"add it ({KEYS_DOC}, says what it holds); a table that extends another takes it from there."
+            else:
+                msg = e["msg"].removeprefix("Value error, ")
+                lines.append(msg if isinstance(cause, KeyedValueError) else f"{key}={e.get('input')!r}: {msg}")
+                fix = fix or f"correct that value ({KEYS_DOC}, gives each key's type and range)."
+        raise _error(chain, first, "; ".join(lines), fix) from None
+
+
+def _written(loc: tuple, spec: dict, kind: str) -> tuple:
+    """The key path of a pydantic error as the table file writes it: without the shape tags of a key that takes a
+    list or a mapping (`seeds`, `paired_with`), and with a mapping's keys as written (α keys are numbers)."""
+    parts, node = [], spec
+    for i, x in enumerate(loc):
+        if (entry := _entry(node, x)) is not None:
+            parts.append(entry[0])
+            node = entry[1]
+        elif kind == "missing" and i == len(loc) - 1:
+            parts.append(x)
+    return tuple(parts)
+
+
+def _holds(node: Any, parts: typing.Sequence) -> bool:
+    """Whether a table file's mapping writes the key path `parts`."""
+    for p in parts:
+        if (entry := _entry(node, p)) is None:
+            return False
+        node = entry[1]
+    return True
+
+
+def _entry(node: Any, key: Any) -> tuple[Any, Any] | None:
+    """The entry of a mapping or a list that a path element names, as (its key as written, its value); keys are
+    compared as text, since pydantic and FLARE's keys give an α key (a number) as text."""
+    if isinstance(node, dict):
+        return next(((k, v) for k, v in node.items() if str(k) == str(key)), None)
+    if isinstance(node, list) and isinstance(key, int) and 0 <= key < len(node):
+        return key, node[key]
+    return None
+
+
+def _error(chain: list[tuple[Path, dict]], parts: typing.Sequence, message: str, fix: str | None) -> FlareError:
+    """A table file's error: the file given, and the file it extends that writes the key where that is another
+    (the key may be right there and wrong only beside what the table given changes)."""
+    path = next((p for p, raw in chain if _holds(raw, parts)), chain[0][0])
+    where = "" if path == chain[0][0] else f" (the key is written in {path})"
+    return FlareError(f"table file {chain[0][0]}{where}: {message}.", key=".".join(map(str, parts)), fix=fix)
+
+
+def _check_cells(spec: dict, chain: list[tuple[Path, dict]]) -> None:
+    """Every cell's FLARE config (base, preset, the method's config, α and seed) with its servers' options, and its
+    servers, as `flare run` and `flare fuse` check them. The error names the table file's key: a server's option in
+    `fuse_options`, a config key in the method's `config` or in `base` — the first that writes it — else the method,
+    whose cells combine them."""
+    for cell in cells(spec):
+        m = cell["method"]
+        try:
+            cfg = build_config(_merge(cell["config"], {"server": {"strategies": cell["fuse_options"]}}))
+            for s in cell["fuse"]:
+                STRATEGIES.entry(s, key=f"methods.{m}.fuse")
+                STRATEGIES.check(s, cfg)
+        except FlareError as e:
+            flare_key, written = (e.key or "").split("."), {"methods": {m: spec["methods"][m]}, "base": spec["base"]}
+            candidates = [["methods", m, "config", *flare_key], ["base", *flare_key]]
+            if flare_key[:2] == ["server", "strategies"]:
+                candidates.insert(0, ["methods", m, "fuse_options", *flare_key[2:]])
+            parts = next((p for p in candidates if _holds(written, p)),
+                         flare_key if flare_key[0] == "methods" else ["methods", m])
+            msg = e.message.removesuffix(".")
+            if parts[2:3] == ["fuse_options"] and len(parts) == 5:  # a server's option: the options it has
+                close = difflib.get_close_matches(parts[4], [o for o, *_ in STRATEGIES.option_rows(parts[3])], n=1)
+                msg += f" (did you mean '{close[0]}'?)" if close else ""
+            raise _error(chain, parts, f"cell {cell['name']}: {msg}", e.fix) from None
 
 
 def seeds_for(spec: dict, alpha: float) -> list[int]:
@@ -96,15 +460,15 @@ def _merge(a: dict, b: dict) -> dict:
 def cells(spec: dict) -> list[dict]:
     """Every (method, α, seed) of the table with its flare config (the base, the method's preset and overrides,
     α and seed), in the order they run: seeds outermost, so a partial table already pairs its methods by seed."""
-    out = []
-    for seed in sorted({sd for a in spec["alphas"] for sd in seeds_for(spec, a)}):
-        for alpha in (a for a in spec["alphas"] if seed in seeds_for(spec, a)):
-            for method, m in spec["methods"].items():
-                cfg = _merge(spec["base"], m.get("config", {}))
-                cfg = _merge(cfg, {"preset": m["preset"], "seed": seed, "partition": {"alpha": alpha}})
+    table, out = Table.model_validate(spec), []
+    for seed in sorted({sd for a in table.alphas for sd in seeds_for(spec, a)}):
+        for alpha in (a for a in table.alphas if seed in seeds_for(spec, a)):
+            for method, m in table.methods.items():
+                cfg = _merge(_merge(table.base, m.config), {"preset": m.preset, "seed": seed,
+                                                            "partition": {"alpha": alpha}})
                 out.append({"name": cell_name(method, alpha, seed), "method": method, "alpha": alpha, "seed": seed,
-                            "config": cfg, "fuse": list(m.get("fuse", [])),
-                            "fuse_options": {k: dict(v) for k, v in (m.get("fuse_options") or {}).items()}})
+                            "config": cfg, "fuse": list(m.fuse),
+                            "fuse_options": {k: dict(v) for k, v in m.fuse_options.items()}})
     return out
 
 
@@ -280,6 +644,137 @@ def _git_commit(paths: list[str], message: str, attempts: int = 20) -> None:
     raise SystemExit(f"papers: could not commit {paths} after {attempts} attempts")
 
 
+def _rel(path: Path) -> Path:
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
+def _plan(spec: dict, i: int, n: int, cell: dict, runs: Path, dest: Path, overrides: list[str],
+          defer: tuple[str, ...], fuse_only: bool) -> dict:
+    """What a pass does with one cell, decided before anything is written: the line the dry run prints, whether the
+    pass acts on it (`act`: train — resuming what is on disk — fuse the servers it lacks, record), whether that
+    trains clients (`trains`), the servers it fuses, the keys in which its records are another experiment
+    (`stale`: the pass is refused), and the line a pass logs for a cell it skips (`skip`)."""
+    run_dir, rec = runs / spec["table"] / cell["name"], dest / spec["table"] / cell["name"]
+    try:  # a --set FLARE refuses stops here, not in the first cell's `flare run`
+        cfg = load_config(overrides=_merge(cell["config"], parse_overrides(list(overrides))))
+    except FlareError as e:
+        raise FlareError(f"with --set {' '.join(overrides)}, cell {cell['name']}'s config is refused: {e.message}",
+                         key="--set", fix=e.fix) from None
+    recorded, have, on_disk = (rec / "cell.json").is_file(), fused(rec), finished(run_dir)
+    missing = [s for s in cell["fuse"] if s not in defer and _key(s, cell["fuse_options"].get(s)) not in have]
+    changed = stale(rec, cell, overrides)
+    head = f"[{i}/{n}] {cell['name']}"
+    plan = {"head": head, "cell": cell, "run_dir": run_dir, "rec": rec, "recorded": recorded, "stale": changed,
+            "done": recorded and not missing, "skip": None,  # the servers it fuses: all its run directory lacks
+            "fuse": [s for s in cell["fuse"] if s not in defer and _key(s, cell["fuse_options"].get(s)) not in
+                     fused(run_dir)]}
+    if changed:
+        status = (f"recorded at another setting (keys differ: {', '.join(changed)}); move {_rel(rec)} and {run_dir} "
+                  "aside (or restore the table file) to run it at this one")
+    elif recorded and not missing:
+        status = "recorded"
+    elif recorded:  # recorded without a strategy the table now fuses
+        status = (f"recorded without {', '.join(missing)}; its clients "
+                  + ("are on disk" if on_disk else "are not on disk (checkpoints are never committed): "
+                     + ("skipped by --fuse-only" if fuse_only else "training them again")))
+        if fuse_only and not on_disk:  # recorded on a machine that is gone: nothing here to fuse over
+            plan["skip"] = (f"{head}: recorded without {', '.join(missing)}, but its clients are not on disk; skipped "
+                            "(a pass without --fuse-only trains them again from the same seed)")
+    else:
+        rounds = sum(1 for r in _jsonl(run_dir / "metrics.jsonl") if r.get("kind") == "round")
+        status = ("finished, not recorded" if on_disk else
+                  f"resumable ({rounds} of {cfg.rounds} rounds done)" if run_dir.exists() else "new")
+        if fuse_only:  # the training process records, then fuses it
+            status += "; left to the training pass (--fuse-only)"
+    plan["status"] = status
+    plan["act"] = not plan["done"] and not changed and (not fuse_only or (recorded and on_disk))
+    plan["trains"] = plan["act"] and not fuse_only and not on_disk
+    return plan
+
+
+def _estimate(plan: dict, metas: list[tuple[Path, dict]]) -> tuple[float, list[str], list[str]]:
+    """Wall hours a pass will take over one cell at the rates of the table's records (`metas`, as the block's cost
+    line reads them), the parts priced, and the parts no record prices yet: clients at the method's mean cell, less
+    the rounds a resumable run directory holds; a server at its mean fusion, or an unfinished one with a progress
+    note over these clients at its own rate for the epochs left."""
+    cell, hours, priced, unpriced = plan["cell"], 0.0, [], []
+    mine = [d for d, m in metas if m["method"] == cell["method"]]
+    if plan["trains"]:
+        if rates := client_hours(mine):
+            left = max(0.0, float(np.mean(rates)) - _cell_hours(plan["run_dir"]))
+            hours += left
+            priced.append(f"clients {_duration(left)}")
+        else:
+            unpriced.append("its clients")
+    notes = in_progress(plan["rec"])
+    for s in plan["fuse"]:
+        if (e := notes.get(s)) and e["epoch"] and e["epochs"]:
+            again = plan["trains"] or e.get("stopped")  # its state went with the clients it was built over
+            left = _epoch_hours(e) * (e["epochs"] - (0 if again else e["epoch"]))
+            hours += left
+            priced.append(f"{s} {_duration(left)} (" + (f"all {e['epochs']} epochs" if again else
+                                                        f"epochs {e['epoch'] + 1}–{e['epochs']}")
+                          + " at its progress note's rate)")
+        elif rates := fusion_hours([fuse_records(d, s) for d in mine]):
+            hours += float(np.mean(rates))
+            priced.append(f"{s} {_duration(float(np.mean(rates)))}")
+        else:
+            unpriced.append(f"its {s} fusion")
+    return hours, priced, unpriced
+
+
+def _n(k: int, word: str) -> str:
+    return f"{k} {word}{'s' * (k != 1)}"
+
+
+def _nothing_to_do(spec: dict, plans: list[dict], dest: Path, fuse_only: bool, only: tuple[str, ...]) -> FlareError:
+    """Why a pass has no cell to act on, counted by what the cells lack."""
+    k, table = len(plans), spec["table"]
+    which = (f"the {_n(k, 'cell')} of {table} that --cells names" if only else
+             f"all {k} cells of {table}" if k != 1 else f"the one cell of {table}")
+    done = sum(p["done"] for p in plans)
+    if not fuse_only:
+        return FlareError(f"{which} {'is' if k == 1 else 'are'} recorded with every server in "
+                          f"{_rel(dest / table)}: nothing to run.", key="run",
+                          fix="`render` shows them; to run a cell again, move its records directory aside.")
+    waiting, gone = sum(not p["recorded"] for p in plans), sum(p["skip"] is not None for p in plans)
+    counts = [(waiting, "not recorded yet: no clients to fuse over"),
+              (gone, "recorded without a server, their clients not on disk"), (done, "recorded with every server")]
+    return FlareError(f"--fuse-only has nothing to fuse among {which}: no cell has recorded clients on disk with a "
+                      f"server left to fuse ({'; '.join(f'{k} {why}' for k, why in counts if k)}).", key="--fuse-only",
+                      fix="run the table without --fuse-only first (with --defer SERVER to record the clients before "
+                          "the long fusions), on the machine that will fuse them." if waiting else
+                          "a pass without --fuse-only trains their clients again from the same seed." if gone else
+                          "`render` shows them.")
+
+
+def show_plan(spec: dict, plans: list[dict], dest: Path, overrides: list[str], fuse_only: bool,
+            only: tuple[str, ...]) -> None:
+    """Each cell with its status and what the pass would cost, then the total — a table at its published budget
+    runs for days, and the reader plans with this before starting one."""
+    metas = _metas(dest / spec["table"])
+    total, acts, unpriced = 0.0, [p for p in plans if p["act"]], []
+    for p in plans:
+        cost = ""
+        if p["act"]:
+            hours, priced, none = _estimate(p, metas)
+            total += hours
+            unpriced += [f"{p['cell']['name']}'s {x.removeprefix('its ')}" for x in none]
+            cost = " — " + "; ".join(([f"≈ {_duration(hours)}: {', '.join(priced)}"] if priced else [])
+                                      + ([f"no rate yet for {', '.join(none)}"] if none else []))
+        print(f"{p['head']}: {p['status']}{cost}")
+    if any(p["stale"] for p in plans):
+        print(f"{_n(sum(bool(p['stale']) for p in plans), 'cell')} recorded at another setting: a pass refuses to start "
+              "until they are moved aside.")
+    if not acts:
+        print(_nothing_to_do(spec, plans, dest, fuse_only, only).message)
+        return
+    print(f"{len(acts)} of {_n(len(plans), 'cell')} to run ({sum(p['trains'] for p in acts)} to train, "
+          f"{_n(sum(len(p['fuse']) for p in acts), 'fusion')}): ≈ {_duration(total)} at the wall times recorded in "
+          f"{_rel(dest / spec['table'])}" + (f"; no rate yet for {', '.join(unpriced)}" if unpriced else "")
+          + ("; the --set overrides are not priced" if overrides else "") + ".")
+
+
 def run(spec: dict, runs: Path, *, commit: bool, dry_run: bool, overrides: list[str], dest: Path = RESULTS,
         defer: tuple[str, ...] = (), fuse_only: bool = False, only: tuple[str, ...] = (),
         table_path: str | Path | None = None) -> int:
@@ -289,75 +784,58 @@ def run(spec: dict, runs: Path, *, commit: bool, dry_run: bool, overrides: list[
     clients have finished (a second process beside the one training). `only` names the cells this process takes,
     so that two processes can train two cells of one table at once without both resuming the same one.
     `table_path`: the table file, read again as each cell is recorded — a table runs for days, and a correction to
-    what it shows (the paper's numbers, a note) made meanwhile must not be undone by a process started before it."""
+    what it shows (the paper's numbers, a note) made meanwhile must not be undone by a process started before it.
+    Every cell is planned first: a cell recorded at another setting, or a pass with nothing to do, is refused (a
+    FlareError) before anything is written."""
+    every = cells(spec)
+    plans = [_plan(spec, i, len(every), cell, runs, dest, overrides, defer, fuse_only)
+             for i, cell in enumerate(every, 1) if not only or cell["name"] in only]
+    if dry_run:
+        show_plan(spec, plans, dest, overrides, fuse_only, only)
+        return 0
+    if changed := [p for p in plans if p["stale"]]:  # never skipped as done, nor replaced
+        raise FlareError("recorded at another setting than the table file's now: " + "; ".join(
+            f"{p['cell']['name']} (keys differ: {', '.join(p['stale'])})" for p in changed) + ".", key="run",
+            fix=f"move {', '.join(str(_rel(p['rec'])) for p in changed)} and their run directories under {runs} "
+                "aside (or restore the table file) to run them at this setting.")
+    if not any(p["act"] for p in plans):
+        raise _nothing_to_do(spec, plans, dest, fuse_only, only)
     table_runs = runs / spec["table"]
     table_runs.mkdir(parents=True, exist_ok=True)
     log = table_runs / "progress.log"
-    todo = cells(spec)
-    for i, cell in enumerate(todo, 1):
-        if only and cell["name"] not in only:
-            continue
-        run_dir = table_runs / cell["name"]
-        rec = dest / spec["table"] / cell["name"]
-        todo_fuse = [f for f in cell["fuse"] if f not in defer]
-        recorded, have = (rec / "cell.json").is_file(), fused(rec)
-        missing = [f for f in todo_fuse if _key(f, cell["fuse_options"].get(f)) not in have]
-        done = recorded and not missing
-        status = "recorded" if done else ("finished" if finished(run_dir) else
-                                          "partial" if run_dir.exists() else "new")
-        if recorded and missing:  # recorded without a strategy the table now fuses
-            status = (f"recorded without {', '.join(missing)}; its clients "
-                      + ("are on disk" if finished(run_dir) else
-                         "are not on disk (checkpoints are never committed): "
-                         + ("skipped by --fuse-only" if fuse_only else "training them again")))
-        changed = stale(rec, cell, overrides)
-        if changed:
-            msg = (f"[{i}/{len(todo)}] {cell['name']}: recorded at another setting (keys differ: "
-                   f"{', '.join(changed)}); move {rec.relative_to(ROOT) if rec.is_relative_to(ROOT) else rec} and {run_dir} aside (or "
-                   "restore the table file) to run it at this one")
-            if dry_run:
-                print(msg)
-                continue
-            _log(log, msg)
-            return 2
-        if dry_run:
-            print(f"[{i}/{len(todo)}] {cell['name']}: {status}")
-            continue
-        if done:
-            _log(log, f"[{i}/{len(todo)}] {cell['name']}: recorded, skipped")
-            continue
-        if fuse_only and not recorded:  # the training process records, then fuses it
-            continue
-        if fuse_only and not finished(run_dir):  # recorded on a machine that is gone: nothing here to fuse over
-            _log(log, f"[{i}/{len(todo)}] {cell['name']}: {status.split(';')[0]}, but its clients are not on disk; "
-                      "skipped (a pass without --fuse-only trains them again from the same seed)")
+    for p in plans:
+        cell, run_dir, head = p["cell"], p["run_dir"], p["head"]
+        if p["done"]:
+            _log(log, f"{head}: recorded, skipped")
+        if p["skip"]:
+            _log(log, p["skip"])
+        if not p["act"]:
             continue
         cfg_path = table_runs / f"{cell['name']}.yaml"
         cfg_path.write_text(yaml.safe_dump(cell["config"], sort_keys=False))
         t0 = time.time()
         if not fuse_only:
-            _log(log, f"[{i}/{len(todo)}] {cell['name']}: {status}, training")
+            _log(log, f"{head}: {p['status']}, training")
             rc = subprocess.call(_flare("run", "--config", str(cfg_path), "--out", str(run_dir), *overrides), cwd=ROOT)
             if rc != 0:
-                _log(log, f"[{i}/{len(todo)}] {cell['name']}: flare run exited {rc}; stopping")
+                _log(log, f"{head}: flare run exited {rc}; stopping")
                 return rc
-        for s in todo_fuse:
+        for s in p["fuse"]:
             if _key(s, cell["fuse_options"].get(s)) in fused(run_dir):
                 continue
-            _log(log, f"[{i}/{len(todo)}] {cell['name']}: fusing {s} {' '.join(fuse_args(cell, s))}")
+            _log(log, f"{head}: fusing {s} {' '.join(fuse_args(cell, s))}")
             rc = subprocess.call(_flare("fuse", str(run_dir), "--strategies", s, *fuse_args(cell, s)), cwd=ROOT)
             if rc != 0:
-                _log(log, f"[{i}/{len(todo)}] {cell['name']}: flare fuse {s} exited {rc}; stopping")
+                _log(log, f"{head}: flare fuse {s} exited {rc}; stopping")
                 return rc
         shown = None
         if table_path is not None:
             try:
                 shown = load_table(table_path)
-            except TableError as e:  # the records still land; the description stays as this process read it
-                _log(log, f"[{i}/{len(todo)}] {cell['name']}: {e}; recording the table as it read at the start")
+            except FlareError as e:  # the records still land; the description stays as this process read it
+                _log(log, f"{head}: {e}; recording the table as it read at the start")
         d = copy_records(spec, cell, run_dir, dest, shown)
-        _log(log, f"[{i}/{len(todo)}] {cell['name']}: done in {time.time() - t0:.0f} s → {d.relative_to(ROOT)}"
-             if d.is_relative_to(ROOT) else f"[{i}/{len(todo)}] {cell['name']}: done → {d}")
+        _log(log, f"{head}: done in {time.time() - t0:.0f} s → {_rel(d)}")
         if commit:  # the records and the docs block rendered from them, in one commit: never a stale block.
             # Rendered by a fresh process: a table runs for days, and the block must be what the checked-out
             # renderer makes of the records, not what the renderer was when this process started.
@@ -379,6 +857,14 @@ def _jsonl(path: Path) -> list[dict]:
         except ValueError:
             pass
     return out
+
+
+def _metas(table_dir: Path) -> list[tuple[Path, dict]]:
+    """A records directory's cells, each with its cell.json (none for a table with no records yet)."""
+    if not table_dir.is_dir():
+        return []
+    return [(d, json.loads((d / "cell.json").read_text())) for d in sorted(table_dir.iterdir())
+            if (d / "cell.json").is_file()]
 
 
 def fuse_records(cell_dir: Path, strategy: str) -> list[dict]:
@@ -428,8 +914,7 @@ def render(results: Path = RESULTS, img_dir: Path | None = None) -> str:
         return "No cell has finished yet: the tables appear here as results/papers/ fills.\n"
     for tdir in tables:
         spec = yaml.safe_load((tdir / "table.yaml").read_text())
-        metas = [(d, json.loads((d / "cell.json").read_text())) for d in sorted(tdir.iterdir())
-                 if (d / "cell.json").is_file()]
+        metas = _metas(tdir)
         lines += [f"### {spec['table']} — {spec.get('paper', '')}", ""]
         if spec.get("note"):
             lines += [f"*{spec['note'].strip()}*", ""]
@@ -676,6 +1161,22 @@ def _cell_hours(cell_dir: Path) -> float:
                if r.get("kind") == "round") / 3600
 
 
+def client_hours(cell_dirs: list[Path]) -> list[float]:
+    """Each recorded client cell's wall hours (`_cell_hours`; a cell without timings left out): the rate the block's
+    cost line and the dry run price a method's cells at."""
+    return [h for h in map(_cell_hours, cell_dirs) if h > 0]
+
+
+def fusion_hours(records: list[list[dict]]) -> list[float]:
+    """Each cell's last fuse record of one server (`fuse_records`: at the table's options) in wall hours."""
+    return [float(r[-1].get("seconds", 0.0)) / 3600 for r in records if r]
+
+
+def _epoch_hours(note: dict) -> float:
+    """An unfinished fusion's rate (its progress note): wall hours an epoch so far."""
+    return note["seconds"] / note["epoch"] / 3600
+
+
 def _duration(hours: float) -> str:
     return f"{hours:.2f} h" if hours >= 1 else f"{hours * 60:.0f} min" if hours * 60 >= 1 else f"{hours * 3600:.0f} s"
 
@@ -700,7 +1201,7 @@ def cost_lines(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
     parts, todo_h, todo_n, unknown = [], 0.0, 0, []
     for method, servers in plan.items():
         mine = [d for d, m in metas if m["method"] == method]
-        hours = [h for h in map(_cell_hours, mine) if h > 0]
+        hours = client_hours(mine)
         todo = [cell_name(method, a, sd) for a in spec["alphas"] for sd in seeds_for(spec, a)
                 if cell_name(method, a, sd) not in recorded]
         if hours:
@@ -710,11 +1211,11 @@ def cost_lines(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
             unknown.append(f"{len(todo)} {method} cell{'s' * (len(todo) != 1)}")
         for server in sorted(servers):
             recs = [fuse_records(d, server) for d in mine]  # each cell's fuse file read once
-            secs = [float(r[-1].get("seconds", 0.0)) / 3600 for r in recs if r]
+            secs = fusion_hours(recs)
             notes = [(d, e) for d, e in ((d, in_progress(d).get(server)) for d in mine)
                      if e and e["epoch"] and e["epochs"]]
             for d, e in notes:
-                rate = e["seconds"] / e["epoch"] / 3600  # hours an epoch
+                rate = _epoch_hours(e)
                 if e.get("stopped"):  # its state is gone with its clients: both from the start again
                     again = _cell_hours(d) + rate * e["epochs"]
                     parts.append(f"its {server} server stopped at epoch {e['epoch']} of {e['epochs']} after "
@@ -826,8 +1327,7 @@ def _paired_with(spec: dict, metas: list[tuple[Path, dict]], results: Path, tabl
         other, theirs = spec, metas
     else:
         other = yaml.safe_load((results / table / "table.yaml").read_text())
-        theirs = [(d, json.loads((d / "cell.json").read_text())) for d in sorted((results / table).iterdir())
-                  if (d / "cell.json").is_file()]
+        theirs = _metas(results / table)
     where = "within" if table == spec["table"] else "with"
     out = ["", f"Paired {where} {table} by seed (ours − theirs, final values):", "",
            "| ours | theirs | α | seeds | mean difference ± std | 95 % half-width |", "| --- | --- | --- | --- | --- | --- |"]
@@ -889,35 +1389,42 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--check", action="store_true", help="exit 1 if the committed block is stale")
     g.add_argument("--results", default=str(RESULTS), help="the records directory (default results/papers)")
     a = ap.parse_args(argv)
-    if a.cmd in ("run", "describe", "progress"):
-        try:
-            spec = load_table(a.table)
-        except TableError as e:
-            print(f"papers: {e}", file=sys.stderr)
-            return 2
+    try:
+        return _command(a)
+    except FlareError as e:  # a user's error: one paragraph, exit 2, never a traceback
+        print(f"papers: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+
+
+def _command(a: argparse.Namespace) -> int:
+    """One command; what it refuses (a table file, a cell name, nothing to do) raises a FlareError before it writes."""
+    spec = load_table(a.table) if a.cmd in ("run", "describe", "progress") else None
     if a.cmd == "run":
         names = [c["name"] for c in cells(spec)]
-        unknown = [n for n in a.cells if n not in names]
-        if unknown:
-            print(f"papers: {a.table} has no cell {', '.join(unknown)}; its cells are {', '.join(names)}",
-                  file=sys.stderr)
-            return 2
+        if unknown := [n for n in a.cells if n not in names]:
+            raise FlareError(f"{a.table} has no cell {', '.join(unknown)}; its cells are {', '.join(names)}.",
+                             key="--cells", fix="name cells as --dry-run lists them.")
         return run(spec, Path(a.runs), commit=a.commit, dry_run=a.dry_run, overrides=a.set,
                    defer=tuple(a.defer), fuse_only=a.fuse_only, only=tuple(a.cells), table_path=a.table)
     if a.cmd == "progress":
         if a.stopped is None:
             written, skipped = progress(spec, Path(a.runs), Path(a.results))
+            if not written:
+                raise FlareError(f"nothing recorded: " + ("; ".join(f"skipped {why}" for why in skipped) or
+                                 f"no cell of {spec['table']} recorded in {a.results} has a server left to fuse "
+                                 f"whose build state is under {Path(a.runs) / spec['table']}/<cell>/fuse-scratch/") + ".",
+                                 key="progress", fix="record progress after a sitting that ends mid-fusion "
+                                                     "(`run --fuse-only` starts one).")
             for why in skipped:
                 print(f"papers: skipped {why}", file=sys.stderr)
         elif not a.stopped.strip():
-            print("papers: --stopped needs the reason, as the block will print it", file=sys.stderr)
-            return 2
+            raise FlareError("--stopped needs the reason, as the block will print it.", key="--stopped",
+                             fix='write --stopped "WHY".')
         else:
             written, refused = stop(spec, Path(a.runs), a.stopped.strip(), Path(a.results))
             if refused or not written:
                 why = "; ".join(refused) or f"{spec['table']} has no recorded unfinished fusion not stopped already"
-                print(f"papers: nothing marked stopped — {why}", file=sys.stderr)
-                return 2
+                raise FlareError(f"nothing marked stopped — {why}.", key="--stopped")
         for f in written:
             print(f)
         if a.commit and written:
@@ -929,9 +1436,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.cmd == "describe":
         if not (Path(a.results) / spec["table"]).is_dir():
-            print(f"papers: {spec['table']} has no records under {a.results} yet; its first cell writes the "
-                  "description", file=sys.stderr)
-            return 2
+            raise FlareError(f"{spec['table']} has no records under {a.results} yet; its first cell writes the "
+                             "description.", key="describe", fix="run a cell of the table first.")
         print(describe(spec, Path(a.results)))
         return 0
     text = DOC.read_text()

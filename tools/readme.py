@@ -102,6 +102,14 @@ def config_table() -> str:
     return config_reference_markdown() + "\n"
 
 
+def papers_table_keys() -> str:
+    """Every key of a tools/papers.py table file (configs/papers/*.yaml), from the schema the tool checks them by."""
+    spec = importlib.util.spec_from_file_location("papers_tool", ROOT / "tools" / "papers.py")
+    papers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(papers)
+    return papers.table_keys_markdown()
+
+
 @dataclass
 class Static:
     """A block rendered from the code alone (presets, schema), and the page (relative to the checkout) holding it."""
@@ -112,6 +120,7 @@ class Static:
 STATIC = {"presets": Static(methods_at_a_glance, "README.md"),
           "methods": Static(methods_table, "docs/methods.md"),
           "config-reference": Static(config_table, "docs/configuration.md"),
+          "papers-table-keys": Static(papers_table_keys, "docs/papers.md"),
           "cpu-vs-reference": Static(lambda: cpu_against_reference(), "docs/performance.md")}  # defined below
 
 
