@@ -160,8 +160,9 @@ def _schema_float_keys() -> list[str]:
     return [key for key, field in _fields() if float in (typing.get_args(field.annotation) or (field.annotation,))]
 
 
-@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "inf"])
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "inf", "1.0e+39", "-1.0e+300"])
 def test_every_float_key_of_the_schema_is_finite(value):
+    """Finite as the run computes: within float32's range, where the first tensor op would overflow."""
     keys = _schema_float_keys()
     assert "lr" in keys and "lam.gamma_reg" in keys and len(keys) > 20
     for key in keys:
@@ -170,7 +171,7 @@ def test_every_float_key_of_the_schema_is_finite(value):
         assert e.value.key == key, (key, e.value.render())
 
 
-@pytest.mark.parametrize("value", [".inf", ".nan"])
+@pytest.mark.parametrize("value", [".inf", ".nan", "1.0e+39"])
 def test_every_float_option_of_every_registered_part_is_finite(value):
     rows = _part_settings()
     assert any(p == "server.strategies.fedcgs" and o == "gamma" for _, p, o in rows)
@@ -209,7 +210,22 @@ def test_an_option_the_partition_cannot_serve_is_refused_before_training(folder,
     assert rc == 2 and "server.strategies.fedpft.n_mixtures" in err and not out.exists(), err
 
 
+def test_a_final_accuracy_over_more_rounds_than_are_evaluated_is_refused():
+    for rounds, every, n in ((1, 1, 2), (8, 5, 3), (10, 3, 5)):
+        with pytest.raises(FlareError, match="eval.final_rounds") as e:
+            load_config(None, "fafi", [f"rounds={rounds}", f"eval.every={every}", f"eval.final_rounds={n}"])
+        assert e.value.key == "eval.final_rounds"
+    assert load_config(None, "fafi", ["rounds=8", "eval.every=5", "eval.final_rounds=2"]).eval.final_rounds == 2
+
+
 # ------------------------------------------------------------------------------ 3. the key the user wrote
+
+
+def test_clients_whose_weights_diverged_name_the_learning_rate_not_a_strategy(folder, tmp_path, capsys):
+    """lr=1e30 keeps every loss finite for a round while the weights overflow: the evaluation finds the clients'
+    own logits non-finite and blames lr, not the strategy that read them."""
+    rc, err = cli(["run", "--preset", "fafi", *images(folder), "lr=1.0e+30", "--out", str(tmp_path / "o")], capsys)
+    assert rc == 2 and err.startswith("flare: error: lr:") and "server.strategies" not in err, err
 
 
 def test_a_features_dataset_names_its_own_options(tmp_path, capsys):
