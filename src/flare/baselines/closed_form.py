@@ -2,18 +2,11 @@
 
 Every head here reads what FedCGS reads (frozen.py, `SufficientStatistics`): the clients' float64 per-class counts
 n_c, feature sums s_c and second moments S_c = Σ_{y=c} x xᵀ, summed by the server. Their sums are the pooled
-features' own, so each head is the head of the pooled features whatever the split, and the ones that train (FisherMix,
-Proto-Hyper) train on samples drawn from them. The arithmetic follows each reference's code and defaults:
-
-* GH-OFL (ICLR 2026; FabioTur-dev/One-Shot-FL, server/GH_OFL_server.py, configs/cifar10.yaml): diagonal Gaussian
-  naive Bayes, LDA with a shrunk pooled covariance, QDA with shrunk class covariances, and two heads trained on
-  samples from the class Gaussians projected to the Fisher subspace — FisherMix (linear) and Proto-Hyper (a low-rank
-  residual over the Fisher-space naive Bayes, distilled from an LDA/NB teacher);
-* Fed3R (ICML 2024; Erosinho13/Fed3R, src/fed3r.py): ridge regression on [x, 1] with one-hot targets, the class
-  columns normalised;
-* AFL (CVPR 2025; ZHUANGHP/Analytic-federated-learning, afl.py): the aggregated analytic (ridge) solution with its
-  regulariser's bias removed afterwards;
-* FedNCM (NeurIPS 2023; GwenLegate/GuidingLastLayerFLPretrain): the normalised class means as the head.
+features' own, so each head is the head of the pooled features whatever the split, and the two that train
+(FisherMix, Proto-Hyper) train on samples drawn from them. The arithmetic and the defaults are the references'
+code's: GH-OFL (ICLR 2026; FabioTur-dev/One-Shot-FL, server/GH_OFL_server.py, configs/cifar10.yaml) for the
+Gaussian heads, Fed3R (ICML 2024; Erosinho13/Fed3R, src/fed3r.py), AFL (CVPR 2025;
+ZHUANGHP/Analytic-federated-learning, afl.py) and FedNCM (NeurIPS 2023; GwenLegate/GuidingLastLayerFLPretrain).
 """
 from __future__ import annotations
 
@@ -24,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from flare.baselines.frozen import FeatureLinear, SufficientStatistics, fit, init_linear
+from flare.baselines.frozen import SufficientStatistics, fit, init_linear
 from flare.errors import FlareError
 from flare.registry import STRATEGIES
 from flare.rng import derived_seed
@@ -158,8 +151,7 @@ class GHLDA(SufficientStatistics):
     """GH-OFL's LDA: the pooled within-class covariance, shrunk."""
 
     def head(self, counts, sums, second, ctx):
-        w, b = gh_lda(counts, sums, second, self.options.shrinkage, self.options.jitter)
-        return FeatureLinear(w.float(), b.float())
+        return gh_lda(counts, sums, second, self.options.shrinkage, self.options.jitter)
 
 
 @STRATEGIES.register("gh_qda", options=GHQDAOptions)
@@ -250,7 +242,7 @@ class GHSampled(SufficientStatistics):
         gen = torch.Generator().manual_seed(derived_seed(self.cfg.seed, ctx.round, TAG))
         z, y = fisher_samples(counts, sums, second, v, o, gen)
         w, b = self.train(z, y, fisher_gaussians(counts, sums, second, v, o.shrinkage), gen)
-        return FeatureLinear((v @ w.double()).T.float(), b.float())
+        return (v @ w.double()).T, b
 
 
 @STRATEGIES.register("gh_fishermix", options=GHSampledOptions)
@@ -343,8 +335,7 @@ class Fed3R(SufficientStatistics):
     """Fed3R: ridge regression on the frozen features, from the summed statistics."""
 
     def head(self, counts, sums, second, ctx):
-        w, b = ridge(counts, sums, second, self.options.ridge)
-        return FeatureLinear(w.float(), b.float())
+        return ridge(counts, sums, second, self.options.ridge)
 
 
 @STRATEGIES.register("afl", options=AFLOptions)
@@ -352,9 +343,8 @@ class AFL(SufficientStatistics):
     """AFL: the aggregated analytic (least-squares) head, its regulariser removed."""
 
     def head(self, counts, sums, second, ctx):
-        o = self.options
-        w = analytic(counts, sums, second, o.rg, len(ctx.extras), o.clean_regularization)
-        return FeatureLinear(w.float(), torch.zeros(len(w)))
+        w = analytic(counts, sums, second, self.options.rg, len(ctx.extras), self.options.clean_regularization)
+        return w, torch.zeros(len(w))
 
 
 @STRATEGIES.register("fedncm", options=FedNCMOptions)
@@ -362,5 +352,4 @@ class FedNCM(SufficientStatistics):
     """FedNCM: the class means as the head."""
 
     def head(self, counts, sums, second, ctx):
-        w, b = class_mean_head(counts, sums, self.options.rule)
-        return FeatureLinear(w.float(), b.float())
+        return class_mean_head(counts, sums, self.options.rule)

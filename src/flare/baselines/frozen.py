@@ -99,7 +99,8 @@ class SufficientStatistics(Strategy):
                 "sums": torch.zeros(c, f.shape[1], dtype=torch.float64).index_add_(0, y, f),
                 "second": torch.stack([f[y == k].T @ f[y == k] for k in range(c)])}
 
-    def head(self, counts: Tensor, sums: Tensor, second: Tensor, ctx: ServerContext) -> nn.Module:
+    def head(self, counts: Tensor, sums: Tensor, second: Tensor, ctx: ServerContext) -> nn.Module | tuple:
+        """The head from the summed statistics: a model, or (W, b) of a linear one (float64)."""
         raise NotImplementedError
 
     def predictor(self, ctx: ServerContext) -> ModelPredictor:
@@ -107,6 +108,7 @@ class SufficientStatistics(Strategy):
         counts, sums, second = (sum(e[k] for e in ctx.extras) for k in ("counts", "sums", "second"))
         with torch.enable_grad():  # the heads that train on sampled features
             model = self.head(counts, sums, second, ctx)
+        model = FeatureLinear(model[0].float(), model[1].float()) if isinstance(model, tuple) else model
         return ModelPredictor(model.to(ctx.device), {"samples": float(counts.sum()),
                                                      "seconds": time.perf_counter() - t0})
 
@@ -121,8 +123,7 @@ class FedCGS(SufficientStatistics):
     """FedCGS: summed per-class first and second moments of the frozen features → a Gaussian (LDA) head."""
 
     def head(self, counts, sums, second, ctx):
-        w, b = lda_head(counts, sums, sums.sum(0), second.sum(0), self.options.gamma)
-        return FeatureLinear(w.float(), b.float())
+        return lda_head(counts, sums, sums.sum(0), second.sum(0), self.options.gamma)
 
 
 # FedPFT
