@@ -16,6 +16,7 @@ from flare.baselines.frozen import SufficientStatistics, lda_head
 from flare.cli import main
 from flare.config import load_config
 from flare.errors import FlareError
+from flare.models import create_model
 from flare.server.strategy import ServerContext, make_strategy
 
 sk = pytest.importorskip("sklearn", reason="scikit-learn (the encoders extra) is not installed")
@@ -63,12 +64,12 @@ def scores(name, extras, x, **options):
     """The test scores of strategy `name` built from the clients' `extras`, in float64 where the head computes."""
     cfg = load_config(None, "fafi", FEATURES + [f"eval.rules=[primary,{name}]",
                                                 *(f"server.strategies.{name}.{k}={v}" for k, v in options.items())])
-    ctx = ServerContext(cfg, 0, [], [], torch.ones(len(extras)), None, None, extras=extras)
+    template = create_model("adapter", D, C, head="linear", options={"dim": 0})
+    ctx = ServerContext(cfg, 0, [], [template], torch.ones(len(extras)), None, None, extras=extras)
     model = make_strategy(cfg, name).predictor(ctx).model
-    if isinstance(model, cf.FeatureGaussian):
+    if not hasattr(model, "linear"):
         return model(x)[1]
-    lin = model.linear
-    return x @ lin.weight.double().T + lin.bias.double()
+    return x @ model.linear.weight.double().T + model.linear.bias.double()
 
 
 # ------------------------------------------------------------------------------------ the statistics add up
@@ -173,6 +174,32 @@ def test_fed3r_is_ridge_on_features_and_a_one_column():
     coef = coef / np.linalg.norm(coef[:, :-1], axis=1, keepdims=True)
     np.testing.assert_allclose(w.numpy(), coef[:, :-1], rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(b.numpy(), coef[:, -1], rtol=1e-9, atol=1e-12)
+
+
+def test_fed3r_with_random_features_is_ridge_on_them_for_every_split():
+    """Fed3R-RF: every client maps its features through the same seeded random Fourier features and uploads their
+    statistics (its own upload, not the shared one); the head is Fed3R's ridge on [φ(x), 1], whatever the split."""
+    from flare.server.extras import extras_shapes
+    x, y = gaussian_data()
+    test, _ = gaussian_data(200, seed=1)
+    rf = {"random_features": 64, "kernel_width": 3.0}
+    cfg = load_config(None, "fafi", FEATURES + ["eval.rules=[primary,fed3r]",
+                                                *(f"server.strategies.fed3r.{k}={v}" for k, v in rf.items())])
+    strategy = make_strategy(cfg, "fed3r")
+    template = create_model("adapter", D, C, head="linear", options={"dim": 0})
+    assert extras_shapes({"fed3r": strategy}, template)["fed3r/second"] == ((1, 64, 64), torch.float64)
+
+    def upload(ix):
+        data = SimpleNamespace(x=x[ix], y=y[ix], normalize=lambda t: t, model=template)
+        return strategy.client_extras(data)
+    pooled = scores("fed3r", [upload(torch.arange(len(y)))], test, **rf)
+    split = scores("fed3r", [upload(ix) for ix in dirichlet_split(y, 0.1, 5, seed=2)], test, **rf)
+    torch.testing.assert_close(split, pooled, rtol=1e-9, atol=1e-9)
+    phi = strategy.random_map(D)
+    feats = lambda t: np.hstack([phi.features(t).numpy(), np.ones((len(t), 1))])  # noqa: E731
+    coef = Ridge(alpha=0.01, fit_intercept=False, solver="cholesky").fit(feats(x), np.eye(C)[y.numpy()]).coef_
+    coef = coef / np.linalg.norm(coef[:, :-1], axis=1, keepdims=True)
+    np.testing.assert_allclose(pooled.numpy(), feats(test) @ coef.T, rtol=1e-8, atol=1e-10)
 
 
 def test_afl_is_least_squares_whatever_the_number_of_clients():
@@ -293,7 +320,7 @@ def test_singular_statistics_are_refused_naming_the_option():
     ("gh_qda", "shrinkage", "2", "less than or equal to 1"), ("gh_nb", "var_floor", "0", "greater than 0"),
     ("gh_fishermix", "energy", "0", "greater than 0"), ("gh_protohyper", "kd_weight", "1.5", "less than or equal"),
     ("fed3r", "ridge", "-1", "greater than 0"), ("afl", "rg", "0", "greater than 0"),
-    ("fedncm", "rule", "cosine", "'normalized' or 'euclidean'")])
+    ("fedncm", "rule", "cosine", "'normalized' or 'euclidean'"), ("fed3r", "kernel_width", "0", "greater than 0")])
 def test_bad_options_are_exit_2_at_config_time(name, option, value, says, tmp_path, capsys):
     argv = ["run", *FEATURES, f"eval.rules=[primary,{name}]", f"server.strategies.{name}.{option}={value}",
             "--out", str(tmp_path / "out"), "--quiet"]
@@ -301,6 +328,14 @@ def test_bad_options_are_exit_2_at_config_time(name, option, value, says, tmp_pa
     err = capsys.readouterr().err
     assert f"server.strategies.{name}.{option}" in err and says in err and "Traceback" not in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_random_features_without_a_kernel_width_are_refused(tmp_path, capsys):
+    """No kernel width is published (the reference code has no random features), so none is assumed."""
+    argv = ["run", *FEATURES, "eval.rules=[primary,fed3r]", "server.strategies.fed3r.random_features=100",
+            "--out", str(tmp_path / "out"), "--quiet"]
+    assert main(argv) == 2
+    assert "server.strategies.fed3r.kernel_width" in capsys.readouterr().err
 
 
 def test_every_head_reads_one_shared_upload():

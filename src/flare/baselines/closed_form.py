@@ -13,11 +13,11 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from flare.baselines.frozen import SufficientStatistics, fit, init_linear
+from flare.baselines.frozen import (SufficientStatistics, fit, frozen_dim, frozen_features, init_linear)
 from flare.errors import FlareError
 from flare.registry import STRATEGIES
 from flare.rng import derived_seed
@@ -316,6 +316,32 @@ def class_mean_head(counts: Tensor, sums: Tensor, rule: str) -> tuple[Tensor, Te
 class Fed3ROptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     ridge: float = Field(0.01, gt=0, description="λ on the diagonal of Σ x̃x̃ᵀ (the reference's lambda_)")
+    random_features: int = Field(0, ge=0, le=65536, description="D random Fourier features of a Gaussian kernel "
+                                 "(Fed3R-RF; 0: the plain features, the reference code's)")
+    kernel_width: float | None = Field(None, gt=0, description="σ of the kernel exp(−‖x − x′‖²/2σ²); no default "
+                                       "(none published): required with random_features")
+
+    @model_validator(mode="after")
+    def _width(self):
+        if self.random_features and self.kernel_width is None:
+            raise ValueError("random_features needs a σ, server.strategies.fed3r.kernel_width (none is published)")
+        return self
+
+
+class RandomFeatureLinear(nn.Module):
+    """A linear head over random Fourier features φ(x) = √(2/D) cos(x Ω + β) of the frozen features (float64)."""
+
+    def __init__(self, omega: Tensor, beta: Tensor, weight: Tensor, bias: Tensor):
+        super().__init__()
+        for k, v in (("omega", omega), ("beta", beta), ("weight", weight), ("bias", bias)):
+            self.register_buffer(k, v.double())
+
+    def features(self, x: Tensor) -> Tensor:
+        return (2 / len(self.beta)) ** 0.5 * torch.cos(x.flatten(1).double() @ self.omega + self.beta)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        with torch.autocast(x.device.type, enabled=False):
+            return x.flatten(1), self.features(x) @ self.weight.T + self.bias
 
 
 class AFLOptions(BaseModel):
@@ -332,10 +358,42 @@ class FedNCMOptions(BaseModel):
 
 @STRATEGIES.register("fed3r", options=Fed3ROptions)
 class Fed3R(SufficientStatistics):
-    """Fed3R: ridge regression on the frozen features, from the summed statistics."""
+    """Fed3R: ridge regression on the frozen features, from the summed statistics. With random features (Fed3R-RF)
+    its statistics are the features' φ instead, and only their pooled second moment: its own upload, (D + 1)²."""
+
+    @property
+    def shares_extras(self) -> str:
+        return "" if self.options.random_features else "statistics"
+
+    def random_map(self, d: int) -> RandomFeatureLinear:
+        """Ω ~ N(0, σ⁻²), β ~ U[0, 2π), from the run's seed: every client and the server draw the same."""
+        gen, n = torch.Generator().manual_seed(derived_seed(self.cfg.seed, 0, TAG + 1)), self.options.random_features
+        omega = torch.randn(d, n, generator=gen, dtype=torch.float64) / self.options.kernel_width
+        beta = torch.rand(n, generator=gen, dtype=torch.float64) * 2 * torch.pi
+        return RandomFeatureLinear(omega, beta, torch.zeros(1, n), torch.zeros(1))
+
+    def extras_shapes(self, template):
+        shapes, n = super().extras_shapes(template), self.options.random_features
+        c = shapes["counts"][0][0]
+        return shapes if not n else {"counts": shapes["counts"], "sums": ((c, n), torch.float64),
+                                     "second": ((1, n, n), torch.float64)}
+
+    def client_extras(self, data):
+        if not self.options.random_features:
+            return super().client_extras(data)
+        f, y = frozen_features(data), data.y.cpu()
+        phi = self.random_map(f.shape[1]).features(f)
+        c = int(data.model.num_classes)
+        return {"counts": torch.bincount(y, minlength=c).double(),
+                "sums": torch.zeros(c, phi.shape[1], dtype=torch.float64).index_add_(0, y, phi),
+                "second": (phi.T @ phi)[None]}
 
     def head(self, counts, sums, second, ctx):
-        return ridge(counts, sums, second, self.options.ridge)
+        w, b = ridge(counts, sums, second, self.options.ridge)
+        if not self.options.random_features:
+            return w, b
+        rf = self.random_map(frozen_dim(ctx.models[0]))
+        return RandomFeatureLinear(rf.omega, rf.beta, w, b)
 
 
 @STRATEGIES.register("afl", options=AFLOptions)
