@@ -358,8 +358,10 @@ class FedNCMOptions(BaseModel):
 
 @STRATEGIES.register("fed3r", options=Fed3ROptions)
 class Fed3R(SufficientStatistics):
-    """Fed3R: ridge regression on the frozen features, from the summed statistics. With random features (Fed3R-RF)
-    its statistics are the features' φ instead, and only their pooled second moment: its own upload, (D + 1)²."""
+    """Fed3R: ridge regression on the frozen features, from the summed statistics.
+
+    With random features (Fed3R-RF) its statistics are those of the features' φ instead, with only their pooled
+    second moment: its own upload (D² numbers), since no sum of the shared one gives them."""
 
     @property
     def shares_extras(self) -> str:

@@ -4,9 +4,10 @@ Both read what the clients upload about the *frozen* features — the input of a
 the plain image's feature `normalize(x)` — never the clients' trained adapters, and both end in a linear head over
 those features, scored on the test features (`FeatureLinear`).
 
-FedCGS (AAAI 2025; Yuqin-G/FedCGS): the clients' float64 per-class feature sums and counts, feature sums and second
-moments add up to the centralised statistics, and the server builds the reference's Gaussian classifier from them —
-no training, no randomness. FedPFT (Beitollahi et al. 2024; its Flower baseline): each client fits per-class
+FedCGS (AAAI 2025; Yuqin-G/FedCGS): the clients' float64 per-class counts, feature sums and second moments (the
+upload every closed-form head reads, `SufficientStatistics`; the heads themselves: closed_form.py) add up to the
+centralised statistics, and the server builds the reference's Gaussian classifier from them — no training, no
+randomness. FedPFT (Beitollahi et al. 2024; its Flower baseline): each client fits per-class
 Gaussian mixtures of its features, the server samples features from them and trains a linear head with AdamW. Their
 formulas and settings: docs/frozen-encoder.md.
 """
