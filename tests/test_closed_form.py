@@ -271,6 +271,19 @@ def test_the_gaussian_heads_are_gh_ofls_on_identical_tensors(gh_reference, tmp_p
     ours = cf.fisher_basis(n, s, S, 0.05, 0.995, 16)
     assert ours.shape == (D, kf)
     torch.testing.assert_close(ours.abs(), v.abs(), rtol=1e-7, atol=1e-9)  # eigenvectors: up to sign
+    # the samples: its synthesize_fisher seeds torch's global stream, ours a generator seeded alike (the same draws)
+    o = cf.GHSampledOptions(samples=50)
+    z, y = cf.fisher_samples(n, s, S, ours, o, torch.Generator().manual_seed(7))
+    zr, yr, _ = ref.synthesize_fisher(agg["mu"], agg["Sigma_pool"], agg["Sigma_cls"], ours, 50, 0.05, 0.9,
+                                      (0.6, 1.4), 7, True)
+    torch.testing.assert_close(z, zr, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y, yr)
+    # the Fisher-space LDA and naive Bayes Proto-Hyper trains with: the same scores (NB: up to a per-sample shift)
+    g = ref.build_gaussians_fisher(agg["mu"], agg["pri"], agg["Sigma_pool"], ours, 0.05, torch.device("cpu"))
+    w_lda, b_lda, w_nb, b_nb = cf.fisher_gaussians(n, s, S, ours, 0.05)
+    torch.testing.assert_close(z @ w_lda.float() + b_lda.float(), ref.lda_scores_f(z, g), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.log_softmax(z @ w_nb.float() + b_nb.float(), 1),
+                               torch.log_softmax(ref.nb_scores_f(z, g), 1), rtol=1e-4, atol=1e-4)
 
 
 # ------------------------------------------------------------------------------------ degenerate classes

@@ -23,6 +23,7 @@ from flare.registry import STRATEGIES
 from flare.rng import derived_seed
 
 TAG = 2302  # the GH-OFL samples' seed stream (FisherMix and Proto-Hyper draw the same samples, as the reference)
+RF_TAG = 2303  # Fed3R-RF's random features: every client and the server draw the same
 NEVER = -1e30  # the score of a class no client holds where a head would otherwise give it NaN (finite: evaluated)
 
 
@@ -369,7 +370,7 @@ class Fed3R(SufficientStatistics):
 
     def random_map(self, d: int) -> RandomFeatureLinear:
         """Ω ~ N(0, σ⁻²), β ~ U[0, 2π), from the run's seed: every client and the server draw the same."""
-        gen, n = torch.Generator().manual_seed(derived_seed(self.cfg.seed, 0, TAG + 1)), self.options.random_features
+        gen, n = torch.Generator().manual_seed(derived_seed(self.cfg.seed, 0, RF_TAG)), self.options.random_features
         omega = torch.randn(d, n, generator=gen, dtype=torch.float64) / self.options.kernel_width
         beta = torch.rand(n, generator=gen, dtype=torch.float64) * 2 * torch.pi
         return RandomFeatureLinear(omega, beta, torch.zeros(1, n), torch.zeros(1))

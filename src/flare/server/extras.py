@@ -11,9 +11,9 @@ methods of its class (server/strategy.py):
 
 In an upload the names travel as `<strategy>/<name>` (so two strategies never collide; Flower carries them as
 one more array record); a strategy reads its own, without the prefix, from `ServerContext.extras`. Strategies that
-read the same statistics name them alike (`Strategy.shares_extras`): they travel once, as `<that name>/<name>`. The in-process
-runner checks a strategy's output against its declaration too, so a plugin that declares one shape and computes
-another fails at once (exit 2, naming the strategy), not later inside its server code.
+read the same statistics name them alike (`Strategy.shares_extras`): they travel once, as `<that name>/<name>`.
+The in-process runner checks a strategy's output against its declaration too, so a plugin that declares one shape
+and computes another fails at once (exit 2, naming the strategy), not later inside its server code.
 """
 from __future__ import annotations
 
