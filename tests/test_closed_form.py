@@ -343,6 +343,12 @@ def test_bad_options_are_exit_2_at_config_time(name, option, value, says, tmp_pa
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("name", HEADS[1:] + TRAINED)
+def test_an_image_run_of_a_closed_form_head_is_refused(name):
+    with pytest.raises(FlareError, match=f"'{name}' reads features"):
+        load_config(None, "fafi", ["dataset.name=imagefolder", "dataset.root=/nowhere", f"eval.rules=[{name}]"])
+
+
 def test_random_features_without_a_kernel_width_are_refused(tmp_path, capsys):
     """No kernel width is published (the reference code has no random features), so none is assumed."""
     argv = ["run", *FEATURES, "eval.rules=[primary,fed3r]", "server.strategies.fed3r.random_features=100",

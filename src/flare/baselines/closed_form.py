@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from flare.baselines.frozen import (SufficientStatistics, fit, frozen_dim, frozen_features, init_linear)
+from flare.baselines.frozen import SufficientStatistics, fit, frozen_dim, frozen_features, init_linear
 from flare.errors import FlareError
 from flare.registry import STRATEGIES
 from flare.rng import derived_seed
