@@ -4,16 +4,17 @@ Both read what the clients upload about the *frozen* features — the input of a
 the plain image's feature `normalize(x)` — never the clients' trained adapters, and both end in a linear head over
 those features, scored on the test features (`FeatureLinear`).
 
-FedCGS (AAAI 2025; Yuqin-G/FedCGS): the clients' float64 per-class feature sums and counts, feature sums and second
-moments add up to the centralised statistics, and the server builds the reference's Gaussian classifier from them —
-no training, no randomness. FedPFT (Beitollahi et al. 2024; its Flower baseline): each client fits per-class
+FedCGS (AAAI 2025; Yuqin-G/FedCGS): the clients' float64 per-class counts, feature sums and second moments (the
+upload every closed-form head reads, `SufficientStatistics`; the heads themselves: closed_form.py) add up to the
+centralised statistics, and the server builds the reference's Gaussian classifier from them — no training, no
+randomness. FedPFT (Beitollahi et al. 2024; its Flower baseline): each client fits per-class
 Gaussian mixtures of its features, the server samples features from them and trains a linear head with AdamW. Their
 formulas and settings: docs/frozen-encoder.md.
 """
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Callable, Literal
 
 import numpy as np
 import torch
@@ -76,37 +77,54 @@ def lda_head(counts: Tensor, class_sums: Tensor, total: Tensor, second: Tensor, 
     return solved, b.clamp(min=-1e30)  # finite: the evaluator refuses non-finite scores
 
 
+class SufficientStatistics(Strategy):
+    """The one upload of every closed-form head (FedCGS here, GH-OFL's heads, Fed3R, AFL and FedNCM in
+    closed_form.py): a client's float64 per-class counts, feature sums and second moments Σ_{y=c} x xᵀ. They add up
+    over clients to the pooled features' own, so a head built from their sum is the head of the pooled features
+    whatever the split; the second moments are per class because QDA needs each class's covariance (C·d² floats).
+    The family shares them (`shares_extras`): a run scoring several of its heads uploads them once. A subclass
+    builds its head from the sums in `head`."""
+
+    inputs = ("features",)
+    mixed_architectures = True  # it never reads a client's model
+    shares_extras = "statistics"
+
+    def extras_shapes(self, template: nn.Module) -> dict:
+        c, d = int(template.num_classes), frozen_dim(template)
+        return {"counts": ((c,), torch.float64), "sums": ((c, d), torch.float64), "second": ((c, d, d), torch.float64)}
+
+    def client_extras(self, data) -> dict[str, Tensor]:
+        f, y = frozen_features(data), data.y.cpu()
+        c = int(data.model.num_classes)
+        return {"counts": torch.bincount(y, minlength=c).double(),
+                "sums": torch.zeros(c, f.shape[1], dtype=torch.float64).index_add_(0, y, f),
+                "second": torch.stack([f[y == k].T @ f[y == k] for k in range(c)])}
+
+    def head(self, counts: Tensor, sums: Tensor, second: Tensor, ctx: ServerContext) -> nn.Module | tuple:
+        """The head from the summed statistics: a model, or (W, b) of a linear one (float64)."""
+        raise NotImplementedError
+
+    def predictor(self, ctx: ServerContext) -> ModelPredictor:
+        t0 = time.perf_counter()
+        counts, sums, second = (sum(e[k] for e in ctx.extras) for k in ("counts", "sums", "second"))
+        with torch.enable_grad():  # the heads that train on sampled features
+            model = self.head(counts, sums, second, ctx)
+        model = FeatureLinear(model[0].float(), model[1].float()) if isinstance(model, tuple) else model
+        return ModelPredictor(model.to(ctx.device), {"samples": float(counts.sum()),
+                                                     "seconds": time.perf_counter() - t0})
+
+
 class FedCGSOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     gamma: float = Field(0.0, ge=0, description="γ added to the covariance's diagonal (the reference's default 0)")
 
 
 @STRATEGIES.register("fedcgs", options=FedCGSOptions)
-class FedCGS(Strategy):
+class FedCGS(SufficientStatistics):
     """FedCGS: summed per-class first and second moments of the frozen features → a Gaussian (LDA) head."""
 
-    inputs = ("features",)
-
-    mixed_architectures = True  # it never reads a client's model
-
-    def extras_shapes(self, template: nn.Module) -> dict:
-        c, d = int(template.num_classes), frozen_dim(template)
-        return {"counts": ((c,), torch.float64), "class_sums": ((c, d), torch.float64),
-                "total": ((d,), torch.float64), "second": ((d, d), torch.float64)}
-
-    def client_extras(self, data) -> dict[str, Tensor]:
-        f, y = frozen_features(data), data.y.cpu()
-        c = int(data.model.num_classes)
-        return {"counts": torch.bincount(y, minlength=c).double(),
-                "class_sums": torch.zeros(c, f.shape[1], dtype=torch.float64).index_add_(0, y, f),
-                "total": f.sum(0), "second": f.T @ f}
-
-    def predictor(self, ctx: ServerContext) -> ModelPredictor:
-        t0 = time.perf_counter()
-        stats = {k: sum(e[k] for e in ctx.extras) for k in ("counts", "class_sums", "total", "second")}
-        w, b = lda_head(stats["counts"], stats["class_sums"], stats["total"], stats["second"], self.options.gamma)
-        return ModelPredictor(FeatureLinear(w.float(), b.float()).to(ctx.device),
-                              {"samples": float(stats["counts"].sum()), "seconds": time.perf_counter() - t0})
+    def head(self, counts, sums, second, ctx):
+        return lda_head(counts, sums, sums.sum(0), second.sum(0), self.options.gamma)
 
 
 # FedPFT
@@ -167,26 +185,41 @@ def sample_features(extras: list[dict], o: FedPFTOptions) -> tuple[np.ndarray, n
     return np.concatenate(xs), np.concatenate(ys)
 
 
+def init_linear(layer: nn.Linear, gen: torch.Generator) -> nn.Linear:
+    """nn.Linear's own init (weight and bias U(±1/√fan_in)), drawn from a strategy's seeded stream instead of the
+    global one, so that a server's head is repeatable."""
+    with torch.no_grad():
+        bound = 1 / layer.in_features ** 0.5
+        for p in (layer.weight, layer.bias):
+            if p is not None:
+                p.uniform_(-bound, bound, generator=gen)
+    return layer
+
+
+def fit(module: nn.Module, n: int, loss: Callable[[Tensor], Tensor], epochs: int, batch_size: int, lr: float,
+        weight_decay: float, gen: torch.Generator) -> list[float]:
+    """The loop of every head a server trains on sampled features: AdamW over `epochs` shuffles of n samples in
+    batches, `loss(indices)` per batch; the batch losses."""
+    opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=weight_decay)
+    losses = []
+    for _ in range(epochs):
+        perm = torch.randperm(n, generator=gen)
+        for s in range(0, n, batch_size):
+            value = loss(perm[s:s + batch_size])
+            opt.zero_grad(set_to_none=True)
+            value.backward()
+            opt.step()
+            losses.append(float(value.detach()))
+    return losses
+
+
 def train_head(x: Tensor, y: Tensor, num_classes: int, o: FedPFTOptions,
                gen: torch.Generator) -> tuple[nn.Linear, list]:
-    """The baseline's server head: Linear(D, C) under AdamW on shuffled batches, plain cross-entropy."""
-    head = nn.Linear(x.shape[1], num_classes)
-    with torch.no_grad():  # nn.Linear's own init, drawn from this strategy's stream instead of the global one
-        bound = 1 / x.shape[1] ** 0.5
-        head.weight.uniform_(-bound, bound, generator=gen)
-        head.bias.uniform_(-bound, bound, generator=gen)
-    opt = torch.optim.AdamW(head.parameters(), lr=o.lr)
-    losses = []
-    for _ in range(o.epochs):
-        perm = torch.randperm(len(y), generator=gen)
-        for s in range(0, len(y), o.batch_size):
-            ix = perm[s:s + o.batch_size]
-            loss = nn.functional.cross_entropy(head(x[ix]), y[ix])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            losses.append(float(loss.detach()))
-    return head, losses
+    """The baseline's server head: Linear(D, C) under AdamW (torch's default weight decay) on shuffled batches,
+    plain cross-entropy."""
+    head = init_linear(nn.Linear(x.shape[1], num_classes), gen)
+    return head, fit(head, len(y), lambda ix: nn.functional.cross_entropy(head(x[ix]), y[ix]), o.epochs,
+                     o.batch_size, o.lr, 0.01, gen)
 
 
 @STRATEGIES.register("fedpft", options=FedPFTOptions)

@@ -10,9 +10,10 @@ methods of its class (server/strategy.py):
   process under Flower, beside the client in `flare run`, from the saved states in `flare fuse`.
 
 In an upload the names travel as `<strategy>/<name>` (so two strategies never collide; Flower carries them as
-one more array record); a strategy reads its own, without the prefix, from `ServerContext.extras`. The in-process
-runner checks a strategy's output against its declaration too, so a plugin that declares one shape and computes
-another fails at once (exit 2, naming the strategy), not later inside its server code.
+one more array record); a strategy reads its own, without the prefix, from `ServerContext.extras`. Strategies that
+read the same statistics name them alike (`Strategy.shares_extras`): they travel once, as `<that name>/<name>`.
+The in-process runner checks a strategy's output against its declaration too, so a plugin that declares one shape
+and computes another fails at once (exit 2, naming the strategy), not later inside its server code.
 """
 from __future__ import annotations
 
@@ -51,10 +52,15 @@ def client_side(cfg: Config, cid: int, model: nn.Module, x: Tensor, y: Tensor, n
     return ClientData(cfg, cid, copy.deepcopy(model), x.to(device), y.to(device), normalize, augment, device)
 
 
+def prefix(name: str, strategy: Strategy) -> str:
+    """Where a strategy's statistics travel: its shared name, else its own."""
+    return getattr(strategy, "shares_extras", "") or name
+
+
 def extras_shapes(strategies: Mapping[str, Strategy], template: nn.Module) -> Shapes:
     """The prefixed shapes every upload must carry for `strategies` (name → the run's instance; empty when none
     asks)."""
-    return {f"{n}/{k}": (tuple(int(s) for s in shape), dtype) for n, strategy in strategies.items()
+    return {f"{prefix(n, strategy)}/{k}": (tuple(int(s) for s in shape), dtype) for n, strategy in strategies.items()
             for k, (shape, dtype) in strategy.extras_shapes(template).items()}
 
 
@@ -63,12 +69,12 @@ def client_extras(strategies: Mapping[str, Strategy], data: ClientData) -> dict[
     shapes (a strategy that computes what it did not declare is a FlareError naming it)."""
     out: dict[str, Tensor] = {}
     for n, strategy in strategies.items():
-        declared = strategy.extras_shapes(data.model)
-        if not declared:
+        declared, pre = strategy.extras_shapes(data.model), prefix(n, strategy)
+        if not declared or f"{pre}/{next(iter(declared))}" in out:  # none asked, or shared and computed already
             continue
-        got = {f"{n}/{k}": (v.detach().cpu() if isinstance(v, Tensor) else v)
+        got = {f"{pre}/{k}": (v.detach().cpu() if isinstance(v, Tensor) else v)
                for k, v in dict(strategy.client_extras(data)).items()}
-        if reasons := check_tensors("extras", got, {f"{n}/{k}": (tuple(s), d) for k, (s, d) in declared.items()}):
+        if reasons := check_tensors("extras", got, {f"{pre}/{k}": (tuple(s), d) for k, (s, d) in declared.items()}):
             raise FlareError(f"server strategy '{n}' computed client statistics that do not match what it declares "
                              f"(extras_shapes) for client {data.cid}: " + "; ".join(reasons) + ".",
                              key=f"server.strategies.{n}",
@@ -78,7 +84,7 @@ def client_extras(strategies: Mapping[str, Strategy], data: ClientData) -> dict[
     return out
 
 
-def own_extras(uploads, name: str) -> list[dict[str, Tensor]]:
+def own_extras(uploads, name: str, strategy: Strategy) -> list[dict[str, Tensor]]:
     """Strategy `name`'s statistics of every upload, without the prefix."""
-    pre = f"{name}/"
+    pre = f"{prefix(name, strategy)}/"
     return [{k[len(pre):]: v for k, v in (u.extras or {}).items() if k.startswith(pre)} for u in uploads]

@@ -119,7 +119,8 @@ class Strategy:
 
     A strategy that needs client statistics beyond the weights overrides `extras_shapes` and `client_extras`
     (server/extras.py): the clients compute them after training, the gate checks them against the declaration,
-    and `predictor` reads them from `ctx.extras`. A strategy that talks with the clients after their upload (FENS
+    and `predictor` reads them from `ctx.extras`; strategies that read the same statistics give them one name,
+    `shares_extras`, and a run uploads them once. A strategy that talks with the clients after their upload (FENS
     trains an aggregator with them) overrides `extra_rounds`, `configure_round`, `client_round` and
     `aggregate_round`: server/exchange.py holds those rounds, counts their bytes, then calls `predictor`."""
 
@@ -132,6 +133,7 @@ class Strategy:
     # the kinds of data its server can read (a dataset's `DatasetInfo.kind`): a server that synthesises images
     # cannot run over a frozen encoder's features, and one that reads those features has no images to read
     inputs: tuple[str, ...] = ("images", "features")
+    shares_extras = ""  # the name of statistics other strategies read too ("": its own)
 
     def __init__(self, cfg: Config, options: BaseModel | None = None):
         self.cfg, self.options = cfg, options if options is not None else self.options_in(cfg)
