@@ -142,7 +142,10 @@ def _score(job: FuseJob, names: list[str]) -> None:
     # the clients' states come from checkpoint.pt; the strategies asked for are built once, here
     server = ServerSetup.build(cfg, bank=False, checkpoints=False, strategies=tuple(names))
     data = server.take_data()
-    parts = split(cfg, data.train_y, data.num_classes).client_indices
+    partition = split(cfg, data.train_y, data.num_classes)
+    for name in names:  # what the data cannot serve, refused before any strategy computes (as `flare run` does)
+        server.strategies[name].check_data(partition.histogram(), data)
+    parts = partition.client_indices
     template, device = server.template, server.backend.device  # extras' shapes: their callers pass client models
     ck = rd.load_checkpoint(device, lambda w: None)
     if ck is None or "clients" not in ck or int(ck["rounds_done"]) < cfg.rounds:

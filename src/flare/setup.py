@@ -302,7 +302,7 @@ class RunSetup:
         part = split(cfg, data.train_y, data.num_classes)
         histogram = part.histogram()
         for strategy in server.strategies.values():  # options the drawn data cannot serve: refused before training
-            strategy.check_partition(histogram)
+            strategy.check_data(histogram, data)
         first = server.initial_message()
         ctx = client_context(cfg, server.meta, server.backend, server.template.feature_dim, data.train_x,
                              data.train_y, first)

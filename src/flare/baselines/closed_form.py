@@ -403,6 +403,14 @@ class Fed3R(SufficientStatistics):
 class AFL(SufficientStatistics):
     """AFL: the aggregated analytic (least-squares) head, its regulariser removed."""
 
+    def check_data(self, histogram, data) -> None:
+        n, d = int(histogram.sum()), int(data.train_x.shape[-1])
+        if self.options.clean_regularization and n < d:  # Σ x xᵀ of n < d samples is singular
+            raise FlareError(f"server strategy afl removes its regulariser, which needs an invertible Σ x xᵀ: the "
+                             f"clients hold {n} samples of {d} features.",
+                             key="server.strategies.afl.clean_regularization",
+                             fix="set server.strategies.afl.clean_regularization=false, or train on more samples.")
+
     def head(self, counts, sums, second, ctx):
         w = analytic(counts, sums, second, self.options.rg, len(ctx.extras), self.options.clean_regularization)
         return w, torch.zeros(len(w))

@@ -228,7 +228,7 @@ class FedPFT(Strategy):
 
     inputs = ("features",)
 
-    def check_partition(self, histogram) -> None:
+    def check_data(self, histogram, data) -> None:
         if int(histogram.max(initial=0)) <= self.options.n_mixtures:  # fit_class_mixtures skips every class
             raise FlareError(f"server.strategies.fedpft.n_mixtures={self.options.n_mixtures}: a client fits a class's "
                              f"mixture only from more samples than components, and the largest class of any client "

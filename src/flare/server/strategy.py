@@ -150,10 +150,11 @@ class Strategy:
         """Raise a FlareError when `cfg` cannot serve this strategy (e.g. it trains on a public slice the config
         does not carve out). Called when the config is validated, so a run fails before any client trains."""
 
-    def check_partition(self, histogram) -> None:
-        """Raise a FlareError when the drawn partition (K×C class counts) leaves this strategy nothing to build
-        from: called after the split and before the first client trains, so options whose validity depends on the
-        data (more mixture components than any class holds) are refused while nothing is written."""
+    def check_data(self, histogram, data) -> None:
+        """Raise a FlareError when the drawn partition (`histogram`: K×C class counts) or the dataset (`data`, an
+        ImageData) leaves this strategy nothing to build from: called after the split and before the first client
+        trains, so options whose validity depends on the data (more mixture components than any class holds, a
+        Gram matrix of fewer samples than features) are refused while nothing is written."""
 
     def predictor(self, ctx: ServerContext) -> Predictor:
         raise NotImplementedError
