@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 import typing
+from pathlib import Path
 
 import pytest
 import yaml
@@ -318,3 +319,8 @@ def test_every_path_option_of_the_command_line_is_checked_before_anything_is_wri
     deep = str(tmp_path / "/".join(["y" * 200] * 20))
     rc, err = cli(["run", "--preset", "fafi", "--out", deep], capsys)
     assert rc == 2 and "bytes long" in err and not (tmp_path / ("y" * 200)).exists(), err
+    papers = [sys.executable, str(Path(__file__).resolve().parents[1] / "tools" / "papers.py")]
+    for argv in (["run", "configs/papers/dense-fmnist.yaml", "--dry-run", "--runs", long], ["render", "--results", long]):
+        p = subprocess.run([*papers, *argv], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+        assert p.returncode == 2 and "Traceback" not in p.stderr and "allows" in p.stderr, p.stderr
+    assert sorted(os.listdir(tmp_path)) == []

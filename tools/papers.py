@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from flare.config.load import (build_config, experiment_differences, load_config, parse_overrides,  # noqa: E402
                                preset_mapping, read_yaml_mapping)
 from flare.config.sections import Strict  # noqa: E402
-from flare.errors import FlareError, KeyedValueError  # noqa: E402
+from flare.errors import FlareError, KeyedValueError, check_path  # noqa: E402
 from flare.registry import STRATEGIES  # noqa: E402
 from flare.stats import mean_ci  # noqa: E402
 
@@ -1390,6 +1390,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--results", default=str(RESULTS), help="the records directory (default results/papers)")
     a = ap.parse_args(argv)
     try:
+        for option in ("table", "runs", "results"):  # a path the filesystem would refuse, refused as flare's are
+            if getattr(a, option, None):
+                check_path(getattr(a, option), option if option == "table" else f"--{option}")
         return _command(a)
     except FlareError as e:  # a user's error: one paragraph, exit 2, never a traceback
         print(f"papers: {' '.join(str(e).split())}", file=sys.stderr)

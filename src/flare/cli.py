@@ -29,7 +29,7 @@ cpu.pin(cpu.early_level(sys.argv[1:]))
 from flare.config import (Config, build_config, config_reference_markdown, deep_merge,  # noqa: E402
                           experiment_differences, list_presets, load_config, parse_overrides)
 from flare.data.datasets import list_datasets  # noqa: E402
-from flare.errors import FlareError, short  # noqa: E402
+from flare.errors import FlareError, check_path  # noqa: E402
 from flare.experiments.compare import parse_presets, parse_seeds, run_compare  # noqa: E402
 from flare.experiments.sweep import run_sweep  # noqa: E402
 from flare.fuse import fuse_runs  # noqa: E402
@@ -198,22 +198,6 @@ def cmd_federate(args) -> None:
 
 
 PATH_OPTIONS = ("config", "out", "resume", "dirs", "workdir", "export_partitions")  # every option naming a path
-ROOM = 200  # bytes of path a run writes below --out (compare's <preset>/seed=N/plots/<figure>.png)
-
-
-def check_path(path: str, key: str) -> None:
-    """Refuse a path the filesystem would refuse (a name over NAME_MAX bytes, a path that leaves no ROOM under
-    PATH_MAX) before anything is read or written, instead of an OSError after the clients have trained."""
-    name_max, path_max = os.pathconf("/", "PC_NAME_MAX"), os.pathconf("/", "PC_PATH_MAX")
-    if long := next((p for p in Path(path).parts if len(p.encode()) > name_max), None):
-        raise FlareError(f"{short(path)} holds a name of {len(long.encode())} bytes; this filesystem allows "
-                         f"{name_max}.", key=key, fix="give a shorter name.")
-    if len(os.path.abspath(path).encode()) > path_max - ROOM:
-        raise FlareError(f"{short(path)} is {len(os.path.abspath(path).encode())} bytes long as an absolute path; "
-                         f"this filesystem allows {path_max}, and a run writes up to {ROOM} more below it.", key=key,
-                         fix="give a shorter path.")
-
-
 class _Parser(argparse.ArgumentParser):
     def __init__(self, *a, **kw):
         kw.setdefault("allow_abbrev", False)

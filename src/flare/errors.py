@@ -5,6 +5,9 @@ Everything a user can get wrong (a config key, a missing dataset, an unreadable 
 """
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 
 SHORT = 80  # characters of a value an error message echoes
 
@@ -49,3 +52,19 @@ class KeyedValueError(ValueError):
 
 class TrainingDiverged(FlareError):
     """A loss went NaN/Inf. Names the client, round and loss term; metrics written so far stay intact."""
+
+
+ROOM = 200  # bytes of path a run writes below --out (compare's <preset>/seed=N/plots/<figure>.png)
+
+
+def check_path(path: str, key: str) -> None:
+    """Refuse a path the filesystem would refuse (a name over NAME_MAX bytes, a path that leaves no ROOM under
+    PATH_MAX) before anything is read or written, instead of an OSError after the clients have trained."""
+    name_max, path_max = os.pathconf("/", "PC_NAME_MAX"), os.pathconf("/", "PC_PATH_MAX")
+    if long := next((p for p in Path(path).parts if len(p.encode()) > name_max), None):
+        raise FlareError(f"{short(path)} holds a name of {len(long.encode())} bytes; this filesystem allows "
+                         f"{name_max}.", key=key, fix="give a shorter name.")
+    if len(os.path.abspath(path).encode()) > path_max - ROOM:
+        raise FlareError(f"{short(path)} is {len(os.path.abspath(path).encode())} bytes long as an absolute path; "
+                         f"this filesystem allows {path_max}, and a run writes up to {ROOM} more below it.", key=key,
+                         fix="give a shorter path.")
