@@ -2,6 +2,7 @@
 as a rule over every registered part rather than one case at a time: each family below walks the registries (or the
 schema, or the command line's path options) and would catch a new part that breaks the rule."""
 import math
+import re
 import os
 import subprocess
 import sys
@@ -235,12 +236,18 @@ def test_clients_whose_weights_diverged_name_the_learning_rate_not_a_strategy(fo
     assert rc == 2 and err.startswith("flare: error: lr:") and "server.strategies" not in err, err
 
 
-def test_a_features_dataset_names_its_own_options(tmp_path, capsys):
+def test_a_features_dataset_names_its_own_options(folder, tmp_path, capsys):
+    """Every error of the image dataset under a features dataset names the key the user wrote, dataset.options.*,
+    and following its fix is possible (no advice to set dataset.root, which a features run refuses)."""
     out = tmp_path / "o"
-    rc, err = cli(["run", "--preset", "fafi", "dataset.name=features", "dataset.options.source=imagefolder",
-                   f"dataset.options.root={tmp_path / 'missing'}", "model.name=adapter", "--out", str(out)], capsys)
-    assert rc == 2 and err.count("dataset.options.root") >= 2 and "dataset.root" not in err, err
-    assert not out.exists()
+    base = ["dataset.name=features", "model.name=adapter", f"dataset.options.cache_dir={tmp_path / 'c'}"]
+    for bad, key in (([f"dataset.options.root={tmp_path / 'missing'}"], "dataset.options.root"),
+                     ([f"dataset.options.root={folder}", "dataset.options.cache_dir=/proc/none"],
+                      "dataset.options.cache_dir"),
+                     ([f"dataset.options.root={folder}", "dataset.options.source=cifar10"], "dataset.options.root")):
+        rc, err = cli(["run", "--preset", "fafi", *base, *bad, "--out", str(out)], capsys)
+        assert rc == 2 and err.startswith(f"flare: error: {key}:") and not out.exists(), err
+        assert not re.search(r"dataset\.(?!options\.)", err.replace("dataset.name=features", "")), err
 
 
 def test_non_finite_scores_of_a_builtin_strategy_name_its_options_not_plugin_advice():

@@ -16,7 +16,6 @@ overwritten. Extraction runs in float32 (2 CPU cores have no fast bf16 path) and
 depthwise convolutions, about twice NCHW's throughput measured here), under inference_mode."""
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -213,11 +212,12 @@ def extract_features(opts: FeatureOptions, data: ImageData, quiet: bool = False)
 def load_features(opts: FeatureOptions, quiet: bool | None = None) -> FeatureData:
     """The features dataset of `opts`: read from its cache, or computed (and cached) when there is none."""
     quiet = bool(os.environ.get("FLARE_QUIET")) if quiet is None else quiet
-    cache_dir = _cache_dir(opts.cache_dir)
     try:
+        cache_dir = _cache_dir(opts.cache_dir)
         images = load_dataset(opts.source, opts.root, format=opts.format, cache_dir=opts.cache_dir)
     except FlareError as e:  # the image dataset's keys are this dataset's options: name what the user wrote
-        own = functools.partial(re.sub, r"\bdataset\.(?!options\.)", "dataset.options.")
+        def own(text):
+            return re.sub(r"\bdataset\.(?!options\.)", "dataset.options.", text.replace("dataset.name", "dataset.source"))
         raise FlareError(own(e.message), key=e.key and own(e.key), fix=e.fix and own(e.fix)) from None
     key = cache_key(opts, images, _encoder_entry(opts.encoder).obj.weights_sha256())
     path = cache_path(cache_dir, key)
