@@ -370,6 +370,7 @@ def test_every_head_reads_one_shared_upload():
     assert set(client_extras(strategies, data)) == {"statistics/counts", "statistics/sums", "statistics/second"}
 
 
+@pytest.mark.long
 def test_a_features_run_scores_every_head_as_the_pooled_features_head(tmp_path):
     """A frozen-encoder run (FAFI clients over the tiny folder's features) scores every head from the one upload;
     each closed-form head's accuracy is that of the head built from all training features at once."""
