@@ -1201,3 +1201,13 @@ def test_run_refuses_seeds_added_to_a_recorded_table_unless_it_is_a_new_table(tm
     # fewer seeds than registered is no extension
     table.write_text(yaml.safe_dump({**spec, "seeds": {0.1: [0], 0.3: [0, 1, 2]}}))
     assert papers.main(["run", str(table), "--runs", str(runs), "--results", str(res), "--dry-run"]) == 0
+    # a description written before registration was kept: the seeds it lists are what is registered
+    shown = yaml.safe_load((res / "t" / "table.yaml").read_text())
+    del shown["registered_seeds"]
+    (res / "t" / "table.yaml").write_text(yaml.safe_dump({**shown, "seeds": {0.1: [0, 1], 0.3: [0, 1]}}))
+    assert papers.registered_seeds(res / "t" / "table.yaml") == {0.1: [0, 1], 0.3: [0, 1]}
+    table.write_text(yaml.safe_dump(grown))
+    with pytest.raises(FlareError, match="seeds at α = 0.1 add 2,3"):
+        papers.load_table(table, records=res)
+    papers.copy_records(started, papers.cells(started)[0], run_dir, res, started)
+    assert yaml.safe_load((res / "t" / "table.yaml").read_text())["registered_seeds"] == {0.1: [0, 1], 0.3: [0, 1]}

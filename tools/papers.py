@@ -669,12 +669,9 @@ def describe(spec: dict, dest: Path, shown: dict | None = None) -> Path:
     recorded, never rewritten after: the draws its tests are pre-registered on (`Table._draws_fixed`, `registered`)."""
     shown = {**(shown or spec), "table": spec["table"]}
     path = dest / spec["table"] / "table.yaml"
-    old = yaml.safe_load(path.read_text()) if path.is_file() else None
     reg = registered_seeds(path)
     for alpha in sorted({float(m["alpha"]) for _, m in _metas(dest / spec["table"])} - set(reg)):
-        # a description written before registration was kept: its seeds are the best record of what was planned
-        first = old if isinstance(old, dict) and "registered_seeds" not in old and "seeds" in old else shown
-        reg[alpha] = seeds_for(first, alpha) or seeds_for(shown, alpha)
+        reg[alpha] = seeds_for(shown, alpha)
     out = {k: shown[k] for k in ("table", "paper", "note", "spread", "alphas", "seeds") if k in shown}
     out["registered_seeds"] = {a: list(reg[a]) for a in sorted(reg)}
     out.update({k: shown[k] for k in ("columns", "published", "published_source", "paired_with") if k in shown})
@@ -684,10 +681,14 @@ def describe(spec: dict, dest: Path, shown: dict | None = None) -> Path:
 
 def registered_seeds(description: Path) -> dict[float, list[int]]:
     """α → the registered draws of a recorded table (its table.yaml's `registered_seeds`; none before its first
-    record). A description that predates the key registers nothing here; `registered` falls back to its seeds."""
+    record). A description written before registration was kept registers, at each α with records, the seeds it
+    lists: the best record left of what was planned before the draws were seen."""
     if not description.is_file():
         return {}
     shown = yaml.safe_load(description.read_text()) or {}
+    if "registered_seeds" not in shown:
+        recorded = {float(m["alpha"]) for _, m in _metas(description.parent)}
+        return {a: seeds_for(shown, a) for a in sorted(recorded) if "seeds" in shown and seeds_for(shown, a)}
     return {float(a): [int(s) for s in v] for a, v in (shown.get("registered_seeds") or {}).items()}
 
 
