@@ -1171,7 +1171,7 @@ def post_hoc_lines(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
         out += [f"**Draws added after the first records — post hoc.** At α = {alpha:g} the table registered seeds "
                 f"{seed_text(registered(spec, alpha))} with its first α = {alpha:g} record; "
                 f"{'seeds' if len(added) > 1 else 'seed'} {seed_text(added)} {'were' if len(added) > 1 else 'was'} "
-                f"added after {_n(len(reg), 'draw')} had been recorded. The rows, the intervals and the rank test "
+                f"added after {_n(len(reg), 'draw')} had been recorded. The rows, their intervals and every test "
                 f"below use the {len(reg)} registered draws; over all {len(reg) + len(added)}, post hoc and not a "
                 f"test: {'; '.join(figures)}.", ""]
     return out
