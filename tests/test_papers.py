@@ -223,8 +223,9 @@ def test_render_on_synthetic_records(tmp_path):
         _fake_cell(tmp_path, "t", "fedavg", 0.1, s, [0.1, best, last], {"dense": dense})
     out = papers.render(tmp_path)
     row = next(line for line in out.splitlines() if line.startswith("| FedAvg"))
-    # final 50, 52, 54 → 52 ± 2; peak 60, 62, 64 → 62 ± 2; 95 % half-width 4.303·2/√3 = 4.97 → 55 is inside
-    assert "| 0,1,2 | 52.00 ± 2.00 | 62.00 ± 2.00 (peak) | 55.00 | -3.00 | yes |" in row
+    # final 50, 52, 54 → 52 ± 2; peak 60, 62, 64 → 62 ± 2; 95 % half-width 4.303·2/√3 = 4.97
+    assert row == ("| FedAvg | 0.1 | 55.00 | not run | 0–2 | 3 | 52.00 ± 2.00 | 47.03 – 56.97 (±4.97) | "
+                   "62.00 ± 2.00 (peak) | -3.00 |")
     dense = next(line for line in out.splitlines() if line.startswith("| DENSE"))
     assert "70.00 ± 0.00" in dense and "not found" in dense
     # a column the paper does not have is not reported as a number we failed to find
@@ -233,7 +234,7 @@ def test_render_on_synthetic_records(tmp_path):
     # a published value outside the interval
     spec["published"]["FedAvg"][0.1] = 60.0
     (tmp_path / "t" / "table.yaml").write_text(yaml.safe_dump(spec))
-    assert "| -8.00 | no |" in papers.render(tmp_path)
+    assert "| -8.00 |" in papers.render(tmp_path)
 
 
 def test_servers_fused_by_hand_are_listed_apart_from_the_columns(tmp_path):
@@ -255,7 +256,7 @@ def test_servers_fused_by_hand_are_listed_apart_from_the_columns(tmp_path):
     out = papers.render(tmp_path)
     assert "| fedavg | 0.1 | 0 | fedlpa_reference | refine_steps=0 | 51.00 | 2 min |" in out
     assert "| fedavg | 0.1 | 0 | fedlpa | batches=9 | 48.00 | 2 min |" in out
-    assert "| FedLPA | 0.1 | 0 | 45.00 |" in out  # the column still reads the table's own server
+    assert "| FedLPA | 0.1 | 55.00 | not run | 0 | 1 | 45.00 |" in out  # the column still reads the table's server
     assert out.count("| fedavg | 0.1 | 0 |") == 2
 
 
@@ -264,7 +265,16 @@ def test_committed_block_equals_the_records():
     finished: then both say so)."""
     papers = _papers()
     text = (ROOT / "docs" / "papers.md").read_text()
-    assert papers.committed_block(text) == papers.render(papers.RESULTS)
+    block = papers.render(papers.RESULTS, reference=papers.REFERENCE)
+    assert papers.committed_block(text) == block
+    # the paper's own code's column, from results/papers-reference/ alone: in every table, between the paper's
+    # number and FLARE's, and every committed run of it read into its table's rows
+    heads = [line for line in block.splitlines() if line.startswith("| column | α |")]
+    assert heads and all(h.startswith("| column | α | paper | their code | FLARE: seeds | n |") for h in heads)
+    for table in sorted(papers.REFERENCE.iterdir()) if papers.REFERENCE.is_dir() else []:
+        if (papers.RESULTS / table.name / "table.yaml").is_file():
+            for run in papers.reference_runs(table):
+                assert f"seed {run['seed']}" in block, (table.name, run)
 
 
 def test_render_budget_curve_and_pairing(tmp_path, monkeypatch):
@@ -309,7 +319,7 @@ def test_render_budget_curve_and_pairing(tmp_path, monkeypatch):
     out = papers.render(res, img_dir=img)
     dense = next(line for line in out.splitlines() if line.startswith("| DENSE"))
     # final 40 and 34 → 37 ± 4.24; the best curve epochs 40 and 36 → 38 ± 2.83
-    assert "| 37.00 ± 4.24 | 38.00 ± 2.83 (peak) | 50.00 | -13.00 |" in dense
+    assert "| 37.00 ± 4.24 | -1.12 – 75.12 (±38.12) | 38.00 ± 2.83 (peak) | -13.00 |" in dense
     assert "2 epochs × 30 generator steps = 60 (the paper's: 200 × 30 = 6,000) — **a shortened budget**" in out
     assert (img / "papers-t-curve.png").stat().st_size > 0 and "(img/papers-t-curve.png)" in out
     assert hlines == [(50.0, "DENSE, α = 0.1: the paper's 50.00")]  # the paper's DENSE at α = 0.1, once
@@ -461,15 +471,16 @@ def test_spread_lists_every_draw_and_places_the_papers_single_run(tmp_path):
     for s, v in enumerate([0.40, 0.55, 0.50]):
         _fake_cell(tmp_path, "t", "fedavg", 0.1, s, [v])
     out = papers.render(tmp_path, img_dir=tmp_path / "img")
-    assert "FedAvg, α = 0.1, by seed: 0: 40.00, 1: 55.00, 2: 50.00 — range 40.00–55.00 over 3 draws; the paper's " \
-           "45.00 lies inside it; were it one more draw of this setting, one at least this low has rank probability " \
-           "(1 + 1)/(3 + 1) = 0.500 (one-sided)." in out
+    assert "FedAvg, α = 0.1, by seed: 0: 40.00, 1: 55.00, 2: 50.00 — range 40.00–55.00 over 3 draws. Were the " \
+           "paper's 45.00 one more draw of this setting, one at least this low has rank probability " \
+           "(1 + 1)/(3 + 1) = 0.500 (one-sided): 3 draws cannot tell it from ours." in out
     assert (tmp_path / "img" / "papers-t-spread.png").stat().st_size > 0 and "(img/papers-t-spread.png)" in out
     assert out == papers.render(tmp_path)  # the check names the figure without drawing it
     spec["published"]["FedAvg"][0.1] = 39.0
     (tmp_path / "t" / "table.yaml").write_text(yaml.safe_dump(spec))
-    assert "the paper's 39.00 lies outside it; were it one more draw of this setting, one at least this low has " \
-           "rank probability (0 + 1)/(3 + 1) = 0.250 (one-sided)." in papers.render(tmp_path)
+    assert "Were the paper's 39.00 one more draw of this setting, one at least this low has rank probability " \
+           "(0 + 1)/(3 + 1) = 0.250 (one-sided): the smallest p that 3 draws allow, and above 0.05: 3 draws cannot " \
+           "reject it whatever the paper ran (19 could)." in papers.render(tmp_path)
 
 
 def test_rank_probability_counts_the_draws_on_the_papers_side():
@@ -724,7 +735,7 @@ def test_an_unfinished_fusion_is_recorded_as_progress_apart_from_the_columns(tmp
     assert ("DENSE over the fedavg α = 0.3, seed-1 clients: **in progress, not a result** — epoch 4 of 200 "
             "(120 of 6,000 generator steps), 2 min so far") in out
     assert "the student's test accuracy every 60 steps: 30.00, 45.00 (highest 45.00 at step 120)." in out
-    assert "| DENSE | 0.3 | — | — | — (peak) | 64.27 | — | — |" in out  # the column holds no value of it
+    assert "| DENSE | 0.3 | 64.27 | not run | — | 0 | — | — | — (peak) | — |" in out  # the column holds no value
     # 100 s for 4 epochs: 196 more take 4,900 s
     assert "its dense server in progress, epoch 4 of 200 after 2 min (≈ 1.36 h more at its own rate)" in out
     assert "still to run: 1 client cell or fusion, ≈ 1.36 h at these rates" in out
@@ -1015,3 +1026,188 @@ def test_the_dry_run_prices_each_cell_at_the_tables_recorded_rates(tmp_path, cap
     assert out[3].endswith("no rate yet for fedavg-a0.1-s0's feddf fusion, fedavg-a0.1-s1's feddf fusion, "
                            "fedavg-a0.1-s2's feddf fusion.")
     assert (_tree(res), _tree(runs)) == before
+
+
+# ------------------------------------------------------------------- the paper's own code, and what n can say
+def _fake_reference(root: Path, table: str, method: str, alpha: float, seed: int, values: dict | None = None,
+                    progress: dict | None = None) -> None:
+    """A run of the paper's own code as benchmarks/reference_dense.py writes it: record.json when it finished
+    (its keys: method, alpha, seed, partition.used, accuracy_unit and the values), progress.json while it runs."""
+    d = root / table / f"{method}-a{alpha:g}-s{seed}"
+    d.mkdir(parents=True)
+    if values is not None:
+        (d / "record.json").write_text(json.dumps({"reference": "zj-jayzhang/DENSE loop_df_fl.py", "table": table,
+                                                   "cell": d.name, "method": method, "alpha": alpha, "seed": seed,
+                                                   "partition": {"used": "flare"}, "accuracy_unit": "percent",
+                                                   **values}))
+    if progress is not None:
+        (d / "progress.json").write_text(json.dumps(progress))
+
+
+def _draws_table(root: Path, pub: dict, values: dict, rule: str = "final", extra: dict | None = None) -> None:
+    """A table t of one FedAvg column at α = 0.3 (DENSE's key and the paper's `pub`), seed → final accuracy."""
+    spec = {"table": "t", "paper": "P", "alphas": [0.3], "seeds": sorted(values), **(extra or {}),
+            "columns": {"FedAvg": {"method": "fedavg", "key": "acc_fedavg", "paper_rule": rule},
+                        "Ensemble": {"method": "fedavg", "key": "acc_output", "paper_rule": "final"}},
+            "published": {"FedAvg": {0.3: pub}}}
+    (root / "t").mkdir(parents=True)
+    (root / "t" / "table.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    for s, v in values.items():
+        _fake_cell(root, "t", "fedavg", 0.3, s, [v])
+
+
+def test_their_code_column_sits_between_the_paper_and_flare_and_names_the_pair_that_differs(tmp_path):
+    """A cell with a finished run of the paper's code prints its value between the paper's number and FLARE's; an
+    unfinished one its progress; none "not run". A cell more than 3 points from the paper names the pair that
+    differs, with the numbers: the paper against its code, its code against FLARE on the same seeds, or both."""
+    papers = _papers()
+    res, ref = tmp_path / "res", tmp_path / "ref"
+    _draws_table(res, 82.96, {0: 0.70, 1: 0.74, 2: 0.66})
+    _fake_reference(ref, "t", "fedavg", 0.3, 0, {"fedavg": 71.2, "ensemble": 75.5})
+    _fake_reference(ref, "t", "fedavg", 0.3, 1, progress={
+        "status": "running", "argv": ["--num_users", "5", "--local_ep", "200"],
+        "clients": {"0": {"acc_per_epoch": [60.0] * 200, "seconds": 900.0},
+                    "1": {"acc_per_epoch": [61.0] * 200, "seconds": 950.0}, "2": {"acc_per_epoch": [50.0] * 40}}})
+    out = papers.render(res, reference=ref)
+    row = next(line for line in out.splitlines() if line.startswith("| FedAvg"))
+    assert row.startswith("| FedAvg | 0.3 | 82.96 | 71.20 (seed 0); seed 1: running, 2 of 5 clients (client 2 at "
+                          "epoch 40 of 200) | 0–2 | 3 | 70.00 ± 4.00 |"), row
+    assert "| Ensemble | 0.3 | not in the paper | 75.50 (seed 0);" in out
+    assert "| paper | their code | FLARE: seeds |" in out
+    # FLARE 70.00 is 12.96 under the paper; their code 71.20 misses the paper by 11.76, FLARE's seed 0 (70.00) is
+    # within 3 points of it: the gap is between the paper and its code
+    line = next(x for x in out.splitlines() if x.startswith("* FedAvg, α = 0.3 (final): FLARE"))
+    assert line == ("* FedAvg, α = 0.3 (final): FLARE 70.00 is 12.96 points under the paper's 82.96; their code "
+                    "reads 71.20 (seed 0). Differs: paper ↔ its code (82.96 against 71.20, 11.76 points); within 3 "
+                    "points: its code ↔ FLARE (71.20 against 70.00 on seed 0, 1.20 points).")
+    # their code at the paper's number, FLARE not: the gap is between the code and FLARE
+    shutil.rmtree(ref)
+    _fake_reference(ref, "t", "fedavg", 0.3, 0, {"fedavg": 82.0})
+    line = next(x for x in papers.render(res, reference=ref).splitlines() if "(final): FLARE" in x)
+    assert "Differs: its code ↔ FLARE (82.00 against 70.00 on seed 0, 12.00 points); within 3 points: paper ↔ its " \
+           "code (82.96 against 82.00, 0.96 points)." in line
+    # between both
+    shutil.rmtree(ref)
+    _fake_reference(ref, "t", "fedavg", 0.3, 0, {"fedavg": 77.0})
+    line = next(x for x in papers.render(res, reference=ref).splitlines() if "(final): FLARE" in x)
+    assert "Differs: paper ↔ its code (82.96 against 77.00, 5.96 points); its code ↔ FLARE (77.00 against 70.00 on " \
+           "seed 0, 7.00 points)." in line
+    # no run of the paper's code: the column says so, and no pair is named
+    out = papers.render(res, reference=tmp_path / "none")
+    assert "| FedAvg | 0.3 | 82.96 | not run |" in out and "↔" not in out
+
+
+def test_dense_reference_reads_the_students_best_epoch_at_the_papers_rule(tmp_path):
+    """DENSE's column reads the reference's student at the column's rule (its best epoch for `peak`, the paper's
+    selection; its last for `final`); a fusion under way prints its epochs; a run on the script's own split is
+    another experiment and is not read."""
+    papers = _papers()
+    res, ref = tmp_path / "res", tmp_path / "ref"
+    spec = {"table": "t", "paper": "P", "alphas": [0.3], "seeds": [0],
+            "columns": {"DENSE": {"method": "fedavg", "key": "fuse:dense", "paper_rule": "peak"}},
+            "published": {"DENSE": {0.3: 83.96}}}
+    (res / "t").mkdir(parents=True)
+    (res / "t" / "table.yaml").write_text(yaml.safe_dump(spec))
+    _fake_cell(res, "t", "fedavg", 0.3, 0, [0.7], {"dense": 0.61})
+    _fake_reference(ref, "t", "dense", 0.3, 0, progress={"status": "running", "argv": ["--epochs", "20"],
+                                                         "student_curve": [{"epoch": 1, "acc": 40.0}] * 7})
+    assert "| DENSE | 0.3 | 83.96 | seed 0: running, epoch 7 of 20 |" in papers.render(res, reference=ref)
+    shutil.rmtree(ref)
+    _fake_reference(ref, "t", "dense", 0.3, 0, {"student_final": 62.5, "student_best": 64.0})
+    own = ref / "t" / "dense-a0.3-s1-own-split"
+    own.mkdir()
+    (own / "record.json").write_text(json.dumps({"method": "dense", "alpha": 0.3, "seed": 1, "student_best": 99.0,
+                                                 "partition": {"used": "own"}}))
+    out = papers.render(res, reference=ref)
+    assert "| DENSE | 0.3 | 83.96 | 64.00 (seed 0) |" in out and "99.00" not in out
+
+
+def test_n_too_small_to_separate_is_said_instead_of_the_paper_lying_inside_the_interval(tmp_path):
+    """Every multi-draw cell prints n, the mean, the SD and the 95 % t interval; where the interval is wider than
+    the distance to the paper's number, the block says n cannot separate them — the paper "inside our interval"
+    is what any n that small gives, and is never printed as a finding."""
+    papers = _papers()
+    _draws_table(tmp_path, 74.0, {0: 0.682, 1: 0.742, 2: 0.712})
+    out = papers.render(tmp_path)
+    row = next(line for line in out.splitlines() if line.startswith("| FedAvg"))
+    # 68.2, 74.2, 71.2 → mean 71.20, SD 3.00, half-width 4.303 · 3 / √3 = 7.45
+    assert "| 0–2 | 3 | 71.20 ± 3.00 | 63.75 – 78.65 (±7.45) |" in row
+    assert "* FedAvg, α = 0.3: n = 3 cannot separate 71.20 from the paper's 74.00: the interval is ±7.45 points, " \
+           "the distance 2.80." in out
+    assert not any(w in out for w in ("inside", "lies", "| yes |"))
+    shutil.rmtree(tmp_path / "t")
+    _draws_table(tmp_path, 90.0, {0: 0.682, 1: 0.742, 2: 0.712})
+    assert "* FedAvg, α = 0.3: n = 3 separates 71.20 from the paper's 90.00: 18.80 points apart, beyond the " \
+           "interval's ±7.45." in papers.render(tmp_path)
+
+
+def test_draws_added_after_the_first_records_are_flagged_and_left_out_of_the_tests(tmp_path):
+    """Twenty draws recorded where ten were registered: the table is flagged, its n, interval and rank test use the
+    ten, the other ten are listed as post hoc (hollow in the figure), and the test over all twenty is given apart,
+    marked as no test."""
+    papers = _papers()
+    values = {s: 0.60 + 0.01 * s for s in range(20)}  # 60 … 79, all under the paper's 82.96
+    _draws_table(tmp_path, 82.96, values, extra={"spread": True, "registered_seeds": {0.3: list(range(10))}})
+    out = papers.render(tmp_path, img_dir=tmp_path / "img")
+    assert "**Draws added after the first records — post hoc.** At α = 0.3 the table registered seeds 0–9 with its " \
+           "first α = 0.3 record; seeds 10–19 were added after 10 draws had been recorded." in out
+    row = next(line for line in out.splitlines() if line.startswith("| FedAvg"))
+    assert "| 0–9 (+10–19 post hoc) | 10 | 64.50 ± 3.03 |" in row
+    assert "rank probability (0 + 1)/(10 + 1) = 0.091 (one-sided): the smallest p that 10 draws allow, and above " \
+           "0.05: 10 draws cannot reject it whatever the paper ran (19 could). Over all 20 draws, post hoc and not a " \
+           "test: (0 + 1)/(20 + 1) = 0.048." in out
+    assert "added post hoc: 10: 70.00, 11: 71.00" in out
+    assert (tmp_path / "img" / "papers-t-spread.png").stat().st_size > 0
+    # the registered draws alone: no flag
+    spec = yaml.safe_load((tmp_path / "t" / "table.yaml").read_text())
+    spec["registered_seeds"] = {0.3: list(range(20))}
+    (tmp_path / "t" / "table.yaml").write_text(yaml.safe_dump(spec))
+    out = papers.render(tmp_path)
+    assert "Draws added after" not in out and "| 0–19 | 20 |" in out and "added post hoc:" not in out
+
+
+def test_run_refuses_seeds_added_to_a_recorded_table_unless_it_is_a_new_table(tmp_path, capsys, monkeypatch):
+    """The draws of a recorded α are registered with its first record and kept by every later record: a table file
+    that adds a seed there is refused by `run` and `describe` (exit 2, one paragraph naming `seeds`, nothing
+    written); the same seeds under a new `table:` name are a new experiment and run; a new α is registered anew."""
+    papers = _papers()
+    table, res, runs = tmp_path / "t.yaml", tmp_path / "res", tmp_path / "runs"
+    spec = {"table": "t", "paper": "P", "alphas": [0.1, 0.3], "seeds": {0.1: [0, 1], 0.3: [0, 1]}, "base": {},
+            "methods": {"fedavg": {"preset": "fedavg"}},
+            "columns": {"FedAvg": {"method": "fedavg", "key": "acc_fedavg"}}}
+    table.write_text(yaml.safe_dump(spec))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"kind": "round", "acc_fedavg": 0.4}) + "\n")
+    started = papers.load_table(table, records=res)
+    papers.copy_records(started, papers.cells(started)[0], run_dir, res)  # fedavg-a0.1-s0: α = 0.1 registered
+    assert yaml.safe_load((res / "t" / "table.yaml").read_text())["registered_seeds"] == {0.1: [0, 1]}
+    grown = {**spec, "seeds": {0.1: [0, 1, 2, 3], 0.3: [0, 1, 2]}}  # 0.3 has no record yet: free to change
+    table.write_text(yaml.safe_dump(grown))
+    for args in (["run", str(table), "--runs", str(runs), "--results", str(res)],
+                 ["describe", str(table), "--results", str(res)]):
+        monkeypatch.setattr(papers, "RESULTS", res)  # _refused checks that the records directory is untouched
+        err = _refused(papers, capsys, monkeypatch, args, "seeds.0.1", runs)
+        assert "add 2,3 to the draws t registered when its first α = 0.1 cell was recorded (0,1)" in err
+        assert "new `table:` name" in err
+    # a description written while the file reads so (the running process re-reads it) keeps the registration
+    papers.copy_records(started, papers.cells(started)[1], run_dir, res, grown)
+    assert yaml.safe_load((res / "t" / "table.yaml").read_text())["registered_seeds"] == {0.1: [0, 1],
+                                                                                           0.3: [0, 1, 2]}
+    # the same draws as a new experiment: a new name, nothing recorded under it
+    table.write_text(yaml.safe_dump({**grown, "table": "t-more"}))
+    assert papers.main(["run", str(table), "--runs", str(runs), "--results", str(res), "--dry-run"]) == 0
+    assert "new" in capsys.readouterr().out
+    # fewer seeds than registered is no extension
+    table.write_text(yaml.safe_dump({**spec, "seeds": {0.1: [0], 0.3: [0, 1, 2]}}))
+    assert papers.main(["run", str(table), "--runs", str(runs), "--results", str(res), "--dry-run"]) == 0
+    # a description written before registration was kept: the seeds it lists are what is registered
+    shown = yaml.safe_load((res / "t" / "table.yaml").read_text())
+    del shown["registered_seeds"]
+    (res / "t" / "table.yaml").write_text(yaml.safe_dump({**shown, "seeds": {0.1: [0, 1], 0.3: [0, 1]}}))
+    assert papers.registered_seeds(res / "t" / "table.yaml") == {0.1: [0, 1], 0.3: [0, 1]}
+    table.write_text(yaml.safe_dump(grown))
+    with pytest.raises(FlareError, match="seeds at α = 0.1 add 2,3"):
+        papers.load_table(table, records=res)
+    papers.copy_records(started, papers.cells(started)[0], run_dir, res, started)
+    assert yaml.safe_load((res / "t" / "table.yaml").read_text())["registered_seeds"] == {0.1: [0, 1], 0.3: [0, 1]}

@@ -2,7 +2,7 @@
 comparison with the published numbers.
 
     python tools/papers.py run configs/papers/fedlpa-fmnist.yaml [--commit] [--runs runs/papers] [--dry-run]
-                                                                 [--set KEY=VALUE ...]
+                                                                 [--set KEY=VALUE ...] [--results results/papers]
     python tools/papers.py progress configs/papers/T.yaml [--commit]   # how far unfinished fusions got, recorded
     python tools/papers.py progress configs/papers/T.yaml --stopped "WHY" [--commit]   # their state is gone
     python tools/papers.py render                    # rewrite docs/papers.md's "Against the published numbers"
@@ -18,7 +18,10 @@ unfinished one, a finished one is not recomputed — then `flare fuse` for its s
 skipped; an interrupted data-free fuse goes on from its last finished epoch). Cells run one at a time. A finished
 cell's records (config, partition, metrics, fuse records, state, summary; never a checkpoint) are copied to
 results/papers/<table>/<cell>/ with the table's spec beside them, and `--commit` commits that directory alone.
-`render` reads results/papers/ only. A command with nothing to do (every cell recorded; `--fuse-only` with no
+The spec keeps the seeds the table file gave at each α when its first cell there was recorded (`registered_seeds`):
+those are the draws the block tests, and `run` refuses a table file that adds seeds at a recorded α (a new `table`
+name is a new experiment). `render` reads results/papers/ and the runs of the papers' own code under
+results/papers-reference/ (`reference_runs`) only. A command with nothing to do (every cell recorded; `--fuse-only` with no
 recorded clients to fuse over; `progress` with no unfinished fusion) says what is missing and exits 2.
 """
 
@@ -26,6 +29,7 @@ import argparse
 import difflib
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -38,7 +42,7 @@ from typing import Annotated, Any, Literal, Union
 import numpy as np
 import yaml
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, Discriminator, Field, Tag, ValidationError,
-                      field_validator, model_validator)
+                      ValidationInfo, field_validator, model_validator)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -51,6 +55,7 @@ from flare.registry import STRATEGIES  # noqa: E402
 from flare.stats import mean_ci  # noqa: E402
 
 RESULTS = ROOT / "results" / "papers"
+REFERENCE = ROOT / "results" / "papers-reference"  # runs of the papers' own code (benchmarks/reference_*.py)
 DOC = ROOT / "docs" / "papers.md"
 RECORDS = ("config.yaml", "partition.json", "metrics.jsonl", "fuse.jsonl", "state.json", "summary.md")
 PROGRESS = "fuse-progress.json"  # how far an unfinished data-free fusion has got (`progress`): curve, no weights
@@ -89,6 +94,15 @@ Alpha = Annotated[float, BeforeValidator(_number), Field(gt=0)]          # a Dir
 Seed = Annotated[int, BeforeValidator(_number), Field(ge=0)]             # the legacy RandomState takes no negative
 Percent = Annotated[float, BeforeValidator(_number), Field(ge=0, le=100)]
 Seeds = Annotated[list[Seed], Field(min_length=1), AfterValidator(_unique)]
+
+
+class FixedKeyError(KeyedValueError):
+    """A cross-key refusal that knows its own fix, where the generic "correct that value" would send the reader the
+    wrong way (more draws at a recorded α are not a wrong value but another experiment)."""
+
+    def __init__(self, key: Any, message: str, fix: str):
+        super().__init__(key, message)
+        self.fix = fix
 
 
 class UnknownKey(ValueError):
@@ -171,7 +185,9 @@ class Table(Section):
         description="the Dirichlet α of each column group (`partition.alpha`), each > 0")
     seeds: _one_of({"list": Seeds, "mapping": dict[float, Seeds]},
                    "a list of seeds, or a mapping from each α to its list of seeds") = Field(
-        description="the seeds run at every α, or a mapping α → seeds naming every α of `alphas`")
+        description="the seeds run at every α, or a mapping α → seeds naming every α of `alphas`; registered when "
+                    "the table's first cell at an α is recorded: `run` then refuses a seed added at that α (a new "
+                    "`table` name is a new experiment)")
     spread: bool = Field(False, description="list every seed's value and their range beside the paper's number")
     base: dict[str, Any] = Field(description="FLARE config keys shared by every cell (checked as `flare run` "
                                              "checks them)")
@@ -220,6 +236,39 @@ class Table(Section):
                     raise KeyedValueError((*where, "columns", col), f"the pairing names the column {col!r}, which "
                                           f"is no column of {self.table}{_close(col, self.columns)}")
         return self
+
+    @model_validator(mode="after")
+    def _draws_fixed(self, info: ValidationInfo) -> "Table":
+        """The draws of a recorded α are the ones registered when its first cell was recorded (`registered` in the
+        validation context: the records' `registered_seeds`). A seed added after looking at the first draws makes
+        every test over them post hoc — a rank test reaches 0.05 at 19 draws, so extending 10 draws that fell short
+        until it does is the garden of forking paths — so it is refused, and more draws are a new table."""
+        registered = (info.context or {}).get("registered") or {}
+        for alpha in self.alphas:
+            reg = next((v for k, v in registered.items() if float(k) == float(alpha)), None)
+            seeds = self.seeds[alpha] if isinstance(self.seeds, dict) else self.seeds
+            added = [s for s in seeds if reg is not None and s not in reg]
+            if added:
+                raise FixedKeyError(
+                    ("seeds", alpha) if isinstance(self.seeds, dict) else ("seeds",),
+                    f"seeds at α = {alpha:g} add {seed_text(added)} to the draws {self.table} registered when its "
+                    f"first α = {alpha:g} cell was recorded ({seed_text(reg)}): a table's draws are fixed before it "
+                    "runs, and draws added after its first records make its tests post hoc",
+                    f"give the table file a new `table:` name (a new pre-registered experiment; `extends:` this "
+                    f"file keeps the rest of it), or restore the registered seeds ({seed_text(reg)}).")
+        return self
+
+
+def seed_text(seeds: typing.Iterable[int]) -> str:
+    """Seeds as a reader scans them: runs of three or more consecutive seeds as a range (0–9), the rest listed."""
+    seeds, parts, i = sorted(seeds), [], 0
+    while i < len(seeds):
+        j = i
+        while j + 1 < len(seeds) and seeds[j + 1] == seeds[j] + 1:
+            j += 1
+        parts += [f"{seeds[i]}–{seeds[j]}"] if j - i >= 2 else [str(x) for x in seeds[i:j + 1]]
+        i = j + 1
+    return ",".join(parts)
 
 
 def _close(name: str, names: typing.Iterable[str]) -> str:
@@ -291,11 +340,15 @@ def _annotate(text: str, metadata: typing.Iterable) -> str:
     return text + (f" ({', '.join(limits)})" if limits else "")
 
 
-def load_table(path: str | Path) -> dict:
+def load_table(path: str | Path, records: Path | None = None) -> dict:
     """A table file as a mapping, checked: its keys against `Table`, the files it extends (beside it) merged in,
     and each cell's FLARE config and fuse as `flare run` and `flare fuse` would check them — what they would refuse
-    an hour into a table is refused before its first cell. A FlareError names the file, the key and the fix."""
+    an hour into a table is refused before its first cell. With `records` (the records directory a command writes
+    to), its seeds also against the draws registered there (`Table._draws_fixed`): only the table given, never a
+    table it extends, whose records are another experiment's. A FlareError names the file, the key and the fix."""
     spec, chain = _resolve(Path(path), ())
+    if records is not None:
+        _validate(spec, chain, {"registered": registered_seeds(records / spec["table"] / "table.yaml")})
     _check_cells(spec, chain)
     return spec
 
@@ -345,11 +398,11 @@ def _resolve(path: Path, seen: tuple[Path, ...]) -> tuple[dict, list[tuple[Path,
     return spec, chain
 
 
-def _validate(spec: dict, chain: list[tuple[Path, dict]]) -> Table:
+def _validate(spec: dict, chain: list[tuple[Path, dict]], context: dict | None = None) -> Table:
     """`spec` as a `Table`, or pydantic's report as one paragraph naming the file, each key as the table file writes
     it and the fix (flare.config.load._explain's form, with the did-you-mean over the table files' keys)."""
     try:
-        return Table.model_validate(spec)
+        return Table.model_validate(spec, context=context)
     except ValidationError as err:
         lines, first, fix = [], None, None
         for e in err.errors():
@@ -367,7 +420,7 @@ def _validate(spec: dict, chain: list[tuple[Path, dict]]) -> Table:
             else:
                 msg = e["msg"].removeprefix("Value error, ")
                 lines.append(msg if isinstance(cause, KeyedValueError) else f"{key}={e.get('input')!r}: {msg}")
-                fix = fix or f"correct that value ({KEYS_DOC}, gives each key's type and range)."
+                fix = fix or getattr(cause, "fix", None) or f"correct that value ({KEYS_DOC}, gives each key's type and range)."
         raise _error(chain, first, "; ".join(lines), fix) from None
 
 
@@ -611,15 +664,39 @@ def stop(spec: dict, runs: Path, why: str, dest: Path = RESULTS, on: str | None 
 
 def describe(spec: dict, dest: Path, shown: dict | None = None) -> Path:
     """dest/<table>/table.yaml: what the block shows of the table (columns, the paper's numbers and their source,
-    notes), from `shown` when given. The renderer reads this, never the table file, so the block is the records'."""
+    notes), from `shown` when given. The renderer reads this, never the table file, so the block is the records'.
+    It also keeps `registered_seeds`, α → the seeds the table file gave when the table's first cell at that α was
+    recorded, never rewritten after: the draws its tests are pre-registered on (`Table._draws_fixed`, `registered`)."""
     shown = {**(shown or spec), "table": spec["table"]}
     path = dest / spec["table"] / "table.yaml"
-    path.write_text(yaml.safe_dump(
-        {k: shown[k] for k in ("table", "paper", "note", "spread", "alphas", "seeds", "columns", "published",
-                               "published_source", "paired_with")
-         if k in shown},
-        sort_keys=False))
+    reg = registered_seeds(path)
+    for alpha in sorted({float(m["alpha"]) for _, m in _metas(dest / spec["table"])} - set(reg)):
+        reg[alpha] = seeds_for(shown, alpha)
+    out = {k: shown[k] for k in ("table", "paper", "note", "spread", "alphas", "seeds") if k in shown}
+    out["registered_seeds"] = {a: list(reg[a]) for a in sorted(reg)}
+    out.update({k: shown[k] for k in ("columns", "published", "published_source", "paired_with") if k in shown})
+    path.write_text(yaml.safe_dump(out, sort_keys=False))
     return path
+
+
+def registered_seeds(description: Path) -> dict[float, list[int]]:
+    """α → the registered draws of a recorded table (its table.yaml's `registered_seeds`; none before its first
+    record). A description written before registration was kept registers, at each α with records, the seeds it
+    lists: the best record left of what was planned before the draws were seen."""
+    if not description.is_file():
+        return {}
+    shown = yaml.safe_load(description.read_text()) or {}
+    if "registered_seeds" not in shown:
+        recorded = {float(m["alpha"]) for _, m in _metas(description.parent)}
+        return {a: seeds_for(shown, a) for a in sorted(recorded) if "seeds" in shown and seeds_for(shown, a)}
+    return {float(a): [int(s) for s in v] for a, v in (shown.get("registered_seeds") or {}).items()}
+
+
+def registered(spec: dict, alpha: float) -> list[int]:
+    """The draws a recorded table's tests at α use: the seeds registered with its first cell at α, or, in a
+    description that predates registration, its seeds."""
+    reg = spec.get("registered_seeds") or {}
+    return next((list(v) for k, v in reg.items() if float(k) == float(alpha)), None) or seeds_for(spec, alpha)
 
 
 def _log(log: Path, msg: str) -> None:
@@ -831,7 +908,7 @@ def run(spec: dict, runs: Path, *, commit: bool, dry_run: bool, overrides: list[
         shown = None
         if table_path is not None:
             try:
-                shown = load_table(table_path)
+                shown = load_table(table_path, records=dest)
             except FlareError as e:  # the records still land; the description stays as this process read it
                 _log(log, f"{head}: {e}; recording the table as it read at the start")
         d = copy_records(spec, cell, run_dir, dest, shown)
@@ -904,10 +981,95 @@ def _ms(m: float, sd: float, n: int) -> str:
     return f"{m:.2f}" if n == 1 else f"{m:.2f} ± {sd:.2f}"
 
 
-def render(results: Path = RESULTS, img_dir: Path | None = None) -> str:
-    """The markdown block: per table, column and α, ours (final / the paper's rule) beside the printed number; the
-    data-free servers' budgets and budget curves (figures drawn into `img_dir`; None: only named); FAFI and FLARE
-    paired by seed with the baselines of the table they share a setting with."""
+# The column a run of the paper's own code (benchmarks/reference_dense.py's record.json) fills, by the FLARE column's
+# key: the method of the reference run and its record's key at each selection rule (its script scores FedAvg and
+# the ensemble once, after training; DENSE's student every epoch: its last and its best, the paper's rule).
+REFERENCE_KEYS = {"acc_fedavg": ("fedavg", {"final": "fedavg", "peak": "fedavg"}),
+                  "acc_output": ("fedavg", {"final": "ensemble", "peak": "ensemble"}),
+                  "fuse:dense": ("dense", {"final": "student_final", "peak": "student_best"})}
+
+
+def reference_runs(table_dir: Path) -> list[dict]:
+    """The runs of a paper's own code for a table (results/papers-reference/<table>/<method>-a<α>-s<seed>/): each a
+    dict with method, alpha, seed and either `record` (record.json, a finished run) or `progress` (progress.json, a
+    run under way whose sitting committed it). Read tolerantly — the keys read are record.json's `method`, `alpha`,
+    `seed` (else the directory's name), `accuracy_unit` (percent unless `fraction`), `partition.used` (a run on the
+    script's own split, `own`, is another experiment and left out) and the value keys of REFERENCE_KEYS; and
+    progress.json's `argv` (`--num_users`, `--local_ep`, `--epochs`), `clients` (a client with `seconds` is
+    finished; `acc_per_epoch` its epochs so far) and `student_curve`. A file that does not parse is skipped."""
+    out = []
+    for d in sorted(table_dir.iterdir()) if table_dir.is_dir() else []:
+        name = re.fullmatch(r"(\w+)-a([0-9.]+)-s(\d+)", d.name)
+        for fname, kind in (("record.json", "record"), ("progress.json", "progress")):
+            try:
+                body = json.loads((d / fname).read_text())
+            except (OSError, ValueError):
+                continue
+            if not isinstance(body, dict):
+                continue
+            try:
+                run = {"method": body.get("method") or name.group(1), "alpha": float(body.get("alpha") or
+                                                                                     name.group(2)),
+                       "seed": int(body["seed"] if body.get("seed") is not None else name.group(3)), kind: body}
+            except (AttributeError, TypeError, ValueError):
+                continue
+            if (body.get("partition") or {}).get("used", "flare") == "flare":
+                out.append(run)
+            break  # a record replaces its progress file
+    return out
+
+
+def reference_values(refs: list[dict], column: dict, alpha: float) -> dict[int, float]:
+    """seed → the paper's code's finished value (percent) for a FLARE column at α, at the column's paper rule."""
+    method, keys = REFERENCE_KEYS.get(column["key"], (None, {}))
+    key, out = keys.get(column.get("paper_rule", "final")), {}
+    for r in refs:
+        rec = r.get("record")
+        if rec is None or r["method"] != method or float(r["alpha"]) != float(alpha):
+            continue
+        v = rec.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            out[r["seed"]] = float(v) * (100 if rec.get("accuracy_unit") == "fraction" else 1)
+    return out
+
+
+def _reference_progress(run: dict) -> str:
+    """How far an unfinished run of the paper's code got, from its progress file: clients finished (and the one
+    training, at its epoch) for the clients' run, epochs for the server's."""
+    p, argv = run["progress"], [str(x) for x in run["progress"].get("argv") or []]
+
+    def flag(name: str) -> str | None:
+        return argv[argv.index(name) + 1] if name in argv[:-1] else None
+
+    if run["method"] == "dense":
+        return f"running, epoch {len(p.get('student_curve') or [])} of {flag('--epochs') or '?'}"
+    clients = p.get("clients") or {}
+    done = sum(1 for c in clients.values() if isinstance(c, dict) and "seconds" in c)
+    going = [(k, len(c.get("acc_per_epoch") or [])) for k, c in clients.items()
+             if isinstance(c, dict) and "seconds" not in c]
+    return (f"running, {done} of {flag('--num_users') or '?'} clients"
+            + "".join(f" (client {k} at epoch {e} of {flag('--local_ep') or '?'})" for k, e in going[:1]))
+
+
+def reference_text(refs: list[dict], column: dict, alpha: float, values: dict[int, float]) -> str:
+    """The "their code" cell: the finished runs' value at the paper's rule (mean ± SD over several seeds) with the
+    seeds, then each unfinished run's progress; "not run" where the table has no run of the paper's code here."""
+    method = REFERENCE_KEYS.get(column["key"], (None,))[0]
+    parts = []
+    if values:
+        m, sd, _, n = summarise(list(values.values()))
+        parts.append(f"{_ms(m, sd, n)} (seed{'s' * (n > 1)} {seed_text(values)})")
+    parts += [f"seed {r['seed']}: {_reference_progress(r)}" for r in refs if "progress" in r
+              and r["method"] == method and float(r["alpha"]) == float(alpha) and r["seed"] not in values]
+    return "; ".join(parts) or "not run"
+
+
+def render(results: Path = RESULTS, img_dir: Path | None = None, reference: Path = REFERENCE) -> str:
+    """The markdown block: per table, column and α, the paper's printed number, the paper's own code's (its runs
+    under `reference`, `reference_runs`) and FLARE's — n, mean, SD and 95 % t interval over the registered draws,
+    and whether n can separate the mean from the paper's number at all; the data-free servers' budgets and budget
+    curves (figures drawn into `img_dir`; None: only named); FAFI and FLARE paired by seed with the baselines of
+    the table they share a setting with."""
     lines = []
     tables = sorted(p for p in results.iterdir() if (p / "table.yaml").is_file()) if results.is_dir() else []
     if not tables:
@@ -915,29 +1077,36 @@ def render(results: Path = RESULTS, img_dir: Path | None = None) -> str:
     for tdir in tables:
         spec = yaml.safe_load((tdir / "table.yaml").read_text())
         metas = _metas(tdir)
+        refs = reference_runs(reference / spec["table"])
         lines += [f"### {spec['table']} — {spec.get('paper', '')}", ""]
         if spec.get("note"):
             lines += [f"*{spec['note'].strip()}*", ""]
-        lines += ["| column | α | seeds | ours: final | ours: paper's rule | paper | ours − paper | paper in our 95 % CI |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += post_hoc_lines(spec, metas)
+        lines += ["| column | α | paper | their code | FLARE: seeds | n | mean ± SD (final) | 95 % t interval | "
+                  "FLARE: paper's rule | FLARE − paper |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        rows = []
         for col, c in spec["columns"].items():
+            rule = c.get("paper_rule", "final")
             for alpha in spec["alphas"]:
-                dirs = sorted(((m["seed"], d) for d, m in metas if m["method"] == c["method"]
-                               and float(m["alpha"]) == float(alpha)), key=lambda t: t[0])
-                final = [cell_value(d, c["key"], "final") for _, d in dirs]
-                rule = [cell_value(d, c["key"], c.get("paper_rule", "final")) for _, d in dirs]
-                mf, sf, hf, n = summarise(final)
-                mr, sr, hr, nr = summarise(rule)
-                seeds = ",".join(str(s) for s, d in dirs if math.isfinite(cell_value(d, c["key"], "final")))
+                pre, post = split_draws(spec, alpha, [(m["seed"], d) for d, m in metas if m["method"] == c["method"]
+                                                      and float(m["alpha"]) == float(alpha)])
+                final = {s: v for s, v in ((s, cell_value(d, c["key"], "final")) for s, d in pre) if math.isfinite(v)}
+                chosen = {s: cell_value(d, c["key"], rule) for s, d in pre}
+                mf, sf, hf, n = summarise(list(final.values()))
+                mr, sr, _, nr = summarise(list(chosen.values()))
                 pub = published(spec, col, alpha)
-                rule_txt = f"{_ms(mr, sr, nr)} ({c.get('paper_rule', 'final')})"
-                if pub is None or n == 0:
-                    diff, inci = "—", "—"
-                else:
-                    diff = f"{mf - pub:+.2f}"
-                    inci = "—" if not math.isfinite(hf) else ("yes" if abs(mf - pub) <= hf else "no")
-                lines.append(f"| {col} | {alpha:g} | {seeds or '—'} | {_ms(mf, sf, n)} | {rule_txt} | "
-                             f"{published_text(spec, col, alpha)} | {diff} | {inci} |")
+                theirs = reference_values(refs, c, alpha)
+                rows.append({"col": col, "alpha": alpha, "rule": rule, "pub": pub, "final": final, "mean": mf,
+                             "half": hf, "n": n, "chosen": {s: v for s, v in chosen.items() if math.isfinite(v)},
+                             "theirs": theirs})
+                seeds = seed_text(final) + (f" (+{seed_text(s for s, _ in post)} post hoc)" if post else "")
+                lines.append(f"| {col} | {alpha:g} | {published_text(spec, col, alpha)} | "
+                             f"{reference_text(refs, c, alpha, theirs)} | {seeds or '—'} | {n} | {_ms(mf, sf, n)} | "
+                             f"{_interval(mf, hf, n)} | {_ms(mr, sr, nr)} ({rule}) | "
+                             f"{'—' if pub is None or n == 0 else f'{mf - pub:+.2f}'} |")
+        lines += separation_lines(rows)
+        lines += gap_lines(rows)
         if spec.get("published_source"):  # where the paper column's numbers were read, and how sure that is
             lines += ["", f"The paper's numbers: {' '.join(spec['published_source'].split())}"]
         lines += spread_lines(spec, metas)
@@ -956,11 +1125,109 @@ def render(results: Path = RESULTS, img_dir: Path | None = None) -> str:
                       f"(img/{fig.name})", ""]
         lines.append("")
     lines.append("final: the last round's model (or the fused model); peak: the best evaluated round (a data-free "
-                 "server: its best epoch on the test curve), a selection on the test set. The difference and the CI "
-                 "use the final column. Paper: not found — the paper prints this cell but no stored source gave its "
-                 "number; not in the paper — a column the paper does not have (an extra column, or a method it "
-                 "does not run).")
+                 "server: its best epoch on the test curve), a selection on the test set. n, the mean ± SD, the 95 % "
+                 "t interval (n − 1 degrees of freedom) and FLARE − paper use the final values of the registered "
+                 "draws; draws added after a table's first records are named post hoc and left out of them. Paper: "
+                 "not found — the paper prints this cell but no stored source gave its number; not in the paper — a "
+                 "column the paper does not have (an extra column, or a method it does not run). Their code: the "
+                 "paper's own released code run at the cell's setting (results/papers-reference/), at the paper's "
+                 "rule; not run — no run of it for this cell.")
     return "\n".join(lines) + "\n"
+
+
+def _interval(mean: float, half: float, n: int) -> str:
+    """The 95 % t interval of the mean, as its ends and its half-width; none below two draws."""
+    if n < 2 or not math.isfinite(half):
+        return "—"
+    return f"{mean - half:.2f} – {mean + half:.2f} (±{half:.2f})"
+
+
+def split_draws(spec: dict, alpha: float, seeded: list[tuple[int, Any]]) -> tuple[list, list]:
+    """(seed, x) pairs in seed order, split into the registered draws at α (`registered`) and those added after the
+    table's first records (post hoc): every test of the block uses the first alone."""
+    reg = set(registered(spec, alpha))
+    seeded = sorted(seeded, key=lambda t: t[0])
+    return [t for t in seeded if t[0] in reg], [t for t in seeded if t[0] not in reg]
+
+
+def post_hoc_lines(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
+    """A table whose recorded draws at an α go beyond those registered with its first record there is flagged
+    above its rows: which seeds were added, and each column's figures over all its draws, marked post hoc — shown,
+    never tested."""
+    out = []
+    for alpha in spec["alphas"]:
+        recorded = {m["seed"] for _, m in metas if float(m["alpha"]) == float(alpha)}
+        added = sorted(recorded - set(registered(spec, alpha)))
+        if not added:
+            continue
+        reg = sorted(recorded & set(registered(spec, alpha)))
+        figures = []
+        for col, c in spec["columns"].items():
+            vals = [cell_value(d, c["key"], "final") for d, m in metas
+                    if m["method"] == c["method"] and float(m["alpha"]) == float(alpha)]
+            m_, sd, h, n = summarise(vals)
+            if n >= 2:
+                figures.append(f"{col} {m_:.2f} ± {sd:.2f}, 95 % t interval ±{h:.2f}")
+        out += [f"**Draws added after the first records — post hoc.** At α = {alpha:g} the table registered seeds "
+                f"{seed_text(registered(spec, alpha))} with its first α = {alpha:g} record; "
+                f"{'seeds' if len(added) > 1 else 'seed'} {seed_text(added)} {'were' if len(added) > 1 else 'was'} "
+                f"added after {_n(len(reg), 'draw')} had been recorded. The rows, their intervals and every test "
+                f"below use the {len(reg)} registered draws; over all {len(reg) + len(added)}, post hoc and not a "
+                f"test: {'; '.join(figures)}.", ""]
+    return out
+
+
+def separation_lines(rows: list[dict]) -> list[str]:
+    """For every multi-draw cell with a published number: whether n draws can separate FLARE's mean from the
+    paper's number at all. Where the 95 % interval's half-width is wider than the distance, the paper's number
+    lying inside the interval is what any n that small gives, not a finding, and the line says so."""
+    out = []
+    for r in rows:
+        if r["pub"] is None or r["n"] < 2 or not math.isfinite(r["half"]):
+            continue
+        dist, head = abs(r["mean"] - r["pub"]), f"{r['col']}, α = {r['alpha']:g}: n = {r['n']}"
+        out.append(f"{head} cannot separate {r['mean']:.2f} from the paper's {r['pub']:.2f}: the interval is "
+                   f"±{r['half']:.2f} points, the distance {dist:.2f}." if r["half"] > dist else
+                   f"{head} separates {r['mean']:.2f} from the paper's {r['pub']:.2f}: {dist:.2f} points apart, "
+                   f"beyond the interval's ±{r['half']:.2f}.")
+    return ["", "FLARE's mean against the paper's number (final values, the registered draws):", "",
+            *[f"* {line}" for line in out]] if out else []
+
+
+GAP = 3.0  # points: a cell further than this from the paper is a gap the docs explain
+
+
+def gap_lines(rows: list[dict]) -> list[str]:
+    """For a cell more than GAP points from the paper (FLARE at the paper's rule) that has a finished run of the
+    paper's code: which of the two steps holds the gap — "paper ↔ its code" (the code, run at the stated setting,
+    misses the paper's number: the paper ran something its code does not state) and "its code ↔ FLARE" (FLARE
+    misses the code on the same seeds: FLARE computes something else) — each with its numbers."""
+    out = []
+    for r in rows:
+        theirs, ours = r["theirs"], r["chosen"]
+        if r["pub"] is None or not theirs or not ours or abs(float(np.mean(list(ours.values()))) - r["pub"]) <= GAP:
+            continue
+        fm, tm = float(np.mean(list(ours.values()))), float(np.mean(list(theirs.values())))
+        common = sorted(set(theirs) & set(ours))
+        head = (f"{r['col']}, α = {r['alpha']:g} ({r['rule']}): FLARE {fm:.2f} is {abs(fm - r['pub']):.2f} points "
+                f"{'under' if fm < r['pub'] else 'over'} the paper's {r['pub']:.2f}; their code reads {tm:.2f} "
+                f"(seed{'s' * (len(theirs) > 1)} {seed_text(theirs)})")
+        pairs, close, other = [], [], []
+        gap = abs(tm - r["pub"])
+        (pairs if gap > GAP else close).append(f"paper ↔ its code ({r['pub']:.2f} against {tm:.2f}, {gap:.2f} points)")
+        if common:
+            a, b = float(np.mean([theirs[s] for s in common])), float(np.mean([ours[s] for s in common]))
+            (pairs if abs(a - b) > GAP else close).append(
+                f"its code ↔ FLARE ({a:.2f} against {b:.2f} on seed{'s' * (len(common) > 1)} {seed_text(common)}, "
+                f"{abs(a - b):.2f} points)")
+        else:
+            other.append("its code ↔ FLARE: no seed run by both")
+        parts = ([f"differs: {'; '.join(pairs)}"] if pairs else
+                 [f"neither pair differs by more than {GAP:g} points"] if close and not other else [])
+        parts += ([f"within {GAP:g} points: {'; '.join(close)}"] if close else []) + other
+        out.append(f"{head}. " + "; ".join(parts)[:1].upper() + "; ".join(parts)[1:] + ".")
+    return ["", f"Where the gap lies, for cells more than {GAP:g} points from the paper with a finished run of its "
+                "code (each side at the paper's rule):", "", *[f"* {line}" for line in out]] if out else []
 
 
 def _cell_config(d: Path) -> dict:
@@ -984,18 +1251,20 @@ def published_text(spec: dict, col: str, alpha: float) -> str:
     return "not found" if col in (spec.get("published") or {}) else "not in the paper"
 
 
-def draws(spec: dict, metas: list[tuple[Path, dict]]) -> list[tuple[str, float, list[tuple[int, float]]]]:
-    """`spread: true`: per column and α that has values, every seed's final value in seed order."""
+def draws(spec: dict, metas: list[tuple[Path, dict]]) -> list[tuple[str, float, list[tuple[int, float]],
+                                                                  list[tuple[int, float]]]]:
+    """`spread: true`: per column and α that has values, every seed's final value in seed order, as the registered
+    draws and those added post hoc (`split_draws`)."""
     if not spec.get("spread"):
         return []
     out = []
     for col, c in spec["columns"].items():
         for alpha in spec["alphas"]:
-            vals = sorted(((m["seed"], cell_value(d, c["key"], "final")) for d, m in metas
-                           if m["method"] == c["method"] and float(m["alpha"]) == float(alpha)), key=lambda t: t[0])
-            vals = [(sd, v) for sd, v in vals if math.isfinite(v)]
-            if vals:
-                out.append((col, alpha, vals))
+            vals = [(m["seed"], cell_value(d, c["key"], "final")) for d, m in metas
+                    if m["method"] == c["method"] and float(m["alpha"]) == float(alpha)]
+            pre, post = split_draws(spec, alpha, [(sd, v) for sd, v in vals if math.isfinite(v)])
+            if pre or post:
+                out.append((col, alpha, pre, post))
     return out
 
 
@@ -1010,28 +1279,51 @@ def rank_p(values: list[float], pub: float) -> tuple[str, int, float]:
     return side, beyond, (beyond + 1) / (len(values) + 1)
 
 
+def rank_verdict(n: int, beyond: int, p: float) -> str:
+    """What the rank test can say with n draws: reject at 0.05, or not — and, with every draw on one side, that n
+    is too small for it to reject at all (1/(n + 1) > 0.05 below 19 draws), which is no finding about the paper."""
+    if p <= 0.05:
+        return f"at or under 0.05: {n} draws reject it as one more draw of ours"
+    if beyond == 0:
+        return (f"the smallest p that {n} draws allow, and above 0.05: {n} draws cannot reject it whatever the "
+                "paper ran (19 could)")
+    return f"{n} draws cannot tell it from ours"
+
+
 def spread_lines(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
     """Every draw's value and their range beside the paper's number. A paper that prints one run is one draw: the
-    question is whether it lies among our draws, not whether it lies in our mean's interval — answered by the range
-    and by `rank_p`."""
+    question is whether it could be one of our draws, answered by `rank_p` over the registered draws and said as
+    what n draws can and cannot reject (`rank_verdict`); the draws added post hoc are listed, and the test over
+    all draws is given apart, marked post hoc."""
     out = []
-    for col, alpha, vals in draws(spec, metas):
-        lo, hi = min(v for _, v in vals), max(v for _, v in vals)
+    for col, alpha, pre, post in draws(spec, metas):
         pub = published(spec, col, alpha)
-        where = ("" if pub is None else f"; the paper's {pub:.2f} lies {'inside' if lo <= pub <= hi else 'outside'} it")
-        if pub is not None:
-            side, beyond, p = rank_p([v for _, v in vals], pub)
-            where += (f"; were it one more draw of this setting, one at least this {'high' if side == 'above' else 'low'}"
-                      f" has rank probability ({beyond} + 1)/({len(vals)} + 1) = {p:.3f} (one-sided)")
-        out += [f"{col}, α = {alpha:g}, by seed: " + ", ".join(f"{sd}: {v:.2f}" for sd, v in vals)
-                + f" — range {lo:.2f}–{hi:.2f} over {len(vals)} draw{'s' if len(vals) > 1 else ''}{where}.", ""]
+        line = f"{col}, α = {alpha:g}, by seed: " + ", ".join(f"{sd}: {v:.2f}" for sd, v in pre)
+        if post:
+            line += "; added post hoc: " + ", ".join(f"{sd}: {v:.2f}" for sd, v in post)
+        if pre:
+            lo, hi = min(v for _, v in pre), max(v for _, v in pre)
+            line += f" — range {lo:.2f}–{hi:.2f} over {'the ' * bool(post)}{len(pre)} {'registered ' * bool(post)}draw" \
+                    + "s" * (len(pre) != 1)
+        if pub is not None and pre:
+            side, beyond, p = rank_p([v for _, v in pre], pub)
+            line += (f". Were the paper's {pub:.2f} one more draw of this setting, one at least this "
+                     f"{'high' if side == 'above' else 'low'} has rank probability ({beyond} + 1)/({len(pre)} + 1) = "
+                     f"{p:.3f} (one-sided): {rank_verdict(len(pre), beyond, p)}")
+            if post:
+                every = [v for _, v in pre + post]
+                side, beyond, p = rank_p(every, pub)
+                line += (f". Over all {len(every)} draws, post hoc and not a test: ({beyond} + 1)/({len(every)} + 1) "
+                         f"= {p:.3f}")
+        out += [line + ".", ""]
     return [""] + out if spec.get("spread") else []
 
 
 def spread_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | None) -> Path | None:
-    """One row of dots per column and α (a dot per seed, labelled) with the paper's number as a mark on the same
-    row; None when the table lists no spread or has no value yet."""
-    rows = [(f"{col}, α = {alpha:g}", vals, published(spec, col, alpha)) for col, alpha, vals in draws(spec, metas)]
+    """One row of dots per column and α (a dot per seed, labelled; a draw added post hoc hollow) with the paper's
+    number as a mark on the same row; None when the table lists no spread or has no value yet."""
+    rows = [(f"{col}, α = {alpha:g}", pre + post, published(spec, col, alpha), {sd for sd, _ in post})
+            for col, alpha, pre, post in draws(spec, metas)]
     if not rows:
         return None
     out = Path(f"papers-{spec['table']}-spread.png")
@@ -1042,8 +1334,12 @@ def spread_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | No
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.4, 1.2 + 0.7 * len(rows)))
-    for y, (label, vals, pub) in enumerate(rows):
-        ax.scatter([v for _, v in vals], [y] * len(vals), color="C0", zorder=3, label="our draws" if y == 0 else None)
+    for y, (label, vals, pub, late) in enumerate(rows):
+        pre = [v for sd, v in vals if sd not in late]
+        ax.scatter(pre, [y] * len(pre), color="C0", zorder=3, label="our registered draws" if y == 0 else None)
+        if late:
+            ax.scatter([v for sd, v in vals if sd in late], [y] * len(late), facecolors="none", edgecolors="C0",
+                       zorder=3, label="draws added post hoc" if not any(r[3] for r in rows[:y]) else None)
         last, up = None, True
         for sd, v in sorted(vals, key=lambda t: t[1]):  # neighbours closer than 1.5 points: labels above and below
             up = not up if last is not None and v - last < 1.5 else True
@@ -1055,7 +1351,8 @@ def spread_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | No
                       label="the paper's run" if not any(r[2] is not None for r in rows[:y]) else None)
     ax.set_yticks(range(len(rows)), [r[0] for r in rows])
     ax.set_ylim(len(rows) - 0.4, -0.6)  # the first row on top
-    ax.set_xlabel("test accuracy (%), each dot one seed (labelled)")
+    ax.set_xlabel("test accuracy (%), each dot one seed (labelled)" + ("; hollow: added post hoc" if any(
+        r[3] for r in rows) else ""))
     ax.set_title(f"{spec['table']}: the spread of partition draws", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
@@ -1329,7 +1626,7 @@ def _paired_with(spec: dict, metas: list[tuple[Path, dict]], results: Path, tabl
         other = yaml.safe_load((results / table / "table.yaml").read_text())
         theirs = _metas(results / table)
     where = "within" if table == spec["table"] else "with"
-    out = ["", f"Paired {where} {table} by seed (ours − theirs, final values):", "",
+    out = ["", f"Paired {where} {table} by seed (ours − theirs, final values; the seeds both tables registered):", "",
            "| ours | theirs | α | seeds | mean difference ± std | 95 % half-width |", "| --- | --- | --- | --- | --- | --- |"]
     for col, ocol in pairs:
         c, oc = spec["columns"][col], other["columns"][ocol]
@@ -1338,9 +1635,10 @@ def _paired_with(spec: dict, metas: list[tuple[Path, dict]], results: Path, tabl
                     if m["method"] == c["method"] and float(m["alpha"]) == float(alpha)}
             them = {m["seed"]: cell_value(d, oc["key"], "final") for d, m in theirs
                     if m["method"] == oc["method"] and float(m["alpha"]) == float(alpha)}
-            seeds = sorted(k for k in mine.keys() & them.keys() if math.isfinite(mine[k]) and math.isfinite(them[k]))
+            seeds = sorted(k for k in mine.keys() & them.keys() if math.isfinite(mine[k]) and math.isfinite(them[k])
+                           and k in registered(spec, alpha) and k in registered(other, alpha))
             mean, sd, hw, n = summarise([mine[k] - them[k] for k in seeds])
-            out.append(f"| {col} | {ocol} | {alpha:g} | {','.join(map(str, seeds)) or '—'} | "
+            out.append(f"| {col} | {ocol} | {alpha:g} | {seed_text(seeds) or '—'} | "
                        f"{'—' if n == 0 else (f'{mean:+.2f}' if n == 1 else f'{mean:+.2f} ± {sd:.2f}')} | "
                        f"{'—' if not math.isfinite(hw) else f'±{hw:.2f}'} |")
     return out + [""]
@@ -1372,6 +1670,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="take only this cell (repeatable; names as --dry-run lists them): two processes, two cells")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a flare override for every cell (a shortened budget: it lands in each cell's config)")
+    r.add_argument("--results", default=str(RESULTS), help="the records directory (default results/papers)")
     t = sub.add_parser("describe", help="rewrite a recorded table's description (the paper's numbers, notes) "
                                         "from its table file, without running a cell")
     t.add_argument("table")
@@ -1388,6 +1687,8 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("render", help="rewrite docs/papers.md's block from results/papers/")
     g.add_argument("--check", action="store_true", help="exit 1 if the committed block is stale")
     g.add_argument("--results", default=str(RESULTS), help="the records directory (default results/papers)")
+    g.add_argument("--reference", default=str(REFERENCE), help="the runs of the papers' own code (default "
+                                                               "results/papers-reference)")
     a = ap.parse_args(argv)
     try:
         for option in ("table", "runs", "results"):  # a path the filesystem would refuse, refused as flare's are
@@ -1401,13 +1702,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _command(a: argparse.Namespace) -> int:
     """One command; what it refuses (a table file, a cell name, nothing to do) raises a FlareError before it writes."""
-    spec = load_table(a.table) if a.cmd in ("run", "describe", "progress") else None
+    spec = (load_table(a.table, records=Path(a.results) if a.cmd in ("run", "describe") else None)
+            if a.cmd in ("run", "describe", "progress") else None)
     if a.cmd == "run":
         names = [c["name"] for c in cells(spec)]
         if unknown := [n for n in a.cells if n not in names]:
             raise FlareError(f"{a.table} has no cell {', '.join(unknown)}; its cells are {', '.join(names)}.",
                              key="--cells", fix="name cells as --dry-run lists them.")
-        return run(spec, Path(a.runs), commit=a.commit, dry_run=a.dry_run, overrides=a.set,
+        return run(spec, Path(a.runs), commit=a.commit, dry_run=a.dry_run, overrides=a.set, dest=Path(a.results),
                    defer=tuple(a.defer), fuse_only=a.fuse_only, only=tuple(a.cells), table_path=a.table)
     if a.cmd == "progress":
         if a.stopped is None:
@@ -1444,7 +1746,7 @@ def _command(a: argparse.Namespace) -> int:
         print(describe(spec, Path(a.results)))
         return 0
     text = DOC.read_text()
-    body = render(Path(a.results), img_dir=None if a.check else DOC.parent / "img")
+    body = render(Path(a.results), img_dir=None if a.check else DOC.parent / "img", reference=Path(a.reference))
     if a.check:
         if committed_block(text) != body:
             print("papers: docs/papers.md's block differs from results/papers/ (run tools/papers.py render)")
