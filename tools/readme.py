@@ -325,7 +325,7 @@ def cpu_against_reference() -> str:
                    f"{rec['date']} |")
     out += [f"| {model} ({isa}) | {secs:.1f} s, the figure we were given | not measured: no such CPU at hand | "
             "not measured | — |" for model, isa, secs in bench.REFERENCE_TIMES
-            if not any(model in cpu and f"({isa})" in cpu for cpu in cpus)]
+            if not any(bench.of_type(cpu, model, isa) for cpu in cpus)]
     return "\n".join(out) + "\n"
 
 
