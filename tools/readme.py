@@ -34,7 +34,6 @@ import importlib.util
 import json
 import math
 import os
-import platform
 import re
 import shlex
 import shutil
@@ -606,12 +605,9 @@ RESULTS = {r.id: r for r in [
 
 
 def machine() -> dict:
-    cpu = platform.processor() or ""
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                   if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    from flare.speed import read_cpu  # the model name, and the family, model number and stepping where it has them
+    facts = read_cpu()
+    cpu = facts.model + (", family {} model {} stepping {}".format(*facts.signature) if facts.signature else "")
     # The CPU's name alone does not say which kernels torch picks (two "AMD EPYC" VMs gave other digits), so record
     # the instruction set torch dispatches to as well.
     return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "cpu": cpu,
