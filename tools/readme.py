@@ -328,6 +328,12 @@ def cpu_against_reference() -> str:
     return "\n".join(out) + "\n"
 
 
+def step_flops_block(base: Path) -> str:
+    """benchmarks/step_flops.py's table, rendered by the benchmark's own `markdown` from its JSON record."""
+    rec = json.loads((base / OUT.relative_to(ROOT) / "step-flops-record.json").read_text())
+    return _script("benchmarks/step_flops.py").markdown(rec)
+
+
 def file_text(path: str) -> Callable[[Path], str]:
     return lambda base: (base / path).read_text().strip() + "\n"
 
@@ -527,6 +533,10 @@ RESULTS = {r.id: r for r in [
             [f"OMP_NUM_THREADS=1 python benchmarks/max_pool.py --models {MAX_POOL_MODELS} --repeats 15 "
              "--record runs/readme/max-pool-record.json"],
             max_pool_table, page="docs/performance.md"),
+    Results("step-flops",  # the main job's step, the bare step and a single-thread SGEMM, in FLOP/s
+            ["OMP_NUM_THREADS=1 python benchmarks/step_flops.py --steps 30 --repeats 7 --clock cpu "
+             "--record runs/readme/step-flops-record.json"],
+            step_flops_block, page="docs/performance.md"),
     Results("kernels",
             [f"{UX} --out runs/readme/ux-pinned", f"{UX} cpu_isa=native --out runs/readme/ux-native"],
             kernels_table({"default": "runs/readme/ux-pinned", "`cpu_isa=native`": "runs/readme/ux-native"}),
