@@ -165,8 +165,13 @@ def reference(rec: dict) -> tuple[str, float] | None:
     cpu = rec["machine"]["cpu"]
     if ref := timed_here(cpu):
         return f"{cpu.replace(' (', ', ').rstrip(')')}, timed {ref['date']}", ref["wall"]
-    return next(((f"{model}, {isa}", s) for model, isa, s in REFERENCE_TIMES if model in cpu and f"({isa})" in cpu),
-                None)
+    return next(((f"{model}, {isa}", s) for model, isa, s in REFERENCE_TIMES if of_type(cpu, model, isa)), None)
+
+
+def of_type(cpu: str, model: str, isa: str) -> bool:
+    """Whether a record's CPU (`CpuFacts.short`) is of a `REFERENCE_TIMES` type: the name's part and the ISA text,
+    with or without the family, model number and stepping newer records name before it."""
+    return model in cpu and (f"({isa})" in cpu or f", {isa})" in cpu)
 
 
 def probe_rate(row: dict, choice: dict) -> float | None:

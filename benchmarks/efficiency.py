@@ -33,6 +33,7 @@ import json
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,50 @@ from flare.setup import make_augment, make_train_context
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def build(cfg, steps: int, clients: int = 0) -> SimpleNamespace:
+    """The end-to-end client of one run's local training, built as a run builds it (uint8 data on the device, the
+    config's augmentation and train context, `Client`), and the bare step beside it (`bare_step()`: the same model
+    on 2B normalised images already in memory, plain CE, backward, SGD with momentum). Shared with
+    benchmarks/step_flops.py, so the step it counts FLOPs of is the step this benchmark times."""
+    device = resolve_device(cfg.device)
+    amp = amp_dtype_for(cfg, device)
+    data, _ = prepare_data(cfg)
+    B = cfg.batch_size
+    n = B * steps
+    if len(data.train_y) < n * max(clients, 1):
+        raise SystemExit(f"{len(data.train_y)} training samples; --clients {clients} x --steps {steps} x batch {B} "
+                         "needs more: lower --steps or --clients")
+    x, y = data.train_x[:n * max(clients, 1)].to(device), data.train_y[:n * max(clients, 1)].to(device)
+    torch.manual_seed(0)
+    model = create_model(cfg.model.name, data.in_channels, data.num_classes, cfg.model.width, head=cfg.head).to(device)
+    cl = use_channels_last(cfg, device)
+    if cl:
+        model = model.to(memory_format=torch.channels_last)
+    aug = make_augment(cfg, DataMeta.from_data(data), device)
+    ctx = make_train_context(cfg, x, y, aug, None, device, amp, cl, None)
+    client = Client(0, torch.arange(n, device=device), copy.deepcopy(model), ctx, 1.0)
+
+    bare_model = copy.deepcopy(model)
+    opt = torch.optim.SGD(bare_model.parameters(), lr=cfg.lr, momentum=0.9)
+    imgs = normalize(torch.cat([x[:B], x[:B]]), data.mean, data.std)
+    if cl:
+        imgs = imgs.contiguous(memory_format=torch.channels_last)
+    y2 = torch.cat([y[:B], y[:B]])
+    ctx_amp = (lambda: torch.autocast(device.type, dtype=amp)) if amp else (lambda: torch.autocast(device.type, enabled=False))
+
+    def bare_step():
+        with ctx_amp():
+            _, logits = bare_model(imgs)
+        loss = F.cross_entropy(logits.float(), y2)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return SimpleNamespace(device=device, amp=amp, data=data, x=x, y=y, model=model, cl=cl, aug=aug, ctx=ctx,
+                           client=client, bare_model=bare_model, imgs=imgs, y2=y2, ctx_amp=ctx_amp,
+                           bare_step=bare_step)
 
 
 def main(argv=None):
@@ -75,43 +120,18 @@ def main(argv=None):
     ov = ["dataset.name=synthetic-cifar10", "batch_size=512", "model.name=resnet18", "model.width=0.25"] + args.overrides
     cfg = load_config(None, args.preset, ov)
     cfg = cfg.model_copy(update={"rounds": 1, "local_epochs": 1})
-    device = resolve_device(cfg.device)
-    amp = amp_dtype_for(cfg, device)
-    data, _ = prepare_data(cfg)
     B = cfg.batch_size
     n = B * args.steps
-    K = args.clients if args.clients is not None else (5 if device.type == "cuda" else 0)
-    if len(data.train_y) < n * max(K, 1):
-        raise SystemExit(f"{len(data.train_y)} training samples; --clients {K} x --steps {args.steps} x batch {B} "
-                         "needs more: lower --steps or --clients")
-    x, y = data.train_x[:n * max(K, 1)].to(device), data.train_y[:n * max(K, 1)].to(device)
-    torch.manual_seed(0)
-    model = create_model(cfg.model.name, data.in_channels, data.num_classes, cfg.model.width, head=cfg.head).to(device)
-    cl = use_channels_last(cfg, device)
-    if cl:
-        model = model.to(memory_format=torch.channels_last)
-    aug = make_augment(cfg, DataMeta.from_data(data), device)
-    ctx = make_train_context(cfg, x, y, aug, None, device, amp, cl, None)
-    client = Client(0, torch.arange(n, device=device), copy.deepcopy(model), ctx, 1.0)
-
-    bare_model = copy.deepcopy(model)
-    opt = torch.optim.SGD(bare_model.parameters(), lr=cfg.lr, momentum=0.9)
-    imgs = normalize(torch.cat([x[:B], x[:B]]), data.mean, data.std)
-    if cl:
-        imgs = imgs.contiguous(memory_format=torch.channels_last)
-    y2 = torch.cat([y[:B], y[:B]])
-    ctx_amp = (lambda: torch.autocast(device.type, dtype=amp)) if amp else (lambda: torch.autocast(device.type, enabled=False))
+    K = args.clients if args.clients is not None else (5 if resolve_device(cfg.device).type == "cuda" else 0)
+    built = build(cfg, args.steps, K)
+    device, amp, data, x, y, model, cl = built.device, built.amp, built.data, built.x, built.y, built.model, built.cl
+    aug, ctx, client, imgs, y2, ctx_amp = built.aug, built.ctx, built.client, built.imgs, built.y2, built.ctx_amp
 
     def bare():
         sync(device)
         t = clock()
         for _ in range(args.steps):
-            with ctx_amp():
-                _, logits = bare_model(imgs)
-            loss = F.cross_entropy(logits.float(), y2)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            built.bare_step()
         sync(device)
         return n / (clock() - t)
 

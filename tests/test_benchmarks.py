@@ -72,6 +72,29 @@ def test_efficiency_times_each_augment_schedule(tiny_folder, tmp_path, capsys):
         assert f"{rec['schedules'][sched]['median']:9.1f}" in lines[sched]
 
 
+def test_step_flops_puts_step_bare_step_and_sgemm_on_one_scale(tiny_folder, tmp_path, capsys):
+    """step_flops.py counts the step's FLOPs (the model's forward and backward, the loss's products), times the
+    step, the bare step and SGEMM here and in a child with the CPU's own kernels, and renders its table from the
+    record alone."""
+    bench = _script("step_flops")
+    rec = bench.main(["--steps", "2", "--repeats", "1", "--sizes", "64,128", "--clock", "cpu", "--record",
+                      str(tmp_path / "rec.json"), "dataset.name=imagefolder", f"dataset.root={tiny_folder}",
+                      f"dataset.cache_dir={tmp_path / 'cache'}", "dataset.train_subset=null",
+                      "dataset.test_subset=null", "model.width=0.25", "batch_size=16"])
+    out = capsys.readouterr().out
+    assert json.loads((tmp_path / "rec.json").read_text()) == rec and bench.markdown(rec) in out
+    step, bare = rec["flops"]["step"], rec["flops"]["bare"]
+    assert 0 < bare["model"] <= step["model"] <= step["total"] and step["augmentation"] < step["total"] / 100
+    assert {"convolution", "convolution_backward"} <= set(step["by_op"])
+    assert rec["config"]["batch"] == 16 and rec["config"]["model"] == "cnn" and rec["machine"]["threads"] == 1
+    assert set(rec["sgemm"]["native"]["gflops"]) == {"64", "128"} == set(rec["sgemm"]["pinned"]["gflops"])
+    f = bench.figures(rec)
+    assert f["peak"] == max(f["pinned_peak"], f["native_peak"]) and 0 < f["step_peak"] and 0 < f["bare_peak"]
+    assert math.isclose(f["step_bare"], f["step"] / f["bare"])
+    for words in ("family", "÷ peak", "SGEMM", "GFLOP/s", "load average"):
+        assert words in out, out
+
+
 def test_gpu_suite_parses():
     """The device calls run this script with no second chance: a syntax error would cost a whole lease."""
     r = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_suite.sh")], capture_output=True, text=True)

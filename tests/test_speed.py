@@ -2,12 +2,13 @@
 results that are not this machine's are injected, so the Intel-without-bf16 behaviour is tested here too."""
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from flare import cpu, speed
-from flare.backend import backend, settle_speed
+from flare.backend import backend, machine, settle_speed
 from flare.config import load_config
 from flare.rundata import RunData
 
@@ -39,6 +40,48 @@ def test_cpuinfo_is_read_for_model_and_flags(tmp_path):
     assert facts.model == "Intel(R) Xeon(R) Platinum 8259CL" and "avx512f" in facts.flags
     assert not facts.native_bf16 and "no native bf16" in facts.short
     assert speed.read_cpu(tmp_path / "missing").flags == frozenset()
+
+
+def _cpuinfo(vendor, family, model, stepping, name, flags):
+    return "".join(f"processor\t: {i}\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: {model}\nmodel name"
+                   f"\t: {name}\nstepping\t: {stepping}\nflags\t\t: {flags}\n\n" for i in range(2))
+
+
+def test_family_model_and_stepping_tell_cpus_of_one_name_apart(tmp_path, monkeypatch):
+    """A VM's CPU is often just "AMD EPYC": a Zen 1 and a Zen 4 differ in family and model number only, and the
+    string runs record (`backend.machine`) and CPU-speed tables key on must show it."""
+    texts = {"zen1": _cpuinfo("AuthenticAMD", 23, 1, 2, "AMD EPYC", "fpu avx avx2 fma"),
+             "zen4": _cpuinfo("AuthenticAMD", 25, 17, 1, "AMD EPYC", "avx2 avx512f avx512bw avx512_bf16"),
+             "xeon": _cpuinfo("GenuineIntel", 6, 85, 7, "Intel(R) Xeon(R) Platinum 8259CL", "avx2 avx512f avx512_vnni")}
+    shorts = {}
+    for name, text in texts.items():
+        (tmp_path / name).write_text(text)
+        shorts[name] = speed.read_cpu(tmp_path / name).short
+    assert shorts == {"zen1": "AMD EPYC (family 23 model 1 stepping 2, AVX2, no native bf16)",
+                      "zen4": "AMD EPYC (family 25 model 17 stepping 1, AVX512, native bf16)",
+                      "xeon": "Intel(R) Xeon(R) Platinum 8259CL (family 6 model 85 stepping 7, AVX512, no native bf16)"}
+    assert speed.read_cpu(tmp_path / "zen4").signature == ("25", "17", "1")
+    # a cpuinfo without the three (not x86) keeps the old string: records without them stay under their old key
+    (tmp_path / "arm").write_text("processor\t: 0\nmodel name\t: Neoverse\nFeatures\t: fp asimd\n")
+    assert speed.read_cpu(tmp_path / "arm").short == "Neoverse (no AVX2, no native bf16)"
+    monkeypatch.setattr(speed, "read_cpu", lambda path="/proc/cpuinfo": speed.CpuFacts(
+        "AMD EPYC", frozenset({"avx2"}), ("23", "1", "2")))
+    assert machine(torch.device("cpu")).startswith("AMD EPYC (family 23 model 1 stepping 2, AVX2, no native")
+    # the reference's recorded times still find their CPU type in a record that names the family
+    bench = _cpu_profile()
+    assert bench.of_type(shorts["zen4"], "AMD EPYC", "AVX512, native bf16")
+    assert bench.of_type("AMD EPYC (AVX512, native bf16)", "AMD EPYC", "AVX512, native bf16")
+    assert not bench.of_type(shorts["xeon"], "Intel", "AVX512, native bf16")
+    assert bench.of_type(shorts["xeon"], "Intel", "AVX512, no native bf16")
+
+
+def _cpu_profile():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_cpu_profile", Path(__file__).resolve().parents[1]
+                                                  / "benchmarks" / "cpu_profile.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def test_bf16_is_a_candidate_only_where_the_cpu_has_it_natively():

@@ -34,7 +34,6 @@ import importlib.util
 import json
 import math
 import os
-import platform
 import re
 import shlex
 import shutil
@@ -325,8 +324,14 @@ def cpu_against_reference() -> str:
                    f"{rec['date']} |")
     out += [f"| {model} ({isa}) | {secs:.1f} s, the figure we were given | not measured: no such CPU at hand | "
             "not measured | — |" for model, isa, secs in bench.REFERENCE_TIMES
-            if not any(model in cpu and f"({isa})" in cpu for cpu in cpus)]
+            if not any(bench.of_type(cpu, model, isa) for cpu in cpus)]
     return "\n".join(out) + "\n"
+
+
+def step_flops_block(base: Path) -> str:
+    """benchmarks/step_flops.py's table, rendered by the benchmark's own `markdown` from its JSON record."""
+    rec = json.loads((base / OUT.relative_to(ROOT) / "step-flops-record.json").read_text())
+    return _script("benchmarks/step_flops.py").markdown(rec)
 
 
 def file_text(path: str) -> Callable[[Path], str]:
@@ -528,6 +533,10 @@ RESULTS = {r.id: r for r in [
             [f"OMP_NUM_THREADS=1 python benchmarks/max_pool.py --models {MAX_POOL_MODELS} --repeats 15 "
              "--record runs/readme/max-pool-record.json"],
             max_pool_table, page="docs/performance.md"),
+    Results("step-flops",  # the main job's step, the bare step and a single-thread SGEMM, in FLOP/s
+            ["OMP_NUM_THREADS=1 python benchmarks/step_flops.py --steps 30 --repeats 7 --clock cpu "
+             "--record runs/readme/step-flops-record.json"],
+            step_flops_block, page="docs/performance.md"),
     Results("kernels",
             [f"{UX} --out runs/readme/ux-pinned", f"{UX} cpu_isa=native --out runs/readme/ux-native"],
             kernels_table({"default": "runs/readme/ux-pinned", "`cpu_isa=native`": "runs/readme/ux-native"}),
@@ -606,12 +615,9 @@ RESULTS = {r.id: r for r in [
 
 
 def machine() -> dict:
-    cpu = platform.processor() or ""
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                   if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    from flare.speed import read_cpu  # the model name, and the family, model number and stepping where it has them
+    facts = read_cpu()
+    cpu = facts.model + (", family {} model {} stepping {}".format(*facts.signature) if facts.signature else "")
     # The CPU's name alone does not say which kernels torch picks (two "AMD EPYC" VMs gave other digits), so record
     # the instruction set torch dispatches to as well.
     return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "cpu": cpu,

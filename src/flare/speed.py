@@ -47,6 +47,7 @@ class CpuFacts:
 
     model: str
     flags: frozenset = frozenset()
+    signature: tuple = ()  # (family, model number, stepping): "AMD EPYC" is a Zen 1 or a Zen 5; () where unknown
 
     @property
     def native_bf16(self) -> bool:
@@ -55,13 +56,15 @@ class CpuFacts:
     @property
     def short(self) -> str:
         isa = "AVX512" if "avx512f" in self.flags else "AVX2" if "avx2" in self.flags else "no AVX2"
-        return f"{self.model} ({isa}, {'native bf16' if self.native_bf16 else 'no native bf16'})"
+        sig = "family {} model {} stepping {}, ".format(*self.signature) if self.signature else ""
+        return f"{self.model} ({sig}{isa}, {'native bf16' if self.native_bf16 else 'no native bf16'})"
 
 
 def read_cpu(path: str | Path = "/proc/cpuinfo") -> CpuFacts:
-    """The first processor's model name and flags; a machine without /proc/cpuinfo reports no flags (so no bf16
-    candidate: emulated bf16 is never worth timing)."""
-    model, flags = platform.processor() or platform.machine(), frozenset()
+    """The first processor's model name, flags, family, model number and stepping (the name alone does not tell one
+    EPYC generation from another); a machine without /proc/cpuinfo reports no flags (so no bf16 candidate:
+    emulated bf16 is never worth timing)."""
+    model, flags, ids = platform.processor() or platform.machine(), frozenset(), {}
     try:
         text = Path(path).read_text(errors="replace")
     except OSError:
@@ -73,7 +76,9 @@ def read_cpu(path: str | Path = "/proc/cpuinfo") -> CpuFacts:
             model = value.strip()
         elif key in ("flags", "Features") and not flags:
             flags = frozenset(value.split())
-    return CpuFacts(model, flags)
+        elif key in ("cpu family", "model", "stepping"):
+            ids.setdefault(key, value.strip())
+    return CpuFacts(model, flags, tuple(ids[k] for k in ("cpu family", "model", "stepping")) if len(ids) == 3 else ())
 
 
 @dataclass(frozen=True)
