@@ -213,9 +213,10 @@ def test_an_option_the_partition_cannot_serve_is_refused_before_training(folder,
     """FedPFT fits a class's mixture only from more samples than components: with more components than any client's
     largest class, every client would upload nothing, found after the training. Refused with nothing written."""
     out = tmp_path / "o"
-    rc, err = cli(["run", "--preset", "fafi", *features(folder, tmp_path / "c"), "eval.rules=[fedpft]",
-                   "server.strategies.fedpft.n_mixtures=40", "--out", str(out)], capsys)
-    assert rc == 2 and "server.strategies.fedpft.n_mixtures" in err and not out.exists(), err
+    for command in (["run"], ["federate", "--clients", "3"]):  # federate: before any process starts
+        rc, err = cli([*command, "--preset", "fafi", *features(folder, tmp_path / "c"), "eval.rules=[fedpft]",
+                       "server.strategies.fedpft.n_mixtures=40", "--out", str(out)], capsys)
+        assert rc == 2 and "server.strategies.fedpft.n_mixtures" in err and not out.exists(), (command, err)
 
 
 def test_a_final_accuracy_over_more_rounds_than_are_evaluated_is_refused():

@@ -34,8 +34,7 @@ from flare.rundir import CHECKPOINT, FUSE, SCRATCH, RunDir, read_jsonl
 from flare.server.exchange import LocalClients
 from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
 from flare.server.upload import upload_of
-from flare.data.prepare import split
-from flare.setup import ServerSetup
+from flare.setup import ServerSetup, checked_split
 
 KEY = "RUN_DIR"
 
@@ -141,10 +140,7 @@ def _score(job: FuseJob, names: list[str]) -> None:
     cfg, rd = job.cfg, job.dir
     # the clients' states come from checkpoint.pt; the strategies asked for are built once, here
     server = ServerSetup.build(cfg, bank=False, checkpoints=False, strategies=tuple(names))
-    data = server.take_data()
-    partition = split(cfg, data.train_y, data.num_classes)
-    for name in names:  # what the data cannot serve, refused before any strategy computes (as `flare run` does)
-        server.strategies[name].check_data(partition.histogram(), data)
+    data, partition = checked_split(server)  # what the data cannot serve, refused before any strategy computes
     parts = partition.client_indices
     template, device = server.template, server.backend.device  # extras' shapes: their callers pass client models
     ck = rd.load_checkpoint(device, lambda w: None)

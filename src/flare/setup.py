@@ -277,8 +277,19 @@ def check_buildable(cfg: Config) -> None:
     data, split, every architecture's init, checkpoint and input size, one feature dimension): for a caller that hands
     the run to other processes (`flare federate`), where the same mistake would surface as a server process's
     traceback. The public bank's teacher is not trained (nothing the config could get wrong is left in it)."""
-    data = ServerSetup.build(cfg, bank=False).take_data()
-    split(cfg, data.train_y, data.num_classes)
+    checked_split(ServerSetup.build(cfg, bank=False))
+
+
+def checked_split(server: ServerSetup) -> tuple[ImageData, Partition]:
+    """The run's data, taken from `server`, and its split, once every strategy the server built has passed
+    `check_data`: what the drawn data cannot serve is refused before the first client trains — in `flare run`,
+    `flare fuse` and before `flare federate` starts a process."""
+    data = server.take_data()
+    part = split(server.cfg, data.train_y, data.num_classes)
+    histogram = part.histogram()
+    for strategy in server.strategies.values():
+        strategy.check_data(histogram, data)
+    return data, part
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,11 +309,7 @@ class RunSetup:
     @classmethod
     def build(cls, cfg: Config) -> "RunSetup":
         server = ServerSetup.build(cfg)
-        data = server.take_data()
-        part = split(cfg, data.train_y, data.num_classes)
-        histogram = part.histogram()
-        for strategy in server.strategies.values():  # options the drawn data cannot serve: refused before training
-            strategy.check_data(histogram, data)
+        data, part = checked_split(server)
         first = server.initial_message()
         ctx = client_context(cfg, server.meta, server.backend, server.template.feature_dim, data.train_x,
                              data.train_y, first)
