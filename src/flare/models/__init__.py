@@ -135,8 +135,7 @@ register_model("cnn_mnist_dense", description="DENSE's FMNIST/MNIST CNN (BN; d =
     _small.cnn_mnist_dense)
 for _name, _builder in _pretrained.ENCODERS.items():
     register_model(_name, options=_pretrained.EncoderOptions, check=_pretrained.refuse_image_runs,
-                   description=f"{_name} with ImageNet weights (the encoders extra), frozen; read through "
-                               "dataset.name=features (d = 1280)")(_builder)
+                   description=f"{_name}, ImageNet weights, frozen: via dataset.name=features (d = 1280)")(_builder)
 register_model("adapter", options=_pretrained.AdapterOptions, description="linear / MLP adapter over cached "
                "encoder features (d = dim·width; dim 0: identity)")(_pretrained.adapter)
 
