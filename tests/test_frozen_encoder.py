@@ -170,16 +170,18 @@ def test_the_cache_is_computed_once_and_reused(folder, cache_dir, monkeypatch):
         feats.load_features(options(folder, cache_dir, views=0), quiet=True)
 
 
-def test_a_foreign_or_corrupt_cache_is_refused_and_left_alone(folder, tmp_path):
+@pytest.mark.parametrize("field,value", [("resolution", 224), ("encoder", "efficientnet_lite2"),
+                                         ("resize", "bilinear")])
+def test_a_foreign_or_corrupt_cache_is_refused_and_left_alone(folder, tmp_path, field, value):
     opts = options(folder, tmp_path, views=0)
     feats.load_features(opts, quiet=True)
     path = next(tmp_path.glob("features-*.pt"))
     blob = torch.load(path, weights_only=True)
     key = json.loads(blob["key"])
-    blob["key"] = json.dumps({**key, "resolution": 224}, sort_keys=True)  # another setting's file, renamed here
+    blob["key"] = json.dumps({**key, field: value}, sort_keys=True)  # another setting's file, renamed here
     torch.save(blob, path)
     before = path.read_bytes()
-    with pytest.raises(FlareError, match="another setting.*resolution"):
+    with pytest.raises(FlareError, match=f"another setting.*{field}"):
         feats.load_features(opts, quiet=True)
     assert path.read_bytes() == before
     path.write_bytes(b"not a torch file")
