@@ -172,7 +172,7 @@ def frozen_encoder(name: str, resolution: int, resize: str = "bicubic") -> nn.Mo
 def extract_features(opts: FeatureOptions, data: ImageData, parts: Path, stages: int = 1, flip: bool = False,
                      quiet: bool = False) -> tuple[dict, dict]:
     """(tensors, facts): the first `stages` pooled outputs of every image (mirrored with `flip`; else also `views`
-    augmented copies of each training image); facts: images, encoder seconds summed over chunks, images/s. A chunk is
+    augmented copies of each training image); facts: images, the chunks' wall seconds summed, images/s. A chunk is
     saved in `parts` with the random stream's state after it: a rerun resumes from the last one, bit for bit."""
     if data.in_channels != 3:
         raise FlareError(f"the pretrained encoder {opts.encoder} takes RGB images; {data.name} has {data.in_channels} "
