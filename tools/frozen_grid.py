@@ -85,8 +85,11 @@ def write_facts(out: Path) -> None:
     opts = load_config(CONFIG).dataset.options
     where = Path(opts.get("cache_dir") or os.environ.get("FLARE_CACHE") or Path.home() / ".cache" / "flare")
     caches = [json.loads(p.read_text()) for p in sorted(where.expanduser().glob("features-cifar10-*.json"))]
-    caches = [c for c in caches if (c["encoder"], c["resolution"], (c["augmentation"] or {}).get("views", 0))
-              == (opts["encoder"], opts["resolution"], opts["views"])]
+    from flare.registry import MODELS  # a null resolution is the encoder's own
+    res = opts["resolution"] or MODELS.entry(opts["encoder"]).obj.native_resolution()
+    caches = [c for c in caches if (c["encoder"], c["resolution"], (c["augmentation"] or {}).get("views", 0),
+                                    c.get("resize", "bicubic"), c.get("view"))
+              == (opts["encoder"], res, opts["views"], opts.get("resize", "bicubic"), None)]
     runs = [json.loads(p.read_text()).get("seconds", 0.0) for p in out.rglob("sweep_point.json")
             if finished(p.parent)]
     facts = {**tool.machine(), "threads": THREADS,  # each run's torch threads, not this process's

@@ -605,6 +605,9 @@ RESULTS = {r.id: r for r in [
     Results("encoder-speed", ["python benchmarks/encoder.py --resolution 64 --images 256 --repeats 3 > "
                               "runs/readme/encoder-speed.md"], file_text("runs/readme/encoder-speed.md"),
             page="docs/frozen-encoder.md"),
+    Results("encoder-speed-224", ["python benchmarks/encoder.py --resolution 224 --resize bilinear --stages 8 "
+                                  "--images 256 --repeats 3 --no-bf16 --no-nchw > runs/readme/encoder-speed-224.md"],
+            file_text("runs/readme/encoder-speed-224.md"), page="docs/frozen-encoder.md"),
     # The one deselected test checks every page's blocks, this one included: it cannot pass before this block exists.
     Results("tests", ["python -m pytest -q -p no:cacheprovider -n 2 -m 'not slow' tests "
                       "--deselect tests/test_readme.py::test_generated_blocks_are_current_and_untouched "

@@ -133,9 +133,9 @@ register_model("simple-cnn", description="NIID-Bench's simple-cnn, FedLPA's clie
     _small.simple_cnn)
 register_model("cnn_mnist_dense", description="DENSE's FMNIST/MNIST CNN (BN; d = 1568·width at 28×28)")(
     _small.cnn_mnist_dense)
-register_model("efficientnet_lite0", options=_pretrained.EncoderOptions, check=_pretrained.refuse_image_runs,
-               description="EfficientNet-Lite0 with ImageNet weights (the encoders extra), frozen; read through "
-                           "dataset.name=features (d = 1280)")(_pretrained.efficientnet_lite0)
+for _name, _builder in _pretrained.ENCODERS.items():
+    register_model(_name, options=_pretrained.EncoderOptions, check=_pretrained.refuse_image_runs,
+                   description=f"{_name}, ImageNet weights, frozen: via dataset.name=features (d = 1280)")(_builder)
 register_model("adapter", options=_pretrained.AdapterOptions, description="linear / MLP adapter over cached "
                "encoder features (d = dim·width; dim 0: identity)")(_pretrained.adapter)
 
