@@ -213,8 +213,9 @@ def test_an_option_the_partition_cannot_serve_is_refused_before_training(folder,
     """FedPFT fits a class's mixture only from more samples than components: with more components than any client's
     largest class, every client would upload nothing, found after the training. Refused with nothing written."""
     out = tmp_path / "o"
-    for command in (["run"], ["federate", "--clients", "3"]):  # federate: before any process starts
-        rc, err = cli([*command, "--preset", "fafi", *features(folder, tmp_path / "c"), "eval.rules=[fedpft]",
+    for command in (["run", "--preset", "fafi"], ["federate", "--clients", "3", "--preset", "fafi"],
+                    ["compare", "--presets", "fedavg,fafi"]):  # before any process starts, before any run trains
+        rc, err = cli([*command, *features(folder, tmp_path / "c"), "eval.rules=[fedpft]",
                        "server.strategies.fedpft.n_mixtures=40", "--out", str(out)], capsys)
         assert rc == 2 and "server.strategies.fedpft.n_mixtures" in err and not out.exists(), (command, err)
 

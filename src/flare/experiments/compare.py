@@ -7,7 +7,7 @@ from pathlib import Path
 
 from flare.config import config_for_preset, deep_merge, parse_list, parse_overrides, read_yaml_mapping
 from flare.errors import FlareError
-from flare.experiments.execute import Point, execute_points
+from flare.experiments.execute import Point, check_data, execute_points
 from flare.rundir import RunDir
 from flare.runner import Run
 
@@ -47,6 +47,7 @@ def run_compare(presets: list[str], out: Path, config_file: str | None = None, o
             plan.append((name, out / name if s is None else out / name / f"seed={s}", cfg))
     for _, d, cfg in plan:  # every run directory it would continue, checked before any is written
         RunDir(d).check_continues(cfg)
+    check_data([cfg for _, _, cfg in plan])
     RunDir(out).create()
     if workers > 1:
         points = [Point(name if seeds is None else f"{name} seed {cfg.seed}", {}, cfg, d) for name, d, cfg in plan]

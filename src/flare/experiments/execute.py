@@ -25,7 +25,11 @@ from flare.config import build_config, experiment_differences
 from flare.errors import FlareError, TrainingDiverged
 from flare.progress import Counter
 from flare.rundir import RunDir, atomic_write_text
+from flare.registry import STRATEGIES
 from flare.runner import Run
+from flare.server.rounds import rules_for
+from flare.server.strategy import Strategy
+from flare.setup import check_buildable
 
 POINT_FILE = "sweep_point.json"  # per run directory: start/end wall-clock times, pid, host, outcome
 
@@ -73,6 +77,14 @@ def check_dirs(points: list[Point]) -> None:
         raise FlareError("run directories hold a different experiment than the sweep asks for: "
                          + "; ".join(bad[:5]) + more + ".", key="--out",
                          fix="choose another --out, or delete those directories to recompute them.")
+
+
+def check_data(configs: list) -> None:
+    """What the drawn data cannot serve (`Strategy.check_data`), for every run of a compare or a sweep before the
+    first one trains; only a config that scores a strategy with such a check pays for loading its data here."""
+    for cfg in configs:
+        if any(STRATEGIES.get(n).check_data is not Strategy.check_data for n in rules_for(cfg)):
+            check_buildable(cfg)
 
 
 def run_point(config: dict, out_dir: str, threads: int | None = None, gpus: float | None = None) -> dict:

@@ -27,7 +27,7 @@ from flare.config import (build_config, config_for_preset, deep_merge, known_key
 from flare.config.protocol import _set
 from flare.errors import FlareError
 from flare.report.tables import points_table
-from flare.experiments.execute import Point, check_dirs, execute_points, format_throughput, point_status, throughput
+from flare.experiments.execute import Point, check_data, check_dirs, execute_points, format_throughput, point_status, throughput
 from flare.rundir import RunDir, atomic_write_text
 
 class SweepResources(BaseModel):
@@ -270,6 +270,7 @@ def run_sweep(path: str | Path, out: str | Path | None = None, *, overrides: lis
     for p in points:
         p.dir = out / p.name
     check_dirs(points)
+    check_data([p.config for p in points])
     cpp = cpus_per_point if cpus_per_point is not None else spec.resources.cpus_per_point
     gpp = gpus_per_point if gpus_per_point is not None else spec.resources.gpus_per_point
     if dry_run:
