@@ -308,7 +308,7 @@ class Config(Strict):
                                   "reference the server trains the clients' next target G at every evaluation, so "
                                   "skipping evaluations would change training; set eval.every=1"
                                   + (" next to speed=fast, or drop speed=fast" if by_speed else ""))
-        evaluated = len({r for r in range(self.rounds) if (r + 1) % self.eval.every == 0} | {self.rounds - 1})
+        evaluated = sum(map(self.evaluates, range(self.rounds)))
         if self.eval.final_rounds > evaluated:  # the mean would silently cover fewer rounds than asked
             raise KeyedValueError("eval.final_rounds", f"eval.final_rounds={self.eval.final_rounds} averages the last "
                                   f"{self.eval.final_rounds} evaluated rounds, and rounds={self.rounds} with eval.every="
@@ -337,6 +337,10 @@ class Config(Strict):
         if self.mixed_architectures:
             for name in self.named_strategies():
                 self.check_fuses_mixed(name, "eval.rules" if name != self.server.primary else "server.primary")
+
+    def evaluates(self, r: int) -> bool:
+        """`eval.every`: round index r (0-based) is evaluated every N-th round, and the last round always."""
+        return (r + 1) % self.eval.every == 0 or r == self.rounds - 1
 
     @property
     def data_kind(self) -> str:

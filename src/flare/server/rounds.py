@@ -60,8 +60,8 @@ def rules_for(cfg: Config, r: int | None = None) -> tuple[str, ...]:
 
 
 def evaluated_round(cfg: Config, r: int) -> bool:
-    """`eval.every`: round index r (0-based) is evaluated every N-th round, and the last round always."""
-    return (r + 1) % cfg.eval.every == 0 or r == cfg.rounds - 1
+    """Whether round r (0-based) is evaluated: the config's rule (`Config.evaluates`)."""
+    return cfg.evaluates(r)
 
 
 def record_round(cfg: Config, out: RunDir, r: int, evaluate: Callable[[], Evaluation], t0: float, logs: list[dict],
