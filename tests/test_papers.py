@@ -397,6 +397,18 @@ def test_a_table_extends_another_by_the_keys_it_changes(tmp_path):
     assert table[c["name"]]["fuse_options"]["dense"]["epochs"] == 20
     old = build_config(dict(table[c["name"]]["config"])).model_dump(mode="json")
     assert experiment_differences(old, build_config(dict(c["config"]))) == []
+    # Co-Boosting at FedLPA's setting: over the table's FedAvg clients, key for key, at the tables' 600 steps
+    from flare.baselines.datafree import CoBoostingOptions
+
+    cob = papers.load_table(ROOT / "configs" / "papers" / "fedlpa-fmnist-coboosting.yaml")
+    assert sorted(c["name"] for c in papers.cells(cob)) == sorted(n for n in table if n.startswith("fedavg"))
+    for c in papers.cells(cob):
+        assert c["fuse"] == ["coboosting"] and c["fuse_options"]["coboosting"]["curve_every"] == 2
+        cfg = build_config(dict(c["config"]))
+        opts = CoBoostingOptions(**(cfg.server.strategies.get("coboosting") or {}))  # its published defaults
+        assert c["fuse_options"]["coboosting"]["epochs"] * opts.g_steps == 600
+        old = build_config(dict(table[c["name"]]["config"])).model_dump(mode="json")
+        assert experiment_differences(old, cfg) == []
 
 
 def test_a_recorded_cell_of_another_setting_is_neither_skipped_nor_replaced(tmp_path, capsys):
@@ -1120,6 +1132,49 @@ def test_dense_reference_reads_the_students_best_epoch_at_the_papers_rule(tmp_pa
                                                  "partition": {"used": "own"}}))
     out = papers.render(res, reference=ref)
     assert "| DENSE | 0.3 | 83.96 | 64.00 (seed 0) |" in out and "99.00" not in out
+
+
+def test_fedlpa_reference_fills_the_fedlpa_column_and_its_progress_reads_either_scripts_clients(tmp_path):
+    """FedLPA's table reads its own code's runs (benchmarks/reference_fedlpa.py): the FedLPA column the printed
+    better-of-two value, DENSE the student's best epoch; a run under way prints its clients from FedLPA's per-epoch
+    losses, and DENSE's pretrain its clients before its fusion's epochs; a shortened smoke of the code
+    (`table_setting: false`) is never read as the cell."""
+    papers = _papers()
+    res, ref = tmp_path / "res", tmp_path / "ref"
+    spec = {"table": "t", "paper": "P", "alphas": [0.1], "seeds": [0, 1],
+            "columns": {"FedLPA": {"method": "fedavg", "key": "fuse:fedlpa", "paper_rule": "final"},
+                        "DENSE": {"method": "fedavg", "key": "fuse:dense", "paper_rule": "peak"}},
+            "published": {"FedLPA": {0.1: 55.33}, "DENSE": {0.1: 52.93}}}
+    (res / "t").mkdir(parents=True)
+    (res / "t" / "table.yaml").write_text(yaml.safe_dump(spec))
+    _fake_cell(res, "t", "fedavg", 0.1, 0, [0.3], {"fedlpa": 0.47, "dense": 0.40})
+    _fake_cell(res, "t", "fedavg", 0.1, 1, [0.3], {"fedlpa": 0.45, "dense": 0.42})
+    _fake_reference(ref, "t", "fedlpa", 0.1, 0, {"fedlpa": 48.5, "newton": 48.5, "biased": 31.0})
+    _fake_reference(ref, "t", "fedlpa", 0.1, 1, progress={
+        "status": "running", "phase": "fedlpa", "num_clients": 10, "local_epochs": 200, "argv": ["--epochs=200"],
+        "clients": {"0": {"loss_per_epoch": [1.0] * 200, "seconds": 60.0}, "1": {"loss_per_epoch": [1.0] * 57}}})
+    _fake_reference(ref, "t", "dense", 0.1, 0, progress={
+        "status": "running", "phase": "pretrain", "num_clients": 10, "local_epochs": 200, "server_epochs": 20,
+        "clients": {"0": {"acc_per_epoch": [50.0] * 200, "seconds": 90.0}, "1": {"acc_per_epoch": [40.0] * 3}}})
+    smoke = ref / "t" / "fedlpa-a0.1-s1-smoke-e2"
+    smoke.mkdir()
+    (smoke / "record.json").write_text(json.dumps({"method": "fedlpa", "alpha": 0.1, "seed": 1, "fedlpa": 99.0,
+                                                   "table_setting": False, "partition": {"used": "flare"}}))
+    out = papers.render(res, reference=ref)
+    row = next(line for line in out.splitlines() if line.startswith("| FedLPA"))
+    assert row.startswith("| FedLPA | 0.1 | 55.33 | 48.50 (seed 0); seed 1: running, 1 of 10 clients (client 1 at "
+                          "epoch 57 of 200) | 0,1 | 2 |"), row
+    assert "99.00" not in out
+    assert "| DENSE | 0.1 | 52.93 | seed 0: running, 1 of 10 clients (client 1 at epoch 3 of 200) |" in out
+    line = next(x for x in out.splitlines() if x.startswith("* FedLPA, α = 0.1 (final): FLARE"))
+    assert "Differs: paper ↔ its code (55.33 against 48.50, 6.83 points); within 3 points: its code ↔ FLARE " \
+           "(48.50 against 47.00 on seed 0, 1.50 points)." in line
+    # the fusion under way: its epochs, not its clients
+    shutil.rmtree(ref / "t" / "dense-a0.1-s0")
+    _fake_reference(ref, "t", "dense", 0.1, 0, progress={
+        "status": "running", "phase": "kd_train", "server_epochs": 20, "clients": {"0": {"seconds": 1.0}},
+        "student_curve": [{"epoch": 1, "acc": 30.0}] * 4})
+    assert "| DENSE | 0.1 | 52.93 | seed 0: running, epoch 4 of 20 |" in papers.render(res, reference=ref)
 
 
 def test_n_too_small_to_separate_is_said_instead_of_the_paper_lying_inside_the_interval(tmp_path):

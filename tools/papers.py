@@ -981,12 +981,14 @@ def _ms(m: float, sd: float, n: int) -> str:
     return f"{m:.2f}" if n == 1 else f"{m:.2f} ± {sd:.2f}"
 
 
-# The column a run of the paper's own code (benchmarks/reference_dense.py's record.json) fills, by the FLARE column's
-# key: the method of the reference run and its record's key at each selection rule (its script scores FedAvg and
-# the ensemble once, after training; DENSE's student every epoch: its last and its best, the paper's rule).
+# The column a run of the paper's own code (benchmarks/reference_dense.py's and reference_fedlpa.py's record.json)
+# fills, by the FLARE column's key: the method of the reference run and its record's key at each selection rule
+# (DENSE's script scores FedAvg and the ensemble once, after training; DENSE's student every epoch: its last and its
+# best, the paper's rule; FedLPA's script prints the better of its two solutions, one value).
 REFERENCE_KEYS = {"acc_fedavg": ("fedavg", {"final": "fedavg", "peak": "fedavg"}),
                   "acc_output": ("fedavg", {"final": "ensemble", "peak": "ensemble"}),
-                  "fuse:dense": ("dense", {"final": "student_final", "peak": "student_best"})}
+                  "fuse:dense": ("dense", {"final": "student_final", "peak": "student_best"}),
+                  "fuse:fedlpa": ("fedlpa", {"final": "fedlpa", "peak": "fedlpa"})}
 
 
 def reference_runs(table_dir: Path) -> list[dict]:
@@ -994,9 +996,11 @@ def reference_runs(table_dir: Path) -> list[dict]:
     dict with method, alpha, seed and either `record` (record.json, a finished run) or `progress` (progress.json, a
     run under way whose sitting committed it). Read tolerantly — the keys read are record.json's `method`, `alpha`,
     `seed` (else the directory's name), `accuracy_unit` (percent unless `fraction`), `partition.used` (a run on the
-    script's own split, `own`, is another experiment and left out) and the value keys of REFERENCE_KEYS; and
-    progress.json's `argv` (`--num_users`, `--local_ep`, `--epochs`), `clients` (a client with `seconds` is
-    finished; `acc_per_epoch` its epochs so far) and `student_curve`. A file that does not parse is skipped."""
+    script's own split, `own`, is another experiment and left out), `table_setting` (false: a shortened smoke of
+    the code, never read) and the value keys of REFERENCE_KEYS; and progress.json's `num_clients`,
+    `local_epochs` and `server_epochs` (else the `argv` flags `--num_users`, `--local_ep`, `--epochs`), `clients`
+    (a client with `seconds` is finished; `acc_per_epoch` or `loss_per_epoch` its epochs so far) and
+    `student_curve`. A file that does not parse is skipped."""
     out = []
     for d in sorted(table_dir.iterdir()) if table_dir.is_dir() else []:
         name = re.fullmatch(r"(\w+)-a([0-9.]+)-s(\d+)", d.name)
@@ -1013,7 +1017,8 @@ def reference_runs(table_dir: Path) -> list[dict]:
                        "seed": int(body["seed"] if body.get("seed") is not None else name.group(3)), kind: body}
             except (AttributeError, TypeError, ValueError):
                 continue
-            if (body.get("partition") or {}).get("used", "flare") == "flare":
+            own_split = (body.get("partition") or {}).get("used", "flare") != "flare"
+            if not own_split and body.get("table_setting") is not False:
                 out.append(run)
             break  # a record replaces its progress file
     return out
@@ -1041,14 +1046,16 @@ def _reference_progress(run: dict) -> str:
     def flag(name: str) -> str | None:
         return argv[argv.index(name) + 1] if name in argv[:-1] else None
 
-    if run["method"] == "dense":
-        return f"running, epoch {len(p.get('student_curve') or [])} of {flag('--epochs') or '?'}"
     clients = p.get("clients") or {}
+    if run["method"] == "dense" and (p.get("student_curve") or p.get("phase") == "kd_train" or not clients):
+        epochs = p.get("server_epochs") or flag("--epochs") or "?"
+        return f"running, epoch {len(p.get('student_curve') or [])} of {epochs}"
     done = sum(1 for c in clients.values() if isinstance(c, dict) and "seconds" in c)
-    going = [(k, len(c.get("acc_per_epoch") or [])) for k, c in clients.items()
+    going = [(k, len(c.get("acc_per_epoch") or c.get("loss_per_epoch") or [])) for k, c in clients.items()
              if isinstance(c, dict) and "seconds" not in c]
-    return (f"running, {done} of {flag('--num_users') or '?'} clients"
-            + "".join(f" (client {k} at epoch {e} of {flag('--local_ep') or '?'})" for k, e in going[:1]))
+    local = p.get("local_epochs") or flag("--local_ep") or "?"
+    return (f"running, {done} of {p.get('num_clients') or flag('--num_users') or '?'} clients"
+            + "".join(f" (client {k} at epoch {e} of {local})" for k, e in going[:1]))
 
 
 def reference_text(refs: list[dict], column: dict, alpha: float, values: dict[int, float]) -> str:
