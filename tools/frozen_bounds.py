@@ -81,7 +81,7 @@ def load_cached(opts):
     from flare.data.features import _encoder_entry, cache_key, cache_path, load_features
     enc = _encoder_entry(opts.encoder).obj
     opts = opts.model_copy(update={"resolution": opts.resolution or enc.native_resolution(key="--encoder")})
-    where = Path(opts.cache_dir or "~/.cache/flare").expanduser()
+    where = Path(opts.cache_dir or os.environ.get("FLARE_CACHE") or Path.home() / ".cache" / "flare").expanduser()
     if not any(where.glob(f"features-{opts.source}-{opts.encoder}-{opts.resolution}px-0v-{opts.resize}-[0-9a-f]*.pt")):
         raise refuse(f"no feature cache of {opts.encoder} at {opts.resolution} px ({opts.resize}) in {where}. This "
                      "script reads caches, it never extracts one.",

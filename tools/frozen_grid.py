@@ -387,13 +387,21 @@ def render_224(base: Path) -> str:
                 for label, _, _ in CLOSED_224}
     means = {label: float(np.mean([v for c in cells for v in acc[c][label].values()]))
              for label, _, _ in rows_all if any(acc[c][label] for c in cells)}
-    best_label = max(means, key=means.get) if means else None
     cfg = next(iter(sorted(out.rglob("config.yaml"))), None)
     opts = (json.loads(json.dumps(__import__("yaml").safe_load(cfg.read_text())))["dataset"]["options"]
             if cfg else {})
+    res = opts.get("resolution")
+    if opts and not res:
+        from flare.registry import MODELS
+        res = MODELS.entry(opts["encoder"]).obj.native_resolution()
+    lite0 = next((c for c in bounds if c.startswith(f"{opts.get('encoder')}-{res}px-{opts.get('resize')}")), None)
+    held = {s: r["lda"]["holdout_acc"] for s, r in bounds.get(lite0, {}).items() if "lda" in r}
+    pick = max(held, key=lambda s: (held[s], -s)) if held else None
+    agrees = ("" if pick is None else " — the held-out choice" if pick == opts.get("stages") else
+              f" — NOT the held-out choice, which is stages {pick} among the {len(held)} with LDA records")
     head = (f"Test accuracy (%) on all 10,000 CIFAR-10 test images, clients over all 50,000 training images, "
-            f"features of `{opts.get('encoder', '?')}` at {opts.get('resolution') or 'its own'} px "
-            f"({opts.get('resize', '?')}, stages {opts.get('stages', '?')}); mean ± std over seeds "
+            f"features of `{opts.get('encoder', '?')}` at {res} px "
+            f"({opts.get('resize', '?')}, stages {opts.get('stages', '?')}{agrees}); mean ± std over seeds "
             f"{SEEDS[0]}–{SEEDS[-1]} ({points} of {len(cells) * len(SEEDS)} (cell, seed) points of the FAFI run "
             f"finished{'; not yet finished: ' + ', '.join(missing) if missing else ''}).")
     parts += [head, "Clients that train, and FedPFT:\n\n" + t1,
@@ -404,9 +412,22 @@ def render_224(base: Path) -> str:
               + "):\n\n" + t2,
               "Each method against FAFI-adapter, paired by seed (same partition): mean difference in points [95 % CI]; "
               "**bold**: Holm-adjusted p < 0.05 over this table.\n\n" + t3,
-              "Distinct accuracies of each closed-form head over every finished (α, K, seed): "
-              + "; ".join(f"{label} {', '.join(f'{v:.2f}' for v in vals)}" for label, vals in distinct.items() if vals)
-              + "."]
+              *(["Distinct accuracies of each closed-form head over every finished (α, K, seed): "
+                 + "; ".join(f"{label} {', '.join(f'{v:.2f}' for v in vals)}" for label, vals in distinct.items()
+                             if vals) + "."] if any(distinct.values()) else [])]
+    # other encoders: the closed-form heads only (`--encoder`)
+    for enc_dir in sorted(d for d in (base / "runs" / "frozen-encoder-224").glob("efficientnet_lite*") if d.is_dir()):
+        eacc = _grid_acc(enc_dir, CLOSED_224, cells)
+        ecfg = next(iter(sorted(enc_dir.rglob("config.yaml"))), None)
+        eo = __import__("yaml").safe_load(ecfg.read_text())["dataset"]["options"] if ecfg else {}
+        rows = [[f"{a}", f"{k}", *[_ms(eacc[(a, k)][label]) for label, _, _ in CLOSED_224]] for a, k in cells
+                if any(eacc[(a, k)][label] for label, _, _ in CLOSED_224)]
+        means |= {f"{label} ({enc_dir.name})": float(np.mean(v)) for label, _, _ in CLOSED_224
+                  if (v := [x for c in cells for x in eacc[c][label].values()])}
+        parts.append(f"`{enc_dir.name}` at {eo.get('resolution') or 'its own'} px ({eo.get('resize', '?')}, stages "
+                     f"{eo.get('stages', '?')}, its own held-out choice): the closed-form heads, same cells and "
+                     "seeds.\n\n" + md_table(["α", "K", *[label for label, _, _ in CLOSED_224]], rows))
+    best_label = max(means, key=means.get) if means else None
     if best_label and best_bound[0] > 0:
         b = means[best_label]
         target = pub["accuracy"].get("GH-LDA") if pub else None
@@ -419,6 +440,33 @@ def render_224(base: Path) -> str:
                         if target and 100 * best_bound[0] < target else
                         (f" GH-OFL's published best, {target:.2f} %, is "
                          f"{'reached' if 100 * b >= target else 'not reached'}." if target else "")) + ".")
+    # FedPFT's deficit
+    dd = base / "fedpft-deficit" if (base / "fedpft-deficit").is_dir() else \
+        ROOT / "results" / "frozen-encoder-224" / "fedpft-deficit"
+    recs = {f.stem: json.loads(f.read_text()) for f in sorted(dd.glob("*.json"))}
+    if recs:
+        variants = [v for v in ("real", "spherical-2-tol1e-3", "spherical-2-tol1e-12", "spherical-8-tol1e-3",
+                                "diag-2-tol1e-3", "full-1-tol1e-3", "full-2-tol1e-3") if v in recs]
+        what = {"real": "no mixture: the head on the real features"}
+        rows = []
+        for v in variants:
+            r = recs[v]
+            m = r["mixture"]
+            it = r["em_iterations_per_class"]
+            rows.append([what.get(v) or f"{m['covariance_type']}, {m['components']} component"
+                         f"{'s' if m['components'] > 1 else ''}, tol {m['tol']:g}, max_iter {m['max_iter']}",
+                         *[f"{100 * r['test_acc_by_epochs'][e]:.2f}" for e in ("1", "10")],
+                         f"{min(it)}–{max(it)}" if it else "—", f"{r['mixture_seconds']:.0f}"])
+        any_r = next(iter(recs.values()))
+        lda = recs.get("lda")
+        parts.append(f"FedPFT's deficit, measured (`python tools/fedpft_deficit.py`): one client holding "
+                     f"{any_r['per_class']:,} training images a class (seeded), d = {any_r['dim']:,} (stages "
+                     f"{any_r['stages']}); the baseline's pipeline with one thing changed per row; every head scored "
+                     f"on all {any_r['test_images']:,} test images"
+                     + (f"; scikit-learn's LDA (Ledoit–Wolf) on the same subset: {100 * lda['test_acc']:.2f} %"
+                        if lda else "") + ".\n\n"
+                     + md_table(["mixture per class (sent in float16)", "head: 1 epoch (the baseline's)",
+                                 "head: 10 epochs", "EM iterations a class", "mixtures' seconds"], rows))
     # cost
     secs = {m: [] for m in METHODS_224}
     for a, k in cells:
