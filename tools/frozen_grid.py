@@ -90,10 +90,11 @@ def grid_dim(config: Path, overrides: list[str]) -> int:
     return int(sum(STAGE_WIDTHS[opts["encoder"]][:opts.get("stages", 1)]))
 
 
-def points(out: Path, grid: str = "64", extra: list[str] | None = None,
-           methods: dict | None = None) -> list[tuple[Path, str, list[str]]]:
+def points(out: Path, grid: str = "64", extra: list[str] | None = None, methods: dict | None = None,
+           seed_major: bool = False) -> list[tuple[Path, str, list[str]]]:
     """(run directory, preset, overrides) of every run, in the order they run: the centralised bounds (64 px), then
-    cell by cell (each cell's seeds together, so a finished cell is complete)."""
+    cell by cell (each cell's seeds together, so a finished cell is complete; `seed_major`: every cell's first seed,
+    then every cell's second, ..., so a grid cut short still spans every cell)."""
     extra = extra or []
     if grid == "64":
         pts = [(out / "central" / f"seed={s}", CENTRAL[0], CENTRAL[1] + [f"seed={s}"]) for s in SEEDS]
@@ -101,15 +102,15 @@ def points(out: Path, grid: str = "64", extra: list[str] | None = None,
     else:
         pts, methods = [], methods or METHODS_224
         dim = grid_dim(CONFIG_224, extra)
-    for k in RUN_ORDER:
-        for a in ALPHAS:
-            for s in SEEDS:
-                for name, (preset, ov) in methods.items():
-                    if grid != "64" and name == "fedavg" and statistics_fit(k, dim):
-                        ov = [o.replace("]", "," + ",".join(STATISTICS) + "]") if o.startswith("eval.rules=") else o
-                              for o in ov]
-                    pts.append((out / f"a{a}-K{k}" / name / f"seed={s}", preset,
-                                ov + extra + [f"partition.alpha={a}", f"num_clients={k}", f"seed={s}"]))
+    order = [(s, k, a) for s in SEEDS for k in RUN_ORDER for a in ALPHAS] if seed_major else \
+        [(s, k, a) for k in RUN_ORDER for a in ALPHAS for s in SEEDS]
+    for s, k, a in order:
+        for name, (preset, ov) in methods.items():
+            if grid != "64" and name == "fedavg" and statistics_fit(k, dim):
+                ov = [o.replace("]", "," + ",".join(STATISTICS) + "]") if o.startswith("eval.rules=") else o
+                      for o in ov]
+            pts.append((out / f"a{a}-K{k}" / name / f"seed={s}", preset,
+                        ov + extra + [f"partition.alpha={a}", f"num_clients={k}", f"seed={s}"]))
     return pts
 
 
@@ -509,6 +510,7 @@ def main(argv=None) -> int:
     ap.add_argument("--grid", default="64", choices=["64", "224"])
     ap.add_argument("--encoder", default=None, help="--grid 224 only: another encoder, the closed-form heads only")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--seed-major", action="store_true", help="every cell's first seed before any cell's second")
     ap.add_argument("--record", action="store_true", help="commit each finished run's records (results/)")
     ap.add_argument("--list", action="store_true", help="print finished and remaining runs, run nothing")
     args = ap.parse_args(argv)
@@ -522,7 +524,7 @@ def main(argv=None) -> int:
         extra = encoder_overrides(args.encoder) if args.encoder else []
         config, block = (CONFIG, "frozen-encoder") if args.grid == "64" else (CONFIG_224, "frozen-encoder-224")
         methods = HEADS_ONLY if args.encoder else None
-        grid_points = points(out, args.grid, extra, methods)
+        grid_points = points(out, args.grid, extra, methods, args.seed_major)
         todo = [p for p in grid_points if not finished(p[0])]
         if args.list:
             for d, preset, ov in grid_points:
