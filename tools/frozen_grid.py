@@ -343,12 +343,20 @@ def render_224(base: Path) -> str:
                     best_bound = (r["test_acc"], f"{cache}, stages {s}, {h}")
             mark = " **(chosen)**" if s == chosen else ""
             rows.append([f"{s}{mark}", f"{dim:,}", *cells])
+        se = ""
+        if chosen is not None:
+            p_best, n_held = held[chosen], by_stages[chosen]["lda"]["holdout_images"]
+            sd = (p_best * (1 - p_best) / n_held) ** 0.5
+            near = sorted(s for s in held if held[s] >= held[chosen] - sd)
+            se = (f" One binomial standard error of a held-out accuracy of {100 * p_best:.2f} % on {n_held:,} images is "
+                  f"{100 * sd:.2f} points; the LDA rows within it of the best: stages {', '.join(map(str, near))} "
+                  f"(of the {len(held)} with LDA records).")
         parts.append(f"Independent centralised bounds, `{cache}` (scikit-learn on all 50,000 training features, "
                      "scored on the 10,000 test features; each hyper-parameter chosen on a held-out stratified slice "
                      "of 5,000 training images, then refitted on all 50,000). Test accuracy (%), the chosen value and "
                      "its held-out accuracy beneath; **chosen**: the `stages` whose LDA scored best on the held-out "
                      "slice, the grid's feature option:\n\n"
-                     + md_table(["stages", "d", *[label for _, label in BOUND_HEADS]], rows))
+                     + md_table(["stages", "d", *[label for _, label in BOUND_HEADS]], rows) + "\n\n" + se.strip())
     # the published row
     pub_file = (base / "bounds").parent / PUBLISHED if (base / "bounds").is_dir() else \
         ROOT / "results" / "frozen-encoder-224" / PUBLISHED
