@@ -56,7 +56,7 @@ def _heads():
                 lambda v: LinearDiscriminantAnalysis(solver="lsqr", shrinkage=v)),
         "ridge": ("alpha", [1e-2, 1e-1, 1.0, 10.0, 100.0, 1e3, 1e4], lambda v: RidgeClassifier(alpha=v)),
         "gnb": ("var_smoothing", [1e-9, 1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0], lambda v: GaussianNB(var_smoothing=v)),
-        "qda": ("reg_param", [1e-3, 1e-2, 0.05, 0.1, 0.3, 0.6], lambda v: QuadraticDiscriminantAnalysis(reg_param=v)),
+        "qda": ("reg_param", [1e-3, 1e-2, 0.1, 0.5], lambda v: QuadraticDiscriminantAnalysis(reg_param=v)),
         "logreg": ("C", [0.01, 0.1, 1.0],
                    lambda v: make_pipeline(StandardScaler(), LogisticRegression(C=v, max_iter=LOGREG_MAX_ITER))),
     }

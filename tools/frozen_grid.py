@@ -84,6 +84,9 @@ STAGE_WIDTHS = {"efficientnet_lite0": (1280, 320, 192, 112, 80, 40, 24, 16),
                 "efficientnet_lite2": (1280, 352, 208, 120, 88, 48, 24, 16)}
 
 
+NATIVE_RESOLUTION = {"efficientnet_lite0": 224, "efficientnet_lite1": 240, "efficientnet_lite2": 260}
+
+
 def grid_dim(config: Path, overrides: list[str]) -> int:
     """The feature dimension of the grid's config: the widths of its `stages`."""
     opts = load_config(config, None, overrides).dataset.options
@@ -400,9 +403,8 @@ def render_224(base: Path) -> str:
     opts = (json.loads(json.dumps(__import__("yaml").safe_load(cfg.read_text())))["dataset"]["options"]
             if cfg else {})
     res = opts.get("resolution")
-    if opts and not res:
-        from flare.registry import MODELS
-        res = MODELS.entry(opts["encoder"]).obj.native_resolution()
+    if opts and not res:  # the encoder's own (the block renders without the encoder packages)
+        res = NATIVE_RESOLUTION[opts["encoder"]]
     lite0 = next((c for c in bounds if c.startswith(f"{opts.get('encoder')}-{res}px-{opts.get('resize')}")), None)
     held = {s: r["lda"]["holdout_acc"] for s, r in bounds.get(lite0, {}).items() if "lda" in r}
     pick = max(held, key=lambda s: (held[s], -s)) if held else None
