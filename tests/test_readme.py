@@ -135,6 +135,9 @@ def test_records_are_what_a_block_renders_from_and_never_checkpoints(tmp_path, m
     assert all((dest / g).read_bytes() == (tmp_path / g).read_bytes() for g in got)
     (dest / "runs/x/fafi/seed=1/stale.json").write_text("{}")  # a record the next run no longer writes
     assert not (tool.record(block) / "runs/x/fafi/seed=1/stale.json").exists()
+    (dest / "bounds").mkdir()  # a record the block reads that none of its commands writes: left alone
+    (dest / "bounds" / "b.json").write_text("{}")
+    assert (tool.record(block) / "bounds" / "b.json").read_text() == "{}"
 
 
 def test_a_block_that_keeps_its_benchmark_outputs_records_its_facts_file_alone(tmp_path, monkeypatch):

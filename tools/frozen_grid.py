@@ -1,15 +1,24 @@
-"""The frozen-encoder grid of docs/frozen-encoder.md: every method over all of CIFAR-10's cached features, at
-α ∈ {0.05, 0.1, 0.5} × K ∈ {5, 10, 50} × seeds 1–3, plus the centralised bounds per seed.
+"""The frozen-encoder grids of docs/frozen-encoder.md: every method over all of CIFAR-10's cached features, at
+α ∈ {0.05, 0.1, 0.5} × K ∈ {5, 10, 50} × seeds 1–3.
 
     python tools/frozen_grid.py --out runs/frozen-encoder            # run what is missing (finished runs are kept)
     python tools/frozen_grid.py --out runs/frozen-encoder --record   # and commit each finished run's records
     python tools/frozen_grid.py --out runs/frozen-encoder --list     # what is finished, what remains
+    python tools/frozen_grid.py --grid 224 --out runs/frozen-encoder-224/grid        # the encoder's own resolution
+    python tools/frozen_grid.py --grid 224 --encoder efficientnet_lite2 --out runs/frozen-encoder-224/lite2
+                                                                     # another encoder: the closed-form heads only
+
+`--grid 64` (the default) is the 64 px grid (configs/frozen-encoder.yaml) with its centralised bounds per seed;
+`--grid 224` the grid at the encoder's own resolution (configs/frozen-encoder-224.yaml), whose bounds are
+tools/frozen_bounds.py's (scikit-learn, not FLARE's strategies), and which scores every closed-form head of the one
+sufficient-statistics upload. `--encoder` swaps the 224 grid's encoder (at its own resolution) and keeps only the
+head-only FedAvg run that carries the closed-form heads: the rows the other encoders add.
 
 One run per (cell, client objective, seed); the server strategies that do not depend on the clients' training ride on
-the FAFI run of the cell (FedCGS and FedPFT read the frozen features only), FedAvg and the ensemble of head-only
+one run of the cell (FedCGS and FedPFT read the frozen features only), FedAvg and the ensemble of head-only
 clients on the `fedavg` run. Points run in `--workers` one-thread processes (flare.experiments.execute.run_point);
 a killed grid resumes where it stopped. `--record` copies the records (tools/readme.py's `record`: configs,
-partitions, metrics, states, summaries — never checkpoints) into results/frozen-encoder/ and commits them after every
+partitions, metrics, states, summaries — never checkpoints) into results/<block>/ and commits them after every
 finished run, so the docs block can be rendered from what finished at any time; while `--out` holds a file named
 `records.hold` nothing is recorded (the runs go on), so a block rendered from the committed records stays current;
 a later `--record` invocation records everything that finished meanwhile (with nothing left to run, it only records).
@@ -47,17 +56,64 @@ METHODS = {
 }
 CENTRAL = ("fedavg", ["num_clients=1", "partition.kind=iid", "model.options.dim=0", "eval.rules=[primary,fedcgs]"])
 
+# The grid at the encoder's own resolution. The closed-form heads all read one upload (per-class counts, sums and
+# second moments) and ride on the head-only FedAvg run, whose clients cost least; FedPFT on the FAFI run.
+CONFIG_224 = ROOT / "configs" / "frozen-encoder-224.yaml"
+STATISTICS = ("fedcgs", "gh_nb", "gh_lda", "gh_qda", "gh_fishermix", "gh_protohyper", "fed3r", "afl", "fedncm")
+# The server holds every client's upload until it sums them: K × C × d² float64 second moments (d = 1,904: 290 MB a
+# client). Past this many bytes in all a cell's run leaves the statistics heads out rather than exhaust the memory of
+# a 2-core machine shared with other jobs; every closed-form head is the same for every K (the clients' statistics sum
+# to the pooled ones: tests/test_closed_form.py), so the cells that have them stand for those that do not.
+STATISTICS_BUDGET = 4 * 2**30
+METHODS_224 = {  # the run with the statistics heads first: two of them side by side would double their memory
+    "fedavg": ("fedavg", ["model.options.dim=0", "eval.rules=[primary,output]"]),
+    "fafi": ("fafi", ["eval.rules=[primary,fedpft]"]),
+    "flare": ("flare", ["eval.rules=[primary]"]),
+}
+HEADS_ONLY = {"fedavg": METHODS_224["fedavg"]}  # --encoder: the run that carries the closed-form heads
 
-def points(out: Path) -> list[tuple[Path, str, list[str]]]:
-    """(run directory, preset, overrides) of every run, in the order they run: the centralised bounds, then cell by
-    cell (each cell's seeds together, so a finished cell is complete)."""
-    pts = [(out / "central" / f"seed={s}", CENTRAL[0], CENTRAL[1] + [f"seed={s}"]) for s in SEEDS]
-    for k in RUN_ORDER:
-        for a in ALPHAS:
-            for s in SEEDS:
-                for name, (preset, ov) in METHODS.items():
-                    pts.append((out / f"a{a}-K{k}" / name / f"seed={s}", preset,
-                                ov + [f"partition.alpha={a}", f"num_clients={k}", f"seed={s}"]))
+
+def statistics_fit(k: int, dim: int, classes: int = 10) -> bool:
+    return k * classes * dim * dim * 8 <= STATISTICS_BUDGET
+
+
+# Each stage's pooled width, the head's first (docs/frozen-encoder.md, Feature options; tests/test_frozen_encoder.py
+# checks them against the encoders): only to size the uploads before a run, without loading an encoder.
+STAGE_WIDTHS = {"efficientnet_lite0": (1280, 320, 192, 112, 80, 40, 24, 16),
+                "efficientnet_lite1": (1280, 320, 192, 112, 80, 40, 24, 16),
+                "efficientnet_lite2": (1280, 352, 208, 120, 88, 48, 24, 16)}
+
+
+NATIVE_RESOLUTION = {"efficientnet_lite0": 224, "efficientnet_lite1": 240, "efficientnet_lite2": 260}
+
+
+def grid_dim(config: Path, overrides: list[str]) -> int:
+    """The feature dimension of the grid's config: the widths of its `stages`."""
+    opts = load_config(config, None, overrides).dataset.options
+    return int(sum(STAGE_WIDTHS[opts["encoder"]][:opts.get("stages", 1)]))
+
+
+def points(out: Path, grid: str = "64", extra: list[str] | None = None, methods: dict | None = None,
+           seed_major: bool = False) -> list[tuple[Path, str, list[str]]]:
+    """(run directory, preset, overrides) of every run, in the order they run: the centralised bounds (64 px), then
+    cell by cell (each cell's seeds together, so a finished cell is complete; `seed_major`: every cell's first seed,
+    then every cell's second, ..., so a grid cut short still spans every cell)."""
+    extra = extra or []
+    if grid == "64":
+        pts = [(out / "central" / f"seed={s}", CENTRAL[0], CENTRAL[1] + [f"seed={s}"]) for s in SEEDS]
+        methods = METHODS
+    else:
+        pts, methods = [], methods or METHODS_224
+        dim = grid_dim(CONFIG_224, extra)
+    order = [(s, k, a) for s in SEEDS for k in RUN_ORDER for a in ALPHAS] if seed_major else \
+        [(s, k, a) for k in RUN_ORDER for a in ALPHAS for s in SEEDS]
+    for s, k, a in order:
+        for name, (preset, ov) in methods.items():
+            if grid != "64" and name == "fedavg" and statistics_fit(k, dim):
+                ov = [o.replace("]", "," + ",".join(STATISTICS) + "]") if o.startswith("eval.rules=") else o
+                      for o in ov]
+            pts.append((out / f"a{a}-K{k}" / name / f"seed={s}", preset,
+                        ov + extra + [f"partition.alpha={a}", f"num_clients={k}", f"seed={s}"]))
     return pts
 
 
@@ -78,11 +134,11 @@ def readme_tool():
     return sys.modules["readme_tool"]
 
 
-def write_facts(out: Path) -> None:
-    """runs/readme/frozen-encoder.json: the machine and the finished runs' summed wall time; and, beside the runs, the
+def write_facts(out: Path, config: Path = CONFIG, block: str = "frozen-encoder", extra: list[str] | None = None) -> None:
+    """runs/readme/<block>.json: the machine and the finished runs' summed wall time; and, beside the runs, the
     feature cache's own record of its extraction (the cache of this config's encoder, resolution and copies)."""
     tool = readme_tool()
-    opts = load_config(CONFIG).dataset.options
+    opts = load_config(config, None, extra or []).dataset.options
     where = Path(opts.get("cache_dir") or os.environ.get("FLARE_CACHE") or Path.home() / ".cache" / "flare")
     caches = [json.loads(p.read_text()) for p in sorted(where.expanduser().glob("features-cifar10-*.json"))]
     from flare.registry import MODELS  # a null resolution is the encoder's own
@@ -97,7 +153,7 @@ def write_facts(out: Path) -> None:
              "wall_note": f"the {len(runs)} finished runs' own wall times summed, one or two running at a time on a CPU "
                           "shared with other jobs; the one-off feature cache not included"}
     tool.OUT.mkdir(parents=True, exist_ok=True)
-    (tool.OUT / "frozen-encoder.json").write_text(json.dumps(facts, indent=1) + "\n")
+    (tool.OUT / f"{block}.json").write_text(json.dumps(facts, indent=1) + "\n")
     if caches:
         (out / "cache.json").write_text(json.dumps(caches[-1], indent=1) + "\n")
 
@@ -116,13 +172,14 @@ def commit(paths: list[str], message: str) -> None:
 HOLD = "records.hold"  # a file of this name in --out pauses --record (the docs block was rendered from what is there)
 
 
-def record(out: Path, label: str) -> None:
+def record(out: Path, label: str, config: Path = CONFIG, block: str = "frozen-encoder",
+           extra: list[str] | None = None) -> None:
     if (out / HOLD).exists():
         return
-    write_facts(out)
+    write_facts(out, config, block, extra)
     tool = readme_tool()
-    dest = tool.record(tool.RESULTS["frozen-encoder"])
-    commit([str(dest.relative_to(ROOT))], f"results/frozen-encoder: {label}")
+    dest = tool.record(tool.RESULTS[block])
+    commit([str(dest.relative_to(ROOT))], f"results/{block}: {label}")
 
 
 # ------------------------------------------------------------------------------------------------ the docs block
@@ -220,24 +277,285 @@ def render(base: Path) -> str:
             f"; the centralised LDA's: {', '.join(f'{100 * v:.2f}' for v in lda)}.\n\nCost:\n\n{cost}\n")
 
 
+# ------------------------------------------------------------------------------------------ the 224 px block
+
+# (label, run directory, accuracy key)
+TRAINED_224 = [("FAFI-adapter", "fafi", "acc"), ("FLARE-adapter", "flare", "acc"), ("FedAvg (heads)", "fedavg", "acc_fedavg"),
+               ("Ensemble (heads)", "fedavg", "acc_output"), ("FedPFT", "fafi", "acc_fedpft")]
+CLOSED_224 = [("FedCGS", "fedavg", "acc_fedcgs"), ("GH-NB", "fedavg", "acc_gh_nb"), ("GH-LDA", "fedavg", "acc_gh_lda"),
+              ("GH-QDA", "fedavg", "acc_gh_qda"), ("GH-FisherMix", "fedavg", "acc_gh_fishermix"),
+              ("GH-Proto-Hyper", "fedavg", "acc_gh_protohyper"), ("Fed3R", "fedavg", "acc_fed3r"),
+              ("AFL", "fedavg", "acc_afl"), ("FedNCM", "fedavg", "acc_fedncm")]
+BOUND_HEADS = [("lda", "LDA (shrinkage)"), ("qda", "QDA (reg_param)"), ("gnb", "GaussianNB (var_smoothing)"),
+               ("ridge", "Ridge (alpha)"), ("logreg", "LogisticRegression (C)")]
+PUBLISHED = "published-gh-ofl.json"  # GH-OFL's CIFAR-10 row, as its paper prints it (a record, not a run)
+
+
+def _finite(vals: dict) -> dict:
+    import math
+    return {s: v for s, v in vals.items() if math.isfinite(v)}
+
+
+def _bounds(base: Path) -> dict:
+    """{cache directory: {stages: {head: record}}} of tools/frozen_bounds.py's records."""
+    where = base / "bounds" if (base / "bounds").is_dir() else ROOT / "results" / "frozen-encoder-224" / "bounds"
+    out = {}
+    for f in sorted(where.glob("*/stages*-*.json")):
+        rec = json.loads(f.read_text())
+        out.setdefault(f.parent.name, {}).setdefault(rec["stages"], {})[rec["head"]] = rec
+    return out
+
+
+def _grid_acc(out: Path, rows: list, cells: list) -> dict:
+    acc = {}
+    for a, k in cells:
+        runs = {m: _runs(out / f"a{a}-K{k}" / m) for m in {m for _, m, _ in rows}}
+        acc[(a, k)] = {label: _finite({s: r.final(key) for s, r in runs[m].items()}) for label, m, key in rows}
+    return acc
+
+
+def render_224(base: Path) -> str:
+    """The 224 px block of docs/frozen-encoder.md: the independent bounds per layer choice, GH-OFL's published row,
+    the grid (every method × α × K × seeds), paired statistics, and the target's verdict."""
+    import numpy as np
+    from flare.report.tables import md_table
+    from flare.stats import holm, paired
+    out = base / "runs" / "frozen-encoder-224" / "grid"
+    bt = bounds_tool()
+    bounds = _bounds(base)
+    parts = []
+    # the bounds
+    best_bound = (-1.0, "")
+    for cache, by_stages in bounds.items():
+        rows = []
+        held = {s: r["lda"]["holdout_acc"] for s, r in by_stages.items() if "lda" in r}
+        chosen = max(held, key=lambda s: (held[s], -s)) if held else None
+        for s in sorted(by_stages):
+            recs = by_stages[s]
+            dim = next(iter(recs.values()))["dim"]
+            cells = []
+            for h, _ in BOUND_HEADS:
+                r = recs.get(h)
+                if r is None:
+                    cells.append("—")
+                    continue
+                conv = "" if r.get("converged", True) else f", not converged in {r['max_iter']} iterations"
+                cells.append(f"{100 * r['test_acc']:.2f} <sub>({r['chosen']}; held-out {100 * r['holdout_acc']:.2f}"
+                             f"{conv})</sub>")
+                if r["test_acc"] > best_bound[0]:
+                    best_bound = (r["test_acc"], f"{cache}, stages {s}, {h}")
+            mark = " **(chosen)**" if s == chosen else ""
+            rows.append([f"{s}{mark}", f"{dim:,}", *cells])
+        se = ""
+        if chosen is not None:
+            p_best, n_held = held[chosen], by_stages[chosen]["lda"]["holdout_images"]
+            sd = (p_best * (1 - p_best) / n_held) ** 0.5
+            near = sorted(s for s in held if held[s] >= held[chosen] - sd)
+            se = (f" One binomial standard error of a held-out accuracy of {100 * p_best:.2f} % on {n_held:,} images is "
+                  f"{100 * sd:.2f} points; the LDA rows within it of the best: stages {', '.join(map(str, near))} "
+                  f"(of the {len(held)} with LDA records).")
+        parts.append(f"Independent centralised bounds, `{cache}` (scikit-learn on all 50,000 training features, "
+                     "scored on the 10,000 test features; each hyper-parameter chosen on a held-out stratified slice "
+                     "of 5,000 training images, then refitted on all 50,000). Test accuracy (%), the chosen value and "
+                     "its held-out accuracy beneath; **chosen**: the `stages` whose LDA scored best on the held-out "
+                     "slice, the grid's feature option:\n\n"
+                     + md_table(["stages", "d", *[label for _, label in BOUND_HEADS]], rows) + "\n\n" + se.strip())
+    # the published row
+    pub_file = (base / "bounds").parent / PUBLISHED if (base / "bounds").is_dir() else \
+        ROOT / "results" / "frozen-encoder-224" / PUBLISHED
+    pub = json.loads(pub_file.read_text()) if pub_file.exists() else None
+    if pub:
+        parts.append(f"Published (not run here): {pub['source']} — {pub['setting']}.\n\n"
+                     + md_table(list(pub["accuracy"]), [[f"{v:.2f}" for v in pub["accuracy"].values()]]))
+    # the grid
+    cells = [(a, k) for k in CLIENTS for a in ALPHAS]
+    acc = _grid_acc(out, TRAINED_224 + CLOSED_224, cells)
+    rows_all = TRAINED_224 + CLOSED_224
+    n_done = {c: len(acc[c]["FAFI-adapter"]) for c in cells}
+    t1 = md_table(["α", "K", *[label for label, _, _ in TRAINED_224]],
+                  [[f"{a}", f"{k}", *[_ms(acc[(a, k)][label]) for label, _, _ in TRAINED_224]] for a, k in cells])
+    t2 = md_table(["α", "K", *[label for label, _, _ in CLOSED_224]],
+                  [[f"{a}", f"{k}", *[_ms(acc[(a, k)][label]) for label, _, _ in CLOSED_224]] for a, k in cells])
+    tests = [(c, label, paired(acc[c][label], acc[c]["FAFI-adapter"])) for c in cells for label, _, _ in rows_all[1:]]
+    adj = dict(zip([(c, label) for c, label, _ in tests], holm([t.p for _, _, t in tests])))
+    by = {(c, label): t for c, label, t in tests}
+
+    def diff(c, label):
+        t = by[(c, label)]
+        if t.n == 0:
+            return "—"
+        if t.n == 1:
+            return f"{100 * t.mean:+.2f} (1 seed)"
+        star = "**" if adj[(c, label)] < 0.05 else ""
+        return f"{star}{100 * t.mean:+.2f}{star} [{100 * t.low:+.1f}, {100 * t.high:+.1f}]"
+    t3 = md_table(["α", "K", *[label for label, _, _ in rows_all[1:]]],
+                  [[f"{a}", f"{k}", *[diff((a, k), label) for label, _, _ in rows_all[1:]]] for a, k in cells])
+    points = sum(n_done.values())
+    missing = [f"α={a} K={k} ({3 - n_done[(a, k)]} seed{'s' if 3 - n_done[(a, k)] != 1 else ''})"
+               for a, k in cells if n_done[(a, k)] < len(SEEDS)]
+    stat_k = sorted({k for (a, k) in cells if any(acc[(a, k)]["FedCGS"] for a in ALPHAS)})
+    no_stat_k = [k for k in CLIENTS if k not in stat_k and any(n_done[(a, k)] for a in ALPHAS)]
+    distinct = {label: sorted({round(100 * v, 2) for c in cells for v in acc[c][label].values()})
+                for label, _, _ in CLOSED_224}
+    means = {label: float(np.mean([v for c in cells for v in acc[c][label].values()]))
+             for label, _, _ in rows_all if any(acc[c][label] for c in cells)}
+    cfg = next(iter(sorted(out.rglob("config.yaml"))), None)
+    opts = (json.loads(json.dumps(__import__("yaml").safe_load(cfg.read_text())))["dataset"]["options"]
+            if cfg else {})
+    res = opts.get("resolution")
+    if opts and not res:  # the encoder's own (the block renders without the encoder packages)
+        res = NATIVE_RESOLUTION[opts["encoder"]]
+    lite0 = next((c for c in bounds if c.startswith(f"{opts.get('encoder')}-{res}px-{opts.get('resize')}")), None)
+    held = {s: r["lda"]["holdout_acc"] for s, r in bounds.get(lite0, {}).items() if "lda" in r}
+    pick = max(held, key=lambda s: (held[s], -s)) if held else None
+    agrees = ("" if pick is None else " — the held-out choice" if pick == opts.get("stages") else
+              f" — NOT the held-out choice, which is stages {pick} among the {len(held)} with LDA records")
+    head = (f"Test accuracy (%) on all 10,000 CIFAR-10 test images, clients over all 50,000 training images, "
+            f"features of `{opts.get('encoder', '?')}` at {res} px "
+            f"({opts.get('resize', '?')}, stages {opts.get('stages', '?')}{agrees}); mean ± std over seeds "
+            f"{SEEDS[0]}–{SEEDS[-1]} ({points} of {len(cells) * len(SEEDS)} (cell, seed) points of the FAFI run "
+            f"finished{'; not yet finished: ' + ', '.join(missing) if missing else ''}).")
+    parts += [head, "Clients that train, and FedPFT:\n\n" + t1,
+              "The closed-form heads of the one statistics upload (scored on the head-only FedAvg run of each point"
+              + (f"; not scored at K = {', '.join(map(str, no_stat_k))}: the server would hold K per-class second "
+                 f"moments, K × 10 × d² float64, past the grid's {STATISTICS_BUDGET / 2**30:.0f} GiB budget — every "
+                 "such head is the same for every K, as the distinct values below show" if no_stat_k else "")
+              + "):\n\n" + t2,
+              "Each method against FAFI-adapter, paired by seed (same partition): mean difference in points [95 % CI]; "
+              "**bold**: Holm-adjusted p < 0.05 over this table.\n\n" + t3,
+              *(["Distinct accuracies of each closed-form head over every finished (α, K, seed): "
+                 + "; ".join(f"{label} {', '.join(f'{v:.2f}' for v in vals)}" for label, vals in distinct.items()
+                             if vals) + "."] if any(distinct.values()) else [])]
+    # other encoders: the closed-form heads only (`--encoder`)
+    for enc_dir in sorted(d for d in (base / "runs" / "frozen-encoder-224").glob("efficientnet_lite*") if d.is_dir()):
+        eacc = _grid_acc(enc_dir, CLOSED_224, cells)
+        ecfg = next(iter(sorted(enc_dir.rglob("config.yaml"))), None)
+        eo = __import__("yaml").safe_load(ecfg.read_text())["dataset"]["options"] if ecfg else {}
+        rows = [[f"{a}", f"{k}", *[_ms(eacc[(a, k)][label]) for label, _, _ in CLOSED_224]] for a, k in cells
+                if any(eacc[(a, k)][label] for label, _, _ in CLOSED_224)]
+        means |= {f"{label} ({enc_dir.name})": float(np.mean(v)) for label, _, _ in CLOSED_224
+                  if (v := [x for c in cells for x in eacc[c][label].values()])}
+        parts.append(f"`{enc_dir.name}` at {eo.get('resolution') or 'its own'} px ({eo.get('resize', '?')}, stages "
+                     f"{eo.get('stages', '?')}, its own held-out choice): the closed-form heads, same cells and "
+                     "seeds.\n\n" + md_table(["α", "K", *[label for label, _, _ in CLOSED_224]], rows))
+    best_label = max(means, key=means.get) if means else None
+    if best_label and best_bound[0] > 0:
+        b = means[best_label]
+        target = pub["accuracy"].get("GH-LDA") if pub else None
+        parts.append(f"**The target.** Best one-shot method over the finished points: {best_label}, "
+                     f"{100 * b:.2f} % (mean over its points). Best independent centralised bound: "
+                     f"{100 * best_bound[0]:.2f} % ({best_bound[1]}). Gap: {100 * (b - best_bound[0]):+.2f} points"
+                     f" ({'within' if b >= best_bound[0] - 0.005 else 'not within'} 0.5)."
+                     + (f" GH-OFL's published best, {target:.2f} %, is {'reached' if 100 * b >= target else 'not reached'}"
+                        f"; no bound on these features reaches it either ({100 * best_bound[0]:.2f} %)"
+                        if target and 100 * best_bound[0] < target else
+                        (f" GH-OFL's published best, {target:.2f} %, is "
+                         f"{'reached' if 100 * b >= target else 'not reached'}." if target else "")) + ".")
+    # FedPFT's deficit
+    dd = base / "fedpft-deficit" if (base / "fedpft-deficit").is_dir() else \
+        ROOT / "results" / "frozen-encoder-224" / "fedpft-deficit"
+    recs = {f.stem: json.loads(f.read_text()) for f in sorted(dd.glob("*.json"))}
+    if recs:
+        variants = [v for v in ("real", "spherical-2-tol1e-3", "spherical-2-tol1e-12", "spherical-8-tol1e-3",
+                                "diag-2-tol1e-3", "full-1-tol1e-3", "full-2-tol1e-3") if v in recs]
+        what = {"real": "no mixture: the head on the real features"}
+        rows = []
+        for v in variants:
+            r = recs[v]
+            m = r["mixture"]
+            it = r["em_iterations_per_class"]
+            rows.append([what.get(v) or f"{m['covariance_type']}, {m['components']} component"
+                         f"{'s' if m['components'] > 1 else ''}, tol {m['tol']:g}, max_iter {m['max_iter']}",
+                         *[f"{100 * r['test_acc_by_epochs'][e]:.2f}" for e in ("1", "10")],
+                         f"{min(it)}–{max(it)}" if it else "—", f"{r['mixture_seconds']:.0f}"])
+        any_r = next(iter(recs.values()))
+        lda = recs.get("lda")
+        parts.append(f"FedPFT's deficit, measured (`python tools/fedpft_deficit.py`): one client holding "
+                     f"{any_r['per_class']:,} training images a class (seeded), d = {any_r['dim']:,} (stages "
+                     f"{any_r['stages']}); the baseline's pipeline with one thing changed per row; every head scored "
+                     f"on all {any_r['test_images']:,} test images"
+                     + (f"; scikit-learn's LDA (Ledoit–Wolf) on the same subset: {100 * lda['test_acc']:.2f} %"
+                        if lda else "") + ".\n\n"
+                     + md_table(["mixture per class (sent in float16)", "head: 1 epoch (the baseline's)",
+                                 "head: 10 epochs", "EM iterations a class", "mixtures' seconds"], rows))
+    # cost
+    secs = {m: [] for m in METHODS_224}
+    for a, k in cells:
+        for m in METHODS_224:
+            for s, r in _runs(out / f"a{a}-K{k}" / m).items():
+                point = out / f"a{a}-K{k}" / m / f"seed={s}" / "sweep_point.json"
+                secs[m].append(json.loads(point.read_text())["seconds"] if point.exists() else r.rounds[-1]["seconds"])
+    med = lambda x: f"{np.median(x):.1f} s (max {max(x):.1f}; {len(x)} runs)" if x else "—"  # noqa: E731
+    total = sum(sum(v) for v in secs.values())
+    spans = [json.loads(p.read_text()) for p in out.rglob("sweep_point.json")]
+    spans = [(p["start"], p["end"]) for p in spans if p.get("status") == "finished" and "end" in p]
+    elapsed = (max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0.0
+    parts.append("Cost (the feature cache not included):\n\n" + md_table(["what", "measured"], [
+        *[[f"one `{m}` run, wall (load the cache, train, every strategy it scores), median", med(secs[m])]
+          for m in METHODS_224],
+        ["all finished runs, their wall times summed", f"{total / 60:.1f} min"],
+        ["the grid, first run's start to last run's end (two runs side by side, on 2 cores shared with other jobs)",
+         f"{elapsed / 60:.1f} min"]]))
+    return "\n\n".join(parts) + "\n"
+
+
+def bounds_tool():
+    """tools/frozen_bounds.py as a module: the held-out choice of `stages` and the refusal of a missing cache."""
+    if "frozen_bounds" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("frozen_bounds", ROOT / "tools" / "frozen_bounds.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["frozen_bounds"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["frozen_bounds"]
+
+
+def encoder_overrides(encoder: str) -> list[str]:
+    """Another encoder at its own resolution, with the `stages` its own held-out slice picked (its bounds first)."""
+    from flare.registry import MODELS
+    bt = bounds_tool()
+    opts = load_config(CONFIG_224).dataset.options
+    res = MODELS.entry(encoder, "--encoder").obj.native_resolution(key="--encoder")
+    stages, _ = bt.choose(Path(bt.OUT) / f"{encoder}-{res}px-{opts['resize']}", list(range(1, 9)))
+    return [f"dataset.options.encoder={encoder}", f"dataset.options.stages={stages}"]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/frozen-encoder")
+    ap.add_argument("--grid", default="64", choices=["64", "224"])
+    ap.add_argument("--encoder", default=None, help="--grid 224 only: another encoder, the closed-form heads only")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--seed-major", action="store_true", help="every cell's first seed before any cell's second")
     ap.add_argument("--record", action="store_true", help="commit each finished run's records (results/)")
     ap.add_argument("--list", action="store_true", help="print finished and remaining runs, run nothing")
     args = ap.parse_args(argv)
     os.chdir(ROOT)  # the config's dataset root is relative to the checkout
     out = (ROOT / args.out) if not Path(args.out).is_absolute() else Path(args.out)
-    todo = [p for p in points(out) if not finished(p[0])]
-    if args.list:
-        for d, preset, ov in points(out):
-            print(("finished " if finished(d) else "remaining ") + str(d.relative_to(ROOT)))
-        print(f"{len(points(out)) - len(todo)} finished, {len(todo)} remaining")
-        return 0
-    if todo:  # the features once, here, before two workers could both find no cache and both compute it
-        from flare.data.features import FeatureOptions, load_features
-        load_features(FeatureOptions(**load_config(CONFIG).dataset.options), quiet=False)
+    from flare.errors import FlareError
+    try:
+        if args.encoder and args.grid != "224":
+            raise FlareError("--encoder swaps the encoder of the 224 grid only.", key="--encoder",
+                             fix="add --grid 224, or leave --encoder out.")
+        extra = encoder_overrides(args.encoder) if args.encoder else []
+        config, block = (CONFIG, "frozen-encoder") if args.grid == "64" else (CONFIG_224, "frozen-encoder-224")
+        methods = HEADS_ONLY if args.encoder else None
+        grid_points = points(out, args.grid, extra, methods, args.seed_major)
+        todo = [p for p in grid_points if not finished(p[0])]
+        if args.list:
+            for d, preset, ov in grid_points:
+                print(("finished " if finished(d) else "remaining ") + str(d.relative_to(ROOT)))
+            print(f"{len(grid_points) - len(todo)} finished, {len(todo)} remaining")
+            return 0
+        if todo:  # the features once, here, before two workers could both find no cache and both compute it
+            from flare.data.features import FeatureOptions, load_features
+            opts = FeatureOptions(**load_config(config, None, extra).dataset.options)
+            if args.grid == "224":  # never an extraction: the 224 caches are hour-long background jobs
+                bt = bounds_tool()
+                bt.load_cached(opts.model_copy(update={"stages": 8}))
+            load_features(opts, quiet=False)
+    except FlareError as e:
+        print(f"frozen_grid: {e}", file=sys.stderr)
+        return 2
     ex = ProcessPoolExecutor(max_workers=args.workers, mp_context=multiprocessing.get_context("spawn"))
     futures = {}
     queue = list(todo)
@@ -246,7 +564,7 @@ def main(argv=None) -> int:
         while queue or futures:
             while queue and len(futures) < args.workers:
                 d, preset, ov = queue.pop(0)
-                mapping = load_config(CONFIG, preset, ov).model_dump(mode="json")
+                mapping = load_config(config, preset, ov).model_dump(mode="json")
                 futures[ex.submit(run_point, mapping, str(d), THREADS)] = d
             done, _ = wait(futures, return_when=FIRST_COMPLETED)
             for f in done:
@@ -258,13 +576,13 @@ def main(argv=None) -> int:
                     failed += 1
                     print(info.get("error", ""), file=sys.stderr, flush=True)
                 elif args.record:
-                    record(out, str(rel.relative_to(args.out)))
+                    record(out, str(rel.relative_to(args.out)), config, block, extra)
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
     if args.record:  # whatever finished while recording was held (or by another invocation) is recorded now
-        record(out, "the finished runs")
+        record(out, "the finished runs", config, block, extra)
     else:
-        write_facts(out)
+        write_facts(out, config, block, extra)
     return 1 if failed else 0
 
 

@@ -278,6 +278,22 @@ def frozen_encoder_block(base: Path) -> str:
     return grid.render(base)
 
 
+def frozen_224_commands() -> list[str]:
+    """The 224 grid, and the closed-form rows of each other encoder whose runs exist (its cache is a background job
+    of hours: the block gains its command once the rows do)."""
+    cmds = ["python tools/frozen_grid.py --grid 224 --out runs/frozen-encoder-224/grid"]
+    for enc in ("efficientnet_lite1", "efficientnet_lite2"):
+        rel = f"runs/frozen-encoder-224/{enc}"
+        if (ROOT / rel).is_dir() or (ROOT / "results" / "frozen-encoder-224" / rel).is_dir():
+            cmds.append(f"python tools/frozen_grid.py --grid 224 --encoder {enc} --out {rel}")
+    return cmds
+
+
+def frozen_encoder_224_block(base: Path) -> str:
+    """The 224 px grid and tools/frozen_bounds.py's independent bounds beside it (docs/frozen-encoder.md)."""
+    return _script("tools/frozen_grid.py").render_224(base)
+
+
 def gpu_lease_block(calls: list[str]) -> Callable[[Path], str]:
     """tools/gpu_lease.py's tables of what each `benchmarks/gpu_suite.sh lease` call brought back."""
     def render(base: Path) -> str:
@@ -602,6 +618,7 @@ RESULTS = {r.id: r for r in [
             page="docs/results/heterogeneous.md"),
     Results("frozen-encoder", ["python tools/frozen_grid.py --out runs/frozen-encoder"], frozen_encoder_block,
             page="docs/frozen-encoder.md"),
+    Results("frozen-encoder-224", frozen_224_commands(), frozen_encoder_224_block, page="docs/frozen-encoder.md"),
     Results("encoder-speed", ["python benchmarks/encoder.py --resolution 64 --images 256 --repeats 3 > "
                               "runs/readme/encoder-speed.md"], file_text("runs/readme/encoder-speed.md"),
             page="docs/frozen-encoder.md"),
@@ -688,10 +705,13 @@ def _is_record(path: Path) -> bool:
 
 
 def record(block: Results) -> Path:
-    """Copy what the block renders from into results/<block>/, under the same relative paths (a fresh copy: a file
-    the last run no longer wrote must not linger)."""
+    """Copy what the block renders from into results/<block>/, under the same relative paths (a fresh copy of each
+    path: a file the last run no longer wrote must not linger). Other files under results/<block>/ are left alone:
+    records a block reads that no command of it writes (a bounds script's own records) live there too."""
     dest = records_of(block)
-    shutil.rmtree(dest, ignore_errors=True)
+    for rel in record_paths(block):
+        target = dest / rel
+        shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
     for rel in record_paths(block):
         src = ROOT / rel
         files = [src] if src.is_file() else sorted(f for f in src.rglob("*") if f.is_file()

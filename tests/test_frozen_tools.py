@@ -1,0 +1,101 @@
+"""tools/frozen_bounds.py (the independent centralised bounds) and tools/frozen_grid.py's 224 px grid: the choices
+are made on the held-out training slice, never on the test set, and bad input is exit 2, one paragraph, nothing
+written. Small synthetic tensors: seconds."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("sklearn")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tool(name):
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def blobs(n, d=6, classes=3, seed=0, spread=1.0):
+    rng = np.random.default_rng(seed)
+    y = np.arange(n) % classes
+    centres = rng.normal(size=(classes, d)) * 2
+    return centres[y] + spread * rng.normal(size=(n, d)), y
+
+
+@pytest.mark.parametrize("head", ["lda", "ridge", "gnb", "qda", "logreg"])
+def test_a_bound_chooses_on_the_held_out_slice_and_refits_on_everything(head, monkeypatch):
+    fb = tool("frozen_bounds")
+    x, y = blobs(600)
+    xt, yt = blobs(300, seed=1)
+    rec = fb.run_cell(head, x, y, xt, yt, holdout=120)
+    held = [c["holdout_acc"] for c in rec["candidates"]]
+    assert rec["chosen"] == rec["candidates"][int(np.argmax(held))]["value"]  # the first best on the slice
+    assert rec["holdout_acc"] == max(held) and rec["train_images"] == 600 and rec["holdout_images"] == 120
+    # the test set cannot move the choice: scored with its labels scrambled, the chosen value is the same
+    scrambled = fb.run_cell(head, x, y, xt, (yt + 1) % 3, holdout=120)
+    assert scrambled["chosen"] == rec["chosen"] and scrambled["test_acc"] != rec["test_acc"]
+    # and the refit is on all the training images: its test accuracy is the estimator's own on the pooled data
+    _, values, make = fb._heads()[head]
+    assert rec["test_acc"] == pytest.approx(make(rec["chosen"]).fit(x, y).score(xt, yt))
+
+
+def test_the_grid_option_is_the_stages_the_held_out_lda_picked(tmp_path):
+    fb = tool("frozen_bounds")
+    for s, held, test in [(1, 0.80, 0.95), (2, 0.83, 0.70), (3, 0.83, 0.99)]:  # the test accuracies are not read
+        (tmp_path / f"stages{s}-lda.json").write_text(json.dumps({"holdout_acc": held, "test_acc": test}))
+    assert fb.choose(tmp_path, [1, 2, 3]) == (2, {1: 0.80, 2: 0.83, 3: 0.83})  # a tie: the fewer stages
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--heads", "lda,svm"], "--heads"),
+    (["--stages", "0,4"], "--stages"),
+    (["--holdout", "3"], "--holdout"),
+    (["--encoder", "efficientnet_lite2"], "no feature cache of efficientnet_lite2 at 260 px"),
+    (["--resolution", "96"], "no feature cache of efficientnet_lite0 at 96 px"),
+    (["--encoder", "resnet18"], "not a frozen pretrained encoder"),
+])
+def test_bad_bounds_input_is_exit_2_one_paragraph_nothing_written(argv, says, tmp_path, capsys):
+    pytest.importorskip("efficientnet_lite_pytorch")
+    fb = tool("frozen_bounds")
+    out = tmp_path / "out"
+    assert fb.main([*argv, "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1, err
+    assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+def test_a_missing_encoder_package_is_exit_2_naming_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "efficientnet_lite_pytorch.utils", None)  # the own resolution's source
+    fb = tool("frozen_bounds")
+    assert fb.main(["--encoder", "efficientnet_lite2", "--cache-dir", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "efficientnet-lite-pytorch" in err and len(err.splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+def test_another_encoder_needs_its_own_bounds_and_the_224_grid(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("efficientnet_lite_pytorch")
+    fg = tool("frozen_grid")
+    monkeypatch.setattr(fg.bounds_tool(), "OUT", tmp_path / "bounds")
+    out = tmp_path / "runs"
+    assert fg.main(["--grid", "224", "--encoder", "efficientnet_lite2", "--out", str(out)]) == 2
+    assert "no finished lda bounds" in capsys.readouterr().err
+    assert fg.main(["--encoder", "efficientnet_lite2", "--out", str(out)]) == 2
+    assert "--grid 224" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_the_statistics_heads_leave_a_cell_whose_uploads_exceed_the_budget():
+    fg = tool("frozen_grid")
+    assert fg.statistics_fit(10, 1904) and not fg.statistics_fit(50, 1904)
+    pts = fg.points(Path("runs/x"), "224")
+    rules = {(d.parent.parent.name, d.parent.name): ov[1] for d, _, ov in pts if d.parent.name == "fedavg"}
+    assert all("gh_qda" in r and "afl" in r for (cell, _), r in rules.items() if cell.endswith(("K5", "K10")))
+    assert all("fedcgs" not in r for (cell, _), r in rules.items() if cell.endswith("K50"))
+    assert len(pts) == 3 * 3 * 3 * 3  # α × K × seeds × the three client objectives
