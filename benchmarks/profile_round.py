@@ -117,7 +117,7 @@ def main(argv=None) -> dict:
     io = InProcess(None, setup, clients, active, None, None, None, [], {})  # the round loop's in-process transport
 
     def evaluate(r: int) -> None:
-        """Round r's evaluation as the round loop (flare/server/loop.py) makes it: the uploads, their score, the carry."""
+        """Round r's evaluation as the round loop (flare/loop.py) makes it: the uploads, their score, the carry."""
         scored = setup.server.scored(r)
         uploads = io.uploads(r, scored)
         setup.server.carry(setup.server.evaluate(r, uploads, io.models(uploads), clients=io.exchange(uploads, scored)))

@@ -61,7 +61,7 @@ def test_the_package_stays_small():
     """A newcomer reads flare in an afternoon: src/ (every line, blank and docstring included, as `wc -l` counts
     them) stays within 16,630 lines. A new method pays for itself by what it makes simpler elsewhere. The cap was
     15,800 until the eight closed-form heads (about 460 lines) and the checks made before the first client trains
-    (about 200) landed, and 16,500 until the one round loop and its uploads record (server/loop.py, uploads.pt:
+    (about 200) landed, and 16,500 until the one round loop and its uploads record (flare/loop.py, uploads.pt:
     about 130 lines net) landed ahead of the rest of the server-loop redesign, which is to bring src/ down to
     15,000."""
     total = sum(len(p.read_text().splitlines()) for p in SRC.rglob("*.py"))

@@ -26,7 +26,7 @@ from flare.rundir import read_jsonl  # noqa: E402
 from flare.flower import server as flower_server  # noqa: E402
 from flare.fuse import fuse_runs  # noqa: E402
 from flare.runner import Run  # noqa: E402
-from flare.server import loop  # noqa: E402
+from flare import loop  # noqa: E402
 from flare.server.upload import UPLOADS, load_uploads  # noqa: E402
 from flare.server.rounds import primary_rule  # noqa: E402
 from flare.server.strategy import Strategy, make_strategy  # noqa: E402
@@ -150,7 +150,7 @@ def test_an_object_array_is_never_unpickled(tmp_path):
 
 @pytest.mark.plots
 def test_federation_reproduces_flare_run_bit_for_bit(tiny_overrides, tmp_path, monkeypatch):
-    """The federation runs the round loop over its grid transport (server/loop.py), and records what `flare run`
+    """The federation runs the round loop over its grid transport (flare/loop.py), and records what `flare run`
     records: the rounds, the clients' logs, the partition and the uploads the server scored (uploads.pt), which
     `flare fuse` then scores as it scores `flare run`'s."""
     Run(load_config(None, "fafi", tiny_overrides), tmp_path / "inproc", quiet=True).execute()

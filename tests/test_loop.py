@@ -1,4 +1,4 @@
-"""The server's round loop is one function (server/loop.py) that every transport runs, `Upload`s are made in one
+"""The server's round loop is one function (flare/loop.py) that every transport runs, `Upload`s are made in one
 module, and the uploads the server scored are written to the run directory, where `flare fuse` reads them."""
 import ast
 from pathlib import Path
@@ -13,7 +13,7 @@ from flare.errors import FlareError
 from flare.durable import read_jsonl
 from flare.fuse import fuse_runs
 from flare.runner import Run
-from flare.server import loop
+from flare import loop
 from flare.server.upload import UPLOADS, load_uploads
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "flare"
@@ -35,7 +35,7 @@ def test_one_loop_every_transport_calls():
     uploads, carries the server's state into the next round and writes the uploads."""
     assert calls("run_rounds") == {"runner.py": 1, "flower/server.py": 1, "fuse.py": 1}
     for step in ("evaluate", "carry", "save_uploads", "runaway_warnings"):
-        assert calls(step) == {"server/loop.py": 1}, step
+        assert calls(step) == {"loop.py": 1}, step
 
 
 def test_one_module_makes_uploads():

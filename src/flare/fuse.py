@@ -5,7 +5,7 @@ method a plugin registers — can be scored on the run's test set afterwards, ov
 federation's alike.
 
 The run's server is rebuilt from its config.yaml by the one builder a run uses (`setup.ServerSetup`), and each
-strategy is scored by the round loop a run goes through (server/loop.py) at the last round, over the saved uploads
+strategy is scored by the round loop a run goes through (flare/loop.py) at the last round, over the saved uploads
 (`SavedUploads`), the one strategy alone: a built-in strategy reproduces the run's own last-round accuracy exactly.
 Results are appended to fuse.jsonl (one record per strategy, under the run directory's lock); a rerun skips the
 strategies already there, so an interrupted fuse resumes (a data-free server's build from its last finished epoch,
@@ -35,7 +35,7 @@ from flare.report.run_report import write_run_report
 from flare.rundir import FUSE, SCRATCH, RunDir, read_jsonl
 from flare.server.exchange import LocalClients
 from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
-from flare.server.loop import run_rounds
+from flare.loop import run_rounds
 from flare.server.upload import UPLOADS, Upload, UploadSpec, load_uploads, validate_upload
 from flare.setup import ServerSetup, checked_split
 
@@ -159,7 +159,7 @@ def _score(job: FuseJob, names: list[str]) -> None:
 
 
 class SavedUploads:
-    """The round loop's transport over a finished run's saved uploads (uploads.pt, server/loop.py): nothing trains;
+    """The round loop's transport over a finished run's saved uploads (uploads.pt, flare/loop.py): nothing trains;
     each upload passes the gate against its client's architecture, and a strategy reads the statistics the server
     received, or, where the run's server asked for none of them, computes them from the saved weights on the
     client's own samples."""

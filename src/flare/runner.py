@@ -28,7 +28,7 @@ from flare.rundata import RunData
 from flare.rundir import SUMMARY, ResumePoint, RunDir
 from flare.server.exchange import LocalClients
 from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
-from flare.server.loop import run_rounds
+from flare.loop import run_rounds
 from flare.server.rounds import Evaluation
 from flare.setup import RunSetup
 
@@ -190,7 +190,7 @@ class Run:
 
 
 class InProcess:
-    """The loop's transport in one process (server/loop.py): the clients train beside the server, by the run's
+    """The loop's transport in one process (flare/loop.py): the clients train beside the server, by the run's
     engine (`Run._train_clients`), and upload their live models; after every round a checkpoint."""
 
     def __init__(self, run: Run, setup: RunSetup, clients: list[Client], active: list[Client],

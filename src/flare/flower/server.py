@@ -27,7 +27,7 @@ from flare.rundata import RunData
 from flare.rundir import RunDir
 from flare.server.upload import Upload, UploadSpec, upload_of, validate_upload
 from flare.server.extras import extras_shapes
-from flare.server.loop import run_rounds
+from flare.loop import run_rounds
 from flare.server.rounds import Evaluation, evaluated_round
 from flare.data.prepare import describe_partition
 from flare.setup import ServerSetup
@@ -108,7 +108,7 @@ def _sanitize_records(text, cid: int, rounds: range) -> tuple[list[dict], str | 
 
 class ServerSession:
     """The server of one federated run: the run directory (`flare run`'s files, minus the client checkpoint), the
-    server's setup (`flare.setup.ServerSetup`), and the round loop's transport over a Flower grid (server/loop.py):
+    server's setup (`flare.setup.ServerSetup`), and the round loop's transport over a Flower grid (flare/loop.py):
     one message per block of rounds, every reply through the upload gate."""
 
     def __init__(self, cfg: Config, fed: FederationSettings, log=print, talk=None):
@@ -268,7 +268,7 @@ class ServerSession:
                              fix="bring the missing nodes up (see federation.json for the reasons), or lower "
                                  "min-clients if the run may proceed without them.")
 
-    # -- the loop's transport (server/loop.py) ------------------------------------------------------
+    # -- the loop's transport (flare/loop.py) ------------------------------------------------------
     def train(self, first: int, end: int, sent: dict) -> list[dict]:
         """One message to the nodes still kept (its content, `sent` included, is the app's: `train_content`); every
         reply through the gate, then the quorum. The accepted uploads wait for the evaluation."""

@@ -1,6 +1,6 @@
 """The server's evaluation checkpoint (docs/method.md#server-rules, #metrics), engine-free: which strategies a round
 scores, the global prototypes, every strategy's predictor scored in one test pass, and the round's diagnostics. The
-round loop (server/loop.py), which the in-process runner, the Flower server and `flare fuse` all run, calls these
+round loop (flare/loop.py), which the in-process runner, the Flower server and `flare fuse` all run, calls these
 through `setup.ServerSetup.evaluate`, so a round is evaluated one way.
 """
 from __future__ import annotations
