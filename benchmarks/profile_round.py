@@ -33,6 +33,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from flare.client.batched import BatchedClients
 from flare.config import load_config
+from flare.runner import InProcess
 from flare.setup import RunSetup
 
 SMOKE = ["dataset.name=synthetic-cifar10", "dataset.train_subset=256", "dataset.test_subset=128", "model.name=cnn",
@@ -113,6 +114,14 @@ def main(argv=None) -> dict:
     active = [c for c in clients if c.num_samples > 0]
     engine = BatchedClients(active, setup.ctx, compile=cfg.compile) if cfg.client_engine == "batched" else None
 
+    io = InProcess(None, setup, clients, active, None, None, None, [], {})  # the round loop's in-process transport
+
+    def evaluate(r: int) -> None:
+        """Round r's evaluation as the round loop (flare/loop.py) makes it: the uploads, their score, the carry."""
+        scored = setup.server.scored(r)
+        uploads = io.uploads(r, scored)
+        setup.server.carry(setup.server.evaluate(r, uploads, io.models(uploads), clients=io.exchange(uploads, scored)))
+
     def train(r: int) -> list[dict]:
         if engine is not None:
             return engine.train_round(r)
@@ -120,7 +129,7 @@ def main(argv=None) -> dict:
 
     for r in range(args.warmup):
         train(r)
-        setup.evaluate(r, active)
+        evaluate(r)
     r = args.warmup
     on_gpu = setup.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
@@ -132,7 +141,7 @@ def main(argv=None) -> dict:
             sync(setup.device)
         t1 = time.perf_counter()
         with record_function("flare.evaluate"):
-            setup.evaluate(r, active)
+            evaluate(r)
             sync(setup.device)
         t2 = time.perf_counter()
     steps = sum(rec["steps"] for rec in recs)

@@ -59,11 +59,13 @@ def test_no_file_over_450_lines():
 
 def test_the_package_stays_small():
     """A newcomer reads flare in an afternoon: src/ (every line, blank and docstring included, as `wc -l` counts
-    them) stays within 16,500 lines. A new method pays for itself by what it makes simpler elsewhere. The cap was
+    them) stays within 16,630 lines. A new method pays for itself by what it makes simpler elsewhere. The cap was
     15,800 until the eight closed-form heads (about 460 lines) and the checks made before the first client trains
-    (about 200) landed ahead of the server-loop redesign, which is to bring src/ down to 15,000."""
+    (about 200) landed, and 16,500 until the one round loop and its uploads record (flare/loop.py, uploads.pt:
+    about 130 lines net) landed ahead of the rest of the server-loop redesign, which is to bring src/ down to
+    15,000."""
     total = sum(len(p.read_text().splitlines()) for p in SRC.rglob("*.py"))
-    assert total <= 16_500, f"src/flare has {total} lines; the cap is 16,500"
+    assert total <= 16_630, f"src/flare has {total} lines; the cap is 16,630"
 
 
 # The import circle test (type-checking imports included) is tests/test_import_graph.py.

@@ -480,7 +480,7 @@ def test_lr_probe_probes_the_clients_own_architecture(tiny, capsys):
 def test_one_layout_from_different_checkpoints_is_one_architecture(tiny, tmp_path, capsys):
     """An architecture, for fusion rules, is the layout (name, width, options), not the init: FedAvg fuses clients
     of one layout whatever checkpoints they start from, and refuses clients of different layouts naming them. The
-    finished run is then fused after its checkpoint file has moved: fuse reads the run's own checkpoint.pt."""
+    finished run is then fused after its checkpoint file has moved: fuse reads the run's own uploads.pt."""
     ck = _encoder_state(tmp_path, "init.pt")
     one = ["--preset", "fedavg", *tiny, "rounds=1", f"model.clients={{0: {{name: cnn, checkpoint: {ck}}}}}"]
     rc, err = cli(["run", *one, "--out", str(tmp_path / "r"), "--quiet"], capsys)

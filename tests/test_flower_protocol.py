@@ -23,7 +23,11 @@ from flare.flower.server import FederationSettings, Reply, run_federation  # noq
 from flare.flower.records import pack_nested, record_to_state, state_to_record, unpack_nested  # noqa: E402
 from flare.flower.server_app import decode_content, decode_talk, train_content  # noqa: E402
 from flare.rundir import read_jsonl  # noqa: E402
+from flare.flower import server as flower_server  # noqa: E402
+from flare.fuse import fuse_runs  # noqa: E402
 from flare.runner import Run  # noqa: E402
+from flare import loop  # noqa: E402
+from flare.server.upload import UPLOADS, load_uploads  # noqa: E402
 from flare.server.rounds import primary_rule  # noqa: E402
 from flare.server.strategy import Strategy, make_strategy  # noqa: E402
 from flare.setup import RunSetup, run_anchors  # noqa: E402
@@ -145,9 +149,26 @@ def test_an_object_array_is_never_unpickled(tmp_path):
 
 
 @pytest.mark.plots
-def test_federation_reproduces_flare_run_bit_for_bit(tiny_overrides, tmp_path):
+def test_federation_reproduces_flare_run_bit_for_bit(tiny_overrides, tmp_path, monkeypatch):
+    """The federation runs the round loop over its grid transport (flare/loop.py), and records what `flare run`
+    records: the rounds, the clients' logs, the partition and the uploads the server scored (uploads.pt), which
+    `flare fuse` then scores as it scores `flare run`'s."""
     Run(load_config(None, "fafi", tiny_overrides), tmp_path / "inproc", quiet=True).execute()
+    transports = []
+    monkeypatch.setattr(flower_server, "run_rounds", lambda server, clients, *a, **kw: (
+        transports.append(type(clients).__name__), loop.run_rounds(server, clients, *a, **kw))[1])
     Nodes().federate(tiny_overrides, tmp_path / "fed")  # per-round snapshots
+    assert transports == ["ServerSession"]
+    (ra, sa, ua), (rb, sb, ub) = (load_uploads(tmp_path / d / UPLOADS, "cpu") for d in ("inproc", "fed"))
+    assert ra == rb and sa == sb and [u.client for u in ua] == [u.client for u in ub]
+    for x, y in zip(ua, ub):
+        assert x.num_samples == y.num_samples and x.state.keys() == y.state.keys()
+        assert all(torch.equal(x.state[k], y.state[k].to(x.state[k].dtype)) for k in x.state)
+    for d in ("inproc", "fed"):
+        fuse_runs([str(tmp_path / d)], "fedavg")
+    assert ([f["acc"] for f in read_jsonl(tmp_path / "fed" / "fuse.jsonl")]
+            == [f["acc"] for f in read_jsonl(tmp_path / "inproc" / "fuse.jsonl")]
+            == [rounds_of(tmp_path / "fed")[-1]["acc_fedavg"]])
     a, b = rounds_of(tmp_path / "inproc"), rounds_of(tmp_path / "fed")
     assert [strip(r) for r in a] == [strip(r) for r in b]
     ca = [{k: v for k, v in r.items() if k != "seconds"} for r in read_jsonl(tmp_path / "inproc" / "metrics.jsonl")

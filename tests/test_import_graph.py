@@ -1,7 +1,7 @@
-"""The module graph of flare (src/) and the paper suite (paper/src/), read with `ast`: every import at module level, the ones under
-`if TYPE_CHECKING:` (and `try:`) included — a type-checking import is still an edge a type checker and a reader
-follow, and a circle through one is what forces the next import to hide inside a function. Imports inside functions
-are left out: they are the optional extras test_architecture.py's `lazy:` rule allows.
+"""The module graph of flare (src/) and the paper suite (paper/src/), read with `ast`: every import statement in a
+file — at module level, under `if TYPE_CHECKING:` and `try:`, and inside functions and classes. A type-checking
+import is still an edge a type checker and a reader follow, and a lazy import inside a function is still an edge
+the program follows when the function runs: a circle hidden in either is still a circle.
 
 Importing `a.b.c` also runs `a` and `a.b`, so an edge goes to every package on the way."""
 import ast
@@ -23,21 +23,6 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(p): p for p in FILES}
 
 
-def module_level_nodes(body: list[ast.stmt]) -> list[ast.stmt]:
-    """The statements a module runs on import (or a type checker reads): its body and the bodies of its `if` and
-    `try` blocks, not the bodies of functions or classes."""
-    out = []
-    for node in body:
-        out.append(node)
-        if isinstance(node, ast.If):
-            out += module_level_nodes(node.body) + module_level_nodes(node.orelse)
-        elif isinstance(node, ast.Try):
-            out += module_level_nodes(node.body) + module_level_nodes(node.orelse) + module_level_nodes(node.finalbody)
-            for handler in node.handlers:
-                out += module_level_nodes(handler.body)
-    return out
-
-
 def imported(node: ast.stmt, module: str, is_package: bool) -> list[str]:
     """The project's modules an import statement names."""
     if isinstance(node, ast.Import):
@@ -54,9 +39,10 @@ def imported(node: ast.stmt, module: str, is_package: bool) -> list[str]:
 
 
 def edges(path: Path) -> set[str]:
+    """Every project module the file imports, wherever the import statement stands."""
     module = module_name(path)
     out = set()
-    for node in module_level_nodes(ast.parse(path.read_text()).body):
+    for node in ast.walk(ast.parse(path.read_text())):
         for name in imported(node, module, path.name == "__init__.py"):
             parts = name.split(".")
             for i in range(1, len(parts) + 1):  # `import a.b.c` runs a, a.b and a.b.c
@@ -95,10 +81,12 @@ def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_the_graph_is_read():
-    """The reader sees the registry under the config, and a type-checking import (the test means something)."""
+    """The reader sees the registry under the config, a type-checking import and an import inside a function (the
+    test means something)."""
     assert "flare.registry" in GRAPH["flare.config.schema"]
+    assert "flare.report.report" in GRAPH["flare.cli"]  # `flare report`'s lazy import, inside a function
     probe = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from flare.config import Config\n"
-    nodes = module_level_nodes(ast.parse(probe).body)
+    nodes = list(ast.walk(ast.parse(probe)))
     assert "flare.config" in [n for node in nodes for n in imported(node, "flare.registry", False)]
 
 

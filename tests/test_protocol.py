@@ -24,7 +24,7 @@ from flare.server.strategy import ServerContext, make_strategy
 from flare.server.rounds import evaluate_uploads
 from flare.backend import amp_dtype_for
 from flare.data.prepare import DataMeta
-from flare.setup import RunSetup, make_augment, normalizer
+from flare.setup import RunSetup, ServerSetup, make_augment, normalizer
 from flare.server.protos import train_global_prototypes
 from conftest import make_partition
 
@@ -398,14 +398,15 @@ def test_plan_b_reference_starts_at_the_anchors_keeps_g_and_predicts_with_the_me
     A = setup.anchors
     C = A.shape[0]  # the anchors by their definition: a simplex ETF, unit rows at pairwise cosine −1/(C−1)
     assert torch.allclose(A @ A.T, (C * torch.eye(C) - torch.ones(C, C)) / (C - 1), atol=1e-5)
-    setup.send(0)
+    setup.ctx.received = setup.server.train_message(0)
     assert torch.equal(setup.ctx.received["align_target"], A)           # round 0: G = A, the clients' target
     assert setup.ctx.align_anchors is setup.ctx.received["align_target"]
     clients = setup.make_clients(lambda m: None, lambda m: None)
     for c in clients:
         c.train_round(setup.ctx, 0)
     protos = [c.upload().prototypes for c in clients]
-    ev = setup.evaluate(0, clients)
+    ev = setup.server.evaluate(0, [c.upload() for c in clients], [c.model for c in clients])
+    setup.server.carry(ev)
     # Started at A, G can have moved no farther than Adam's steps allow: step t moves a coordinate by at most
     # lr·sqrt(Σ_i a_i²/b_i) (Cauchy–Schwarz on m̂_t/√v̂_t, a and b the bias-corrected weights of g_i in m̂ and v̂).
     (b1, b2), steps = (0.9, 0.999), cfg.server.server_epochs * len(protos)
@@ -416,7 +417,7 @@ def test_plan_b_reference_starts_at_the_anchors_keeps_g_and_predicts_with_the_me
     assert (ev.server_G - A).abs().max() <= reach + 1e-6
     assert (mean - A).abs().max() > 2 * reach  # so a G started at the clients' mean could not pass the line above
     assert torch.allclose(ev.G, mean)                                   # the prediction uses the plain mean
-    setup.send(1)
+    setup.ctx.received = setup.server.train_message(1)
     assert torch.equal(setup.ctx.received["align_target"], ev.server_G)  # the next round aligns to the trained G
     ev2 = evaluate_uploads(cfg, 1, [c.upload() for c in clients], [c.model for c in clients], setup.anchors,
                            None, None, setup.norm, server_G=ev.server_G)
@@ -424,7 +425,7 @@ def test_plan_b_reference_starts_at_the_anchors_keeps_g_and_predicts_with_the_me
     cont, _ = train_global_prototypes(protos, cfg.server, setup.anchors, init=ev.server_G)
     assert torch.allclose(ev2.server_G, cont) and not torch.allclose(ev2.server_G, fresh)  # G persists
     spec = RunSetup.build(load_config(None, "server-protos", ov))
-    spec.send(0)
+    spec.ctx.received = spec.server.train_message(0)
     assert spec.ctx.received == {} and spec.ctx.align_anchors is spec.ctx.anchors  # spec: no G sent
 
 
@@ -438,13 +439,13 @@ def test_what_the_clients_receive_is_the_primary_strategys_configure_train(tiny_
     monkeypatch.setattr(OutputRule, "configure_train", lambda self, rnd, carried: {"align_target": setup.anchors})
     (to_anchors, *_), (to_zeros, *_) = (setup.make_clients(lambda m: None, lambda m: None) for _ in range(2))
     to_anchors.train_round(setup.ctx, 0)  # nothing sent yet: the anchors
-    setup.send(0)
+    setup.ctx.received = setup.server.train_message(0)
     assert torch.equal(setup.ctx.align_anchors, torch.zeros_like(setup.anchors))
     to_zeros.train_round(setup.ctx, 0)    # the same draws, L_align pulling towards the zeros it received
     # MSE's gradient is ∝ P − target, so the two runs part along (P − 0) − (P − A) = A, towards −A for the zeros
     moved = (to_zeros.model.prototypes - to_anchors.model.prototypes).detach().flatten()
     assert float(torch.nn.functional.cosine_similarity(moved, -setup.anchors.flatten(), dim=0)) > 0.5
-    setup.send(2)
+    setup.ctx.received = setup.server.train_message(2)
     assert torch.equal(setup.ctx.align_anchors, torch.full_like(setup.anchors, 2.0))
 
 
@@ -453,17 +454,17 @@ def test_plan_b_reference_resumes_with_the_servers_g(tiny_overrides, tmp_path, m
     cfg = load_config(None, "server-protos", tiny_overrides + ["server.server_epochs=2", "rounds=3",
                                                                "server.protos_flow=reference"])
     Run(cfg, tmp_path / "whole", quiet=True).execute()
-    real = RunSetup.evaluate
+    real = ServerSetup.evaluate
 
-    def crash_in_round_1(self, r, clients):
+    def crash_in_round_1(self, r, *args, **kw):
         if r == 1:
             raise KeyboardInterrupt
-        return real(self, r, clients)
+        return real(self, r, *args, **kw)
 
-    monkeypatch.setattr(RunSetup, "evaluate", crash_in_round_1)
+    monkeypatch.setattr(ServerSetup, "evaluate", crash_in_round_1)
     with pytest.raises(KeyboardInterrupt):
         Run(cfg, tmp_path / "cut", quiet=True).execute()
-    monkeypatch.setattr(RunSetup, "evaluate", real)
+    monkeypatch.setattr(ServerSetup, "evaluate", real)
     Run(cfg, tmp_path / "cut", quiet=True).execute()
 
     def clean(d):

@@ -107,22 +107,28 @@ def test_a_run_without_a_recorded_config_is_still_read(run_dir, capsys):
 
 
 def _foreign_checkpoint(run_dir, finished, tmp_path, capsys):
-    """A checkpoint of the same experiment at another width, put in by hand, with no config record of its own."""
+    """A checkpoint and uploads of the same experiment at another width, put in by hand, the checkpoint with no
+    config record of its own."""
     other = tmp_path / "wide"
     tiny = [o if not o.startswith("model.width") else "model.width=0.5" for o in finished[1]]
     assert cli(["run", "--preset", "fafi", *tiny, "--out", str(other), "--quiet"], capsys)[0] == 0
     ck = torch.load(other / "checkpoint.pt", weights_only=True)
     ck.pop("config")
     torch.save(ck, run_dir / "checkpoint.pt")
+    shutil.copy(other / "uploads.pt", run_dir / "uploads.pt")
 
 
-@pytest.mark.parametrize("command", ["fuse", "resume with more rounds"])
-def test_a_checkpoint_that_does_not_fit_names_the_tensor(command, run_dir, finished, tmp_path, capsys):
+@pytest.mark.parametrize("command,says", [
+    ("fuse", ["uploads.pt': the upload of client ", "does not fit the run", "'encoder.", "has shape ["]),
+    ("resume with more rounds", ["does not fit the model: tensor 'encoder.", "has shape (", "the model's is ("])])
+def test_a_checkpoint_that_does_not_fit_names_the_tensor(command, says, run_dir, finished, tmp_path, capsys):
+    """What a command reads of the clients (fuse: the uploads; a resume: the checkpoint) is refused, naming the
+    tensor, when it does not fit the run's model."""
     _foreign_checkpoint(run_dir, finished, tmp_path, capsys)
     before = snapshot(run_dir)
     rc, err = cli(COMMANDS[command](run_dir, finished[1]) + ["--quiet"] * (command != "fuse"), capsys)
     assert rc == 2 and "Traceback" not in err, err
-    assert "does not fit the model: tensor 'encoder." in err and "has shape (" in err and "the model's is (" in err, err
+    assert all(s in err for s in says), err
     assert snapshot(run_dir) == before
 
 
@@ -132,7 +138,7 @@ def test_a_checkpoint_of_another_config_is_refused(run_dir, finished, tmp_path, 
     assert cli(["run", "--preset", "fafi", *tiny, "--out", str(other), "--quiet"], capsys)[0] == 0
     shutil.copy(other / "checkpoint.pt", run_dir / "checkpoint.pt")
     before = snapshot(run_dir)
-    rc, err = cli(["fuse", str(run_dir), "--strategies", "output"], capsys)
+    rc, err = cli(COMMANDS["resume with more rounds"](run_dir, finished[1]) + ["--quiet"], capsys)
     assert rc == 2 and "recorded in checkpoint.pt" in err and "model.width (0.5 → 0.25)" in err, err
     assert snapshot(run_dir) == before
 

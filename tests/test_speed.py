@@ -98,12 +98,12 @@ def test_bf16_is_a_candidate_only_where_the_cpu_has_it_natively():
 def test_the_exact_key_of_the_config_wins_over_the_cpu_flags(monkeypatch):
     """An AVX512 CPU without native bf16: torch's oneDNN says bf16 is supported (it emulates it), the flags say
     no — explicit amp=bf16 falls back to fp32 with a warning."""
-    monkeypatch.setattr(speed, "read_cpu", lambda path="/proc/cpuinfo": INTEL_NO_BF16)
+    monkeypatch.setattr(cpu, "read_cpu", lambda path="/proc/cpuinfo": INTEL_NO_BF16)
     monkeypatch.setattr(cpu, "kernels", lambda: "AVX512")
     for k in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):  # a native process: FLARE's AVX2 pin lifted
         monkeypatch.delenv(k, raising=False)
     assert cpu.bf16_supported() is False
-    monkeypatch.setattr(speed, "read_cpu", lambda path="/proc/cpuinfo": AMD_BF16)
+    monkeypatch.setattr(cpu, "read_cpu", lambda path="/proc/cpuinfo": AMD_BF16)
     assert cpu.bf16_supported() is True
 
 

@@ -41,8 +41,9 @@ the caller's environment are removed, so no pin of the caller's reaches one side
 Before any run, one child process per side reports torch.backends.cpu.get_cpu_capability(): the two must agree
 (AVX2 on x86-64), and `flare` must come from that side's tree.
 
-With --fuse NAMES (default list: FUSE_STRATEGIES) it also proves `flare fuse` unchanged: the before side's finished
-runs of the --fuse-runs presets are the saved clients; each side fuses its own copy of them, one strategy per
+With --fuse NAMES (default list: FUSE_STRATEGIES) it also proves `flare fuse` unchanged: each side's finished runs
+of the --fuse-runs presets are the saved clients (the runs themselves compared identical above; what a run saves
+for fuse — checkpoint.pt, later uploads.pt — is its own side's); each side fuses a copy of its own, one strategy per
 process (`flare fuse COPY --strategies S` + FUSE_BUDGET, the data-free servers and FedDF at a few steps), and the
 two fuse.jsonl are compared like metrics.jsonl. A strategy both sides refuse for a run (exit 2: e.g. FedProto over
 a linear head) counts as identical when the two refusals read the same, and the table says "both refused".
@@ -330,15 +331,15 @@ def run_job(job: Job, python: str, log: Progress) -> tuple[bool, str]:
 
 
 def compare_fuses(args, sides: list[Side], presets: list[str], strategies: list[str], log) -> tuple[bool, list]:
-    """`flare fuse` of each strategy over the same saved clients (the before side's runs of `presets`), by each
+    """`flare fuse` of each strategy over the same clients (each side's own run of each of `presets`: what a side's
+    runs save for fuse is that side's to write, and the runs themselves are compared record by record), by each
     side's code, one strategy per process so a refusal of one does not hide the others; rows for the table."""
     import shutil
     rows, ok = [], True
     budget = hashlib.sha256(json.dumps(FUSE_BUDGET).encode()).hexdigest()[:8]
     for p in presets:
-        src = sides[0].runs / p
-        if not finished(src):
-            rows.append([f"fuse:{p}", "-", "no", f"no finished before-side run of {p} to fuse"])
+        if not all(finished(s.runs / p) for s in sides):
+            rows.append([f"fuse:{p}", "-", "no", f"no finished run of {p} on both sides to fuse"])
             ok = False
             continue
         for name in strategies:
@@ -351,7 +352,7 @@ def compare_fuses(args, sides: list[Side], presets: list[str], strategies: list[
                     continue
                 if d.exists():
                     shutil.rmtree(d)
-                shutil.copytree(src, d, ignore=shutil.ignore_patterns("fuse.jsonl", ".lock", "plots"))
+                shutil.copytree(s.runs / p, d, ignore=shutil.ignore_patterns("fuse.jsonl", ".lock", "plots"))
                 own = [o for o in FUSE_BUDGET if o.startswith(f"server.strategies.{name}.")]  # fuse refuses others
                 r = subprocess.run([args.python, "-m", "flare.cli", "fuse", str(d), "--strategies", name, *own],
                                    cwd=s.tree, env=s.env, capture_output=True, text=True)

@@ -14,6 +14,8 @@ import ctypes
 import json
 import os
 import platform
+from dataclasses import dataclass
+from pathlib import Path
 
 # cpu_isa -> (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, what torch.backends.cpu.get_cpu_capability() then says,
 #             MKL_CBWR, MKL_ENABLE_INSTRUCTIONS)
@@ -147,6 +149,49 @@ def apply(level: str) -> tuple[str, str | None]:
 ONEDNN_BELOW_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"})
 
 
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@dataclass(frozen=True)
+class CpuFacts:
+    """What the CPU itself says it runs (not what torch's libraries are willing to emulate)."""
+
+    model: str
+    flags: frozenset = frozenset()
+    signature: tuple = ()  # (family, model number, stepping): "AMD EPYC" is a Zen 1 or a Zen 5; () where unknown
+
+    @property
+    def native_bf16(self) -> bool:
+        return any(f in self.flags for f in NATIVE_BF16_FLAGS)
+
+    @property
+    def short(self) -> str:
+        isa = "AVX512" if "avx512f" in self.flags else "AVX2" if "avx2" in self.flags else "no AVX2"
+        sig = "family {} model {} stepping {}, ".format(*self.signature) if self.signature else ""
+        return f"{self.model} ({sig}{isa}, {'native bf16' if self.native_bf16 else 'no native bf16'})"
+
+
+def read_cpu(path: str | Path = "/proc/cpuinfo") -> CpuFacts:
+    """The first processor's model name, flags, family, model number and stepping (the name alone does not tell one
+    EPYC generation from another); a machine without /proc/cpuinfo reports no flags (so no bf16 candidate:
+    emulated bf16 is never worth timing)."""
+    model, flags, ids = platform.processor() or platform.machine(), frozenset(), {}
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return CpuFacts(model, flags)
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and model == (platform.processor() or platform.machine()):
+            model = value.strip()
+        elif key in ("flags", "Features") and not flags:
+            flags = frozenset(value.split())
+        elif key in ("cpu family", "model", "stepping"):
+            ids.setdefault(key, value.strip())
+    return CpuFacts(model, flags, tuple(ids[k] for k in ("cpu family", "model", "stepping")) if len(ids) == 3 else ())
+
+
 def kernels_run_bf16(environ: dict | None = None) -> bool:
     """Whether this process's kernel libraries may use the CPU's bf16 instructions: ATen dispatching above AVX2,
     and oneDNN not capped below its bf16 level (an exported ONEDNN_MAX_CPU_ISA, or its old name DNNL_MAX_CPU_ISA).
@@ -164,7 +209,6 @@ def bf16_supported(cpuinfo: str = "/proc/cpuinfo") -> bool:
     bf16 there: a ResNet-18 round took 513 s instead of 313 s in fp32 on such an Intel Xeon). Where there is no
     /proc/cpuinfo (not Linux), torch's answer stands."""
     import torch  # lazy: see kernels()
-    from flare.speed import read_cpu  # lazy: it imports torch and the models; `pin` must load before torch
     facts = read_cpu(cpuinfo)
     if facts.flags:
         hw = facts.native_bf16

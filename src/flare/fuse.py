@@ -1,10 +1,12 @@
 """`flare fuse RUN_DIR... --strategies a,b`: server strategies over a finished run's saved uploads, without
-retraining a client. A run's checkpoint.pt holds every client's state after the last round, so any strategy — a
-built-in rule, or a model-building method a plugin registers — can be scored on the run's test set afterwards.
+retraining a client. A run's uploads.pt holds what the server received at the last round (every client's weights,
+prototypes and the statistics its strategies asked for), so any strategy — a built-in rule, or a model-building
+method a plugin registers — can be scored on the run's test set afterwards, over `flare run`'s runs and a
+federation's alike.
 
 The run's server is rebuilt from its config.yaml by the one builder a run uses (`setup.ServerSetup`), and each
-strategy is scored by that server's own evaluation at the last round (`ServerSetup.evaluate`, the one strategy
-alone): a built-in strategy reproduces the run's own last-round accuracy exactly.
+strategy is scored by the round loop a run goes through (flare/loop.py) at the last round, over the saved uploads
+(`SavedUploads`), the one strategy alone: a built-in strategy reproduces the run's own last-round accuracy exactly.
 Results are appended to fuse.jsonl (one record per strategy, under the run directory's lock); a rerun skips the
 strategies already there, so an interrupted fuse resumes (a data-free server's build from its last finished epoch,
 kept in `fuse-scratch/` until its record is written). summary.md is rewritten with them.
@@ -21,7 +23,7 @@ import copy
 import json
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -30,10 +32,11 @@ from flare.config import Config, build_config, deep_merge, parse_list, parse_ove
 from flare.errors import FlareError
 from flare.registry import STRATEGIES, load_plugins
 from flare.report.run_report import write_run_report
-from flare.rundir import CHECKPOINT, FUSE, SCRATCH, RunDir, read_jsonl
+from flare.rundir import FUSE, SCRATCH, RunDir, read_jsonl
 from flare.server.exchange import LocalClients
 from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
-from flare.server.upload import upload_of
+from flare.loop import run_rounds
+from flare.server.upload import UPLOADS, Upload, UploadSpec, load_uploads, validate_upload
 from flare.setup import ServerSetup, checked_split
 
 KEY = "RUN_DIR"
@@ -83,12 +86,11 @@ def check(run_dir: str | Path, names: list[str], round_: int | None, options: di
         raise FlareError(f"run directory '{rd.path}' is not finished (status: {status}); `flare fuse` reads the "
                          "clients' states after the last round.", key=KEY,
                          fix=f"finish it first (`flare run --resume {rd.path}`), then fuse.")
-    if not rd.file(CHECKPOINT).is_file():
-        raise FlareError(f"run directory '{rd.path}' has no {CHECKPOINT}, which holds the clients' saved states.",
-                         key=KEY, fix="rerun the experiment with `flare run` into a new directory (runs are "
-                                      "deterministic; a Flower run keeps no client states) and fuse that one.")
-    # the checkpoint's own record of its config too (loaded once here, dropped: fuse reloads it to score)
-    rd.check_consistent(KEY, rd.load_checkpoint("cpu", lambda w: None))
+    if not rd.file(UPLOADS).is_file():
+        raise FlareError(f"run directory '{rd.path}' has no {UPLOADS}, which holds the uploads the server received.",
+                         key=KEY, fix="rerun the experiment (`flare run` or a federation) into a new directory (runs "
+                                      "are deterministic) and fuse that one.")
+    rd.check_consistent(KEY)
     options = options or {}
     # imports the run's own plugins, whose strategies may be named; the strategies' new options validated with it
     cfg = build_config(deep_merge(old, {"server": {"strategies": options}}) if options else old)
@@ -135,53 +137,88 @@ def fuse_runs(dirs: list[str], strategies: str, round_: int | None = None,
 
 
 def _score(job: FuseJob, names: list[str]) -> None:
-    """Rebuild the run's server from its config, load the clients' states from the checkpoint, and score each
-    strategy through the server's own evaluation at the last round — one record as each finishes."""
+    """Rebuild the run's server from its config and score each strategy through the round loop over the run's saved
+    uploads at the last round (`SavedUploads`) — one record as each finishes."""
     cfg, rd = job.cfg, job.dir
-    # the clients' states come from checkpoint.pt; the strategies asked for are built once, here
+    # the clients' weights come from uploads.pt; the strategies asked for are built once, here
     server = ServerSetup.build(cfg, bank=False, checkpoints=False, strategies=tuple(names))
     data, partition = checked_split(server)  # what the data cannot serve, refused before any strategy computes
-    parts = partition.client_indices
-    template, device = server.template, server.backend.device  # extras' shapes: their callers pass client models
-    ck = rd.load_checkpoint(device, lambda w: None)
-    if ck is None or "clients" not in ck or int(ck["rounds_done"]) < cfg.rounds:
-        raise FlareError(f"'{rd.path}/{CHECKPOINT}' is unreadable, holds no client states or does not cover the "
-                         "last round.", key=KEY,
-                         fix="rerun the experiment into a new directory (runs are deterministic) and fuse that one.")
-    rd.check_client_states(ck["clients"], [server.client_init(i) for i in range(len(parts))], KEY,
-                           "rerun into a new directory")
-    models, uploads, owners = [], [], []
-    for i, (ix, st) in enumerate(zip(parts, ck["clients"])):
-        if len(ix) == 0:  # the runner leaves clients without samples out of every evaluation
-            continue
-        m = copy.deepcopy(server.client_init(i))
-        m.load_state_dict(st["model"])
-        m.eval()
-        uploads.append(upload_of(i, m, len(ix)))
-        models.append(m)
-        owners.append(torch.as_tensor(ix))
-
-    def clients() -> list[ClientData]:
-        """Every client's side, from its saved state and its data (for one strategy: a copy of each model)."""
-        return [client_side(cfg, u.client, m, data.train_x[ix], data.train_y[ix], server.norm, server.augment, device)
-                for u, m, ix in zip(uploads, models, owners)]
-
-    r = cfg.rounds - 1
-    server.load_server_state(ck.get("server"))  # Plan B's G as the last round left it
+    saved = SavedUploads(server, rd, data, partition)
     for name in names:
         t0 = time.perf_counter()
-        strategy = {name: server.strategies[name]}
-        extras = ([client_extras(strategy, c) for c in clients()] if extras_shapes(strategy, template)
-                  else [{} for _ in uploads])
-        for u, ex in zip(uploads, extras):
-            u.extras = ex
-        talks = server.strategies[name].extra_rounds() > 0
-        ev = server.evaluate(r, uploads, models, rules=(name,), clients=LocalClients(clients()) if talks else None,
-                             scratch=rd.path / SCRATCH)
+        server.load_server_state(saved.server_state)  # each strategy from the state the last round was scored with
+        run_rounds(server, saved, None, lambda w: None, rules=(name,), scratch=rd.path / SCRATCH)
+        ev = saved.last
         # seconds: the clients' statistics, the rounds it holds with them, its build and its test pass
-        rd.append([{"kind": "fuse", "strategy": name, "round": r, "acc": ev.record[f"acc_{name}"],
+        rd.append([{"kind": "fuse", "strategy": name, "round": saved.round, "acc": ev.record[f"acc_{name}"],
                     "seconds": time.perf_counter() - t0, **({"options": job.options[name]} if job.options[name] else {}),
                     **{f"{name}.{k}": v for k, v in ev.predictors[name].logs.items()}}], FUSE)
         shutil.rmtree(rd.path / SCRATCH / name, ignore_errors=True)  # its progress is in the record now
         with contextlib.suppress(OSError):
             (rd.path / SCRATCH).rmdir()
+
+
+class SavedUploads:
+    """The round loop's transport over a finished run's saved uploads (uploads.pt, flare/loop.py): nothing trains;
+    each upload passes the gate against its client's architecture, and a strategy reads the statistics the server
+    received, or, where the run's server asked for none of them, computes them from the saved weights on the
+    client's own samples."""
+
+    def __init__(self, server: ServerSetup, rd: RunDir, data, partition):
+        cfg, self.server, self.data, self.parts = server.cfg, server, data, partition.client_indices
+        path, fix = rd.file(UPLOADS), "rerun the experiment into a new directory (runs are deterministic) and fuse that one."
+        try:
+            self.round, self.server_state, self.saved = load_uploads(path, server.backend.device)
+        except Exception as e:  # noqa: BLE001 — a truncated/empty/foreign file raises many kinds of error
+            raise FlareError(f"'{path}' is unreadable ({type(e).__name__}).", key=KEY, fix=fix) from None
+        if self.round != cfg.rounds - 1:
+            raise FlareError(f"'{path}' holds the uploads of round {self.round + 1}, not of the last round "
+                             f"({cfg.rounds}).", key=KEY, fix=fix)
+        for u in self.saved:
+            reasons = ([f"client id {u.client!r} is not in 0..{cfg.num_clients - 1}"]
+                       if not isinstance(u.client, int) or not 0 <= u.client < cfg.num_clients else
+                       validate_upload(u, replace(UploadSpec.from_model(server.client_init(u.client), server.meta.num_classes),
+                                                  extras={k: (tuple(v.shape), v.dtype) for k, v in u.extras.items()})))
+            if reasons:
+                raise FlareError(f"'{path}': the upload of client {u.client} does not fit the run ("
+                                 + "; ".join(reasons) + ").", key=KEY, fix=fix)
+        self.received = [u.extras for u in self.saved]
+        self.last = None
+        self.models_ = []
+        for u in self.saved:
+            m = copy.deepcopy(server.client_init(u.client))
+            m.load_state_dict(u.state)
+            self.models_.append(m.eval())
+
+    def blocks(self, start: int) -> list[tuple[int, int]]:
+        return [(self.round, self.round + 1)]
+
+    def train(self, first: int, end: int, sent: dict) -> list[dict]:
+        return []  # the clients trained in the run
+
+    def known(self, r: int, t0: float) -> dict:
+        return {}
+
+    def clients(self) -> list[ClientData]:
+        """Every client's side, from its saved weights and its data (for one strategy: a copy of each model)."""
+        s, d = self.server, self.data
+        return [client_side(s.cfg, u.client, m, d.train_x[ix], d.train_y[ix], s.norm, s.augment, s.backend.device)
+                for u, m in zip(self.saved, self.models_) for ix in [torch.as_tensor(self.parts[u.client])]]
+
+    def uploads(self, r: int, scored) -> list[Upload]:
+        wanted = extras_shapes(scored, self.server.template)
+        got = all(set(wanted) <= set(ex) for ex in self.received)
+        extras = (self.received if got else [client_extras(scored, c) for c in self.clients()] if wanted
+                  else [{} for _ in self.saved])
+        for u, ex in zip(self.saved, extras):
+            u.extras = ex
+        return self.saved
+
+    def models(self, uploads: list[Upload]) -> list:
+        return self.models_
+
+    def exchange(self, uploads: list[Upload], scored) -> LocalClients | None:
+        return LocalClients(self.clients()) if any(s.extra_rounds() > 0 for s in scored.values()) else None
+
+    def round_done(self, r: int, rec: dict, logs: list[dict], ev) -> None:
+        self.last = ev

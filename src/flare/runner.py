@@ -26,7 +26,10 @@ from flare.report.run_report import write_run_report
 from flare.rng import global_rng_state, set_global_rng_state
 from flare.rundata import RunData
 from flare.rundir import SUMMARY, ResumePoint, RunDir
-from flare.server.rounds import record_round
+from flare.server.exchange import LocalClients
+from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
+from flare.loop import run_rounds
+from flare.server.rounds import Evaluation
 from flare.setup import RunSetup
 
 
@@ -86,25 +89,12 @@ class Run:
         self.dir.write_metrics(records)
         config = cfg.model_dump(mode="json")
         batched = by_architecture(active, setup.ctx, compile=cfg.compile) if cfg.client_engine == "batched" else None
-        start = rp.rounds_done
         steps_per_round = sum(c.steps_per_epoch for c in active) * cfg.local_epochs
         tb = self._tensorboard()
-        with Progress(total_rounds=cfg.rounds, steps_per_round=steps_per_round, start_round=start,
+        with Progress(total_rounds=cfg.rounds, steps_per_round=steps_per_round, start_round=rp.rounds_done,
                       desc=self.label, disable=self.quiet) as bar:
-            for r in range(start, cfg.rounds):
-                t0 = time.perf_counter()
-                setup.send(r)
-                client_records = self._train_clients(active, setup.ctx, r, bar, batched)
-                rec = record_round(cfg, self.dir, r, lambda: setup.evaluate(r, active), t0, client_records,
-                                   self._warn, seconds_train=time.perf_counter() - t0)
-                records += client_records + [rec]
-                if tb is not None:
-                    _tb_log(tb, r, rec, client_records)
-                self.dir.save_checkpoint({"rounds_done": r + 1, "clients": [c.state_dict() for c in clients],
-                                          "rng": global_rng_state(), "records": records,
-                                          "server": setup.server.server_state(), "config": config})
-                self.dir.write_state("running", r + 1, self.warnings, config, backend=self.facts)
-                bar.round_done(rec.get("acc", float("nan")))
+            run_rounds(setup.server, InProcess(self, setup, clients, active, batched, bar, tb, records, config),
+                       self.dir, self._warn, start=rp.rounds_done)
         if tb is not None:
             tb.close()
         self.dir.write_state("finished", cfg.rounds, self.warnings, config, backend=self.facts)
@@ -197,6 +187,53 @@ class Run:
             raise FlareError("logging.tensorboard=true needs the tensorboard package.", key="logging.tensorboard",
                              fix="pip install tensorboard, or set logging.tensorboard=false.") from None
         return SummaryWriter(str(self.out / "tensorboard"))
+
+
+class InProcess:
+    """The loop's transport in one process (flare/loop.py): the clients train beside the server, by the run's
+    engine (`Run._train_clients`), and upload their live models; after every round a checkpoint."""
+
+    def __init__(self, run: Run, setup: RunSetup, clients: list[Client], active: list[Client],
+                 batched: list[BatchedClients] | None, bar: Progress, tb, records: list[dict], config: dict):
+        self.run, self.setup, self.clients, self.active, self.batched = run, setup, clients, active, batched
+        self.bar, self.tb, self.records, self.config = bar, tb, records, config
+
+    def blocks(self, start: int) -> list[tuple[int, int]]:
+        return [(r, r + 1) for r in range(start, self.setup.cfg.rounds)]
+
+    def train(self, first: int, end: int, sent: dict) -> list[dict]:
+        self.setup.ctx.received = sent
+        return self.run._train_clients(self.active, self.setup.ctx, first, self.bar, self.batched)
+
+    def known(self, r: int, t0: float) -> dict:
+        return {"seconds_train": time.perf_counter() - t0}
+
+    def data(self, c: Client) -> ClientData:
+        """A client's side of `Strategy.client_extras`: a copy of its model (a strategy cannot disturb training)."""
+        ctx = self.setup.ctx
+        return client_side(self.setup.cfg, c.cid, c.model, ctx.train_x[c.indices], ctx.train_y[c.indices], self.setup.norm,
+                           ctx.augment, self.setup.device)
+
+    def uploads(self, r: int, scored) -> list:
+        asks = bool(extras_shapes(scored, self.setup.server.template))
+        return [c.upload(client_extras(scored, self.data(c)) if asks else None) for c in self.active]
+
+    def models(self, uploads) -> list:
+        return [c.model for c in self.active]
+
+    def exchange(self, uploads, scored) -> LocalClients | None:
+        talks = any(s.extra_rounds() > 0 for s in scored.values())
+        return LocalClients([self.data(c) for c in self.active]) if talks else None
+
+    def round_done(self, r: int, rec: dict, logs: list[dict], ev: Evaluation | None) -> None:
+        self.records += logs + [rec]
+        if self.tb is not None:
+            _tb_log(self.tb, r, rec, logs)
+        self.run.dir.save_checkpoint({"rounds_done": r + 1, "clients": [c.state_dict() for c in self.clients],
+                                      "rng": global_rng_state(), "records": self.records,
+                                      "server": self.setup.server.server_state(), "config": self.config})
+        self.run.dir.write_state("running", r + 1, self.run.warnings, self.config, backend=self.run.facts)
+        self.bar.round_done(rec.get("acc", float("nan")))
 
 
 def _tb_log(tb, r: int, rec: dict, client_records: list[dict]) -> None:

@@ -35,8 +35,7 @@ from flare.errors import FlareError
 from flare.models import FlareNet, check_input_fits, create_architecture
 from flare.registry import ANCHORS, CONTRAST
 from flare.schedules import LRSchedule
-from flare.server.exchange import LocalClients, Transport
-from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
+from flare.server.exchange import Transport
 from flare.server.rounds import Evaluation, carries_server_protos, evaluate_uploads, primary_rule, rules_for
 from flare.server.strategy import InitContext, Strategy, make_strategies, sent_init
 from flare.server.upload import Upload
@@ -238,8 +237,9 @@ class ServerSetup:
 
     def train_message(self, r: int) -> dict[str, Tensor]:
         """What every client receives before it trains round r, on every engine: the primary strategy's
-        `configure_train` (on this server's device)."""
-        return self.strategies[primary_rule(self.cfg)].configure_train(r, self.carried)
+        `configure_train` (on this server's device); nothing where the server built no primary (`flare fuse`)."""
+        primary = self.strategies.get(primary_rule(self.cfg))
+        return primary.configure_train(r, self.carried) if primary is not None else {}
 
     def scored(self, r: int) -> dict[str, Strategy]:
         """The run's strategies round r scores (`rules_for`), the instances built with the run."""
@@ -335,10 +335,6 @@ class RunSetup:
     def norm(self) -> Callable[[Tensor], Tensor]:
         return self.server.norm
 
-    def send(self, r: int) -> None:
-        """Hand every client what the server sends before round r's training (`ServerSetup.train_message`)."""
-        self.ctx.received = self.server.train_message(r)
-
     def make_clients(self, warn: Callable[[str], None], note: Callable[[str], None]) -> list[Client]:
         """Every client from the init `first` sent for its architecture (into a copy of the server's: its device and
         layout); clients without samples are warned about (kept, with zero samples: checkpoints keep one per client)."""
@@ -357,19 +353,3 @@ class RunSetup:
             model.load_state_dict(sent_init(self.first, keys[i]))
             out.append(Client(i, torch.as_tensor(ix, device=self.device), model, self.ctx, ent))
         return out
-
-    def client_data(self, c: Client) -> ClientData:
-        """A client's side of `Strategy.client_extras`: a copy of its model (a strategy cannot disturb training)."""
-        ix = c.indices
-        return client_side(self.cfg, c.cid, c.model, self.ctx.train_x[ix], self.ctx.train_y[ix], self.norm,
-                           self.ctx.augment, self.device)
-
-    def evaluate(self, r: int, clients: list[Client]) -> Evaluation:
-        scored = self.server.scored(r)
-        asks = bool(extras_shapes(scored, self.server.template))
-        uploads = [c.upload(client_extras(scored, self.client_data(c)) if asks else None) for c in clients]
-        talks = any(s.extra_rounds() > 0 for s in scored.values())
-        ev = self.server.evaluate(r, uploads, [c.model for c in clients],
-                                  clients=LocalClients([self.client_data(c) for c in clients]) if talks else None)
-        self.server.carry(ev)
-        return ev

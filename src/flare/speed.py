@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from flare import cpu
+from flare.cpu import CpuFacts, read_cpu
 from flare.config import Config
 from flare.config.architectures import server_architecture
 from flare.durable import atomic_write_text
@@ -37,48 +37,7 @@ MARGIN = 0.05          # a candidate must beat plain fp32 by 5 % (the probe's no
 PROBE_IMAGES = 256
 PROBE_STEPS = 2        # timed steps per candidate after one warm-up step; the fastest counts
 GIVE_UP = 1.5          # a candidate whose timed step took this many times the best step so far is not timed again
-NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 KERNEL_ENV = cpu._ENV  # the variables that cap torch's kernel libraries (the `cpu` argument below is a CpuFacts)
-
-
-@dataclass(frozen=True)
-class CpuFacts:
-    """What the CPU itself says it runs (not what torch's libraries are willing to emulate)."""
-
-    model: str
-    flags: frozenset = frozenset()
-    signature: tuple = ()  # (family, model number, stepping): "AMD EPYC" is a Zen 1 or a Zen 5; () where unknown
-
-    @property
-    def native_bf16(self) -> bool:
-        return any(f in self.flags for f in NATIVE_BF16_FLAGS)
-
-    @property
-    def short(self) -> str:
-        isa = "AVX512" if "avx512f" in self.flags else "AVX2" if "avx2" in self.flags else "no AVX2"
-        sig = "family {} model {} stepping {}, ".format(*self.signature) if self.signature else ""
-        return f"{self.model} ({sig}{isa}, {'native bf16' if self.native_bf16 else 'no native bf16'})"
-
-
-def read_cpu(path: str | Path = "/proc/cpuinfo") -> CpuFacts:
-    """The first processor's model name, flags, family, model number and stepping (the name alone does not tell one
-    EPYC generation from another); a machine without /proc/cpuinfo reports no flags (so no bf16 candidate:
-    emulated bf16 is never worth timing)."""
-    model, flags, ids = platform.processor() or platform.machine(), frozenset(), {}
-    try:
-        text = Path(path).read_text(errors="replace")
-    except OSError:
-        return CpuFacts(model, flags)
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and model == (platform.processor() or platform.machine()):
-            model = value.strip()
-        elif key in ("flags", "Features") and not flags:
-            flags = frozenset(value.split())
-        elif key in ("cpu family", "model", "stepping"):
-            ids.setdefault(key, value.strip())
-    return CpuFacts(model, flags, tuple(ids[k] for k in ("cpu family", "model", "stepping")) if len(ids) == 3 else ())
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,8 @@ from flare.rundata import RunData
 from flare.rundir import RunDir
 from flare.server.upload import Upload, UploadSpec, upload_of, validate_upload
 from flare.server.extras import extras_shapes
-from flare.server.rounds import Evaluation, evaluated_round, record_round
+from flare.loop import run_rounds
+from flare.server.rounds import Evaluation, evaluated_round
 from flare.data.prepare import describe_partition
 from flare.setup import ServerSetup
 
@@ -107,7 +108,8 @@ def _sanitize_records(text, cid: int, rounds: range) -> tuple[list[dict], str | 
 
 class ServerSession:
     """The server of one federated run: the run directory (`flare run`'s files, minus the client checkpoint), the
-    server's setup (`flare.setup.ServerSetup`), the upload gate and every evaluation checkpoint."""
+    server's setup (`flare.setup.ServerSetup`), and the round loop's transport over a Flower grid (flare/loop.py):
+    one message per block of rounds, every reply through the upload gate."""
 
     def __init__(self, cfg: Config, fed: FederationSettings, log=print, talk=None):
         self.cfg, self.fed, self.log, self.talk = cfg, fed, log, talk
@@ -148,8 +150,10 @@ class ServerSession:
         self.histograms: dict[int, list[int]] = {}
         self.empty: set[int] = set()
         self.events: list[dict] = []            # who was missing or rejected, and why
-        self.last_uploads: list = []
         self.last: Evaluation | None = None
+        self.send, self.nodes = None, []  # set by `run_federation`: the engine's exchange, the nodes it keeps
+        self.received: list[Upload] = []
+        self.missing: list[int] = []
         self.dir.write_config(cfg)
         self.dir.clear_checkpoints()
         self.dir.write_metrics([])
@@ -166,9 +170,9 @@ class ServerSession:
     def task(self, round_start: int, round_end: int) -> Task:
         return Task(self.cfg, self.meta, round_start, round_end)
 
-    def blocks(self) -> list[tuple[int, int]]:
+    def blocks(self, start: int = 0) -> list[tuple[int, int]]:
         R = self.cfg.rounds
-        return [(r, r + 1) for r in range(R)] if self.fed.upload == "per-round" else [(0, R)]
+        return [(r, r + 1) for r in range(start, R)] if self.fed.upload == "per-round" else [(0, R)]
 
     # -- the gate ---------------------------------------------------------------------------------
     def spec_for(self, last_round: int, cid: int) -> UploadSpec:
@@ -264,27 +268,38 @@ class ServerSession:
                              fix="bring the missing nodes up (see federation.json for the reasons), or lower "
                                  "min-clients if the run may proceed without them.")
 
-    # -- evaluation and files -----------------------------------------------------------------------
-    def evaluate(self, round_idx: int, uploads, client_logs: list[dict]) -> None:
-        t0 = time.perf_counter()
+    # -- the loop's transport (flare/loop.py) ------------------------------------------------------
+    def train(self, first: int, end: int, sent: dict) -> list[dict]:
+        """One message to the nodes still kept (its content, `sent` included, is the app's: `train_content`); every
+        reply through the gate, then the quorum. The accepted uploads wait for the evaluation."""
+        self.received, logs, self.nodes = (self.accept(first, end, self.nodes, self.send(self.task(first, end),
+                                                                                        first == 0, self.nodes, self))
+                                           if self.nodes else ([], [], []))  # no node left: check_quorum stops it
+        self.check_quorum(self.received, end - 1)
+        self.missing = sorted(set(range(self.cfg.num_clients)) - {u.client for u in self.received} - self.empty)
+        return logs
 
-        def evaluate() -> Evaluation:  # the last round is always evaluated: self.last ends as the final predictor
-            models = [copy.deepcopy(self.setup.client_init(u.client)) for u in uploads]  # in the backend's layout
-            for m, u in zip(models, uploads):
-                m.load_state_dict(u.state)
-            nodes = NodeClients(self, uploads) if self.talk is not None else None
-            self.last = self.setup.evaluate(round_idx, uploads, models, clients=nodes)
-            self.setup.carry(self.last)
-            return self.last
+    def known(self, r: int, t0: float) -> dict:
+        return {"clients": [u.client for u in self.received], "missing_clients": self.missing}
 
-        missing = sorted(set(range(self.cfg.num_clients)) - {u.client for u in uploads} - self.empty)
-        rec = record_round(self.cfg, self.dir, round_idx, evaluate, t0, client_logs, self._warn,
-                           clients=[u.client for u in uploads], missing_clients=missing)
-        self.dir.write_state("running", round_idx + 1, self.warnings, self.config)
-        self.last_uploads = uploads
-        self.log(f"round {round_idx + 1}: {len(uploads)} upload(s)"
+    def uploads(self, r: int, scored) -> list[Upload]:
+        return self.received
+
+    def models(self, uploads: list[Upload]) -> list:
+        models = [copy.deepcopy(self.setup.client_init(u.client)) for u in uploads]  # in the backend's layout
+        for m, u in zip(models, uploads):
+            m.load_state_dict(u.state)
+        return models
+
+    def exchange(self, uploads: list[Upload], scored) -> "NodeClients | None":
+        return NodeClients(self, uploads) if self.talk is not None else None
+
+    def round_done(self, r: int, rec: dict, logs: list[dict], ev: Evaluation | None) -> None:
+        self.last = ev or self.last  # the last round is always evaluated: it ends as the final predictor
+        self.dir.write_state("running", r + 1, self.warnings, self.config)
+        self.log(f"round {r + 1}: {len(self.received)} upload(s)"
                  + (f", acc ({rec['primary']}) {100 * acc:.2f}%" if (acc := rec.get("acc")) is not None else "")
-                 + (f", missing {missing}" if missing else ""))
+                 + (f", missing {self.missing}" if self.missing else ""))
 
     def write_partition(self) -> None:
         C = self.meta.num_classes
@@ -302,8 +317,8 @@ class ServerSession:
     def finish(self) -> dict:
         self.write_partition()
         self._write_federation("finished")
-        if self.fed.save_predictor and self.last_uploads:
-            saved = save_predictor(self.dir, self.cfg, self.meta, self.last_uploads, self.last.weights, self.last.G,
+        if self.fed.save_predictor and self.received:
+            saved = save_predictor(self.dir, self.cfg, self.meta, self.received, self.last.weights, self.last.G,
                                    self.last.record, self.template.feature_dim, self.last.predictors)
             if isinstance(saved, str):
                 self._warn(saved)
@@ -391,12 +406,8 @@ def run_federation(cfg: Config, fed: FederationSettings, exchange, node_ids: lis
         if len(node_ids) < cfg.num_clients:
             s._warn(f"{len(node_ids)} node(s) connected for {cfg.num_clients} clients; proceeding with min_clients="
                     f"{s.required}.")
-        nodes = list(node_ids)
-        for start, end in s.blocks():  # no node left: no upload, and check_quorum stops the federation
-            uploads, logs, nodes = (s.accept(start, end, nodes, exchange(s.task(start, end), start == 0, nodes, s))
-                                    if nodes else ([], [], []))
-            s.check_quorum(uploads, end - 1)
-            s.evaluate(end - 1, uploads, logs)
+        s.send, s.nodes = exchange, list(node_ids)
+        run_rounds(s.setup, s, s.dir, s._warn)
         summary = s.finish()
     finally:
         s.close()

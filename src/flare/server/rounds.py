@@ -1,7 +1,7 @@
 """The server's evaluation checkpoint (docs/method.md#server-rules, #metrics), engine-free: which strategies a round
 scores, the global prototypes, every strategy's predictor scored in one test pass, and the round's diagnostics. The
-in-process runner (setup.RunSetup), the Flower server and `flare fuse` call these through
-`setup.ServerSetup.evaluate`, so a round is evaluated one way (and the runner's and Flower's are recorded one way).
+round loop (flare/loop.py), which the in-process runner, the Flower server and `flare fuse` all run, calls these
+through `setup.ServerSetup.evaluate`, so a round is evaluated one way.
 """
 from __future__ import annotations
 
@@ -9,17 +9,15 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Mapping
 
 import torch
 from torch import Tensor
 
-from flare.client.lam import runaway_warnings
 from flare.config import Config
 from flare.metrics import g_protos_std, inter_client_proto_std, model_variance_mean
 from flare.registry import STRATEGIES
 from flare.rng import derived_seed
-from flare.rundir import RunDir
 from flare.server.evaluator import check_predictor, evaluate_predictors
 from flare.server.exchange import Transport, hold_rounds
 from flare.server.extras import own_extras
@@ -62,20 +60,6 @@ def rules_for(cfg: Config, r: int | None = None) -> tuple[str, ...]:
 def evaluated_round(cfg: Config, r: int) -> bool:
     """Whether round r (0-based) is evaluated: the config's rule (`Config.evaluates`)."""
     return cfg.evaluates(r)
-
-
-def record_round(cfg: Config, out: RunDir, r: int, evaluate: Callable[[], Evaluation], t0: float, logs: list[dict],
-                 warn: Callable[[str], None], **known) -> dict:
-    """Build round r's metrics record and append it after the clients' `logs` (warning of their runaway λ first), in
-    one shape for every engine: the evaluation's record (`evaluate()`, only on a round `eval.every` evaluates; else a
-    stub the reports skip), then what the driver knows of the round (`known`, in order), then the seconds since t0."""
-    rec = evaluate().record if evaluated_round(cfg, r) else {
-        "kind": "round", "round": r, "method": cfg.method, "primary": primary_rule(cfg), "evaluated": False}
-    rec.update(known, seconds=time.perf_counter() - t0)
-    for w in runaway_warnings(cfg, logs):
-        warn(w)
-    out.append(logs + [rec])
-    return rec
 
 
 @dataclass

@@ -15,6 +15,7 @@ from torch import Tensor
 
 
 Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name → (shape, dtype) of the tensors a gate expects
+UPLOADS = "uploads.pt"  # in a run directory: the uploads the server scored last (`save_uploads`)
 
 
 @dataclass
@@ -38,6 +39,19 @@ def upload_of(client: int, model: torch.nn.Module, num_samples: int, extras: dic
         key = next((k for k, p in model.named_parameters() if p is protos), None) if protos is not None else None
         P = state.get(key) if key is not None else None
     return Upload(client=client, state=state, num_samples=num_samples, prototypes=P, extras=extras or {})
+
+
+def save_uploads(out, r: int, uploads: list[Upload], server_state: dict) -> None:
+    """The uploads the server scored at round r as a record of their own in the run directory `out` (uploads.pt,
+    replaced at each evaluated round), with the state the server scored them with: what `flare fuse` reads, so it
+    scores exactly what the server received, extras included."""
+    out.save_torch(UPLOADS, {"round": r, "server": server_state, "uploads": [dict(vars(u)) for u in uploads]})
+
+
+def load_uploads(path, device) -> tuple[int, dict, list[Upload]]:
+    """(the round, the server's state, the uploads) `save_uploads` wrote; raises what torch.load raises."""
+    saved = torch.load(path, map_location=device, weights_only=True)
+    return int(saved["round"]), saved["server"], [Upload(**u) for u in saved["uploads"]]
 
 
 @dataclass(frozen=True)
