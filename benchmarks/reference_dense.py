@@ -371,13 +371,14 @@ def _commit(paths: list[Path], message: str) -> None:
     print(f"reference_dense: could not commit {rel}: {com.stderr.strip()}", file=sys.stderr)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkout", type=Path, required=True, help="a checkout of zj-jayzhang/DENSE")
-    ap.add_argument("--method", choices=("fedavg", "dense"), default="fedavg")
-    ap.add_argument("--alpha", type=float, default=0.3)
+def cell_arguments(doc: str, repo: str, methods: tuple[str, ...], alpha: float, table: Path) -> argparse.ArgumentParser:
+    """The command line every reference driver shares: which checkout, which table cell, where runs and records go."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--checkout", type=Path, required=True, help=f"a checkout of {repo}")
+    ap.add_argument("--method", choices=methods, default=methods[0])
+    ap.add_argument("--alpha", type=float, default=alpha)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--table", type=Path, default=TABLE)
+    ap.add_argument("--table", type=Path, default=table)
     ap.add_argument("--partition", choices=("flare", "own"), default="flare",
                     help="the clients' index lists: FLARE's partition of the cell (default) or the script's own")
     ap.add_argument("--epochs", type=int, help="dense: the server's epochs (default: the table's budget)")
@@ -385,6 +386,11 @@ def main(argv=None) -> int:
     ap.add_argument("--results", type=Path, default=RESULTS, help="where the records go")
     ap.add_argument("--commit", action="store_true", help="git-commit the cell's records when it finishes")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # the run: its spec JSON
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = cell_arguments(__doc__, "zj-jayzhang/DENSE", ("fedavg", "dense"), alpha=0.3, table=TABLE)
     args = ap.parse_args(argv)
     checkout = args.checkout.resolve()
     if args.child:

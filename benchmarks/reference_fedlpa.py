@@ -52,7 +52,6 @@ version and the CPU model. Helpers shared with the DENSE driver come from benchm
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 import logging
@@ -395,20 +394,8 @@ def flare_values(spec: dict, cell: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkout", type=Path, required=True, help="a checkout of lebronlambert/FedLPA_NeurIPS2024")
-    ap.add_argument("--method", choices=tuple(SCRIPTS), default="fedlpa")
-    ap.add_argument("--alpha", type=float, default=0.1)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--table", type=Path, default=TABLE)
-    ap.add_argument("--partition", choices=("flare", "own"), default="flare",
-                    help="the clients' index lists: FLARE's partition of the cell (default) or the script's own")
-    ap.add_argument("--epochs", type=int, help="dense: the server's epochs (default: the table's budget)")
+    ap = ref.cell_arguments(__doc__, "lebronlambert/FedLPA_NeurIPS2024", tuple(SCRIPTS), alpha=0.1, table=TABLE)
     ap.add_argument("--local-epochs", type=int, help="a shortened smoke: the clients' local epochs (not the table's)")
-    ap.add_argument("--runs", type=Path, default=RUNS, help="run directories (checkpoints; never committed)")
-    ap.add_argument("--results", type=Path, default=RESULTS, help="where the records go")
-    ap.add_argument("--commit", action="store_true", help="git-commit the cell's records when it finishes")
-    ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # the run: its spec JSON
     args = ap.parse_args(argv)
     checkout = args.checkout.resolve()
     if args.child:
