@@ -206,11 +206,31 @@ def _ms(vals: dict) -> str:
     return cell + ("" if len(x) == len(SEEDS) else f" ({len(x)} seed{'s' if len(x) > 1 else ''})")
 
 
+def paired_table(acc: dict, cells: list, labels: list[str], against: str = "FAFI-adapter") -> str:
+    """Each method against `against`, paired by seed (the same partition) in every (α, K) cell: the mean difference
+    in points and its 95 % CI, bold where the Holm-adjusted p over the whole table is below 0.05."""
+    from flare.report.tables import md_table
+    from flare.stats import holm, paired
+
+    tests = {(c, label): paired(acc[c][label], acc[c][against]) for c in cells for label in labels}
+    adj = dict(zip(tests, holm([t.p for t in tests.values()])))
+
+    def diff(c, label):
+        t = tests[(c, label)]
+        if t.n == 0:
+            return "—"
+        if t.n == 1:
+            return f"{100 * t.mean:+.2f} (1 seed)"
+        star = "**" if adj[(c, label)] < 0.05 else ""
+        return f"{star}{100 * t.mean:+.2f}{star} [{100 * t.low:+.1f}, {100 * t.high:+.1f}]"
+    return md_table(["α", "K", *labels], [[f"{a}", f"{k}", *[diff((a, k), label) for label in labels]]
+                                          for a, k in cells])
+
+
 def render(base: Path) -> str:
     """The block of docs/frozen-encoder.md from the finished runs under base/runs/frozen-encoder."""
     import numpy as np
     from flare.report.tables import md_table
-    from flare.stats import holm, paired
     out = base / "runs" / "frozen-encoder"
     central = _runs(out / "central")
     bounds = {label: {s: r.final(key) for s, r in central.items()} for label, key in BOUNDS}
@@ -222,20 +242,7 @@ def render(base: Path) -> str:
     head = ["α", "K", *[label for label, _, _ in ROWS]]
     t1 = md_table(head, [[f"{a}", f"{k}", *[_ms(acc[(a, k)][label]) for label, _, _ in ROWS]] for a, k in cells])
     t0 = md_table([label for label, _ in BOUNDS], [[_ms(bounds[label]) for label, _ in BOUNDS]])
-    tests = [(c, label, paired(acc[c][label], acc[c]["FAFI-adapter"])) for c in cells for label, _, _ in ROWS[1:]]
-    adj = dict(zip([(c, label) for c, label, _ in tests], holm([t.p for _, _, t in tests])))
-    by = {(c, label): t for c, label, t in tests}
-
-    def diff(c, label):
-        t = by[(c, label)]
-        if t.n == 0:
-            return "—"
-        if t.n == 1:
-            return f"{100 * t.mean:+.2f} (1 seed)"
-        star = "**" if adj[(c, label)] < 0.05 else ""
-        return f"{star}{100 * t.mean:+.2f}{star} [{100 * t.low:+.1f}, {100 * t.high:+.1f}]"
-    t2 = md_table(["α", "K", *[label for label, _, _ in ROWS[1:]]],
-                  [[f"{a}", f"{k}", *[diff((a, k), label) for label, _, _ in ROWS[1:]]] for a, k in cells])
+    t2 = paired_table(acc, cells, [label for label, _, _ in ROWS[1:]])
     cgs = sorted({round(v, 6) for c in cells for v in acc[c]["FedCGS"].values()})
     lda = sorted({round(v, 6) for v in bounds["centralised LDA"].values()})
     cache = json.loads((out / "cache.json").read_text()) if (out / "cache.json").exists() else None
@@ -319,7 +326,6 @@ def render_224(base: Path) -> str:
     the grid (every method × α × K × seeds), paired statistics, and the target's verdict."""
     import numpy as np
     from flare.report.tables import md_table
-    from flare.stats import holm, paired
     out = base / "runs" / "frozen-encoder-224" / "grid"
     bt = bounds_tool()
     bounds = _bounds(base)
@@ -376,20 +382,7 @@ def render_224(base: Path) -> str:
                   [[f"{a}", f"{k}", *[_ms(acc[(a, k)][label]) for label, _, _ in TRAINED_224]] for a, k in cells])
     t2 = md_table(["α", "K", *[label for label, _, _ in CLOSED_224]],
                   [[f"{a}", f"{k}", *[_ms(acc[(a, k)][label]) for label, _, _ in CLOSED_224]] for a, k in cells])
-    tests = [(c, label, paired(acc[c][label], acc[c]["FAFI-adapter"])) for c in cells for label, _, _ in rows_all[1:]]
-    adj = dict(zip([(c, label) for c, label, _ in tests], holm([t.p for _, _, t in tests])))
-    by = {(c, label): t for c, label, t in tests}
-
-    def diff(c, label):
-        t = by[(c, label)]
-        if t.n == 0:
-            return "—"
-        if t.n == 1:
-            return f"{100 * t.mean:+.2f} (1 seed)"
-        star = "**" if adj[(c, label)] < 0.05 else ""
-        return f"{star}{100 * t.mean:+.2f}{star} [{100 * t.low:+.1f}, {100 * t.high:+.1f}]"
-    t3 = md_table(["α", "K", *[label for label, _, _ in rows_all[1:]]],
-                  [[f"{a}", f"{k}", *[diff((a, k), label) for label, _, _ in rows_all[1:]]] for a, k in cells])
+    t3 = paired_table(acc, cells, [label for label, _, _ in rows_all[1:]])
     points = sum(n_done.values())
     missing = [f"α={a} K={k} ({3 - n_done[(a, k)]} seed{'s' if 3 - n_done[(a, k)] != 1 else ''})"
                for a, k in cells if n_done[(a, k)] < len(SEEDS)]
