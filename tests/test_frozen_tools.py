@@ -99,3 +99,47 @@ def test_the_statistics_heads_leave_a_cell_whose_uploads_exceed_the_budget():
     assert all("gh_qda" in r and "afl" in r for (cell, _), r in rules.items() if cell.endswith(("K5", "K10")))
     assert all("fedcgs" not in r for (cell, _), r in rules.items() if cell.endswith("K50"))
     assert len(pts) == 3 * 3 * 3 * 3  # α × K × seeds × the three client objectives
+
+
+class PeakedAt:
+    """A stand-in estimator whose held-out score peaks at one value of its parameter (fits counted)."""
+    fits: list = []
+
+    def __init__(self, v, peak):
+        self.v, self.peak = v, peak
+
+    def fit(self, x, y):
+        PeakedAt.fits.append(self.v)
+        return self
+
+    def score(self, x, y):
+        return 1.0 - abs(np.log10(self.v) - np.log10(self.peak)) / 10
+
+
+def test_a_choice_at_the_grids_end_grows_the_grid_one_decade_until_it_is_inside(monkeypatch):
+    fb = tool("frozen_bounds")
+    x, y = blobs(200)
+    monkeypatch.setattr(fb, "_heads", lambda: {"ridge": ("alpha", [1.0, 10.0], lambda v: PeakedAt(v, 0.01))})
+    PeakedAt.fits = []
+    rec = fb.run_cell("ridge", x, y, x, y, holdout=40)
+    assert [c["value"] for c in rec["candidates"]] == [1.0, 10.0, 0.1, 0.01, 0.001]
+    assert rec["chosen"] == 0.01 and rec["extended_at_edge"] == 3 and not rec["at_edge"]
+    # a peak beyond the rule's three decades: the record says the choice is still at the edge
+    monkeypatch.setattr(fb, "_heads", lambda: {"ridge": ("alpha", [1.0, 10.0], lambda v: PeakedAt(v, 1e-6))})
+    far = fb.run_cell("ridge", x, y, x, y, holdout=40)
+    assert far["chosen"] == 1e-3 and far["extended_at_edge"] == fb.EDGE_STEPS and far["at_edge"]
+
+
+def test_an_edge_choice_in_an_older_record_is_completed_reusing_its_fits(monkeypatch):
+    fb = tool("frozen_bounds")
+    x, y = blobs(200)
+    monkeypatch.setattr(fb, "_heads", lambda: {"ridge": ("alpha", [1.0, 10.0], lambda v: PeakedAt(v, 0.1))})
+    PeakedAt.fits = []
+    old = fb.run_cell("ridge", x, y, x, y, holdout=40)
+    del old["extended_at_edge"]
+    old["candidates"], old["chosen"] = old["candidates"][:2], 1.0  # as written before the rule: chosen at the end
+    assert fb.stale(old)
+    PeakedAt.fits = []
+    new = fb.run_cell("ridge", x, y, x, y, holdout=40, done=old["candidates"])
+    assert new["chosen"] == 0.1 and PeakedAt.fits == [0.1, 0.01, 0.1]  # two new candidates, then the refit
+    assert not fb.stale(new)

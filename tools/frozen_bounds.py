@@ -18,7 +18,9 @@ pick the grid's feature option.
 
 One JSON record per (cache, stages, head) under `--out/<encoder>-<res>px-<resize>/`: the candidates' slice
 accuracies and fit seconds, the chosen value, its test accuracy, the iterations LogisticRegression ran and whether
-it converged, the wall seconds and scikit-learn's version. A finished cell is skipped (resumable). The cache must
+it converged, the wall seconds and scikit-learn's version. A finished cell is skipped (resumable). A choice at
+the end of its numeric candidates grows the grid one decade that way (at most three times; `extend_at_edge`), a
+rule fixed before any score is read; older records chosen at an edge are completed the same way. The cache must
 exist: this script never starts an extraction (exit 2 naming the file it looked for).
 """
 from __future__ import annotations
@@ -103,15 +105,47 @@ def holdout_split(y: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
     return fit, held
 
 
-def run_cell(head: str, x: np.ndarray, y: np.ndarray, xt: np.ndarray, yt: np.ndarray, holdout: int) -> dict:
+EDGE_STEPS = 3  # at most this many decades added beyond a grid's end (the edge rule in `run_cell`)
+
+
+def extend_at_edge(values: list, best: int) -> object | None:
+    """The candidate one decade beyond the grid's end when the slice's choice sits at that end, else None.
+
+    The rule is fixed before any score is read: a hyper-parameter chosen at the first or last of its numeric
+    candidates says the slice would have liked a value outside them, so the grid grows by a factor of 10 that way
+    (at most `EDGE_STEPS` times) until the choice is inside. Non-numeric candidates (LDA's "auto") never extend."""
+    numeric = [v for v in values if isinstance(v, (int, float))]
+    if len(numeric) < 2 or not isinstance(values[best], (int, float)):
+        return None
+    lo, hi = min(numeric), max(numeric)
+    if values[best] == lo:
+        return lo / 10
+    if values[best] == hi:
+        return hi * 10
+    return None
+
+
+def run_cell(head: str, x: np.ndarray, y: np.ndarray, xt: np.ndarray, yt: np.ndarray, holdout: int,
+             done: list[dict] | None = None) -> dict:
+    """Choose `head`'s hyper-parameter on the held-out slice, refit on all training features, score once on test.
+
+    `done`: candidates of an earlier record of the same cell, reused rather than refitted (the fits are
+    deterministic on the same features and slice), so a grown candidate list costs only its new values."""
     import sklearn
     from sklearn.exceptions import ConvergenceWarning
     import warnings
     param, values, make = _heads()[head]
+    values = list(values)
     fit, held = holdout_split(y, holdout)
     t_all = time.perf_counter()
-    cands = []
-    for v in values:
+    reuse = {repr(c["value"]): c for c in done or []}
+    cands: list[dict] = []
+    extended = 0
+
+    def score(v):
+        if repr(v) in reuse:
+            cands.append(reuse[repr(v)])
+            return
         t0 = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", category=ConvergenceWarning)
@@ -121,7 +155,17 @@ def run_cell(head: str, x: np.ndarray, y: np.ndarray, xt: np.ndarray, yt: np.nda
                       "fit_seconds": time.perf_counter() - t0, **_iters(clf)})
         print(f"  {head} {param}={v}: held-out {100 * cands[-1]['holdout_acc']:.2f} % "
               f"({cands[-1]['fit_seconds']:.0f} s)", flush=True)
-    best = max(range(len(cands)), key=lambda i: (cands[i]["holdout_acc"], -i))
+
+    for v in values:
+        score(v)
+    while True:
+        best = max(range(len(cands)), key=lambda i: (cands[i]["holdout_acc"], -i))
+        grow = extend_at_edge(values, best) if extended < EDGE_STEPS else None
+        if grow is None:
+            break
+        values.append(grow)
+        extended += 1
+        score(grow)
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", category=ConvergenceWarning)
@@ -130,7 +174,8 @@ def run_cell(head: str, x: np.ndarray, y: np.ndarray, xt: np.ndarray, yt: np.nda
     fit_s = time.perf_counter() - t0
     return {"head": head, "estimator": type(clf.steps[-1][1] if hasattr(clf, "steps") else clf).__name__,
             "param": param, "chosen": values[best], "holdout_acc": cands[best]["holdout_acc"],
-            "test_acc": float(clf.score(xt, yt)), "candidates": cands, "final_fit_seconds": fit_s, **_iters(clf),
+            "test_acc": float(clf.score(xt, yt)), "candidates": cands, "extended_at_edge": extended,
+            "at_edge": extend_at_edge(values, best) is not None, "final_fit_seconds": fit_s, **_iters(clf),
             "train_images": int(len(y)), "test_images": int(len(yt)), "holdout_images": int(holdout),
             "holdout_seed": HOLDOUT_SEED, "dim": int(x.shape[1]), "dtype": str(x.dtype),
             "wall_seconds": time.perf_counter() - t_all, "sklearn": sklearn.__version__,
@@ -213,12 +258,13 @@ def main(argv=None) -> int:
             [(s, h) for s in other for h in heads if h not in CHEAP]
     for s, h in cells:
         f = out / f"stages{s}-{h}.json"
-        if f.exists():
+        earlier = json.loads(f.read_text()) if f.exists() else None
+        if earlier is not None and not stale(earlier):
             continue
         d = int(sum(data_widths(data, path)[:s]))
         print(f"{cache_dir_name(opts)} stages={s} (d={d}) {h}", flush=True)
         rec = run_cell(h, np.ascontiguousarray(x_all[:, :d]), y, np.ascontiguousarray(xt_all[:, :d]), yt,
-                       args.holdout)
+                       args.holdout, done=earlier["candidates"] if earlier else None)
         rec.update({"encoder": opts.encoder, "resolution": opts.resolution, "resize": opts.resize, "stages": s,
                     "cache": path.name})
         out.mkdir(parents=True, exist_ok=True)
@@ -228,6 +274,18 @@ def main(argv=None) -> int:
         print(f"  -> chosen {rec['param']}={rec['chosen']}: held-out {100 * rec['holdout_acc']:.2f} %, "
               f"test {100 * rec['test_acc']:.2f} % ({rec['wall_seconds']:.0f} s)", flush=True)
     return 0
+
+
+def stale(record: dict) -> bool:
+    """A finished record to redo: one written before the edge rule whose choice sat at its grid's end (its
+    finished candidates are reused), or one whose head's candidates have grown since."""
+    head = record["head"]
+    values = [c["value"] for c in record["candidates"]]
+    if "extended_at_edge" not in record:
+        best = values.index(record["chosen"])
+        if extend_at_edge(values, best) is not None:
+            return True
+    return any(repr(v) not in {repr(c) for c in values} for v in _heads()[head][1])
 
 
 def data_widths(data, path: Path) -> list[int]:
