@@ -349,7 +349,9 @@ def server_part(L, main, args, setup, saved: Path) -> dict:
     their_extras = [{f"{L_.name}.{ab}": f[n][j][None] for L_, n in zip(layers, names) for j, ab in ((0, "A"), (1, "G"))}
                     for f in f_nets]
     w = torch.tensor(freqs, dtype=torch.float64)
-    out = {"client_sizes": [len(parts[i]) for i in range(K)], "weights": freqs,
+    out = {"saved_clients": {"path": str(saved), "test_acc": [s.get("record", {}).get("test_acc")
+                                                              for s in saved_clients]},
+           "client_sizes": [len(parts[i]) for i in range(K)], "weights": freqs,
            "script": {"cpu_seconds": round(cpu_script, 1)}}
 
     def as_theirs(state):
@@ -363,6 +365,8 @@ def server_part(L, main, args, setup, saved: Path) -> dict:
         out[f"flare_merge_{label}"] = {"residual": logs["residual"], "cpu_seconds": round(time.process_time() - t0, 1)}
     for key, theirs in (("avg_param", "fedavg"), ("biased_param", "biased"), ("newtons_param", "newton")):
         out["script"][theirs] = score(ns[key])
+    # how far the script's 10,000 "newton" steps moved its solution from the closed form it starts at
+    out["script"]["newton_vs_biased_max_abs_diff"] = max_diff(ns["newtons_param"], ns["biased_param"])
     # the script's two solutions against FLARE's arithmetic on the same weights and factors
     out["flare_merge_closed_form"].update(acc=score(solved["closed_form"]),
                                           max_abs_diff_vs_script_biased=max_diff(solved["closed_form"],
