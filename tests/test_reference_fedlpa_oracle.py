@@ -157,6 +157,17 @@ def _saved_clients(folder: Path, k: int) -> None:
                    folder / f"client{i}.pt")
 
 
+def _rendered(tmp_path: Path, rec: dict) -> str:
+    """The record as tools/papers.py renders it into the table's block."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import papers
+
+    d = tmp_path / "reference" / "fedlpa-fmnist" / "oracle"
+    d.mkdir(parents=True)
+    (d / "a0.1-s0-client0.json").write_text(json.dumps(rec))
+    return "\n".join(papers.oracle_lines(d.parent))
+
+
 def _run(tmp_path: Path, checkout: Path, *extra: str) -> dict:
     data = tmp_path / "fmnist"
     if not data.is_dir():
@@ -194,6 +205,10 @@ def test_a_script_that_trains_as_flare_does_is_found_equal_step_for_step_and_its
     for key in ("fedavg", "biased", "newton"):
         assert 0 <= srv["script"][key] <= 100
     assert set(srv) >= {"flare_fedlpa", "flare_fedlpa_reference"}
+    text = _rendered(tmp_path, rec)
+    assert "`experiments_our.py` ↔ FLARE the same" in text or "`experiments_our.py` ↔ FLARE bit-identical" in text
+    assert f"biased {srv['script']['biased']:.2f}" in text
+    assert f"closed form {srv['flare_merge_closed_form']['acc']:.2f}" in text
 
 
 def test_a_fedavg_script_without_momentum_is_caught_at_step_two(tmp_path):
@@ -204,6 +219,8 @@ def test_a_fedavg_script_without_momentum_is_caught_at_step_two(tmp_path):
     assert other["verdict"] == "differs" and other["first_divergence"]["step"] == 2  # step 1: the buffer is the grad
     assert other["steps"][0]["step"] == 1 and other["steps"][0]["max_abs_diff"] <= 1e-5
     assert "server" not in rec
+    text = _rendered(tmp_path, rec)
+    assert "`experiments_our.py` ↔ `experiments.py` apart from step 2 on" in text and "K-FAC" not in text
 
 
 def test_without_a_checkout_it_skips_and_says_so(tmp_path):
