@@ -15,8 +15,9 @@ Two parts, each measured, never assumed.
   and 5 and after every epoch the two models' parameters are compared (largest absolute difference over all
   tensors); at the end also their logits on the first 1,000 test images and both test accuracies. A difference
   that float summation order explains stays near 1e-6 after a step; a setting that differs shows at step 1.
-  The first `--epochs` epochs of the cell's first round are the cell's: FLARE draws a round's permutations one
-  after another from one generator, so a shorter round's are the first of the longer one's (checked here).
+  Fewer `--epochs` than a round run as a shortened first round, whose permutations are the cell's first ones
+  (FLARE draws a round's permutations one after another from one generator; checked here); whole rounds
+  (`--epochs 20`) are the cell's own rounds, one optimiser carried across them as the cell carries it.
 * **The server** (`server`, with `--saved-clients`). The ten clients the script trained at the cell, with the
   K-FAC factors it took (the clients/ directory `benchmarks/reference_fedlpa.py` keeps under runs/). Their
   aggregation is run by the script's own statements (its `__main__` block, from the size weights to the two
@@ -57,15 +58,23 @@ SAME = 1e-5  # the largest parameter difference float summation order explains a
 
 # ------------------------------------------------------------------------------------------------ FLARE's side
 def flare_config(table: Path, alpha: float, seed: int, epochs: int, sets: list[str]):
-    """The table cell's FLARE config (its FedAvg method: the clients the FedLPA column fuses) with `epochs` local
-    epochs in the first round, and any `--set` overrides (a test's tiny data)."""
+    """The table cell's FLARE config (its FedAvg method: the clients the FedLPA column fuses) with any `--set`
+    overrides (a test's tiny data), and how many of its rounds `epochs` spans: fewer epochs than a round run as a
+    shortened first round (`local_epochs` = epochs), a whole number of rounds as the cell's own. Returns the
+    table's spec, the cell, the config, the cell's epochs per round and the rounds run."""
     from flare.config.load import deep_merge, load_config, parse_overrides
 
     spec, cell = ref.table_cell(table, alpha, seed)
     mapping = deep_merge(copy.deepcopy(cell["config"]), parse_overrides(list(sets)))
-    full_epochs = mapping["local_epochs"]
-    mapping["local_epochs"] = epochs
-    return spec, cell, load_config(overrides=mapping), full_epochs
+    full, rounds = mapping["local_epochs"], 1
+    if epochs <= full:
+        mapping["local_epochs"] = epochs
+    elif epochs % full == 0 and epochs // full <= mapping["rounds"]:
+        rounds = epochs // full
+    else:
+        raise SystemExit(f"reference_fedlpa_oracle: --epochs must be 1..{full} or whole rounds of {full} epochs, at "
+                         f"most {mapping['rounds']} of them.")
+    return spec, cell, load_config(overrides=mapping), full, rounds
 
 
 def flare_client(cfg, k: int):
@@ -77,23 +86,26 @@ def flare_client(cfg, k: int):
     return setup, clients[k]
 
 
-def plan_positions(client, ctx, full_epochs: int):
-    """The client's batch order in round 0 as positions into its own samples (E permutations), and whether they are
-    the first E of the cell's full-length round."""
+def plan_positions(client, ctx, full_epochs: int, rounds: int):
+    """The client's batch order over its first `rounds` rounds as positions into its own samples (one permutation per
+    epoch), and whether they are the cell's: a shortened first round's permutations must be the first of the full
+    round's (one generator draws them one after another), whole rounds are the cell's own."""
     import torch
 
     from flare.client.plan import RoundPlan
 
-    plan = RoundPlan(client, ctx, 0)
     inv = torch.full((int(client.indices.max()) + 1,), -1, dtype=torch.long)
     inv[client.indices.cpu()] = torch.arange(client.num_samples)
-    pos = inv[plan.samples.cpu()].reshape(plan.E, client.num_samples)
+    plans = [RoundPlan(client, ctx, r) for r in range(rounds)]
+    pos = torch.cat([inv[p.samples.cpu()].reshape(p.E, client.num_samples) for p in plans])
+    if rounds > 1 or plans[0].E == full_epochs:
+        return pos, True
     longer = copy.copy(client)
     longer.cfg = ctx.cfg.model_copy(update={"local_epochs": full_epochs})
     ctx_full = copy.copy(ctx)
     ctx_full.cfg = longer.cfg
     full = RoundPlan(longer, ctx_full, 0).samples.cpu()
-    return pos, bool(torch.equal(full[:plan.samples.numel()], plan.samples.cpu()))
+    return pos, bool(torch.equal(full[:plans[0].samples.numel()], plans[0].samples.cpu()))
 
 
 # ------------------------------------------------------------------------------------------------ the script's side
@@ -212,7 +224,7 @@ def compared(a: dict, b: dict, keys: list[tuple[str, str]], init: list, spe: int
     return {"steps": rows, "first_divergence": first, "verdict": "same" if first is None else "differs"}
 
 
-def local_part(L, E, args, e_args, setup, client, pos, epochs: int) -> dict:
+def local_part(L, E, args, e_args, setup, client, pos, epochs: int, rounds: int) -> dict:
     import torch
 
     cfg, ctx = setup.cfg, setup.ctx
@@ -259,7 +271,8 @@ def local_part(L, E, args, e_args, setup, client, pos, epochs: int) -> dict:
             snaps_f[steps_f[0]] = {k: v.detach().clone() for k, v in client.model.state_dict().items()}
 
     t0 = time.process_time()
-    client.train_round(ctx, 0, on_step=on_step)
+    for r in range(rounds):  # the cell's rounds: one optimiser throughout (optim.reset_each_round: false)
+        client.train_round(ctx, r, on_step=on_step)
     run_f = {"snaps": snaps_f, "steps": steps_f[0], "cpu": round(time.process_time() - t0, 1)}
 
     # the trained models on the same test inputs: logits and accuracy (the script's compute_accuracy)
@@ -409,7 +422,7 @@ def main(argv=None) -> int:
     ap.add_argument("--alpha", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--client", type=int, default=0)
-    ap.add_argument("--epochs", type=int, default=2, help="local epochs compared (at most the cell's first round)")
+    ap.add_argument("--epochs", type=int, default=2, help="local epochs compared: up to a round, or whole rounds")
     ap.add_argument("--table", type=Path, default=TABLE)
     ap.add_argument("--saved-clients", type=Path, help="reference_fedlpa's clients/ directory of the same cell: "
                                                         "the server part runs over them")
@@ -428,10 +441,10 @@ def main(argv=None) -> int:
     import torch
 
     t_wall, t_cpu = time.time(), time.process_time()
-    spec, cell, cfg, full_epochs = flare_config(a.table, a.alpha, a.seed, a.epochs, a.set)
-    if not 1 <= a.epochs <= full_epochs:
-        print(f"reference_fedlpa_oracle: --epochs must be 1..{full_epochs} (the cell's first round).", file=sys.stderr)
+    if a.epochs < 1:
+        print("reference_fedlpa_oracle: --epochs must be at least 1.", file=sys.stderr)
         return 2
+    spec, cell, cfg, full_epochs, rounds = flare_config(a.table, a.alpha, a.seed, a.epochs, a.set)
     setup, client = flare_client(cfg, a.client)
     run_dir = (a.runs / f"a{a.alpha:g}-s{a.seed}").resolve()
     raw = run_dir / "data" / "FashionMNIST" / "raw"
@@ -444,14 +457,15 @@ def main(argv=None) -> int:
     args, e_args, flags, e_flags = their_args(L, E, cell, run_dir, a.epochs, cfg)
     shown = {name: [f for f in fl if not f.startswith(("--datadir", "--logdir"))]  # scratch paths left out
              for name, fl in (("our_script", flags), ("fedavg_script", e_flags))}
-    pos, prefix_ok = plan_positions(client, setup.ctx, full_epochs)
+    pos, prefix_ok = plan_positions(client, setup.ctx, full_epochs, rounds)
     rec = {"tool": "benchmarks/reference_fedlpa_oracle.py", "reference": "lebronlambert/FedLPA_NeurIPS2024 "
            "experiments_our.py", "commit": subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"],
                                                          capture_output=True, text=True).stdout.strip() or None,
            "table": spec["table"], "flare_cell": cell["name"], "alpha": a.alpha, "seed": a.seed,
            "flare_overrides": a.set, "script_flags": shown,
            "same_threshold": SAME, "plan_is_the_cells_first_epochs": prefix_ok,
-           "local": local_part(L, E, args, e_args, setup, client, pos, a.epochs)}
+           "flare_rounds": rounds,
+           "local": local_part(L, E, args, e_args, setup, client, pos, a.epochs, rounds)}
     if a.saved_clients:
         rec["server"] = server_part(L, main_block, args, setup, a.saved_clients)
     rec.update(torch=torch.__version__, threads=torch.get_num_threads(), cpu_model=ref.cpu_model(),

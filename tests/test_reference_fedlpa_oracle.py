@@ -168,12 +168,12 @@ def _rendered(tmp_path: Path, rec: dict) -> str:
     return "\n".join(papers.oracle_lines(d.parent))
 
 
-def _run(tmp_path: Path, checkout: Path, *extra: str) -> dict:
+def _run(tmp_path: Path, checkout: Path, *extra: str, epochs: int = 2) -> dict:
     data = tmp_path / "fmnist"
     if not data.is_dir():
         _data(data)
     record = tmp_path / "oracle.json"
-    r = subprocess.run([sys.executable, str(TOOL), "--checkout", str(checkout), "--epochs", "2",
+    r = subprocess.run([sys.executable, str(TOOL), "--checkout", str(checkout), "--epochs", str(epochs),
                         "--runs", str(tmp_path / "runs"), "--record", str(record),
                         "--set", f"dataset.root={data}", "--set", f"dataset.cache_dir={tmp_path / 'cache'}",
                         "--set", "num_clients=2", "--set", "batch_size=16", "--set", "test_batch_size=16", *extra],
@@ -185,17 +185,18 @@ def _run(tmp_path: Path, checkout: Path, *extra: str) -> dict:
 def test_a_script_that_trains_as_flare_does_is_found_equal_step_for_step_and_its_aggregation_agrees(tmp_path):
     saved = tmp_path / "clients"
     _saved_clients(saved, 2)
-    rec = _run(tmp_path, _checkout(tmp_path / "ref", "args.rho"), "--saved-clients", str(saved))
+    # two of the cell's rounds of 10 epochs: FLARE's optimiser carried across the boundary, the script's one loop
+    rec = _run(tmp_path, _checkout(tmp_path / "ref", "args.rho"), "--saved-clients", str(saved), epochs=20)
     loc = rec["local"]
     assert loc["inputs"] == {"max_abs_diff": 0.0, "labels_equal": True}
     spe = loc["steps_per_epoch"]
     assert spe == -(-loc["samples"] // 16) and loc["optimizer_steps"] == {
-        "our_script": 2 * spe, "fedavg_script": 2 * spe, "flare": 2 * spe}
-    # the planned batches reached the epochs (passes 1 and 2), not the accuracy or statistics passes around them
-    assert loc["loader_passes_with_steps"] == {"our_script": [1, 2], "fedavg_script": [1, 2]}
+        "our_script": 20 * spe, "fedavg_script": 20 * spe, "flare": 20 * spe} and rec["flare_rounds"] == 2
+    # the planned batches reached the epochs (passes 1..20), not the accuracy or statistics passes around them
+    assert loc["loader_passes_with_steps"] == {"our_script": list(range(1, 21)), "fedavg_script": list(range(1, 21))}
     for pair in ("our_script_vs_flare", "our_script_vs_fedavg_script"):
         assert loc[pair]["verdict"] == "same" and loc[pair]["first_divergence"] is None
-        assert [r["step"] for r in loc[pair]["steps"]][-1] == 2 * spe
+        assert [r["step"] for r in loc[pair]["steps"]][-1] == 20 * spe
         assert all(r["max_abs_diff"] <= 1e-5 and min(r["max_abs_update"]) > 0 for r in loc[pair]["steps"])
     assert loc["final_logits_max_abs_diff_our_script_vs_flare"] <= 1e-4
     assert rec["plan_is_the_cells_first_epochs"] is True
@@ -218,6 +219,7 @@ def test_a_fedavg_script_without_momentum_is_caught_at_step_two(tmp_path):
     other = loc["our_script_vs_fedavg_script"]
     assert other["verdict"] == "differs" and other["first_divergence"]["step"] == 2  # step 1: the buffer is the grad
     assert other["steps"][0]["step"] == 1 and other["steps"][0]["max_abs_diff"] <= 1e-5
+    assert rec["flare_rounds"] == 1 and rec["plan_is_the_cells_first_epochs"] is True  # 2 of the round's 10 epochs
     assert "server" not in rec
     text = _rendered(tmp_path, rec)
     assert "`experiments_our.py` ↔ `experiments.py` apart from step 2 on" in text and "K-FAC" not in text

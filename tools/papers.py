@@ -1260,8 +1260,11 @@ def oracle_lines(table_dir: Path) -> list[str]:
 
         acc = loc["test_accuracy"]
         out.append(
-            f"Client {loc['client']} ({loc['samples']:,} images, seed {r['seed']}, β = {r['alpha']:g}), {loc['epochs']} "
-            f"local epochs ({loc['optimizer_steps']['flare']} steps) from FLARE's init over FLARE's batch order, the "
+            f"Client {loc['client']} ({loc['samples']:,} images, seed {r['seed']}, β = {r['alpha']:g}), "
+            f"{loc['epochs']} local epochs ({loc['optimizer_steps']['flare']} steps"
+            + (f"; in FLARE {r['flare_rounds']} of the cell's rounds, one optimiser across them"
+               if r.get("flare_rounds", 1) > 1 else "") +
+            f") from FLARE's init over FLARE's batch order, the "
             f"script's own loader serving them: `experiments_our.py` ↔ FLARE {verdict(loc['our_script_vs_flare'])}, "
             f"`experiments_our.py` ↔ `experiments.py` {verdict(loc['our_script_vs_fedavg_script'])} (parameters "
             f"after steps 1, 2, 5 and every epoch; \"same\" up to {r['same_threshold']:g}); test accuracy "
