@@ -1114,6 +1114,7 @@ def render(results: Path = RESULTS, img_dir: Path | None = None, reference: Path
                              f"{'—' if pub is None or n == 0 else f'{mf - pub:+.2f}'} |")
         lines += separation_lines(rows)
         lines += gap_lines(rows)
+        lines += oracle_lines(reference / spec["table"])
         if spec.get("published_source"):  # where the paper column's numbers were read, and how sure that is
             lines += ["", f"The paper's numbers: {' '.join(spec['published_source'].split())}"]
         lines += spread_lines(spec, metas)
@@ -1235,6 +1236,56 @@ def gap_lines(rows: list[dict]) -> list[str]:
         out.append(f"{head}. " + "; ".join(parts)[:1].upper() + "; ".join(parts)[1:] + ".")
     return ["", f"Where the gap lies, for cells more than {GAP:g} points from the paper with a finished run of its "
                 "code (each side at the paper's rule):", "", *[f"* {line}" for line in out]] if out else []
+
+
+def oracle_lines(table_dir: Path) -> list[str]:
+    """What benchmarks/reference_fedlpa_oracle.py measured on identical tensors (its records under
+    <table>/oracle/*.json): the paper's client code against FLARE's and against its own FedAvg script, step by step,
+    and its aggregation against FLARE's over the clients its own run trained. A file that does not parse is skipped."""
+    out = []
+    for f in sorted((table_dir / "oracle").glob("*.json")) if (table_dir / "oracle").is_dir() else []:
+        try:
+            r = json.loads(f.read_text())
+            loc = r["local"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        name = f"`{f.relative_to(table_dir.parent).as_posix()}`"
+
+        def verdict(pair: dict) -> str:
+            d = pair["first_divergence"]
+            if d is None:
+                top = max(row["max_abs_diff"] for row in pair["steps"])
+                return ("bit-identical" if top == 0 else f"the same (largest difference {top:.1e})")
+            return f"apart from step {d['step']} on ({d['max_abs_diff']:.1e} in `{d['worst_tensor']}`)"
+
+        acc = loc["test_accuracy"]
+        out.append(
+            f"Client {loc['client']} ({loc['samples']:,} images, seed {r['seed']}, β = {r['alpha']:g}), "
+            f"{loc['epochs']} local epochs ({loc['optimizer_steps']['flare']} steps"
+            + (f"; in FLARE {r['flare_rounds']} of the cell's rounds, one optimiser across them"
+               if r.get("flare_rounds", 1) > 1 else "") +
+            f") from FLARE's init over FLARE's batch order, the "
+            f"script's own loader serving them: `experiments_our.py` ↔ FLARE {verdict(loc['our_script_vs_flare'])}, "
+            f"`experiments_our.py` ↔ `experiments.py` {verdict(loc['our_script_vs_fedavg_script'])} (parameters "
+            f"after steps 1, 2, 5 and every epoch; \"same\" up to {r['same_threshold']:g}); test accuracy "
+            f"{acc['our_script']:.2f} (`experiments_our.py`), {acc['fedavg_script']:.2f} (`experiments.py`) and "
+            f"{acc['flare']:.2f} (FLARE) ({name}).")
+        srv = r.get("server")
+        if srv:
+            sc, cf, rf = srv["script"], srv["flare_merge_closed_form"], srv["flare_merge_refined"]
+            out.append(
+                f"Over the {len(srv['weights'])} clients `experiments_our.py` trained at the cell, with its K-FAC "
+                f"factors: its own aggregation scores FedAvg {sc['fedavg']:.2f}, biased {sc['biased']:.2f} and newton "
+                f"{sc['newton']:.2f} (the newton steps move the closed form by at most "
+                f"{sc['newton_vs_biased_max_abs_diff']:.1e}); FLARE's `merge` on the same weights and factors: closed "
+                f"form {cf['acc']:.2f} (at most {cf['max_abs_diff_vs_script_biased']:.1e} from the script's), "
+                f"refined {rf['acc']:.2f}; `fedlpa_reference`'s factors within "
+                f"{srv['flare_fedlpa_reference']['factors_max_relative_diff_vs_script']:.1e} (relative) of the "
+                f"script's, {srv['flare_fedlpa_reference']['acc']:.2f}; the table's `fedlpa` with its own factors "
+                f"{srv['flare_fedlpa']['acc']:.2f} ({name}).")
+    return ["", "On identical tensors (`benchmarks/reference_fedlpa_oracle.py`: the paper's code and FLARE in one "
+                "process, from the same weights over the same batches):", "", *[f"* {line}" for line in out]] \
+        if out else []
 
 
 def _cell_config(d: Path) -> dict:
