@@ -143,3 +143,31 @@ def test_an_edge_choice_in_an_older_record_is_completed_reusing_its_fits(monkeyp
     new = fb.run_cell("ridge", x, y, x, y, holdout=40, done=old["candidates"])
     assert new["chosen"] == 0.1 and PeakedAt.fits == [0.1, 0.01, 0.1]  # two new candidates, then the refit
     assert not fb.stale(new)
+
+
+def test_fed3r_rf_runs_with_the_held_out_choice_and_leaves_the_cells_past_the_budget(tmp_path):
+    fg = tool("frozen_grid")
+    assert fg.fed3r_rf_method(choices=tmp_path) is None  # no choice recorded: no Fed3R-RF run
+    opts = fg.load_config(fg.CONFIG_224).dataset.options
+    name = f"fed3r-rf-{opts['encoder']}-224px-{opts['resize']}-stages{opts['stages']}-D4096-seed1.json"
+    (tmp_path / name).write_text(json.dumps({"random_features": 4096, "kernel_width": 126.5, "ridge": 0.001}))
+    preset, ov = fg.fed3r_rf_method(choices=tmp_path)
+    assert preset == "fedavg" and "eval.rules=[primary,fed3r]" in ov
+    assert {"server.strategies.fed3r.kernel_width=126.5", "server.strategies.fed3r.ridge=0.001",
+            "server.strategies.fed3r.random_features=4096"} <= set(ov)
+    assert fg.rf_fits(10, 4096) and not fg.rf_fits(50, 4096)
+    pts = fg.points(Path("runs/x"), "224", methods={"fed3r-rf": (preset, ov)})
+    assert {d.parent.parent.name.split("-")[1] for d, _, _ in pts} == {"K5", "K10"} and len(pts) == 3 * 2 * 3
+
+
+@pytest.mark.parametrize("argv,says", [(["--methods", "fedavg,svm"], "unknown method"),
+                                       (["--methods", "fedavg"], "--grid 224"),
+                                       (["--limit", "0"], "--limit")])
+def test_bad_grid_selection_is_exit_2_one_paragraph_nothing_written(argv, says, tmp_path, capsys):
+    fg = tool("frozen_grid")
+    out = tmp_path / "runs"
+    grid = [] if says == "--grid 224" else ["--grid", "224"]
+    assert fg.main([*grid, *argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1, err
+    assert not out.exists()

@@ -71,6 +71,30 @@ METHODS_224 = {  # the run with the statistics heads first: two of them side by 
     "flare": ("flare", ["eval.rules=[primary]"]),
 }
 HEADS_ONLY = {"fedavg": METHODS_224["fedavg"]}  # --encoder: the run that carries the closed-form heads
+# Fed3R with random features: its own upload (D × D second moments, not the shared statistics), so its own head-only
+# run, with the σ and λ that tools/fed3r_rf.py chose on the held-out training slice (`fed3r_rf_method`).
+CHOICES_224 = ROOT / "results" / "frozen-encoder-224" / "choices"
+
+
+def fed3r_rf_method(config: Path = CONFIG_224, extra: list[str] | None = None, choices: Path = CHOICES_224):
+    """("fedavg", overrides) of the Fed3R-RF run at this config's features, or None when tools/fed3r_rf.py has
+    not chosen its σ and λ for them (then the grid runs without it and the block says so)."""
+    opts = load_config(config, None, extra or []).dataset.options
+    res = opts["resolution"] or NATIVE_RESOLUTION[opts["encoder"]]
+    hits = sorted(choices.glob(f"fed3r-rf-{opts['encoder']}-{res}px-{opts['resize']}-stages{opts['stages']}-D*-"
+                               f"seed{SEEDS[0]}.json"))
+    if not hits:
+        return None
+    rec = json.loads(hits[-1].read_text())
+    return ("fedavg", ["model.options.dim=0", "eval.rules=[primary,fed3r]",
+                       f"server.strategies.fed3r.random_features={rec['random_features']}",
+                       f"server.strategies.fed3r.kernel_width={rec['kernel_width']!r}",
+                       f"server.strategies.fed3r.ridge={rec['ridge']!r}"])
+
+
+def rf_fits(k: int, features: int) -> bool:
+    """Whether K clients' D × D float64 Fed3R-RF second moments fit the grid's memory budget at the server."""
+    return k * features ** 2 * 8 <= STATISTICS_BUDGET
 
 
 def statistics_fit(k: int, dim: int, classes: int = 10) -> bool:
@@ -109,6 +133,9 @@ def points(out: Path, grid: str = "64", extra: list[str] | None = None, methods:
         [(s, k, a) for k in RUN_ORDER for a in ALPHAS for s in SEEDS]
     for s, k, a in order:
         for name, (preset, ov) in methods.items():
+            if name == "fed3r-rf" and not rf_fits(k, int(next(o for o in ov if "random_features=" in o)
+                                                        .split("=")[1])):
+                continue
             if grid != "64" and name == "fedavg" and statistics_fit(k, dim):
                 ov = [o.replace("]", "," + ",".join(STATISTICS) + "]") if o.startswith("eval.rules=") else o
                       for o in ov]
@@ -292,7 +319,7 @@ TRAINED_224 = [("FAFI-adapter", "fafi", "acc"), ("FLARE-adapter", "flare", "acc"
 CLOSED_224 = [("FedCGS", "fedavg", "acc_fedcgs"), ("GH-NB", "fedavg", "acc_gh_nb"), ("GH-LDA", "fedavg", "acc_gh_lda"),
               ("GH-QDA", "fedavg", "acc_gh_qda"), ("GH-FisherMix", "fedavg", "acc_gh_fishermix"),
               ("GH-Proto-Hyper", "fedavg", "acc_gh_protohyper"), ("Fed3R", "fedavg", "acc_fed3r"),
-              ("AFL", "fedavg", "acc_afl"), ("FedNCM", "fedavg", "acc_fedncm")]
+              ("AFL", "fedavg", "acc_afl"), ("FedNCM", "fedavg", "acc_fedncm"), ("Fed3R-RF", "fed3r-rf", "acc_fed3r")]
 BOUND_HEADS = [("lda", "LDA (shrinkage)"), ("qda", "QDA (reg_param)"), ("gnb", "GaussianNB (var_smoothing)"),
                ("ridge", "Ridge (alpha)"), ("logreg", "LogisticRegression (C)")]
 PUBLISHED = "published-gh-ofl.json"  # GH-OFL's CIFAR-10 row, as its paper prints it (a record, not a run)
@@ -319,6 +346,19 @@ def _grid_acc(out: Path, rows: list, cells: list) -> dict:
         runs = {m: _runs(out / f"a{a}-K{k}" / m) for m in {m for _, m, _ in rows}}
         acc[(a, k)] = {label: _finite({s: r.final(key) for s, r in runs[m].items()}) for label, m, key in rows}
     return acc
+
+
+def rf_note(out: Path) -> str:
+    """What the Fed3R-RF column ran with: its options, from a finished run's own config."""
+    cfg = next(iter(sorted(out.glob("a*-K*/fed3r-rf/seed=*/config.yaml"))), None)
+    if cfg is None:
+        return ("; Fed3R-RF, Fed3R on random Fourier features in a head-only run of its own, not run yet: "
+                "`python tools/fed3r_rf.py` chooses its σ and λ on the held-out slice first")
+    o = __import__("yaml").safe_load(cfg.read_text())["server"]["strategies"]["fed3r"]
+    return (f"; Fed3R-RF in a head-only run of its own: D = {o['random_features']:,} random Fourier features, "
+            f"σ = {o['kernel_width']:.2f}, λ = {o['ridge']:g}, chosen on the held-out training slice by "
+            f"`tools/fed3r_rf.py` (never the test set); not at K = 50, whose K × D² float64 second moments pass the "
+            f"grid's {STATISTICS_BUDGET / 2**30:.0f} GiB budget")
 
 
 def render_224(base: Path) -> str:
@@ -413,7 +453,7 @@ def render_224(base: Path) -> str:
               + (f"; not scored at K = {', '.join(map(str, no_stat_k))}: the server would hold K per-class second "
                  f"moments, K × 10 × d² float64, past the grid's {STATISTICS_BUDGET / 2**30:.0f} GiB budget — every "
                  "such head is the same for every K, as the distinct values below show" if no_stat_k else "")
-              + "):\n\n" + t2,
+              + ")" + rf_note(out) + ":\n\n" + t2,
               "Each method against FAFI-adapter, paired by seed (same partition): mean difference in points [95 % CI]; "
               "**bold**: Holm-adjusted p < 0.05 over this table.\n\n" + t3,
               *(["Distinct accuracies of each closed-form head over every finished (α, K, seed): "
@@ -472,9 +512,9 @@ def render_224(base: Path) -> str:
                      + md_table(["mixture per class (sent in float16)", "head: 1 epoch (the baseline's)",
                                  "head: 10 epochs", "EM iterations a class", "mixtures' seconds"], rows))
     # cost
-    secs = {m: [] for m in METHODS_224}
+    secs = {m: [] for m in (*METHODS_224, "fed3r-rf")}
     for a, k in cells:
-        for m in METHODS_224:
+        for m in secs:
             for s, r in _runs(out / f"a{a}-K{k}" / m).items():
                 point = out / f"a{a}-K{k}" / m / f"seed={s}" / "sweep_point.json"
                 secs[m].append(json.loads(point.read_text())["seconds"] if point.exists() else r.rounds[-1]["seconds"])
@@ -485,7 +525,7 @@ def render_224(base: Path) -> str:
     elapsed = (max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0.0
     parts.append("Cost (the feature cache not included):\n\n" + md_table(["what", "measured"], [
         *[[f"one `{m}` run, wall (load the cache, train, every strategy it scores), median", med(secs[m])]
-          for m in METHODS_224],
+          for m in secs if secs[m] or m in METHODS_224],
         ["all finished runs, their wall times summed", f"{total / 60:.1f} min"],
         ["the grid, first run's start to last run's end (two runs side by side, on 2 cores shared with other jobs)",
          f"{elapsed / 60:.1f} min"]]))
@@ -521,6 +561,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed-major", action="store_true", help="every cell's first seed before any cell's second")
     ap.add_argument("--record", action="store_true", help="commit each finished run's records (results/)")
     ap.add_argument("--list", action="store_true", help="print finished and remaining runs, run nothing")
+    ap.add_argument("--methods", default=None, help="--grid 224 only: run only these methods (comma-separated: "
+                                                    "fedavg, fafi, flare, fed3r-rf)")
+    ap.add_argument("--limit", type=int, default=None, help="run at most this many of the remaining runs")
     args = ap.parse_args(argv)
     os.chdir(ROOT)  # the config's dataset root is relative to the checkout
     out = (ROOT / args.out) if not Path(args.out).is_absolute() else Path(args.out)
@@ -531,9 +574,26 @@ def main(argv=None) -> int:
                              fix="add --grid 224, or leave --encoder out.")
         extra = encoder_overrides(args.encoder) if args.encoder else []
         config, block = (CONFIG, "frozen-encoder") if args.grid == "64" else (CONFIG_224, "frozen-encoder-224")
-        methods = HEADS_ONLY if args.encoder else None
+        methods = dict(HEADS_ONLY if args.encoder else METHODS_224) if args.grid == "224" else None
+        if methods is not None and (rf := fed3r_rf_method(config, extra)) is not None:
+            methods["fed3r-rf"] = rf
+        if args.methods is not None:
+            if args.grid != "224":
+                raise FlareError("--methods picks among the 224 grid's runs.", key="--methods",
+                                 fix="add --grid 224, or leave --methods out.")
+            want = [m.strip() for m in args.methods.split(",") if m.strip()]
+            if bad := [m for m in want if m not in (*METHODS_224, "fed3r-rf")]:
+                raise FlareError(f"unknown method(s) {bad}.", key="--methods",
+                                 fix=f"choose among {', '.join([*METHODS_224, 'fed3r-rf'])}.")
+            if "fed3r-rf" in want and "fed3r-rf" not in methods:
+                raise FlareError("Fed3R-RF has no σ and λ chosen for these features.", key="--methods",
+                                 fix="run python tools/fed3r_rf.py first (it chooses them on the held-out slice).")
+            methods = {m: methods[m] for m in want}
+        if args.limit is not None and args.limit < 1:
+            raise FlareError(f"--limit {args.limit} is not a positive number of runs.", key="--limit",
+                             fix="give 1 or more, or leave --limit out.")
         grid_points = points(out, args.grid, extra, methods, args.seed_major)
-        todo = [p for p in grid_points if not finished(p[0])]
+        todo = [p for p in grid_points if not finished(p[0])][:args.limit]
         if args.list:
             for d, preset, ov in grid_points:
                 print(("finished " if finished(d) else "remaining ") + str(d.relative_to(ROOT)))
