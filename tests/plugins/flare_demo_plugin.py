@@ -23,15 +23,15 @@ class CenterOptions(TermOptions):
 
 
 @LOSS_TERMS.register("demo_center", options=CenterOptions)
-def demo_center(batch, options):
+def demo_center(facts, options):
     """Pull feature norms towards `radius`: mean (‖f‖ − r)²."""
-    return (batch.feat.float().norm(dim=1) - options.radius).pow(2).mean()
+    return lambda batch: (batch.feat.float().norm(dim=1) - options.radius).pow(2).mean()
 
 
 @LOSS_TERMS.register("demo_host_mean")
-def demo_host_mean(batch, options):
+def demo_host_mean(facts, options):
     """Reads a value back to the host (`float(...)`): fine one client at a time, not vmappable."""
-    return batch.feat.new_tensor(float(batch.feat.float().mean())) * 0.0 + batch.feat.float().mean()
+    return lambda batch: batch.feat.new_tensor(float(batch.feat.float().mean())) * 0.0 + batch.feat.float().mean()
 
 
 class ConstantLamOptions(BaseModel):
