@@ -298,9 +298,9 @@ from flare.models import register_model
 
 
 @register_model("ln_mlp")
-def ln_mlp(in_channels, width):
+def ln_mlp(facts, options):
     """Pool, flatten, a Linear and a LayerNorm: a layer FedLPA does not merge."""
-    enc = nn.Sequential(nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(in_channels * 16, 16), nn.LayerNorm(16),
+    enc = nn.Sequential(nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(facts.in_channels * 16, 16), nn.LayerNorm(16),
                         nn.ReLU())
     enc.feature_dim = 16
     return enc

@@ -26,7 +26,7 @@ def refuses(kind: str):
 
 
 @register_model("picky_model", check=refuses("model"))
-def picky_model(in_channels: int, width: float) -> nn.Module:
+def picky_model(facts, options) -> nn.Module:
     """A linear encoder."""
     enc = nn.Sequential(nn.Flatten(), nn.LazyLinear(8))
     enc.feature_dim = 8
@@ -34,7 +34,7 @@ def picky_model(in_channels: int, width: float) -> nn.Module:
 
 
 @register_dataset("picky_data", num_classes=2, check=refuses("dataset"))
-def picky_data(options):
+def picky_data(facts, options):
     """Never built: the config refuses first."""
     raise AssertionError("not reached")
 
