@@ -188,7 +188,7 @@ class _BNNet(nn.Module):
 def evaluate(models, w, G, x, y, norm, *, rules, **kw):
     """The built-in rules by name over the models, through their strategies (softmax ensemble, averaged buffers)."""
     cfg = load_config(None, "fafi", ["server.strategies.output.ensemble=softmax", "server.strategies.fedavg.buffers=average"])
-    preds = {n: make_strategy(cfg, n).predictor(ServerContext(cfg, 0, [], models, w, G, None)) for n in rules}
+    preds = {n: make_strategy(cfg, n).predictor(ServerContext(0, [], models, w, G, None)) for n in rules}
     return evaluate_predictors(models, preds, x, y, norm, **kw)
 
 

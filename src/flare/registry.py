@@ -131,7 +131,7 @@ class Registry:
     (imported on first use); `default_options` is the options model of the entries that declare none (loss terms:
     `TermOptions`, every term has a weight)."""
 
-    def __init__(self, kind: str, key: str, signature: type | str, facts: type | str,
+    def __init__(self, kind: str, key: str, signature: type | str, facts: type | str | None,
                  default_options: type[BaseModel] | None = None):
         self.kind, self.key, self.default_options = kind, key, default_options
         self._signature, self._facts = signature, facts
@@ -147,9 +147,9 @@ class Registry:
         return self._signature
 
     @property
-    def facts(self) -> type:
+    def facts(self) -> type | None:
         """The frozen dataclass of the run facts an entry is built from (`create`), declared beside the Protocol
-        (named by its name in the Protocol's module, or given as a class)."""
+        (named by its name in the Protocol's module, or given as a class); None: its entries are not built here."""
         if isinstance(self._facts, str):
             self._facts = getattr(sys.modules[self.signature.__module__], self._facts)
         return self._facts
@@ -283,8 +283,9 @@ class Registry:
         frozen dataclass beside its Protocol), never the Config, so a part depends on no key it does not declare;
         `options`: a mapping validated here by the part's model (errors under `where`), or a model the config
         validated. `key` blames an unknown name (the registry's own key); a None entry builds None."""
-        if not isinstance(facts, self.facts):
-            raise TypeError(f"{self.kind} '{name}' is built from {self.facts.__name__}, got {type(facts).__name__}")
+        if self.facts is None or not isinstance(facts, self.facts):
+            raise TypeError(f"{self.kind} '{name}' is built from {getattr(self.facts, '__name__', 'nothing')}, got "
+                            f"{type(facts).__name__}")
         obj, where = self.get(name, key), where or self.key.rsplit(".", 1)[0] + ".options"
         opts = options if isinstance(options, BaseModel) else self.options(name, options, where)
         return obj(facts, opts) if obj is not None else None
@@ -339,9 +340,10 @@ OBJECTIVES = Registry("local objective", "loss.objective", "flare.client.objecti
 LOSS_TERMS = Registry("loss term", "loss.terms", "flare.client.terms.extra:LossTermFn", "TermFacts",
                       default_options=TermOptions)
 STRATEGIES = Registry("server strategy", "server.primary", "flare.server.strategy:StrategyClass", "StrategyFacts")
-# The client engines (`client_engine`, a closed choice: not a plugin point, so not in REGISTRIES): each engine's
-# class states what it cannot run with `check(cfg)`, which the config's validation calls.
-CLIENT_ENGINES = Registry("client engine", "client_engine", "flare.client.trainer:ClientEngineClass", "EngineFacts")
+# The client engines (`client_engine`, a closed choice: not a plugin point, so not in REGISTRIES, and not built
+# here — the runner runs the one named): each engine's class states what it cannot run with `check(cfg)`, which the
+# config's validation calls.
+CLIENT_ENGINES = Registry("client engine", "client_engine", "flare.client.trainer:ClientEngineClass", None)
 REGISTRIES = {"models": MODELS, "datasets": DATASETS, "partitions": PARTITIONS,
               "reference-partitions": REFERENCE_PARTITIONS, "input-scalings": SCALINGS, "anchors": ANCHORS,
               "lam-providers": LAM_PROVIDERS, "schedules": SCHEDULES, "progress": PROGRESS, "surgery": SURGERY,

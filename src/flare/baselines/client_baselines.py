@@ -83,7 +83,7 @@ class FedProto(Strategy):
         logs = {"classes_held": float(present.sum())}
         if self.fused:
             return _FusedProtoPredictor(ctx.weights, protos, present, logs)
-        avg = fedavg_model(ctx.models, ctx.weights, FedAvgRule.options_in(self.cfg).buffers)
+        avg = fedavg_model(ctx.models, ctx.weights, self.options_of(FedAvgRule).buffers)
         return _FedAvgProtoPredictor(avg, protos, present, logs)
 
 
