@@ -9,7 +9,6 @@ import torch.nn.functional as F
 
 from flare.cli import main
 from flare.client.lam import LamProvider, entropy_lambda, initial_lambda
-from flare.schedules import ScheduleFacts
 from flare.client.surgery import pcgrad_backward
 from flare.client.terms.align import AnchorFacts, align_loss, align_target, simplex_etf
 from flare.client.terms.banks import (MemoryBank, MemoryBankExtension, PublicBankExtension,
@@ -21,7 +20,7 @@ from flare.config import ServerCfg, build_config, list_presets, load_config
 from flare.data.datasets import ImageData
 from flare.errors import FlareError
 from flare.models import create_model
-from flare.registry import ANCHORS, CONTRAST, SCHEDULES
+from flare.registry import ANCHORS, CONTRAST, SCHEDULES, NoFacts
 from flare.schedules import LRSchedule
 from flare.server.protos import global_prototypes
 from flare.server.protos import train_global_prototypes
@@ -129,17 +128,17 @@ def test_align_loss_and_progressive_target():
 
 @pytest.mark.parametrize("name,values", [("constant", (1, 1, 1)), ("linear", (1, 0.5, 0)), ("cosine", (1, 0.5, 0))])
 def test_schedule_values(name, values):
-    f = SCHEDULES.create(name, ScheduleFacts())
+    f = SCHEDULES.create(name, NoFacts())
     assert [f(p) for p in (0.0, 0.5, 1.0)] == pytest.approx(values, abs=1e-12)
 
 
 def test_cosine_differs_from_linear_inside():
-    assert SCHEDULES.create("cosine", ScheduleFacts())(0.25) == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
+    assert SCHEDULES.create("cosine", NoFacts())(0.25) == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
 
 
 def test_unknown_schedule_names_the_key():
     with pytest.raises(FlareError) as e:
-        SCHEDULES.create("exp", ScheduleFacts(), key="align.schedule")
+        SCHEDULES.create("exp", NoFacts(), key="align.schedule")
     assert e.value.key == "align.schedule"
 
 

@@ -13,9 +13,9 @@ import yaml
 from flare.cli import main
 from flare.config import build_config
 from flare.errors import FlareError
-from flare.registry import MODELS, Registry
+from flare.registry import MODELS, NoFacts, Registry
 from flare.rundir import read_jsonl
-from flare.schedules import ScheduleFacts, ScheduleFn
+from flare.schedules import ScheduleFn
 
 ROOT = Path(__file__).resolve().parents[1]
 LAM = 0.4242  # the demo λ provider's constant: no built-in part produces it
@@ -43,7 +43,7 @@ def assert_plugin_parts_ran(run_dir: Path) -> None:
 
 
 def test_reregistering_a_name_raises_unless_overwrite():
-    reg = Registry("thing", "demo.key", ScheduleFn, ScheduleFacts)
+    reg = Registry("thing", "demo.key", ScheduleFn, NoFacts)
     reg.register("a", 1)
     with pytest.raises(FlareError) as e:
         reg.register("a", 2)
@@ -187,7 +187,7 @@ def test_listings_include_plugin_parts(capsys):
     for name in ("demo_center", "demo_constant", "demo_mlp", "demo_blobs", "demo_round_robin"):
         assert re.search(rf"^\s+{name}\s", out, re.M), name
     assert "options: weight: float = 1.0, radius: float = 1.0" in out  # each option's name, type and default
-    assert "loss-terms (loss.terms): fn(facts: TermFacts, options: TermOptions) -> Term" in out  # what it is
+    assert "loss-terms (loss.terms): fn(facts: NoFacts, options: TermOptions) -> Term" in out  # what it is
     assert main(["models", "--plugin", "flare_demo_plugin"]) == 0
     assert "demo_mlp" in capsys.readouterr().out.split()
 

@@ -88,6 +88,11 @@ def nonfinite_option(model: BaseModel) -> str | None:
 Seed = Annotated[int, Field(ge=0, lt=2 ** 32)]
 
 
+@dataclass(frozen=True)
+class NoFacts:
+    """The facts of a kind whose parts need nothing of the run (schedules, surgery, loss terms): options alone."""
+
+
 class TermOptions(BaseModel):
     """The options every loss term has (`loss.terms.<name>.weight`); a term's own options model subclasses this."""
 
@@ -332,12 +337,12 @@ REFERENCE_PARTITIONS = Registry("reference partition draw", "partition.kind", "f
 ANCHORS = Registry("anchor kind", "align.anchors", "flare.client.terms.align:AnchorFn", "AnchorFacts")
 SCALINGS = Registry("input scaling", "augment.input_scaling", "flare.data.scaling:ScalingFn", "ScalingFacts")
 LAM_PROVIDERS = Registry("λ provider", "lam.learner", "flare.client.lam:LamProviderBuilder", "LamFacts")
-SCHEDULES = Registry("schedule", "align.schedule", "flare.schedules:ScheduleFn", "ScheduleFacts")
+SCHEDULES = Registry("schedule", "align.schedule", "flare.schedules:ScheduleFn", NoFacts)
 PROGRESS = Registry("progress", "progress", "flare.schedules:ProgressFn", "ProgressFacts")
-SURGERY = Registry("gradient surgery", "align.surgery", "flare.client.surgery:SurgeryFn", "SurgeryFacts")
+SURGERY = Registry("gradient surgery", "align.surgery", "flare.client.surgery:SurgeryFn", NoFacts)
 CONTRAST = Registry("contrast bank", "loss.contrast", "flare.client.terms.banks:ContrastBankFn", "BankFacts")
 OBJECTIVES = Registry("local objective", "loss.objective", "flare.client.objective:ObjectiveFn", "ObjectiveFacts")
-LOSS_TERMS = Registry("loss term", "loss.terms", "flare.client.terms.extra:LossTermFn", "TermFacts",
+LOSS_TERMS = Registry("loss term", "loss.terms", "flare.client.terms.extra:LossTermFn", NoFacts,
                       default_options=TermOptions)
 STRATEGIES = Registry("server strategy", "server.primary", "flare.server.strategy:StrategyClass", "StrategyFacts")
 # The client engines (`client_engine`, a closed choice: not a plugin point, so not in REGISTRIES, and not built

@@ -10,18 +10,13 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from flare.errors import FlareError
-from flare.registry import PROGRESS, SCHEDULES
-
-
-@dataclass(frozen=True)
-class ScheduleFacts:
-    """What a schedule is built from: nothing of the run — a(p) is a function of progress alone."""
+from flare.registry import PROGRESS, SCHEDULES, NoFacts
 
 
 class ScheduleFn(Protocol):
     """What `SCHEDULES` holds: built by `SCHEDULES.create` (align.schedule, lam.anneal), a(p) of progress
     p ∈ [0, 1]."""
-    def __call__(self, facts: ScheduleFacts, options: None) -> Callable[[float], float]: ...
+    def __call__(self, facts: NoFacts, options: None) -> Callable[[float], float]: ...
 
 
 def _schedule(name: str, a: Callable[[float], float], description: str) -> None:

@@ -28,8 +28,7 @@ from torch import Tensor
 
 from flare.config import Config
 from flare.errors import FlareError
-from flare.registry import LAM_PROVIDERS, SCHEDULES
-from flare.schedules import ScheduleFacts
+from flare.registry import LAM_PROVIDERS, SCHEDULES, NoFacts
 
 MODES = ("uw", "uw-rescaled", "decoupled")
 
@@ -87,7 +86,7 @@ class LamProvider:
 
     def __init__(self, lambda0: float, schedule: str = "constant"):
         self.lambda0 = lambda0
-        self.schedule = SCHEDULES.create(schedule, ScheduleFacts(), key="align.schedule")
+        self.schedule = SCHEDULES.create(schedule, NoFacts(), key="align.schedule")
 
     def __call__(self, base: Tensor, align: Tensor | None, p: float) -> LamStep:
         return self.weigh(base, align, self.strength(p))
@@ -138,7 +137,7 @@ class LamLearner(LamProvider):
             raise FlareError(f"unknown λ learner '{mode}'.", key="lam.learner",
                              fix=f"use none or one of: {', '.join(MODES)}.")
         self.mode, self.lambda_init = mode, float(lambda_init)
-        self.schedule = SCHEDULES.create(anneal, ScheduleFacts(), key="lam.anneal")
+        self.schedule = SCHEDULES.create(anneal, NoFacts(), key="lam.anneal")
         self.gamma_reg, self.beta = float(gamma_reg), float(beta)
         self.gamma_lambda, self.valve_threshold = float(gamma_lambda), float(valve_threshold)
         self.device = torch.device(device)

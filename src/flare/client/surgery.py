@@ -24,18 +24,12 @@ key exists whenever `extra` is given) so the situation is visible in the metrics
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
 
-from flare.registry import SURGERY
-
-
-@dataclass(frozen=True)
-class SurgeryFacts:
-    """What a surgery is built from: nothing of the run — it acts on one step's losses and weights."""
+from flare.registry import SURGERY, NoFacts
 
 
 Backward = Callable[..., dict[str, Tensor]]  # (local, align, params, extra=None) -> logs; writes the weights' .grad
@@ -44,7 +38,7 @@ Backward = Callable[..., dict[str, Tensor]]  # (local, align, params, extra=None
 class SurgeryFn(Protocol):
     """What `SURGERY` holds, built once per run by `SURGERY.create`: a backward that writes `.grad` of `params` from
     the two weight losses (and the λ provider's σ loss `extra`); the entry `none` is None: one plain backward."""
-    def __call__(self, facts: SurgeryFacts, options: None) -> Backward: ...
+    def __call__(self, facts: NoFacts, options: None) -> Backward: ...
 
 
 def _take_grads(params: list[Tensor]) -> list[Tensor]:

@@ -23,8 +23,7 @@ from flare.client.step import local_loss
 from flare.client.terms.extra import uses_params
 from flare.client.terms.align import align_target
 from flare.config import Config
-from flare.client.surgery import SurgeryFacts
-from flare.registry import CLIENT_ENGINES, LAM_PROVIDERS, SURGERY
+from flare.registry import CLIENT_ENGINES, LAM_PROVIDERS, SURGERY, NoFacts
 from flare.schedules import LRSchedule, StepProgress, progress
 from flare.server.upload import Upload, upload_of
 
@@ -58,7 +57,7 @@ class TrainContext:
 
     def __post_init__(self) -> None:
         self.progress = run_progress(self.cfg)
-        self.surgery = SURGERY.create(self.cfg.align.surgery, SurgeryFacts())
+        self.surgery = SURGERY.create(self.cfg.align.surgery, NoFacts())
 
     @property
     def align_anchors(self) -> Tensor | None:

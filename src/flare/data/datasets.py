@@ -114,8 +114,8 @@ class DatasetInfo:
 def register_dataset(name: str, build: Callable | None = None, *, options=None, description: str = "",
                      num_classes: int | None = None, check=None, overwrite: bool = False, kind: str = "images"):
     """Register a dataset built in memory, `build(facts: DatasetFacts, options) -> ImageData` (`options`:
-    `dataset.options` validated by the `options` model, or None); usable as a decorator; `check(cfg)` refuses a config the dataset cannot
-    serve (`Registry.register`). Built-in datasets are read from files instead."""
+    `dataset.options` validated by the `options` model, or None); usable as a decorator; `check(cfg)` refuses a
+    config the dataset cannot serve (`Registry.register`). Built-in datasets are read from files instead."""
     if build is None:
         return lambda fn: register_dataset(name, fn, options=options, description=description,
                                            num_classes=num_classes, check=check, overwrite=overwrite, kind=kind)

@@ -128,23 +128,24 @@ def create_model(name: str, in_channels: int, num_classes: int, width: float = 1
                                                 "model.options.") from None
 
 
-def _net(build):
-    """A network's constructor `build(in_channels, width)` as a builder `(facts, options) -> encoder`."""
-    return lambda facts, options: build(facts.in_channels, facts.width)
+def _net(cls, *args):
+    """A network class `cls(*args, in_channels, width)` as a builder `(facts, options) -> encoder`."""
+    return lambda facts, options: cls(*args, facts.in_channels, facts.width)
 
 
+R, C, S = _resnet, _cifar, _small  # the modules of the built-in networks
 for _name, _build, _what in (
-        ("resnet18", _resnet.resnet18, "CIFAR-style ResNet-18 (d = 512·width)"),
-        ("resnet34", _resnet.resnet34, "CIFAR-style ResNet-34 (d = 512·width)"),
-        ("resnet50", _resnet.resnet50, "CIFAR-style ResNet-50 (d = 2048·width)"),
-        ("cnn", _cnn.cnn, "small CNN for CPU runs"),
-        ("wrn16_1", _cifar.wrn16_1, "CIFAR WideResNet-16-1 (d = 64·width)"),
-        ("wrn40_1", _cifar.wrn40_1, "CIFAR WideResNet-40-1 (d = 64·width)"),
-        ("cnn_dense", _cifar.cnn_dense, "DENSE's small CIFAR CNN (d = 64·width)"),
-        ("cnn_coboost", _cifar.cnn_coboost, "Co-Boosting's CIFAR CNN (d = 2048·width)"),
-        ("simple-cnn", _small.simple_cnn, "NIID-Bench's simple-cnn, FedLPA's clients (no BN; d = 84·width)"),
-        ("cnn_mnist_dense", _small.cnn_mnist_dense, "DENSE's FMNIST/MNIST CNN (BN; d = 1568·width at 28×28)")):
-    register_model(_name, description=_what)(_net(_build))
+        ("resnet18", _net(R.ResNetEncoder, R.BasicBlock, (2, 2, 2, 2)), "CIFAR-style ResNet-18 (d = 512·width)"),
+        ("resnet34", _net(R.ResNetEncoder, R.BasicBlock, (3, 4, 6, 3)), "CIFAR-style ResNet-34 (d = 512·width)"),
+        ("resnet50", _net(R.ResNetEncoder, R.Bottleneck, (3, 4, 6, 3)), "CIFAR-style ResNet-50 (d = 2048·width)"),
+        ("cnn", _net(_cnn.SmallCNN), "small CNN for CPU runs"),
+        ("wrn16_1", _net(C.WideResNet, 16, 1), "CIFAR WideResNet-16-1 (d = 64·width)"),
+        ("wrn40_1", _net(C.WideResNet, 40, 1), "CIFAR WideResNet-40-1 (d = 64·width)"),
+        ("cnn_dense", _net(C.PaperCNN, (32, 64, 64), 64), "DENSE's small CIFAR CNN (d = 64·width)"),
+        ("cnn_coboost", _net(C.PaperCNN, (128, 128, 128), None), "Co-Boosting's CIFAR CNN (d = 2048·width)"),
+        ("simple-cnn", _net(S.SimpleCNN), "NIID-Bench's simple-cnn, FedLPA's clients (no BN; d = 84·width)"),
+        ("cnn_mnist_dense", _net(S.DenseMnistCNN), "DENSE's FMNIST/MNIST CNN (BN; d = 1568·width at 28×28)")):
+    register_model(_name, description=_what)(_build)
 for _name, _builder in _pretrained.ENCODERS.items():
     register_model(_name, options=_pretrained.EncoderOptions, check=_pretrained.refuse_image_runs,
                    description=f"{_name}, ImageNet weights, frozen: via dataset.name=features (d = 1280)")(_builder)

@@ -35,12 +35,9 @@ from flare.server.upload import Upload
 
 @dataclass(frozen=True)
 class StrategyFacts:
-    """What a strategy is built from besides its options: the run's `seed` (its private random streams), the `head`
-    the objective trains (and the `objective`'s name, for messages), `server.primary` (whether the primary key or
-    eval.rules chose it, for its errors), every strategy's options as the run sets them (`server.strategies`: a
-    strategy applying another's arithmetic reads them: `Strategy.options_of`), and what a server that builds a model of its
-    own reads: the server architecture, `model.feature_dim`, whether `server.model` is set (and names a
-    checkpoint), and whether the clients run different architectures."""
+    """What a strategy is built from besides its options: the run facts a server method reads — the seed of its
+    private streams, the head, `server.primary` (the key its errors name), `server.strategies` (another rule's
+    options: `Strategy.options_of`) and what a server building its own model needs."""
     seed: int
     head: str
     objective: str

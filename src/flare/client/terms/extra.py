@@ -4,7 +4,7 @@
       terms:
         feature_norm: {weight: 0.01}
 
-A term is built by `LOSS_TERMS.create(name, TermFacts(), options)` — its entry a factory `fn(facts, options) ->
+A term is built by `LOSS_TERMS.create(name, NoFacts(), options)` — its entry a factory `fn(facts, options) ->
 term`, `term(batch: TermBatch) -> scalar tensor` — registered in `flare.registry.LOSS_TERMS` with an options model
 that subclasses `TermOptions` (so every term has a `weight`; a term without options gets `TermOptions`, the
 registry's default options model). The trainer adds `weight · term(batch)` to the base loss and logs it as
@@ -29,12 +29,7 @@ from torch import Tensor
 
 from flare.config import Config, LossCfg
 from flare.errors import FlareError
-from flare.registry import LOSS_TERMS, TermOptions
-
-
-@dataclass(frozen=True)
-class TermFacts:
-    """What a loss term is built from: nothing of the run — it reads its options and each step's `TermBatch`."""
+from flare.registry import LOSS_TERMS, NoFacts, TermOptions
 
 
 Term = Callable[["TermBatch"], Tensor]
@@ -42,7 +37,7 @@ Term = Callable[["TermBatch"], Tensor]
 
 class LossTermFn(Protocol):
     """What `LOSS_TERMS` holds: builds the term whose scalar is added to the local loss as `weight · term(batch)`."""
-    def __call__(self, facts: TermFacts, options: TermOptions) -> Term: ...
+    def __call__(self, facts: NoFacts, options: TermOptions) -> Term: ...
 
 __all__ = ["TermBatch", "TermOptions", "extra_terms", "uses_params", "ProxOptions"]
 
@@ -72,7 +67,7 @@ def _built_terms(table: str) -> tuple[tuple[str, Term, TermOptions], ...]:
     built = []
     for name, mapping in json.loads(table).items():
         opts = LOSS_TERMS.options(name, mapping, f"loss.terms.{name}")
-        built.append((name, LOSS_TERMS.create(name, TermFacts(), opts), opts))
+        built.append((name, LOSS_TERMS.create(name, NoFacts(), opts), opts))
     return tuple(built)
 
 
@@ -113,7 +108,7 @@ def _prox_check(cfg: Config) -> None:
 @LOSS_TERMS.register("fedprox", options=ProxOptions, check=_prox_check,
                      description="FedProx's proximal term (μ/2)·‖w − w_global‖² (w_global: the model the client "
                                  "started from)")
-def fedprox(facts: TermFacts, options: ProxOptions) -> Term:
+def fedprox(facts: NoFacts, options: ProxOptions) -> Term:
     """(μ/2)·Σ_params ‖w − w_start‖²."""
     def term(batch: TermBatch) -> Tensor:
         if batch.params is None or batch.start is None:
