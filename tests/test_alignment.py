@@ -12,7 +12,7 @@ from flare.client.lam import LamProvider, entropy_lambda, initial_lambda
 from flare.client.surgery import pcgrad_backward
 from flare.client.terms.align import AnchorFacts, align_loss, align_target, simplex_etf
 from flare.client.terms.banks import (MemoryBank, MemoryBankExtension, PublicBankExtension,
-                                      BankFacts, build_public_bank, public_infonce,
+                                      bank_facts, build_public_bank, public_infonce,
                                       train_teacher)
 from flare.client.terms.fafi import fafi_terms, supcon_loss
 from flare.client.trainer import Client, TrainContext
@@ -20,7 +20,7 @@ from flare.config import ServerCfg, build_config, list_presets, load_config
 from flare.data.datasets import ImageData
 from flare.errors import FlareError
 from flare.models import create_model
-from flare.registry import ANCHORS, CONTRAST, SCHEDULES
+from flare.registry import ANCHORS, CONTRAST, SCHEDULES, NoFacts
 from flare.schedules import LRSchedule
 from flare.server.protos import global_prototypes
 from flare.server.protos import train_global_prototypes
@@ -128,17 +128,17 @@ def test_align_loss_and_progressive_target():
 
 @pytest.mark.parametrize("name,values", [("constant", (1, 1, 1)), ("linear", (1, 0.5, 0)), ("cosine", (1, 0.5, 0))])
 def test_schedule_values(name, values):
-    f = SCHEDULES.get(name)
+    f = SCHEDULES.create(name, NoFacts())
     assert [f(p) for p in (0.0, 0.5, 1.0)] == pytest.approx(values, abs=1e-12)
 
 
 def test_cosine_differs_from_linear_inside():
-    assert SCHEDULES.get("cosine")(0.25) == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
+    assert SCHEDULES.create("cosine", NoFacts())(0.25) == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
 
 
 def test_unknown_schedule_names_the_key():
     with pytest.raises(FlareError) as e:
-        SCHEDULES.get("exp", "align.schedule")
+        SCHEDULES.create("exp", NoFacts(), key="align.schedule")
     assert e.value.key == "align.schedule"
 
 
@@ -357,7 +357,7 @@ def test_memory_bank_extension_uses_the_bank_temperature_from_the_first_step():
 
 def test_memory_bank_through_the_trainer_fills_to_its_size():
     client, ctx = tiny_client({"loss": {"contrast": "memory-bank", "bank_size": 40}})
-    ctx.extension_factory = CONTRAST.create(ctx.cfg.loss.contrast, BankFacts(None, ctx.device), ctx.cfg.loss)
+    ctx.extension_factory = CONTRAST.create(ctx.cfg.loss.contrast, bank_facts(ctx.cfg.loss, None, ctx.device))
     client.extension = ctx.extension_factory(client, ctx)
     client.train_round(ctx, 0)  # 2 epochs × 48 samples × 2 views = 192 rows pushed
     assert len(client.extension.queue) == 40
@@ -405,7 +405,7 @@ def test_public_bank_factory_trains_a_seeded_teacher():
         build_config({"loss": {"contrast": "two-stage"}})
     assert e.value.key == "dataset.public_size"
     with pytest.raises(FlareError) as e:  # and so does a client handed no bank
-        CONTRAST.create(cfg.loss.contrast, BankFacts(None, torch.device("cpu")), cfg.loss)
+        CONTRAST.create(cfg.loss.contrast, bank_facts(cfg.loss, None, torch.device("cpu")))
     assert e.value.key == "loss.contrast"
 
 

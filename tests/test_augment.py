@@ -6,7 +6,7 @@ import torch
 
 from flare.config import build_config
 from flare.data.augment import TwoViewAugment, normalize
-from flare.data.scaling import InputScaling, input_scaling
+from flare.data.scaling import InputScaling, ScalingFacts, input_scaling
 from flare.registry import SCALINGS
 
 MEAN3 = (0.4914, 0.4822, 0.4465)
@@ -176,9 +176,10 @@ def test_float32_under_autocast_and_input_checks():
 def test_the_input_scaling_is_a_registered_part_a_plugin_adds_like_the_reference():
     """augment.input_scaling names an entry of SCALINGS: the reference protocol's scaling is one registered part,
     and a plugin's is found the same way (by the config's validation too)."""
-    assert input_scaling("reference", "cifar10", (0.4,), (0.2,)) == SCALINGS.get("reference")("cifar10", (0.4,), (0.2,))
+    assert input_scaling("reference", "cifar10", (0.4,), (0.2,)) == SCALINGS.create(
+        "reference", ScalingFacts("cifar10", (0.4,), (0.2,)))
     assert input_scaling("dataset", "cifar10", (0.4,), (0.2,)).test == ((0.4,), (0.2,))
-    SCALINGS.register("quarter", lambda dataset, mean, std: InputScaling(None, ((0.25,), (1.0,)), ((0.25,), (1.0,))))
+    SCALINGS.register("quarter", lambda facts, options: InputScaling(None, ((0.25,), (1.0,)), ((0.25,), (1.0,))))
     try:
         assert input_scaling("quarter", "cifar10", (0.4,), (0.2,)).post == ((0.25,), (1.0,))
         assert build_config({"augment": {"input_scaling": "quarter"}}).augment.input_scaling == "quarter"

@@ -10,7 +10,7 @@ import torch
 
 import flare.client.plan as plan_mod
 from flare.client.batched import BatchedClients
-from flare.client.plan import RoundPlan
+from flare.client.plan import RoundPlan, run_progress
 from flare.config import load_config
 from flare.errors import FlareError
 from flare.schedules import LRSchedule
@@ -34,7 +34,7 @@ def _plan(schedule: str, n: int, batch: int, epochs: int, drop_last: bool, augme
     x = torch.randint(0, 256, (n + 7, 1, 4, 4), dtype=torch.uint8)  # more images than the client holds
     y = torch.arange(n + 7)
     ctx = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), train_x=x, train_y=y, augment=augment, plain=None,
-                          lr_schedule=LRSchedule("constant", cfg.base_lr, cfg.total_epochs))
+                          lr_schedule=LRSchedule("constant", cfg.base_lr, cfg.total_epochs), progress=run_progress(cfg))
     client = SimpleNamespace(cid=1, indices=torch.arange(3, n + 3), num_samples=n, epochs_done=0)
     return RoundPlan(client, ctx, 0), ctx
 

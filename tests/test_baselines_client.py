@@ -10,11 +10,10 @@ import torch
 
 from flare.config import load_config
 from flare.models import create_model
-from flare.registry import STRATEGIES
 from flare.rundir import read_jsonl
 from flare.runner import Run
 from flare.server.extras import ClientData
-from flare.server.strategy import ClientOutputs, ServerContext
+from flare.server.strategy import ClientOutputs, ServerContext, make_strategy
 
 
 def rounds_of(d):
@@ -25,13 +24,13 @@ def test_fedproto_prototypes_are_the_mean_of_the_clients_class_means():
     torch.manual_seed(0)
     model = create_model("cnn", 1, 3, 0.25, head="linear").eval()
     cfg = load_config(None, "fedproto", ["device=cpu"])
-    strat = STRATEGIES.get("fedproto")(cfg, None)
+    strat = make_strategy(cfg, "fedproto")
     x = torch.randint(0, 255, (12, 1, 28, 28), dtype=torch.uint8)
     norm = lambda u: u.float() / 255.0  # noqa: E731
     ys = [torch.tensor([0, 0, 1, 1, 1, 0]), torch.tensor([0, 0, 0, 0, 0, 2])]  # class 1 only on client 0
-    extras = [strat.client_extras(ClientData(cfg, i, model, x[6 * i:6 * i + 6], y, norm, None, torch.device("cpu")))
+    extras = [strat.client_extras(ClientData(i, model, x[6 * i:6 * i + 6], y, norm, None, torch.device("cpu")))
               for i, y in enumerate(ys)]
-    ctx = ServerContext(cfg, 0, [], [model, model], torch.tensor([0.5, 0.5]), None, None, extras=extras)
+    ctx = ServerContext(0, [], [model, model], torch.tensor([0.5, 0.5]), None, None, extras=extras)
     protos, present = strat.prototypes(ctx)
     with torch.no_grad():
         f = model(norm(x))[0]
@@ -41,7 +40,7 @@ def test_fedproto_prototypes_are_the_mean_of_the_clients_class_means():
     assert torch.allclose(protos[1], m0[1], atol=1e-5) and torch.allclose(protos[2], m1[1], atol=1e-5)
     assert present.tolist() == [True, True, True]
     # features at a prototype are predicted as its class (fused: Σ_k w_k f_k = the prototype)
-    fused = STRATEGIES.get("fedproto_fused")(cfg, None).predictor(ctx)
+    fused = make_strategy(cfg, "fedproto_fused").predictor(ctx)
     out = ClientOutputs(protos[None].repeat(2, 1, 1), torch.zeros(2, 3, 3))
     assert fused.scores(out).argmax(1).tolist() == [0, 1, 2]
 

@@ -78,7 +78,7 @@ def context(preset="fafi", head="prototype", public=48, extra=(), seed=0):
     models = [client(11, head, (0, 1, 2)), client(12, head, (1, 2, 3))]
     G = torch.randn(4, models[0].feature_dim, generator=torch.Generator().manual_seed(3))
     pub = patterns(public, 1) if public else None
-    return cfg, ServerContext(cfg, 0, [], models, torch.tensor([0.6, 0.4]), G if head == "prototype" else None,
+    return cfg, ServerContext(0, [], models, torch.tensor([0.6, 0.4]), G if head == "prototype" else None,
                               None, {}, [], pub, norm, (3, 12, 12))
 
 

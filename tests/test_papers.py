@@ -696,13 +696,13 @@ def test_the_reference_fedlpa_plugin_uploads_the_references_kfac_factors(monkeyp
     cfg = load_config(None, "fedavg", ["model.name=simple-cnn", "server.strategies.fedlpa_reference.batch_size=16"])
     s = make_strategy(cfg, "fedlpa_reference", "eval.rules")
     scale = lambda u: u.float() / 255  # noqa: E731
-    extras = [s.client_extras(ClientData(cfg, i, m, x, y, scale, None, torch.device("cpu"))) for i, m in enumerate(models)]
+    extras = [s.client_extras(ClientData(i, m, x, y, scale, None, torch.device("cpu"))) for i, m in enumerate(models)]
     want = _reference_kfac(models[0], scale(x), y, coor=0.999)
     assert sorted(extras[0]) == sorted(want) and any(".conv" in k for k in want)
     for k, v in want.items():  # conv A divided by its 24·24 and 8·8 positions, G multiplied: a scale bug fails here
         assert torch.allclose(extras[0][k][0], v, rtol=1e-4, atol=1e-6), k
     uploads = [Upload(i, m.state_dict(), 40, None) for i, m in enumerate(models)]
-    ctx = ServerContext(cfg, 0, uploads, models, torch.tensor([0.5, 0.5]), None, None, extras=extras)
+    ctx = ServerContext(0, uploads, models, torch.tensor([0.5, 0.5]), None, None, extras=extras)
     fused = s.predictor(ctx).model.state_dict()
     assert fused.keys() == models[0].state_dict().keys()
     assert all(torch.isfinite(v).all() for v in fused.values())

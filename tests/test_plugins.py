@@ -13,7 +13,7 @@ import yaml
 from flare.cli import main
 from flare.config import build_config
 from flare.errors import FlareError
-from flare.registry import MODELS, Registry
+from flare.registry import MODELS, NoFacts, Registry
 from flare.rundir import read_jsonl
 from flare.schedules import ScheduleFn
 
@@ -43,7 +43,7 @@ def assert_plugin_parts_ran(run_dir: Path) -> None:
 
 
 def test_reregistering_a_name_raises_unless_overwrite():
-    reg = Registry("thing", "demo.key", ScheduleFn)
+    reg = Registry("thing", "demo.key", ScheduleFn, NoFacts)
     reg.register("a", 1)
     with pytest.raises(FlareError) as e:
         reg.register("a", 2)
@@ -187,7 +187,7 @@ def test_listings_include_plugin_parts(capsys):
     for name in ("demo_center", "demo_constant", "demo_mlp", "demo_blobs", "demo_round_robin"):
         assert re.search(rf"^\s+{name}\s", out, re.M), name
     assert "options: weight: float = 1.0, radius: float = 1.0" in out  # each option's name, type and default
-    assert "loss-terms (loss.terms): fn(batch: TermBatch, options: TermOptions) -> Tensor" in out  # what it is
+    assert "loss-terms (loss.terms): fn(facts: NoFacts, options: TermOptions) -> Term" in out  # what it is
     assert main(["models", "--plugin", "flare_demo_plugin"]) == 0
     assert "demo_mlp" in capsys.readouterr().out.split()
 
@@ -246,7 +246,7 @@ def test_a_part_checks_both_its_own_rule_and_its_registration():
     from flare.registry import OBJECTIVES
 
     seen = []
-    reg = Registry("objective", "loss.objective", OBJECTIVES.signature)
+    reg = Registry("objective", "loss.objective", OBJECTIVES.signature, OBJECTIVES.facts)
     reg.register("linear", Objective(lambda *a: {}, "linear"), check=lambda cfg: seen.append(cfg.seed))
     with pytest.raises(FlareError) as e:  # the Objective's own rule first: alignment needs the prototype head
         reg.check("linear", build_config({"align": {"anchors": "etf"}}))

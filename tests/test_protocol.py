@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from flare.client.plan import progress_at
+from flare.client.plan import progress_at, run_progress
 from flare.client.terms.align import align_target
 from flare.config import build_config, load_config
 from flare.config.protocol import ITEMS, ITEM_KEYS, protocol_label
@@ -188,7 +188,7 @@ class _BNNet(nn.Module):
 def evaluate(models, w, G, x, y, norm, *, rules, **kw):
     """The built-in rules by name over the models, through their strategies (softmax ensemble, averaged buffers)."""
     cfg = load_config(None, "fafi", ["server.strategies.output.ensemble=softmax", "server.strategies.fedavg.buffers=average"])
-    preds = {n: make_strategy(cfg, n).predictor(ServerContext(cfg, 0, [], models, w, G, None)) for n in rules}
+    preds = {n: make_strategy(cfg, n).predictor(ServerContext(0, [], models, w, G, None)) for n in rules}
     return evaluate_predictors(models, preds, x, y, norm, **kw)
 
 
@@ -359,12 +359,13 @@ def test_round_reset_keeps_lambda_constant_with_one_epoch_and_the_v8_target_at_p
     # V8: the target's progress restarts every round: j/E with j the epoch in the round (E = 1: always P⁰)
     cfg = load_config(None, "progressive", ov + ["protocol=reference", "local_epochs=2"])
     setup = RunSetup.build(cfg)
-    assert progress_at(cfg, 0, 0, 1, 4)[1] == 0.0 and progress_at(cfg, 1, 0, 1, 5)[1] == 0.5  # round 2 of 3
+    p = run_progress(cfg)
+    assert progress_at(p, cfg, 0, 0, 1, 4)[1] == 0.0 and progress_at(p, cfg, 1, 0, 1, 5)[1] == 0.5  # round 2 of 3
     P0, A = setup.make_clients(lambda m: None, lambda m: None)[0].initial_prototypes, setup.anchors
     assert torch.equal(align_target(A, "progressive", 0.0, P0), P0)
     e1 = load_config(None, "progressive", ov + ["protocol=reference"])
     for done in range(3):
-        assert progress_at(e1, 0, 0, 1, done)[1] == 0.0
+        assert progress_at(run_progress(e1), e1, 0, 0, 1, done)[1] == 0.0
 
 
 def test_epoch_end_progress_logs_s_equal_one_minus_r_plus_one_over_r(tiny_overrides, tmp_path):
@@ -479,13 +480,13 @@ def test_progress_is_a_registered_part_the_reference_modes_among_them():
     assert PROGRESS.get("round-reset").spans_the_run is False and PROGRESS.get("epoch").spans_the_run is True
     anneal = {"align": {"anchors": "etf", "schedule": "linear"}, "rounds": 4, "local_epochs": 2}
 
-    def halfway(epoch, batch, steps_per_epoch, epochs_done, local_epochs, total_epochs):
-        return 0.5
+    def halfway(facts, options):
+        return lambda epoch, batch, steps_per_epoch, epochs_done: 0.5
     halfway.spans_the_run = False
     PROGRESS.register("halfway", halfway)
     try:
         cfg = build_config({**anneal, "progress": "halfway"})
-        assert progress_at(cfg, 1, 3, 5, 6) == (0.5, 0.5)
+        assert progress_at(run_progress(cfg), cfg, 1, 3, 5, 6) == (0.5, 0.5)
         assert cfg.schedule_dependencies() == []
         assert build_config({**anneal, "progress": "epoch"}).schedule_dependencies() == ["align.schedule=linear"]
     finally:

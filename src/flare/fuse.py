@@ -202,7 +202,7 @@ class SavedUploads:
     def clients(self) -> list[ClientData]:
         """Every client's side, from its saved weights and its data (for one strategy: a copy of each model)."""
         s, d = self.server, self.data
-        return [client_side(s.cfg, u.client, m, d.train_x[ix], d.train_y[ix], s.norm, s.augment, s.backend.device)
+        return [client_side(u.client, m, d.train_x[ix], d.train_y[ix], s.norm, s.augment, s.backend.device)
                 for u, m in zip(self.saved, self.models_) for ix in [torch.as_tensor(self.parts[u.client])]]
 
     def uploads(self, r: int, scored) -> list[Upload]:

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from flare.client.lam import LamFacts, LamStep, initial_lambda
+from flare.client.lam import LamStep, initial_lambda, lam_facts
 from flare.client.step import local_loss
 from flare.client.terms.extra import uses_params
 from flare.config import Config
@@ -158,8 +158,8 @@ def probe(cfg: Config, client: int = 0, all_data: bool = False, batches: int = 2
     arch = server_architecture(cfg) if all_data else server.architectures[client]
     model.train()
     lam = initial_lambda(cfg, ent) if anchors is not None else 0.0
-    provider = LAM_PROVIDERS.create(cfg.lam.learner, LamFacts(initial_lambda(cfg, ent), cfg.align.schedule, device),
-                                    cfg.lam.provider_options())  # the client's λ provider at p = 0 (`probe_loss`)
+    provider = LAM_PROVIDERS.create(cfg.lam.learner, lam_facts(cfg, ent, device),
+                                    cfg.lam.options)  # the client's λ provider at p = 0 (`probe_loss`)
 
     order = torch.Generator().manual_seed(derived_seed(cfg.seed, 31337, 0))
     perm = ix[torch.randperm(len(ix), generator=order)]

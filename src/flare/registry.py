@@ -88,6 +88,11 @@ def nonfinite_option(model: BaseModel) -> str | None:
 Seed = Annotated[int, Field(ge=0, lt=2 ** 32)]
 
 
+@dataclass(frozen=True)
+class NoFacts:
+    """The facts of a kind whose parts need nothing of the run (schedules, surgery, loss terms): options alone."""
+
+
 class TermOptions(BaseModel):
     """The options every loss term has (`loss.terms.<name>.weight`); a term's own options model subclasses this."""
 
@@ -131,8 +136,10 @@ class Registry:
     (imported on first use); `default_options` is the options model of the entries that declare none (loss terms:
     `TermOptions`, every term has a weight)."""
 
-    def __init__(self, kind: str, key: str, signature: type | str, default_options: type[BaseModel] | None = None):
-        self.kind, self.key, self.default_options, self._signature = kind, key, default_options, signature
+    def __init__(self, kind: str, key: str, signature: type | str, facts: type | str | None,
+                 default_options: type[BaseModel] | None = None):
+        self.kind, self.key, self.default_options = kind, key, default_options
+        self._signature, self._facts = signature, facts
         self._entries: dict[str, Entry] = {}
         self._spaces: dict[str, Namespace] = {}
 
@@ -143,6 +150,14 @@ class Registry:
             module, _, name = self._signature.partition(":")
             self._signature = getattr(importlib.import_module(module), name)
         return self._signature
+
+    @property
+    def facts(self) -> type | None:
+        """The frozen dataclass of the run facts an entry is built from (`create`), declared beside the Protocol
+        (named by its name in the Protocol's module, or given as a class); None: its entries are not built here."""
+        if isinstance(self._facts, str):
+            self._facts = getattr(sys.modules[self.signature.__module__], self._facts)
+        return self._facts
 
     def register(self, name: str, obj: Any = _DECORATE, *, options: type[BaseModel] | None = None,
                  description: str = "", check: CheckFn | None = None, overwrite: bool = False):
@@ -266,12 +281,17 @@ class Registry:
         """The registered object, or a FlareError naming `key` and listing the registered names."""
         return self.entry(name, key).obj
 
-    def create(self, name: str, facts: Any, options: BaseModel | dict | None = None, key: str | None = None) -> Any:
+    def create(self, name: str, facts: Any, options: BaseModel | dict | None = None, key: str | None = None,
+               where: str | None = None) -> Any:
         """`obj(facts, options)`: the part `name` built once for a run, a built-in as a plugin's (timm's
-        `create_model`). `facts`: the run facts the kind needs (a dataclass beside its Protocol), never the Config, so
-        a part depends on no key it does not declare; `options`: a mapping validated here by the part's model, or a
-        model the config validated. `key` blames an unknown name (the registry's own key); a None entry builds None."""
-        obj, where = self.get(name, key), self.key.rsplit(".", 1)[0] + ".options"
+        `create_model`) — the one way any part is built. `facts`: the run facts the kind needs (`self.facts`, a
+        frozen dataclass beside its Protocol), never the Config, so a part depends on no key it does not declare;
+        `options`: a mapping validated here by the part's model (errors under `where`), or a model the config
+        validated. `key` blames an unknown name (the registry's own key); a None entry builds None."""
+        if self.facts is None or not isinstance(facts, self.facts):
+            raise TypeError(f"{self.kind} '{name}' is built from {getattr(self.facts, '__name__', 'nothing')}, got "
+                            f"{type(facts).__name__}")
+        obj, where = self.get(name, key), where or self.key.rsplit(".", 1)[0] + ".options"
         opts = options if isinstance(options, BaseModel) else self.options(name, options, where)
         return obj(facts, opts) if obj is not None else None
 
@@ -308,27 +328,31 @@ class Registry:
         return opts
 
 
-MODELS = Registry("model", "model.name", "flare.models:ModelBuilder")
-DATASETS = Registry("dataset", "dataset.name", "flare.data.datasets:DatasetSource")
-PARTITIONS = Registry("partition", "partition.kind", "flare.data.partition:PartitionFn")
+MODELS = Registry("model", "model.name", "flare.models:ModelBuilder", "ModelFacts")
+DATASETS = Registry("dataset", "dataset.name", "flare.data.datasets:DatasetSource", "DatasetFacts")
+PARTITIONS = Registry("partition", "partition.kind", "flare.data.partition:PartitionFn", "PartitionFacts")
 # The reference code's draw of a partition kind, used instead of the kind's own with partition.rng=legacy.
-REFERENCE_PARTITIONS = Registry("reference partition draw", "partition.kind", "flare.data.partition:PartitionFn")
-ANCHORS = Registry("anchor kind", "align.anchors", "flare.client.terms.align:AnchorFn")
-SCALINGS = Registry("input scaling", "augment.input_scaling", "flare.data.scaling:ScalingFn")
-LAM_PROVIDERS = Registry("λ provider", "lam.learner", "flare.client.lam:LamProviderBuilder")
-SCHEDULES = Registry("schedule", "align.schedule", "flare.schedules:ScheduleFn")
-PROGRESS = Registry("progress", "progress", "flare.schedules:ProgressFn")
-SURGERY = Registry("gradient surgery", "align.surgery", "flare.client.surgery:SurgeryFn")
-CONTRAST = Registry("contrast bank", "loss.contrast", "flare.client.terms.banks:ContrastBankFn")
-OBJECTIVES = Registry("local objective", "loss.objective", "flare.client.objective:ObjectiveEntry")
-LOSS_TERMS = Registry("loss term", "loss.terms", "flare.client.terms.extra:LossTermFn", default_options=TermOptions)
-STRATEGIES = Registry("server strategy", "server.primary", "flare.server.strategy:StrategyClass")
-# The client engines (`client_engine`, a closed choice: not a plugin point, so not in REGISTRIES): each engine's
-# class states what it cannot run with `check(cfg)`, which the config's validation calls.
-CLIENT_ENGINES = Registry("client engine", "client_engine", "flare.client.trainer:ClientEngineClass")
+REFERENCE_PARTITIONS = Registry("reference partition draw", "partition.kind", "flare.data.partition:PartitionFn",
+                                "PartitionFacts")
+ANCHORS = Registry("anchor kind", "align.anchors", "flare.client.terms.align:AnchorFn", "AnchorFacts")
+SCALINGS = Registry("input scaling", "augment.input_scaling", "flare.data.scaling:ScalingFn", "ScalingFacts")
+LAM_PROVIDERS = Registry("λ provider", "lam.learner", "flare.client.lam:LamProviderBuilder", "LamFacts")
+SCHEDULES = Registry("schedule", "align.schedule", "flare.schedules:ScheduleFn", NoFacts)
+PROGRESS = Registry("progress", "progress", "flare.schedules:ProgressFn", "ProgressFacts")
+SURGERY = Registry("gradient surgery", "align.surgery", "flare.client.surgery:SurgeryFn", NoFacts)
+CONTRAST = Registry("contrast bank", "loss.contrast", "flare.client.terms.banks:ContrastBankFn", "BankFacts")
+OBJECTIVES = Registry("local objective", "loss.objective", "flare.client.objective:ObjectiveFn", "ObjectiveFacts")
+LOSS_TERMS = Registry("loss term", "loss.terms", "flare.client.terms.extra:LossTermFn", NoFacts,
+                      default_options=TermOptions)
+STRATEGIES = Registry("server strategy", "server.primary", "flare.server.strategy:StrategyClass", "StrategyFacts")
+# The client engines (`client_engine`, a closed choice: not a plugin point, so not in REGISTRIES, and not built
+# here — the runner runs the one named): each engine's class states what it cannot run with `check(cfg)`, which the
+# config's validation calls.
+CLIENT_ENGINES = Registry("client engine", "client_engine", "flare.client.trainer:ClientEngineClass", None)
 REGISTRIES = {"models": MODELS, "datasets": DATASETS, "partitions": PARTITIONS,
               "reference-partitions": REFERENCE_PARTITIONS, "input-scalings": SCALINGS, "anchors": ANCHORS,
-              "lam-providers": LAM_PROVIDERS, "schedules": SCHEDULES, "progress": PROGRESS, "surgery": SURGERY, "contrast": CONTRAST,
+              "lam-providers": LAM_PROVIDERS, "schedules": SCHEDULES, "progress": PROGRESS, "surgery": SURGERY,
+              "contrast": CONTRAST,
               "objectives": OBJECTIVES, "loss-terms": LOSS_TERMS, "strategies": STRATEGIES}
 
 _state = {"builtins": False}

@@ -211,7 +211,7 @@ class InProcess:
     def data(self, c: Client) -> ClientData:
         """A client's side of `Strategy.client_extras`: a copy of its model (a strategy cannot disturb training)."""
         ctx = self.setup.ctx
-        return client_side(self.setup.cfg, c.cid, c.model, ctx.train_x[c.indices], ctx.train_y[c.indices], self.setup.norm,
+        return client_side(c.cid, c.model, ctx.train_x[c.indices], ctx.train_y[c.indices], self.setup.norm,
                            ctx.augment, self.setup.device)
 
     def uploads(self, r: int, scored) -> list:

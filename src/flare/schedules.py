@@ -6,20 +6,26 @@ never per round — the seeds' saw-tooth was a bug."""
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Callable, Protocol
 
 from flare.errors import FlareError
-from flare.registry import PROGRESS, SCHEDULES
+from flare.registry import PROGRESS, SCHEDULES, NoFacts
 
 
 class ScheduleFn(Protocol):
-    """What `SCHEDULES` holds: a(p) of progress p ∈ [0, 1] (align.schedule, lam.anneal)."""
-    def __call__(self, p: float) -> float: ...
+    """What `SCHEDULES` holds: built by `SCHEDULES.create` (align.schedule, lam.anneal), a(p) of progress
+    p ∈ [0, 1]."""
+    def __call__(self, facts: NoFacts, options: None) -> Callable[[float], float]: ...
 
 
-SCHEDULES.register("constant", lambda p: 1.0, description="a(p) = 1")
-SCHEDULES.register("linear", lambda p: 1.0 - p, description="a(p) = 1 − p")
-SCHEDULES.register("cosine", lambda p: 0.5 * (1.0 + math.cos(math.pi * p)), description="a(p) = ½(1 + cos πp)")
+def _schedule(name: str, a: Callable[[float], float], description: str) -> None:
+    SCHEDULES.register(name, lambda facts, options: a, description=description)
+
+
+_schedule("constant", lambda p: 1.0, "a(p) = 1")
+_schedule("linear", lambda p: 1.0 - p, "a(p) = 1 − p")
+_schedule("cosine", lambda p: 0.5 * (1.0 + math.cos(math.pi * p)), "a(p) = ½(1 + cos πp)")
 
 
 def progress(epochs_done: float, total_epochs: int) -> float:
@@ -27,18 +33,29 @@ def progress(epochs_done: float, total_epochs: int) -> float:
     return min(max(epochs_done / total_epochs, 0.0), 1.0)
 
 
+@dataclass(frozen=True)
+class ProgressFacts:
+    """What a progress function is built from: E (`local_epochs`) and R·E (`total_epochs`)."""
+    local_epochs: int
+    total_epochs: int
+
+
+StepProgress = Callable[[int, int, int, int], float]  # (epoch, batch, steps_per_epoch, epochs_done) -> p
+
+
 class ProgressFn(Protocol):
-    """What `PROGRESS` holds (the config's `progress`): p of λ annealing and s(p) at step `batch` (of
-    `steps_per_epoch`) of the round's epoch `epoch`, `epochs_done` epochs completed before it. `spans_the_run`:
-    whether p runs over the whole training (so it changes with `rounds`) rather than restarting every round."""
+    """What `PROGRESS` holds (the config's `progress`), built by `PROGRESS.create`: p of λ annealing and s(p) at step
+    `batch` (of `steps_per_epoch`) of the round's epoch `epoch`, `epochs_done` epochs completed before it.
+    `spans_the_run` (read when the config is validated): whether p runs over the whole training (so it changes with
+    `rounds`) rather than restarting every round."""
     spans_the_run: bool
 
-    def __call__(self, epoch: int, batch: int, steps_per_epoch: int, epochs_done: int, local_epochs: int,
-                 total_epochs: int) -> float: ...
+    def __call__(self, facts: ProgressFacts, options: None) -> StepProgress: ...
 
 
 def _progress(name: str, spans_the_run: bool = True):
-    """Register a progress function under `name`, stating whether it spans the run."""
+    """Register the progress factory `fn(facts, options) -> p(epoch, batch, steps_per_epoch, epochs_done)` under
+    `name`, stating whether it spans the run."""
     def register(fn):
         fn.spans_the_run = spans_the_run
         return PROGRESS.register(name, fn)
@@ -46,27 +63,28 @@ def _progress(name: str, spans_the_run: bool = True):
 
 
 @_progress("epoch")
-def epoch_progress(epoch, batch, steps_per_epoch, epochs_done, local_epochs, total_epochs) -> float:
+def epoch_progress(facts: ProgressFacts, options: None) -> StepProgress:
     """e/(R·E), e the completed epochs (ours)."""
-    return progress(epochs_done, total_epochs)
+    return lambda epoch, batch, steps_per_epoch, epochs_done: progress(epochs_done, facts.total_epochs)
 
 
 @_progress("step")
-def step_progress(epoch, batch, steps_per_epoch, epochs_done, local_epochs, total_epochs) -> float:
+def step_progress(facts: ProgressFacts, options: None) -> StepProgress:
     """Per step: (e + b/steps)/(R·E)."""
-    return progress(epochs_done + batch / steps_per_epoch, total_epochs)
+    return lambda epoch, batch, steps_per_epoch, epochs_done: progress(epochs_done + batch / steps_per_epoch,
+                                                                       facts.total_epochs)
 
 
 @_progress("round-reset", spans_the_run=False)
-def round_reset_progress(epoch, batch, steps_per_epoch, epochs_done, local_epochs, total_epochs) -> float:
+def round_reset_progress(facts: ProgressFacts, options: None) -> StepProgress:
     """j/E, j the epoch within the round: the reference's first batch (λ constant when E = 1)."""
-    return epoch / local_epochs
+    return lambda epoch, batch, steps_per_epoch, epochs_done: epoch / facts.local_epochs
 
 
 @_progress("epoch-end")
-def epoch_end_progress(epoch, batch, steps_per_epoch, epochs_done, local_epochs, total_epochs) -> float:
+def epoch_end_progress(facts: ProgressFacts, options: None) -> StepProgress:
     """(e+1)/(R·E): V12's logged s(p) = 1 − (r+1)/R (the reference's learned-λ runs)."""
-    return progress(epochs_done + 1, total_epochs)
+    return lambda epoch, batch, steps_per_epoch, epochs_done: progress(epochs_done + 1, facts.total_epochs)
 
 
 class LRSchedule:

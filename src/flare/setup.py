@@ -21,7 +21,7 @@ from torch import Tensor
 
 from flare.backend import Backend, backend, settle_speed
 from flare.client.terms.align import AnchorFacts
-from flare.client.terms.banks import BankFacts, build_public_bank
+from flare.client.terms.banks import bank_facts, build_public_bank
 from flare.client.trainer import Client, TrainContext
 from flare.config import Config
 from flare.config.architectures import Architecture, server_architecture
@@ -133,7 +133,7 @@ def make_train_context(cfg: Config, train_x: Tensor, train_y: Tensor, augment, a
                                                decay_per_round=ls.decay_per_round, min_lr=ls.min_lr, t0=ls.t0,
                                                t_mult=ls.t_mult, cycle_decay=ls.cycle_decay),
                         channels_last=channels_last, plain=plain,
-                        extension_factory=CONTRAST.create(cfg.loss.contrast, BankFacts(bank, device), cfg.loss))
+                        extension_factory=CONTRAST.create(cfg.loss.contrast, bank_facts(cfg.loss, bank, device)))
 
 
 # ----------------------------------------------------------------------------------------------

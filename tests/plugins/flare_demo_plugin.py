@@ -23,15 +23,15 @@ class CenterOptions(TermOptions):
 
 
 @LOSS_TERMS.register("demo_center", options=CenterOptions)
-def demo_center(batch, options):
+def demo_center(facts, options):
     """Pull feature norms towards `radius`: mean (‖f‖ − r)²."""
-    return (batch.feat.float().norm(dim=1) - options.radius).pow(2).mean()
+    return lambda batch: (batch.feat.float().norm(dim=1) - options.radius).pow(2).mean()
 
 
 @LOSS_TERMS.register("demo_host_mean")
-def demo_host_mean(batch, options):
+def demo_host_mean(facts, options):
     """Reads a value back to the host (`float(...)`): fine one client at a time, not vmappable."""
-    return batch.feat.new_tensor(float(batch.feat.float().mean())) * 0.0 + batch.feat.float().mean()
+    return lambda batch: batch.feat.new_tensor(float(batch.feat.float().mean())) * 0.0 + batch.feat.float().mean()
 
 
 class ConstantLamOptions(BaseModel):
@@ -56,10 +56,10 @@ class MlpOptions(BaseModel):
 
 
 @register_model("demo_mlp", options=MlpOptions)
-def demo_mlp(in_channels: int, width: float, options: MlpOptions) -> nn.Module:
+def demo_mlp(facts, options: MlpOptions) -> nn.Module:
     """A two-layer MLP on 8×8 images."""
-    d = max(4, int(options.hidden * width))
-    enc = nn.Sequential(nn.Flatten(), nn.Linear(in_channels * 64, d), nn.ReLU(), nn.Linear(d, d))
+    d = max(4, int(options.hidden * facts.width))
+    enc = nn.Sequential(nn.Flatten(), nn.Linear(facts.in_channels * 64, d), nn.ReLU(), nn.Linear(d, d))
     enc.feature_dim = d
     return enc
 
@@ -69,7 +69,7 @@ class BlobOptions(BaseModel):
 
 
 @register_dataset("demo_blobs", options=BlobOptions, num_classes=4)
-def demo_blobs(options: BlobOptions) -> ImageData:
+def demo_blobs(facts, options: BlobOptions) -> ImageData:
     """Four seeded colour blobs, 1x8x8 (no files)."""
     g = torch.Generator().manual_seed(0)
     centre = torch.tensor([30, 90, 150, 210], dtype=torch.uint8)

@@ -26,7 +26,7 @@ def refuses(kind: str):
 
 
 @register_model("picky_model", check=refuses("model"))
-def picky_model(in_channels: int, width: float) -> nn.Module:
+def picky_model(facts, options) -> nn.Module:
     """A linear encoder."""
     enc = nn.Sequential(nn.Flatten(), nn.LazyLinear(8))
     enc.feature_dim = 8
@@ -34,7 +34,7 @@ def picky_model(in_channels: int, width: float) -> nn.Module:
 
 
 @register_dataset("picky_data", num_classes=2, check=refuses("dataset"))
-def picky_data(options):
+def picky_data(facts, options):
     """Never built: the config refuses first."""
     raise AssertionError("not reached")
 
@@ -45,10 +45,11 @@ ANCHORS.register("picky_anchors", lambda facts, options: torch.eye(facts.num_cla
                  description="the first d unit vectors", check=refuses("anchors"))
 LAM_PROVIDERS.register("picky_lam", lambda facts, options: LamProvider(facts.lambda_init),
                        description="λ0, fixed", check=refuses("λ provider"))
-SCHEDULES.register("picky_schedule", lambda p: 1.0, description="a(p) = 1", check=refuses("schedule"))
+SCHEDULES.register("picky_schedule", lambda facts, options: lambda p: 1.0, description="a(p) = 1",
+                   check=refuses("schedule"))
 SURGERY.register("picky_surgery", None, description="one plain backward", check=refuses("surgery"))
 CONTRAST.register("picky_bank", None, description="no extension", check=refuses("contrast bank"))
-LOSS_TERMS.register("picky_term", lambda batch, options: batch.feat.sum() * 0, description="zero",
+LOSS_TERMS.register("picky_term", lambda facts, options: lambda batch: batch.feat.sum() * 0, description="zero",
                     check=refuses("loss term"))
 
 
@@ -58,7 +59,7 @@ class PickyObjective(Objective):
         refuses("objective")(cfg)
 
 
-OBJECTIVES.register("picky_objective", PickyObjective(lambda loss, feat, logits, y, prototypes, bank:
+OBJECTIVES.register("picky_objective", PickyObjective(lambda facts: lambda feat, logits, y, prototypes, bank:
                                                       fafi_terms(feat, logits, y, prototypes)),
                     description="FAFI's terms")
 

@@ -111,12 +111,12 @@ class BNRecal(Strategy):
     def check(cls, cfg) -> None:  # at config validation: before any client trains
         require_public(cfg, "bnrecal")
 
-    def __init__(self, cfg, options: BNRecalOptions | None = None):
-        super().__init__(cfg, options)
-        self.rule = head_primary(cfg.head) if self.options.rule == "auto" else self.options.rule
-        if STRATEGIES.get(self.rule).needs_prototypes and cfg.head != "prototype":
+    def __init__(self, facts, options: BNRecalOptions | None = None):
+        super().__init__(facts, options)
+        self.rule = head_primary(facts.head) if self.options.rule == "auto" else self.options.rule
+        if STRATEGIES.get(self.rule).needs_prototypes and facts.head != "prototype":
             raise FlareError(f"bnrecal with rule={self.rule} matches features to prototypes, which loss.objective="
-                             f"{cfg.loss.objective} (a {cfg.head} head) has not.", key="server.strategies.bnrecal.rule",
+                             f"{facts.objective} (a {facts.head} head) has not.", key="server.strategies.bnrecal.rule",
                              fix="use rule=auto, or a rule that reads no prototypes.")
 
     def predictor(self, ctx: ServerContext) -> RecalibratedPredictor:
@@ -125,5 +125,5 @@ class BNRecal(Strategy):
         models = [recalibrate(m, pub, ctx.normalize, self.options.batch_size) for m in ctx.models]
         size = sum(t.numel() * t.element_size() for m in models for t in [*m.parameters(), *m.buffers()])
         logs = {**cost.logs(), "public": float(pub.shape[0]), "copies_mb": size / 2 ** 20}
-        rule = RulePredictor(STRATEGIES.get(self.rule), ctx.weights, ctx.G, OutputRule.options_in(self.cfg).ensemble)
+        rule = RulePredictor(STRATEGIES.get(self.rule), ctx.weights, ctx.G, self.options_of(OutputRule).ensemble)
         return RecalibratedPredictor(models, rule, logs)

@@ -19,7 +19,7 @@ from flare.registry import OBJECTIVES, STRATEGIES
 from flare.server.rules import FedAvgRule, fedavg_model
 from flare.server.strategy import ClientOutputs, ClientPredictor, ModelPredictor, ServerContext, Strategy
 
-OBJECTIVES.register("fedetf", Objective(lambda loss, feat, logits, y, prototypes, bank: ce_terms(logits, y), "etf"),
+OBJECTIVES.register("fedetf", Objective(lambda f: lambda feat, logits, y, prototypes, bank: ce_terms(logits, y), "etf"),
                     description="FedETF: CE through a fixed simplex-ETF classifier (the etf head)")
 
 _BATCH = 256  # images per forward pass when a client computes its class sums
@@ -83,7 +83,7 @@ class FedProto(Strategy):
         logs = {"classes_held": float(present.sum())}
         if self.fused:
             return _FusedProtoPredictor(ctx.weights, protos, present, logs)
-        avg = fedavg_model(ctx.models, ctx.weights, FedAvgRule.options_in(self.cfg).buffers)
+        avg = fedavg_model(ctx.models, ctx.weights, self.options_of(FedAvgRule).buffers)
         return _FedAvgProtoPredictor(avg, protos, present, logs)
 
 

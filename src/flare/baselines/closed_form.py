@@ -240,7 +240,7 @@ class GHSampled(SufficientStatistics):
     def head(self, counts, sums, second, ctx):
         o = self.options
         v = fisher_basis(counts, sums, second, o.shrinkage, o.energy, o.max_dim)
-        gen = torch.Generator().manual_seed(derived_seed(self.cfg.seed, ctx.round, TAG))
+        gen = torch.Generator().manual_seed(derived_seed(self.facts.seed, ctx.round, TAG))
         z, y = fisher_samples(counts, sums, second, v, o, gen)
         w, b = self.train(z, y, fisher_gaussians(counts, sums, second, v, o.shrinkage), gen)
         return (v @ w.double()).T, b
@@ -370,7 +370,7 @@ class Fed3R(SufficientStatistics):
 
     def random_map(self, d: int) -> RandomFeatureLinear:
         """Ω ~ N(0, σ⁻²), β ~ U[0, 2π), from the run's seed: every client and the server draw the same."""
-        gen, n = torch.Generator().manual_seed(derived_seed(self.cfg.seed, 0, RF_TAG)), self.options.random_features
+        gen, n = torch.Generator().manual_seed(derived_seed(self.facts.seed, 0, RF_TAG)), self.options.random_features
         omega = torch.randn(d, n, generator=gen, dtype=torch.float64) / self.options.kernel_width
         beta = torch.rand(n, generator=gen, dtype=torch.float64) * 2 * torch.pi
         return RandomFeatureLinear(omega, beta, torch.zeros(1, n), torch.zeros(1))

@@ -151,14 +151,15 @@ class Synthesis:
     `teacher` (what the generator's CE and BN terms read), `adversary` (the logits the adversarial term pulls the
     teacher away from) and `batch_loss` (the learner's loss on one batch of the pool)."""
 
-    def __init__(self, cfg, o: DenseOptions, ctx: ServerContext, shape: tuple[int, int, int], tag: int, coboost: bool):
-        self.cfg, self.o, self.ctx, self.shape, self.tag, self.coboost = cfg, o, ctx, shape, tag, coboost
+    def __init__(self, facts, o: DenseOptions, ctx: ServerContext, shape: tuple[int, int, int], tag: int,
+                 coboost: bool):
+        self.facts, self.o, self.ctx, self.shape, self.tag, self.coboost = facts, o, ctx, shape, tag, coboost
         self.dev, self.models = ctx.device, ctx.models
-        self.g = generator(cfg, ctx.round, tag)
+        self.g = generator(facts.seed, ctx.round, tag)
         self.w = ctx.weights.to(self.dev, torch.float32).clone()  # the teacher's weights (learned by Co-Boosting)
         self.C = int(self.models[0].num_classes)  # a FlareNet (create_model)
         self.to_input = affine_normalizer(ctx.normalize, shape[0], self.dev)
-        with private_stream(derived_seed(cfg.seed, ctx.round, tag, 1)):
+        with private_stream(derived_seed(facts.seed, ctx.round, tag, 1)):
             self.gen_net = Generator(o.nz, o.ngf, shape).to(self.dev)
         self.student = self.make_student()
         self.opt = torch.optim.SGD(self.student.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
@@ -169,7 +170,7 @@ class Synthesis:
 
     def make_student(self) -> nn.Module:
         """A fresh model of the server architecture (seeded by the round and the strategy's tag)."""
-        return fresh_model(self.cfg, self.shape[0], self.C, derived_seed(self.cfg.seed, self.ctx.round, self.tag, 2),
+        return fresh_model(self.facts, self.shape[0], self.C, derived_seed(self.facts.seed, self.ctx.round, self.tag, 2),
                            self.dev)
 
     def teacher(self, x: Tensor) -> Tensor:
@@ -357,7 +358,7 @@ class DataFree(Strategy):
                              fix="build the ServerContext with input_shape= (rounds.evaluate_uploads and flare fuse "
                                  "do).")
         with torch.enable_grad(), torch.autocast(ctx.device.type, enabled=False):  # whatever the caller has set
-            model, logs = self.synthesis(self.cfg, self.options, ctx, tuple(int(v) for v in shape), self.tag,
+            model, logs = self.synthesis(self.facts, self.options, ctx, tuple(int(v) for v in shape), self.tag,
                                     self.coboost).run()
         return ModelPredictor(model.eval(), logs)
 

@@ -70,21 +70,21 @@ class FedDF(Strategy):
         """The student's start: the FedAvg of the uploads; with clients of different architectures (or a
         `server.model` of its own), the FedAvg of the clients that run the server architecture, or its fresh init
         when none does (FedDF distils each architecture from the average of its own clients)."""
-        cfg = self.cfg
-        if not cfg.mixed_architectures and cfg.server.model is None:
-            return fedavg_model(ctx.models, ctx.weights, FedAvgRule.options_in(cfg).buffers)
-        fresh = fresh_model(cfg, int(pub.shape[1]), int(ctx.models[0].num_classes),
-                            derived_seed(cfg.seed, ctx.round, TAG, 2), ctx.device)
+        f = self.facts
+        if not f.mixed_architectures and not f.server_model:
+            return fedavg_model(ctx.models, ctx.weights, self.options_of(FedAvgRule).buffers)
+        fresh = fresh_model(f, int(pub.shape[1]), int(ctx.models[0].num_classes),
+                            derived_seed(f.seed, ctx.round, TAG, 2), ctx.device)
         own = [i for i, m in enumerate(ctx.models) if layout(m) == layout(fresh)]
         if not own:
             return fresh
         w = ctx.weights[own] / ctx.weights[own].sum()
-        return fedavg_model([ctx.models[i] for i in own], w, FedAvgRule.options_in(cfg).buffers)
+        return fedavg_model([ctx.models[i] for i in own], w, self.options_of(FedAvgRule).buffers)
 
     def _distil(self, ctx: ServerContext) -> ModelPredictor:
         o, cost = self.options, Cost(ctx.device)
         pub = public_slice(ctx, "feddf")
-        gen = generator(self.cfg, ctx.round, TAG)
+        gen = generator(self.facts.seed, ctx.round, TAG)
         w = ctx.weights.to(ctx.device, torch.float32)
         student = self._start(ctx, pub).requires_grad_(True)
         plain = ctx.normalize(pub)

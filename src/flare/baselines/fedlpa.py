@@ -300,7 +300,7 @@ class _Factors(Strategy):
     one_architecture_why = "it merges the clients' weights layer by layer, which needs one layout"
 
     def _layers(self, model: nn.Module) -> list[Layer]:
-        return factor_layers(model, self._name, chosen_by(self.cfg, self._name), self.options.max_block)
+        return factor_layers(model, self._name, chosen_by(self.facts.primary, self._name), self.options.max_block)
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -312,7 +312,7 @@ class _Factors(Strategy):
                 model = create_model(cfg.model.name, 3, 10, cfg.model.width, head=cfg.head, options=cfg.model.options)
             except Exception:  # noqa: BLE001 — a model that needs other dimensions is checked when the run builds it
                 return
-        factor_layers(model, cls._name, chosen_by(cfg, cls._name))
+        factor_layers(model, cls._name, chosen_by(cfg.server.primary, cls._name))
 
     def extras_shapes(self, template: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         out = {}
@@ -324,7 +324,7 @@ class _Factors(Strategy):
 
     def client_extras(self, data) -> dict[str, Tensor]:
         o = self.options
-        seed = (int(self.cfg.seed) * 1_000_003 + o.seed * 7_919 + int(data.cid)) % (2 ** 62)
+        seed = (int(self.facts.seed) * 1_000_003 + o.seed * 7_919 + int(data.cid)) % (2 ** 62)
         return client_factors(data.model, self._layers(data.model), data.x, data.y, data.normalize,
                               batches=o.batches, batch_size=o.batch_size, seed=seed,
                               fisher=getattr(o, "fisher", None) if self.use_g else None)
@@ -332,7 +332,7 @@ class _Factors(Strategy):
     def predictor(self, ctx: ServerContext) -> ModelPredictor:
         t0 = time.perf_counter()
         model = ctx.models[0]
-        key = chosen_by(self.cfg, self._name)
+        key = chosen_by(self.facts.primary, self._name)
         check_same_architecture([model.state_dict()] + [u.state for u in ctx.uploads],
                                 [ctx.uploads[0].client] + [u.client for u in ctx.uploads], self._name, key)
         layers = self._layers(model)

@@ -105,7 +105,7 @@ class FENS(Strategy):
         st = ctx.state
         if rnd == 0:
             K, C = len(ctx.uploads), int(ctx.models[0].num_classes)
-            with private_stream(derived_seed(self.cfg.seed, ctx.round, TAG)):
+            with private_stream(derived_seed(self.facts.seed, ctx.round, TAG)):
                 net = self._net(K, C)
             st.update(x={k: p.detach().to(ctx.device) for k, p in net.state_dict().items()}, moments={}, K=K, C=C)
         message = {k: v.clone() for k, v in st["x"].items()}
@@ -119,7 +119,7 @@ class FENS(Strategy):
         o = self.options
         if "inputs" not in memory:  # tensors only: a Flower node keeps them in its state between messages
             memory["inputs"] = self._client_logits(received, data)
-            memory["gen"] = generator(self.cfg, 0, TAG, data.cid, 1).get_state()
+            memory["gen"] = generator(self.facts.seed, 0, TAG, data.cid, 1).get_state()
         gen = torch.Generator()
         gen.set_state(memory["gen"])
         z, y, C = memory["inputs"].to(data.device), data.y, int(data.model.num_classes)

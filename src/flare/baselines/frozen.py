@@ -253,7 +253,7 @@ class FedPFT(Strategy):
         t0 = time.perf_counter()
         with torch.enable_grad():
             x, y = sample_features(ctx.extras, self.options)
-            gen = torch.Generator().manual_seed(derived_seed(self.cfg.seed, ctx.round, TAG))
+            gen = torch.Generator().manual_seed(derived_seed(self.facts.seed, ctx.round, TAG))
             head, losses = train_head(torch.from_numpy(x), torch.from_numpy(y), int(ctx.models[0].num_classes),
                                       self.options, gen)
         model = FeatureLinear(head.weight.detach(), head.bias.detach()).to(ctx.device)

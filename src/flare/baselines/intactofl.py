@@ -105,7 +105,7 @@ class GateSynthesis(Synthesis):
 
     def make_student(self) -> nn.Module:
         K = len(self.models)
-        with private_stream(derived_seed(self.cfg.seed, self.ctx.round, self.tag, 2)):
+        with private_stream(derived_seed(self.facts.seed, self.ctx.round, self.tag, 2)):
             gate = nn.Linear(math.prod(self.shape), K)  # torch's default init, as the reference's nn.Linear
         return MixtureOfExperts(self.models, gate.to(self.dev), max(1, int(self.o.top_k_share * K)))
 

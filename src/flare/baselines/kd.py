@@ -15,7 +15,6 @@ from torch import Tensor, nn
 
 from flare.config import Config
 from flare.errors import FlareError
-from flare.config.architectures import server_architecture
 from flare.models import create_architecture
 from flare.rng import RngStreams, derived_seed
 
@@ -46,9 +45,9 @@ def public_slice(ctx, name: str) -> Tensor:
     return ctx.public_x
 
 
-def generator(cfg: Config, r: int, tag: int, *more: int) -> torch.Generator:
+def generator(seed: int, r: int, tag: int, *more: int) -> torch.Generator:
     """A CPU generator seeded from (run seed, round, strategy tag, …): never the global RNG."""
-    return torch.Generator().manual_seed(derived_seed(cfg.seed, r, tag, *more))
+    return torch.Generator().manual_seed(derived_seed(seed, r, tag, *more))
 
 
 def passes(n: int, size: int, gen: torch.Generator):
@@ -63,15 +62,14 @@ def private_stream(seed: int):
     return RngStreams([torch.default_generator], [seed]).active()
 
 
-def fresh_model(cfg: Config, in_channels: int, num_classes: int, seed: int, device: torch.device) -> nn.Module:
+def fresh_model(facts, in_channels: int, num_classes: int, seed: int, device: torch.device) -> nn.Module:
     """A newly initialised model of the server architecture (`server.model`, by default the most common client
-    architecture) and the run's head; it starts from a checkpoint only where `server.model` names one.
-    create_model's init draws from torch's default generator, so it runs inside a private stream seeded with `seed`:
-    the global state is left as it was."""
-    own = cfg.server.model is not None and cfg.server.model.checkpoint is not None
+    architecture) and the run's head (`facts`: the strategy's StrategyFacts); it starts from a checkpoint only where
+    `server.model` names one. create_model's init draws from torch's default generator, so it runs inside a private
+    stream seeded with `seed`: the global state is left as it was."""
     with private_stream(seed):
-        model = create_architecture(server_architecture(cfg), in_channels, num_classes, cfg.head,
-                                    cfg.model.feature_dim, checkpoint=own)
+        model = create_architecture(facts.server_architecture, in_channels, num_classes, facts.head,
+                                    facts.feature_dim, checkpoint=facts.server_checkpoint)
     return model.to(device)
 
 

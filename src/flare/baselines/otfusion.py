@@ -28,9 +28,9 @@ from flare.server.strategy import ModelPredictor, ServerContext, Strategy
 BN_LAYERS = (nn.BatchNorm1d, nn.BatchNorm2d)  # the BatchNorm layers the weight-merging servers average
 
 
-def chosen_by(cfg, name: str) -> str:
-    """The config key that put strategy `name` in this evaluation (for error messages)."""
-    return "server.primary" if cfg.server.primary == name else "eval.rules"
+def chosen_by(primary: str, name: str) -> str:
+    """The config key that put strategy `name` in this evaluation, `primary` being server.primary (for errors)."""
+    return "server.primary" if primary == name else "eval.rules"
 
 
 class OTFusionOptions(BaseModel):
@@ -259,7 +259,7 @@ class OTFusion(Strategy):
 
     def predictor(self, ctx: ServerContext) -> ModelPredictor:
         t0 = time.perf_counter()
-        key = chosen_by(self.cfg, "otfusion")
+        key = chosen_by(self.facts.primary, "otfusion")
         clients = [u.client for u in ctx.uploads]
         if self.options.pivot is None:
             pivot = int(torch.argmax(ctx.weights.cpu()))

@@ -26,25 +26,40 @@ import torch
 from pydantic import BaseModel
 from torch import Tensor
 
-from flare.config import Config, LamCfg
+from flare.config import Config
 from flare.errors import FlareError
-from flare.registry import LAM_PROVIDERS, SCHEDULES
+from flare.registry import LAM_PROVIDERS, SCHEDULES, NoFacts
 
 MODES = ("uw", "uw-rescaled", "decoupled")
 
 
 @dataclass(frozen=True)
 class LamFacts:
-    """What a λ provider is built from besides its options: the client's starting strength (align.lambda0, or the
-    entropy rule on its labels), the alignment's a(p) (align.schedule) and the device of its own parameters."""
+    """What a λ provider is built from besides its options (`lam.options`): the client's starting strength
+    (align.lambda0, or the entropy rule on its labels), the alignment's a(p) (align.schedule), the device of its own
+    parameters, and the built-in learners' keys of the `lam` section (they predate `lam.options`; recorded runs
+    name them)."""
     lambda_init: float
     schedule: str
     device: torch.device
+    sigma_lr: float
+    anneal: str
+    gamma_reg: float
+    beta: float
+    gamma_lambda: float
+    valve_threshold: float
+
+
+def lam_facts(cfg: Config, normalized_entropy: float, device: torch.device) -> LamFacts:
+    """A client's λ-provider facts: its entropy-rule strength, and the run's `align.schedule` and `lam` keys."""
+    lm = cfg.lam
+    return LamFacts(initial_lambda(cfg, normalized_entropy), cfg.align.schedule, device, lm.sigma_lr, lm.anneal,
+                    lm.gamma_reg, lm.beta, lm.gamma_lambda, lm.valve_threshold)
 
 
 class LamProviderBuilder(Protocol):
     """What `LAM_PROVIDERS` holds: the λ provider a client asks for λ each step, built by `LAM_PROVIDERS.create`
-    (options: `LamCfg.provider_options`)."""
+    once per client (options: `lam.options`)."""
     def __call__(self, facts: LamFacts, options: BaseModel | None) -> LamProvider: ...
 
 
@@ -71,7 +86,7 @@ class LamProvider:
 
     def __init__(self, lambda0: float, schedule: str = "constant"):
         self.lambda0 = lambda0
-        self.schedule = SCHEDULES.get(schedule, "align.schedule")
+        self.schedule = SCHEDULES.create(schedule, NoFacts(), key="align.schedule")
 
     def __call__(self, base: Tensor, align: Tensor | None, p: float) -> LamStep:
         return self.weigh(base, align, self.strength(p))
@@ -122,7 +137,7 @@ class LamLearner(LamProvider):
             raise FlareError(f"unknown λ learner '{mode}'.", key="lam.learner",
                              fix=f"use none or one of: {', '.join(MODES)}.")
         self.mode, self.lambda_init = mode, float(lambda_init)
-        self.schedule = SCHEDULES.get(anneal, "lam.anneal")
+        self.schedule = SCHEDULES.create(anneal, NoFacts(), key="lam.anneal")
         self.gamma_reg, self.beta = float(gamma_reg), float(beta)
         self.gamma_lambda, self.valve_threshold = float(gamma_lambda), float(valve_threshold)
         self.device = torch.device(device)
@@ -229,10 +244,10 @@ def _safe_exp(x: float) -> float:
 
 
 def _learner(mode: str):
-    def build(facts: LamFacts, lm: LamCfg) -> LamProvider:
-        return LamLearner(mode, facts.lambda_init, sigma_lr=lm.sigma_lr, anneal=lm.anneal, gamma_reg=lm.gamma_reg,
-                          beta=lm.beta, gamma_lambda=lm.gamma_lambda, valve_threshold=lm.valve_threshold,
-                          device=facts.device)
+    def build(facts: LamFacts, options: None) -> LamProvider:
+        f = facts
+        return LamLearner(mode, f.lambda_init, sigma_lr=f.sigma_lr, anneal=f.anneal, gamma_reg=f.gamma_reg,
+                          beta=f.beta, gamma_lambda=f.gamma_lambda, valve_threshold=f.valve_threshold, device=f.device)
     return build
 
 

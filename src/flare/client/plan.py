@@ -28,6 +28,7 @@ from flare.config import Config
 from flare.errors import TrainingDiverged
 from flare.rng import RngStreams, augmentation_generators, derived_seed
 from flare.registry import PROGRESS
+from flare.schedules import ProgressFacts, StepProgress
 
 # derived_seed(seed, r, i, purpose, ...): the purposes of a client-round's streams
 _AUGMENT, _ORDER = 1, 2
@@ -46,12 +47,17 @@ def steps_per_epoch(num_samples: int, cfg: Config) -> int:
     return num_samples // B if cfg.drop_last else math.ceil(num_samples / B)
 
 
-def progress_at(cfg: Config, epoch: int, batch: int, spe: int, epochs_done: int) -> tuple[float, float]:
+def run_progress(cfg: Config) -> StepProgress:
+    """The run's `progress`, built once (`TrainContext.progress`)."""
+    return PROGRESS.create(cfg.progress, ProgressFacts(cfg.local_epochs, cfg.total_epochs))
+
+
+def progress_at(progress: StepProgress, cfg: Config, epoch: int, batch: int, spe: int,
+                epochs_done: int) -> tuple[float, float]:
     """(p of λ annealing / s(p), p of V8's target) at step `batch` of the round's epoch `epoch`, `epochs_done`
-    epochs completed before it (`progress`, `align.target_progress`)."""
-    E = cfg.local_epochs
-    p = PROGRESS.get(cfg.progress)(epoch, batch, spe, epochs_done, E, cfg.total_epochs)
-    return p, (epoch / E if cfg.align.target_progress == "round-reset" else p)
+    epochs completed before it (`progress`, the run's built `progress`; `align.target_progress`)."""
+    p = progress(epoch, batch, spe, epochs_done)
+    return p, (epoch / cfg.local_epochs if cfg.align.target_progress == "round-reset" else p)
 
 
 @dataclass(frozen=True)
@@ -88,7 +94,7 @@ class RoundPlan:
             done = client.epochs_done + e
             for b in range(self.spe):
                 clock = done + b / self.spe
-                p, p_target = progress_at(cfg, e, b, self.spe, done)
+                p, p_target = progress_at(ctx.progress, cfg, e, b, self.spe, done)
                 self.steps.append(Step(e, b, clock, p, p_target, ctx.lr_schedule(clock, round_idx)))
         self.last_lr = self.steps[-1].lr if self.steps else cfg.base_lr  # the record's lr
         self.chunked = cfg.augment.schedule == "chunked" and not self.plain

@@ -24,19 +24,21 @@ key exists whenever `extra` is given) so the situation is visible in the metrics
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
 
-from flare.registry import SURGERY
+from flare.registry import SURGERY, NoFacts
+
+
+Backward = Callable[..., dict[str, Tensor]]  # (local, align, params, extra=None) -> logs; writes the weights' .grad
 
 
 class SurgeryFn(Protocol):
-    """What `SURGERY` holds: writes `.grad` of `params` from the two weight losses (and the λ provider's σ loss
-    `extra`); the entry `none` is None: one plain backward."""
-    def __call__(self, local: Tensor, align: Tensor, params: list[Tensor],
-                 extra: Tensor | None = None) -> dict[str, Tensor]: ...
+    """What `SURGERY` holds, built once per run by `SURGERY.create`: a backward that writes `.grad` of `params` from
+    the two weight losses (and the λ provider's σ loss `extra`); the entry `none` is None: one plain backward."""
+    def __call__(self, facts: NoFacts, options: None) -> Backward: ...
 
 
 def _take_grads(params: list[Tensor]) -> list[Tensor]:
@@ -93,5 +95,6 @@ def _pcgrad_check(cfg) -> None:
     cfg.require_anchors("align.surgery=pcgrad")
 
 
-SURGERY.register("pcgrad", pcgrad_backward, description="one-sided PCGrad between local and align (Plan C)",
+SURGERY.register("pcgrad", lambda facts, options: pcgrad_backward,
+                 description="one-sided PCGrad between local and align (Plan C)",
                  check=_pcgrad_check)

@@ -17,14 +17,14 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from flare.client.lam import LamFacts, LamProvider, initial_lambda
-from flare.client.plan import RoundLogs, RoundPlan, Step, steps_per_epoch
+from flare.client.lam import LamProvider, lam_facts
+from flare.client.plan import RoundLogs, RoundPlan, Step, run_progress, steps_per_epoch
 from flare.client.step import local_loss
 from flare.client.terms.extra import uses_params
 from flare.client.terms.align import align_target
 from flare.config import Config
-from flare.registry import CLIENT_ENGINES, LAM_PROVIDERS, SURGERY
-from flare.schedules import LRSchedule, progress
+from flare.registry import CLIENT_ENGINES, LAM_PROVIDERS, SURGERY, NoFacts
+from flare.schedules import LRSchedule, StepProgress, progress
 from flare.server.upload import Upload, upload_of
 
 
@@ -51,6 +51,13 @@ class TrainContext:
     plain: Callable[[Tensor], Tensor] | None = None  # uint8 batch → the un-augmented input (loss.ce_input=plain)
     # what the server sent with this round's training message (`Strategy.configure_train`), set between rounds
     received: dict[str, Tensor] = field(default_factory=dict)
+    # the run's per-step parts, each built once from the config here (`progress`, `align.surgery`; None: none)
+    progress: StepProgress = field(init=False)
+    surgery: Callable | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.progress = run_progress(self.cfg)
+        self.surgery = SURGERY.create(self.cfg.align.surgery, NoFacts())
 
     @property
     def align_anchors(self) -> Tensor | None:
@@ -71,8 +78,8 @@ class Client:
     def __init__(self, cid: int, indices: Tensor, model: torch.nn.Module, ctx: TrainContext, normalized_entropy: float):
         self.cid, self.indices, self.model, self.cfg = cid, indices, model, ctx.cfg
         self.num_samples, self.normalized_entropy = int(indices.numel()), normalized_entropy
-        facts = LamFacts(initial_lambda(ctx.cfg, normalized_entropy), ctx.cfg.align.schedule, ctx.device)
-        self.lam: LamProvider = LAM_PROVIDERS.create(ctx.cfg.lam.learner, facts, ctx.cfg.lam.provider_options())
+        self.lam: LamProvider = LAM_PROVIDERS.create(ctx.cfg.lam.learner, lam_facts(ctx.cfg, normalized_entropy,
+                                                                                 ctx.device), ctx.cfg.lam.options)
         self.optimizer: torch.optim.Optimizer | None = None
         self.epochs_done = 0
         protos = getattr(model, "prototypes", None)
@@ -163,9 +170,8 @@ class Client:
         self.optimizer.zero_grad(set_to_none=True)
         params = [q for q in self.model.parameters() if q.requires_grad]
         with record_function("flare.backward"):
-            surgery = SURGERY.get(cfg.align.surgery)  # (local, align, params, extra) -> logs; None: plain
-            if surgery is not None and st.align is not None:
-                surgery_logs = surgery(st.local, st.align, params, extra=st.sigma)
+            if ctx.surgery is not None and st.align is not None:  # (local, align, params, extra) -> logs
+                surgery_logs = ctx.surgery(st.local, st.align, params, extra=st.sigma)
             else:
                 loss.total().backward()
                 surgery_logs = {}

@@ -138,11 +138,6 @@ class LamCfg(Strict):
                                                            "(the notes' λ_max = 50)")
     options: LamOptions = Field({}, description=OPTIONS_DESCRIPTION)
 
-    def provider_options(self) -> LamCfg | dict:
-        """The chosen provider's options: `options` for one that declares a model; this section for one that does
-        not — the built-in learners, whose keys (sigma_lr, ...) predate `options` and are named by recorded runs."""
-        return self.options if LAM_PROVIDERS.entry(self.learner).options is not None else self
-
 
 class ServerCfg(Strict):
     weights: Literal["size", "uniform"] = Field("size", description="aggregation weights: size (n_i/Σn) or "

@@ -28,12 +28,25 @@ from flare.errors import FlareError
 from flare.registry import DATASETS
 
 
+@dataclass(frozen=True)
+class DatasetFacts:
+    """Where a dataset is read from: its name, `dataset.root`, `dataset.format`, `dataset.download` and the cache
+    folder (`dataset.cache_dir`); a dataset built in memory reads none of them."""
+    name: str
+    root: str | os.PathLike | None = None
+    format: str = "auto"
+    download: bool = False
+    cache_dir: str | os.PathLike | None = None
+
+
 class DatasetSource(Protocol):
-    """What `DATASETS` holds (`register_dataset` makes one from `build(options) -> ImageData`; the built-in ones are
-    read from files by `locate`)."""
+    """What `DATASETS` holds (`DatasetInfo`): built by `DATASETS.create` into an `ImageData` — read from files
+    (`locate`, the built-in ones) or made by a plugin's `build(facts, options)` (`register_dataset`); its
+    `num_classes` and `kind` are read when the config is validated."""
     description: str
     num_classes: int | None
-    build: Callable[[BaseModel | None], ImageData] | None
+
+    def __call__(self, facts: DatasetFacts, options: BaseModel | None) -> ImageData: ...
 
 FORMATS = ("auto", "torchvision", "imagefolder", "idx")
 _CACHE_VERSION = 1  # bump when the decoded layout changes, so old cache files are never read
@@ -84,15 +97,25 @@ class DatasetInfo:
     formats: tuple[str, ...]  # the explicit formats it accepts ("auto" is always accepted)
     num_classes: int | None   # checked when read from an image folder, to catch a tree of the wrong dataset
     locate: Callable[[str, Path | None, str, bool], _Source] | None  # (name, root, format, download)
-    build: Callable[[object], ImageData] | None = None  # a plugin's dataset: options -> ImageData (not cached)
+    build: Callable[[DatasetFacts, object], ImageData] | None = None  # made in memory: (facts, options) -> data
     kind: str = "images"  # what its samples are (images, or a frozen encoder's features): `Strategy.inputs`
+
+    def __call__(self, facts: DatasetFacts, options: BaseModel | None) -> ImageData:
+        """The dataset as whole tensors: a plugin's built (not cached), a built-in one read (`_read`)."""
+        if self.build is None:
+            return _read(self, facts)
+        data = self.build(facts, options)
+        if not isinstance(data, ImageData):
+            raise FlareError(f"dataset {facts.name!r} built {type(data).__name__}, not an ImageData.",
+                             key="dataset.name", fix="its build function must return flare.data.datasets.ImageData.")
+        return data
 
 
 def register_dataset(name: str, build: Callable | None = None, *, options=None, description: str = "",
                      num_classes: int | None = None, check=None, overwrite: bool = False, kind: str = "images"):
-    """Register a dataset built in memory, `build(options) -> ImageData` (`options`: `dataset.options` validated
-    by the `options` model, or None); usable as a decorator; `check(cfg)` refuses a config the dataset cannot
-    serve (`Registry.register`). Built-in datasets are read from files instead."""
+    """Register a dataset built in memory, `build(facts: DatasetFacts, options) -> ImageData` (`options`:
+    `dataset.options` validated by the `options` model, or None); usable as a decorator; `check(cfg)` refuses a
+    config the dataset cannot serve (`Registry.register`). Built-in datasets are read from files instead."""
     if build is None:
         return lambda fn: register_dataset(name, fn, options=options, description=description,
                                            num_classes=num_classes, check=check, overwrite=overwrite, kind=kind)
@@ -117,13 +140,12 @@ def load_dataset(name: str, root: str | os.PathLike | None, format: str = "auto"
 
     The cache key is the dataset name, format and the absolute path, size and mtime of every source file,
     so editing or replacing the source invalidates it."""
-    info = DATASETS.get(name)
-    if info.build is not None:
-        data = info.build(DATASETS.options(name, options, "dataset.options"))
-        if not isinstance(data, ImageData):
-            raise FlareError(f"dataset {name!r} built {type(data).__name__}, not an ImageData.", key="dataset.name",
-                             fix="its build function must return flare.data.datasets.ImageData.")
-        return data
+    return DATASETS.create(name, DatasetFacts(name, root, format, download, cache_dir), options)
+
+
+def _read(info: DatasetInfo, facts: DatasetFacts) -> ImageData:
+    """A built-in dataset read from its files (through the cache)."""
+    name, root, format, download, cache_dir = facts.name, facts.root, facts.format, facts.download, facts.cache_dir
     if name in SYNTHETIC:
         return synthetic_dataset(name)
     root_path = Path(root).expanduser() if root not in (None, "") else None

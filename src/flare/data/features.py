@@ -25,6 +25,7 @@ from flare.data.augment import TwoViewAugment, normalize
 from flare.data.datasets import ImageData, _cache_dir, load_dataset, register_dataset
 from flare.durable import atomic_torch_save
 from flare.errors import FlareError
+from flare.models import ModelFacts
 from flare.registry import MODELS
 
 CACHE_VERSION = 1  # bump when the stored layout changes
@@ -166,8 +167,8 @@ def _encoder_entry(name: str):
 
 def frozen_encoder(name: str, resolution: int, resize: str = "bicubic") -> nn.Module:
     """The registered encoder `name` at `resolution`, frozen, NHWC."""
-    entry = _encoder_entry(name)
-    return entry.obj(3, 1.0, entry.options(resolution=resolution, resize=resize)).to(memory_format=torch.channels_last)
+    opts = _encoder_entry(name).options(resolution=resolution, resize=resize)
+    return MODELS.create(name, ModelFacts(3, 1.0), opts).to(memory_format=torch.channels_last)
 
 
 def extract_features(opts: FeatureOptions, data: ImageData, parts: Path, stages: int = 1, flip: bool = False,
@@ -250,6 +251,6 @@ def load_features(opts: FeatureOptions, quiet: bool | None = None) -> FeatureDat
 
 
 @register_dataset("features", options=FeatureOptions, num_classes=None, kind="features")
-def features_dataset(options: FeatureOptions) -> FeatureData:
+def features_dataset(facts, options: FeatureOptions) -> FeatureData:
     """A frozen pretrained encoder's cached features of an image dataset (docs/frozen-encoder.md)"""
     return load_features(options)

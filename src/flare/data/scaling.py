@@ -36,32 +36,41 @@ class InputScaling:
     test: Stats
 
 
+@dataclass(frozen=True)
+class ScalingFacts:
+    """What a scaling is built from: the dataset (its name) and its training set's statistics mean/std."""
+    dataset: str
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
 class ScalingFn(Protocol):
-    """What `SCALINGS` holds: the scaling for a dataset (its name) whose training set has statistics mean/std."""
-    def __call__(self, dataset: str, mean, std) -> InputScaling: ...
+    """What `SCALINGS` holds: the scaling for the run's dataset, built by `SCALINGS.create`."""
+    def __call__(self, facts: ScalingFacts, options: None) -> InputScaling: ...
 
 
 def input_scaling(mode: str, dataset: str, mean, std) -> InputScaling:
     """The scaling `augment.input_scaling` names, for a dataset whose training set has statistics mean/std."""
-    return SCALINGS.get(mode)(dataset, mean, std)
+    return SCALINGS.create(mode, ScalingFacts(dataset, tuple(mean), tuple(std)))
 
 
 @SCALINGS.register("dataset")
-def dataset_scaling(dataset: str, mean, std) -> InputScaling:
+def dataset_scaling(facts: ScalingFacts, options: None) -> InputScaling:
     """(x − mean)/std of the training set, for training views and test images alike (ours)."""
-    stats = (tuple(mean), tuple(std))
+    stats = (facts.mean, facts.std)
     return InputScaling(None, stats, stats)
 
 
 @SCALINGS.register("none")
-def no_scaling(dataset: str, mean, std) -> InputScaling:
+def no_scaling(facts: ScalingFacts, options: None) -> InputScaling:
     """x/255 only (ToTensor), training and test."""
     return InputScaling(None, IDENTITY, IDENTITY)
 
 
 @SCALINGS.register("reference")
-def reference_scaling(dataset: str, mean, std) -> InputScaling:
+def reference_scaling(facts: ScalingFacts, options: None) -> InputScaling:
     """The reference code's per-dataset transforms (the reference protocol's item b; the module docstring's table)."""
+    dataset = facts.dataset
     if dataset == "cifar100":
         return InputScaling(CIFAR100, CIFAR100, CIFAR100)
     return InputScaling(HALF, HALF, HALF) if dataset == "svhn" else InputScaling(None, HALF, IDENTITY)

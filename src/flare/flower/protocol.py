@@ -218,7 +218,7 @@ def block_extras(cfg: Config, last_round: int, client: Client, ctx) -> dict[str,
     scored = {n: every[n] for n in rules_for(cfg, last_round)}
     if not extras_shapes(scored, client.model):
         return {}
-    data = client_side(cfg, client.cid, client.model, ctx.train_x, ctx.train_y, ctx.plain, ctx.augment, ctx.device)
+    data = client_side(client.cid, client.model, ctx.train_x, ctx.train_y, ctx.plain, ctx.augment, ctx.device)
     return client_extras(scored, data)
 
 
@@ -249,7 +249,7 @@ def client_talk(task: Task, local: LocalData, trained: dict[str, Tensor], name: 
     model = create_architecture(client_architecture(cfg, local.cid), meta.in_channels, meta.num_classes, cfg.head,
                                 cfg.model.feature_dim, checkpoint=False)
     model.load_state_dict(trained)
-    data = client_side(cfg, local.cid, model.to(be.device), local.x, local.y, normalizer(cfg, meta),
+    data = client_side(local.cid, model.to(be.device), local.x, local.y, normalizer(cfg, meta),
                        make_augment(cfg, meta, be.device), be.device)
     received = {k: v.to(be.device) for k, v in message.items()}
     reply = strategies[name].client_round(rnd, received, data, memory)

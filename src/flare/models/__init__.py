@@ -8,11 +8,12 @@ Registered names: `resnet18`, `resnet34`, `resnet50` (CIFAR-style, see `resnet.p
 `cnn_mnist_dense` (the 28×28 networks of FedLPA's and DENSE's tables, see `small.py`) and
 `timm/<name>` for any timm architecture (`timm_zoo.py`), in `flare.registry.MODELS`, plus any a plugin registers;
 docs/models.md. `load_checkpoint` starts a model from a local state dict (`model.checkpoint`). A registered builder is
-`fn(in_channels: int, width: float[, options]) -> nn.Module` returning an encoder with a `feature_dim`
-attribute; `create_model` wraps it with a head into a `FlareNet`."""
+`fn(facts: ModelFacts, options) -> nn.Module` returning an encoder with a `feature_dim` attribute; `create_model`
+builds it (`MODELS.create`) and wraps it with a head into a `FlareNet`."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -31,10 +32,17 @@ from .heads import ETFHead, LinearHead, PrototypeHead
 from .timm_zoo import timm_names  # registers the timm/ namespace (timm itself is imported on first use)
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What an encoder is built from besides its options: the input's channels and `model.width`."""
+    in_channels: int
+    width: float
+
+
 class ModelBuilder(Protocol):
-    """What `MODELS` holds: an encoder with a `feature_dim` attribute; `options` (the validated `model.options`) is
-    passed only to a builder that declares an options model. `create_model` adds the head the objective trains."""
-    def __call__(self, in_channels: int, width: float, *options: BaseModel) -> nn.Module: ...
+    """What `MODELS` holds: builds an encoder with a `feature_dim` attribute; `options`: the validated `model.options`
+    (None for a builder without an options model). `create_model` adds the head the objective trains."""
+    def __call__(self, facts: ModelFacts, options: BaseModel | None) -> nn.Module: ...
 
 __all__ = ["FlareNet", "PrototypeHead", "LinearHead", "create_model", "list_models", "register_model", "HEADS",
            "check_state_fits", "layout", "load_checkpoint", "create_architecture", "check_input_fits", "timm_names"]
@@ -44,10 +52,10 @@ HEADS: dict[str, type[nn.Module]] = {"prototype": PrototypeHead, "linear": Linea
 
 def register_model(name_or_fn, *, options: type[BaseModel] | None = None, description: str = "",
                    check=None, overwrite: bool = False):
-    """Register an encoder builder `fn(in_channels, width[, options]) -> encoder` (encoder has `.feature_dim`).
+    """Register an encoder builder `fn(facts: ModelFacts, options) -> encoder` (encoder has `.feature_dim`).
 
     Use as `@register_model` (name = function name) or `@register_model("name", options=MyOptions)`; a builder
-    that declares options receives them (validated from `model.options`) as a third argument; `check(cfg)`
+    that declares options receives them validated from `model.options` (None otherwise); `check(cfg)`
     refuses a config the model cannot serve (`Registry.register`). Re-registering a name raises unless
     `overwrite=True`."""
     kw = dict(options=options, description=description, check=check, overwrite=overwrite)
@@ -91,7 +99,7 @@ def create_model(name: str, in_channels: int, num_classes: int, width: float = 1
     """Build a registered encoder + head. Unknown names raise `FlareError` (key `model.name`). `feature_dim`: a
     linear projection of the encoder's feature to that d before the head (`model.feature_dim`: the shared d that
     makes prototypes, anchors and features of different encoders comparable)."""
-    entry = MODELS.entry(name)
+    MODELS.entry(name)  # an unknown name first
     if head not in HEADS:
         raise FlareError(f"unknown head {head!r}.", key="model.head", fix="one of " + ", ".join(sorted(HEADS)) + ".")
     try:
@@ -105,9 +113,8 @@ def create_model(name: str, in_channels: int, num_classes: int, width: float = 1
     if int(in_channels) < 1 or int(num_classes) < 1:
         raise FlareError(f"in_channels and num_classes must be ≥ 1 (got {in_channels}, {num_classes}).", key="model",
                          fix="check the dataset: 1 channel for Fashion-MNIST, 3 for CIFAR.")
-    opts = MODELS.options(name, options, "model.options") if entry.options is not None else None
     try:
-        encoder = entry.obj(int(in_channels), width, *([opts] if opts is not None else []))
+        encoder = MODELS.create(name, ModelFacts(int(in_channels), width), options)
         proj = nn.Linear(int(encoder.feature_dim), int(feature_dim)) if feature_dim is not None else None
         d = int(feature_dim) if feature_dim is not None else int(encoder.feature_dim)
         return FlareNet(encoder, HEADS[head](int(num_classes), d), name=name, proj=proj)
@@ -121,18 +128,24 @@ def create_model(name: str, in_channels: int, num_classes: int, width: float = 1
                                                 "model.options.") from None
 
 
-register_model("resnet18", description="CIFAR-style ResNet-18 (d = 512·width)")(_resnet.resnet18)
-register_model("resnet34", description="CIFAR-style ResNet-34 (d = 512·width)")(_resnet.resnet34)
-register_model("resnet50", description="CIFAR-style ResNet-50 (d = 2048·width)")(_resnet.resnet50)
-register_model("cnn", description="small CNN for CPU runs")(_cnn.cnn)
-register_model("wrn16_1", description="CIFAR WideResNet-16-1 (d = 64·width)")(_cifar.wrn16_1)
-register_model("wrn40_1", description="CIFAR WideResNet-40-1 (d = 64·width)")(_cifar.wrn40_1)
-register_model("cnn_dense", description="DENSE's small CIFAR CNN (d = 64·width)")(_cifar.cnn_dense)
-register_model("cnn_coboost", description="Co-Boosting's CIFAR CNN (d = 2048·width)")(_cifar.cnn_coboost)
-register_model("simple-cnn", description="NIID-Bench's simple-cnn, FedLPA's clients (no BN; d = 84·width)")(
-    _small.simple_cnn)
-register_model("cnn_mnist_dense", description="DENSE's FMNIST/MNIST CNN (BN; d = 1568·width at 28×28)")(
-    _small.cnn_mnist_dense)
+def _net(cls, *args):
+    """A network class `cls(*args, in_channels, width)` as a builder `(facts, options) -> encoder`."""
+    return lambda facts, options: cls(*args, facts.in_channels, facts.width)
+
+
+R, C, S = _resnet, _cifar, _small  # the modules of the built-in networks
+for _name, _build, _what in (
+        ("resnet18", _net(R.ResNetEncoder, R.BasicBlock, (2, 2, 2, 2)), "CIFAR-style ResNet-18 (d = 512·width)"),
+        ("resnet34", _net(R.ResNetEncoder, R.BasicBlock, (3, 4, 6, 3)), "CIFAR-style ResNet-34 (d = 512·width)"),
+        ("resnet50", _net(R.ResNetEncoder, R.Bottleneck, (3, 4, 6, 3)), "CIFAR-style ResNet-50 (d = 2048·width)"),
+        ("cnn", _net(_cnn.SmallCNN), "small CNN for CPU runs"),
+        ("wrn16_1", _net(C.WideResNet, 16, 1), "CIFAR WideResNet-16-1 (d = 64·width)"),
+        ("wrn40_1", _net(C.WideResNet, 40, 1), "CIFAR WideResNet-40-1 (d = 64·width)"),
+        ("cnn_dense", _net(C.PaperCNN, (32, 64, 64), 64), "DENSE's small CIFAR CNN (d = 64·width)"),
+        ("cnn_coboost", _net(C.PaperCNN, (128, 128, 128), None), "Co-Boosting's CIFAR CNN (d = 2048·width)"),
+        ("simple-cnn", _net(S.SimpleCNN), "NIID-Bench's simple-cnn, FedLPA's clients (no BN; d = 84·width)"),
+        ("cnn_mnist_dense", _net(S.DenseMnistCNN), "DENSE's FMNIST/MNIST CNN (BN; d = 1568·width at 28×28)")):
+    register_model(_name, description=_what)(_build)
 for _name, _builder in _pretrained.ENCODERS.items():
     register_model(_name, options=_pretrained.EncoderOptions, check=_pretrained.refuse_image_runs,
                    description=f"{_name}, ImageNet weights, frozen: via dataset.name=features (d = 1280)")(_builder)

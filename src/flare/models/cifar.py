@@ -91,19 +91,3 @@ class PaperCNN(nn.Module):
                              f"pools), got {x.shape[-2]}×{x.shape[-1]}.", key="model.name",
                              fix="pick another model for these images (e.g. cnn or wrn16_1).")
         return self.fc(self.body(x))
-
-
-def wrn16_1(in_channels: int = 3, width: float = 1.0) -> WideResNet:
-    return WideResNet(16, 1, in_channels, width)
-
-
-def wrn40_1(in_channels: int = 3, width: float = 1.0) -> WideResNet:
-    return WideResNet(40, 1, in_channels, width)
-
-
-def cnn_dense(in_channels: int = 3, width: float = 1.0) -> PaperCNN:
-    return PaperCNN((32, 64, 64), 64, in_channels, width)
-
-
-def cnn_coboost(in_channels: int = 3, width: float = 1.0) -> PaperCNN:
-    return PaperCNN((128, 128, 128), None, in_channels, width)

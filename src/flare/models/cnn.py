@@ -37,7 +37,3 @@ class SmallCNN(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.flatten(self.pool(self.body(x)), 1)
-
-
-def cnn(in_channels: int = 3, width: float = 1.0) -> SmallCNN:
-    return SmallCNN(in_channels, width)

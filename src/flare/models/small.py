@@ -57,11 +57,3 @@ class DenseMnistCNN(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.flatten(self.layer2(self.layer1(x)), 1)
-
-
-def simple_cnn(in_channels: int = 1, width: float = 1.0) -> SimpleCNN:
-    return SimpleCNN(in_channels, width)
-
-
-def cnn_mnist_dense(in_channels: int = 1, width: float = 1.0) -> DenseMnistCNN:
-    return DenseMnistCNN(in_channels, width)

@@ -77,7 +77,8 @@ def small_stem(model: nn.Module) -> nn.Module:
 
 
 def _builder(name: str):
-    def build(in_channels: int, width: float, options: TimmOptions) -> nn.Module:
+    def build(facts, options: TimmOptions) -> nn.Module:  # facts: a models.ModelFacts
+        in_channels, width = facts.in_channels, facts.width
         if width != 1:
             raise FlareError(f"timm/{name} has the width its name gives; model.width={width:g} cannot scale it.",
                              key="model.width", fix="set model.width=1 and pick a narrower variant (e.g. "

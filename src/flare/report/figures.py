@@ -24,7 +24,7 @@ from flare.report.style import method_colour, rule_colour  # noqa: E402
 from flare.rundata import RunData  # noqa: E402
 from flare.records import acc_keys  # noqa: E402
 from flare.rundir import DIAG  # noqa: E402
-from flare.registry import SCHEDULES  # noqa: E402
+from flare.registry import SCHEDULES, NoFacts  # noqa: E402
 from flare.schedules import progress  # noqa: E402
 
 COMPARE_DIAG = ("g_protos_std", "inter_client_proto_std")
@@ -39,7 +39,7 @@ def v7_weight() -> Callable[[float], float]:
     """V7's λ as a function of the progress p: λ0·a(p) with its preset's λ0 and schedule a, through the same
     `flare.schedules` its runs train with."""
     align = preset_mapping("etf-anneal")["align"]
-    lam0, a = float(align["lambda0"]), SCHEDULES.get(align["schedule"])
+    lam0, a = float(align["lambda0"]), SCHEDULES.create(align["schedule"], NoFacts())
     return lambda p: lam0 * a(p)
 
 

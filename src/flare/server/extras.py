@@ -24,7 +24,6 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
-from flare.config import Config
 from flare.errors import FlareError
 from flare.server.strategy import Strategy
 from flare.server.upload import Shapes, check_tensors
@@ -34,7 +33,6 @@ class ClientData:
     """What a strategy's `client_extras` sees of one client after its training (the model's train mode is the
     strategy's to set; the samples are uint8 images and labels on `device`)."""
 
-    cfg: Config
     cid: int
     model: nn.Module
     x: Tensor
@@ -44,12 +42,12 @@ class ClientData:
     device: torch.device
 
 
-def client_side(cfg: Config, cid: int, model: nn.Module, x: Tensor, y: Tensor, normalize, augment,
+def client_side(cid: int, model: nn.Module, x: Tensor, y: Tensor, normalize, augment,
                 device: torch.device) -> ClientData:
     """The one way a `ClientData` is made — beside the client in `flare run`, on a Flower node, from the saved
     states in `flare fuse`: a copy of the client's model (a strategy can disturb neither training nor another
     strategy's view) and its samples on `device`."""
-    return ClientData(cfg, cid, copy.deepcopy(model), x.to(device), y.to(device), normalize, augment, device)
+    return ClientData(cid, copy.deepcopy(model), x.to(device), y.to(device), normalize, augment, device)
 
 
 def prefix(name: str, strategy: Strategy) -> str:

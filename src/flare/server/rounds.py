@@ -170,7 +170,7 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
     preds, built = {}, {}
     for n in names:
         t = time.perf_counter()
-        ctx = ServerContext(cfg, r, uploads, models, weights, G, anchors, states.setdefault(n, {}),
+        ctx = ServerContext(r, uploads, models, weights, G, anchors, states.setdefault(n, {}),
                             own_extras(uploads, n, strategies[n]), public_x, norm, shape, score, scratch and scratch / n)
         talk = hold_rounds(n, strategies[n], ctx, clients)
         preds[n] = strategies[n].predictor(ctx)

@@ -90,7 +90,7 @@ class ClientRule(Strategy):
         raise NotImplementedError
 
     def predictor(self, ctx: ServerContext) -> RulePredictor:
-        return RulePredictor(type(self), ctx.weights, ctx.G, OutputRule.options_in(self.cfg).ensemble)
+        return RulePredictor(type(self), ctx.weights, ctx.G, self.options_of(OutputRule).ensemble)
 
 
 class RulePredictor(ClientPredictor):

@@ -10,7 +10,9 @@ Two kinds of predictor keep ONE test pass for every strategy of an evaluation (s
   the normalised batch itself.
 
 A strategy is registered in `flare.registry.STRATEGIES` (a plugin registers its own the same way), chosen by
-`server.primary` and `eval.rules`, and its options model is validated from `server.strategies.<name>`. The
+`server.primary` and `eval.rules`, built once per run by `STRATEGIES.create(name, StrategyFacts, options)` from the
+run facts a server method reads (never the Config), and its options model is validated from
+`server.strategies.<name>`. The
 built-in rules are strategies written exactly so, in server/rules.py; `ClientOutputs` (the tensors a
 `ClientPredictor` reads) comes from server/fusion.py, which computes them.
 """
@@ -18,22 +20,48 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 from pydantic import BaseModel
 from torch import Tensor, nn
 
 from flare.config import Config
+from flare.config.architectures import server_architecture
 from flare.registry import STRATEGIES
 from flare.server.fusion import ClientOutputs
 from flare.server.upload import Upload
 
 
+@dataclass(frozen=True)
+class StrategyFacts:
+    """What a strategy is built from besides its options: the run facts a server method reads — the seed of its
+    private streams, the head, `server.primary` (the key its errors name), `server.strategies` (another rule's
+    options: `Strategy.options_of`) and what a server building its own model needs."""
+    seed: int
+    head: str
+    objective: str
+    primary: str
+    strategies: Mapping[str, Any]
+    server_architecture: Any  # flare.config.architectures.Architecture
+    feature_dim: int | None
+    server_model: bool
+    server_checkpoint: bool
+    mixed_architectures: bool
+
+
+def strategy_facts(cfg: Config) -> StrategyFacts:
+    """The run facts every strategy of `cfg` is built from (one place reads them from the config)."""
+    own = cfg.server.model
+    return StrategyFacts(cfg.seed, cfg.head, cfg.loss.objective, cfg.server.primary, cfg.server.strategies,
+                         server_architecture(cfg), cfg.model.feature_dim, own is not None,
+                         own is not None and own.checkpoint is not None, cfg.mixed_architectures)
+
+
 class StrategyClass(Protocol):
-    """What `STRATEGIES` holds: a `Strategy` subclass (below), built once per run and asked for a predictor per
-    evaluation."""
-    def __call__(self, cfg: Config, options: BaseModel | None) -> Strategy: ...
+    """What `STRATEGIES` holds: a `Strategy` subclass (below), built once per run by `STRATEGIES.create` and asked
+    for a predictor per evaluation."""
+    def __call__(self, facts: StrategyFacts, options: BaseModel | None) -> Strategy: ...
 
 
 @dataclass
@@ -47,7 +75,6 @@ class ServerContext:
     test accuracy of an intermediate model, for the record only. `scratch`: a folder of this strategy's own where a
     build of hours may keep its progress, so that an interrupted one resumes (`flare fuse` gives one; None: none)."""
 
-    cfg: Config
     round: int
     uploads: list[Upload]
     models: list[nn.Module]
@@ -135,15 +162,24 @@ class Strategy:
     inputs: tuple[str, ...] = ("images", "features")
     shares_extras = ""  # the name of statistics other strategies read too ("": its own)
 
-    def __init__(self, cfg: Config, options: BaseModel | None = None):
-        self.cfg, self.options = cfg, options if options is not None else self.options_in(cfg)
+    def __init__(self, facts: StrategyFacts, options: BaseModel | None = None):
+        self.facts, self.options = facts, options if options is not None else self.options_from(facts.strategies)
 
     @classmethod
     def options_in(cls, cfg: Config) -> BaseModel | None:
-        """Its options as `cfg` sets them (`server.strategies.<name>`, defaults filled in): taken when it is built
-        without options, and read by code applying its arithmetic unbuilt (a saved predictor), which names no rule."""
-        name = next((n for n in STRATEGIES.names() if STRATEGIES.get(n) is cls), None)  # None: not registered
-        return STRATEGIES.options(name, cfg.server.strategies.get(name), f"server.strategies.{name}") if name else None
+        """Its options as `cfg` sets them (`server.strategies.<name>`, defaults filled in): read by code applying its
+        arithmetic unbuilt (a saved predictor), which names no rule, and by checks of the config."""
+        return cls.options_from(cfg.server.strategies)
+
+    @classmethod
+    def options_from(cls, table: Mapping[str, Any]) -> BaseModel | None:
+        """Its options as the table `server.strategies` sets them (defaults filled in; None: not registered)."""
+        name = next((n for n in STRATEGIES.names() if STRATEGIES.get(n) is cls), None)
+        return STRATEGIES.options(name, table.get(name), f"server.strategies.{name}") if name else None
+
+    def options_of(self, other: type[Strategy]) -> BaseModel | None:
+        """Another strategy's options as this run sets them, for a strategy that applies its arithmetic."""
+        return other.options_from(self.facts.strategies)
 
     @classmethod
     def check(cls, cfg: Config) -> None:
@@ -212,9 +248,9 @@ def sent_init(sent: dict[str, Tensor], key: str) -> dict[str, Tensor]:
 
 
 def make_strategy(cfg: Config, name: str, key: str = "server.primary") -> Strategy:
-    """The registered strategy `name` with its options from `server.strategies.<name>`."""
-    cls = STRATEGIES.get(name, key)
-    return cls(cfg, STRATEGIES.options(name, cfg.server.strategies.get(name), f"server.strategies.{name}"))
+    """The registered strategy `name` built from the run's facts and its options from `server.strategies.<name>`."""
+    return STRATEGIES.create(name, strategy_facts(cfg), cfg.server.strategies.get(name), key=key,
+                             where=f"server.strategies.{name}")
 
 
 def make_strategies(cfg: Config, names, key: str = "eval.rules") -> dict[str, Strategy]:

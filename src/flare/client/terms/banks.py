@@ -34,15 +34,23 @@ from flare.rng import derived_seed
 
 @dataclass(frozen=True)
 class BankFacts:
-    """What a contrast bank is built from: the server's public bank (`build_public_bank`, or None) and the device."""
+    """What a contrast bank is built from: the server's public bank (`build_public_bank`, or None), the device, and
+    the banks' keys of the loss section."""
     public_bank: Tensor | None
     device: torch.device
+    bank_size: int
+    bank_tau: float
+    public_stage_epochs: int
+
+
+def bank_facts(loss: LossCfg, public_bank: Tensor | None, device: torch.device) -> BankFacts:
+    return BankFacts(public_bank, device, loss.bank_size, loss.bank_tau, loss.public_stage_epochs)
 
 
 class ContrastBankFn(Protocol):
-    """What `CONTRAST` holds: a per-client extension builder `(client, ctx) -> extension`, built by `CONTRAST.create`
-    with the `loss` section as its options (bank_size, bank_tau, ...: the banks' keys); the entry `none` is None."""
-    def __call__(self, facts: BankFacts, options: LossCfg) -> Callable: ...
+    """What `CONTRAST` holds: a per-client extension builder `(client, ctx) -> extension`, built once per run by
+    `CONTRAST.create`; the entry `none` is None."""
+    def __call__(self, facts: BankFacts, options: None) -> Callable: ...
 
 
 # memory bank
@@ -205,19 +213,20 @@ def build_public_bank(cfg: Config, public: tuple[Tensor, Tensor] | None, global_
     return teacher_bank(teacher, public[0], norm, device, cfg.test_batch_size)
 
 
-def _memory_bank(facts: BankFacts, loss: LossCfg):
-    return lambda client, ctx: MemoryBankExtension(loss.bank_size, client.model.feature_dim, facts.device)
+def _memory_bank(facts: BankFacts, options: None):
+    return lambda client, ctx: MemoryBankExtension(facts.bank_size, client.model.feature_dim, facts.device)
 
 
-def _public_bank(facts: BankFacts, loss: LossCfg):
-    kind = loss.contrast
-    if facts.public_bank is None:
-        raise FlareError(f"loss.contrast={kind} needs the server's public bank, which is missing.",
-                         key="loss.contrast", fix="the server builds it from dataset.public_size; check the run's "
-                                                  "setup (a Flower node receives it with its first task).")
-    stages = loss.public_stage_epochs if kind == "two-stage" else None
-    b = facts.public_bank.to(facts.device)
-    return lambda client, ctx: PublicBankExtension(b, loss.bank_tau, stages)
+def _public_bank(kind: str):
+    def build(facts: BankFacts, options: None):
+        if facts.public_bank is None:
+            raise FlareError(f"loss.contrast={kind} needs the server's public bank, which is missing.",
+                             key="loss.contrast", fix="the server builds it from dataset.public_size; check the "
+                                                      "run's setup (a Flower node receives it with its first task).")
+        stages = facts.public_stage_epochs if kind == "two-stage" else None
+        b = facts.public_bank.to(facts.device)
+        return lambda client, ctx: PublicBankExtension(b, facts.bank_tau, stages)
+    return build
 
 
 def _public_check(cfg: Config) -> None:
@@ -229,7 +238,9 @@ def _public_check(cfg: Config) -> None:
 
 CONTRAST.register("none", None, description="no contrast-set extension")
 CONTRAST.register("memory-bank", _memory_bank, description="per-client FIFO of recent features in SupCon")
-CONTRAST.register("public-bank", _public_bank, description="InfoNCE against the server's public teacher bank",
+CONTRAST.register("public-bank", _public_bank("public-bank"),
+                  description="InfoNCE against the server's public teacher bank",
                   check=_public_check)
-CONTRAST.register("two-stage", _public_bank, description="public-bank term alone first, then the base loss",
+CONTRAST.register("two-stage", _public_bank("two-stage"),
+                  description="public-bank term alone first, then the base loss",
                   check=_public_check)

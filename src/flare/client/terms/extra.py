@@ -4,9 +4,10 @@
       terms:
         feature_norm: {weight: 0.01}
 
-A term is `fn(batch: TermBatch, options) -> scalar tensor`, registered in `flare.registry.LOSS_TERMS` with an options
-model that subclasses `TermOptions` (so every term has a `weight`; a term without options gets `TermOptions`, the
-registry's default options model). The trainer adds `weight · fn(batch, options)` to the base loss and logs it as
+A term is built by `LOSS_TERMS.create(name, NoFacts(), options)` — its entry a factory `fn(facts, options) ->
+term`, `term(batch: TermBatch) -> scalar tensor` — registered in `flare.registry.LOSS_TERMS` with an options model
+that subclasses `TermOptions` (so every term has a `weight`; a term without options gets `TermOptions`, the
+registry's default options model). The trainer adds `weight · term(batch)` to the base loss and logs it as
 `term_<name>` in every engine and the LR probe (client/step.py `local_loss`; under client_engine=batched the term is
 vmapped, so it must not read values back to the host).
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Callable, ClassVar, Protocol
 
 import torch
 from pydantic import Field
@@ -28,12 +29,15 @@ from torch import Tensor
 
 from flare.config import Config, LossCfg
 from flare.errors import FlareError
-from flare.registry import LOSS_TERMS, TermOptions
+from flare.registry import LOSS_TERMS, NoFacts, TermOptions
+
+
+Term = Callable[["TermBatch"], Tensor]
 
 
 class LossTermFn(Protocol):
-    """What `LOSS_TERMS` holds: a scalar added to the local loss as `weight · fn(batch, options)`."""
-    def __call__(self, batch: TermBatch, options: TermOptions) -> Tensor: ...
+    """What `LOSS_TERMS` holds: builds the term whose scalar is added to the local loss as `weight · term(batch)`."""
+    def __call__(self, facts: NoFacts, options: TermOptions) -> Term: ...
 
 __all__ = ["TermBatch", "TermOptions", "extra_terms", "uses_params", "ProxOptions"]
 
@@ -51,17 +55,20 @@ class TermBatch:
     start: dict[str, Tensor] | None = None   # name → the same parameter at the start of local training
 
 
-def loss_terms(loss: LossCfg) -> tuple[tuple[str, LossTermFn, TermOptions], ...]:
-    """(name, fn, validated options) of every term of `loss.terms`, in the table's order (the order the step sums
-    them in), validated once per distinct table rather than at every step (the table is plain JSON data, so its
+def loss_terms(loss: LossCfg) -> tuple[tuple[str, Term, TermOptions], ...]:
+    """(name, built term, validated options) of every term of `loss.terms`, in the table's order (the order the step
+    sums them in), built once per distinct table rather than at every step (the table is plain JSON data, so its
     text is the cache's key)."""
     return _built_terms(json.dumps(loss.terms))
 
 
 @functools.lru_cache(maxsize=64)
-def _built_terms(table: str) -> tuple[tuple[str, LossTermFn, TermOptions], ...]:
-    return tuple((name, LOSS_TERMS.get(name), LOSS_TERMS.options(name, mapping, f"loss.terms.{name}"))
-                 for name, mapping in json.loads(table).items())
+def _built_terms(table: str) -> tuple[tuple[str, Term, TermOptions], ...]:
+    built = []
+    for name, mapping in json.loads(table).items():
+        opts = LOSS_TERMS.options(name, mapping, f"loss.terms.{name}")
+        built.append((name, LOSS_TERMS.create(name, NoFacts(), opts), opts))
+    return tuple(built)
 
 
 def uses_params(loss: LossCfg) -> bool:
@@ -72,11 +79,11 @@ def uses_params(loss: LossCfg) -> bool:
 def extra_terms(loss: LossCfg, feat: Tensor, logits: Tensor, y: Tensor,
                 prototypes: Tensor | None, params: dict[str, Tensor] | None = None,
                 start: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
-    """`term_<name>: weight · fn(batch, options)` for every term of `loss.terms` (empty without any)."""
+    """`term_<name>: weight · term(batch)` for every term of `loss.terms` (empty without any)."""
     if not loss.terms:
         return {}
     batch = TermBatch(feat, logits, y, prototypes, params, start)
-    return {f"term_{name}": getattr(opts, "weight", 1.0) * fn(batch, opts) for name, fn, opts in loss_terms(loss)}
+    return {f"term_{name}": getattr(opts, "weight", 1.0) * term(batch) for name, term, opts in loss_terms(loss)}
 
 
 # ---------------------------------------------------------------------------------------------- FedProx's term
@@ -101,11 +108,13 @@ def _prox_check(cfg: Config) -> None:
 @LOSS_TERMS.register("fedprox", options=ProxOptions, check=_prox_check,
                      description="FedProx's proximal term (μ/2)·‖w − w_global‖² (w_global: the model the client "
                                  "started from)")
-def fedprox(batch: TermBatch, options: ProxOptions) -> Tensor:
+def fedprox(facts: NoFacts, options: ProxOptions) -> Term:
     """(μ/2)·Σ_params ‖w − w_start‖²."""
-    if batch.params is None or batch.start is None:
-        raise FlareError("loss.terms.fedprox was called without the model's parameters.", key="loss.terms",
-                         fix="run it with client_engine=sequential or threads.")
-    total = sum(((w - batch.start[name]).pow(2).sum() for name, w in batch.params.items()),
-                torch.zeros((), device=batch.logits.device))
-    return 0.5 * options.mu * total
+    def term(batch: TermBatch) -> Tensor:
+        if batch.params is None or batch.start is None:
+            raise FlareError("loss.terms.fedprox was called without the model's parameters.", key="loss.terms",
+                             fix="run it with client_engine=sequential or threads.")
+        total = sum(((w - batch.start[name]).pow(2).sum() for name, w in batch.params.items()),
+                    torch.zeros((), device=batch.logits.device))
+        return 0.5 * options.mu * total
+    return term
