@@ -64,3 +64,16 @@ def test_bad_input_is_exit_2_one_paragraph_nothing_written(argv, says, tmp_path,
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1, err
     assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+def test_the_tools_random_map_is_the_one_a_fed3r_rf_run_draws_for_its_seed():
+    """The choice is made on the map a run of that seed uses: the tool's map equals the strategy's."""
+    from flare.config import load_config
+    from flare.server.strategy import make_strategy
+    features = ["dataset.name=features", "dataset.options.source=imagefolder", "dataset.options.root=/nowhere",
+                "model.name=adapter", "eval.rules=[primary,fed3r]", "server.strategies.fed3r.random_features=32",
+                "server.strategies.fed3r.kernel_width=2.5"]
+    for seed in (1, 2):
+        strategy = make_strategy(load_config(None, "fafi", [*features, f"seed={seed}"]), "fed3r")
+        mine, theirs = tool().random_map(7, 32, 2.5, seed), strategy.random_map(7)
+        assert torch.equal(mine.omega, theirs.omega) and torch.equal(mine.beta, theirs.beta)
