@@ -1,6 +1,6 @@
-"""tools/frozen_bounds.py (the independent centralised bounds) and tools/frozen_grid.py's 224 px grid: the choices
-are made on the held-out training slice, never on the test set, and bad input is exit 2, one paragraph, nothing
-written. Small synthetic tensors: seconds."""
+"""tools/frozen_bounds.py (the independent centralised bounds), tools/fed3r_rf.py (Fed3R-RF's σ and λ) and
+tools/frozen_grid.py's 224 px grid: the choices are made on the held-out training slice, never on the test set, and
+bad input is exit 2, one paragraph, nothing written. Small synthetic tensors: seconds."""
 import importlib.util
 import json
 import sys
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("sklearn")
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,31 +117,31 @@ class PeakedAt:
         return 1.0 - abs(np.log10(self.v) - np.log10(self.peak)) / 10
 
 
+def peaked_cell(fb, monkeypatch, peak, done=None):
+    """frozen_bounds' cell over a stand-in head whose held-out score peaks at `peak` (candidates 1 and 10)."""
+    x, y = blobs(200)
+    monkeypatch.setattr(fb, "_heads", lambda: {"ridge": ("alpha", [1.0, 10.0], lambda v: PeakedAt(v, peak))})
+    PeakedAt.fits = []
+    return fb.run_cell("ridge", x, y, x, y, holdout=40, done=done)
+
+
 def test_a_choice_at_the_grids_end_grows_the_grid_one_decade_until_it_is_inside(monkeypatch):
     fb = tool("frozen_bounds")
-    x, y = blobs(200)
-    monkeypatch.setattr(fb, "_heads", lambda: {"ridge": ("alpha", [1.0, 10.0], lambda v: PeakedAt(v, 0.01))})
-    PeakedAt.fits = []
-    rec = fb.run_cell("ridge", x, y, x, y, holdout=40)
+    rec = peaked_cell(fb, monkeypatch, 0.01)
     assert [c["value"] for c in rec["candidates"]] == [1.0, 10.0, 0.1, 0.01, 0.001]
     assert rec["chosen"] == 0.01 and rec["extended_at_edge"] == 3 and not rec["at_edge"]
     # a peak beyond the rule's three decades: the record says the choice is still at the edge
-    monkeypatch.setattr(fb, "_heads", lambda: {"ridge": ("alpha", [1.0, 10.0], lambda v: PeakedAt(v, 1e-6))})
-    far = fb.run_cell("ridge", x, y, x, y, holdout=40)
+    far = peaked_cell(fb, monkeypatch, 1e-6)
     assert far["chosen"] == 1e-3 and far["extended_at_edge"] == fb.EDGE_STEPS and far["at_edge"]
 
 
 def test_an_edge_choice_in_an_older_record_is_completed_reusing_its_fits(monkeypatch):
     fb = tool("frozen_bounds")
-    x, y = blobs(200)
-    monkeypatch.setattr(fb, "_heads", lambda: {"ridge": ("alpha", [1.0, 10.0], lambda v: PeakedAt(v, 0.1))})
-    PeakedAt.fits = []
-    old = fb.run_cell("ridge", x, y, x, y, holdout=40)
+    old = peaked_cell(fb, monkeypatch, 0.1)
     del old["extended_at_edge"]
     old["candidates"], old["chosen"] = old["candidates"][:2], 1.0  # as written before the rule: chosen at the end
     assert fb.stale(old)
-    PeakedAt.fits = []
-    new = fb.run_cell("ridge", x, y, x, y, holdout=40, done=old["candidates"])
+    new = peaked_cell(fb, monkeypatch, 0.1, done=old["candidates"])
     assert new["chosen"] == 0.1 and PeakedAt.fits == [0.1, 0.01, 0.1]  # two new candidates, then the refit
     assert not fb.stale(new)
 
@@ -171,3 +172,63 @@ def test_bad_grid_selection_is_exit_2_one_paragraph_nothing_written(argv, says, 
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1, err
     assert not out.exists()
+
+
+# tools/fed3r_rf.py: Fed3R-RF's σ and λ chosen on the held-out slice with FLARE's own random map and ridge
+def rings(n=900, seed=0):
+    """Three classes on concentric shells in 5 dimensions: no linear head separates them, a Gaussian kernel does."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % 3
+    x = torch.nn.functional.normalize(torch.randn(n, 5, generator=g, dtype=torch.float64), dim=1)
+    return x * (1.0 + y[:, None]) + 0.15 * torch.randn(n, 5, generator=g, dtype=torch.float64), y
+
+
+def test_the_choice_is_the_best_held_out_pair_and_its_head_is_flares_ridge_on_the_runs_random_map():
+    t = tool("fed3r_rf")
+    x, y = rings()
+    rec = t.choose(x, y, held_size=150, n_features=256, seed=1, classes=3, log=lambda s: None)
+    best = max(c["holdout_acc"] for c in rec["candidates"])
+    assert rec["holdout_acc"] == best and rec["kernel_width"] == pytest.approx(rec["median_distance"]
+                                                                              * rec["sigma_multiple"])
+    assert best > 0.9  # the kernel separates the shells
+    # the head the choice scored is FLARE's: its statistics through closed_form.ridge on Fed3R's seeded map
+    from flare.baselines.closed_form import ridge
+    rf = t.random_map(5, 256, rec["kernel_width"], 1)
+    w, b = ridge(*t.statistics(rf.features(x), y, 3), rec["ridge"])
+    assert ((rf.features(x) @ w.T + b).argmax(1) == y).double().mean() > 0.9
+    # another seed draws another map: the record says which seed's map it chose for
+    assert not torch.equal(t.random_map(5, 256, 1.0, 1).omega, t.random_map(5, 256, 1.0, 2).omega)
+
+
+def test_a_choice_at_a_grids_end_grows_that_grid():
+    t = tool("fed3r_rf")
+    x, y = rings(600)
+    rec = t.choose(x, y, held_size=120, n_features=128, seed=1, classes=3, sigmas=[0.01, 0.02],
+                   ridges=[1e-3, 1e-2], log=lambda s: None)
+    tried = {c["sigma_multiple"] for c in rec["candidates"]}
+    assert tried > {0.01, 0.02}  # far too narrow a kernel at the grid's top: σ grew past it
+
+
+@pytest.mark.parametrize("argv,says", [(["--features", "10"], "--features"), (["--stages", "9"], "--stages"),
+                                       (["--holdout", "3"], "--holdout"),
+                                       (["--resolution", "96"], "no feature cache of efficientnet_lite0 at 96 px")])
+def test_bad_fed3r_rf_input_is_exit_2_one_paragraph_nothing_written(argv, says, tmp_path, capsys):
+    pytest.importorskip("efficientnet_lite_pytorch")
+    out = tmp_path / "out"
+    assert tool("fed3r_rf").main([*argv, "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1, err
+    assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+def test_the_tools_random_map_is_the_one_a_fed3r_rf_run_draws_for_its_seed():
+    """The choice is made on the map a run of that seed uses: the tool's map equals the strategy's."""
+    from flare.config import load_config
+    from flare.server.strategy import make_strategy
+    features = ["dataset.name=features", "dataset.options.source=imagefolder", "dataset.options.root=/nowhere",
+                "model.name=adapter", "eval.rules=[primary,fed3r]", "server.strategies.fed3r.random_features=32",
+                "server.strategies.fed3r.kernel_width=2.5"]
+    for seed in (1, 2):
+        strategy = make_strategy(load_config(None, "fafi", [*features, f"seed={seed}"]), "fed3r")
+        mine, theirs = tool("fed3r_rf").random_map(7, 32, 2.5, seed), strategy.random_map(7)
+        assert torch.equal(mine.omega, theirs.omega) and torch.equal(mine.beta, theirs.beta)
