@@ -402,7 +402,7 @@ def server_part(L, main, args, setup, saved: Path) -> dict:
             model = copy.deepcopy(flare_model)
             model.load_state_dict(states[i])
             ix = torch.as_tensor(parts[i])
-            extras.append(strategy.client_extras(client_side(cfg, i, model, ctx.train_x[ix], ctx.train_y[ix],
+            extras.append(strategy.client_extras(client_side(i, model, ctx.train_x[ix], ctx.train_y[ix],
                                                              ctx.plain, None, torch.device("cpu"))))
         st, logs = merge(states, extras, w, strategy._layers(flare_model), strategy.options, True)
         entry = {"acc": score(as_theirs(st)), "residual": logs["residual"],
