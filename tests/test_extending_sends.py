@@ -74,7 +74,8 @@ def test_flare_run_sends_the_targets_and_scores_by_them(overrides, tmp_path):
     """The page's command against itself without `server.primary=own_targets`, on one seed: the clients of the
     own_targets run start from and align to the sent targets, the default's do not; the nearest-target accuracy
     is recorded every round, and is better than chance once the clients have trained against the targets. The
-    batched engine's clients receive the same (its records are the sequential engine's, to float tolerance)."""
+    batched engine's clients receive the same (its records are the sequential engine's, to float tolerance), and
+    `flare fuse` scores the saved uploads as the run did."""
     argv = docs_command()
     default = [a for a in argv if a != "server.primary=own_targets"]
     assert default != argv
@@ -108,6 +109,11 @@ def test_flare_run_sends_the_targets_and_scores_by_them(overrides, tmp_path):
         for k in ("base_loss", "align_loss"):
             assert a[k] == pytest.approx(b[k], rel=1e-4), k
     assert [r["acc_own_targets"] for r in records(tmp_path / "batched", "round")] == [r["acc_own_targets"] for r in own]
+
+    # `flare fuse` draws the same targets from the seed and scores the saved uploads as the run did
+    assert main(["fuse", str(tmp_path / "own"), "--strategies", "own_targets"]) == 0
+    (fused,) = read_jsonl(tmp_path / "own" / "fuse.jsonl")
+    assert fused["strategy"] == "own_targets" and fused["acc"] == own[-1]["acc_own_targets"]
 
 
 def test_a_flower_federation_sends_the_same_and_writes_the_same_records(overrides, tmp_path):
