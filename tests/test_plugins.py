@@ -193,12 +193,12 @@ def test_listings_include_plugin_parts(capsys):
 
 
 def test_the_extending_page_runs(tmp_path):
-    """docs/extending.md's plugin is one python block: extract it, import it as a module, run a tiny `flare run`
-    (its server strategies included: the doc's primary and eval.rules)."""
+    """docs/extending.md's `my_methods` plugin is one python block: extract it, import it as a module, run a tiny
+    `flare run` (its server strategies included: the doc's primary and eval.rules). The page's other python block is
+    a tested plugin file, copied in by tools/readme.py (tests/test_extending_sends.py)."""
     text = (ROOT / "docs" / "extending.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    assert len(blocks) == 1
-    (tmp_path / "my_methods.py").write_text(blocks[0])
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if b.startswith('"""my_methods')]
+    (tmp_path / "my_methods.py").write_text(block)
     cfg = yaml.safe_load(re.findall(r"```yaml\n(.*?)```", text, re.S)[0])
     cfg.update({"device": "cpu", "rounds": 1, "num_clients": 2, "batch_size": 16, "test_batch_size": 32,
                 "dataset": {"name": "demo_blobs"}, "partition": {"kind": "iid"}})

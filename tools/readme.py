@@ -109,6 +109,11 @@ def papers_table_keys() -> str:
     return papers.table_keys_markdown()
 
 
+def plugin_source(path: str) -> Callable[[], str]:
+    """A plugin module the tests import and run, shown whole on a docs page: the page cannot drift from the file."""
+    return lambda: "```python\n" + (ROOT / path).read_text() + "```\n"
+
+
 @dataclass
 class Static:
     """A block rendered from the code alone (presets, schema), and the page (relative to the checkout) holding it."""
@@ -120,6 +125,7 @@ STATIC = {"presets": Static(methods_at_a_glance, "README.md"),
           "methods": Static(methods_table, "docs/methods.md"),
           "config-reference": Static(config_table, "docs/configuration.md"),
           "papers-table-keys": Static(papers_table_keys, "docs/papers.md"),
+          "extending-sends": Static(plugin_source("tests/plugins/flare_sending_plugin.py"), "docs/extending.md"),
           "cpu-vs-reference": Static(lambda: cpu_against_reference(), "docs/performance.md")}  # defined below
 
 
