@@ -86,18 +86,19 @@ def plan_positions(client, ctx, full_epochs: int, rounds: int):
 
 def by_flare(client, ctx, rounds: int, want: list[int]) -> dict:
     """FLARE's client trains its first `rounds` rounds (one optimiser throughout where the cell carries it); the
-    parameters after each step in `want`, how many steps, the CPU seconds."""
-    snaps, steps = {}, [0]
+    state after each step in `want` and the model's train/eval mode then, how many steps, the CPU seconds."""
+    snaps, modes, steps = {}, {}, [0]
 
     def on_step():
         steps[0] += 1
         if steps[0] in want:
             snaps[steps[0]] = {k: v.detach().clone() for k, v in client.model.state_dict().items()}
+            modes[steps[0]] = client.model.training
 
     t0 = time.process_time()
     for r in range(rounds):
         client.train_round(ctx, r, on_step=on_step)
-    return {"snaps": snaps, "steps": steps[0], "cpu": round(time.process_time() - t0, 1)}
+    return {"snaps": snaps, "modes": modes, "steps": steps[0], "cpu": round(time.process_time() - t0, 1)}
 
 
 # ------------------------------------------------------------------------------------------------ the script's side
@@ -141,12 +142,12 @@ def matched_keys(tool: str, flare_state: dict, their_state: dict) -> list[tuple[
 
 def by_script(train, net, sampler: PlannedBatches, want: list[int]):
     """Runs one of the scripts' client functions (`train`, no arguments), watching its SGD steps from outside:
-    the parameters after each step in `want`, how many steps, in which passes of the loader, the CPU seconds.
-    Returns that and what `train` returned."""
+    the state after each step in `want` and the network's train/eval mode then, how many steps, in which passes of
+    the loader, the CPU seconds. Returns that and what `train` returned."""
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    snaps, count, passes = {}, [0], set()
+    snaps, modes, count, passes = {}, {}, [0], set()
 
     def after_step(opt, a, kw):
         if isinstance(opt, torch.optim.SGD):  # an optimiser that only gathers statistics never steps
@@ -154,6 +155,7 @@ def by_script(train, net, sampler: PlannedBatches, want: list[int]):
             passes.add(sampler.served[-1])
             if count[0] in want:
                 snaps[count[0]] = {k: v.detach().clone() for k, v in net.state_dict().items()}
+                modes[count[0]] = net.training
 
     handle = register_optimizer_step_post_hook(after_step)
     t0 = time.process_time()
@@ -161,21 +163,25 @@ def by_script(train, net, sampler: PlannedBatches, want: list[int]):
         out = train()
     finally:
         handle.remove()
-    return {"snaps": snaps, "steps": count[0], "passes": sorted(passes), "cpu": round(time.process_time() - t0, 1)}, out
+    return {"snaps": snaps, "modes": modes, "steps": count[0], "passes": sorted(passes),
+            "cpu": round(time.process_time() - t0, 1)}, out
 
 
 def compared(a: dict, b: dict, keys: list[tuple[str, str]], init: list, spe: int) -> dict:
     """Step by step, the largest absolute difference between two runs' state entries (a's and b's keys paired,
     `init` the initial tensors in that order; BatchNorm's statistics are entries too), the entry where it is largest,
-    and how far each run has moved from the init; the first step past `SAME`."""
-    def moved(run, s, side):
-        return max(float((run["snaps"][s][k[side]].double() - t.double()).abs().max()) for k, t in zip(keys, init))
+    how far each run has moved from the init and each one's train/eval mode at the step; the first step past
+    `SAME`."""
+    def moved(run, s, side):  # the floating entries: a step counter moves by one a step whatever the weights do
+        return max(float((run["snaps"][s][k[side]].double() - t.double()).abs().max()) for k, t in zip(keys, init)
+                   if t.is_floating_point())
 
     rows = []
     for s in sorted(a["snaps"]):
         per = {ka: float((a["snaps"][s][ka].double() - b["snaps"][s][kb].double()).abs().max()) for ka, kb in keys}
         rows.append({"step": s, "epoch": round(s / spe, 4), "max_abs_diff": max(per.values()),
-                     "worst_tensor": max(per, key=per.get), "max_abs_update": [moved(a, s, 0), moved(b, s, 1)]})
+                     "worst_tensor": max(per, key=per.get), "max_abs_update": [moved(a, s, 0), moved(b, s, 1)],
+                     "train_mode": [a["modes"].get(s), b["modes"].get(s)]})
     first = next((r for r in rows if r["max_abs_diff"] > SAME), None)
     return {"steps": rows, "first_divergence": first, "verdict": "same" if first is None else "differs"}
 
@@ -210,6 +216,8 @@ def oracle_arguments(doc: str, repo: str, alpha: float, table: Path, epochs: int
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a FLARE config override")
     ap.add_argument("--runs", type=Path, default=ref.RUNS / "oracle", help="scratch: the IDX files")
     ap.add_argument("--record", type=Path, help="write the measurement here (JSON)")
+    ap.add_argument("--saved-clients", type=Path, help="the clients/ directory the reference's driver keeps for the "
+                                                        "same cell: the server part runs over them")
     return ap
 
 
@@ -231,11 +239,44 @@ def refused(tool: str, repo: str, a, script: str) -> int | None:
     return None
 
 
-def write_record(rec: dict, path: Path | None) -> None:
+def prepared(tool: str, a):
+    """FLARE's side of a command `a` (`oracle_arguments`): the table cell's config and run, the client, its batch
+    order, and the cell's data as IDX files under the scratch run directory (`data/`, torchvision's root) — with the
+    clocks started. Returns them as attributes."""
+    import types
+
+    t_wall, t_cpu = time.time(), time.process_time()
+    spec, cell, cfg, full_epochs, rounds = flare_config(tool, a.table, a.alpha, a.seed, a.epochs, a.set)
+    setup, client = flare_client(cfg, a.client)
+    run_dir = (a.runs / spec["table"] / f"a{a.alpha:g}-s{a.seed}").resolve()
+    write_data(setup, run_dir / "data" / "FashionMNIST" / "raw")
+    pos, plan_ok = plan_positions(client, setup.ctx, full_epochs, rounds)
+    return types.SimpleNamespace(spec=spec, cell=cell, cfg=cfg, setup=setup, client=client, rounds=rounds,
+                                 run_dir=run_dir, pos=pos, plan_ok=plan_ok, t_wall=t_wall, t_cpu=t_cpu)
+
+
+def record_head(tool: str, reference: str, a, p, flags) -> dict:
+    """What every oracle record starts with: the tool, the reference and its commit, the table cell (`p`, from
+    `prepared`), the FLARE overrides, the script's flags, the yardstick, whether the plan is the cell's and the FLARE
+    rounds it spans."""
+    return {"tool": f"benchmarks/{tool}.py", "reference": reference, "commit": checkout_commit(a.checkout),
+            "table": p.spec["table"], "flare_cell": p.cell["name"], "alpha": a.alpha, "seed": a.seed,
+            "flare_overrides": a.set, "script_flags": flags, "same_threshold": SAME,
+            "plan_is_the_cells_first_epochs": p.plan_ok, "flare_rounds": p.rounds}
+
+
+def write_record(rec: dict, a, p, server) -> int:
+    """The record with the server part (`server(path)`, with `--saved-clients`) and `machine_facts`, to `--record`
+    (when given) and to stdout; the command's exit status."""
     import json
 
+    if a.saved_clients:
+        rec["server"] = server(a.saved_clients)
+    rec.update(machine_facts(p.t_wall, p.t_cpu))
+    path = a.record
     text = json.dumps(rec, indent=1) + "\n"
     if path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     print(text, end="")
+    return 0

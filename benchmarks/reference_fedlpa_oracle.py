@@ -46,9 +46,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reference_dense as ref  # noqa: E402
 import reference_fedlpa as drv  # noqa: E402
-from oracle import (SAME, PlannedBatches, by_flare, by_script, checkout_commit, compared, flare_client,  # noqa: E402
-                    flare_config, machine_facts, matched_keys, max_diff, oracle_arguments, plan_positions, refused,
-                    snapshot_steps, write_data, write_record)
+from oracle import (PlannedBatches, by_flare, by_script, compared, matched_keys, max_diff,  # noqa: E402
+                    oracle_arguments, prepared, record_head, refused, snapshot_steps, write_record)
 
 ROOT = ref.ROOT
 TABLE = ROOT / "configs" / "papers" / "fedlpa-fmnist.yaml"
@@ -280,34 +279,17 @@ def server_part(L, main, args, setup, saved: Path) -> dict:
 def main(argv=None) -> int:
     repo = "lebronlambert/FedLPA_NeurIPS2024"
     ap = oracle_arguments(__doc__, repo, 0.1, TABLE, 2)
-    ap.add_argument("--saved-clients", type=Path, help="reference_fedlpa's clients/ directory of the same cell: "
-                                                        "the server part runs over them")
     a = ap.parse_args(argv)
     if (rc := refused(TOOL, repo, a, drv.SCRIPTS["fedlpa"])) is not None:
         return rc
-    checkout = a.checkout.resolve()
-    t_wall, t_cpu = time.time(), time.process_time()
-    spec, cell, cfg, full_epochs, rounds = flare_config(TOOL, a.table, a.alpha, a.seed, a.epochs, a.set)
-    setup, client = flare_client(cfg, a.client)
-    run_dir = (a.runs / f"a{a.alpha:g}-s{a.seed}").resolve()
-    write_data(setup, run_dir / "data" / "FashionMNIST" / "raw")
-    L, E, main_block = their_modules(checkout)
-    args, e_args, flags, e_flags = their_args(L, E, cell, run_dir, a.epochs, cfg)
+    p = prepared(TOOL, a)
+    L, E, main_block = their_modules(a.checkout.resolve())
+    args, e_args, flags, e_flags = their_args(L, E, p.cell, p.run_dir, a.epochs, p.cfg)
     shown = {name: [f for f in fl if not f.startswith(("--datadir", "--logdir"))]  # scratch paths left out
              for name, fl in (("our_script", flags), ("fedavg_script", e_flags))}
-    pos, prefix_ok = plan_positions(client, setup.ctx, full_epochs, rounds)
-    rec = {"tool": "benchmarks/reference_fedlpa_oracle.py", "reference": f"{repo} experiments_our.py",
-           "commit": checkout_commit(checkout),
-           "table": spec["table"], "flare_cell": cell["name"], "alpha": a.alpha, "seed": a.seed,
-           "flare_overrides": a.set, "script_flags": shown,
-           "same_threshold": SAME, "plan_is_the_cells_first_epochs": prefix_ok,
-           "flare_rounds": rounds,
-           "local": local_part(L, E, args, e_args, setup, client, pos, a.epochs, rounds)}
-    if a.saved_clients:
-        rec["server"] = server_part(L, main_block, args, setup, a.saved_clients)
-    rec.update(machine_facts(t_wall, t_cpu))
-    write_record(rec, a.record)
-    return 0
+    rec = {**record_head(TOOL, f"{repo} experiments_our.py", a, p, shown),
+           "local": local_part(L, E, args, e_args, p.setup, p.client, p.pos, a.epochs, p.rounds)}
+    return write_record(rec, a, p, lambda saved: server_part(L, main_block, args, p.setup, saved))
 
 
 if __name__ == "__main__":
