@@ -34,13 +34,10 @@ says so and exits 0: the reference is not part of FLARE.
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import copy
-import json
 import logging
 import math
-import subprocess
 import sys
 import time
 from collections import OrderedDict
@@ -49,63 +46,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reference_dense as ref  # noqa: E402
 import reference_fedlpa as drv  # noqa: E402
+from oracle import (PlannedBatches, by_flare, by_script, compared, matched_keys, max_diff,  # noqa: E402
+                    oracle_arguments, prepared, record_head, refused, snapshot_steps, write_record)
 
 ROOT = ref.ROOT
 TABLE = ROOT / "configs" / "papers" / "fedlpa-fmnist.yaml"
 PLUGINS = ROOT / "configs" / "papers" / "plugins"
-SAME = 1e-5  # the largest parameter difference float summation order explains after a step (the task's yardstick)
-
-
-# ------------------------------------------------------------------------------------------------ FLARE's side
-def flare_config(table: Path, alpha: float, seed: int, epochs: int, sets: list[str]):
-    """The table cell's FLARE config (its FedAvg method: the clients the FedLPA column fuses) with any `--set`
-    overrides (a test's tiny data), and how many of its rounds `epochs` spans: fewer epochs than a round run as a
-    shortened first round (`local_epochs` = epochs), a whole number of rounds as the cell's own. Returns the
-    table's spec, the cell, the config, the cell's epochs per round and the rounds run."""
-    from flare.config.load import deep_merge, load_config, parse_overrides
-
-    spec, cell = ref.table_cell(table, alpha, seed)
-    mapping = deep_merge(copy.deepcopy(cell["config"]), parse_overrides(list(sets)))
-    full, rounds = mapping["local_epochs"], 1
-    if epochs <= full:
-        mapping["local_epochs"] = epochs
-    elif epochs % full == 0 and epochs // full <= mapping["rounds"]:
-        rounds = epochs // full
-    else:
-        raise SystemExit(f"reference_fedlpa_oracle: --epochs must be 1..{full} or whole rounds of {full} epochs, at "
-                         f"most {mapping['rounds']} of them.")
-    return spec, cell, load_config(overrides=mapping), full, rounds
-
-
-def flare_client(cfg, k: int):
-    """The run's setup and its client k, built as `flare run` builds them."""
-    from flare.setup import RunSetup
-
-    setup = RunSetup.build(cfg)
-    clients = setup.make_clients(lambda m: None, lambda m: None)
-    return setup, clients[k]
-
-
-def plan_positions(client, ctx, full_epochs: int, rounds: int):
-    """The client's batch order over its first `rounds` rounds as positions into its own samples (one permutation per
-    epoch), and whether they are the cell's: a shortened first round's permutations must be the first of the full
-    round's (one generator draws them one after another), whole rounds are the cell's own."""
-    import torch
-
-    from flare.client.plan import RoundPlan
-
-    inv = torch.full((int(client.indices.max()) + 1,), -1, dtype=torch.long)
-    inv[client.indices.cpu()] = torch.arange(client.num_samples)
-    plans = [RoundPlan(client, ctx, r) for r in range(rounds)]
-    pos = torch.cat([inv[p.samples.cpu()].reshape(p.E, client.num_samples) for p in plans])
-    if rounds > 1 or plans[0].E == full_epochs:
-        return pos, True
-    longer = copy.copy(client)
-    longer.cfg = ctx.cfg.model_copy(update={"local_epochs": full_epochs})
-    ctx_full = copy.copy(ctx)
-    ctx_full.cfg = longer.cfg
-    full = RoundPlan(longer, ctx_full, 0).samples.cpu()
-    return pos, bool(torch.equal(full[:plans[0].samples.numel()], plans[0].samples.cpu()))
+TOOL = "reference_fedlpa_oracle"
 
 
 # ------------------------------------------------------------------------------------------------ the script's side
@@ -146,84 +93,7 @@ def their_args(L, E, cell: dict, run_dir: Path, epochs: int, cfg) -> tuple:
     return args, E.args, flags, e_flags
 
 
-class PlannedBatches:
-    """A batch sampler for the script's loader: the loader's pass p (the script iterates it once for its accuracy
-    before training, then once per epoch, then for its factors and its accuracy after) serves `orders[p - 1]` for
-    p = 1..E and the samples in order otherwise; `served` keeps (pass, first position) of every batch."""
-
-    def __init__(self, orders, n: int, batch: int):
-        self.orders, self.n, self.B, self.passes, self.served = orders, n, batch, 0, []
-
-    def __iter__(self):
-        p, self.passes = self.passes, self.passes + 1
-        order = self.orders[p - 1].tolist() if 1 <= p <= len(self.orders) else list(range(self.n))
-        for s in range(0, self.n, self.B):
-            self.served.append(p)
-            yield order[s:s + self.B]
-
-    def __len__(self) -> int:
-        return math.ceil(self.n / self.B)
-
-
-def snapshot_steps(spe: int, epochs: int) -> list[int]:
-    return sorted({1, 2, 5, *(spe * e for e in range(1, epochs + 1))} & set(range(1, spe * epochs + 1)))
-
-
-def max_diff(a: dict, b: dict) -> float:
-    return max(float((x.double() - y.double()).abs().max()) for x, y in zip(a.values(), b.values()))
-
-
-def matched_keys(flare_state: dict, their_state: dict) -> list[tuple[str, str]]:
-    """FLARE's keys and the script's, paired by position; refused unless every pair has one shape."""
-    pairs = list(zip(flare_state, their_state))
-    if len(flare_state) != len(their_state) or any(flare_state[a].shape != their_state[b].shape for a, b in pairs):
-        raise SystemExit("reference_fedlpa_oracle: FLARE's network and the script's do not list the same tensors: "
-                         f"{[(k, tuple(v.shape)) for k, v in flare_state.items()]} against "
-                         f"{[(k, tuple(v.shape)) for k, v in their_state.items()]}")
-    return pairs
-
-
 # ------------------------------------------------------------------------------------------------ part 1: a client
-def by_script(train, net, sampler: PlannedBatches, want: list[int]) -> dict:
-    """Runs one of the scripts' client functions (`train`, no arguments), watching its SGD steps from outside:
-    the parameters after each step in `want`, how many steps, in which passes of the loader, the CPU seconds."""
-    import torch
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    snaps, count, passes = {}, [0], set()
-
-    def after_step(opt, a, kw):
-        if isinstance(opt, torch.optim.SGD):  # K-FAC's optimiser only gathers statistics: it never steps
-            count[0] += 1
-            passes.add(sampler.served[-1])
-            if count[0] in want:
-                snaps[count[0]] = {k: v.detach().clone() for k, v in net.state_dict().items()}
-
-    handle = register_optimizer_step_post_hook(after_step)
-    t0 = time.process_time()
-    try:
-        train()
-    finally:
-        handle.remove()
-    return {"snaps": snaps, "steps": count[0], "passes": sorted(passes), "cpu": round(time.process_time() - t0, 1)}
-
-
-def compared(a: dict, b: dict, keys: list[tuple[str, str]], init: list, spe: int) -> dict:
-    """Step by step, the largest absolute difference between two runs' parameters (a's and b's keys paired, `init`
-    the initial tensors in that order), the tensor where it is largest, and how far each run has moved from the
-    init; the first step past `SAME`."""
-    def moved(run, s, side):
-        return max(float((run["snaps"][s][k[side]].double() - t.double()).abs().max()) for k, t in zip(keys, init))
-
-    rows = []
-    for s in sorted(a["snaps"]):
-        per = {ka: float((a["snaps"][s][ka].double() - b["snaps"][s][kb].double()).abs().max()) for ka, kb in keys}
-        rows.append({"step": s, "epoch": round(s / spe, 4), "max_abs_diff": max(per.values()),
-                     "worst_tensor": max(per, key=per.get), "max_abs_update": [moved(a, s, 0), moved(b, s, 1)]})
-    first = next((r for r in rows if r["max_abs_diff"] > SAME), None)
-    return {"steps": rows, "first_divergence": first, "verdict": "same" if first is None else "differs"}
-
-
 def local_part(L, E, args, e_args, setup, client, pos, epochs: int, rounds: int) -> dict:
     import torch
 
@@ -237,7 +107,7 @@ def local_part(L, E, args, e_args, setup, client, pos, epochs: int, rounds: int)
     nets, _, _ = L.init_nets(args.net_config, 0, 2, args)
     ours, fedavg = nets[0], nets[1]  # experiments_our.py's client, experiments.py's (the same class)
     flare_init = {k: v.detach().clone() for k, v in client.model.state_dict().items()}
-    pairs = matched_keys(flare_init, ours.state_dict())
+    pairs = matched_keys(TOOL, flare_init, ours.state_dict())
     for net in (ours, fedavg):
         net.load_state_dict({b: flare_init[a] for a, b in pairs})
 
@@ -248,32 +118,22 @@ def local_part(L, E, args, e_args, setup, client, pos, epochs: int, rounds: int)
               "labels_equal": bool(torch.equal(ys, ctx.train_y[client.indices].cpu()))}
 
     def loader():
-        sampler = PlannedBatches(pos, n, B)
+        sampler = PlannedBatches(pos, n, B, first=1)  # the scripts score the loader once before training
         return sampler, torch.utils.data.DataLoader(train_ds, batch_sampler=sampler)
 
     # experiments_our.py (--alg=our): train, then its K-FAC pass (no step); its posterior term is 0 in round 1
     s_o, dl_o = loader()
     f_local = OrderedDict((name, {}) for name, m in ours.named_modules() if type(m).__name__ in {"Linear", "Conv2d"})
     f_global = copy.deepcopy(f_local)
-    run_o = by_script(lambda: L.train_net_blockoffline(client.cid, ours, f_local, copy.deepcopy(ours.state_dict()),
+    run_o, _ = by_script(lambda: L.train_net_blockoffline(client.cid, ours, f_local, copy.deepcopy(ours.state_dict()),
                                                        f_global, n, dl_o, test_dl, epochs, args.lr, args.coor, args,
                                                        device="cpu"), ours, s_o, want)
     # experiments.py (--alg=fedavg, the paper's FedAvg column): its train_net
     s_e, dl_e = loader()
-    run_e = by_script(lambda: E.train_net(client.cid, fedavg, dl_e, test_dl, epochs, e_args.lr, e_args.optimizer,
+    run_e, _ = by_script(lambda: E.train_net(client.cid, fedavg, dl_e, test_dl, epochs, e_args.lr, e_args.optimizer,
                                           device="cpu"), fedavg, s_e, want)
-    # FLARE's client, the same steps
-    snaps_f, steps_f = {}, [0]
-
-    def on_step():
-        steps_f[0] += 1
-        if steps_f[0] in want:
-            snaps_f[steps_f[0]] = {k: v.detach().clone() for k, v in client.model.state_dict().items()}
-
-    t0 = time.process_time()
-    for r in range(rounds):  # the cell's rounds: one optimiser throughout (optim.reset_each_round: false)
-        client.train_round(ctx, r, on_step=on_step)
-    run_f = {"snaps": snaps_f, "steps": steps_f[0], "cpu": round(time.process_time() - t0, 1)}
+    # FLARE's client, the same steps: the cell's rounds, one optimiser throughout (optim.reset_each_round: false)
+    run_f = by_flare(client, ctx, rounds, want)
 
     # the trained models on the same test inputs: logits and accuracy (the script's compute_accuracy)
     tx = setup.server.test_x[:1000].cpu()
@@ -351,7 +211,7 @@ def server_part(L, main, args, setup, saved: Path) -> dict:
         return 100 * L.compute_accuracy(global_model, test_dl)
 
     flare_model = copy.deepcopy(setup.server.template).cpu()
-    pairs = matched_keys(flare_model.state_dict(), global_model.state_dict())
+    pairs = matched_keys(TOOL, flare_model.state_dict(), global_model.state_dict())
     to_flare = {tb: fa for fa, tb in pairs}
     to_theirs = {fa: tb for fa, tb in pairs}
     states = [{to_flare[k]: v for k, v in net.state_dict().items()} for net in nets.values()]
@@ -417,66 +277,19 @@ def server_part(L, main, args, setup, saved: Path) -> dict:
 
 # ------------------------------------------------------------------------------------------------ the command
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkout", type=Path, help="a checkout of lebronlambert/FedLPA_NeurIPS2024 (none: skip)")
-    ap.add_argument("--alpha", type=float, default=0.1)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--client", type=int, default=0)
-    ap.add_argument("--epochs", type=int, default=2, help="local epochs compared: up to a round, or whole rounds")
-    ap.add_argument("--table", type=Path, default=TABLE)
-    ap.add_argument("--saved-clients", type=Path, help="reference_fedlpa's clients/ directory of the same cell: "
-                                                        "the server part runs over them")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a FLARE config override")
-    ap.add_argument("--runs", type=Path, default=ref.RUNS / "oracle", help="scratch: the IDX files")
-    ap.add_argument("--record", type=Path, help="write the measurement here (JSON)")
+    repo = "lebronlambert/FedLPA_NeurIPS2024"
+    ap = oracle_arguments(__doc__, repo, 0.1, TABLE, 2)
     a = ap.parse_args(argv)
-    if a.checkout is None:
-        print("reference_fedlpa_oracle: skipped — no --checkout of lebronlambert/FedLPA_NeurIPS2024 given (the "
-              "reference is not part of FLARE); nothing was run.")
-        return 0
-    checkout = a.checkout.resolve()
-    if not (checkout / drv.SCRIPTS["fedlpa"]).is_file():
-        print(f"reference_fedlpa_oracle: {checkout} has no {drv.SCRIPTS['fedlpa']}.", file=sys.stderr)
-        return 2
-    import torch
-
-    t_wall, t_cpu = time.time(), time.process_time()
-    if a.epochs < 1:
-        print("reference_fedlpa_oracle: --epochs must be at least 1.", file=sys.stderr)
-        return 2
-    spec, cell, cfg, full_epochs, rounds = flare_config(a.table, a.alpha, a.seed, a.epochs, a.set)
-    setup, client = flare_client(cfg, a.client)
-    run_dir = (a.runs / f"a{a.alpha:g}-s{a.seed}").resolve()
-    raw = run_dir / "data" / "FashionMNIST" / "raw"
-    for name, arr in (("train-images-idx3-ubyte", setup.ctx.train_x[:, 0]), ("train-labels-idx1-ubyte",
-                                                                             setup.ctx.train_y),
-                      ("t10k-images-idx3-ubyte", setup.server.test_x[:, 0]), ("t10k-labels-idx1-ubyte",
-                                                                             setup.server.test_y)):
-        ref.write_idx(raw / name, arr.cpu().numpy())
-    L, E, main_block = their_modules(checkout)
-    args, e_args, flags, e_flags = their_args(L, E, cell, run_dir, a.epochs, cfg)
+    if (rc := refused(TOOL, repo, a, drv.SCRIPTS["fedlpa"])) is not None:
+        return rc
+    p = prepared(TOOL, a)
+    L, E, main_block = their_modules(a.checkout.resolve())
+    args, e_args, flags, e_flags = their_args(L, E, p.cell, p.run_dir, a.epochs, p.cfg)
     shown = {name: [f for f in fl if not f.startswith(("--datadir", "--logdir"))]  # scratch paths left out
              for name, fl in (("our_script", flags), ("fedavg_script", e_flags))}
-    pos, prefix_ok = plan_positions(client, setup.ctx, full_epochs, rounds)
-    rec = {"tool": "benchmarks/reference_fedlpa_oracle.py", "reference": "lebronlambert/FedLPA_NeurIPS2024 "
-           "experiments_our.py", "commit": subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"],
-                                                         capture_output=True, text=True).stdout.strip() or None,
-           "table": spec["table"], "flare_cell": cell["name"], "alpha": a.alpha, "seed": a.seed,
-           "flare_overrides": a.set, "script_flags": shown,
-           "same_threshold": SAME, "plan_is_the_cells_first_epochs": prefix_ok,
-           "flare_rounds": rounds,
-           "local": local_part(L, E, args, e_args, setup, client, pos, a.epochs, rounds)}
-    if a.saved_clients:
-        rec["server"] = server_part(L, main_block, args, setup, a.saved_clients)
-    rec.update(torch=torch.__version__, threads=torch.get_num_threads(), cpu_model=ref.cpu_model(),
-               wall_seconds=round(time.time() - t_wall, 1), cpu_seconds=round(time.process_time() - t_cpu, 1),
-               date=time.strftime("%Y-%m-%d"))
-    text = json.dumps(rec, indent=1) + "\n"
-    if a.record:
-        a.record.parent.mkdir(parents=True, exist_ok=True)
-        a.record.write_text(text)
-    print(text, end="")
-    return 0
+    rec = {**record_head(TOOL, f"{repo} experiments_our.py", a, p, shown),
+           "local": local_part(L, E, args, e_args, p.setup, p.client, p.pos, a.epochs, p.rounds)}
+    return write_record(rec, a, p, lambda saved: server_part(L, main_block, args, p.setup, saved))
 
 
 if __name__ == "__main__":

@@ -148,6 +148,62 @@ def make_partition(labels, num_clients, kind, seed, *, alpha=0.5, shards_per_cli
     return PARTITIONS.create(kind, facts, options)
 
 
+# ---- the identical-tensors oracles (benchmarks/reference_*_oracle.py): a stand-in checkout, tiny data, a run
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_files(root: Path, files: dict[str, str]) -> Path:
+    """A stand-in checkout: each relative path with its text."""
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def write_tiny_fmnist(folder: Path, n: int = 120, m: int = 40) -> None:
+    """A tiny Fashion-MNIST as the four IDX files FLARE's `fmnist` reads from dataset.root."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import reference_dense
+
+    rng = np.random.default_rng(0)
+    for name, arr in (("train-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28))),
+                      ("train-labels-idx1-ubyte", np.arange(n) % 10),
+                      ("t10k-images-idx3-ubyte", rng.integers(0, 256, (m, 28, 28))),
+                      ("t10k-labels-idx1-ubyte", np.arange(m) % 10)):
+        reference_dense.write_idx(folder / name, arr)
+
+
+def run_oracle(tool: Path, tmp_path: Path, checkout: Path, epochs: int, *extra: str) -> dict:
+    """The oracle over the stand-in checkout on tiny data (two clients, batches of 16); its record."""
+    import json
+    import subprocess
+
+    data = tmp_path / "fmnist"
+    if not data.is_dir():
+        write_tiny_fmnist(data)
+    record = tmp_path / "oracle.json"
+    r = subprocess.run([sys.executable, str(tool), "--checkout", str(checkout), "--epochs", str(epochs),
+                        "--runs", str(tmp_path / "runs"), "--record", str(record),
+                        "--set", f"dataset.root={data}", "--set", f"dataset.cache_dir={tmp_path / 'cache'}",
+                        "--set", "num_clients=2", "--set", "batch_size=16", *extra],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return json.loads(record.read_text())
+
+
+def rendered_oracle(tmp_path: Path, table: str, rec: dict) -> str:
+    """An oracle's record as tools/papers.py renders it into the table's block."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import papers
+
+    d = tmp_path / "reference" / table / "oracle"
+    d.mkdir(parents=True)
+    (d / "record.json").write_text(json.dumps(rec))
+    return "\n".join(papers.oracle_lines(d.parent))
+
+
 @pytest.hookimpl(trylast=True)  # after `-m` has deselected: the slices are of the tests that run
 def pytest_collection_modifyitems(items):
     """The tests marked `long` start first, spread over the test processes: longest first is the classic rule for

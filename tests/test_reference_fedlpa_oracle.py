@@ -4,13 +4,12 @@ init and FLARE's batch order served to the script's own loader; a stand-in whose
 must be caught at step 2, the first step momentum changes; the script's closed-form aggregation, run from its
 `__main__` block over saved clients, must agree with FLARE's `merge` on the same weights and factors; and without a
 checkout the tool skips, saying so."""
-import json
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
+from conftest import rendered_oracle, run_oracle, write_files
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "benchmarks" / "reference_fedlpa_oracle.py"
@@ -115,25 +114,8 @@ FEDAVG = COMMON.replace("EXTRA", "pass") + (
 
 
 def _checkout(root: Path, fedavg_momentum: str) -> Path:
-    files = {"model.py": MODEL, "utils.py": UTILS, "experiments_our.py": OURS,
-             "experiments.py": FEDAVG.replace("MOMENTUM", fedavg_momentum)}
-    for rel, text in files.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(text)
-    return root
-
-
-def _data(folder: Path, n: int = 120, m: int = 40) -> None:
-    """A tiny Fashion-MNIST as the four IDX files FLARE's `fmnist` reads from dataset.root."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import reference_dense
-
-    rng = np.random.default_rng(0)
-    for name, arr in (("train-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28))),
-                      ("train-labels-idx1-ubyte", np.arange(n) % 10),
-                      ("t10k-images-idx3-ubyte", rng.integers(0, 256, (m, 28, 28))),
-                      ("t10k-labels-idx1-ubyte", np.arange(m) % 10)):
-        reference_dense.write_idx(folder / name, arr)
+    return write_files(root, {"model.py": MODEL, "utils.py": UTILS, "experiments_our.py": OURS,
+                              "experiments.py": FEDAVG.replace("MOMENTUM", fedavg_momentum)})
 
 
 def _saved_clients(folder: Path, k: int) -> None:
@@ -157,29 +139,8 @@ def _saved_clients(folder: Path, k: int) -> None:
                    folder / f"client{i}.pt")
 
 
-def _rendered(tmp_path: Path, rec: dict) -> str:
-    """The record as tools/papers.py renders it into the table's block."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    import papers
-
-    d = tmp_path / "reference" / "fedlpa-fmnist" / "oracle"
-    d.mkdir(parents=True)
-    (d / "a0.1-s0-client0.json").write_text(json.dumps(rec))
-    return "\n".join(papers.oracle_lines(d.parent))
-
-
 def _run(tmp_path: Path, checkout: Path, *extra: str, epochs: int = 2) -> dict:
-    data = tmp_path / "fmnist"
-    if not data.is_dir():
-        _data(data)
-    record = tmp_path / "oracle.json"
-    r = subprocess.run([sys.executable, str(TOOL), "--checkout", str(checkout), "--epochs", str(epochs),
-                        "--runs", str(tmp_path / "runs"), "--record", str(record),
-                        "--set", f"dataset.root={data}", "--set", f"dataset.cache_dir={tmp_path / 'cache'}",
-                        "--set", "num_clients=2", "--set", "batch_size=16", "--set", "test_batch_size=16", *extra],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    return json.loads(record.read_text())
+    return run_oracle(TOOL, tmp_path, checkout, epochs, "--set", "test_batch_size=16", *extra)
 
 
 def test_a_script_that_trains_as_flare_does_is_found_equal_step_for_step_and_its_aggregation_agrees(tmp_path):
@@ -206,7 +167,7 @@ def test_a_script_that_trains_as_flare_does_is_found_equal_step_for_step_and_its
     for key in ("fedavg", "biased", "newton"):
         assert 0 <= srv["script"][key] <= 100
     assert set(srv) >= {"flare_fedlpa", "flare_fedlpa_reference"}
-    text = _rendered(tmp_path, rec)
+    text = rendered_oracle(tmp_path, "fedlpa-fmnist", rec)
     assert "`experiments_our.py` ↔ FLARE the same" in text or "`experiments_our.py` ↔ FLARE bit-identical" in text
     assert f"biased {srv['script']['biased']:.2f}" in text
     assert f"closed form {srv['flare_merge_closed_form']['acc']:.2f}" in text
@@ -221,7 +182,7 @@ def test_a_fedavg_script_without_momentum_is_caught_at_step_two(tmp_path):
     assert other["steps"][0]["step"] == 1 and other["steps"][0]["max_abs_diff"] <= 1e-5
     assert rec["flare_rounds"] == 1 and rec["plan_is_the_cells_first_epochs"] is True  # 2 of the round's 10 epochs
     assert "server" not in rec
-    text = _rendered(tmp_path, rec)
+    text = rendered_oracle(tmp_path, "fedlpa-fmnist", rec)
     assert "`experiments_our.py` ↔ `experiments.py` apart from step 2 on" in text and "K-FAC" not in text
 
 

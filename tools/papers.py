@@ -1239,53 +1239,110 @@ def gap_lines(rows: list[dict]) -> list[str]:
 
 
 def oracle_lines(table_dir: Path) -> list[str]:
-    """What benchmarks/reference_fedlpa_oracle.py measured on identical tensors (its records under
-    <table>/oracle/*.json): the paper's client code against FLARE's and against its own FedAvg script, step by step,
-    and its aggregation against FLARE's over the clients its own run trained. A file that does not parse is skipped."""
-    out = []
+    """What an identical-tensors oracle (benchmarks/reference_*_oracle.py) measured: its records under
+    <table>/oracle/*.json, each rendered by its tool's own lines (`ORACLE_LINES`). A file that does not parse, or
+    whose tool has no lines here, is skipped."""
+    out, tools = [], []
     for f in sorted((table_dir / "oracle").glob("*.json")) if (table_dir / "oracle").is_dir() else []:
         try:
             r = json.loads(f.read_text())
-            loc = r["local"]
+            lines = ORACLE_LINES[r.get("tool", "benchmarks/reference_fedlpa_oracle.py")](
+                r, f"`{f.relative_to(table_dir.parent).as_posix()}`")
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        name = f"`{f.relative_to(table_dir.parent).as_posix()}`"
+        out += lines
+        tools.append(r.get("tool", "benchmarks/reference_fedlpa_oracle.py"))
+    return ["", f"On identical tensors ({', '.join(f'`{t}`' for t in dict.fromkeys(tools))}: the paper's code and "
+                "FLARE in one process, from the same weights over the same batches):", "",
+            *[f"* {line}" for line in out]] if out else []
 
-        def verdict(pair: dict) -> str:
-            d = pair["first_divergence"]
-            if d is None:
-                top = max(row["max_abs_diff"] for row in pair["steps"])
-                return ("bit-identical" if top == 0 else f"the same (largest difference {top:.1e})")
-            return f"apart from step {d['step']} on ({d['max_abs_diff']:.1e} in `{d['worst_tensor']}`)"
 
-        acc = loc["test_accuracy"]
+def _steps_verdict(pair: dict) -> str:
+    """An oracle's comparison of two runs, step by step, in words."""
+    d = pair["first_divergence"]
+    if d is None:
+        top = max(row["max_abs_diff"] for row in pair["steps"])
+        return "bit-identical" if top == 0 else f"the same (largest difference {top:.1e})"
+    return f"apart from step {d['step']} on ({d['max_abs_diff']:.1e} in `{d['worst_tensor']}`)"
+
+
+def _fedlpa_oracle(r: dict, name: str) -> list[str]:
+    """benchmarks/reference_fedlpa_oracle.py: FedLPA's client code against FLARE's and against its own FedAvg script,
+    step by step, and its aggregation against FLARE's over the clients its own run trained."""
+    loc, out = r["local"], []
+    acc = loc["test_accuracy"]
+    out.append(
+        f"Client {loc['client']} ({loc['samples']:,} images, seed {r['seed']}, β = {r['alpha']:g}), "
+        f"{loc['epochs']} local epochs ({loc['optimizer_steps']['flare']} steps"
+        + (f"; in FLARE {r['flare_rounds']} of the cell's rounds, one optimiser across them"
+           if r.get("flare_rounds", 1) > 1 else "") +
+        f") from FLARE's init over FLARE's batch order, the "
+        f"script's own loader serving them: `experiments_our.py` ↔ FLARE {_steps_verdict(loc['our_script_vs_flare'])}, "
+        f"`experiments_our.py` ↔ `experiments.py` {_steps_verdict(loc['our_script_vs_fedavg_script'])} (parameters "
+        f"after steps 1, 2, 5 and every epoch; \"same\" up to {r['same_threshold']:g}); test accuracy "
+        f"{acc['our_script']:.2f} (`experiments_our.py`), {acc['fedavg_script']:.2f} (`experiments.py`) and "
+        f"{acc['flare']:.2f} (FLARE) ({name}).")
+    srv = r.get("server")
+    if srv:
+        sc, cf, rf = srv["script"], srv["flare_merge_closed_form"], srv["flare_merge_refined"]
         out.append(
-            f"Client {loc['client']} ({loc['samples']:,} images, seed {r['seed']}, β = {r['alpha']:g}), "
-            f"{loc['epochs']} local epochs ({loc['optimizer_steps']['flare']} steps"
-            + (f"; in FLARE {r['flare_rounds']} of the cell's rounds, one optimiser across them"
-               if r.get("flare_rounds", 1) > 1 else "") +
-            f") from FLARE's init over FLARE's batch order, the "
-            f"script's own loader serving them: `experiments_our.py` ↔ FLARE {verdict(loc['our_script_vs_flare'])}, "
-            f"`experiments_our.py` ↔ `experiments.py` {verdict(loc['our_script_vs_fedavg_script'])} (parameters "
-            f"after steps 1, 2, 5 and every epoch; \"same\" up to {r['same_threshold']:g}); test accuracy "
-            f"{acc['our_script']:.2f} (`experiments_our.py`), {acc['fedavg_script']:.2f} (`experiments.py`) and "
-            f"{acc['flare']:.2f} (FLARE) ({name}).")
-        srv = r.get("server")
-        if srv:
-            sc, cf, rf = srv["script"], srv["flare_merge_closed_form"], srv["flare_merge_refined"]
-            out.append(
-                f"Over the {len(srv['weights'])} clients `experiments_our.py` trained at the cell, with its K-FAC "
-                f"factors: its own aggregation scores FedAvg {sc['fedavg']:.2f}, biased {sc['biased']:.2f} and newton "
-                f"{sc['newton']:.2f} (the newton steps move the closed form by at most "
-                f"{sc['newton_vs_biased_max_abs_diff']:.1e}); FLARE's `merge` on the same weights and factors: closed "
-                f"form {cf['acc']:.2f} (at most {cf['max_abs_diff_vs_script_biased']:.1e} from the script's), "
-                f"refined {rf['acc']:.2f}; `fedlpa_reference`'s factors within "
-                f"{srv['flare_fedlpa_reference']['factors_max_relative_diff_vs_script']:.1e} (relative) of the "
-                f"script's, {srv['flare_fedlpa_reference']['acc']:.2f}; the table's `fedlpa` with its own factors "
-                f"{srv['flare_fedlpa']['acc']:.2f} ({name}).")
-    return ["", "On identical tensors (`benchmarks/reference_fedlpa_oracle.py`: the paper's code and FLARE in one "
-                "process, from the same weights over the same batches):", "", *[f"* {line}" for line in out]] \
-        if out else []
+            f"Over the {len(srv['weights'])} clients `experiments_our.py` trained at the cell, with its K-FAC "
+            f"factors: its own aggregation scores FedAvg {sc['fedavg']:.2f}, biased {sc['biased']:.2f} and newton "
+            f"{sc['newton']:.2f} (the newton steps move the closed form by at most "
+            f"{sc['newton_vs_biased_max_abs_diff']:.1e}); FLARE's `merge` on the same weights and factors: closed "
+            f"form {cf['acc']:.2f} (at most {cf['max_abs_diff_vs_script_biased']:.1e} from the script's), "
+            f"refined {rf['acc']:.2f}; `fedlpa_reference`'s factors within "
+            f"{srv['flare_fedlpa_reference']['factors_max_relative_diff_vs_script']:.1e} (relative) of the "
+            f"script's, {srv['flare_fedlpa_reference']['acc']:.2f}; the table's `fedlpa` with its own factors "
+            f"{srv['flare_fedlpa']['acc']:.2f} ({name}).")
+    return out
+
+
+def _train_epochs(rows: list[dict], side: int) -> str:
+    """The epochs in which an oracle's run trained in train mode, from its compared steps' modes."""
+    epochs = sorted({math.ceil(row["epoch"]) for row in rows if row["train_mode"][side]})
+    return seed_text(epochs) if epochs else "none"
+
+
+def _dense_oracle(r: dict, name: str) -> list[str]:
+    """benchmarks/reference_dense_oracle.py: DENSE's client code against FLARE's step by step (BatchNorm's mode and
+    statistics included), the script's own init, split and batch order against FLARE's, and its FedAvg and ensemble
+    against FLARE's server over the clients its own run trained."""
+    loc, own, out = r["local"], r["own_draws"], []
+    acc, pair = loc["test_accuracy"], loc["script_vs_flare"]
+    ts, tf = _train_epochs(pair["steps"], 0), _train_epochs(pair["steps"], 1)
+    modes = (f"BatchNorm in train mode in epoch {ts} on both sides, eval mode after" if ts == tf else
+             f"BatchNorm in train mode in epochs {ts} in the script, {tf} in FLARE")
+    out.append(
+        f"Client {loc['client']} ({loc['samples']:,} images, seed {r['seed']}, α = {r['alpha']:g}), "
+        f"{loc['epochs']} local epochs ({loc['optimizer_steps']['flare']:,} steps; {modes}) from FLARE's init over "
+        f"FLARE's batch order, the script's own loader serving them: `loop_df_fl.py` ↔ FLARE "
+        f"{_steps_verdict(pair)} (every state entry, BatchNorm's statistics included, after steps 1, 2, 5 and "
+        f"every epoch; \"same\" up to {r['same_threshold']:g}); test accuracy {acc['script']:.2f} "
+        f"(`loop_df_fl.py`) and {acc['flare']:.2f} (FLARE) ({name}).")
+    order = ("" if "first_epoch_order_equals_flare" not in own else
+             f"; client {loc['client']}'s first-epoch batch order "
+             + ("is FLARE's" if own["first_epoch_order_equals_flare"] else
+                f"is not ({own['first_epoch_positions_equal']:,} of {loc['samples']:,} positions agree)"))
+    out.append(
+        f"The script's own draws at seed {r['seed']}: its initial model "
+        + ("is FLARE's, bit for bit" if own["init_max_abs_diff"] == 0 else
+           f"differs from FLARE's (largest difference {own['init_max_abs_diff']:.1e})")
+        + f"; its split {'is' if own['split_equals_flare'] else 'is not'} FLARE's{order} ({name}).")
+    srv = r.get("server")
+    if srv:
+        sc, fl = srv["script"], srv["flare"]
+        out.append(
+            f"Over the {len(srv['client_sizes'])} clients `loop_df_fl.py` trained at the cell: its own pretrain "
+            f"statements (`average_weights`, `Ensemble`, `test`) score FedAvg {sc['fedavg']:.2f} and the ensemble "
+            f"{sc['ensemble']:.2f}; FLARE's server as the table runs it, over the same clients: FedAvg "
+            f"{fl['fedavg']:.2f} (its average within {srv['average_max_abs_diff']:.1e} of the script's) and the "
+            f"ensemble {fl['ensemble']:.2f} ({name}).")
+    return out
+
+
+ORACLE_LINES = {"benchmarks/reference_fedlpa_oracle.py": _fedlpa_oracle,
+                "benchmarks/reference_dense_oracle.py": _dense_oracle}
 
 
 def _cell_config(d: Path) -> dict:
