@@ -22,6 +22,16 @@ over the whole step's time, so it is a lower bound on the work done and directly
     python benchmarks/step_flops.py                                    # configs/main.yaml, FAFI, one thread
     python benchmarks/step_flops.py --repeats 7 --clock cpu --record runs/readme/step-flops-record.json
     python benchmarks/step_flops.py --config configs/main.yaml --preset flare model.width=0.25
+    python benchmarks/step_flops.py --options nhwc,batched5       # also the ways the step could run faster
+
+`--options` times the same step (and its bare step) other ways, interleaved with the first, each in FLOP/s ÷ the
+same peak: `nhwc` (the channels-last layout, `cpu_channels_last=true`), `nchw` (the default layout, forced),
+`batchedK` (the batched client engine over K clients: the K models' convolutions as one grouped call under
+`torch.vmap`), and `nomkldnn` (ATen's own im2col-and-GEMM convolutions, oneDNN off). For each layout a child
+process runs one step with `ONEDNN_VERBOSE=1` and records which oneDNN convolution implementations ran: a
+kernel's reduction order can depend on how it blocks its loops, and brgemm kernels block by the core's cache sizes,
+so an implementation name says which option can keep a run's digits the same on every CPU type
+(docs/performance.md, "The step against the core's peak").
 
 `--clock cpu` times in this process's CPU seconds (on a machine shared with other processes: the work done rather
 than the waiting); every timing also keeps the other clock in the record. The record (`--record FILE`) holds the
@@ -113,6 +123,107 @@ def counted(fn, model_name: str, augment_name: str) -> dict:
             "by_op": {str(op).removeprefix("aten."): n for op, n in by_module.get("Global", {}).items()}}
 
 
+OPTIONS = {"nhwc": "channels-last layout (cpu_channels_last=true)", "nchw": "NCHW layout (cpu_channels_last=false)",
+           "nomkldnn": "ATen's im2col + GEMM convolutions (oneDNN off)"}
+
+
+def option_label(o: str) -> str:
+    return OPTIONS.get(o) or f"batched engine, {o[7:]} clients as one vmapped model"
+
+
+def per_step(counts: dict, steps: int) -> dict:
+    return {k: (v / steps if k != "by_op" else {o: c / steps for o, c in v.items()}) for k, v in counts.items()}
+
+
+def option_context(name: str):
+    """`nomkldnn` runs with oneDNN's convolutions off (torch then takes its own im2col-and-GEMM path); the rest as
+    they are."""
+    import contextlib
+    return torch.backends.mkldnn.flags(enabled=False) if name.startswith("nomkldnn:") else contextlib.nullcontext()
+
+
+def build_option(o: str, cfg, steps: int, eff) -> tuple[dict, int]:
+    """The option's timed functions (`O:step`, and `O:bare` where it has a bare step) and the images one call of
+    its step trains. A layout builds the run's client and bare step again under that layout; `batchedK` builds K
+    clients on K slices of the data and the batched engine over them, as a run on that engine does."""
+    if o.startswith("batched"):
+        import copy
+        from flare.client.batched import BatchedClients
+        from flare.client.trainer import Client
+        K = int(o[7:])
+        b = eff.build(cfg, steps, K)
+        n = cfg.batch_size * steps
+        clients = [Client(i, torch.arange(i * n, (i + 1) * n), copy.deepcopy(b.model), b.ctx, 1.0) for i in range(K)]
+        engine = BatchedClients(clients, b.ctx, compile=False)
+
+        def batched_step():
+            for c in clients:
+                c.epochs_done = 0
+            engine.train_round(0)
+        return {f"{o}:step": batched_step}, K
+    b = eff.build(cfg.model_copy(update={"cpu_channels_last": o == "nhwc"}) if o in ("nhwc", "nchw") else cfg, steps)
+
+    def step():
+        b.client.epochs_done = 0
+        b.client.train_round(b.ctx, 0)
+
+    def bare():
+        for _ in range(steps):
+            b.bare_step()
+    return {f"{o}:step": step, f"{o}:bare": bare}, 1
+
+
+def option_timers(o: str, cfg, args, eff, names) -> tuple[dict, dict]:
+    """`build_option`'s functions warmed up, with the option's record: what it is, its FLOPs a step (counted as the
+    run's step is) and the oneDNN convolutions it runs."""
+    fns, clients = build_option(o, cfg, args.steps, eff)
+    info = {"label": option_label(o), "clients": clients, "flops": {}}
+    for name, fn in fns.items():
+        with option_context(name):
+            fn()  # warm-up
+            if clients == 1:
+                info["flops"][name.split(":")[1]] = per_step(counted(fn, *names), args.steps)["total"]
+    if clients > 1:  # the same work a client-step as the run's step; FlopCounterMode miscounts the grouped
+        info["flops"]["step"] = None  # convolutions vmap makes of it (2.4 times over, seen), so it is not asked
+    info["onednn"] = onednn_convolutions(args, o)
+    return fns, info
+
+
+def onednn_convolutions(args, option: str) -> dict:
+    """The oneDNN convolution implementations one step of `option` runs, counted by direction ("forward_training
+    brg_conv_fwd:avx2": 3), from a child process with ONEDNN_VERBOSE=1 (oneDNN reads it once, at its first call)."""
+    env = {**os.environ, "ONEDNN_VERBOSE": "1", "OMP_NUM_THREADS": str(args.threads)}
+    r = subprocess.run([sys.executable, __file__, "--onednn-child", option, args.config, args.preset,
+                        *args.overrides], env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"the oneDNN child ({option}) failed: {r.stderr.strip()[-500:]}")
+    seen: dict[str, int] = {}
+    for line in r.stdout.splitlines():
+        parts = line.split(",")
+        for i in range(len(parts) - 5):
+            if parts[i:i + 4] == ["primitive", "exec", "cpu", "convolution"]:
+                key = f"{parts[i + 5]} {parts[i + 4]}"
+                seen[key] = seen.get(key, 0) + 1
+                break
+    return seen
+
+
+def _onednn_child(argv) -> None:
+    option, config, preset, overrides = argv[0], argv[1], argv[2], argv[3:]
+    from flare.config import load_config
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    cfg = load_config(config, preset, ["device=cpu", *overrides]).model_copy(update={"rounds": 1, "local_epochs": 1})
+    eff = _efficiency()
+    if option == "default":  # the run's own step, as main() builds it
+        b = eff.build(cfg, 1)
+        b.client.epochs_done = 0
+        b.client.train_round(b.ctx, 0)
+        return
+    fns, _ = build_option(option, cfg, 1, eff)
+    with option_context(f"{option}:step"):
+        fns[f"{option}:step"]()
+
+
 def _best(timings: list[dict], clock: str) -> float:
     return min(t[clock] for t in timings)
 
@@ -145,8 +256,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="SGEMM sizes n (n×n · n×n), comma-separated")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     ap.add_argument("--record", default=None, metavar="FILE", help="also write the figures as JSON")
+    ap.add_argument("--options", default="", metavar="O,O",
+                    help="also time the step other ways: nhwc, nchw, nomkldnn, batchedK (K clients), comma-separated")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
+    options = [o for o in args.options.split(",") if o]
+    for o in options:
+        if o not in OPTIONS and not (o.startswith("batched") and o[7:].isdigit() and int(o[7:]) >= 1):
+            ap.error(f"--options: unknown option {o!r}; choose from nhwc, nchw, nomkldnn, batchedK (e.g. batched5)")
     torch.set_num_threads(args.threads)
     from flare import cpu
     from flare.config import load_config
@@ -168,20 +285,31 @@ def main(argv=None) -> dict:
     step(), bare()  # warm-up: allocator, oneDNN's kernels, kornia
     names = type(b.client.model).__name__, type(b.aug).__name__
     flops = {"step": counted(step, *names), "bare": counted(lambda: b.bare_step(), *names)}
-    flops["step"] = {k: (v / args.steps if k != "by_op" else {o: c / args.steps for o, c in v.items()})
-                     for k, v in flops["step"].items()}
+    flops["step"] = per_step(flops["step"], args.steps)
+    timed = {"step": step, "bare": bare}
+    option_info = {}
+    for o in options:
+        fns, info = option_timers(o, cfg, args, eff, names)
+        timed.update(fns)
+        option_info[o] = info
     load_before = load_average()
-    times: dict[str, list[dict]] = {"step": [], "bare": []}
+    times: dict[str, list[dict]] = {name: [] for name in timed}
     sgemm_here = {str(s): {"wall": 0.0, "cpu": 0.0} for s in sizes}
-    for _ in range(args.repeats):  # interleaved: background load hurts all three alike
-        for name, fn in (("step", step), ("bare", bare)):
-            t = _clocks()
-            fn()
-            times[name].append(_elapsed(t))
+    for _ in range(args.repeats):  # interleaved: background load hurts all of them alike
+        for name, fn in timed.items():
+            with option_context(name):
+                t = _clocks()
+                fn()
+                times[name].append(_elapsed(t))
         for s, v in sgemm_timings(sizes, 1).items():
             sgemm_here[s] = {clk: max(sgemm_here[s][clk], v[clk]) for clk in v}
     native = sgemm_in_child(sizes, args.repeats, args.threads, cpu.user_environment())
     load_after = load_average()
+    for o, info in option_info.items():
+        info["seconds"] = {k: {clk: _best(times[f"{o}:{k}"], clk) for clk in ("wall", "cpu")}
+                           for k in ("step", "bare") if f"{o}:{k}" in times}
+    if options:
+        option_info["default"] = {"onednn": onednn_convolutions(args, "default")}
     rec = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine_facts(args.threads),
            "load_average": {"before": load_before, "after": load_after}, "clock": args.clock, "repeats": args.repeats,
            "config": {"config": Path(args.config).name, "preset": args.preset, "overrides": args.overrides,
@@ -189,7 +317,8 @@ def main(argv=None) -> dict:
                       "dataset": b.data.name, "shape": list(b.data.train_x.shape[1:]), "batch": B, "views": 2,
                       "steps": args.steps},
            "flops": flops,
-           "seconds": {k: {clk: _best(v, clk) for clk in ("wall", "cpu")} for k, v in times.items()},
+           "seconds": {k: {clk: _best(times[k], clk) for clk in ("wall", "cpu")} for k in ("step", "bare")},
+           **({"options": option_info} if option_info else {}),
            "sgemm": {"pinned": {"kernels": str(torch.backends.cpu.get_cpu_capability()), "mkl": cpu.mkl_mode(),
                                 "gflops": sgemm_here},
                      "native": {"kernels": native["kernels"], "gflops": native["sgemm"]}}}
@@ -214,6 +343,35 @@ def figures(rec: dict, clock: str | None = None) -> dict:
             "pinned_size": int(peaks["pinned"][0]), "native_peak": peaks["native"][1][clock],
             "native_size": int(peaks["native"][0]),
             "step_peak": rate["step"] / peak, "bare_peak": rate["bare"] / peak, "step_bare": rate["step"] / rate["bare"]}
+
+
+def options_table(rec: dict) -> list[str]:
+    """The step timed other ways (`--options`), each against the same peak and the run's own step."""
+    clock, steps, c = rec["clock"], rec["config"]["steps"], rec["config"]
+    f = figures(rec)
+    imgs = c["batch"] * c["views"]
+    opts = rec["options"]
+
+    def convs(o):
+        seen = opts.get(o, {}).get("onednn")
+        return "; ".join(f"{k} ×{v}" for k, v in sorted(seen.items())) if seen else "none (oneDNN not used)"
+
+    rows = ["| option | ms a client-step | images/s | GFLOP/s | ÷ peak | ÷ the run's step | bare step ÷ peak | oneDNN "
+            "convolutions a step |", "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            f"| the run's step as it runs (default) | {1e3 * rec['seconds']['step'][clock] / steps:.2f} | "
+            f"{imgs * steps / rec['seconds']['step'][clock]:.0f} | {f['step']:.2f} | {f['step_peak']:.3f} | 1.000 | "
+            f"{f['bare_peak']:.3f} | {convs('default')} |"]
+    for o, info in opts.items():
+        if o == "default":
+            continue
+        k, sec = info["clients"], info["seconds"]
+        work = {w: info["flops"][w] if info["flops"][w] is not None else rec["flops"]["step"]["total"] for w in sec}
+        rate = {w: work[w] * steps * k / sec[w][clock] / 1e9 for w in sec}
+        bare = f"{rate['bare'] / f['peak']:.3f}" if "bare" in rate else "—"
+        rows.append(f"| {o}: {info['label']} | {1e3 * sec['step'][clock] / (steps * k):.2f} | "
+                    f"{imgs * steps * k / sec['step'][clock]:.0f} | {rate['step']:.2f} | {rate['step'] / f['peak']:.3f} | "
+                    f"{rate['step'] / f['step']:.3f} | {bare} | {convs(o)} |")
+    return rows
 
 
 def markdown(rec: dict) -> str:
@@ -253,6 +411,8 @@ def markdown(rec: dict) -> str:
            "SGEMM GFLOP/s by size (n): " + "; ".join(
                f"{where} " + ", ".join(f"{s}: {v[clock]:.2f}" for s, v in rec["sgemm"][where]["gflops"].items())
                for where in ("pinned", "native")) + "."]
+    if rec.get("options"):
+        out += ["", *options_table(rec)]
     other = "wall" if clock == "cpu" else "cpu"
     g = figures(rec, other)
     out += ["", f"By the {other} clock instead: step {g['step']:.2f}, bare step {g['bare']:.2f}, peak {g['peak']:.2f} "
@@ -263,5 +423,7 @@ def markdown(rec: dict) -> str:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--sgemm-child"]:
         _child(sys.argv[2:])
+    elif sys.argv[1:2] == ["--onednn-child"]:
+        _onednn_child(sys.argv[2:])
     else:
         main()

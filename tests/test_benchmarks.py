@@ -95,6 +95,28 @@ def test_step_flops_puts_step_bare_step_and_sgemm_on_one_scale(tiny_folder, tmp_
         assert words in out, out
 
 
+def test_step_flops_times_the_options_against_the_same_peak(tiny_folder, tmp_path, capsys):
+    """`--options` times the step other ways beside the run's own, records which oneDNN convolutions each ran (a
+    child with ONEDNN_VERBOSE=1), and the table puts them on the peak's scale; an unknown option exits 2."""
+    bench = _script("step_flops")
+    common = ["--steps", "2", "--repeats", "1", "--sizes", "64", "--clock", "cpu", "dataset.name=imagefolder",
+              f"dataset.root={tiny_folder}", f"dataset.cache_dir={tmp_path / 'cache'}", "dataset.train_subset=null",
+              "dataset.test_subset=null", "model.width=0.25", "batch_size=8"]
+    rec = bench.main(["--options", "nhwc,batched2", *common])
+    out = capsys.readouterr().out
+    opts = rec["options"]
+    assert set(opts) == {"nhwc", "batched2", "default"}
+    assert set(opts["nhwc"]["seconds"]) == {"step", "bare"} and set(opts["batched2"]["seconds"]) == {"step"}
+    assert opts["batched2"]["clients"] == 2 and opts["nhwc"]["flops"]["step"] > 0
+    assert any("forward_training" in k for k in opts["default"]["onednn"]), opts["default"]
+    assert any("forward_training" in k for k in opts["nhwc"]["onednn"]), opts["nhwc"]
+    for row in ("the run's step as it runs (default)", "nhwc: channels-last layout", "batched2: batched engine"):
+        assert row in out, out
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--options", "nhwc,fast", *common])
+    assert e.value.code == 2 and "unknown option 'fast'" in capsys.readouterr().err
+
+
 def test_gpu_suite_parses():
     """The device calls run this script with no second chance: a syntax error would cost a whole lease."""
     r = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_suite.sh")], capture_output=True, text=True)
