@@ -47,6 +47,51 @@ def test_a_bound_chooses_on_the_held_out_slice_and_refits_on_everything(head, mo
     assert rec["test_acc"] == pytest.approx(make(rec["chosen"]).fit(x, y).score(xt, yt))
 
 
+def test_with_mirrors_the_slice_holds_out_whole_images_and_the_fit_sees_both_copies(monkeypatch):
+    """--flip: rows i and i + N are one image; the held-out slice is drawn over images and leaves both copies out
+    of every fit, the final fit sees all 2N rows, and the test-time average is recorded beside the plain score."""
+    fb = tool("frozen_bounds")
+    x, y = blobs(300)
+    xm = x + 0.05 * np.random.default_rng(3).normal(size=x.shape)  # the "mirror": a near copy
+    xt, yt = blobs(150, seed=1)
+    fits = []
+    real = fb._heads
+
+    def spying():
+        heads = real()
+        param, values, make = heads["ridge"]
+
+        def make_spy(v):
+            est = make(v)
+            fit = est.fit
+            est.fit = lambda a, b: (fits.append(a.copy()), fit(a, b))[1]
+            return est
+        return {**heads, "ridge": (param, values, make_spy)}
+    monkeypatch.setattr(fb, "_heads", spying)
+    rec = fb.run_cell("ridge", np.concatenate([x, xm]), np.concatenate([y, y]), xt, yt, holdout=60,
+                      xt_flip=xt + 0.01)
+    fit, held = fb.holdout_split(y, 60)
+    slice_fit = fits[0]
+    assert len(slice_fit) == 2 * len(fit)  # both copies of every image in the fit, none of the held-out images
+    assert {tuple(r) for r in slice_fit} == {tuple(r) for r in np.concatenate([x[fit], xm[fit]])}
+    assert len(fits[-1]) == 600 and rec["train_images"] == 600  # the final fit: every row
+    assert 0 <= rec["test_acc_tta"] <= 1 and "test_acc_tta" not in fb.run_cell("ridge", x, y, xt, yt, holdout=60)
+
+
+def test_flip_without_a_mirrored_cache_is_exit_2_nothing_written(tmp_path, capsys):
+    pytest.importorskip("efficientnet_lite_pytorch")
+    fb = tool("frozen_bounds")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "features-cifar10-efficientnet_lite0-224px-0v-bilinear-0123456789abcdef.pt").write_bytes(b"")
+    out = tmp_path / "out"
+    assert fb.main(["--flip", "--cache-dir", str(cache), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no mirrored feature cache of efficientnet_lite0 at 224 px" in err and len(err.splitlines()) == 1, err
+    assert not out.exists() and [p.name for p in cache.iterdir()] == [
+        "features-cifar10-efficientnet_lite0-224px-0v-bilinear-0123456789abcdef.pt"]
+
+
 def test_the_grid_option_is_the_stages_the_held_out_lda_picked(tmp_path):
     fb = tool("frozen_bounds")
     for s, held, test in [(1, 0.80, 0.95), (2, 0.83, 0.70), (3, 0.83, 0.99)]:  # the test accuracies are not read

@@ -15,10 +15,15 @@ pick the grid's feature option.
                                                                      # (LDA on stages 1-8; the rest on 4, 8, 1)
     python tools/frozen_bounds.py --encoder efficientnet_lite2       # the same cells on Lite2's own 260 px cache
     python tools/frozen_bounds.py --choose                           # the stages value the held-out slice picks
+    python tools/frozen_bounds.py --flip --stages 8 --other-stages 8 # the mirror images as training copies too
 
 One JSON record per (cache, stages, head) under `--out/<encoder>-<res>px-<resize>/`: the candidates' slice
 accuracies and fit seconds, the chosen value, its test accuracy, the iterations LogisticRegression ran and whether
-it converged, the wall seconds and scikit-learn's version. A finished cell is skipped (resumable). A choice at
+it converged, the wall seconds and scikit-learn's version. With `--flip` (the cache's mirrored copy, `flip: true`)
+every training image is fitted twice, as itself and mirrored, the held-out slice holds out both copies of its images
+and scores the plain ones, and the test score is the plain test images' (the record adds the score that averages
+each test image's decision over it and its mirror, `test_acc_tta`); its records go to `<cache>-flip/`. A finished
+cell is skipped (resumable). A choice at
 the end of its numeric candidates grows the grid one decade that way (at most three times; `extend_at_edge`), a
 rule fixed before any score is read; older records chosen at an edge are completed the same way. The cache must
 exist: this script never starts an extraction (exit 2 naming the file it looked for).
@@ -72,9 +77,10 @@ def refuse(message: str, fix: str) -> FlareError:
     return FlareError(message, key="--encoder", fix=fix)
 
 
-def feature_options(encoder: str, resolution: int | None, resize: str, cache_dir: str):
+def feature_options(encoder: str, resolution: int | None, resize: str, cache_dir: str, flip: bool = False):
     from flare.data.features import FeatureOptions
-    return FeatureOptions(**DATA, encoder=encoder, resolution=resolution, resize=resize, stages=8, cache_dir=cache_dir)
+    return FeatureOptions(**DATA, encoder=encoder, resolution=resolution, resize=resize, stages=8, cache_dir=cache_dir,
+                          flip=flip)
 
 
 def load_cached(opts):
@@ -84,11 +90,13 @@ def load_cached(opts):
     enc = _encoder_entry(opts.encoder).obj
     opts = opts.model_copy(update={"resolution": opts.resolution or enc.native_resolution(key="--encoder")})
     where = Path(opts.cache_dir or os.environ.get("FLARE_CACHE") or Path.home() / ".cache" / "flare").expanduser()
-    if not any(where.glob(f"features-{opts.source}-{opts.encoder}-{opts.resolution}px-0v-{opts.resize}-[0-9a-f]*.pt")):
-        raise refuse(f"no feature cache of {opts.encoder} at {opts.resolution} px ({opts.resize}) in {where}. This "
-                     "script reads caches, it never extracts one.",
-                     fix="build the cache first (docs/frozen-encoder.md, chunked extraction), or pass the --encoder, "
-                         "--resolution and --resize of a cache that exists.")
+    stem = f"features-{opts.source}-{opts.encoder}-{opts.resolution}px-0v-{opts.resize}"
+    for kind, pattern in [("", f"{stem}-[0-9a-f]*.pt")] + [(" mirrored", f"{stem}-flip-[0-9a-f]*.pt")] * opts.flip:
+        if not any(where.glob(pattern)):
+            raise refuse(f"no{kind} feature cache of {opts.encoder} at {opts.resolution} px ({opts.resize}) in {where}. "
+                         "This script reads caches, it never extracts one.",
+                         fix="build the cache first (docs/frozen-encoder.md, chunked extraction), or pass the "
+                             "--encoder, --resolution, --resize (and --flip) of a cache that exists.")
     images = load_dataset(opts.source, opts.root, format=opts.format, cache_dir=opts.cache_dir)
     path = cache_path(_cache_dir(opts.cache_dir), cache_key(opts, images, enc.weights_sha256(key="--encoder")))
     if not path.exists():
@@ -126,17 +134,24 @@ def extend_at_edge(values: list, best: int) -> object | None:
 
 
 def run_cell(head: str, x: np.ndarray, y: np.ndarray, xt: np.ndarray, yt: np.ndarray, holdout: int,
-             done: list[dict] | None = None) -> dict:
+             done: list[dict] | None = None, xt_flip: np.ndarray | None = None) -> dict:
     """Choose `head`'s hyper-parameter on the held-out slice, refit on all training features, score once on test.
 
     `done`: candidates of an earlier record of the same cell, reused rather than refitted (the fits are
-    deterministic on the same features and slice), so a grown candidate list costs only its new values."""
+    deterministic on the same features and slice), so a grown candidate list costs only its new values.
+    `xt_flip`: the test images' mirrored features; then `x` holds every training image twice (plain, then mirrored:
+    rows i and i + N are one image), the slice holds out both copies of its images and scores the plain ones."""
     import sklearn
     from sklearn.exceptions import ConvergenceWarning
     import warnings
     param, values, make = _heads()[head]
     values = list(values)
-    fit, held = holdout_split(y, holdout)
+    if xt_flip is None:
+        fit, held = holdout_split(y, holdout)
+    else:  # the slice is drawn over images, as without mirrors; both copies of a held-out image stay out
+        n = len(y) // 2
+        fit, held = holdout_split(y[:n], holdout)
+        fit = np.concatenate([fit, fit + n])
     t_all = time.perf_counter()
     reuse = {repr(c["value"]): c for c in done or []}
     cands: list[dict] = []
@@ -174,12 +189,23 @@ def run_cell(head: str, x: np.ndarray, y: np.ndarray, xt: np.ndarray, yt: np.nda
     fit_s = time.perf_counter() - t0
     return {"head": head, "estimator": type(clf.steps[-1][1] if hasattr(clf, "steps") else clf).__name__,
             "param": param, "chosen": values[best], "holdout_acc": cands[best]["holdout_acc"],
-            "test_acc": float(clf.score(xt, yt)), "candidates": cands, "extended_at_edge": extended,
+            "test_acc": float(clf.score(xt, yt)), **_tta(clf, xt, xt_flip, yt),
+            "candidates": cands, "extended_at_edge": extended,
             "at_edge": extend_at_edge(values, best) is not None, "final_fit_seconds": fit_s, **_iters(clf),
             "train_images": int(len(y)), "test_images": int(len(yt)), "holdout_images": int(holdout),
             "holdout_seed": HOLDOUT_SEED, "dim": int(x.shape[1]), "dtype": str(x.dtype),
             "wall_seconds": time.perf_counter() - t_all, "sklearn": sklearn.__version__,
             "threads": _threads()}
+
+
+def _tta(clf, xt: np.ndarray, xt_flip: np.ndarray | None, yt: np.ndarray) -> dict:
+    """The test accuracy of each image's decision averaged over it and its mirror (probabilities where the
+    estimator has them, else its decision function); nothing without mirrors."""
+    if xt_flip is None:
+        return {}
+    score = clf.predict_proba if hasattr(clf, "predict_proba") else clf.decision_function
+    avg = (score(xt) + score(xt_flip)) / 2
+    return {"test_acc_tta": float((clf.classes_[avg.argmax(1)] == yt).mean())}
 
 
 def _iters(clf) -> dict:
@@ -196,7 +222,7 @@ def _threads() -> int:
 
 
 def cache_dir_name(opts) -> str:
-    return f"{opts.encoder}-{opts.resolution}px-{opts.resize}"
+    return f"{opts.encoder}-{opts.resolution}px-{opts.resize}" + "-flip" * bool(opts.flip)
 
 
 def choose(out: Path, stages: list[int], head: str = "lda") -> tuple[int, dict]:
@@ -221,6 +247,8 @@ def main(argv=None) -> int:
     ap.add_argument("--other-stages", default="4,8,1", help="the stages the heads other than LDA run on (LDA, which "
                                                             "picks the grid's option, runs on every --stages value)")
     ap.add_argument("--holdout", type=int, default=5000)
+    ap.add_argument("--flip", action="store_true", help="fit on every training image and its mirror image too (the "
+                                                        "cache's flip: true copy)")
     ap.add_argument("--cache-dir", default=os.environ.get("FLARE_CACHE", "/work/cache/features"))
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--choose", action="store_true", help="print the stages value the held-out LDA picks, run nothing")
@@ -235,7 +263,7 @@ def main(argv=None) -> int:
             raise FlareError(f"stages {bad} out of range.", key="--stages", fix="use 1 to 8.")
         if not 10 <= args.holdout <= 25000:
             raise FlareError(f"--holdout {args.holdout} out of range.", key="--holdout", fix="use 10 to 25,000.")
-        opts = feature_options(args.encoder, args.resolution, args.resize, args.cache_dir)
+        opts = feature_options(args.encoder, args.resolution, args.resize, args.cache_dir, args.flip)
         if args.choose:
             from flare.data.features import _encoder_entry
             res = args.resolution or _encoder_entry(args.encoder).obj.native_resolution(key="--encoder")
@@ -251,6 +279,11 @@ def main(argv=None) -> int:
     x_all = data.train_x[:, 0].double().numpy()
     xt_all = data.test_x[:, 0].double().numpy()
     y, yt = data.train_y.numpy(), data.test_y.numpy()
+    xtf_all = None
+    if opts.flip:  # copy 1 is the mirror image (flare.data.features): rows N.. of the training set
+        x_all = np.concatenate([x_all, data.train_x[:, 1].double().numpy()])
+        y = np.concatenate([y, y])
+        xtf_all = data.test_flip[:, 0].double().numpy()
     # LDA on every layer choice first (the held-out choice of the grid's option reads it), then the others, the
     # cheap ones first, on the layer choices most likely to matter
     cells = [(s, "lda") for s in stages if "lda" in heads] + \
@@ -264,9 +297,10 @@ def main(argv=None) -> int:
         d = int(sum(data_widths(data, path)[:s]))
         print(f"{cache_dir_name(opts)} stages={s} (d={d}) {h}", flush=True)
         rec = run_cell(h, np.ascontiguousarray(x_all[:, :d]), y, np.ascontiguousarray(xt_all[:, :d]), yt,
-                       args.holdout, done=earlier["candidates"] if earlier else None)
+                       args.holdout, done=earlier["candidates"] if earlier else None,
+                       xt_flip=None if xtf_all is None else np.ascontiguousarray(xtf_all[:, :d]))
         rec.update({"encoder": opts.encoder, "resolution": opts.resolution, "resize": opts.resize, "stages": s,
-                    "cache": path.name})
+                    "cache": path.name, "flip": bool(opts.flip)})
         out.mkdir(parents=True, exist_ok=True)
         tmp = f.with_suffix(".tmp")
         tmp.write_text(json.dumps(rec, indent=1) + "\n")
