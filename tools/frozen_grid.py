@@ -441,7 +441,7 @@ def render_224(base: Path) -> str:
     res = opts.get("resolution")
     if opts and not res:  # the encoder's own (the block renders without the encoder packages)
         res = NATIVE_RESOLUTION[opts["encoder"]]
-    lite0 = next((c for c in bounds if c.startswith(f"{opts.get('encoder')}-{res}px-{opts.get('resize')}")), None)
+    lite0 = f"{opts.get('encoder')}-{res}px-{opts.get('resize')}" + "-flip" * bool(opts.get("flip"))  # the grid's cache
     held = {s: r["lda"]["holdout_acc"] for s, r in bounds.get(lite0, {}).items() if "lda" in r}
     pick = max(held, key=lambda s: (held[s], -s)) if held else None
     agrees = ("" if pick is None else " — the held-out choice" if pick == opts.get("stages") else
