@@ -22,8 +22,7 @@ from flare.errors import FlareError
 from flare.models import create_model
 from flare.registry import ANCHORS, CONTRAST, SCHEDULES, NoFacts
 from flare.schedules import LRSchedule
-from flare.server.protos import global_prototypes
-from flare.server.protos import train_global_prototypes
+from flare.server.protos import ServerPrototypes, train_global_prototypes
 
 # ----------------------------------------------------------------------------------------------
 # helpers: a tiny client on synthetic data, a fake dataset for the runner
@@ -299,24 +298,26 @@ def test_plan_b_lowers_its_server_loss():
     protos = _client_protos()
     A = make_anchors("etf", 10, 16, 1)
     cfg = ServerCfg(protos="trainable", server_epochs=20, server_lr=1e-2)
-    G, logs = train_global_prototypes(protos, cfg, A, seed=0)
+    G, logs = train_global_prototypes(protos, cfg, A)
     assert logs["server_loss_last"] < logs["server_loss_first"]
     assert G.shape == (10, 16) and not torch.allclose(G, torch.stack(protos).mean(0))
-    # the same through the server's prototype rule, and mean stays the plain mean
-    G2, logs2 = global_prototypes(protos, cfg, A, 0)
-    assert torch.equal(G, G2) and logs2 == logs
-    Gm, none = global_prototypes(protos, ServerCfg(), A, 0)
-    assert torch.allclose(Gm, torch.stack(protos).mean(0)) and none == {}
+    # the same through the server's part for G across rounds (spec: nothing kept, nothing sent), and mean stays the
+    # plain mean
+    spec = ServerPrototypes(cfg)
+    G2, kept, logs2 = spec.fold(0, protos, A, spec.start(A))
+    assert torch.equal(G, G2) and logs2 == logs and kept is None and spec.send(spec.start(A)) == {}
+    Gm, kept, none = ServerPrototypes(ServerCfg()).fold(0, protos, A, {})
+    assert torch.allclose(Gm, torch.stack(protos).mean(0)) and none == {} and kept is None
 
 
 def test_plan_b_initialisation_from_anchors_and_the_missing_anchor_error():
     protos = _client_protos()
     A = make_anchors("etf", 10, 16, 1)
     G, _ = train_global_prototypes(protos, ServerCfg(protos="trainable", protos_init="anchors", server_epochs=1,
-                                                     server_lr=1e-6), A, 0)
+                                                     server_lr=1e-6), A)
     assert torch.allclose(G, A, atol=1e-4)
     with pytest.raises(FlareError) as e:
-        train_global_prototypes(protos, ServerCfg(protos="trainable", protos_init="anchors"), None, 0)
+        train_global_prototypes(protos, ServerCfg(protos="trainable", protos_init="anchors"), None)
     assert e.value.key == "server.protos_init"
 
 

@@ -415,16 +415,16 @@ def test_plan_b_reference_starts_at_the_anchors_keeps_g_and_predicts_with_the_me
         math.sqrt(sum(((1 - b1) * b1 ** (t - i) / (1 - b1 ** t)) ** 2 / ((1 - b2) * b2 ** (t - i) / (1 - b2 ** t))
                       for i in range(1, t + 1))) for t in range(1, steps + 1))
     mean = torch.stack([p.float() for p in protos]).mean(0)
-    assert (ev.server_G - A).abs().max() <= reach + 1e-6
+    assert (ev.kept["G"] - A).abs().max() <= reach + 1e-6
     assert (mean - A).abs().max() > 2 * reach  # so a G started at the clients' mean could not pass the line above
     assert torch.allclose(ev.G, mean)                                   # the prediction uses the plain mean
     setup.ctx.received = setup.server.train_message(1)
-    assert torch.equal(setup.ctx.received["align_target"], ev.server_G)  # the next round aligns to the trained G
+    assert torch.equal(setup.ctx.received["align_target"], ev.kept["G"])  # the next round aligns to the trained G
     ev2 = evaluate_uploads(cfg, 1, [c.upload() for c in clients], [c.model for c in clients], setup.anchors,
-                           None, None, setup.norm, server_G=ev.server_G)
+                           None, None, setup.norm, kept=ev.kept)
     fresh, _ = train_global_prototypes(protos, cfg.server, setup.anchors, init=setup.anchors)
-    cont, _ = train_global_prototypes(protos, cfg.server, setup.anchors, init=ev.server_G)
-    assert torch.allclose(ev2.server_G, cont) and not torch.allclose(ev2.server_G, fresh)  # G persists
+    cont, _ = train_global_prototypes(protos, cfg.server, setup.anchors, init=ev.kept["G"])
+    assert torch.allclose(ev2.kept["G"], cont) and not torch.allclose(ev2.kept["G"], fresh)  # G persists
     spec = RunSetup.build(load_config(None, "server-protos", ov))
     spec.ctx.received = spec.server.train_message(0)
     assert spec.ctx.received == {} and spec.ctx.align_anchors is spec.ctx.anchors  # spec: no G sent

@@ -20,7 +20,7 @@ from torch import nn
 from flare.client.lam import runaway_warnings
 from flare.rundir import RunDir
 from flare.server.exchange import Transport
-from flare.server.rounds import Evaluation, evaluated_round, primary_rule
+from flare.server.rounds import Evaluation, primary_rule
 from flare.server.strategy import Strategy
 from flare.server.upload import Upload, save_uploads
 from flare.setup import ServerSetup
@@ -53,7 +53,7 @@ def run_rounds(server: ServerSetup, clients: Clients, out: RunDir | None, warn: 
         logs = clients.train(first, end, server.train_message(first))
         known = clients.known(r, t0)
         ev = None
-        if evaluated_round(cfg, r):
+        if cfg.evaluates(r):
             scored = server.scored(r) if rules is None else {n: server.strategies[n] for n in rules}
             uploads, carried = clients.uploads(r, scored), server.server_state()
             ev = server.evaluate(r, uploads, clients.models(uploads), rules=rules,

@@ -36,7 +36,8 @@ from flare.models import FlareNet, check_input_fits, create_architecture
 from flare.registry import ANCHORS, CONTRAST
 from flare.schedules import LRSchedule
 from flare.server.exchange import Transport
-from flare.server.rounds import Evaluation, carries_server_protos, evaluate_uploads, primary_rule, rules_for
+from flare.server.protos import ServerPrototypes
+from flare.server.rounds import Evaluation, evaluate_uploads, primary_rule, rules_for
 from flare.server.strategy import InitContext, Strategy, make_strategies, sent_init
 from flare.server.upload import Upload
 
@@ -162,7 +163,8 @@ class ServerSetup:
     warnings: list[str]                # the backend's, and why a Flower server evaluates nothing
     strategies: dict[str, Strategy] = field(default_factory=dict)  # name → the run's instance, built once
     strategy_state: dict = field(default_factory=dict)  # each server strategy's own state across rounds
-    carried: dict[str, Tensor] = field(default_factory=dict)  # kept across rounds: Plan B's G (round 0: the anchors)
+    prototypes: ServerPrototypes | None = None  # the global prototypes across rounds
+    carried: dict[str, Tensor] = field(default_factory=dict)  # what the server keeps across rounds (`prototypes`')
 
     @classmethod
     def build(cls, cfg: Config, dataset_meta: str | None = None, bank: bool = True,
@@ -203,8 +205,8 @@ class ServerSetup:
         # primary, and then the config's seed is the one the clients were sent by default
         sent = s.initial_message()["anchor_seed"] if primary_rule(cfg) in built else anchor_seed(cfg)
         s.anchors = run_anchors(cfg, meta.num_classes, model.feature_dim, device, seed=int(sent))
-        if carries_server_protos(cfg):  # Plan B as the reference: round 0's target and G are the anchors
-            s.load_server_state({"G": s.anchors})
+        s.prototypes = ServerPrototypes(cfg.server)
+        s.load_server_state(s.prototypes.start(s.anchors))
         return s
 
     def client_init(self, i: int) -> FlareNet:
@@ -217,7 +219,7 @@ class ServerSetup:
         data, self.data = self.data, None
         return data
 
-    # -- what the server carries across rounds (Plan B's G under protos_flow=reference), and what it sends ------
+    # -- what the server carries across rounds (`prototypes`), and what it sends ---------------------------------
     def server_state(self) -> dict:
         """What the server carries from one round to the next (saved in checkpoints)."""
         return {k: v.detach().cpu() for k, v in self.carried.items()}
@@ -226,9 +228,9 @@ class ServerSetup:
         self.carried = {k: v.detach().float().to(self.backend.device) for k, v in (state or {}).items()}
 
     def carry(self, ev: Evaluation) -> None:
-        """Keep what an evaluation of the run's rounds built for the next round (Plan B's new G)."""
-        if ev.server_G is not None:
-            self.load_server_state({"G": ev.server_G})
+        """Keep what an evaluation of the run's rounds built for the next round (`Evaluation.kept`)."""
+        if ev.kept is not None:
+            self.load_server_state(ev.kept)
 
     def initial_message(self) -> dict[str, Tensor]:
         """What every client receives once before it trains, on every engine: the primary strategy's `initialize`."""
@@ -236,10 +238,11 @@ class ServerSetup:
         return self.strategies[primary_rule(self.cfg)].initialize(InitContext(inits, self.bank, anchor_seed(self.cfg)))
 
     def train_message(self, r: int) -> dict[str, Tensor]:
-        """What every client receives before it trains round r, on every engine: the primary strategy's
-        `configure_train` (on this server's device); nothing where the server built no primary (`flare fuse`)."""
+        """What every client receives before it trains round r, on every engine: the G the server keeps
+        (`ServerPrototypes.send`) and the primary strategy's `configure_train` (on this server's device; nothing of
+        it where the server built no primary, `flare fuse`)."""
         primary = self.strategies.get(primary_rule(self.cfg))
-        return primary.configure_train(r, self.carried) if primary is not None else {}
+        return self.prototypes.send(self.carried) | (primary.configure_train(r, self.carried) if primary else {})
 
     def scored(self, r: int) -> dict[str, Strategy]:
         """The run's strategies round r scores (`rules_for`), the instances built with the run."""
@@ -248,12 +251,12 @@ class ServerSetup:
     def evaluate(self, r: int, uploads: list[Upload], models: list[torch.nn.Module],
                  rules: tuple[str, ...] | None = None, clients: Transport | None = None,
                  scratch: Path | None = None) -> Evaluation:
-        """`rounds.evaluate_uploads` with this server's test set, anchors, G and strategy states. Plan B's new G is in
-        the result: the caller decides whether the run carries it on (`carry`)."""
+        """`rounds.evaluate_uploads` with this server's test set, anchors, prototypes and strategy states. What the
+        server keeps for the next round is in the result: the caller decides whether the run carries it on (`carry`)."""
         be = self.backend
         return evaluate_uploads(self.cfg, r, uploads, models, self.anchors, self.test_x, self.test_y, self.norm,
                                 amp_dtype=be.amp_dtype, channels_last=be.channels_last,
-                                server_G=self.carried.get("G"), strategy_state=self.strategy_state,
+                                prototypes=self.prototypes, kept=self.carried, strategy_state=self.strategy_state,
                                 public_x=self.public_x, rules=rules, strategies=self.strategies, clients=clients,
                                 scratch=scratch)
 

@@ -278,10 +278,9 @@ class Config(Strict):
         """Cross-key checks, so a bad combination fails before any data is loaded: the framework's own settings
         here, and every chosen part's own requirements through its registry (`check(cfg)`, which lives with the
         part: docs/extending.md)."""
-        if self.server.protos == "trainable" and self.server.protos_init == "anchors":
-            self.require_anchors("server.protos_init=anchors")
-        if self.server.protos == "trainable" and self.server.protos_flow == "reference":
-            self.require_anchors("server.protos_flow=reference")
+        for key, value in (("protos_init", "anchors"), ("protos_flow", "reference")):  # Plan B's G starts at A
+            if self.server.protos == "trainable" and getattr(self.server, key) == value:
+                self.require_anchors(f"server.{key}={value}")
         self._check_architectures()
         for registry, name in self.chosen_parts():
             registry.check(name, self)

@@ -23,7 +23,7 @@ from flare.data.partition import Partition
 from flare.errors import FlareError
 from flare.models import create_architecture
 from flare.server.extras import client_extras, client_side, extras_shapes
-from flare.server.rounds import evaluated_round, rules_for
+from flare.server.rounds import rules_for
 from flare.server.strategy import Strategy, make_strategies, sent_init
 from flare.backend import backend, settle_speed
 from flare.data.prepare import DataMeta, prepare_data, split
@@ -212,7 +212,7 @@ def client_train(task: Task, local: LocalData, first: dict[str, Tensor], resume:
 def block_extras(cfg: Config, last_round: int, client: Client, ctx) -> dict[str, Tensor]:
     """What the strategies the server scores after `last_round` ask this client for (none on a round `eval.every`
     skips); the server's gate expects exactly these (`ServerSession.spec_for`)."""
-    if not evaluated_round(cfg, last_round):
+    if not cfg.evaluates(last_round):
         return {}
     every = run_strategies(cfg)
     scored = {n: every[n] for n in rules_for(cfg, last_round)}

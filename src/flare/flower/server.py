@@ -28,7 +28,7 @@ from flare.rundir import RunDir
 from flare.server.upload import Upload, UploadSpec, upload_of, validate_upload
 from flare.server.extras import extras_shapes
 from flare.loop import run_rounds
-from flare.server.rounds import Evaluation, evaluated_round
+from flare.server.rounds import Evaluation
 from flare.data.prepare import describe_partition
 from flare.setup import ServerSetup
 
@@ -179,7 +179,7 @@ class ServerSession:
         """The gate of client `cid`'s upload of a block ending at `last_round`: its architecture's weights, plus the
         statistics the strategies scored after it ask for (server/extras.py; none on a round `eval.every` skips)."""
         init, spec = self.setup.client_init(cid), self.specs[self.archs[cid]]
-        if not evaluated_round(self.cfg, last_round):
+        if not self.cfg.evaluates(last_round):
             return spec
         return replace(spec, extras=extras_shapes(self.setup.scored(last_round), init))
 

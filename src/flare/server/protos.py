@@ -9,10 +9,10 @@ Adam(lr=`server.server_lr`); in every epoch it visits the clients in upload orde
 
 i.e. row c of P_i must score its own class c highest against the global prototypes, while G is held
 near the ETF. `server.protos_flow=reference` (the fork's OneshotOursV9) instead starts G at the anchors once and
-continues from the previous round's G every round (`init`, a fresh Adam each round); the caller then sends G to
-the clients as their alignment target and predicts with the mean prototypes. The procedure is deterministic
-(fixed client order, deterministic Adam), so `seed` is accepted for the interface of `global_prototypes` but
-not needed.
+continues from the previous round's G every round (`init`, a fresh Adam each round), sends G to the clients as their
+alignment target and predicts with the mean prototypes. `ServerPrototypes` is that flow across rounds, the one part
+of the server that keeps G, sends it and folds the uploads into it. The procedure is deterministic (fixed client
+order, deterministic Adam): it draws nothing.
 
 Logged: `server_loss_first` / `server_loss_last` — the mean over clients of loss_i at the initial and at
 the trained G (the same function evaluated at both ends, so the two numbers are comparable).
@@ -25,19 +25,12 @@ from torch import Tensor
 
 from flare.config import ServerCfg
 from flare.errors import FlareError
+from flare.metrics import g_protos_std
 
 
 def mean_prototypes(protos: list[Tensor]) -> Tensor:
     """G = mean_i P_i (unweighted)."""
     return torch.stack([p.float() for p in protos]).mean(0)
-
-
-def global_prototypes(protos: list[Tensor], cfg: ServerCfg, anchors: Tensor | None = None,
-                      seed: int = 0) -> tuple[Tensor, dict]:
-    """Returns G and a dict of diagnostics to log (e.g. Plan B's server loss)."""
-    if cfg.protos == "mean":
-        return mean_prototypes(protos), {}
-    return train_global_prototypes(protos, cfg, anchors, seed)
 
 
 def _client_loss(P: Tensor, G: Tensor, anchors: Tensor | None, gamma: float) -> Tensor:
@@ -54,7 +47,7 @@ def _mean_loss(protos: list[Tensor], G: Tensor, anchors: Tensor | None, gamma: f
 
 
 def train_global_prototypes(protos: list[Tensor], cfg: ServerCfg, anchors: Tensor | None,
-                            seed: int = 0, init: Tensor | None = None) -> tuple[Tensor, dict]:
+                            init: Tensor | None = None) -> tuple[Tensor, dict]:
     """Returns the trained G (C×d, detached, float32) and {"server_loss_first", "server_loss_last"}. `init`: the
     G to continue from (protos_flow=reference), instead of `server.protos_init`."""
     if not protos:
@@ -83,3 +76,33 @@ def train_global_prototypes(protos: list[Tensor], cfg: ServerCfg, anchors: Tenso
                 opt.step()
     G = G.detach()
     return G, {"server_loss_first": first, "server_loss_last": _mean_loss(P, G, A, gamma)}
+
+
+class ServerPrototypes:
+    """The global prototypes across rounds, the one part of the server that tells the flows (module docstring)
+    apart: what the server keeps of G (`start`, then each `fold`'s), sends the clients before a round (`send`,
+    beside the strategies' own messages) and hands the round's predictors (`fold`)."""
+
+    def __init__(self, cfg: ServerCfg):
+        self.cfg = cfg
+        self.carries = cfg.protos == "trainable" and cfg.protos_flow == "reference"
+
+    def start(self, anchors: Tensor | None) -> dict[str, Tensor]:
+        return {"G": anchors} if self.carries else {}  # the reference flow's round-0 G: the anchors
+
+    @staticmethod
+    def send(kept: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {"align_target": kept["G"]} if kept.get("G") is not None else {}
+
+    def fold(self, r: int, protos: list[Tensor], anchors: Tensor | None,
+             kept: dict[str, Tensor]) -> tuple[Tensor | None, dict[str, Tensor] | None, dict]:
+        """(the G round `r`'s predictors read, what the server keeps next — None: unchanged —, the server's logs)."""
+        if not protos:
+            return None, None, {}
+        if self.carries:
+            new_G, logs = train_global_prototypes(protos, self.cfg, anchors, init=kept.get("G"))
+            return mean_prototypes(protos), {"G": new_G}, {**logs, "server_g_std": g_protos_std(new_G)}
+        if self.cfg.protos == "mean":
+            return mean_prototypes(protos), None, {}
+        G, logs = train_global_prototypes(protos, self.cfg, anchors)
+        return G, None, logs

@@ -22,7 +22,7 @@ from flare.server.evaluator import check_predictor, evaluate_predictors
 from flare.server.exchange import Transport, hold_rounds
 from flare.server.extras import own_extras
 from flare.server.fusion import aggregation_weights
-from flare.server.protos import global_prototypes, mean_prototypes, train_global_prototypes
+from flare.server.protos import ServerPrototypes
 from flare.server.strategy import ClientPredictor, ModelPredictor, ServerContext, Strategy, make_strategies
 from flare.server.upload import Upload
 
@@ -57,39 +57,17 @@ def rules_for(cfg: Config, r: int | None = None) -> tuple[str, ...]:
     return tuple(n for n in names if r is None or STRATEGIES.get(n).every_round or r == cfg.rounds - 1)
 
 
-def evaluated_round(cfg: Config, r: int) -> bool:
-    """Whether round r (0-based) is evaluated: the config's rule (`Config.evaluates`)."""
-    return cfg.evaluates(r)
-
-
 @dataclass
 class Evaluation:
-    """One evaluation checkpoint: its metrics record, and what the server built (for the saved predictor). `server_G`:
-    Plan B's trained G to carry into the next round (protos_flow=reference), else None. `predictors`: what each
+    """One evaluation checkpoint: its metrics record, and what the server built (for the saved predictor). `kept`:
+    what the server keeps for the next round (`ServerPrototypes.fold`; None: unchanged). `predictors`: what each
     strategy built (a model-owning primary is what a Flower run saves as its predictor)."""
 
     record: dict
     weights: Tensor
     G: Tensor | None
-    server_G: Tensor | None = None
+    kept: dict[str, Tensor] | None = None
     predictors: dict = field(default_factory=dict)
-
-
-def carries_server_protos(cfg: Config) -> bool:
-    """Plan B as the reference ran it: the server's G persists across rounds and is the clients' target."""
-    return cfg.server.protos == "trainable" and cfg.server.protos_flow == "reference"
-
-
-def server_prototypes(cfg: Config, r: int, protos: list[Tensor], anchors: Tensor | None,
-                      server_G: Tensor | None = None) -> tuple[Tensor | None, Tensor | None, dict]:
-    """(G the predictors use, Plan B's carried G under protos_flow=reference or None, the server's logs)."""
-    if protos and carries_server_protos(cfg):
-        new_G, logs = train_global_prototypes(protos, cfg.server, anchors, init=server_G)
-        return mean_prototypes(protos), new_G, logs
-    if protos:
-        G, logs = global_prototypes(protos, cfg.server, anchors, derived_seed(cfg.seed, r, 99))
-        return G, None, logs
-    return None, None, {}
 
 
 def accuracy_on_test(model: torch.nn.Module, test_x: Tensor, test_y: Tensor, norm, *, batch_size: int,
@@ -131,14 +109,15 @@ def rule_costs(parts: dict, preds: dict) -> dict:
 
 def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[torch.nn.Module],
                      anchors: Tensor | None, test_x: Tensor | None, test_y: Tensor | None, norm, *,
-                     amp_dtype=None, channels_last: bool = False, server_G: Tensor | None = None,
-                     strategy_state: dict | None = None, public_x: Tensor | None = None,
-                     rules: tuple[str, ...] | None = None, strategies: Mapping[str, Strategy] | None = None,
+                     amp_dtype=None, channels_last: bool = False, prototypes: ServerPrototypes | None = None,
+                     kept: dict[str, Tensor] | None = None, strategy_state: dict | None = None,
+                     public_x: Tensor | None = None, rules: tuple[str, ...] | None = None, strategies: Mapping[str, Strategy] | None = None,
                      clients: Transport | None = None, scratch: Path | None = None) -> Evaluation:
     """One evaluation checkpoint (docs/method.md#server-rules) from the uploads alone: global prototypes, every fusion
     rule scored on the test set (skipped when `test_x` is None: a server without a test set), diagnostics. `models[i]`
-    holds `uploads[i].state` (the in-process runner passes the live client models). `server_G`: the G Plan B continues
-    from under protos_flow=reference (the anchors in round 0). `strategy_state`: name → each strategy's own state,
+    holds `uploads[i].state` (the in-process runner passes the live client models). `prototypes`: the run's global
+    prototypes across rounds (built here for a caller that keeps none) and `kept`, what the server kept of them from
+    the last round (`ServerPrototypes.start` before round 0). `strategy_state`: name → each strategy's own state,
     kept by the caller across rounds. `uploads[i].extras` carry the statistics the strategies asked for
     (server/extras.py); `public_x` is the server's unlabeled public slice, when the run has one. `rules`: the
     strategies to score (`flare fuse`'s one), else the round's own (`rules_for`). `strategies`: name → the run's
@@ -151,7 +130,7 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
     protos = [u.prototypes for u in uploads if u.prototypes is not None]
     prim = primary_rule(cfg)
     rec: dict = {"kind": "round", "round": r, "method": cfg.method, "primary": prim}
-    G, new_G, server_logs = server_prototypes(cfg, r, protos, anchors, server_G)
+    G, kept_next, server_logs = (prototypes or ServerPrototypes(cfg.server)).fold(r, protos, anchors, kept or {})
     rec.update(server_logs)
     t_agg = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -197,7 +176,5 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
         rec["g_protos_std"] = g_protos_std(G)
         rec["inter_client_proto_std"] = inter_client_proto_std(protos)
     rec["seconds_aggregate"] = t_agg + time.perf_counter() - t2
-    if new_G is not None:
-        rec["server_g_std"] = g_protos_std(new_G)
     rec["acc"] = rec.get(f"acc_{prim}")
-    return Evaluation(rec, weights, G, new_G, preds)
+    return Evaluation(rec, weights, G, kept_next, preds)

@@ -216,12 +216,10 @@ class Strategy:
         return sent | {"anchor_seed": torch.tensor(ctx.anchor_seed)} | ({} if ctx.bank is None else {"bank": ctx.bank})
 
     def configure_train(self, rnd: int, carried: dict[str, Tensor]) -> dict[str, Tensor]:
-        """What every client receives with round `rnd`'s training message, beside what `initialize` sent (the same
-        tensors for every client and every engine). `carried`: what the server keeps across rounds and checkpoints
-        (`ServerSetup.server_state`). The default sends Plan B's carried G (server.protos_flow=reference) as the
-        clients' alignment target, `align_target`, and nothing otherwise."""
-        G = carried.get("G")
-        return {"align_target": G} if G is not None else {}
+        """What every client receives with round `rnd`'s training message, beside what `initialize` sent and the G
+        the server keeps (server/protos.py); the same tensors for every client and every engine. `carried`: what the
+        server keeps across rounds and checkpoints (`ServerSetup.server_state`). The default sends nothing."""
+        return {}
 
     def extra_rounds(self) -> int:
         """How many rounds this strategy holds with the clients after their upload (0: it builds from the uploads
