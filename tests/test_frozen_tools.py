@@ -277,3 +277,25 @@ def test_the_tools_random_map_is_the_one_a_fed3r_rf_run_draws_for_its_seed():
         strategy = make_strategy(load_config(None, "fafi", [*features, f"seed={seed}"]), "fed3r")
         mine, theirs = tool("fed3r_rf").random_map(7, 32, 2.5, seed), strategy.random_map(7)
         assert torch.equal(mine.omega, theirs.omega) and torch.equal(mine.beta, theirs.beta)
+
+
+def test_the_224_block_shows_mirrored_bounds_apart_and_marks_a_choice_only_among_layers(tmp_path):
+    """A `-flip` bounds directory is a table of its own (100,000 rows, the mirrored-test score beside the plain
+    one), and it never takes the grid's 'chosen' mark (one layer is no choice)."""
+    fg = tool("frozen_grid")
+
+    def rec(cache, s, acc, held, tta=None):
+        d = tmp_path / "bounds" / cache
+        d.mkdir(parents=True, exist_ok=True)
+        r = {"head": "lda", "stages": s, "dim": 100 * s, "test_acc": acc, "holdout_acc": held, "chosen": "auto",
+             "holdout_images": 5000, **({"test_acc_tta": tta} if tta else {})}
+        (d / f"stages{s}-lda.json").write_text(json.dumps(r))
+    rec("efficientnet_lite0-224px-bilinear", 1, 0.80, 0.81)
+    rec("efficientnet_lite0-224px-bilinear", 8, 0.82, 0.83)
+    rec("efficientnet_lite0-224px-bilinear-flip", 8, 0.90, 0.95, tta=0.91)
+    (tmp_path / "runs" / "frozen-encoder-224" / "grid").mkdir(parents=True)
+    text = fg.render_224(tmp_path)
+    plain, flip = text.split("`efficientnet_lite0-224px-bilinear-flip`")
+    assert "| 8 **(chosen)** | 800 | 82.00" in plain and "all 50,000 training features" in plain
+    assert "100,000 rows" in flip and "| 8 | 800 | 90.00 <sub>(auto; held-out 95.00; with the mirrored test image 91.00)" \
+        in flip and "(chosen)" not in flip.split("Published")[0].split("| stages |")[1]
