@@ -1,11 +1,18 @@
 """Shared fixtures: a tiny, learnable image-folder dataset written to disk in the real format."""
 import os
 import sys
-from pathlib import Path
 
-import numpy as np
-import pytest
-from PIL import Image
+# What the `flare` CLI sets before torch loads OpenMP (flare/cli.py), set here for the tests' own processes, which
+# import flare without the CLI: idle OpenMP threads sleep instead of spinning. The tests that run at torch's default
+# thread count (default_torch_threads) spun against the other xdist worker and the processes they start: one
+# end-to-end test measured 48 s of CPU with spinning threads and 12 s without, same numbers (waiting is no arithmetic).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from PIL import Image  # noqa: E402
 
 import flare  # noqa: F401  first: it pins the CPU kernels (flare/cpu.py) before any test computes
 from flare.data.partition import PartitionFacts  # noqa: E402
