@@ -228,3 +228,23 @@ def pytest_collection_modifyitems(items):
         ordered += long[i::n] + rest[:take]
         rest, pending = rest[take:], pending - size
     items[:] = ordered + rest
+
+
+def flare_in_process(argv, capsys) -> "subprocess.CompletedProcess":
+    """`flare ARGV` in the test's own process, answered as `subprocess.run` would (returncode, stdout, stderr).
+    Where a test checks what a command does — an exit code, a message, the files it writes — this is the same code
+    without the fresh interpreter, which costs about 3 s of CPU for torch's import alone. What only a fresh process
+    shows (no traceback from the entry point, a plugin imported by name, the CPU pin, a lock held by another
+    process) stays checked through real processes: test_bad_input.py, test_plugins.py, test_cpu.py, test_rundir.py,
+    and a `flare fuse` process in each end-to-end baseline test."""
+    import subprocess
+
+    from flare.cli import main
+
+    capsys.readouterr()  # what the test printed before is not the command's
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse's own errors exit through SystemExit
+        rc = e.code
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, rc, out, err)
