@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import flare_in_process
 from test_baselines_data import client, norm, patterns
 
 from flare.baselines.intactofl import GateSynthesis, IntactOFL, IntactOFLOptions, MixtureOfExperts
@@ -244,7 +245,7 @@ def rounds_of(d):
 
 
 @pytest.mark.long
-def test_through_flare_run_and_flare_fuse(tiny_overrides, tmp_path, default_torch_threads):
+def test_through_flare_run_and_flare_fuse(tiny_overrides, tmp_path, default_torch_threads, capsys):
     cfg = load_config(None, "fedavg", tiny_overrides + ["rounds=2", "eval.rules=[primary,output,intactofl]",
                                                         *TINY_OPTIONS])
     d = tmp_path / "ce"
@@ -264,8 +265,8 @@ def test_through_flare_run_and_flare_fuse(tiny_overrides, tmp_path, default_torc
     assert fused["intactofl.gate_loss_last"] == last["intactofl.gate_loss_last"]
     curve = fused["intactofl.curve"]
     assert [c[:2] for c in curve] == [[1, 6], [2, 12], [3, 18]] and curve[-1][2] == fused["acc"]
-    bad = subprocess.run([sys.executable, "-m", "flare.cli", "fuse", str(d), "--strategies", "intactofl",
-                          "server.strategies.intactofl.top_k_share=0"], capture_output=True, text=True)
+    bad = flare_in_process(["fuse", d, "--strategies", "intactofl", "server.strategies.intactofl.top_k_share=0"],
+                           capsys)
     assert bad.returncode == 2 and "server.strategies.intactofl.top_k_share" in bad.stderr, bad.stderr
     assert "Traceback" not in bad.stderr
 
