@@ -236,7 +236,7 @@ def flare_in_process(argv, capsys) -> "subprocess.CompletedProcess":
     without the fresh interpreter, which costs about 3 s of CPU for torch's import alone. What only a fresh process
     shows (no traceback from the entry point, a plugin imported by name, the CPU pin, a lock held by another
     process) stays checked through real processes: test_bad_input.py, test_plugins.py, test_cpu.py, test_rundir.py,
-    and a `flare fuse` process in each end-to-end baseline test."""
+    and `flare fuse` processes in test_baselines_data.py, test_baselines_weights.py and test_strategy.py."""
     import subprocess
 
     from flare.cli import main
