@@ -127,6 +127,16 @@ def copy_of_finished_run(key: str, dest: Path, make) -> Path:
     return dest
 
 
+def finished_fedavg_run(tiny_overrides, dest: Path) -> Path:
+    """A copy of the session's finished one-round fedavg run on the tiny folder, for the tests that fuse it or are
+    refused a fuse of it."""
+    from flare.config import load_config
+    from flare.runner import Run
+
+    return copy_of_finished_run("fedavg-1-round", dest, lambda d: Run(
+        load_config(None, "fedavg", tiny_overrides + ["rounds=1"]), d, quiet=True).execute())
+
+
 def run_interrupted(cfg, d, monkeypatch, at_round):
     """Run `cfg` into `d` until round `at_round` (0-based) starts, then stop as a crash would."""
     import flare.client.trainer as trainer

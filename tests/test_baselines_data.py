@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import copy_of_finished_run, flare_in_process
+from conftest import finished_fedavg_run, flare_in_process
 from flare.baselines.bnrecal import recalibrate
 from flare.baselines.kd import kd_loss
 from flare.config import load_config
@@ -192,13 +192,6 @@ def test_each_strategy_is_a_function_of_the_seed(name):
 
 def rounds_of(d):
     return [r for r in read_jsonl(d / "metrics.jsonl") if r["kind"] == "round"]
-
-
-def finished_fedavg_run(tiny_overrides, dest):
-    """A copy of the session's finished one-round fedavg run (conftest): the fuse tests only read it or fuse into
-    their own copy, and need not train one each."""
-    return copy_of_finished_run("fedavg-1-round", dest, lambda d: Run(
-        load_config(None, "fedavg", tiny_overrides + ["rounds=1"]), d, quiet=True).execute())
 
 
 @pytest.mark.long

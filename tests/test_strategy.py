@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import copy_of_finished_run, flare_in_process
+from conftest import copy_of_finished_run, finished_fedavg_run, flare_in_process
 from flare.config import load_config
 from flare.errors import FlareError
 from flare.registry import STRATEGIES
@@ -108,8 +108,7 @@ def test_strategy_options_are_validated_with_the_config(tiny_overrides):
 
 
 def test_fuse_refuses_a_prototype_strategy_for_a_plain_classifier(tiny_overrides, tmp_path, capsys):
-    d = copy_of_finished_run("fedavg-1-round", tmp_path / "fedavg", lambda d: Run(
-        load_config(None, "fedavg", tiny_overrides + ["rounds=1"]), d, quiet=True).execute())
+    d = finished_fedavg_run(tiny_overrides, tmp_path / "fedavg")
     r = fuse_in_process(capsys, d, "--strategies", "feature")
     assert r.returncode == 2 and "reads prototypes" in r.stderr and "Traceback" not in r.stderr
     assert not (d / "fuse.jsonl").exists()
