@@ -5,7 +5,8 @@ import sys
 # What the `flare` CLI sets before torch loads OpenMP (flare/cli.py), set here for the tests' own processes, which
 # import flare without the CLI: idle OpenMP threads sleep instead of spinning. The tests that run at torch's default
 # thread count (default_torch_threads) spun against the other xdist worker and the processes they start: one
-# end-to-end test measured 48 s of CPU with spinning threads and 8-10 s without, same numbers (waiting is no arithmetic).
+# end-to-end test measured 48 s of CPU with spinning threads and 8-10 s without, the same numbers (waiting is no
+# arithmetic).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from pathlib import Path  # noqa: E402
