@@ -1,11 +1,19 @@
 """Shared fixtures: a tiny, learnable image-folder dataset written to disk in the real format."""
 import os
 import sys
-from pathlib import Path
 
-import numpy as np
-import pytest
-from PIL import Image
+# What the `flare` CLI sets before torch loads OpenMP (flare/cli.py), set here for the tests' own processes, which
+# import flare without the CLI: idle OpenMP threads sleep instead of spinning. The tests that run at torch's default
+# thread count (default_torch_threads) spun against the other xdist worker and the processes they start: one
+# end-to-end test measured 48 s of CPU with spinning threads and 8-10 s without, the same numbers (waiting is no
+# arithmetic).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from PIL import Image  # noqa: E402
 
 import flare  # noqa: F401  first: it pins the CPU kernels (flare/cpu.py) before any test computes
 from flare.data.partition import PartitionFacts  # noqa: E402
@@ -120,6 +128,16 @@ def copy_of_finished_run(key: str, dest: Path, make) -> Path:
     return dest
 
 
+def finished_fedavg_run(tiny_overrides, dest: Path) -> Path:
+    """A copy of the session's finished one-round fedavg run on the tiny folder, for the tests that fuse it or are
+    refused a fuse of it."""
+    from flare.config import load_config
+    from flare.runner import Run
+
+    return copy_of_finished_run("fedavg-1-round", dest, lambda d: Run(
+        load_config(None, "fedavg", tiny_overrides + ["rounds=1"]), d, quiet=True).execute())
+
+
 def run_interrupted(cfg, d, monkeypatch, at_round):
     """Run `cfg` into `d` until round `at_round` (0-based) starts, then stop as a crash would."""
     import flare.client.trainer as trainer
@@ -221,3 +239,23 @@ def pytest_collection_modifyitems(items):
         ordered += long[i::n] + rest[:take]
         rest, pending = rest[take:], pending - size
     items[:] = ordered + rest
+
+
+def flare_in_process(argv, capsys) -> "subprocess.CompletedProcess":
+    """`flare ARGV` in the test's own process, answered as `subprocess.run` would (returncode, stdout, stderr).
+    Where a test checks what a command does — an exit code, a message, the files it writes — this is the same code
+    without the fresh interpreter, which costs about 3 s of CPU for torch's import alone. What only a fresh process
+    shows (no traceback from the entry point, a plugin imported by name, the CPU pin, a lock held by another
+    process) stays checked through real processes: test_bad_input.py, test_plugins.py, test_cpu.py, test_rundir.py,
+    and `flare fuse` processes in test_baselines_data.py, test_baselines_weights.py and test_strategy.py."""
+    import subprocess
+
+    from flare.cli import main
+
+    capsys.readouterr()  # what the test printed before is not the command's
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse's own errors exit through SystemExit
+        rc = e.code
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, rc, out, err)

@@ -2,12 +2,11 @@
 prototypes are the unweighted mean of the clients' class means and predict by the nearest one; FedETF's head is a
 fixed simplex ETF that training never moves; both presets run through flare run and flare fuse."""
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from conftest import flare_in_process
 from flare.config import load_config
 from flare.models import create_model
 from flare.rundir import read_jsonl
@@ -56,7 +55,7 @@ def test_fedetf_head_is_a_fixed_simplex_etf():
 
 
 @pytest.mark.parametrize("preset", ["fedproto", "fedetf"])
-def test_the_presets_run_and_fuse(preset, tiny_overrides, tmp_path):
+def test_the_presets_run_and_fuse(preset, tiny_overrides, tmp_path, capsys):
     d = tmp_path / preset
     Run(load_config(None, preset, tiny_overrides), d, quiet=True).execute()
     last = rounds_of(d)[-1]
@@ -67,8 +66,7 @@ def test_the_presets_run_and_fuse(preset, tiny_overrides, tmp_path):
     else:
         assert last["primary"] == "fedavg" and {"acc_output", "acc_fedavg"} <= set(last)
         strategies = "fedavg,output"
-    r = subprocess.run([sys.executable, "-m", "flare.cli", "fuse", str(d), "--strategies", strategies],
-                       capture_output=True, text=True)
+    r = flare_in_process(["fuse", d, "--strategies", strategies], capsys)
     assert r.returncode == 0, r.stderr
     for f in read_jsonl(d / "fuse.jsonl"):
         assert f["acc"] == last[f"acc_{f['strategy']}"], f  # the same uploads (extras recomputed): exact

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from conftest import finished_fedavg_run, flare_in_process
 from flare.baselines.bnrecal import recalibrate
 from flare.baselines.kd import kd_loss
 from flare.config import load_config
@@ -227,10 +228,9 @@ def test_data_free_servers_with_plain_classifiers_and_no_public_data(tiny_overri
 
 
 @pytest.mark.parametrize("name", ["feddf", "bnrecal"])
-def test_without_public_data_the_run_exits_2_naming_the_key(name, tiny_overrides, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "flare.cli", "run", "--preset", "fafi", "--out", str(tmp_path / "r"),
-                        "--quiet", *tiny_overrides, "rounds=1", f"eval.rules=[primary,{name}]"],
-                       capture_output=True, text=True)
+def test_without_public_data_the_run_exits_2_naming_the_key(name, tiny_overrides, tmp_path, capsys):
+    r = flare_in_process(["run", "--preset", "fafi", "--out", tmp_path / "r", "--quiet", *tiny_overrides, "rounds=1",
+                          f"eval.rules=[primary,{name}]"], capsys)
     assert r.returncode == 2, r.stderr
     assert "dataset.public_size" in r.stderr and name in r.stderr and "Traceback" not in r.stderr
 
@@ -327,32 +327,27 @@ def test_fuse_gives_a_data_free_server_another_budget_and_its_curve(tiny_overrid
     ("server.strategies.coboosting.epochs=2", "'coboosting' is not among --strategies"),
     ("server.strategies.dense.epochs=0", "server.strategies.dense.epochs")])
 def test_fuse_refuses_an_override_that_is_not_an_option_of_a_fused_strategy(override, message, tiny_overrides,
-                                                                              tmp_path):
-    cfg = load_config(None, "fedavg", tiny_overrides + ["rounds=1"])
-    d = tmp_path / "ce"
-    Run(cfg, d, quiet=True).execute()
-    r = subprocess.run([sys.executable, "-m", "flare.cli", "fuse", str(d), "--strategies", "dense", override],
-                       capture_output=True, text=True)
+                                                                              tmp_path, capsys):
+    d = finished_fedavg_run(tiny_overrides, tmp_path / "ce")
+    r = flare_in_process(["fuse", d, "--strategies", "dense", override], capsys)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (d / "fuse.jsonl").exists()
 
 
-def test_fuse_refuses_a_torn_progress_file_and_names_it(tiny_overrides, tmp_path, monkeypatch):
+def test_fuse_refuses_a_torn_progress_file_and_names_it(tiny_overrides, tmp_path, monkeypatch, capsys):
     """A data-free build's saved progress that cannot be read (a copy cut short) stops `flare fuse` with exit 2 and
     the file's name, no traceback, the file left as it was: never hours of build restarted without a word."""
     from flare.baselines.datafree import Synthesis
     from flare.cli import main
 
-    cfg = load_config(None, "fedavg", tiny_overrides + ["rounds=1"])
-    d = tmp_path / "ce"
-    Run(cfg, d, quiet=True).execute()
+    d = finished_fedavg_run(tiny_overrides, tmp_path / "ce")
     opts = [f"server.strategies.dense.{k}={v}" for k, v in TINY["dense"].items()]
     monkeypatch.setattr(Synthesis, "distil", dies_in_epoch_two([]))
     assert main(["fuse", str(d), "--strategies", "dense", *opts]) != 0  # interrupted in its second epoch
+    monkeypatch.undo()  # the fuse below is the real one
     (saved,) = (d / "fuse-scratch" / "dense").glob("*.pt")
     torn = saved.read_bytes()[:1000]
     saved.write_bytes(torn)
-    r = subprocess.run([sys.executable, "-m", "flare.cli", "fuse", str(d), "--strategies", "dense", *opts],
-                       capture_output=True, text=True)
+    r = flare_in_process(["fuse", d, "--strategies", "dense", *opts], capsys)
     assert r.returncode == 2 and saved.name in r.stderr and "delete it" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and saved.read_bytes() == torn and not (d / "fuse.jsonl").exists()

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import torch
 
+from conftest import flare_in_process
 from flare.config import load_config
 from flare.errors import FlareError
 from flare.models import create_model
@@ -232,9 +233,10 @@ FAST = ["server.strategies.fedlpa.batches=1", "server.strategies.fedlpa.batch_si
 RULES = "eval.rules=[primary,otfusion,regmean,fedlpa]"
 
 
-def check_run_and_fuse(d):
+def check_run_and_fuse(d, fuse=lambda *argv: flare("fuse", *argv)):
     """Every strategy scored at the last round only, with its logs; `flare fuse` over the saved states (factors
-    recomputed from them) reproduces the run's own numbers."""
+    recomputed from them) reproduces the run's own numbers. `fuse`: a `flare fuse` process, or the command in this
+    process (the numbers are exact either way when both sides run at the same thread count)."""
     rounds = [x for x in read_jsonl(d / "metrics.jsonl") if x["kind"] == "round"]
     assert "acc_otfusion" not in rounds[0]  # every_round=False: the last round only
     last = rounds[-1]
@@ -245,7 +247,7 @@ def check_run_and_fuse(d):
     assert last["otfusion.peak_mb"] > 0
     assert last["fedlpa.residual"] < min(1e-4, last["fedlpa.residual_closed_form"])  # CG refined the closed form
     assert 0 <= last["otfusion.unmoved_share"] <= 1
-    f = flare("fuse", d, "--strategies", "otfusion,fedlpa")
+    f = fuse(d, "--strategies", "otfusion,fedlpa")
     assert f.returncode == 0, f.stderr
     recs = {x["strategy"]: x for x in read_jsonl(d / "fuse.jsonl")}
     assert set(recs) == {"otfusion", "fedlpa"}
@@ -263,11 +265,12 @@ def test_fafi_clients_through_flare_run_and_fuse(tiny_overrides, tmp_path):
     check_run_and_fuse(d)
 
 
-def test_ce_clients_run_and_fuse(tiny_overrides, tmp_path, default_torch_threads):
-    """The fedavg preset's plain classifiers (linear head), run in-process with the subprocess's thread count."""
+def test_ce_clients_run_and_fuse(tiny_overrides, tmp_path, capsys):
+    """The fedavg preset's plain classifiers (linear head), run and fused in this process (the FAFI test above runs
+    both as processes)."""
     d = tmp_path / "fedavg"
     Run(load_config(None, "fedavg", tiny_overrides + FAST + [RULES]), d, quiet=True).execute()
-    last = check_run_and_fuse(d)
+    last = check_run_and_fuse(d, lambda *argv: flare_in_process(["fuse", *argv], capsys))
     assert last["primary"] == "fedavg"
 
 

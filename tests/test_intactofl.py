@@ -4,12 +4,11 @@ here on the same tensors; the client models stay intact; and the strategy runs t
 and the Flower server (the in-process engine stand-in of test_flower_protocol.py)."""
 import copy
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import flare_in_process
 from test_baselines_data import client, norm, patterns
 
 from flare.baselines.intactofl import GateSynthesis, IntactOFL, IntactOFLOptions, MixtureOfExperts
@@ -244,7 +243,7 @@ def rounds_of(d):
 
 
 @pytest.mark.long
-def test_through_flare_run_and_flare_fuse(tiny_overrides, tmp_path, default_torch_threads):
+def test_through_flare_run_and_flare_fuse(tiny_overrides, tmp_path, capsys):
     cfg = load_config(None, "fedavg", tiny_overrides + ["rounds=2", "eval.rules=[primary,output,intactofl]",
                                                         *TINY_OPTIONS])
     d = tmp_path / "ce"
@@ -254,8 +253,9 @@ def test_through_flare_run_and_flare_fuse(tiny_overrides, tmp_path, default_torc
     assert 0 <= last["acc_intactofl"] <= 1 and last["intactofl.seconds"] > 0 and last["intactofl.pool"] == 48
     assert last["intactofl.top_k"] == 3 and last["intactofl.g_loss_last"] < last["intactofl.g_loss_first"]
     # with a budget curve (scored for the record only, it changes nothing the gate learns)
-    r = subprocess.run([sys.executable, "-m", "flare.cli", "fuse", str(d), "--strategies", "intactofl",
-                        *TINY_OPTIONS, "server.strategies.intactofl.curve_every=1"], capture_output=True, text=True)
+    # in this process, as the run was (test_baselines_data.py fuses the other data-free servers in a real process)
+    r = flare_in_process(["fuse", d, "--strategies", "intactofl", *TINY_OPTIONS,
+                          "server.strategies.intactofl.curve_every=1"], capsys)
     assert r.returncode == 0, r.stderr
     (fused,) = [f for f in read_jsonl(d / "fuse.jsonl") if f["kind"] == "fuse"]
     assert fused["strategy"] == "intactofl" and fused["options"]["epochs"] == 3
@@ -264,8 +264,8 @@ def test_through_flare_run_and_flare_fuse(tiny_overrides, tmp_path, default_torc
     assert fused["intactofl.gate_loss_last"] == last["intactofl.gate_loss_last"]
     curve = fused["intactofl.curve"]
     assert [c[:2] for c in curve] == [[1, 6], [2, 12], [3, 18]] and curve[-1][2] == fused["acc"]
-    bad = subprocess.run([sys.executable, "-m", "flare.cli", "fuse", str(d), "--strategies", "intactofl",
-                          "server.strategies.intactofl.top_k_share=0"], capture_output=True, text=True)
+    bad = flare_in_process(["fuse", d, "--strategies", "intactofl", "server.strategies.intactofl.top_k_share=0"],
+                           capsys)
     assert bad.returncode == 2 and "server.strategies.intactofl.top_k_share" in bad.stderr, bad.stderr
     assert "Traceback" not in bad.stderr
 

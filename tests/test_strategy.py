@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import copy_of_finished_run
+from conftest import copy_of_finished_run, finished_fedavg_run, flare_in_process
 from flare.config import load_config
 from flare.errors import FlareError
 from flare.registry import STRATEGIES
@@ -31,6 +31,10 @@ def fuse(*argv) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flare.cli", "fuse", *map(str, argv)], capture_output=True, text=True)
 
 
+def fuse_in_process(capsys, *argv) -> subprocess.CompletedProcess:
+    return flare_in_process(["fuse", *argv], capsys)
+
+
 def test_the_builtin_rules_are_registered_in_their_order():
     assert STRATEGIES.names()[:5] == ["feature", "iffi", "iffi_reference", "output", "fedavg"]
     assert rules_for(load_config(None, "fafi")) == ("feature", "iffi", "iffi_reference", "output", "fedavg")
@@ -43,9 +47,9 @@ def finished_run(tiny_overrides, tmp_path):
                                 lambda d: Run(load_config(None, "fafi", tiny_overrides), d, quiet=True).execute())
 
 
-def test_fuse_reproduces_the_runs_last_round_and_resumes(finished_run):
+def test_fuse_reproduces_the_runs_last_round_and_resumes(finished_run, capsys):
     last = rounds_of(finished_run)[-1]
-    r = fuse(finished_run, "--strategies", "feature,iffi,output,fedavg")
+    r = fuse_in_process(capsys, finished_run, "--strategies", "feature,iffi,output,fedavg")
     assert r.returncode == 0, r.stderr
     recs = read_jsonl(finished_run / "fuse.jsonl")
     assert [f["strategy"] for f in recs] == ["feature", "iffi", "output", "fedavg"]
@@ -55,22 +59,22 @@ def test_fuse_reproduces_the_runs_last_round_and_resumes(finished_run):
     assert f"feature acc = {100 * last['acc_feature']:.2f}%" in r.stdout
     summary = (finished_run / "summary.md").read_text()
     assert "## Server strategies over the saved uploads" in summary and "| fedavg |" in summary
-    again = fuse(finished_run, "--strategies", "fedavg,iffi_reference")  # fedavg was fused: only the new one runs
+    again = fuse_in_process(capsys, finished_run, "--strategies", "fedavg,iffi_reference")  # fedavg was fused: only the new one runs
     assert again.returncode == 0, again.stderr
     recs2 = read_jsonl(finished_run / "fuse.jsonl")
     assert recs2[:4] == recs and [f["strategy"] for f in recs2[4:]] == ["iffi_reference"]
     assert recs2[4]["acc"] == last["acc_iffi_reference"]
 
 
-def test_a_plugin_strategy_through_fuse_and_in_the_report(finished_run, tiny_folder, tmp_path):
+def test_a_plugin_strategy_through_fuse_and_in_the_report(finished_run, tiny_folder, tmp_path, capsys):
     last = rounds_of(finished_run)[-1]
+    # a fresh process, where only --plugin can have imported the plugin's strategies
     r = fuse(finished_run, "--strategies", "demo_class0,demo_pick", "--plugin", "flare_demo_plugin")
     assert r.returncode == 0, r.stderr
     got = {f["strategy"]: f["acc"] for f in read_jsonl(finished_run / "fuse.jsonl")}
     assert got["demo_class0"] == class0_share(tiny_folder) == 0.25
     assert got["demo_pick"] == last["client_acc"][0]  # client 0's own model, scored by the shared evaluator
-    rep = subprocess.run([sys.executable, "-m", "flare.cli", "report", str(finished_run), "--out",
-                          str(tmp_path / "rep")], capture_output=True, text=True)
+    rep = flare_in_process(["report", finished_run, "--out", tmp_path / "rep"], capsys)
     assert rep.returncode == 0, rep.stderr
     text = (tmp_path / "rep" / "report.md").read_text()
     assert "## Server strategies over the saved uploads" in text and "| demo_class0 | 25.00 |" in text
@@ -103,10 +107,9 @@ def test_strategy_options_are_validated_with_the_config(tiny_overrides):
         load_config(None, "fafi", tiny_overrides + ["server.strategies.feature.x=1"])
 
 
-def test_fuse_refuses_a_prototype_strategy_for_a_plain_classifier(tiny_overrides, tmp_path):
-    d = tmp_path / "fedavg"
-    Run(load_config(None, "fedavg", tiny_overrides + ["rounds=1"]), d, quiet=True).execute()
-    r = fuse(d, "--strategies", "feature")
+def test_fuse_refuses_a_prototype_strategy_for_a_plain_classifier(tiny_overrides, tmp_path, capsys):
+    d = finished_fedavg_run(tiny_overrides, tmp_path / "fedavg")
+    r = fuse_in_process(capsys, d, "--strategies", "feature")
     assert r.returncode == 2 and "reads prototypes" in r.stderr and "Traceback" not in r.stderr
     assert not (d / "fuse.jsonl").exists()
     assert json.loads((d / "state.json").read_text())["status"] == "finished"
@@ -141,10 +144,10 @@ def test_a_strategy_gets_the_client_statistics_it_asks_for(tiny_overrides, tmp_p
     assert f["acc"] == last["acc_demo_counts"] and f["demo_counts.samples"] == sum(totals)
 
 
-def test_extras_that_do_not_match_the_declaration_exit_2(tiny_overrides, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "flare.cli", "run", "--preset", "fafi", "--out", str(tmp_path / "r"),
-                        "--quiet", *tiny_overrides, "plugins=[flare_demo_plugin]", "eval.rules=[primary,demo_counts]",
-                        "server.strategies.demo_counts.bad_shape=true"], capture_output=True, text=True)
+def test_extras_that_do_not_match_the_declaration_exit_2(tiny_overrides, tmp_path, capsys):
+    r = flare_in_process(["run", "--preset", "fafi", "--out", tmp_path / "r", "--quiet", *tiny_overrides,
+                          "plugins=[flare_demo_plugin]", "eval.rules=[primary,demo_counts]",
+                          "server.strategies.demo_counts.bad_shape=true"], capsys)
     assert r.returncode == 2, r.stderr
     assert "server.strategies.demo_counts" in r.stderr and "'demo_counts/counts' has shape" in r.stderr
     assert "Traceback" not in r.stderr
@@ -171,7 +174,7 @@ def test_the_gate_checks_extras_against_the_declaration():
     assert any("unexpected" in r for r in validate_upload(ok, spec))
 
 
-def test_compare_shows_the_fused_strategies_across_seeds(tiny_overrides, tmp_path):
+def test_compare_shows_the_fused_strategies_across_seeds(tiny_overrides, tmp_path, capsys):
     """`flare compare`, then `flare fuse` over every run, then compare again (finished runs are kept): compare.md
     gains each fused strategy's mean ± std over seeds per method; fused_vs_table pairs them with FAFI's feature."""
     from flare.cli import main
@@ -183,7 +186,7 @@ def test_compare_shows_the_fused_strategies_across_seeds(tiny_overrides, tmp_pat
     assert main(argv) == 0
     dirs = sorted((tmp_path / "c").glob("*/seed=*"))
     assert len(dirs) == 4
-    r = fuse(*dirs, "--strategies", "output,fedavg")
+    r = fuse_in_process(capsys, *dirs, "--strategies", "output,fedavg")
     assert r.returncode == 0, r.stderr
     assert main(argv) == 0
     text = (tmp_path / "c" / "compare.md").read_text()
