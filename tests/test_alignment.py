@@ -2,6 +2,7 @@
 the presets, and the bad-input errors. Tiny models and synthetic tensors only."""
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -304,10 +305,20 @@ def test_plan_b_lowers_its_server_loss():
     # the same through the server's part for G across rounds (spec: nothing kept, nothing sent), and mean stays the
     # plain mean
     spec = ServerPrototypes(cfg)
-    G2, kept, logs2 = spec.fold(0, protos, A, spec.start(A))
-    assert torch.equal(G, G2) and logs2 == logs and kept is None and spec.send(spec.start(A)) == {}
-    Gm, kept, none = ServerPrototypes(ServerCfg()).fold(0, protos, A, {})
-    assert torch.allclose(Gm, torch.stack(protos).mean(0)) and none == {} and kept is None
+    ups = [SimpleNamespace(prototypes=P) for P in protos]
+    read, kept, logs2 = spec.fold(0, ups, A, spec.initial_state(A))
+    assert torch.equal(G, read["G"]) and logs2 == logs and kept is None
+    assert spec.configure_train(0, spec.initial_state(A)) == {}
+    read, kept, none = ServerPrototypes(ServerCfg()).fold(0, ups, A, {})
+    assert torch.allclose(read["G"], torch.stack(protos).mean(0)) and none == {} and kept is None
+    # the reference flow keeps G from the anchors on, sends it, and keeps the trained G
+    ref = ServerPrototypes(cfg.model_copy(update={"protos_flow": "reference"}))
+    start = ref.initial_state(A)
+    assert torch.equal(start["G"], A) and torch.equal(ref.configure_train(0, start)["align_target"], A)
+    read, kept, logs3 = ref.fold(0, ups, A, start)
+    assert torch.allclose(read["G"], torch.stack(protos).mean(0)) and not torch.equal(kept["G"], A)
+    assert {"server_loss_first", "server_loss_last", "server_g_std"} <= set(logs3)
+    assert ServerPrototypes(cfg).fold(0, [SimpleNamespace(prototypes=None)], A, {}) == ({}, None, {})
 
 
 def test_plan_b_initialisation_from_anchors_and_the_missing_anchor_error():
@@ -316,9 +327,9 @@ def test_plan_b_initialisation_from_anchors_and_the_missing_anchor_error():
     G, _ = train_global_prototypes(protos, ServerCfg(protos="trainable", protos_init="anchors", server_epochs=1,
                                                      server_lr=1e-6), A)
     assert torch.allclose(G, A, atol=1e-4)
-    with pytest.raises(FlareError) as e:
-        train_global_prototypes(protos, ServerCfg(protos="trainable", protos_init="anchors"), None)
-    assert e.value.key == "server.protos_init"
+    with pytest.raises(FlareError) as e:  # refused before anything trains
+        build_config({"align": {"anchors": "none"}, "server": {"protos": "trainable", "protos_init": "anchors"}})
+    assert e.value.key == "align.anchors" and "server.protos_init=anchors" in e.value.message
 
 
 # ----------------------------------------------------------------------------------------------

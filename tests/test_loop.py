@@ -14,7 +14,10 @@ from flare.durable import read_jsonl
 from flare.fuse import fuse_runs
 from flare.runner import Run
 from flare import loop
+from flare.server.protos import ServerPrototypes
+from flare.server.strategy import Scorer, ServerProtocol, Strategy
 from flare.server.upload import UPLOADS, load_uploads
+from flare.setup import ServerSetup
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "flare"
 
@@ -88,3 +91,47 @@ def test_fuse_refuses_a_run_without_saved_uploads(tiny_overrides, tmp_path):
     (out / UPLOADS).unlink()
     with pytest.raises(FlareError, match="has no uploads.pt"):
         fuse_runs([str(out)], "fedavg")
+
+
+class RoundCounter(ServerProtocol):
+    """A protocol of the test's own: it keeps a count the server folds each evaluated round, and sends it."""
+
+    def __init__(self):
+        self.sent_at: list[tuple[int, float]] = []
+
+    def initial_state(self, anchors):
+        return {"count": torch.zeros(())}
+
+    def configure_train(self, rnd, carried):
+        self.sent_at.append((rnd, float(carried["count"])))
+        return {"count": carried["count"]}
+
+    def fold(self, r, uploads, anchors, kept):
+        return {}, {"count": kept["count"] + len(uploads)}, {"counted": float(len(uploads))}
+
+
+def test_the_two_roles_and_the_server_composes_its_protocols(tiny_overrides, tmp_path, monkeypatch):
+    """A strategy plays two roles with no hook in common: the protocol (what the clients receive, what the server
+    keeps and folds) and the scorer (the predictor). Plan B's global prototypes are a protocol and no scorer. The
+    server composes its protocols: one added beside the global prototypes and the primary has its state kept from
+    round to round, sent before each round, saved with the uploads and logged, while Plan B's reference flow keeps
+    its G beside it."""
+    assert not set(vars(ServerProtocol)) & set(vars(Scorer)) - {"__module__", "__doc__", "__dict__", "__weakref__",
+                                                                 "__qualname__", "__firstlineno__",
+                                                                 "__static_attributes__"}
+    assert issubclass(Strategy, ServerProtocol) and issubclass(Strategy, Scorer)
+    assert issubclass(ServerPrototypes, ServerProtocol) and not issubclass(ServerPrototypes, Scorer)
+    counter = RoundCounter()
+    real = ServerSetup.protocols
+    monkeypatch.setattr(ServerSetup, "protocols", lambda self: real(self) + [counter])
+    cfg = load_config(None, "server-protos", tiny_overrides + ["rounds=3", "server.protos_flow=reference"])
+    out = tmp_path / "run"
+    Run(cfg, out, quiet=True).execute()
+    K, evaluated = cfg.num_clients, [r["round"] for r in read_jsonl(out / "metrics.jsonl")
+                                 if r["kind"] == "round" and r.get("evaluated", True)]
+    assert evaluated == [0, 1, 2]
+    assert counter.sent_at == [(r, K * r) for r in range(3)]
+    r, server_state, _ = load_uploads(out / UPLOADS, "cpu")
+    assert r == 2 and float(server_state["count"]) == 2 * K and server_state["G"].dim() == 2
+    rounds = [x for x in read_jsonl(out / "metrics.jsonl") if x["kind"] == "round"]
+    assert [x["counted"] for x in rounds] == [K] * 3 and all("server_loss_last" in x for x in rounds)

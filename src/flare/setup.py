@@ -38,7 +38,7 @@ from flare.schedules import LRSchedule
 from flare.server.exchange import Transport
 from flare.server.protos import ServerPrototypes
 from flare.server.rounds import Evaluation, evaluate_uploads, primary_rule, rules_for
-from flare.server.strategy import InitContext, Strategy, make_strategies, sent_init
+from flare.server.strategy import InitContext, ServerProtocol, Strategy, make_strategies, sent_init
 from flare.server.upload import Upload
 
 # ----------------------------------------------------------------------------------------------
@@ -163,8 +163,8 @@ class ServerSetup:
     warnings: list[str]                # the backend's, and why a Flower server evaluates nothing
     strategies: dict[str, Strategy] = field(default_factory=dict)  # name → the run's instance, built once
     strategy_state: dict = field(default_factory=dict)  # each server strategy's own state across rounds
-    prototypes: ServerPrototypes | None = None  # the global prototypes across rounds
-    carried: dict[str, Tensor] = field(default_factory=dict)  # what the server keeps across rounds (`prototypes`')
+    prototypes: ServerPrototypes | None = None  # Plan B's global prototypes across rounds
+    carried: dict[str, Tensor] = field(default_factory=dict)  # what the server's protocols keep across rounds
 
     @classmethod
     def build(cls, cfg: Config, dataset_meta: str | None = None, bank: bool = True,
@@ -200,13 +200,13 @@ class ServerSetup:
         test = (data.test_x.to(device), data.test_y.to(device)) if data is not None else (None, None)
         s = cls(cfg, be, meta, norm, model, inits, cfg.client_architectures(), None, augment, pb, *test,
                 public[0].to(device) if public is not None else None, data, warnings, built)
+        s.prototypes = ServerPrototypes(cfg.server)
         # the anchors the clients draw from the seed the primary strategy sends (their own generator: the order of
         # the draws above does not matter), so the server scores against the same A; fuse may not build the
         # primary, and then the config's seed is the one the clients were sent by default
         sent = s.initial_message()["anchor_seed"] if primary_rule(cfg) in built else anchor_seed(cfg)
         s.anchors = run_anchors(cfg, meta.num_classes, model.feature_dim, device, seed=int(sent))
-        s.prototypes = ServerPrototypes(cfg.server)
-        s.load_server_state(s.prototypes.start(s.anchors))
+        s.load_server_state({k: v for p in s.protocols() for k, v in p.initial_state(s.anchors).items()})
         return s
 
     def client_init(self, i: int) -> FlareNet:
@@ -219,7 +219,7 @@ class ServerSetup:
         data, self.data = self.data, None
         return data
 
-    # -- what the server carries across rounds (`prototypes`), and what it sends ---------------------------------
+    # -- what the server carries across rounds, and what it sends: its protocols -----------------------------------
     def server_state(self) -> dict:
         """What the server carries from one round to the next (saved in checkpoints)."""
         return {k: v.detach().cpu() for k, v in self.carried.items()}
@@ -232,17 +232,22 @@ class ServerSetup:
         if ev.kept is not None:
             self.load_server_state(ev.kept)
 
+    def protocols(self) -> list[ServerProtocol]:
+        """What decides what the clients receive and what the server keeps: Plan B's global prototypes, then the
+        primary strategy (none where the server built no primary, `flare fuse`); messages merge by key in this order."""
+        primary = self.strategies.get(primary_rule(self.cfg))
+        return [self.prototypes] + ([primary] if primary is not None else [])
+
     def initial_message(self) -> dict[str, Tensor]:
-        """What every client receives once before it trains, on every engine: the primary strategy's `initialize`."""
+        """What every client receives once before it trains, on every engine: the protocols' `initialize`."""
         inits = {k: self.client_init(i) for i, k in enumerate(init_keys(self.architectures))}
-        return self.strategies[primary_rule(self.cfg)].initialize(InitContext(inits, self.bank, anchor_seed(self.cfg)))
+        ctx = InitContext(inits, self.bank, anchor_seed(self.cfg))
+        return {k: v for p in self.protocols() for k, v in p.initialize(ctx).items()}
 
     def train_message(self, r: int) -> dict[str, Tensor]:
-        """What every client receives before it trains round r, on every engine: the G the server keeps
-        (`ServerPrototypes.send`) and the primary strategy's `configure_train` (on this server's device; nothing of
-        it where the server built no primary, `flare fuse`)."""
-        primary = self.strategies.get(primary_rule(self.cfg))
-        return self.prototypes.send(self.carried) | (primary.configure_train(r, self.carried) if primary else {})
+        """What every client receives before it trains round r, on every engine: the protocols' `configure_train`
+        over what the server keeps (on this server's device)."""
+        return {k: v for p in self.protocols() for k, v in p.configure_train(r, self.carried).items()}
 
     def scored(self, r: int) -> dict[str, Strategy]:
         """The run's strategies round r scores (`rules_for`), the instances built with the run."""
@@ -256,7 +261,7 @@ class ServerSetup:
         be = self.backend
         return evaluate_uploads(self.cfg, r, uploads, models, self.anchors, self.test_x, self.test_y, self.norm,
                                 amp_dtype=be.amp_dtype, channels_last=be.channels_last,
-                                prototypes=self.prototypes, kept=self.carried, strategy_state=self.strategy_state,
+                                protocols=self.protocols(), kept=self.carried, strategy_state=self.strategy_state,
                                 public_x=self.public_x, rules=rules, strategies=self.strategies, clients=clients,
                                 scratch=scratch)
 

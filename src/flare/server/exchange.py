@@ -1,13 +1,8 @@
-"""The rounds a strategy holds with the clients after their one-shot upload (`Strategy.extra_rounds`), driven by one
-loop over every transport: each round the server configures what every client receives, each client computes its
-reply where its data lives, and the server aggregates the replies — Flower's configure / fit / aggregate, with the
-bytes each way counted so that a method's extra communication is reported beside its accuracy (`<strategy>.rounds`,
-`.bytes_down`, `.bytes_up` in the round record and in fuse.jsonl).
-
-A transport carries one round's message to the clients and their replies back (`Transport.round`): `LocalClients`
-when their data is beside the server (`flare run`, `flare fuse`), the Flower server's nodes otherwise
-(flare/flower/server.py). Either way each client's `memory` is a dict of tensors the transport keeps for it across a
-strategy's rounds (a Flower node keeps it in its own state), so a strategy computes the same numbers on both.
+"""The rounds a server protocol holds with the clients after their one-shot upload (`ServerProtocol.extra_rounds`),
+one loop over every transport — Flower's configure / fit / aggregate, with the bytes each way counted and reported
+beside the accuracy (`<strategy>.rounds`, `.bytes_down`, `.bytes_up`). A transport carries a round's message to the
+clients and their replies back: `LocalClients` when their data is beside the server (`flare run`, `flare fuse`), the
+Flower server's nodes otherwise; either keeps each client's `memory` across the rounds, so both compute the same.
 """
 from __future__ import annotations
 

@@ -10,9 +10,8 @@ Adam(lr=`server.server_lr`); in every epoch it visits the clients in upload orde
 i.e. row c of P_i must score its own class c highest against the global prototypes, while G is held
 near the ETF. `server.protos_flow=reference` (the fork's OneshotOursV9) instead starts G at the anchors once and
 continues from the previous round's G every round (`init`, a fresh Adam each round), sends G to the clients as their
-alignment target and predicts with the mean prototypes. `ServerPrototypes` is that flow across rounds, the one part
-of the server that keeps G, sends it and folds the uploads into it. The procedure is deterministic (fixed client
-order, deterministic Adam): it draws nothing.
+alignment target and predicts with the mean prototypes. `ServerPrototypes`, a server protocol, is that flow across
+rounds. The procedure is deterministic (fixed client order, deterministic Adam): it draws nothing.
 
 Logged: `server_loss_first` / `server_loss_last` — the mean over clients of loss_i at the initial and at
 the trained G (the same function evaluated at both ends, so the two numbers are comparable).
@@ -24,8 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flare.config import ServerCfg
-from flare.errors import FlareError
 from flare.metrics import g_protos_std
+from flare.server.strategy import ServerProtocol
+from flare.server.upload import Upload
 
 
 def mean_prototypes(protos: list[Tensor]) -> Tensor:
@@ -56,11 +56,7 @@ def train_global_prototypes(protos: list[Tensor], cfg: ServerCfg, anchors: Tenso
     A = anchors.detach().float().to(P[0].device) if anchors is not None else None
     if init is not None:
         G0 = init.detach().float().to(P[0].device)
-    elif cfg.protos_init == "anchors":
-        if A is None:
-            raise FlareError("server.protos_init=anchors needs anchors, but align.anchors=none.",
-                             key="server.protos_init", fix="set align.anchors=etf (or random), or "
-                             "server.protos_init=mean.")
+    elif cfg.protos_init == "anchors":  # the config refuses it without anchors (`Config.require_anchors`)
         G0 = A.clone()
     else:
         G0 = torch.stack(P).mean(0)
@@ -78,31 +74,29 @@ def train_global_prototypes(protos: list[Tensor], cfg: ServerCfg, anchors: Tenso
     return G, {"server_loss_first": first, "server_loss_last": _mean_loss(P, G, A, gamma)}
 
 
-class ServerPrototypes:
-    """The global prototypes across rounds, the one part of the server that tells the flows (module docstring)
-    apart: what the server keeps of G (`start`, then each `fold`'s), sends the clients before a round (`send`,
-    beside the strategies' own messages) and hands the round's predictors (`fold`)."""
+class ServerPrototypes(ServerProtocol):
+    """G across rounds, the one part that tells the flows (module docstring) apart: what the server keeps of G
+    (`initial_state`, then each `fold`'s), sends before a round (`configure_train`), hands the scorers (`fold`)."""
 
     def __init__(self, cfg: ServerCfg):
         self.cfg = cfg
         self.carries = cfg.protos == "trainable" and cfg.protos_flow == "reference"
 
-    def start(self, anchors: Tensor | None) -> dict[str, Tensor]:
+    def initial_state(self, anchors: Tensor | None) -> dict[str, Tensor]:
         return {"G": anchors} if self.carries else {}  # the reference flow's round-0 G: the anchors
 
-    @staticmethod
-    def send(kept: dict[str, Tensor]) -> dict[str, Tensor]:
-        return {"align_target": kept["G"]} if kept.get("G") is not None else {}
+    def configure_train(self, rnd: int, carried: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {"align_target": carried["G"]} if carried.get("G") is not None else {}
 
-    def fold(self, r: int, protos: list[Tensor], anchors: Tensor | None,
-             kept: dict[str, Tensor]) -> tuple[Tensor | None, dict[str, Tensor] | None, dict]:
-        """(the G round `r`'s predictors read, what the server keeps next — None: unchanged —, the server's logs)."""
+    def fold(self, r: int, uploads: list[Upload], anchors: Tensor | None,
+             kept: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor] | None, dict]:
+        protos = [u.prototypes for u in uploads if u.prototypes is not None]
         if not protos:
-            return None, None, {}
+            return {}, None, {}
         if self.carries:
             new_G, logs = train_global_prototypes(protos, self.cfg, anchors, init=kept.get("G"))
-            return mean_prototypes(protos), {"G": new_G}, {**logs, "server_g_std": g_protos_std(new_G)}
+            return {"G": mean_prototypes(protos)}, {"G": new_G}, {**logs, "server_g_std": g_protos_std(new_G)}
         if self.cfg.protos == "mean":
-            return mean_prototypes(protos), None, {}
+            return {"G": mean_prototypes(protos)}, None, {}
         G, logs = train_global_prototypes(protos, self.cfg, anchors)
-        return G, None, logs
+        return {"G": G}, None, logs

@@ -9,7 +9,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -23,7 +23,8 @@ from flare.server.exchange import Transport, hold_rounds
 from flare.server.extras import own_extras
 from flare.server.fusion import aggregation_weights
 from flare.server.protos import ServerPrototypes
-from flare.server.strategy import ClientPredictor, ModelPredictor, ServerContext, Strategy, make_strategies
+from flare.server.strategy import (ClientPredictor, ModelPredictor, ServerContext, ServerProtocol, Strategy,
+                                   make_strategies)
 from flare.server.upload import Upload
 
 
@@ -60,7 +61,7 @@ def rules_for(cfg: Config, r: int | None = None) -> tuple[str, ...]:
 @dataclass
 class Evaluation:
     """One evaluation checkpoint: its metrics record, and what the server built (for the saved predictor). `kept`:
-    what the server keeps for the next round (`ServerPrototypes.fold`; None: unchanged). `predictors`: what each
+    what the server keeps for the next round (its protocols' `fold`; None: unchanged). `predictors`: what each
     strategy built (a model-owning primary is what a Flower run saves as its predictor)."""
 
     record: dict
@@ -109,29 +110,31 @@ def rule_costs(parts: dict, preds: dict) -> dict:
 
 def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[torch.nn.Module],
                      anchors: Tensor | None, test_x: Tensor | None, test_y: Tensor | None, norm, *,
-                     amp_dtype=None, channels_last: bool = False, prototypes: ServerPrototypes | None = None,
+                     amp_dtype=None, channels_last: bool = False, protocols: Sequence[ServerProtocol] | None = None,
                      kept: dict[str, Tensor] | None = None, strategy_state: dict | None = None,
                      public_x: Tensor | None = None, rules: tuple[str, ...] | None = None, strategies: Mapping[str, Strategy] | None = None,
                      clients: Transport | None = None, scratch: Path | None = None) -> Evaluation:
-    """One evaluation checkpoint (docs/method.md#server-rules) from the uploads alone: global prototypes, every fusion
-    rule scored on the test set (skipped when `test_x` is None: a server without a test set), diagnostics. `models[i]`
-    holds `uploads[i].state` (the in-process runner passes the live client models). `prototypes`: the run's global
-    prototypes across rounds (built here for a caller that keeps none) and `kept`, what the server kept of them from
-    the last round (`ServerPrototypes.start` before round 0). `strategy_state`: name → each strategy's own state,
-    kept by the caller across rounds. `uploads[i].extras` carry the statistics the strategies asked for
-    (server/extras.py); `public_x` is the server's unlabeled public slice, when the run has one. `rules`: the
-    strategies to score (`flare fuse`'s one), else the round's own (`rules_for`). `strategies`: name → the run's
-    instances (`make_strategies`, built once per run); built here only for a caller that keeps none. `clients`: the
-    transport to the owners of the uploads, for a strategy that holds rounds with them after their upload
-    (server/exchange.py); None where the engine cannot reach them. `scratch`: a folder whose subfolder `<name>` is each
-    strategy's `ServerContext.scratch`."""
+    """One evaluation checkpoint (docs/method.md#server-rules) from the uploads alone: the protocols' fold (the
+    global prototypes), every strategy's predictor scored in one test pass (none without `test_x`: a server without a
+    test set), diagnostics. `models[i]` holds `uploads[i].state`. `protocols`: the run's (`ServerSetup.protocols`; the
+    global prototypes alone for a caller that keeps none); `kept`: what they keep from the last round. `strategies` and
+    `strategy_state`: the run's instances and each one's state across rounds (built here for a caller that keeps
+    none). `rules`: the strategies to score, else the round's own (`rules_for`). `clients`: the transport to the
+    uploads' owners for the rounds a strategy holds after the upload (None: unreachable). `scratch`: a folder whose
+    subfolder `<name>` is each strategy's `ServerContext.scratch`."""
     t0 = time.perf_counter()
     weights = aggregation_weights([u.num_samples for u in uploads], cfg.server.weights)
     protos = [u.prototypes for u in uploads if u.prototypes is not None]
     prim = primary_rule(cfg)
     rec: dict = {"kind": "round", "round": r, "method": cfg.method, "primary": prim}
-    G, kept_next, server_logs = (prototypes or ServerPrototypes(cfg.server)).fold(r, protos, anchors, kept or {})
-    rec.update(server_logs)
+    read, kept_next = {}, None
+    for protocol in protocols if protocols is not None else (ServerPrototypes(cfg.server),):
+        state, keeps, logs = protocol.fold(r, uploads, anchors, kept or {})
+        read = read | state
+        if keeps is not None:  # what it keeps replaces its own keys; the other protocols' stay
+            kept_next = (kept_next if kept_next is not None else dict(kept or {})) | keeps
+        rec.update(logs)
+    G = read.get("G")
     t_agg = time.perf_counter() - t0
     t1 = time.perf_counter()
     states = strategy_state if strategy_state is not None else {}

@@ -1,20 +1,14 @@
-"""The server's one extension point: a `Strategy` turns the clients' uploads into a *predictor*, an
-object that scores test batches. Like Flower's Strategy it is the only thing a server method implements; unlike
-it, FLARE is one-shot, so a strategy builds a predictor instead of the next round's global parameters.
+"""The server's one extension point, a `Strategy`, in two roles: a `ServerProtocol` (what every client receives,
+what the server keeps and folds across rounds: Flower's configure / aggregate) and a `Scorer` (the uploads and that
+state to a *predictor*, an object that scores test batches — FLARE is one-shot, so the last step builds a predictor,
+not the next round's parameters). Two kinds of predictor keep ONE test pass for every strategy (server/evaluator.py):
+`ClientPredictor` reads the K client models' outputs on the batch, computed once for all — the ensemble-style rules;
+`ModelPredictor` owns a model built from the uploads (FedAvg, OTFusion, FedLPA, FedDF …) and scores the batch itself.
 
-Two kinds of predictor keep ONE test pass for every strategy of an evaluation (server/evaluator.py):
-
-* `ClientPredictor` reads the K client models' outputs on the batch (features, logits, IFFI's noise features),
-  which the evaluator computes once and hands to every such predictor — the ensemble-style rules;
-* `ModelPredictor` owns a model built from the uploads (FedAvg, OTFusion, FedLPA, FedDF …) and scores
-  the normalised batch itself.
-
-A strategy is registered in `flare.registry.STRATEGIES` (a plugin registers its own the same way), chosen by
-`server.primary` and `eval.rules`, built once per run by `STRATEGIES.create(name, StrategyFacts, options)` from the
-run facts a server method reads (never the Config), and its options model is validated from
-`server.strategies.<name>`. The
-built-in rules are strategies written exactly so, in server/rules.py; `ClientOutputs` (the tensors a
-`ClientPredictor` reads) comes from server/fusion.py, which computes them.
+A strategy is registered in `flare.registry.STRATEGIES` (a plugin's the same way; the built-in rules in
+server/rules.py), chosen by `server.primary` and `eval.rules`, built once per run by `STRATEGIES.create(name,
+StrategyFacts, options)` from the run facts a server method reads (never the Config), its options validated from
+`server.strategies.<name>`.
 """
 from __future__ import annotations
 
@@ -136,26 +130,61 @@ class ModelPredictor:
 Predictor = ClientPredictor | ModelPredictor
 
 
-class Strategy:
-    """Builds the predictor of one server method from the uploads. Class attributes: `needs_prototypes` (only for
-    prototype heads), `every_round` (False: an expensive method runs at the last round only), `default` (evaluated
-    when `eval.rules` is unset; the built-in rules are, a plugin's strategy only when named), `mixed_architectures`
-    (it fuses clients of different architectures — a run whose clients differ refuses it otherwise, with
-    `one_architecture_why`), `primary_for` (the heads, `Objective.head`, whose runs take it as "the" accuracy under
-    server.primary=auto; "*": every head no strategy claims by name — so core code names no strategy).
+class ServerProtocol:
+    """The sending role: what every client receives once (`initialize`, Flower's initialize_parameters) and with each
+    round (`configure_train`); what the server keeps across rounds and checkpoints (`initial_state`) and folds the
+    uploads into (`fold`); the rounds it holds with the clients after their upload (`extra_rounds` → `configure_round`
+    → each client's `client_round` → `aggregate_round`, held by server/exchange.py before the predictor is built).
+    A run's server composes its protocols, the global prototypes and the primary strategy, merging by key
+    (`setup.ServerSetup.protocols`). Every default sends and keeps nothing."""
 
-    A strategy that needs client statistics beyond the weights overrides `extras_shapes` and `client_extras`
-    (server/extras.py): the clients compute them after training, the gate checks them against the declaration,
-    and `predictor` reads them from `ctx.extras`; strategies that read the same statistics give them one name,
-    `shares_extras`, and a run uploads them once. A strategy that talks with the clients after their upload (FENS
-    trains an aggregator with them) overrides `extra_rounds`, `configure_round`, `client_round` and
-    `aggregate_round`: server/exchange.py holds those rounds, counts their bytes, then calls `predictor`."""
+    def initial_state(self, anchors: Tensor | None) -> dict[str, Tensor]:
+        """What the server keeps before round 0."""
+        return {}
 
-    needs_prototypes = False
-    every_round = True
-    default = False
+    def initialize(self, ctx: InitContext) -> dict[str, Tensor]:
+        """What every client receives once, before its first round."""
+        return {}
+
+    def configure_train(self, rnd: int, carried: dict[str, Tensor]) -> dict[str, Tensor]:
+        """What every client receives with round `rnd`'s training message; `carried`: what the protocols keep."""
+        return {}
+
+    def fold(self, r: int, uploads: list[Upload], anchors: Tensor | None,
+             kept: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor] | None, dict]:
+        """(what round `r`'s scorers read — `G` —, what it keeps next — None: unchanged —, the record's logs)."""
+        return {}, None, {}
+
+    def extra_rounds(self) -> int:
+        """How many rounds it holds with the clients after their upload (0: none, as every one-shot method)."""
+        return 0
+
+    def configure_round(self, rnd: int, ctx: ServerContext) -> dict[str, Tensor]:
+        """What every client receives in extra round `rnd` (0-based); its bytes are counted."""
+        return {}
+
+    def client_round(self, rnd: int, received: dict[str, Tensor], data, memory: dict) -> dict[str, Tensor]:
+        """One client's reply, computed where its data lives (`data`: a server.extras.ClientData); `memory`: that
+        client's dict of tensors across these rounds (a Flower node keeps it in its state)."""
+        return {}
+
+    def aggregate_round(self, rnd: int, replies: list[dict[str, Tensor]], ctx: ServerContext) -> None:
+        """Fold the clients' replies (in upload order) into what the strategy keeps (`ctx.state`)."""
+
+
+class Scorer:
+    """The scoring role: from the uploads and the server's state (`ServerContext`) to a predictor. A scorer that
+    needs client statistics beyond the weights overrides `extras_shapes` and `client_extras` (server/extras.py): the
+    clients compute them after training, the gate checks them against the declaration, `predictor` reads them from
+    `ctx.extras`; scorers that read the same statistics name them once (`shares_extras`), and a run uploads them once."""
+
+    needs_prototypes = False     # it reads prototypes: prototype heads only
+    every_round = True           # False: an expensive method runs at the last round only
+    default = False              # scored when `eval.rules` is unset (the built-in rules; a plugin's only when named)
     mixed_architectures = False  # it fuses clients of different architectures (docs/heterogeneous.md)
     one_architecture_why = ""    # why not, for the refusal (empty: it does not declare that it does)
+    # the heads (`Objective.head`) whose runs take it as "the" accuracy under server.primary=auto; "*": every head no
+    # strategy claims by name — so core code names no strategy
     primary_for: tuple[str, ...] = ()
     # the kinds of data its server can read (a dataset's `DatasetInfo.kind`): a server that synthesises images
     # cannot run over a frozen encoder's features, and one that reads those features has no images to read
@@ -204,40 +233,17 @@ class Strategy:
         """The statistics of one client (`data`: a server.extras.ClientData), computed where its data lives."""
         return {}
 
-    # -- the sending direction (the primary strategy's): what every client receives before training (`initialize`)
-    # and each round (`configure_train`); after the upload, rounds held with the clients in Flower's shape
-    # (configure_fit → the clients' fit → aggregate_fit), driven by server/exchange.py before `predictor`.
+
+
+class Strategy(Scorer, ServerProtocol):
+    """A server method (Flower's Strategy: it owns both directions): a scorer and, as the run's primary, the protocol
+    the clients hear; it overrides the hooks of the roles it plays (FENS: the rounds after the upload)."""
 
     def initialize(self, ctx: InitContext) -> dict[str, Tensor]:
-        """What every client receives once, before its first round (Flower's initialize_parameters), on every
-        engine: each architecture's init (`<key>/<tensor>`, read back with `sent_init`), `anchor_seed` and the public
-        `bank`. The clients take these from here alone, so a strategy may send another init or seed."""
+        """Each architecture's init (`<key>/<tensor>`, read back with `sent_init`), `anchor_seed` and the public
+        `bank`: the clients take these from here alone, so a strategy may send another init or seed."""
         sent = {f"{key}/{name}": t for key, m in ctx.inits.items() for name, t in m.state_dict().items()}
         return sent | {"anchor_seed": torch.tensor(ctx.anchor_seed)} | ({} if ctx.bank is None else {"bank": ctx.bank})
-
-    def configure_train(self, rnd: int, carried: dict[str, Tensor]) -> dict[str, Tensor]:
-        """What every client receives with round `rnd`'s training message, beside what `initialize` sent and the G
-        the server keeps (server/protos.py); the same tensors for every client and every engine. `carried`: what the
-        server keeps across rounds and checkpoints (`ServerSetup.server_state`). The default sends nothing."""
-        return {}
-
-    def extra_rounds(self) -> int:
-        """How many rounds this strategy holds with the clients after their upload (0: it builds from the uploads
-        alone, as every one-shot method does)."""
-        return 0
-
-    def configure_round(self, rnd: int, ctx: ServerContext) -> dict[str, Tensor]:
-        """What every client receives in extra round `rnd` (0-based); its bytes are counted."""
-        return {}
-
-    def client_round(self, rnd: int, received: dict[str, Tensor], data, memory: dict) -> dict[str, Tensor]:
-        """What one client sends back in round `rnd`, computed where its data lives (`data`: a
-        server.extras.ClientData); `memory`: that client's own dict of tensors, kept across this strategy's rounds
-        (a Flower node keeps it in its state between messages)."""
-        return {}
-
-    def aggregate_round(self, rnd: int, replies: list[dict[str, Tensor]], ctx: ServerContext) -> None:
-        """Fold the clients' replies (in upload order) into what the strategy keeps (`ctx.state`)."""
 
 
 def sent_init(sent: dict[str, Tensor], key: str) -> dict[str, Tensor]:
@@ -252,8 +258,6 @@ def make_strategy(cfg: Config, name: str, key: str = "server.primary") -> Strate
 
 
 def make_strategies(cfg: Config, names, key: str = "eval.rules") -> dict[str, Strategy]:
-    """name → strategy, each built once. A run builds every strategy it may score when the run is built
-    (`setup.ServerSetup.build`) and hands these instances to every round, every client's statistics and every
-    gate, so a strategy's constructor runs once per run, however many rounds and clients there are; what a
-    strategy keeps across rounds belongs in `ServerContext.state`, which checkpoints can see."""
+    """name → strategy, each built once per run (`setup.ServerSetup.build`) and handed to every round, client and
+    gate; what a strategy keeps across rounds belongs in `ServerContext.state`."""
     return {n: make_strategy(cfg, n, key) for n in dict.fromkeys(names)}
