@@ -124,7 +124,8 @@ def counted(fn, model_name: str, augment_name: str) -> dict:
 
 
 OPTIONS = {"nhwc": "channels-last layout (cpu_channels_last=true)", "nchw": "NCHW layout (cpu_channels_last=false)",
-           "nomkldnn": "ATen's im2col + GEMM convolutions (oneDNN off)"}
+           "nomkldnn": "ATen's im2col + GEMM convolutions (oneDNN off)",
+           "compiled": "the client's model under torch.compile (inductor: fused elementwise kernels)"}
 
 
 def option_label(o: str) -> str:
@@ -162,6 +163,9 @@ def build_option(o: str, cfg, steps: int, eff) -> tuple[dict, int]:
             engine.train_round(0)
         return {f"{o}:step": batched_step}, K
     b = eff.build(cfg.model_copy(update={"cpu_channels_last": o == "nhwc"}) if o in ("nhwc", "nchw") else cfg, steps)
+    if o == "compiled":  # in place (`nn.Module.compile`): the client and the optimiser keep the same parameters
+        b.client.model.compile()
+        b.bare_model.compile()
 
     def step():
         b.client.epochs_done = 0
@@ -181,10 +185,11 @@ def option_timers(o: str, cfg, args, eff, names) -> tuple[dict, dict]:
     for name, fn in fns.items():
         with option_context(name):
             fn()  # warm-up
-            if clients == 1:
+            if clients == 1 and o != "compiled":
                 info["flops"][name.split(":")[1]] = per_step(counted(fn, *names), args.steps)["total"]
-    if clients > 1:  # the same work a client-step as the run's step; FlopCounterMode miscounts the grouped
-        info["flops"]["step"] = None  # convolutions vmap makes of it (2.4 times over, seen), so it is not asked
+    if clients > 1 or o == "compiled":  # the same work a client-step as the run's step; FlopCounterMode miscounts
+        info["flops"] = {"step": None}  # vmap's grouped convolutions (2.4 times over, seen) and sees only part of a
+        # compiled graph's (inductor's own kernels never reach the dispatcher it counts at), so it is not asked
     info["onednn"] = onednn_convolutions(args, o)
     return fns, info
 
@@ -257,13 +262,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     ap.add_argument("--record", default=None, metavar="FILE", help="also write the figures as JSON")
     ap.add_argument("--options", default="", metavar="O,O",
-                    help="also time the step other ways: nhwc, nchw, nomkldnn, batchedK (K clients), comma-separated")
+                    help="also time the step other ways: nhwc, nchw, nomkldnn, compiled, batchedK (K clients), comma-separated")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
     options = [o for o in args.options.split(",") if o]
     for o in options:
         if o not in OPTIONS and not (o.startswith("batched") and o[7:].isdigit() and int(o[7:]) >= 1):
-            ap.error(f"--options: unknown option {o!r}; choose from nhwc, nchw, nomkldnn, batchedK (e.g. batched5)")
+            ap.error(f"--options: unknown option {o!r}; choose from nhwc, nchw, nomkldnn, compiled, batchedK (e.g. batched5)")
     torch.set_num_threads(args.threads)
     from flare import cpu
     from flare.config import load_config
@@ -365,7 +370,7 @@ def options_table(rec: dict) -> list[str]:
         if o == "default":
             continue
         k, sec = info["clients"], info["seconds"]
-        work = {w: info["flops"][w] if info["flops"][w] is not None else rec["flops"]["step"]["total"] for w in sec}
+        work = {w: info["flops"].get(w) or rec["flops"][w]["total"] for w in sec}  # None: the run's own step's
         rate = {w: work[w] * steps * k / sec[w][clock] / 1e9 for w in sec}
         bare = f"{rate['bare'] / f['peak']:.3f}" if "bare" in rate else "—"
         rows.append(f"| {o}: {info['label']} | {1e3 * sec['step'][clock] / (steps * k):.2f} | "
