@@ -117,6 +117,23 @@ def test_step_flops_times_the_options_against_the_same_peak(tiny_folder, tmp_pat
     assert e.value.code == 2 and "unknown option 'fast'" in capsys.readouterr().err
 
 
+def test_step_flops_compiled_option_trains_the_compiled_model(tiny_folder, tmp_path):
+    """`compiled` builds the run's client and bare step with their models compiled in place (the optimiser keeps
+    their parameters): the client's step runs a graph torch.compile captured, and the bare step runs too."""
+    from flare.config import load_config
+    bench = _script("step_flops")
+    cfg = load_config(None, "fafi", ["device=cpu", "dataset.name=imagefolder", f"dataset.root={tiny_folder}",
+                                     f"dataset.cache_dir={tmp_path / 'cache'}", "model.name=cnn", "model.width=0.25",
+                                     "batch_size=8", "rounds=1", "local_epochs=1"])
+    fns, clients = bench.build_option("compiled", cfg, 1, bench._efficiency())
+    assert clients == 1 and set(fns) == {"compiled:step", "compiled:bare"}
+    from torch._dynamo.utils import counters
+    counters.clear()
+    fns["compiled:step"]()
+    assert counters["stats"]["calls_captured"] > 0, dict(counters["stats"])
+    fns["compiled:bare"]()  # the same architecture: dynamo reuses the graph it captured for the client's model
+
+
 def test_gpu_suite_parses():
     """The device calls run this script with no second chance: a syntax error would cost a whole lease."""
     r = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_suite.sh")], capture_output=True, text=True)
