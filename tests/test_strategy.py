@@ -36,7 +36,8 @@ def fuse_in_process(capsys, *argv) -> subprocess.CompletedProcess:
 
 
 def test_the_builtin_rules_are_registered_in_their_order():
-    assert STRATEGIES.names()[:5] == ["feature", "iffi", "iffi_reference", "output", "fedavg"]
+    builtin = [n for n in STRATEGIES.names() if STRATEGIES.get(n).__module__.startswith("flare.")]  # a test plugin
+    assert builtin[:5] == ["feature", "iffi", "iffi_reference", "output", "fedavg"]  # may be imported first
     assert rules_for(load_config(None, "fafi")) == ("feature", "iffi", "iffi_reference", "output", "fedavg")
     assert rules_for(load_config(None, "fedavg")) == ("output", "fedavg")
 
