@@ -15,6 +15,7 @@ from flare.baselines import closed_form as cf
 from flare.baselines.frozen import SufficientStatistics, lda_head
 from flare.cli import main
 from flare.config import load_config
+from flare.data.features import first_view
 from flare.errors import FlareError
 from flare.models import create_model
 from flare.server.strategy import ServerContext, make_strategy
@@ -41,10 +42,19 @@ def gaussian_data(n=600, seed=0):
     return x + 1.5 * torch.randn(C, D, generator=g, dtype=torch.float64)[y], y
 
 
-def stats_of(x, y, classes=C):
-    """One client's upload, as the strategies compute it."""
-    data = SimpleNamespace(x=x, y=y, normalize=lambda t: t, model=SimpleNamespace(num_classes=classes))
-    return SufficientStatistics.client_extras(None, data)
+def strategy(name, **options):
+    """Strategy `name` of a features run, built with `options`."""
+    cfg = load_config(None, "fafi", FEATURES + [f"eval.rules=[primary,{name}]",
+                                                *(f"server.strategies.{name}.{k}={v}" for k, v in options.items())])
+    return make_strategy(cfg, name)
+
+
+def stats_of(x, y, classes=C, mirror=None):
+    """One client's upload, as the strategies compute it from its stored copies: the features x, then (`mirror`)
+    their mirror images' as copy 1, which the statistics count with `mirrored`."""
+    copies = x[:, None] if mirror is None else torch.stack([x, mirror], 1)
+    data = SimpleNamespace(x=copies, y=y, normalize=first_view, model=SimpleNamespace(num_classes=classes))
+    return strategy("fedcgs", mirrored=mirror is not None).client_extras(data)
 
 
 def dirichlet_split(y, alpha, k, seed):
@@ -62,11 +72,9 @@ def summed(parts):
 
 def scores(name, extras, x, **options):
     """The test scores of strategy `name` built from the clients' `extras`, in float64 where the head computes."""
-    cfg = load_config(None, "fafi", FEATURES + [f"eval.rules=[primary,{name}]",
-                                                *(f"server.strategies.{name}.{k}={v}" for k, v in options.items())])
     template = create_model("adapter", D, C, head="linear", options={"dim": 0})
     ctx = ServerContext(0, [], [template], torch.ones(len(extras)), None, None, extras=extras)
-    model = make_strategy(cfg, name).predictor(ctx).model
+    model = strategy(name, **options).predictor(ctx).model
     if not hasattr(model, "linear"):
         return model(x)[1]
     return x @ model.linear.weight.double().T + model.linear.bias.double()

@@ -71,6 +71,10 @@ METHODS_224 = {  # the run with the statistics heads first: two of them side by 
     "flare": ("flare", ["eval.rules=[primary]"]),
 }
 HEADS_ONLY = {"fedavg": METHODS_224["fedavg"]}  # --encoder: the run that carries the closed-form heads
+# --mirrored: every closed-form head (Fed3R-RF included) with each training image's mirror image counted in its
+# statistics beside the image (`mirrored`, over the `flip` cache's copy 1): the head-only runs only, in a folder of
+# their own, where the statistics fit the budget (a head-only run without them would score nothing new).
+MIRRORED = ["dataset.options.flip=true", *(f"server.strategies.{h}.mirrored=true" for h in STATISTICS)]
 # Fed3R with random features: its own upload (D × D second moments, not the shared statistics), so its own head-only
 # run, with the σ and λ that tools/fed3r_rf.py chose on the held-out training slice (`fed3r_rf_method`).
 CHOICES_224 = ROOT / "results" / "frozen-encoder-224" / "choices"
@@ -118,10 +122,11 @@ def grid_dim(config: Path, overrides: list[str]) -> int:
 
 
 def points(out: Path, grid: str = "64", extra: list[str] | None = None, methods: dict | None = None,
-           seed_major: bool = False) -> list[tuple[Path, str, list[str]]]:
+           seed_major: bool = False, statistics_only: bool = False) -> list[tuple[Path, str, list[str]]]:
     """(run directory, preset, overrides) of every run, in the order they run: the centralised bounds (64 px), then
     cell by cell (each cell's seeds together, so a finished cell is complete; `seed_major`: every cell's first seed,
-    then every cell's second, ..., so a grid cut short still spans every cell)."""
+    then every cell's second, ..., so a grid cut short still spans every cell). `statistics_only`: no head-only
+    FedAvg run where the statistics heads do not fit the budget."""
     extra = extra or []
     if grid == "64":
         pts = [(out / "central" / f"seed={s}", CENTRAL[0], CENTRAL[1] + [f"seed={s}"]) for s in SEEDS]
@@ -139,6 +144,8 @@ def points(out: Path, grid: str = "64", extra: list[str] | None = None, methods:
             if grid != "64" and name == "fedavg" and statistics_fit(k, dim):
                 ov = [o.replace("]", "," + ",".join(STATISTICS) + "]") if o.startswith("eval.rules=") else o
                       for o in ov]
+            elif grid != "64" and name == "fedavg" and statistics_only:
+                continue
             pts.append((out / f"a{a}-K{k}" / name / f"seed={s}", preset,
                         ov + extra + [f"partition.alpha={a}", f"num_clients={k}", f"seed={s}"]))
     return pts
@@ -202,10 +209,13 @@ HOLD = "records.hold"  # a file of this name in --out pauses --record (the docs 
 
 
 def record(out: Path, label: str, config: Path = CONFIG, block: str = "frozen-encoder",
-           extra: list[str] | None = None) -> None:
+           extra: list[str] | None = None, facts: bool = True) -> None:
+    """Commit the block's records; `facts`: first rewrite the block's machine facts from the runs under `out` (not
+    for runs beside the grid's, whose facts they would replace)."""
     if (out / HOLD).exists():
         return
-    write_facts(out, config, block, extra)
+    if facts:
+        write_facts(out, config, block, extra)
     tool = readme_tool()
     dest = tool.record(tool.RESULTS[block])
     commit([str(dest.relative_to(ROOT))], f"results/{block}: {label}")
@@ -573,6 +583,8 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default=None, help="--grid 224 only: run only these methods (comma-separated: "
                                                     "fedavg, fafi, flare, fed3r-rf)")
     ap.add_argument("--limit", type=int, default=None, help="run at most this many of the remaining runs")
+    ap.add_argument("--mirrored", action="store_true", help="--grid 224 only: the head-only runs, each training "
+                    "image's mirror image counted in the closed-form heads' statistics (the flip cache)")
     args = ap.parse_args(argv)
     os.chdir(ROOT)  # the config's dataset root is relative to the checkout
     out = (ROOT / args.out) if not Path(args.out).is_absolute() else Path(args.out)
@@ -581,9 +593,13 @@ def main(argv=None) -> int:
         if args.encoder and args.grid != "224":
             raise FlareError("--encoder swaps the encoder of the 224 grid only.", key="--encoder",
                              fix="add --grid 224, or leave --encoder out.")
-        extra = encoder_overrides(args.encoder) if args.encoder else []
+        if args.mirrored and args.grid != "224":
+            raise FlareError("--mirrored counts the mirror images of the 224 grid's cache only.", key="--mirrored",
+                             fix="add --grid 224, or leave --mirrored out.")
+        extra = (encoder_overrides(args.encoder) if args.encoder else []) + MIRRORED * args.mirrored
         config, block = (CONFIG, "frozen-encoder") if args.grid == "64" else (CONFIG_224, "frozen-encoder-224")
-        methods = dict(HEADS_ONLY if args.encoder else METHODS_224) if args.grid == "224" else None
+        heads_only = bool(args.encoder or args.mirrored)
+        methods = dict(HEADS_ONLY if heads_only else METHODS_224) if args.grid == "224" else None
         if methods is not None and (rf := fed3r_rf_method(config, extra)) is not None:
             methods["fed3r-rf"] = rf
         if args.methods is not None:
@@ -601,7 +617,7 @@ def main(argv=None) -> int:
         if args.limit is not None and args.limit < 1:
             raise FlareError(f"--limit {args.limit} is not a positive number of runs.", key="--limit",
                              fix="give 1 or more, or leave --limit out.")
-        grid_points = points(out, args.grid, extra, methods, args.seed_major)
+        grid_points = points(out, args.grid, extra, methods, args.seed_major, args.mirrored)
         todo = [p for p in grid_points if not finished(p[0])][:args.limit]
         if args.list:
             for d, preset, ov in grid_points:
@@ -638,12 +654,12 @@ def main(argv=None) -> int:
                     failed += 1
                     print(info.get("error", ""), file=sys.stderr, flush=True)
                 elif args.record:
-                    record(out, str(rel.relative_to(args.out)), config, block, extra)
+                    record(out, str(rel.relative_to(args.out)), config, block, extra, not args.mirrored)
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
     if args.record:  # whatever finished while recording was held (or by another invocation) is recorded now
-        record(out, "the finished runs", config, block, extra)
-    else:
+        record(out, "the finished runs", config, block, extra, not args.mirrored)
+    elif not args.mirrored:
         write_facts(out, config, block, extra)
     return 1 if failed else 0
 
