@@ -371,8 +371,7 @@ class Fed3R(SufficientStatistics):
 
     def extras_shapes(self, template):
         shapes, n = super().extras_shapes(template), self.options.random_features
-        c = shapes["counts"][0][0]
-        return shapes if not n else {"counts": shapes["counts"], "sums": ((c, n), torch.float64),
+        return shapes if not n else {**shapes, "sums": ((shapes["counts"][0][0], n), torch.float64),
                                      "second": ((1, n, n), torch.float64)}
 
     def client_extras(self, data):
@@ -383,10 +382,8 @@ class Fed3R(SufficientStatistics):
 
     def head(self, counts, sums, second, ctx):
         w, b = ridge(counts, sums, second, self.options.ridge)
-        if not self.options.random_features:
-            return w, b
-        rf = self.random_map(frozen_dim(ctx.models[0]))
-        return RandomFeatureLinear(rf.omega, rf.beta, w, b)
+        rf = self.options.random_features and self.random_map(frozen_dim(ctx.models[0]))
+        return RandomFeatureLinear(rf.omega, rf.beta, w, b) if rf else (w, b)
 
 
 @STRATEGIES.register("afl", options=AFLOptions)

@@ -35,9 +35,7 @@ class FeatureLinear(nn.Module):
     def __init__(self, weight: Tensor, bias: Tensor):
         super().__init__()
         self.linear = nn.Linear(weight.shape[1], weight.shape[0])
-        with torch.no_grad():
-            self.linear.weight.copy_(weight)
-            self.linear.bias.copy_(bias)
+        self.linear.load_state_dict({"weight": weight, "bias": bias})
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         x = x.flatten(1)
@@ -70,9 +68,8 @@ def lda_head(counts: Tensor, class_sums: Tensor, total: Tensor, second: Tensor, 
     try:
         solved = torch.linalg.solve(cov, means.T).T      # M S⁻¹ (S symmetric)
     except torch.linalg.LinAlgError:
-        # An exactly singular S (a feature that is constant over the whole training set, at γ = 0), where the
-        # reference's inverse fails: the pseudo-inverse is the inverse on the features that vary, and a constant
-        # feature separates no class.
+        # An exactly singular S (a feature constant over the training set, at γ = 0), where the reference's inverse
+        # fails: the pseudo-inverse inverts the features that vary, and a constant feature separates no class.
         solved = (torch.linalg.pinv(cov, hermitian=True) @ means.T).T
     b = -0.5 * (solved * means).sum(1) + torch.log(counts / n)  # a class nobody holds: log 0 = −inf, never predicted
     return solved, b.clamp(min=-1e30)  # finite: the evaluator refuses non-finite scores
@@ -112,10 +109,9 @@ class SufficientStatistics(Strategy):
     def check_data(self, histogram, data) -> None:
         if self.options.mirrored and getattr(data, "test_flip", None) is None:  # a features dataset with `flip`
             name = next(n for n in STRATEGIES.names() if STRATEGIES.get(n) is type(self))
-            raise FlareError(f"server strategy {name} counts each training image's mirror image in its statistics "
-                             f"(mirrored), and the dataset {data.name} stores none.",
-                             key=f"server.strategies.{name}.mirrored",
-                             fix="set dataset.options.flip=true (a features dataset), or leave mirrored off.")
+            raise FlareError(f"server strategy {name} counts each training image's mirror image (mirrored), and the "
+                             f"dataset {data.name} stores none.", key=f"server.strategies.{name}.mirrored",
+                             fix="set dataset.options.flip=true, or leave mirrored off.")
 
     def samples(self, data) -> tuple[Tensor, Tensor]:
         """The rows the statistics count, and their labels: the frozen features, then (`mirrored`) copy 1's."""
