@@ -7,12 +7,16 @@
     python tools/frozen_grid.py --grid 224 --out runs/frozen-encoder-224/grid        # the encoder's own resolution
     python tools/frozen_grid.py --grid 224 --encoder efficientnet_lite2 --out runs/frozen-encoder-224/lite2
                                                                      # another encoder: the closed-form heads only
+    python tools/frozen_grid.py --grid 224 --mirrored --seed-major --out runs/frozen-encoder-224/mirrored
+                                    # the closed-form heads with each training image's mirror image in their statistics
 
 `--grid 64` (the default) is the 64 px grid (configs/frozen-encoder.yaml) with its centralised bounds per seed;
 `--grid 224` the grid at the encoder's own resolution (configs/frozen-encoder-224.yaml), whose bounds are
 tools/frozen_bounds.py's (scikit-learn, not FLARE's strategies), and which scores every closed-form head of the one
 sufficient-statistics upload. `--encoder` swaps the 224 grid's encoder (at its own resolution) and keeps only the
-head-only FedAvg run that carries the closed-form heads: the rows the other encoders add.
+head-only FedAvg run that carries the closed-form heads: the rows the other encoders add. `--mirrored` keeps the
+same runs (and Fed3R-RF's) over the `flip` cache with every closed-form head's `mirrored` on, where the statistics fit
+the budget; its records sit beside the grid's and leave the block's machine facts (the grid's) alone.
 
 One run per (cell, client objective, seed); the server strategies that do not depend on the clients' training ride on
 one run of the cell (FedCGS and FedPFT read the frozen features only), FedAvg and the ensemble of head-only
