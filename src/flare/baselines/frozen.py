@@ -96,8 +96,7 @@ class SufficientStatistics(Strategy):
     over clients to the pooled features' own, so a head built from their sum is the head of the pooled features
     whatever the split; the second moments are per class because QDA needs each class's covariance (C·d² floats).
     The family shares them (`shares_extras`): a run scoring several of its heads uploads them once. A subclass
-    builds its head from the sums in `head`. With `mirrored` they count each training image's stored mirror image
-    as a second sample of its class, the centralised fit on every image and its mirror; the size is the same."""
+    builds its head from the sums in `head`; with `mirrored` they count each image's mirror image too (copy 1)."""
 
     inputs = ("features",)
     mixed_architectures = True  # it never reads a client's model
