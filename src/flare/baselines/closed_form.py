@@ -13,11 +13,11 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from flare.baselines.frozen import SufficientStatistics, fit, frozen_dim, frozen_features, init_linear
+from flare.baselines.frozen import StatisticsOptions, SufficientStatistics, fit, frozen_dim, init_linear, moments
 from flare.errors import FlareError
 from flare.registry import STRATEGIES
 from flare.rng import derived_seed
@@ -123,13 +123,11 @@ def gh_qda(counts: Tensor, sums: Tensor, second: Tensor, shrinkage: float, jitte
     return FeatureGaussian(class_means(counts, sums), factors, log_priors(counts) - half_logdet)
 
 
-class GHNBOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class GHNBOptions(StatisticsOptions):
     var_floor: float = Field(1e-6, gt=0, description="the least per-feature variance (the reference's)")
 
 
-class GHLDAOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class GHLDAOptions(StatisticsOptions):
     shrinkage: float = Field(0.05, ge=0, le=1, description="α of (1 − α) S + α tr(S)/d I (cifar10.yaml lda_shrink)")
     jitter: float = Field(2e-6, ge=0, description="added to the diagonal (the reference adds its 1e-6 twice)")
 
@@ -207,8 +205,7 @@ def fisher_gaussians(counts: Tensor, sums: Tensor, second: Tensor, v: Tensor,
     return w_lda, logp - 0.5 * (mu * w_lda.T).sum(1), mu.T / sigma2, logp - 0.5 * mu.square().sum(1) / sigma2
 
 
-class GHSampledOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class GHSampledOptions(StatisticsOptions):
     shrinkage: float = Field(0.05, ge=0, le=1, description="the pooled covariance's shrinkage (lda_shrink)")
     energy: float = Field(0.995, gt=0, le=1, description="the Fisher eigenvalues' share kept (fisher_energy)")
     max_dim: int = Field(16, ge=2, description="the Fisher subspace's largest dimension (fisher_max_dim)")
@@ -314,8 +311,7 @@ def class_mean_head(counts: Tensor, sums: Tensor, rule: str) -> tuple[Tensor, Te
     return w, torch.where(counts > 0, b, NEVER)
 
 
-class Fed3ROptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Fed3ROptions(StatisticsOptions):
     ridge: float = Field(0.01, gt=0, description="λ on the diagonal of Σ x̃x̃ᵀ (the reference's lambda_)")
     random_features: int = Field(0, ge=0, le=65536, description="D random Fourier features of a Gaussian kernel "
                                  "(Fed3R-RF; 0: the plain features, the reference code's)")
@@ -345,14 +341,12 @@ class RandomFeatureLinear(nn.Module):
             return x.flatten(1), self.features(x) @ self.weight.T + self.bias
 
 
-class AFLOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class AFLOptions(StatisticsOptions):
     rg: float = Field(1.0, gt=0, description="each client's regularisation γ (the reference's run.sh --rg)")
     clean_regularization: bool = Field(True, description="remove the K·γ regulariser after aggregation (--clean_reg)")
 
 
-class FedNCMOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FedNCMOptions(StatisticsOptions):
     rule: Literal["normalized", "euclidean"] = Field("normalized", description="normalized: the reference's "
                                                      "head; euclidean: the nearest class mean")
 
@@ -366,7 +360,7 @@ class Fed3R(SufficientStatistics):
 
     @property
     def shares_extras(self) -> str:
-        return "" if self.options.random_features else "statistics"
+        return "" if self.options.random_features else super().shares_extras
 
     def random_map(self, d: int) -> RandomFeatureLinear:
         """Ω ~ N(0, σ⁻²), β ~ U[0, 2π), from the run's seed: every client and the server draw the same."""
@@ -377,26 +371,19 @@ class Fed3R(SufficientStatistics):
 
     def extras_shapes(self, template):
         shapes, n = super().extras_shapes(template), self.options.random_features
-        c = shapes["counts"][0][0]
-        return shapes if not n else {"counts": shapes["counts"], "sums": ((c, n), torch.float64),
+        return shapes if not n else {**shapes, "sums": ((shapes["counts"][0][0], n), torch.float64),
                                      "second": ((1, n, n), torch.float64)}
 
     def client_extras(self, data):
         if not self.options.random_features:
             return super().client_extras(data)
-        f, y = frozen_features(data), data.y.cpu()
-        phi = self.random_map(f.shape[1]).features(f)
-        c = int(data.model.num_classes)
-        return {"counts": torch.bincount(y, minlength=c).double(),
-                "sums": torch.zeros(c, phi.shape[1], dtype=torch.float64).index_add_(0, y, phi),
-                "second": (phi.T @ phi)[None]}
+        f, y = self.samples(data)
+        return moments(self.random_map(f.shape[1]).features(f), y, int(data.model.num_classes), per_class=False)
 
     def head(self, counts, sums, second, ctx):
         w, b = ridge(counts, sums, second, self.options.ridge)
-        if not self.options.random_features:
-            return w, b
-        rf = self.random_map(frozen_dim(ctx.models[0]))
-        return RandomFeatureLinear(rf.omega, rf.beta, w, b)
+        rf = self.options.random_features and self.random_map(frozen_dim(ctx.models[0]))
+        return RandomFeatureLinear(rf.omega, rf.beta, w, b) if rf else (w, b)
 
 
 @STRATEGIES.register("afl", options=AFLOptions)
@@ -404,6 +391,7 @@ class AFL(SufficientStatistics):
     """AFL: the aggregated analytic (least-squares) head, its regulariser removed."""
 
     def check_data(self, histogram, data) -> None:
+        super().check_data(histogram, data)
         n, d = int(histogram.sum()), int(data.train_x.shape[-1])
         if self.options.clean_regularization and n < d:  # Σ x xᵀ of n < d samples is singular
             raise FlareError(f"server strategy afl removes its regulariser, which needs an invertible Σ x xᵀ: the "

@@ -35,9 +35,7 @@ class FeatureLinear(nn.Module):
     def __init__(self, weight: Tensor, bias: Tensor):
         super().__init__()
         self.linear = nn.Linear(weight.shape[1], weight.shape[0])
-        with torch.no_grad():
-            self.linear.weight.copy_(weight)
-            self.linear.bias.copy_(bias)
+        self.linear.load_state_dict({"weight": weight, "bias": bias})
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         x = x.flatten(1)
@@ -53,9 +51,10 @@ def frozen_dim(template: nn.Module) -> int:
     return int(d)
 
 
-def frozen_features(data) -> Tensor:
-    """A client's frozen features (N×D, float64 on the CPU): the evaluation transform of its samples."""
-    return data.normalize(data.x).flatten(1).double().cpu()
+def frozen_features(data, copy: int = 0) -> Tensor:
+    """A client's frozen features (N×D, float64 on the CPU): the evaluation transform of its samples, which reads the
+    first stored copy — of the copies from `copy` on (1: the mirror images of a `flip` dataset)."""
+    return data.normalize(data.x[:, copy:] if copy else data.x).flatten(1).double().cpu()
 
 
 # FedCGS
@@ -69,12 +68,26 @@ def lda_head(counts: Tensor, class_sums: Tensor, total: Tensor, second: Tensor, 
     try:
         solved = torch.linalg.solve(cov, means.T).T      # M S⁻¹ (S symmetric)
     except torch.linalg.LinAlgError:
-        # An exactly singular S (a feature that is constant over the whole training set, at γ = 0), where the
-        # reference's inverse fails: the pseudo-inverse is the inverse on the features that vary, and a constant
-        # feature separates no class.
+        # An exactly singular S (a feature constant over the training set, at γ = 0), where the reference's inverse
+        # fails: the pseudo-inverse inverts the features that vary, and a constant feature separates no class.
         solved = (torch.linalg.pinv(cov, hermitian=True) @ means.T).T
     b = -0.5 * (solved * means).sum(1) + torch.log(counts / n)  # a class nobody holds: log 0 = −inf, never predicted
     return solved, b.clamp(min=-1e30)  # finite: the evaluator refuses non-finite scores
+
+
+def moments(f: Tensor, y: Tensor, classes: int, per_class: bool = True) -> dict[str, Tensor]:
+    """The upload of rows f (float64) labelled y: per-class counts and sums, and each class's second moment Σ x xᵀ
+    (or, `per_class` False, only their sum over classes, 1×d×d)."""
+    return {"counts": torch.bincount(y, minlength=classes).double(),
+            "sums": torch.zeros(classes, f.shape[1], dtype=torch.float64).index_add_(0, y, f),
+            "second": torch.stack([f[y == k].T @ f[y == k] for k in range(classes)]) if per_class else (f.T @ f)[None]}
+
+
+class StatisticsOptions(BaseModel):
+    """The shared upload's options, which every closed-form head's options extend."""
+    model_config = ConfigDict(extra="forbid")
+    mirrored: bool = Field(False, description="count each training image's stored mirror image (dataset.options."
+                           "flip) too: every image in the statistics twice, as itself and mirrored")
 
 
 class SufficientStatistics(Strategy):
@@ -83,22 +96,33 @@ class SufficientStatistics(Strategy):
     over clients to the pooled features' own, so a head built from their sum is the head of the pooled features
     whatever the split; the second moments are per class because QDA needs each class's covariance (C·d² floats).
     The family shares them (`shares_extras`): a run scoring several of its heads uploads them once. A subclass
-    builds its head from the sums in `head`."""
+    builds its head from the sums in `head`; with `mirrored` they count each image's mirror image too (copy 1)."""
 
     inputs = ("features",)
     mixed_architectures = True  # it never reads a client's model
-    shares_extras = "statistics"
+
+    @property
+    def shares_extras(self) -> str:  # heads with and without the mirror images read different uploads
+        return "statistics-mirrored" if self.options.mirrored else "statistics"
+
+    def check_data(self, histogram, data) -> None:
+        if self.options.mirrored and getattr(data, "test_flip", None) is None:  # a features dataset with `flip`
+            name = next(n for n in STRATEGIES.names() if STRATEGIES.get(n) is type(self))
+            raise FlareError(f"server strategy {name} counts each training image's mirror image (mirrored), and the "
+                             f"dataset {data.name} stores none.", key=f"server.strategies.{name}.mirrored",
+                             fix="set dataset.options.flip=true, or leave mirrored off.")
+
+    def samples(self, data) -> tuple[Tensor, Tensor]:
+        """The rows the statistics count, and their labels: the frozen features, then (`mirrored`) copy 1's."""
+        copies = (0, 1) if self.options.mirrored else (0,)
+        return torch.cat([frozen_features(data, c) for c in copies]), data.y.cpu().repeat(len(copies))
 
     def extras_shapes(self, template: nn.Module) -> dict:
         c, d = int(template.num_classes), frozen_dim(template)
         return {"counts": ((c,), torch.float64), "sums": ((c, d), torch.float64), "second": ((c, d, d), torch.float64)}
 
     def client_extras(self, data) -> dict[str, Tensor]:
-        f, y = frozen_features(data), data.y.cpu()
-        c = int(data.model.num_classes)
-        return {"counts": torch.bincount(y, minlength=c).double(),
-                "sums": torch.zeros(c, f.shape[1], dtype=torch.float64).index_add_(0, y, f),
-                "second": torch.stack([f[y == k].T @ f[y == k] for k in range(c)])}
+        return moments(*self.samples(data), int(data.model.num_classes))
 
     def head(self, counts: Tensor, sums: Tensor, second: Tensor, ctx: ServerContext) -> nn.Module | tuple:
         """The head from the summed statistics: a model, or (W, b) of a linear one (float64)."""
@@ -114,8 +138,7 @@ class SufficientStatistics(Strategy):
                                                      "seconds": time.perf_counter() - t0})
 
 
-class FedCGSOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FedCGSOptions(StatisticsOptions):
     gamma: float = Field(0.0, ge=0, description="γ added to the covariance's diagonal (the reference's default 0)")
 
 
