@@ -338,3 +338,27 @@ def test_the_224_target_compares_each_heads_rows_with_the_bounds_on_the_same_row
     assert "FedCGS (mirrored), 83.00 %" in mirrored and "84.00 % (efficientnet_lite0-224px-bilinear-flip" in mirrored
     assert "gap -1.00 points (not within 0.5)" in mirrored
     assert "| 0.1 | 10 | 83.00 (1 seed) |" in text and "| FedCGS | 1 | 79.00 | 83.00 | +4.00 |" in text
+
+
+def test_recorded_runs_a_checkout_lacks_are_restored_before_the_grid_runs_or_records(tmp_path, monkeypatch):
+    """A `--record` replaces the block's copy of `--out` with the checkout's, so a fresh checkout would delete every
+    recorded run it did not run itself; the grid copies the recorded ones back first (finished ones only, never over
+    a run the checkout has), and then counts them as finished."""
+    fg = tool("frozen_grid")
+    root = tmp_path / "repo"
+    monkeypatch.setattr(fg.readme_tool(), "RESULTS_DIR", root / "results")  # loaded from the real checkout first
+    monkeypatch.setattr(fg, "ROOT", root)
+    out = root / "runs" / "grid"
+    committed = root / "results" / "blk" / "runs" / "grid"
+    for run, status in (("a/fedavg/seed=1", "finished"), ("a/fedavg/seed=2", "finished"),
+                        ("b/fedavg/seed=1", "running")):
+        (committed / run).mkdir(parents=True)
+        (committed / run / "state.json").write_text(json.dumps({"status": status}))
+        (committed / run / "metrics.jsonl").write_text("{}\n")
+    (out / "a/fedavg/seed=2").mkdir(parents=True)
+    (out / "a/fedavg/seed=2" / "state.json").write_text(json.dumps({"status": "finished", "local": True}))
+    assert fg.restore_recorded(out, "blk") == 1
+    assert fg.finished(out / "a/fedavg/seed=1") and (out / "a/fedavg/seed=1" / "metrics.jsonl").is_file()
+    assert json.loads((out / "a/fedavg/seed=2" / "state.json").read_text())["local"]  # the checkout's own kept
+    assert not (out / "b").exists()  # an unfinished record is not a run to skip
+    assert fg.restore_recorded(out, "blk") == 0 and fg.restore_recorded(tmp_path / "elsewhere", "blk") == 0

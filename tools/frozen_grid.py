@@ -26,6 +26,8 @@ partitions, metrics, states, summaries — never checkpoints) into results/<bloc
 finished run, so the docs block can be rendered from what finished at any time; while `--out` holds a file named
 `records.hold` nothing is recorded (the runs go on), so a block rendered from the committed records stays current;
 a later `--record` invocation records everything that finished meanwhile (with nothing left to run, it only records).
+A checkout's `--out` that lacks runs recorded under results/ gets their records copied back first (never over a run
+it has), so a fresh checkout skips what is recorded and its `--record` never deletes a recorded run.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import importlib.util
 import json
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -207,6 +210,24 @@ def commit(paths: list[str], message: str) -> None:
             return
         time.sleep(3 + attempt)
     print(f"frozen_grid: could not commit ({r.stderr.strip()})", file=sys.stderr)
+
+
+def restore_recorded(out: Path, block: str) -> int:
+    """Copy back into `out` every run whose records are committed under results/<block>/ but which `out` lacks (a
+    fresh checkout, another machine): the grid then skips what is recorded instead of running it again, and a
+    `--record` — which replaces the block's whole copy of `out` with `out` — never deletes a recorded run. Returns how
+    many runs were restored. Only the records come back (no checkpoint, no uploads.pt)."""
+    if not out.is_relative_to(ROOT):
+        return 0
+    committed = readme_tool().RESULTS_DIR / block / out.relative_to(ROOT)
+    restored = 0
+    for state in sorted(committed.rglob("state.json")) if committed.is_dir() else []:
+        run = state.parent
+        local = out / run.relative_to(committed)
+        if finished(run) and not (local / "state.json").exists():
+            shutil.copytree(run, local, dirs_exist_ok=True)
+            restored += 1
+    return restored
 
 
 HOLD = "records.hold"  # a file of this name in --out pauses --record (the docs block was rendered from what is there)
@@ -653,6 +674,9 @@ def main(argv=None) -> int:
         if args.limit is not None and args.limit < 1:
             raise FlareError(f"--limit {args.limit} is not a positive number of runs.", key="--limit",
                              fix="give 1 or more, or leave --limit out.")
+        if n := restore_recorded(out, block):
+            print(f"frozen_grid: {n} recorded run(s) restored into {out.relative_to(ROOT)} from results/{block}/",
+                  flush=True)
         grid_points = points(out, args.grid, extra, methods, args.seed_major, args.mirrored)
         todo = [p for p in grid_points if not finished(p[0])][:args.limit]
         if args.list:
