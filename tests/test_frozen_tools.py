@@ -341,24 +341,30 @@ def test_the_224_target_compares_each_heads_rows_with_the_bounds_on_the_same_row
 
 
 def test_recorded_runs_a_checkout_lacks_are_restored_before_the_grid_runs_or_records(tmp_path, monkeypatch):
-    """A `--record` replaces the block's copy of `--out` with the checkout's, so a fresh checkout would delete every
-    recorded run it did not run itself; the grid copies the recorded ones back first (finished ones only, never over
-    a run the checkout has), and then counts them as finished."""
+    """A `--record` replaces the block's copy of every directory it records with the checkout's, so a fresh checkout
+    would delete every recorded run it did not run itself — in this invocation's `--out` and in the block's other
+    directories alike; the grid copies the recorded ones back first (finished ones only, never over a run the
+    checkout has), and then counts them as finished."""
     fg = tool("frozen_grid")
+    rt = fg.readme_tool()  # loaded from the real checkout before ROOT moves
     root = tmp_path / "repo"
-    monkeypatch.setattr(fg.readme_tool(), "RESULTS_DIR", root / "results")  # loaded from the real checkout first
+    monkeypatch.setattr(rt, "RESULTS_DIR", root / "results")
+    monkeypatch.setattr(rt, "record_paths", lambda block: ["runs/grid", "runs/other"])
+    monkeypatch.setattr(rt, "RESULTS", {"blk": object()})
     monkeypatch.setattr(fg, "ROOT", root)
+    for run, status in (("grid/a/fedavg/seed=1", "finished"), ("grid/a/fedavg/seed=2", "finished"),
+                        ("grid/b/fedavg/seed=1", "running"), ("other/a/fedavg/seed=1", "finished")):
+        d = root / "results" / "blk" / "runs" / run
+        d.mkdir(parents=True)
+        (d / "state.json").write_text(json.dumps({"status": status}))
+        (d / "metrics.jsonl").write_text("{}\n")
+    own = root / "runs" / "grid" / "a/fedavg/seed=2"
+    own.mkdir(parents=True)
+    (own / "state.json").write_text(json.dumps({"status": "finished", "local": True}))
+    assert fg.restore_recorded("blk") == 2
     out = root / "runs" / "grid"
-    committed = root / "results" / "blk" / "runs" / "grid"
-    for run, status in (("a/fedavg/seed=1", "finished"), ("a/fedavg/seed=2", "finished"),
-                        ("b/fedavg/seed=1", "running")):
-        (committed / run).mkdir(parents=True)
-        (committed / run / "state.json").write_text(json.dumps({"status": status}))
-        (committed / run / "metrics.jsonl").write_text("{}\n")
-    (out / "a/fedavg/seed=2").mkdir(parents=True)
-    (out / "a/fedavg/seed=2" / "state.json").write_text(json.dumps({"status": "finished", "local": True}))
-    assert fg.restore_recorded(out, "blk") == 1
     assert fg.finished(out / "a/fedavg/seed=1") and (out / "a/fedavg/seed=1" / "metrics.jsonl").is_file()
-    assert json.loads((out / "a/fedavg/seed=2" / "state.json").read_text())["local"]  # the checkout's own kept
+    assert fg.finished(root / "runs" / "other" / "a/fedavg/seed=1")  # a directory other than this run's --out
+    assert json.loads((own / "state.json").read_text())["local"]  # the checkout's own run kept
     assert not (out / "b").exists()  # an unfinished record is not a run to skip
-    assert fg.restore_recorded(out, "blk") == 0 and fg.restore_recorded(tmp_path / "elsewhere", "blk") == 0
+    assert fg.restore_recorded("blk") == 0

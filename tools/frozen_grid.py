@@ -26,8 +26,8 @@ partitions, metrics, states, summaries — never checkpoints) into results/<bloc
 finished run, so the docs block can be rendered from what finished at any time; while `--out` holds a file named
 `records.hold` nothing is recorded (the runs go on), so a block rendered from the committed records stays current;
 a later `--record` invocation records everything that finished meanwhile (with nothing left to run, it only records).
-A checkout's `--out` that lacks runs recorded under results/ gets their records copied back first (never over a run
-it has), so a fresh checkout skips what is recorded and its `--record` never deletes a recorded run.
+Every run directory of the block that lacks runs recorded under results/ gets their records copied back first (never
+over a run the checkout has), so a fresh checkout skips what is recorded and its `--record` never deletes one.
 """
 from __future__ import annotations
 
@@ -212,21 +212,23 @@ def commit(paths: list[str], message: str) -> None:
     print(f"frozen_grid: could not commit ({r.stderr.strip()})", file=sys.stderr)
 
 
-def restore_recorded(out: Path, block: str) -> int:
-    """Copy back into `out` every run whose records are committed under results/<block>/ but which `out` lacks (a
-    fresh checkout, another machine): the grid then skips what is recorded instead of running it again, and a
-    `--record` — which replaces the block's whole copy of `out` with `out` — never deletes a recorded run. Returns how
-    many runs were restored. Only the records come back (no checkpoint, no uploads.pt)."""
-    if not out.is_relative_to(ROOT):
-        return 0
-    committed = readme_tool().RESULTS_DIR / block / out.relative_to(ROOT)
+def restore_recorded(block: str) -> int:
+    """Copy back into the checkout every run whose records are committed under results/<block>/ but which the
+    checkout's run directories lack (a fresh checkout, another machine), for every directory the block records (each
+    of its commands' `--out`, not only this invocation's): the grid then skips what is recorded instead of running
+    it again, and a `--record` — which replaces the block's copy of each of those directories with the checkout's —
+    never deletes a recorded run. Returns how many runs were restored. Only the records come back (no checkpoint, no
+    uploads.pt), never over a run the checkout has, and only finished ones."""
+    tool = readme_tool()
     restored = 0
-    for state in sorted(committed.rglob("state.json")) if committed.is_dir() else []:
-        run = state.parent
-        local = out / run.relative_to(committed)
-        if finished(run) and not (local / "state.json").exists():
-            shutil.copytree(run, local, dirs_exist_ok=True)
-            restored += 1
+    for rel in tool.record_paths(tool.RESULTS[block]):
+        committed, local = tool.RESULTS_DIR / block / rel, ROOT / rel
+        for state in sorted(committed.rglob("state.json")) if committed.is_dir() else []:
+            run = state.parent
+            target = local / run.relative_to(committed)
+            if finished(run) and not (target / "state.json").exists():
+                shutil.copytree(run, target, dirs_exist_ok=True)
+                restored += 1
     return restored
 
 
@@ -241,6 +243,7 @@ def record(out: Path, label: str, config: Path = CONFIG, block: str = "frozen-en
         return
     if facts:
         write_facts(out, config, block, extra)
+    restore_recorded(block)  # the block's other directories too: a run recorded elsewhere is never deleted
     tool = readme_tool()
     dest = tool.record(tool.RESULTS[block])
     commit([str(dest.relative_to(ROOT))], f"results/{block}: {label}")
@@ -674,9 +677,8 @@ def main(argv=None) -> int:
         if args.limit is not None and args.limit < 1:
             raise FlareError(f"--limit {args.limit} is not a positive number of runs.", key="--limit",
                              fix="give 1 or more, or leave --limit out.")
-        if n := restore_recorded(out, block):
-            print(f"frozen_grid: {n} recorded run(s) restored into {out.relative_to(ROOT)} from results/{block}/",
-                  flush=True)
+        if n := restore_recorded(block):
+            print(f"frozen_grid: {n} recorded run(s) restored from results/{block}/", flush=True)
         grid_points = points(out, args.grid, extra, methods, args.seed_major, args.mirrored)
         todo = [p for p in grid_points if not finished(p[0])][:args.limit]
         if args.list:
