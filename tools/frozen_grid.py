@@ -659,6 +659,7 @@ def main(argv=None) -> int:
         extra = (encoder_overrides(args.encoder) if args.encoder else []) + MIRRORED * args.mirrored
         config, block = (CONFIG, "frozen-encoder") if args.grid == "64" else (CONFIG_224, "frozen-encoder-224")
         heads_only = bool(args.encoder or args.mirrored)
+        grid_facts = not heads_only  # runs beside the grid's (another encoder, mirrored) leave its machine facts
         methods = dict(HEADS_ONLY if heads_only else METHODS_224) if args.grid == "224" else None
         if methods is not None and (rf := fed3r_rf_method(config, extra)) is not None:
             methods["fed3r-rf"] = rf
@@ -716,12 +717,12 @@ def main(argv=None) -> int:
                     failed += 1
                     print(info.get("error", ""), file=sys.stderr, flush=True)
                 elif args.record:
-                    record(out, str(rel.relative_to(args.out)), config, block, extra, not args.mirrored)
+                    record(out, str(rel.relative_to(args.out)), config, block, extra, grid_facts)
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
     if args.record:  # whatever finished while recording was held (or by another invocation) is recorded now
-        record(out, "the finished runs", config, block, extra, not args.mirrored)
-    elif not args.mirrored:
+        record(out, "the finished runs", config, block, extra, grid_facts)
+    elif grid_facts:
         write_facts(out, config, block, extra)
     return 1 if failed else 0
 
