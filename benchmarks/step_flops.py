@@ -182,12 +182,13 @@ def option_timers(o: str, cfg, args, eff, names) -> tuple[dict, dict]:
     run's step is) and the oneDNN convolutions it runs."""
     fns, clients = build_option(o, cfg, args.steps, eff)
     info = {"label": option_label(o), "clients": clients, "flops": {}}
+    countable = clients == 1 and o != "compiled"
     for name, fn in fns.items():
         with option_context(name):
             fn()  # warm-up
-            if clients == 1 and o != "compiled":
+            if countable:
                 info["flops"][name.split(":")[1]] = per_step(counted(fn, *names), args.steps)["total"]
-    if clients > 1 or o == "compiled":  # the same work a client-step as the run's step; FlopCounterMode miscounts
+    if not countable:  # the same work a client-step as the run's step; FlopCounterMode miscounts
         info["flops"] = {"step": None}  # vmap's grouped convolutions (2.4 times over, seen) and sees only part of a
         # compiled graph's (inductor's own kernels never reach the dispatcher it counts at), so it is not asked
     info["onednn"] = onednn_convolutions(args, o)

@@ -238,12 +238,12 @@ HOLD = "records.hold"  # a file of this name in --out pauses --record (the docs 
 def record(out: Path, label: str, config: Path = CONFIG, block: str = "frozen-encoder",
            extra: list[str] | None = None, facts: bool = True) -> None:
     """Commit the block's records; `facts`: first rewrite the block's machine facts from the runs under `out` (not
-    for runs beside the grid's, whose facts they would replace)."""
+    for runs beside the grid's, whose facts they would replace). `main` has restored every recorded run first
+    (`restore_recorded`), so the copy this replaces is a superset of what was committed."""
     if (out / HOLD).exists():
         return
     if facts:
         write_facts(out, config, block, extra)
-    restore_recorded(block)  # the block's other directories too: a run recorded elsewhere is never deleted
     tool = readme_tool()
     dest = tool.record(tool.RESULTS[block])
     commit([str(dest.relative_to(ROOT))], f"results/{block}: {label}")
