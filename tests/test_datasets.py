@@ -445,7 +445,7 @@ def test_list_datasets():
     assert all(desc for desc in names.values())
 
 
-def test_cache_hit_skips_decoding(tmp_path, cache, monkeypatch):
+def test_cache_hit_skips_decoding_and_is_keyed_on_contents(tmp_path, cache, monkeypatch):
     write_tree(tmp_path / "tree")
     archive = make_tar(tmp_path / "tree", tmp_path / "t.tar.gz", None, "w:gz")
     first = load_dataset("imagefolder", archive, cache_dir=cache)
@@ -460,7 +460,11 @@ def test_cache_hit_skips_decoding(tmp_path, cache, monkeypatch):
     for field in ("train_x", "train_y", "test_x", "test_y"):
         assert torch.equal(getattr(first, field), getattr(second, field))
     assert (second.classes, second.mean, second.std) == (first.classes, first.mean, first.std)
-    os.utime(archive, ns=(1, 1))  # a changed source is a cache miss
+    os.utime(archive, ns=(1, 1))  # touched or re-mounted, same bytes: still a hit, still one file
+    load_dataset("imagefolder", archive, cache_dir=cache)
+    assert len(list(cache.iterdir())) == 1
+    write_png(tmp_path / "tree" / "train" / "dog" / "extra.png", solid(7))  # changed bytes: a miss
+    make_tar(tmp_path / "tree", archive, None, "w:gz")
     with pytest.raises(AssertionError, match="decoded again"):
         load_dataset("imagefolder", archive, cache_dir=cache)
 

@@ -138,8 +138,8 @@ def load_dataset(name: str, root: str | os.PathLike | None, format: str = "auto"
                  cache_dir: str | os.PathLike | None = None, options: dict | None = None) -> ImageData:
     """Load a dataset as whole tensors, decoding it only when the on-disk cache is missing or stale.
 
-    The cache key is the dataset name, format and the absolute path, size and mtime of every source file,
-    so editing or replacing the source invalidates it."""
+    The cache key is the dataset name, format and the contents of every source file, so editing or replacing
+    the source invalidates it and touching or re-mounting it does not."""
     return DATASETS.create(name, DatasetFacts(name, root, format, download, cache_dir), options)
 
 
@@ -277,20 +277,18 @@ def _cache_dir(cache_dir: str | os.PathLike | None) -> Path:
 
 
 def _cache_file(cache_dir: Path, name: str, fmt: str, paths: list[Path]) -> Path:
-    """Cache file name: a hash of name, format and (path, size, mtime) of every source file."""
+    """Cache file name: a hash of name, format and the contents of every source file (each named by its path
+    inside its source). Contents, not size and mtime: a read-only data mount that is re-created with new mtimes
+    (every session of a shared machine) would otherwise decode the same images again and leave a stale copy
+    behind; hashing the files costs well under a second, decoding them minutes."""
     h = hashlib.sha256(json.dumps([_CACHE_VERSION, name, fmt]).encode())
     for path in paths:
         path = path.resolve()
-        if path.is_file():
-            files = [str(path)]
-        else:
-            files = []
-            for dirpath, dirnames, filenames in os.walk(path):
-                dirnames.sort()
-                files += [os.path.join(dirpath, f) for f in sorted(filenames)]
-        for f in files:
-            st = os.stat(f)
-            h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        files = {path.name: path} if path.is_file() else {
+            str(f.relative_to(path)): f for f in sorted(path.rglob("*")) if f.is_file()}
+        for rel, f in files.items():
+            with open(f, "rb") as fh:
+                h.update(f"{rel}\0{hashlib.file_digest(fh, 'sha256').hexdigest()}\n".encode())
     return cache_dir / f"{name}-{fmt}-{h.hexdigest()[:16]}.pt"
 
 

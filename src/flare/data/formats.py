@@ -34,7 +34,7 @@ TINY_MD5 = "90528d7ca1a48142e341f4ef8d21d0de"
 
 @dataclass
 class _Source:
-    """Where a dataset lives: the files/folders whose size+mtime key the cache, and how to decode them."""
+    """Where a dataset lives: the files/folders whose contents key the cache, and how to decode them."""
 
     paths: list[Path]
     read: Callable[[], Arrays]
