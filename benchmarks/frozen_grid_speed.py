@@ -2,7 +2,7 @@
 that the speed-ups left its numbers alone (docs/frozen-encoder.md, "What the 224 grid costs").
 
     python benchmarks/frozen_grid_speed.py --before 81a9598 --out runs/frozen-grid-speed \
-        --record runs/readme/frozen-grid-speed.json
+        --record runs/readme/frozen-grid-speed-record.json
 
 Each point is a run the grid recorded (results/frozen-encoder-224/runs/frozen-encoder-224/grid/<point>): its own
 config.yaml is run again, once with the source of `--before` (extracted with `git archive` into `--out`) and once with
@@ -58,7 +58,7 @@ def module(name: str, path: Path):
 def source_tree(rev: str, out: Path) -> tuple[str, Path]:
     """(the full sha, a folder holding `rev`'s src/), extracted once."""
     sha = subprocess.run(["git", "rev-parse", rev], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
-    tree = out / f"src-{sha[:12]}"
+    tree = out / f".src-{sha[:12]}"  # hidden: not a record (tools/readme.py records --out)
     if not (tree / "src" / "flare").is_dir():
         tree.mkdir(parents=True, exist_ok=True)
         archive = subprocess.run(["git", "archive", sha, "src"], cwd=ROOT, check=True, capture_output=True).stdout
@@ -109,6 +109,13 @@ def projection(rec: dict, side: str) -> float | None:
     return total / 2 / 60
 
 
+def finish(rec: dict, record: str | None) -> None:
+    """The projection, kept in the record (the grid's definition may change later; the block must not)."""
+    rec["projection"] = {s: projection(rec, s) for s in ("before", "after")}
+    if record:
+        Path(record).write_text(json.dumps(rec, indent=1) + "\n")
+
+
 def markdown(rec: dict) -> str:
     rows = []
     for p in rec["points"]:
@@ -116,7 +123,7 @@ def markdown(rec: dict) -> str:
         rows.append(f"| `{p['point']}` | {b['wall']:.1f} / {b['cpu']:.1f} (load {b['load']:.1f}) | {a['wall']:.1f} / "
                     f"{a['cpu']:.1f} (load {a['load']:.1f}) | {b['cpu'] / a['cpu']:.2f}× | "
                     f"{'yes' if b['identical'] and a['identical'] else 'NO'} |")
-    proj = {s: projection(rec, s) for s in ("before", "after")}
+    proj = rec.get("projection") or {}
     m = rec["machine"]
     return ("| recorded run (α, K, method, seed) | before: wall / CPU s | after: wall / CPU s | CPU speed-up | "
             "metrics.jsonl identical to the record, both sides |\n| --- | --- | --- | --- | --- |\n" + "\n".join(rows)
@@ -126,7 +133,7 @@ def markdown(rec: dict) -> str:
             "other jobs (the load average beside each run). "
             + ("The whole grid (every method × α × K × seed, at its method's measured CPU seconds at the nearest K "
                f"measured, two runs at a time on two free cores): {proj['before']:.0f} min before, "
-               f"{proj['after']:.0f} min after." if None not in proj.values() else "") + "\n")
+               f"{proj['after']:.0f} min after." if proj and None not in proj.values() else "") + "\n")
 
 
 def main(argv=None) -> int:
@@ -144,8 +151,10 @@ def main(argv=None) -> int:
     out = ROOT / args.out
     points = [p for p in args.points.split(",") if p]
     import yaml
-    for p in points:  # refused, never extracted, before anything runs
-        bounds.load_cached(FeatureOptions(**yaml.safe_load((GRID / p / "config.yaml").read_text())["dataset"]["options"]))
+    caches = {json.dumps(yaml.safe_load((GRID / p / "config.yaml").read_text())["dataset"]["options"], sort_keys=True)
+              for p in points}
+    for opts in caches:  # refused, never extracted, before anything runs
+        bounds.load_cached(FeatureOptions(**json.loads(opts)))
     before, before_src = source_tree(args.before, out)
     after = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "src"], cwd=ROOT, capture_output=True, text=True).stdout)
@@ -161,6 +170,7 @@ def main(argv=None) -> int:
         if args.record:
             Path(args.record).parent.mkdir(parents=True, exist_ok=True)
             Path(args.record).write_text(json.dumps(rec, indent=1) + "\n")
+    finish(rec, args.record)
     print(markdown(rec))
     return 0 if all(r[s]["identical"] for r in rec["points"] for s in ("before", "after")) else 1
 

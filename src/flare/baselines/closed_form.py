@@ -10,6 +10,7 @@ ZHUANGHP/Analytic-federated-learning, afl.py) and FedNCM (NeurIPS 2023; GwenLega
 """
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
@@ -351,6 +352,15 @@ class RandomFeatureLinear(nn.Module):
             return x.flatten(1), self.features(x) @ self.weight.T + self.bias
 
 
+@functools.lru_cache(maxsize=1)  # drawn once for a run's clients and server (8·d·D bytes), never modified
+def random_fourier(seed: int, d: int, n: int, width: float) -> RandomFeatureLinear:
+    """Ω ~ N(0, σ⁻²), β ~ U[0, 2π), from the run's seed: every client and the server draw the same."""
+    gen = torch.Generator().manual_seed(seed)
+    omega = torch.randn(d, n, generator=gen, dtype=torch.float64) / width
+    beta = torch.rand(n, generator=gen, dtype=torch.float64) * 2 * torch.pi
+    return RandomFeatureLinear(omega, beta, torch.zeros(1, n), torch.zeros(1))
+
+
 class AFLOptions(StatisticsOptions):
     rg: float = Field(1.0, gt=0, description="each client's regularisation γ (the reference's run.sh --rg)")
     clean_regularization: bool = Field(True, description="remove the K·γ regulariser after aggregation (--clean_reg)")
@@ -373,11 +383,8 @@ class Fed3R(SufficientStatistics):
         return "" if self.options.random_features else super().shares_extras
 
     def random_map(self, d: int) -> RandomFeatureLinear:
-        """Ω ~ N(0, σ⁻²), β ~ U[0, 2π), from the run's seed: every client and the server draw the same."""
-        gen, n = torch.Generator().manual_seed(derived_seed(self.facts.seed, 0, RF_TAG)), self.options.random_features
-        omega = torch.randn(d, n, generator=gen, dtype=torch.float64) / self.options.kernel_width
-        beta = torch.rand(n, generator=gen, dtype=torch.float64) * 2 * torch.pi
-        return RandomFeatureLinear(omega, beta, torch.zeros(1, n), torch.zeros(1))
+        return random_fourier(derived_seed(self.facts.seed, 0, RF_TAG), d, self.options.random_features,
+                              self.options.kernel_width)
 
     def extras_shapes(self, template):
         shapes, n = super().extras_shapes(template), self.options.random_features

@@ -113,7 +113,7 @@ def moments(f: Tensor, y: Tensor, classes: int, per_class: bool = True) -> dict[
     (or, `per_class` False, only their sum over classes, 1×d×d)."""
     return {"counts": torch.bincount(y, minlength=classes).double(),
             "sums": torch.zeros(classes, f.shape[1], dtype=torch.float64).index_add_(0, y, f),
-            "second": torch.stack([f[y == k].T @ f[y == k] for k in range(classes)]) if per_class else (f.T @ f)[None]}
+            "second": torch.stack([(r := f[y == k]).T @ r for k in range(classes)]) if per_class else (f.T @ f)[None]}
 
 
 class StatisticsOptions(BaseModel):
