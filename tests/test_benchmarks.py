@@ -219,3 +219,31 @@ def test_reference_fafi_refuses_a_folder_that_is_no_checkout(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "reference_fafi.py"), "--checkout", str(tmp_path),
                         "--data-root", str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 2 and "is not a checkout of FAFI_ICML25" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_frozen_grid_speed_projects_every_grid_run_and_flags_a_changed_record():
+    """benchmarks/frozen_grid_speed.py: the grid's projected time counts each of its runs at its method's CPU
+    seconds at the nearest measured K; a rerun whose metrics differ from the record reads NO in the table."""
+    bench = _script("frozen_grid_speed")
+    grid = bench.module("frozen_grid", ROOT / "tools" / "frozen_grid.py")
+    cpu = {"a0.05-K5/fedavg/seed=1": 40.0, "a0.05-K50/fedavg/seed=1": 4.0, "a0.05-K10/fafi/seed=1": 20.0,
+           "a0.05-K10/flare/seed=1": 10.0, "a0.05-K10/fed3r-rf/seed=1": 60.0}
+    side = lambda c, same=True: {"wall": 2 * c, "cpu": c, "load": 1.0, "identical": same}  # noqa: E731
+    rec = {"machine": {"cpus": 2, "cpu": "test"}, "before": "a" * 40, "after": "b" * 40,
+           "points": [{"point": p, "before": side(2 * c), "after": side(c, p != "a0.05-K10/flare/seed=1")}
+                      for p, c in cpu.items()]}
+    methods = dict(grid.METHODS_224)
+    if (rf := grid.fed3r_rf_method()) is not None:
+        methods["fed3r-rf"] = rf
+    want = 0.0
+    for d, _, _ in grid.points(Path("grid"), "224", None, methods):
+        method, k = d.parts[-2], int(d.parts[-3].split("-K")[1])
+        want += {"fedavg": 40.0 if k < 30 else 4.0, "fafi": 20.0, "flare": 10.0, "fed3r-rf": 60.0}[method]
+    assert bench.projection(rec, "after") == pytest.approx(want / 120)
+    assert bench.projection(rec, "before") == pytest.approx(2 * want / 120)
+    bench.finish(rec, None)
+    text = bench.markdown(rec)
+    assert text.count("| yes |") == 4 and text.count("| NO |") == 1 and "2.00×" in text
+    assert f"{want / 120:.0f} min after" in text
+    del rec["points"][-1]  # a method never measured: no projection
+    assert bench.projection(rec, "after") is None or "fed3r-rf" not in methods

@@ -554,3 +554,50 @@ def test_a_features_run_scores_every_head_as_the_pooled_features_head(tmp_path):
         if name not in TRAINED:
             central = float((scores(name, [stats_of(x, y)], test).argmax(1) == test_y).double().mean())
             assert rec[f"acc_{name}"] == pytest.approx(central, abs=1e-9), name
+
+
+# ------------------------------------------------------------------------------------ computed once per upload
+
+
+def test_once_per_input_reuses_only_the_very_same_inputs_and_lets_them_go():
+    import gc
+    import weakref
+
+    from flare.baselines.frozen import once_per_input
+    calls = []
+
+    @once_per_input
+    def double(t, factor):
+        calls.append(factor)
+        return t * factor
+    a = torch.arange(4.0)
+    first = double(a, 2.0)
+    assert double(a, 2.0) is first and len(calls) == 1  # the same tensor object: reused
+    assert torch.equal(double(a.clone(), 2.0), first) and len(calls) == 2  # equal values, another object: computed
+    double(a, 3.0)
+    assert len(calls) == 3  # another option: computed
+    kept = weakref.ref(double(a, 2.0))
+    del a
+    gc.collect()
+    assert kept() is None  # the input died: the result is not held
+
+
+def test_every_head_of_one_evaluation_equals_the_head_built_alone():
+    """The heads of one run share the summed statistics and what they derive from them (the scatters, the
+    covariances, the Fisher subspace and its Gaussians): each equals, bit for bit, the head built from fresh
+    copies of the uploads, where nothing is shared; the sum is sum()'s, bit for bit."""
+    from flare.baselines.frozen import summed as summed_once
+    x, y = gaussian_data()
+    test, _ = gaussian_data(200, seed=1)
+    parts = [stats_of(x[ix], y[ix]) for ix in dirichlet_split(y, 0.1, 5, seed=0)]
+    small = {"samples": 300, "epochs": 2, "batch_size": 128}
+    for a, b in zip(summed_once(parts), summed(parts)):
+        assert torch.equal(a, b)
+    shared = {name: scores(name, parts, test, **(small if name in TRAINED else {})) for name in HEADS + TRAINED}
+    x2, y2 = gaussian_data(seed=2)
+    other = [stats_of(x2[ix], y2[ix]) for ix in dirichlet_split(y2, 0.1, 5, seed=0)]
+    for name in reversed(HEADS + TRAINED):
+        opts = small if name in TRAINED else {}
+        assert not torch.equal(scores(name, other, test, **opts), shared[name]), name  # another upload between
+        fresh = [{k: v.clone() for k, v in p.items()} for p in parts]
+        assert torch.equal(scores(name, fresh, test, **opts), shared[name]), name

@@ -697,6 +697,8 @@ def main(argv=None) -> int:
     except FlareError as e:
         print(f"frozen_grid: {e}", file=sys.stderr)
         return 2
+    # the runs' plots: seconds a run, and no record holds them (FLARE_PLOTS=1 draws them)
+    os.environ.setdefault("FLARE_PLOTS", "0")
     ex = ProcessPoolExecutor(max_workers=args.workers, mp_context=multiprocessing.get_context("spawn"))
     futures = {}
     queue = list(todo)

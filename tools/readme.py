@@ -634,6 +634,12 @@ RESULTS = {r.id: r for r in [
     Results("encoder-speed-224", ["python benchmarks/encoder.py --resolution 224 --resize bilinear --stages 8 "
                                   "--images 256 --repeats 3 --no-bf16 --no-nchw > runs/readme/encoder-speed-224.md"],
             file_text("runs/readme/encoder-speed-224.md"), page="docs/frozen-encoder.md"),
+    Results("frozen-grid-speed",  # needs FLARE_CACHE naming the 224 px Lite0 cache; reads it, never extracts
+            ["python benchmarks/frozen_grid_speed.py --before 81a9598 --out runs/frozen-grid-speed --record "
+             "runs/readme/frozen-grid-speed-record.json"],
+            lambda base: _script("benchmarks/frozen_grid_speed.py").markdown(
+                json.loads((base / "runs/readme/frozen-grid-speed-record.json").read_text())),
+            page="docs/frozen-encoder.md"),
     # The one deselected test checks every page's blocks, this one included: it cannot pass before this block exists.
     Results("tests", ["python -m pytest -q -p no:cacheprovider -n 2 -m 'not slow' tests "
                       "--deselect tests/test_readme.py::test_generated_blocks_are_current_and_untouched "

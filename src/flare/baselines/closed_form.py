@@ -10,6 +10,7 @@ ZHUANGHP/Analytic-federated-learning, afl.py) and FedNCM (NeurIPS 2023; GwenLega
 """
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
@@ -17,7 +18,8 @@ from pydantic import Field, model_validator
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from flare.baselines.frozen import StatisticsOptions, SufficientStatistics, fit, frozen_dim, init_linear, moments
+from flare.baselines.frozen import (StatisticsOptions, SufficientStatistics, fit, frozen_dim, init_linear, moments,
+                                    once_per_input)
 from flare.errors import FlareError
 from flare.registry import STRATEGIES
 from flare.rng import derived_seed
@@ -64,17 +66,20 @@ def log_priors(counts: Tensor) -> Tensor:
     return torch.log((counts / counts.sum().clamp(min=1)).clamp(min=1e-12))
 
 
+@once_per_input
 def scatter(counts: Tensor, sums: Tensor, second: Tensor) -> Tensor:
     """Each class's Σ (x − μ_c)(x − μ_c)ᵀ."""
     mu = class_means(counts, sums)
     return second - counts[:, None, None] * mu[:, :, None] * mu[:, None, :]
 
 
+@once_per_input
 def pooled_covariance(counts: Tensor, sums: Tensor, second: Tensor) -> Tensor:
     """The within-class covariance, Σ_c scatter_c / (N − C)."""
     return sym(scatter(counts, sums, second).sum(0) / max(1.0, float(counts.sum()) - len(counts)))
 
 
+@once_per_input
 def class_covariances(counts: Tensor, sums: Tensor, second: Tensor) -> Tensor:
     """scatter_c / (n_c − 1); the pooled covariance for a class of one sample or none (the reference's)."""
     own = scatter(counts, sums, second) / (counts - 1).clamp(min=1)[:, None, None]
@@ -162,6 +167,7 @@ class GHQDA(SufficientStatistics):
 
 
 # GH-OFL's heads trained on samples in the Fisher subspace
+@once_per_input
 def fisher_basis(counts: Tensor, sums: Tensor, second: Tensor, shrinkage: float, energy: float,
                  max_dim: int) -> Tensor:
     """V (d × k): the generalised eigenvectors of the between-class scatter against the shrunk pooled covariance,
@@ -179,14 +185,19 @@ def fisher_basis(counts: Tensor, sums: Tensor, second: Tensor, shrinkage: float,
     return w_isqrt @ u[:, :max(2, min(k, max_dim, len(sw)))]
 
 
+@once_per_input
+def sampling_gaussians(counts: Tensor, sums: Tensor, second: Tensor, v: Tensor, shrinkage: float,
+                       tau: float) -> tuple[Tensor, Tensor]:
+    """(Vᵀμ_c, the Cholesky factor of τ² Vᵀ shrink(Σ_c) V): the Gaussians the Fisher-space samples come from."""
+    cov = sym(v.T @ shrink(class_covariances(counts, sums, second), shrinkage) @ v)
+    cov = cov + 1e-6 * eye_like(cov)
+    return class_means(counts, sums) @ v, torch.linalg.cholesky(tau ** 2 * cov + 1e-6 * eye_like(cov))
+
+
 def fisher_samples(counts: Tensor, sums: Tensor, second: Tensor, v: Tensor, o: GHSampledOptions,
                    gen: torch.Generator) -> tuple[Tensor, Tensor]:
     """`o.samples` Fisher-space features per class from N(Vᵀμ_c, τ² Vᵀ shrink(Σ_c) V) (float32, class order)."""
-    k = v.shape[1]
-    cov = sym(v.T @ shrink(class_covariances(counts, sums, second), o.sample_shrinkage) @ v)
-    cov = cov + 1e-6 * eye_like(cov)
-    chol = torch.linalg.cholesky(o.tau ** 2 * cov + 1e-6 * eye_like(cov))
-    mu = class_means(counts, sums) @ v
+    k, (mu, chol) = v.shape[1], sampling_gaussians(counts, sums, second, v, o.sample_shrinkage, o.tau)
     z = torch.cat([mu[c] + torch.randn(o.samples, k, dtype=v.dtype, generator=gen) @ chol[c].T
                    for c in range(len(counts))])
     return z.float(), torch.arange(len(counts)).repeat_interleave(o.samples)
@@ -341,6 +352,15 @@ class RandomFeatureLinear(nn.Module):
             return x.flatten(1), self.features(x) @ self.weight.T + self.bias
 
 
+@functools.lru_cache(maxsize=1)  # drawn once for a run's clients and server (8·d·D bytes), never modified
+def random_fourier(seed: int, d: int, n: int, width: float) -> RandomFeatureLinear:
+    """Ω ~ N(0, σ⁻²), β ~ U[0, 2π), from the run's seed: every client and the server draw the same."""
+    gen = torch.Generator().manual_seed(seed)
+    omega = torch.randn(d, n, generator=gen, dtype=torch.float64) / width
+    beta = torch.rand(n, generator=gen, dtype=torch.float64) * 2 * torch.pi
+    return RandomFeatureLinear(omega, beta, torch.zeros(1, n), torch.zeros(1))
+
+
 class AFLOptions(StatisticsOptions):
     rg: float = Field(1.0, gt=0, description="each client's regularisation γ (the reference's run.sh --rg)")
     clean_regularization: bool = Field(True, description="remove the K·γ regulariser after aggregation (--clean_reg)")
@@ -363,11 +383,8 @@ class Fed3R(SufficientStatistics):
         return "" if self.options.random_features else super().shares_extras
 
     def random_map(self, d: int) -> RandomFeatureLinear:
-        """Ω ~ N(0, σ⁻²), β ~ U[0, 2π), from the run's seed: every client and the server draw the same."""
-        gen, n = torch.Generator().manual_seed(derived_seed(self.facts.seed, 0, RF_TAG)), self.options.random_features
-        omega = torch.randn(d, n, generator=gen, dtype=torch.float64) / self.options.kernel_width
-        beta = torch.rand(n, generator=gen, dtype=torch.float64) * 2 * torch.pi
-        return RandomFeatureLinear(omega, beta, torch.zeros(1, n), torch.zeros(1))
+        return random_fourier(derived_seed(self.facts.seed, 0, RF_TAG), d, self.options.random_features,
+                              self.options.kernel_width)
 
     def extras_shapes(self, template):
         shapes, n = super().extras_shapes(template), self.options.random_features

@@ -13,7 +13,9 @@ formulas and settings: docs/frozen-encoder.md.
 """
 from __future__ import annotations
 
+import functools
 import time
+import weakref
 from typing import Callable, Literal
 
 import numpy as np
@@ -75,12 +77,43 @@ def lda_head(counts: Tensor, class_sums: Tensor, total: Tensor, second: Tensor, 
     return solved, b.clamp(min=-1e30)  # finite: the evaluator refuses non-finite scores
 
 
+def once_per_input(fn: Callable) -> Callable:
+    """`fn` remembering its last call: called again with the very same tensors (the same objects, not equal values;
+    in lists, tuples and dicts too) and equal other arguments, it returns the same result. The closed-form heads of
+    an evaluation read one summed upload and derive the same things from it (the class scatters, the covariances,
+    the Fisher subspace), so each is computed once, bit for bit what each head computed alone. It holds its inputs
+    weakly and drops the result when one of them dies; callers never modify a result."""
+    last: dict = {}
+
+    def leaves(x):
+        x = list(x.values()) if isinstance(x, dict) else x
+        return [y for v in x for y in leaves(v)] if isinstance(x, (list, tuple)) else [x]
+
+    @functools.wraps(fn)
+    def cached(*args):
+        flat = leaves(args)
+        tensors, key = [t for t in flat if isinstance(t, Tensor)], [id(a) if isinstance(a, Tensor) else a for a in flat]
+        if last.get("key") != key or any(r() is not t for r, t in zip(last["refs"], tensors)):
+            last.clear()
+            forget = lambda ref: any(ref is r for r in last.get("refs", ())) and last.clear()  # noqa: E731
+            last.update(value=fn(*args), key=key, refs=[weakref.ref(t, forget) for t in tensors])
+        return last["value"]
+    return cached
+
+
+@once_per_input
+def summed(extras: list[dict[str, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
+    """The clients' statistics added up in upload order: sum()'s bits (0 + the first, then each), one buffer each."""
+    return tuple(functools.reduce(Tensor.add_, [e[k] for e in extras[1:]], 0 + extras[0][k])
+                 for k in ("counts", "sums", "second"))
+
+
 def moments(f: Tensor, y: Tensor, classes: int, per_class: bool = True) -> dict[str, Tensor]:
     """The upload of rows f (float64) labelled y: per-class counts and sums, and each class's second moment Σ x xᵀ
     (or, `per_class` False, only their sum over classes, 1×d×d)."""
     return {"counts": torch.bincount(y, minlength=classes).double(),
             "sums": torch.zeros(classes, f.shape[1], dtype=torch.float64).index_add_(0, y, f),
-            "second": torch.stack([f[y == k].T @ f[y == k] for k in range(classes)]) if per_class else (f.T @ f)[None]}
+            "second": torch.stack([(r := f[y == k]).T @ r for k in range(classes)]) if per_class else (f.T @ f)[None]}
 
 
 class StatisticsOptions(BaseModel):
@@ -130,7 +163,7 @@ class SufficientStatistics(Strategy):
 
     def predictor(self, ctx: ServerContext) -> ModelPredictor:
         t0 = time.perf_counter()
-        counts, sums, second = (sum(e[k] for e in ctx.extras) for k in ("counts", "sums", "second"))
+        counts, sums, second = summed(ctx.extras)
         with torch.enable_grad():  # the heads that train on sampled features
             model = self.head(counts, sums, second, ctx)
         model = FeatureLinear(model[0].float(), model[1].float()) if isinstance(model, tuple) else model

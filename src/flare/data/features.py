@@ -6,6 +6,7 @@ another key, or unreadable, is refused, never used nor overwritten. Extraction: 
 path), NHWC (oneDNN's fast layout for depthwise convolutions, twice NCHW's speed here), chunks saved as they finish."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -120,14 +121,19 @@ def cache_path(cache_dir: Path, key: dict) -> Path:
                         f"{(key['augmentation'] or {}).get('views', 0)}v{how}-{digest}.pt")
 
 
+@functools.lru_cache(maxsize=2)  # a grid's worker runs many points over one file: read once while it stays the same
+def _load_file(path: str, stamp: tuple) -> dict:  # stamp: inode, size, mtime (a cache is replaced by a rename)
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def read_cache(path: Path, key: dict) -> dict | None:
     """The cached tensors; None without a file; a FlareError for an unreadable file or another key's (naming it)."""
     if not path.exists():
         return None
     fix = f"delete {path} (it is recomputed on the next run), or point dataset.options.cache_dir elsewhere."
     try:
-        d = torch.load(path, map_location="cpu", weights_only=True)
-        stored, t = json.loads(d["key"]), {k: d[k] for k in ("train", "train_y", "test", "test_y")}
+        d = _load_file(str(path), ((st := path.stat()).st_ino, st.st_size, st.st_mtime_ns))
+        stored, t = json.loads(d["key"]), {k: d[k].clone() for k in ("train", "train_y", "test", "test_y")}
         t.update(classes=list(d["classes"]), widths=list(d.get("widths", [d["train"].shape[-1]])))
     except Exception as e:  # noqa: BLE001 — any unreadable file is reported, never used
         why = str(e).splitlines()[0][:160] if str(e) else ""
