@@ -1,10 +1,10 @@
 """What a client sends the server, once: its model weights, its prototypes, its sample count, and the statistics
 the run's server strategies asked for (`extras`, server/extras.py).
 
-`validate_upload` is the server's gate for uploads it does not trust (a federation's clients): an upload
-with missing or extra tensors, wrong shapes, wrong dtypes, non-finite values, a prototype matrix whose
-class count does not match the run, or an impossible sample count is rejected with the reasons, and
-never reaches aggregation. The in-process runner builds its uploads itself and does not need the gate.
+`validate_upload` is the server's gate, which the round loop runs every upload through whatever its engine
+(flare/loop.py, `gate_uploads`): an upload with missing or extra tensors, wrong shapes, wrong dtypes, non-finite values,
+a prototype matrix whose class count does not match the run, or an impossible sample count is rejected with the
+reasons, and never reaches aggregation.
 """
 from __future__ import annotations
 
@@ -105,13 +105,11 @@ def check_tensors(what: str, got, shapes: Shapes, *, max_listed: int = 5) -> lis
 
 
 def validate_upload(upload: Upload, spec: UploadSpec) -> list[str]:
-    """Every reason to reject `upload` (an empty list: accept). Checks the client id and sample count, that
-    the state dict holds exactly the template's tensors with the template's shapes and dtypes, that every
-    floating tensor is finite and every integer buffer non-negative, and that the prototypes are a finite
+    """Every reason to reject `upload` (an empty list: accept). Checks the sample count (the client id is the loop's,
+    `why_rejected`), that the state dict holds exactly the template's tensors with the template's shapes and dtypes,
+    that every floating tensor is finite and every integer buffer non-negative, and that the prototypes are a finite
     C×d matrix of the run's class count C (present exactly when the head has prototypes)."""
     reasons: list[str] = []
-    if not isinstance(upload.client, int) or isinstance(upload.client, bool) or upload.client < 0:
-        reasons.append(f"client id {upload.client!r} is not a non-negative integer")
     n = upload.num_samples
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
         reasons.append(f"sample count {n!r} is not a positive integer")
