@@ -87,8 +87,8 @@ def test_a_mixed_federation_reproduces_flare_run_and_its_predictor(mixed, tmp_pa
 
 
 def test_an_upload_of_another_architecture_is_rejected_by_the_gate(mixed, tmp_path):
-    """A reply that decodes (`accept`) but holds another client architecture's network is turned away by the loop's
-    gate, which says so, and its node is dropped."""
+    """A reply that decodes (the transport's `train`) but holds another client architecture's network is turned away
+    by the loop's gate, which says so, and its node is dropped."""
     ov = [o for o in mixed if not o.startswith("rounds=")] + ["rounds=1"]
     fed = FederationSettings(preset="fafi", overrides=" ".join(ov), out_dir=str(tmp_path / "gate"), min_clients=2)
     s = ServerSession(fed.load_config(), fed, log=lambda m: None)
@@ -104,10 +104,11 @@ def test_an_upload_of_another_architecture_is_rejected_by_the_gate(mixed, tmp_pa
             return Reply(node, meta=meta, state={k: v.detach().cpu().clone() for k, v in state.items()})
 
         # client 1 runs wrn16_1 but uploads a cnn (client 0's architecture); client 2 uploads its own
-        s.received, _, s.nodes = s.accept(0, 1, [10, 11, 12], [reply(10, 0, inits[0]), reply(11, 1, inits[0]),
-                                                               reply(12, 2, inits[2])])
+        replies = [reply(10, 0, inits[0]), reply(11, 1, inits[0]), reply(12, 2, inits[2])]
+        s.send, s.nodes = (lambda task, init, nodes, session: replies), [10, 11, 12]
+        s.train(0, 1, {})
         assert [u.client for u in s.received] == [0, 1, 2] and not s.events  # each reply decodes
-        uploads, roll = gate_uploads(s.setup, s, 0, s.setup.scored(0), s._warn)
+        uploads, _, roll = gate_uploads(s.setup, s, 0, s.setup.scored(0), [], s._warn)
         assert [u.client for u in uploads] == [0, 2] and s.nodes == [10, 12] and roll["missing_clients"] == [1]
         (ev,) = s.events
         assert ev["kind"] == "rejected" and ev["client"] == 1

@@ -34,7 +34,7 @@ from flare.report.run_report import write_run_report
 from flare.rundir import FUSE, SCRATCH, RunDir, read_jsonl
 from flare.server.exchange import LocalClients
 from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
-from flare.loop import run_rounds, why_rejected
+from flare.loop import Clients, run_rounds, why_rejected
 from flare.server.upload import UPLOADS, Upload, load_uploads
 from flare.setup import ServerSetup, checked_split
 
@@ -157,19 +157,15 @@ def _score(job: FuseJob, names: list[str]) -> None:
             (rd.path / SCRATCH).rmdir()
 
 
-class SavedUploads:
+class SavedUploads(Clients):
     """The round loop's transport over a finished run's saved uploads (uploads.pt, flare/loop.py): nothing trains;
-    each upload passes the loop's gate against its client's architecture (every one must: a file that does not fit
-    the run is refused before anything is scored), and a strategy reads the statistics the server received, or,
-    where the run's server asked for none of them, computes them from the saved weights on the client's own
-    samples."""
-
-    roll_call = False
+    every upload must pass the loop's gate (a file that does not fit the run is refused before anything is scored),
+    and a strategy reads the statistics the server received, or, where the run's server asked for none of them,
+    computes them from the saved weights on the client's own samples."""
 
     def __init__(self, server: ServerSetup, rd: RunDir, data, partition):
         cfg, self.server, self.data, self.parts = server.cfg, server, data, partition.client_indices
-        self.path, self.fix = rd.file(UPLOADS), ("rerun the experiment into a new directory (runs are deterministic) "
-                                                 "and fuse that one.")
+        self.path, self.fix = rd.file(UPLOADS), "rerun the experiment into a new directory (runs are deterministic) and fuse that one."
         try:
             self.round, self.server_state, self.saved = load_uploads(self.path, server.backend.device)
         except Exception as e:  # noqa: BLE001 — a truncated/empty/foreign file raises many kinds of error
@@ -178,7 +174,7 @@ class SavedUploads:
             raise FlareError(f"'{self.path}' holds the uploads of round {self.round + 1}, not of the last round "
                              f"({cfg.rounds}).", key=KEY, fix=self.fix)
         self.received = [u.extras for u in self.saved]
-        self.required, self.without_data, self.rejected = len(self.saved), set(), {}
+        self.required = len(self.saved)
         self.last, self.models_ = None, []
 
     def blocks(self, start: int) -> list[tuple[int, int]]:
@@ -194,8 +190,8 @@ class SavedUploads:
                 for u, m in zip(self.saved, self.models(self.saved)) for ix in [torch.as_tensor(self.parts[u.client])]]
 
     def uploads(self, r: int, scored) -> list[Upload]:
-        """The saved uploads with the statistics `scored` ask for: those the server received, else computed (from
-        weights that pass the gate: the gate turns the others away)."""
+        """The saved uploads with the statistics `scored` ask for: those the server received, else computed from
+        weights that pass the gate."""
         wanted = extras_shapes(scored, self.server.template)
         got = all(set(wanted) <= set(ex) for ex in self.received)
         extras = ([{k: ex[k] for k in wanted} for ex in self.received] if got
@@ -206,12 +202,9 @@ class SavedUploads:
             u.extras = ex
         return self.saved
 
-    def gated(self, r: int, uploads: list[Upload], rejected: dict[int, list[str]]) -> None:
-        self.rejected = rejected
-
-    def stop(self, msg: str) -> FlareError:
+    def stop(self, msg: str, rejected: dict[int, list[str]]) -> FlareError:
         return FlareError(f"'{self.path}': " + (" ".join(f"the upload of client {c} does not fit the run ("
-                          + "; ".join(why) + ")." for c, why in self.rejected.items()) or msg), key=KEY, fix=self.fix)
+                          + "; ".join(why) + ")." for c, why in rejected.items()) or msg), key=KEY, fix=self.fix)
 
     def models(self, uploads: list[Upload]) -> list:
         """The saved weights in their clients' inits, built once the gate has passed them."""

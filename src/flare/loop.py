@@ -1,15 +1,13 @@
 """The server's round loop — the one loop every way of running a federation goes through. It owns the order of a
-round: what the server sends before the clients train, their uploads, the evaluation checkpoint (the strategies, the
-rounds they hold with the clients after the upload), what the server carries into the next round, the round's record,
-and the uploads written to the run directory (uploads.pt), so that `flare fuse` later scores exactly what the server
-received, extras included.
+round: what the server sends before the clients train, their uploads and the one gate and quorum they pass whatever
+the transport (`gate_uploads`), the evaluation checkpoint (the strategies, the rounds they hold with the clients after
+the upload), what the server carries into the next round, the round's record, and the uploads written to the run
+directory (uploads.pt), so that `flare fuse` later scores exactly what the server received, extras included.
 
 Where the clients are is the transport's business (`Clients`), and there are three:
 * in process (flare/runner.py: the sequential, threads and batched engines train the clients beside the server);
 * a Flower grid (flare/flower/server.py: one message per block of rounds, each reply decoded where it arrives);
 * saved uploads (flare/fuse.py: the last round's uploads.pt of a finished run; nothing trains).
-Whichever it is, every block's uploads pass one gate and one quorum here (`gate_uploads`): no engine hands the
-server an upload another would have turned away.
 """
 from __future__ import annotations
 
@@ -32,49 +30,47 @@ from flare.setup import ServerSetup
 
 
 class Clients(Protocol):
-    """How the loop reaches a run's clients. In a block of rounds [first, end) the loop hands `train` what the server
-    sends (`ServerSetup.train_message`) and gets the clients' training records, then their `uploads` (with the
-    statistics the round's scored strategies ask for), gates them and tells the transport who passed and who did
-    not, why (`gated`); fewer than `required` passing (those `without_data` counted) ends the run with `stop`'s
-    error. On an evaluated round it asks for the `models` holding the uploads and the `exchange` to their owners for
-    the rounds a strategy holds after the upload (None where none is asked). `roll_call`: every round's record names
-    who uploaded and who is missing, not only a round where one is; `round_done` keeps what the transport keeps."""
+    """How the loop reaches a run's clients (the transports subclass it). In a block of rounds [first, end) the loop
+    hands `train` what the server sends (`ServerSetup.train_message`) and gets the clients' training records, then
+    their `uploads` (with the statistics the scored strategies ask for), gates them and tells the transport who
+    passed and who did not, why (`gated`); fewer than `required` passing (those `without_data` counted) ends the run
+    with `stop`'s error. On an evaluated round it asks for the `models` holding the uploads and the `exchange` to
+    their owners for the rounds a strategy holds after the upload (None where none is asked). `roll_call`: every
+    round's record names who uploaded and who is missing; `round_done` keeps what the transport keeps."""
 
     required: int
-    without_data: set[int]
-    roll_call: bool
+    without_data: set[int] | frozenset[int] = frozenset()
+    roll_call = False
 
     def blocks(self, start: int) -> list[tuple[int, int]]: ...
     def train(self, first: int, end: int, sent: dict) -> list[dict]: ...
     def uploads(self, r: int, scored: Mapping[str, Strategy]) -> list[Upload]: ...
     def gated(self, r: int, uploads: list[Upload], rejected: dict[int, list[str]]) -> None: ...
-    def stop(self, msg: str) -> FlareError: ...
+    def stop(self, msg: str, rejected: dict[int, list[str]]) -> FlareError: ...
     def models(self, uploads: list[Upload]) -> list[nn.Module]: ...
     def exchange(self, uploads: list[Upload], scored: Mapping[str, Strategy]) -> Transport | None: ...
     def round_done(self, r: int, rec: dict, logs: list[dict], ev: Evaluation | None) -> None: ...
 
 
 def why_rejected(server: ServerSetup, upload: Upload, scored: Mapping[str, Strategy]) -> list[str]:
-    """Every reason the server turns `upload` away (none: it passes): a client id outside the run, or an upload that
-    is not its client's architecture's weights plus exactly the statistics `scored` ask for (`validate_upload`),
-    saying so when it holds another client architecture's network (a node started with the wrong partition-id)."""
+    """Every reason to turn `upload` away (none: it passes): a client id outside the run, or not its architecture's
+    weights plus the statistics `scored` ask for (`validate_upload`; another client architecture's network named)."""
     K, cid = server.cfg.num_clients, upload.client
     if not isinstance(cid, int) or isinstance(cid, bool) or not 0 <= cid < K:
         return [f"client id {cid!r} is not in 0..{K - 1}"]
     init, own = server.client_init(cid), server.architectures[cid]
-    spec = UploadSpec.from_model(init, server.meta.num_classes)
-    reasons = validate_upload(upload, replace(spec, extras=extras_shapes(scored, init)))
+    reasons = validate_upload(upload, replace(UploadSpec.from_model(init, server.meta.num_classes),
+                                              extras=extras_shapes(scored, init)))
     if reasons and isinstance(upload.state, dict):
-        other = next((a for a, m in server.inits.items() if a != own and m.state_dict().keys() == upload.state.keys()),
-                     None)
-        reasons[:0] = [f"it holds a {other.label} network, but client {cid} runs {own.label}"] if other else []
+        other = [a for a, m in server.inits.items() if a != own and set(m.state_dict()) == set(upload.state)]
+        reasons[:0] = [f"it holds a {other[0].label} network, but client {cid} runs {own.label}"] if other else []
     return reasons
 
 
-def gate_uploads(server: ServerSetup, clients: Clients, r: int, scored: Mapping[str, Strategy],
-         warn: Callable[[str], None]) -> tuple[list[Upload], dict]:
-    """The block's uploads that pass `why_rejected` (the others warned about), if enough pass; and what the round's
-    record says of who uploaded."""
+def gate_uploads(server: ServerSetup, clients: Clients, r: int, scored: Mapping[str, Strategy], logs: list[dict],
+                 warn: Callable[[str], None]) -> tuple[list[Upload], list[dict], dict]:
+    """The block's uploads that pass `why_rejected` (the others warned about), if enough pass; the training logs of
+    their clients (a rejected client's training is not the run's); what the round's record says of who uploaded."""
     passed, rejected = [], {}
     for u in clients.uploads(r, scored):
         if reasons := why_rejected(server, u, scored):
@@ -88,9 +84,9 @@ def gate_uploads(server: ServerSetup, clients: Clients, r: int, scored: Mapping[
     if not passed or len(passed) + len(empty) < clients.required:
         raise clients.stop(f"round {r + 1}: {len(passed)} valid upload(s) (+{len(empty)} client(s) without data) "
                            f"from {K} clients, fewer than min_clients={clients.required}; missing or rejected: "
-                           f"{missing}.")
-    roll = clients.roll_call or missing
-    return passed, {"clients": [u.client for u in passed], "missing_clients": missing} if roll else {}
+                           f"{missing}.", rejected)
+    roll = {"clients": [u.client for u in passed], "missing_clients": missing} if clients.roll_call or missing else {}
+    return passed, [rec for rec in logs if rec["client"] not in rejected], roll
 
 
 def run_rounds(server: ServerSetup, clients: Clients, out: RunDir | None, warn: Callable[[str], None],
@@ -104,11 +100,8 @@ def run_rounds(server: ServerSetup, clients: Clients, out: RunDir | None, warn: 
         logs = clients.train(first, end, server.train_message(first))
         trained = time.perf_counter() - t0
         evaluates = cfg.evaluates(r)
-        scored = {} if not evaluates else server.scored(r) if rules is None else {n: server.strategies[n]
-                                                                                   for n in rules}
-        uploads, roll = gate_uploads(server, clients, r, scored, warn)
-        passed = {u.client for u in uploads}
-        logs = [rec for rec in logs if rec["client"] in passed]  # a rejected client's training is not the run's
+        scored = (server.scored(r) if rules is None else {n: server.strategies[n] for n in rules}) if evaluates else {}
+        uploads, logs, roll = gate_uploads(server, clients, r, scored, logs, warn)
         ev = None
         if evaluates:
             carried = server.server_state()

@@ -28,7 +28,7 @@ from flare.rundata import RunData
 from flare.rundir import SUMMARY, ResumePoint, RunDir
 from flare.server.exchange import LocalClients
 from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
-from flare.loop import run_rounds
+from flare.loop import Clients, run_rounds
 from flare.server.rounds import Evaluation
 from flare.setup import RunSetup
 
@@ -189,12 +189,10 @@ class Run:
         return SummaryWriter(str(self.out / "tensorboard"))
 
 
-class InProcess:
+class InProcess(Clients):
     """The loop's transport in one process (flare/loop.py): the clients train beside the server, by the run's
-    engine (`Run._train_clients`), and upload their live models (through the loop's gate like any other's: every
-    client must pass); after every round a checkpoint."""
-
-    roll_call = False  # every client is here: a round's record names them only when one is turned away
+    engine (`Run._train_clients`), and upload their live models (every one must pass the gate); after every round a
+    checkpoint."""
 
     def __init__(self, run: Run, setup: RunSetup, clients: list[Client], active: list[Client],
                  batched: list[BatchedClients] | None, bar: Progress, tb, records: list[dict], config: dict):
@@ -219,13 +217,9 @@ class InProcess:
         asks = bool(extras_shapes(scored, self.setup.server.template))
         return [c.upload(client_extras(scored, self.data(c)) if asks else None) for c in self.active]
 
-    def gated(self, r: int, uploads, rejected) -> None:
-        pass  # a client turned away stops the run (the quorum is every client)
-
-    def stop(self, msg: str) -> FlareError:
-        return FlareError(msg + " Every client of an in-process run must upload: the run stops here, its directory "
-                          "keeps the earlier rounds.", fix="the warnings above name each tensor at fault; rerun once "
-                          "its cause is fixed (a client whose weights diverge: a lower lr).")
+    def stop(self, msg: str, rejected) -> FlareError:
+        return FlareError(msg + " Every client of an in-process run must upload: the run stops here.",
+                          fix="the warnings name each tensor at fault; rerun once its cause is fixed.")
 
     def models(self, uploads) -> list:
         return [self.clients[u.client].model for u in uploads]

@@ -214,8 +214,7 @@ class ServerSetup:
         return self.inits[self.architectures[i]]
 
     def client_models(self, uploads: list[Upload]) -> list[FlareNet]:
-        """Each upload's weights in a copy of its client's init: the models of clients that are not in this process
-        (a federation's nodes, a finished run's saved uploads)."""
+        """Each upload's weights in a copy of its client's init (clients not in this process: a federation's, fuse's)."""
         models = [copy.deepcopy(self.client_init(u.client)) for u in uploads]
         for m, u in zip(models, uploads):
             m.load_state_dict(u.state)

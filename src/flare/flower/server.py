@@ -26,7 +26,7 @@ from flare.report.run_report import write_run_report
 from flare.rundata import RunData
 from flare.rundir import RunDir
 from flare.server.upload import Upload, upload_of
-from flare.loop import run_rounds
+from flare.loop import Clients, run_rounds
 from flare.server.rounds import Evaluation
 from flare.data.prepare import describe_partition
 from flare.setup import ServerSetup
@@ -60,8 +60,6 @@ class FederationSettings:
         if s.upload not in ("per-round", "once"):
             raise FlareError(f"upload='{s.upload}' is neither 'per-round' nor 'once'.", key="upload",
                              fix="set upload=\"per-round\" (simulation, curve over rounds) or \"once\" (deployment).")
-        if s.min_clients < 0:
-            raise FlareError("min-clients must be >= 0 (0: every client).", key="min-clients")
         return s
 
     def load_config(self) -> Config:
@@ -74,7 +72,7 @@ FederationSettings.KEYS = {f.name.replace("_", "-"): f.name for f in fields(Fede
 @dataclass
 class Reply:
     """What the engine hands back for one node: an error string, or the decoded reply fields (any of
-    which may be malformed; `accept` checks them, the loop's gate the upload)."""
+    which may be malformed; `ServerSession.train` checks them, the loop's gate the upload)."""
 
     node: int
     error: str | None = None
@@ -105,7 +103,7 @@ def _sanitize_records(text, cid: int, rounds: range) -> tuple[list[dict], str | 
     return out, None
 
 
-class ServerSession:
+class ServerSession(Clients):
     """The server of one federated run: the run directory (`flare run`'s files, minus the client checkpoint), the
     server's setup (`flare.setup.ServerSetup`), and the round loop's transport over a Flower grid (flare/loop.py):
     one message per block of rounds, each reply decoded and its uploads handed to the loop's gate."""
@@ -114,6 +112,7 @@ class ServerSession:
 
     def __init__(self, cfg: Config, fed: FederationSettings, log=print, talk=None):
         self.cfg, self.fed, self.log, self.talk = cfg, fed, log, talk
+        self.required = fed.min_clients or cfg.num_clients  # the quorum
         self.warnings: list[str] = []
         self.out = Path(fed.out_dir or f"runs/flower-{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
         self.dir = RunDir(self.out).lock(key="out-dir")
@@ -160,10 +159,6 @@ class ServerSession:
         self.dir.unlock()
 
     # -- messages ---------------------------------------------------------------------------------
-    @property
-    def required(self) -> int:
-        return self.fed.min_clients or self.cfg.num_clients
-
     def task(self, round_start: int, round_end: int) -> Task:
         return Task(self.cfg, self.meta, round_start, round_end)
 
@@ -171,13 +166,14 @@ class ServerSession:
         R = self.cfg.rounds
         return [(r, r + 1) for r in range(start, R)] if self.fed.upload == "per-round" else [(0, R)]
 
-    # -- the replies ------------------------------------------------------------------------------
-    def accept(self, round_start: int, round_end: int, nodes: list[int], replies: list[Reply]):
-        """Check every reply of one block for what only a reply can get wrong (who it is, its sample count and
-        class histogram, its training logs, an upload that cannot be decoded); returns (uploads sorted by client id,
-        for the loop's gate, their training logs, the nodes to keep for the next block). Missing and turned-away
-        clients are logged and recorded."""
-        rounds = range(round_start, round_end)
+    # -- the loop's transport (flare/loop.py) ------------------------------------------------------
+    def train(self, first: int, end: int, sent: dict) -> list[dict]:
+        """One message to the nodes still kept (its content, `sent` included, is the app's: `train_content`); each
+        reply checked for what only a reply can get wrong (who it is, its sample count and class histogram, its
+        training logs, an upload that cannot be decoded), its node dropped if it is missing or turned away (logged,
+        recorded). The uploads, in client order, wait for the loop's gate; returns their training logs."""
+        nodes, self.arrived = self.nodes, {}
+        replies = self.send(self.task(first, end), first == 0, nodes, self) if nodes else []  # none: the quorum stops
         by_node = {rep.node: rep for rep in reversed(replies) if rep.node in nodes}  # each node's first reply
         uploads: dict[int, Upload] = {}
         logs: dict[int, list[dict]] = {}
@@ -186,7 +182,7 @@ class ServerSession:
             rep = by_node.get(node)
             known = self.node_client.get(node)
             if rep is None or rep.error is not None:
-                self._event("missing", round_end - 1, node, known, [
+                self._event("missing", end - 1, node, known, [
                     f"no reply within {self.fed.timeout:g} s (crashed, disconnected or too slow)" if rep is None
                     else f"the node reported an error: {rep.error}"])
                 continue
@@ -208,7 +204,7 @@ class ServerSession:
             elif isinstance(n, int) and sum(hist) != n:
                 reasons.append(f"class histogram sums to {sum(hist)}, not to the sample count {n}")
             if reasons:
-                self._event("rejected", round_end - 1, node, known, reasons)
+                self._event("rejected", end - 1, node, known, reasons)
                 continue
             if n == 0:
                 if cid not in self.without_data:
@@ -216,28 +212,18 @@ class ServerSession:
                 self.node_client[node], self.histograms[cid] = cid, hist
                 self.without_data.add(cid)
                 continue
-            recs, why = _sanitize_records(m.get("records"), cid, rounds)
+            recs, why = _sanitize_records(m.get("records"), cid, range(first, end))
             if rep.decode_error is not None or rep.state is None:
                 why = f"upload could not be decoded: {rep.decode_error or 'no weights'}"
             if why:
-                self._event("rejected", round_end - 1, node, cid, [why])
+                self._event("rejected", end - 1, node, cid, [why])
                 continue
             uploads[cid] = upload_of(cid, self.setup.client_init(cid), n, rep.extras, state=rep.state)
             logs[cid], self.arrived[cid] = recs, (node, hist)
             keep.append(node)
         order = sorted(uploads)  # the in-process runner's order: fusion sums in client order
-        recs = sorted((rec for c in order for rec in logs[c]), key=lambda rec: (rec["round"], rec["client"]))
-        return [uploads[c] for c in order], recs, keep
-
-    # -- the loop's transport (flare/loop.py) ------------------------------------------------------
-    def train(self, first: int, end: int, sent: dict) -> list[dict]:
-        """One message to the nodes still kept (its content, `sent` included, is the app's: `train_content`); every
-        reply through `accept`. The uploads wait for the loop's gate."""
-        self.arrived = {}
-        self.received, logs, self.nodes = (self.accept(first, end, self.nodes, self.send(self.task(first, end),
-                                                                                        first == 0, self.nodes, self))
-                                           if self.nodes else ([], [], []))  # no node left: the quorum stops it
-        return logs
+        self.received, self.nodes = [uploads[c] for c in order], keep
+        return sorted((rec for c in order for rec in logs[c]), key=lambda rec: (rec["round"], rec["client"]))
 
     def uploads(self, r: int, scored) -> list[Upload]:
         return self.received
@@ -253,7 +239,7 @@ class ServerSession:
             self.node_client[node] = u.client
         self.received = uploads
 
-    def stop(self, msg: str) -> FlareError:
+    def stop(self, msg: str, rejected) -> FlareError:
         return self._fail(msg + " The federation stops here; the run directory keeps the earlier rounds and "
                           "federation.json says who failed and why.", key="min-clients",
                           fix="bring the missing nodes up (see federation.json for the reasons), or lower "
@@ -318,11 +304,9 @@ class ServerSession:
         return FlareError(msg, key=key, fix=fix)
 
     def _event(self, kind: str, round_idx: int, node: int, cid, reasons: list[str]) -> None:
-        who = f"client {cid}" if cid is not None else f"node {node}"
-        msg = f"round {round_idx + 1}: {who} {'is missing' if kind == 'missing' else 'upload rejected'}: " + \
-              "; ".join(reasons)
         self.events.append({"kind": kind, "round": round_idx, "node": node, "client": cid, "reasons": reasons})
-        self._warn(msg)
+        self._warn(f"round {round_idx + 1}: {f'client {cid}' if cid is not None else f'node {node}'} "
+                   f"{'is missing' if kind == 'missing' else 'upload rejected'}: " + "; ".join(reasons))
 
     def _warn(self, msg: str) -> None:
         self.warnings.append(msg)
@@ -362,9 +346,9 @@ def run_federation(cfg: Config, fed: FederationSettings, exchange, node_ids: lis
     sends one task to `nodes` and returns their replies within the timeout (Flower's grid in
     `server_app.py`; a direct call in tests); `talk` carries the rounds a strategy holds with the clients after
     their upload (`NodeClients`; None: an engine that cannot, which refuses such a strategy)."""
-    if fed.min_clients > cfg.num_clients:
-        raise FlareError(f"min-clients={fed.min_clients} exceeds num_clients={cfg.num_clients}.", key="min-clients",
-                         fix="set min-clients at most num_clients (0: every client).")
+    if not 0 <= fed.min_clients <= cfg.num_clients:
+        raise FlareError(f"min-clients={fed.min_clients} is not in 0..num_clients={cfg.num_clients}.",
+                         key="min-clients", fix="set min-clients at most num_clients (0: every client).")
     s = ServerSession(cfg, fed, log=log, talk=talk)
     try:
         if s.finished_already:
