@@ -59,15 +59,17 @@ def test_no_file_over_450_lines():
 
 def test_the_package_stays_small():
     """A newcomer reads flare in an afternoon: src/ (every line, blank and docstring included, as `wc -l` counts
-    them) stays within 16,791 lines. A new method pays for itself by what it makes simpler elsewhere. The cap was
+    them) stays within 16,790 lines. A new method pays for itself by what it makes simpler elsewhere. The cap was
     15,800 until the eight closed-form heads (about 460 lines) and the checks made before the first client trains
     (about 200) landed, and 16,500 until the one round loop and its uploads record (flare/loop.py, uploads.pt:
     about 130 lines net) landed ahead of the rest of the server-loop redesign, which is to bring src/ down to
     15,000, 16,630 until every registry's parts were built one way, from their facts (`Registry.create`: about
     150 lines net), and 16,780 until the closed-form heads' statistics could count each image's mirror image too (the
-    `mirrored` option: 11 lines net, after the server's two roles were split at no net cost)."""
+    `mirrored` option: 11 lines net, after the server's two roles were split at no net cost), and 16,791 until the
+    upload gate and the quorum moved into the round loop for every transport (flare/loop.py, `gate_uploads`: the
+    Flower server's own gate and fuse's went, 1 line net)."""
     total = sum(len(p.read_text().splitlines()) for p in SRC.rglob("*.py"))
-    assert total <= 16_791, f"src/flare has {total} lines; the cap is 16,791"
+    assert total <= 16_790, f"src/flare has {total} lines; the cap is 16,790"
 
 
 # The import circle test (type-checking imports included) is tests/test_import_graph.py.
