@@ -19,6 +19,7 @@ from flare.flower.client_app import handle_train  # noqa: E402
 from flare.flower.predictor import load_predictor, save_predictor  # noqa: E402
 from flare.flower.server import FederationSettings, Reply, ServerSession, run_federation  # noqa: E402
 from flare.flower.server_app import make_exchange  # noqa: E402
+from flare.loop import gate_uploads  # noqa: E402
 from flare.models import create_model  # noqa: E402
 from flare.rundir import RunDir, read_jsonl  # noqa: E402
 from flare.runner import Run  # noqa: E402
@@ -86,8 +87,10 @@ def test_a_mixed_federation_reproduces_flare_run_and_its_predictor(mixed, tmp_pa
 
 
 def test_an_upload_of_another_architecture_is_rejected_by_the_gate(mixed, tmp_path):
+    """A reply that decodes (the transport's `train`) but holds another client architecture's network is turned away
+    by the loop's gate, which says so, and its node is dropped."""
     ov = [o for o in mixed if not o.startswith("rounds=")] + ["rounds=1"]
-    fed = FederationSettings(preset="fafi", overrides=" ".join(ov), out_dir=str(tmp_path / "gate"))
+    fed = FederationSettings(preset="fafi", overrides=" ".join(ov), out_dir=str(tmp_path / "gate"), min_clients=2)
     s = ServerSession(fed.load_config(), fed, log=lambda m: None)
     try:
         sent = s.setup.initial_message()  # one seeded init per client architecture, beside the anchors' seed
@@ -101,9 +104,12 @@ def test_an_upload_of_another_architecture_is_rejected_by_the_gate(mixed, tmp_pa
             return Reply(node, meta=meta, state={k: v.detach().cpu().clone() for k, v in state.items()})
 
         # client 1 runs wrn16_1 but uploads a cnn (client 0's architecture); client 2 uploads its own
-        uploads, _, keep = s.accept(0, 1, [10, 11, 12], [reply(10, 0, inits[0]), reply(11, 1, inits[0]),
-                                                         reply(12, 2, inits[2])])
-        assert [u.client for u in uploads] == [0, 2] and keep == [10, 12]
+        replies = [reply(10, 0, inits[0]), reply(11, 1, inits[0]), reply(12, 2, inits[2])]
+        s.send, s.nodes = (lambda task, init, nodes, session: replies), [10, 11, 12]
+        s.train(0, 1, {})
+        assert [u.client for u in s.received] == [0, 1, 2] and not s.events  # each reply decodes
+        uploads, _, roll = gate_uploads(s.setup, s, 0, s.setup.scored(0), [], s._warn)
+        assert [u.client for u in uploads] == [0, 2] and s.nodes == [10, 12] and roll["missing_clients"] == [1]
         (ev,) = s.events
         assert ev["kind"] == "rejected" and ev["client"] == 1
         why = " ".join(ev["reasons"])

@@ -1,6 +1,7 @@
 """The server's round loop is one function (flare/loop.py) that every transport runs, `Upload`s are made in one
 module, and the uploads the server scored are written to the run directory, where `flare fuse` reads them."""
 import ast
+import json
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from flare.server.protos import ServerPrototypes
 from flare.server.strategy import Scorer, ServerProtocol, Strategy
 from flare.server.upload import UPLOADS, load_uploads
 from flare.setup import ServerSetup
+from conftest import finished_fedavg_run
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "flare"
 
@@ -39,6 +41,16 @@ def test_one_loop_every_transport_calls():
     assert calls("run_rounds") == {"runner.py": 1, "flower/server.py": 1, "fuse.py": 1}
     for step in ("evaluate", "carry", "save_uploads", "runaway_warnings"):
         assert calls(step) == {"loop.py": 1}, step
+
+
+def test_one_gate_in_the_loop():
+    """The upload gate (`validate_upload`, through `why_rejected`) and the quorum run in the loop and nowhere else:
+    no transport checks uploads on its own (flare fuse asks the loop's gate once more only to know whether a saved
+    upload's weights can be loaded to compute a statistic)."""
+    assert calls("validate_upload") == {"loop.py": 1}
+    assert calls("why_rejected") == {"loop.py": 1, "fuse.py": 1}
+    assert calls("gate_uploads") == {"loop.py": 1}
+    assert [p.name for p in SRC.rglob("*.py") if "valid upload(s)" in p.read_text()] == ["loop.py"]  # the quorum
 
 
 def test_one_module_makes_uploads():
@@ -135,3 +147,73 @@ def test_the_two_roles_and_the_server_composes_its_protocols(tiny_overrides, tmp
     assert r == 2 and float(server_state["count"]) == 2 * K and server_state["G"].dim() == 2
     rounds = [x for x in read_jsonl(out / "metrics.jsonl") if x["kind"] == "round"]
     assert [x["counted"] for x in rounds] == [K] * 3 and all("server_loss_last" in x for x in rounds)
+
+
+def _misshapen(upload):
+    """`upload` with its first tensor one row too many (a client of another width, say)."""
+    name, t = next(iter(upload.state.items()))
+    upload.state = {**upload.state, name: torch.zeros(t.shape[0] + 1, *t.shape[1:], dtype=t.dtype)}
+    return upload
+
+
+def test_an_in_process_upload_that_does_not_fit_is_turned_away_by_the_loop(tiny_overrides, tmp_path, monkeypatch):
+    """In process, client 1's round-2 upload of the wrong shape is rejected by the loop's gate with the tensor named
+    (a warning), never scored, and the quorum (every client of an in-process run) ends the run: a FlareError that
+    names who, the first round's records kept."""
+    real, scored = flare.runner.InProcess.uploads, []
+    monkeypatch.setattr(flare.runner.InProcess, "uploads", lambda self, r, sc: [
+        _misshapen(u) if r == 1 and u.client == 1 else u for u in real(self, r, sc)])
+    real_eval = ServerSetup.evaluate
+    monkeypatch.setattr(ServerSetup, "evaluate", lambda self, r, uploads, *a, **kw: (
+        scored.append((r, [u.client for u in uploads])), real_eval(self, r, uploads, *a, **kw))[1])
+    out = tmp_path / "run"
+    with pytest.raises(FlareError, match=r"round 2: 2 valid upload\(s\).*missing or rejected: \[1\]") as e:
+        with pytest.warns(UserWarning, match=r"round 2: client 1 upload rejected: '.*' has shape"):
+            Run(load_config(None, "fedavg", tiny_overrides), out, quiet=True).execute()
+    assert "Fix:" in e.value.render()
+    assert scored == [(0, [0, 1, 2])]
+    assert [r["round"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "round"] == [0]
+
+
+def test_a_saved_upload_that_does_not_fit_is_turned_away_by_the_loop(tiny_overrides, tmp_path):
+    """Over saved uploads, the loop's gate turns a misshapen upload away, and the quorum (every saved upload) refuses
+    the fuse naming the tensor, before anything is scored or written."""
+    run = finished_fedavg_run(tiny_overrides, tmp_path / "run")
+    saved = torch.load(run / UPLOADS, weights_only=True)
+    up = saved["uploads"][1]
+    name, t = next(iter(up["state"].items()))
+    up["state"][name] = torch.zeros(t.shape[0] + 1, *t.shape[1:], dtype=t.dtype)
+    torch.save(saved, run / UPLOADS)
+    with pytest.raises(FlareError, match=f"the upload of client 1 does not fit the run \\('{name}' has shape"):
+        fuse_runs([str(run)], "fedavg")
+    assert not (run / "fuse.jsonl").exists()
+
+
+@pytest.mark.parametrize("transport", ["InProcess", "SavedUploads", "ServerSession"])
+def test_no_transport_bypasses_the_gate(transport, tiny_overrides, tmp_path, monkeypatch):
+    """The gate's verdict, replaced by the test's own (client 1 is turned away), holds for every transport: a
+    transport that scored its uploads without the loop's gate would let client 1 through."""
+    real = loop.why_rejected
+    monkeypatch.setattr(loop, "why_rejected", lambda server, u, scored: (
+        ["the test turns client 1 away"] if u.client == 1 else real(server, u, scored)))
+    ov = tiny_overrides + ["rounds=1"]
+    if transport == "ServerSession":
+        pytest.importorskip("flwr")
+        from test_flower_protocol import Nodes, rounds_of
+
+        Nodes().federate(ov, tmp_path / "fed", upload="once", min_clients=2)
+        (rec,) = rounds_of(tmp_path / "fed")
+        assert rec["clients"] == [0, 2] and rec["missing_clients"] == [1]
+        (ev,) = json.loads((tmp_path / "fed" / "federation.json").read_text())["events"]
+        assert ev["kind"] == "rejected" and ev["client"] == 1 and ev["reasons"] == ["the test turns client 1 away"]
+        return
+    if transport == "InProcess":
+        with pytest.raises(FlareError, match=r"missing or rejected: \[1\]"), pytest.warns(UserWarning):
+            Run(load_config(None, "fedavg", ov), tmp_path / "run", quiet=True).execute()
+        return
+    monkeypatch.setattr(loop, "why_rejected", real)  # the run itself passes
+    run = finished_fedavg_run(tiny_overrides, tmp_path / "run")
+    monkeypatch.setattr(loop, "why_rejected", lambda server, u, scored: (
+        ["the test turns client 1 away"] if u.client == 1 else real(server, u, scored)))
+    with pytest.raises(FlareError, match=r"client 1 does not fit the run \(the test turns client 1 away\)"):
+        fuse_runs([str(run)], "fedavg")

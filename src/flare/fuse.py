@@ -19,7 +19,6 @@ only with the same options.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import shutil
 import time
@@ -35,8 +34,8 @@ from flare.report.run_report import write_run_report
 from flare.rundir import FUSE, SCRATCH, RunDir, read_jsonl
 from flare.server.exchange import LocalClients
 from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
-from flare.loop import run_rounds
-from flare.server.upload import UPLOADS, Upload, UploadSpec, load_uploads, validate_upload
+from flare.loop import Clients, run_rounds, why_rejected
+from flare.server.upload import UPLOADS, Upload, load_uploads
 from flare.setup import ServerSetup, checked_split
 
 KEY = "RUN_DIR"
@@ -158,37 +157,25 @@ def _score(job: FuseJob, names: list[str]) -> None:
             (rd.path / SCRATCH).rmdir()
 
 
-class SavedUploads:
+class SavedUploads(Clients):
     """The round loop's transport over a finished run's saved uploads (uploads.pt, flare/loop.py): nothing trains;
-    each upload passes the gate against its client's architecture, and a strategy reads the statistics the server
-    received, or, where the run's server asked for none of them, computes them from the saved weights on the
-    client's own samples."""
+    every upload must pass the loop's gate (a file that does not fit the run is refused before anything is scored),
+    and a strategy reads the statistics the server received, or, where the run's server asked for none of them,
+    computes them from the saved weights on the client's own samples."""
 
     def __init__(self, server: ServerSetup, rd: RunDir, data, partition):
         cfg, self.server, self.data, self.parts = server.cfg, server, data, partition.client_indices
-        path, fix = rd.file(UPLOADS), "rerun the experiment into a new directory (runs are deterministic) and fuse that one."
+        self.path, self.fix = rd.file(UPLOADS), "rerun the experiment into a new directory (runs are deterministic) and fuse that one."
         try:
-            self.round, self.server_state, self.saved = load_uploads(path, server.backend.device)
+            self.round, self.server_state, self.saved = load_uploads(self.path, server.backend.device)
         except Exception as e:  # noqa: BLE001 — a truncated/empty/foreign file raises many kinds of error
-            raise FlareError(f"'{path}' is unreadable ({type(e).__name__}).", key=KEY, fix=fix) from None
+            raise FlareError(f"'{self.path}' is unreadable ({type(e).__name__}).", key=KEY, fix=self.fix) from None
         if self.round != cfg.rounds - 1:
-            raise FlareError(f"'{path}' holds the uploads of round {self.round + 1}, not of the last round "
-                             f"({cfg.rounds}).", key=KEY, fix=fix)
-        for u in self.saved:
-            reasons = ([f"client id {u.client!r} is not in 0..{cfg.num_clients - 1}"]
-                       if not isinstance(u.client, int) or not 0 <= u.client < cfg.num_clients else
-                       validate_upload(u, replace(UploadSpec.from_model(server.client_init(u.client), server.meta.num_classes),
-                                                  extras={k: (tuple(v.shape), v.dtype) for k, v in u.extras.items()})))
-            if reasons:
-                raise FlareError(f"'{path}': the upload of client {u.client} does not fit the run ("
-                                 + "; ".join(reasons) + ").", key=KEY, fix=fix)
+            raise FlareError(f"'{self.path}' holds the uploads of round {self.round + 1}, not of the last round "
+                             f"({cfg.rounds}).", key=KEY, fix=self.fix)
         self.received = [u.extras for u in self.saved]
-        self.last = None
-        self.models_ = []
-        for u in self.saved:
-            m = copy.deepcopy(server.client_init(u.client))
-            m.load_state_dict(u.state)
-            self.models_.append(m.eval())
+        self.required = len(self.saved)
+        self.last, self.models_ = None, []
 
     def blocks(self, start: int) -> list[tuple[int, int]]:
         return [(self.round, self.round + 1)]
@@ -196,25 +183,32 @@ class SavedUploads:
     def train(self, first: int, end: int, sent: dict) -> list[dict]:
         return []  # the clients trained in the run
 
-    def known(self, r: int, t0: float) -> dict:
-        return {}
-
     def clients(self) -> list[ClientData]:
         """Every client's side, from its saved weights and its data (for one strategy: a copy of each model)."""
         s, d = self.server, self.data
         return [client_side(u.client, m, d.train_x[ix], d.train_y[ix], s.norm, s.augment, s.backend.device)
-                for u, m in zip(self.saved, self.models_) for ix in [torch.as_tensor(self.parts[u.client])]]
+                for u, m in zip(self.saved, self.models(self.saved)) for ix in [torch.as_tensor(self.parts[u.client])]]
 
     def uploads(self, r: int, scored) -> list[Upload]:
+        """The saved uploads with the statistics `scored` ask for: those the server received, else computed from
+        weights that pass the gate."""
         wanted = extras_shapes(scored, self.server.template)
         got = all(set(wanted) <= set(ex) for ex in self.received)
-        extras = (self.received if got else [client_extras(scored, c) for c in self.clients()] if wanted
-                  else [{} for _ in self.saved])
+        extras = ([{k: ex[k] for k in wanted} for ex in self.received] if got
+                  else [{} for _ in self.saved] if any(why_rejected(self.server, replace(u, extras={}), {})
+                                                       for u in self.saved)
+                  else [client_extras(scored, c) for c in self.clients()])
         for u, ex in zip(self.saved, extras):
             u.extras = ex
         return self.saved
 
+    def stop(self, msg: str, rejected: dict[int, list[str]]) -> FlareError:
+        return FlareError(f"'{self.path}': " + (" ".join(f"the upload of client {c} does not fit the run ("
+                          + "; ".join(why) + ")." for c, why in rejected.items()) or msg), key=KEY, fix=self.fix)
+
     def models(self, uploads: list[Upload]) -> list:
+        """The saved weights in their clients' inits, built once the gate has passed them."""
+        self.models_ = self.models_ or [m.eval() for m in self.server.client_models(self.saved)]
         return self.models_
 
     def exchange(self, uploads: list[Upload], scored) -> LocalClients | None:

@@ -28,7 +28,7 @@ from flare.rundata import RunData
 from flare.rundir import SUMMARY, ResumePoint, RunDir
 from flare.server.exchange import LocalClients
 from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
-from flare.loop import run_rounds
+from flare.loop import Clients, run_rounds
 from flare.server.rounds import Evaluation
 from flare.setup import RunSetup
 
@@ -189,14 +189,16 @@ class Run:
         return SummaryWriter(str(self.out / "tensorboard"))
 
 
-class InProcess:
+class InProcess(Clients):
     """The loop's transport in one process (flare/loop.py): the clients train beside the server, by the run's
-    engine (`Run._train_clients`), and upload their live models; after every round a checkpoint."""
+    engine (`Run._train_clients`), and upload their live models (every one must pass the gate); after every round a
+    checkpoint."""
 
     def __init__(self, run: Run, setup: RunSetup, clients: list[Client], active: list[Client],
                  batched: list[BatchedClients] | None, bar: Progress, tb, records: list[dict], config: dict):
         self.run, self.setup, self.clients, self.active, self.batched = run, setup, clients, active, batched
         self.bar, self.tb, self.records, self.config = bar, tb, records, config
+        self.required, self.without_data = len(clients), {c.cid for c in clients if c.num_samples == 0}
 
     def blocks(self, start: int) -> list[tuple[int, int]]:
         return [(r, r + 1) for r in range(start, self.setup.cfg.rounds)]
@@ -204,9 +206,6 @@ class InProcess:
     def train(self, first: int, end: int, sent: dict) -> list[dict]:
         self.setup.ctx.received = sent
         return self.run._train_clients(self.active, self.setup.ctx, first, self.bar, self.batched)
-
-    def known(self, r: int, t0: float) -> dict:
-        return {"seconds_train": time.perf_counter() - t0}
 
     def data(self, c: Client) -> ClientData:
         """A client's side of `Strategy.client_extras`: a copy of its model (a strategy cannot disturb training)."""
@@ -218,12 +217,16 @@ class InProcess:
         asks = bool(extras_shapes(scored, self.setup.server.template))
         return [c.upload(client_extras(scored, self.data(c)) if asks else None) for c in self.active]
 
+    def stop(self, msg: str, rejected) -> FlareError:
+        return FlareError(msg + " Every client of an in-process run must upload: the run stops here.",
+                          fix="the warnings name each tensor at fault; rerun once its cause is fixed.")
+
     def models(self, uploads) -> list:
-        return [c.model for c in self.active]
+        return [self.clients[u.client].model for u in uploads]
 
     def exchange(self, uploads, scored) -> LocalClients | None:
         talks = any(s.extra_rounds() > 0 for s in scored.values())
-        return LocalClients([self.data(c) for c in self.active]) if talks else None
+        return LocalClients([self.data(self.clients[u.client]) for u in uploads]) if talks else None
 
     def round_done(self, r: int, rec: dict, logs: list[dict], ev: Evaluation | None) -> None:
         self.records += logs + [rec]

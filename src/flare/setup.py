@@ -213,6 +213,13 @@ class ServerSetup:
         """Client i's seeded init (its architecture's; not a copy)."""
         return self.inits[self.architectures[i]]
 
+    def client_models(self, uploads: list[Upload]) -> list[FlareNet]:
+        """Each upload's weights in a copy of its client's init (clients not in this process: a federation's, fuse's)."""
+        models = [copy.deepcopy(self.client_init(u.client)) for u in uploads]
+        for m, u in zip(models, uploads):
+            m.load_state_dict(u.state)
+        return models
+
     def take_data(self) -> ImageData:
         """The prepared dataset, handed over once: the caller takes the clients' samples from it (and the host
         copy is not kept beside the device copies)."""

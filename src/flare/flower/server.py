@@ -1,5 +1,6 @@
-"""The server of a federated run, engine-free: the run settings of the Flower app, the upload gate, every
-evaluation checkpoint and the run directory. `server_app.py` wraps it in Flower's Message API; tests drive it
+"""The server of a federated run, engine-free: the run settings of the Flower app, the round loop's transport over a
+Flower grid (the replies decoded and checked for what only a reply can get wrong; the upload gate and the quorum
+are the loop's, flare/loop.py) and the run directory. `server_app.py` wraps it in Flower's Message API; tests drive it
 directly and through Flower.
 
 The server is built, and evaluates, exactly as `flare run`'s (`flare.setup.ServerSetup`: the seeded inits, anchor
@@ -8,11 +9,10 @@ runs) plus federation.json and the saved global predictor.
 """
 from __future__ import annotations
 
-import copy
 import json
 import shlex
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +25,8 @@ from flare.flower.protocol import Task
 from flare.report.run_report import write_run_report
 from flare.rundata import RunData
 from flare.rundir import RunDir
-from flare.server.upload import Upload, UploadSpec, upload_of, validate_upload
-from flare.server.extras import extras_shapes
-from flare.loop import run_rounds
+from flare.server.upload import Upload, upload_of
+from flare.loop import Clients, run_rounds
 from flare.server.rounds import Evaluation
 from flare.data.prepare import describe_partition
 from flare.setup import ServerSetup
@@ -61,8 +60,6 @@ class FederationSettings:
         if s.upload not in ("per-round", "once"):
             raise FlareError(f"upload='{s.upload}' is neither 'per-round' nor 'once'.", key="upload",
                              fix="set upload=\"per-round\" (simulation, curve over rounds) or \"once\" (deployment).")
-        if s.min_clients < 0:
-            raise FlareError("min-clients must be >= 0 (0: every client).", key="min-clients")
         return s
 
     def load_config(self) -> Config:
@@ -75,7 +72,7 @@ FederationSettings.KEYS = {f.name.replace("_", "-"): f.name for f in fields(Fede
 @dataclass
 class Reply:
     """What the engine hands back for one node: an error string, or the decoded reply fields (any of
-    which may be malformed; `accept` checks them)."""
+    which may be malformed; `ServerSession.train` checks them, the loop's gate the upload)."""
 
     node: int
     error: str | None = None
@@ -106,13 +103,16 @@ def _sanitize_records(text, cid: int, rounds: range) -> tuple[list[dict], str | 
     return out, None
 
 
-class ServerSession:
+class ServerSession(Clients):
     """The server of one federated run: the run directory (`flare run`'s files, minus the client checkpoint), the
     server's setup (`flare.setup.ServerSetup`), and the round loop's transport over a Flower grid (flare/loop.py):
-    one message per block of rounds, every reply through the upload gate."""
+    one message per block of rounds, each reply decoded and its uploads handed to the loop's gate."""
+
+    roll_call = True  # nodes come and go: every round's record names who uploaded
 
     def __init__(self, cfg: Config, fed: FederationSettings, log=print, talk=None):
         self.cfg, self.fed, self.log, self.talk = cfg, fed, log, talk
+        self.required = fed.min_clients or cfg.num_clients  # the quorum
         self.warnings: list[str] = []
         self.out = Path(fed.out_dir or f"runs/flower-{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
         self.dir = RunDir(self.out).lock(key="out-dir")
@@ -142,18 +142,14 @@ class ServerSession:
             self._warn(w)
         self.setup.take_data()  # the clients' samples are on the nodes
         self.meta, self.template = self.setup.meta, self.setup.template
-        # Each client trains its own architecture (model.clients / model.mix): client i's upload is gated against,
-        # and loaded into, its architecture's init. A run of one architecture has one of each.
-        self.archs = self.setup.architectures
-        self.specs = {a: UploadSpec.from_model(m, self.meta.num_classes) for a, m in self.setup.inits.items()}
-        self.node_client: dict[int, int] = {}   # node id -> client id (fixed by its first reply)
+        self.node_client: dict[int, int] = {}   # node id -> client id (fixed by its first upload through the gate)
         self.histograms: dict[int, list[int]] = {}
-        self.empty: set[int] = set()
+        self.without_data: set[int] = set()
+        self.arrived: dict[int, tuple[int, list[int]]] = {}  # the block's uploads at the gate: client -> node, hist
         self.events: list[dict] = []            # who was missing or rejected, and why
         self.last: Evaluation | None = None
         self.send, self.nodes = None, []  # set by `run_federation`: the engine's exchange, the nodes it keeps
         self.received: list[Upload] = []
-        self.missing: list[int] = []
         self.dir.write_config(cfg)
         self.dir.clear_checkpoints()
         self.dir.write_metrics([])
@@ -163,10 +159,6 @@ class ServerSession:
         self.dir.unlock()
 
     # -- messages ---------------------------------------------------------------------------------
-    @property
-    def required(self) -> int:
-        return self.fed.min_clients or self.cfg.num_clients
-
     def task(self, round_start: int, round_end: int) -> Task:
         return Task(self.cfg, self.meta, round_start, round_end)
 
@@ -174,19 +166,14 @@ class ServerSession:
         R = self.cfg.rounds
         return [(r, r + 1) for r in range(start, R)] if self.fed.upload == "per-round" else [(0, R)]
 
-    # -- the gate ---------------------------------------------------------------------------------
-    def spec_for(self, last_round: int, cid: int) -> UploadSpec:
-        """The gate of client `cid`'s upload of a block ending at `last_round`: its architecture's weights, plus the
-        statistics the strategies scored after it ask for (server/extras.py; none on a round `eval.every` skips)."""
-        init, spec = self.setup.client_init(cid), self.specs[self.archs[cid]]
-        if not self.cfg.evaluates(last_round):
-            return spec
-        return replace(spec, extras=extras_shapes(self.setup.scored(last_round), init))
-
-    def accept(self, round_start: int, round_end: int, nodes: list[int], replies: list[Reply]):
-        """Check every reply of one block; returns (uploads sorted by client id, their training logs, the
-        nodes to keep for the next block). Missing and rejected clients are logged and recorded."""
-        rounds = range(round_start, round_end)
+    # -- the loop's transport (flare/loop.py) ------------------------------------------------------
+    def train(self, first: int, end: int, sent: dict) -> list[dict]:
+        """One message to the nodes still kept (its content, `sent` included, is the app's: `train_content`); each
+        reply checked for what only a reply can get wrong (who it is, its sample count and class histogram, its
+        training logs, an upload that cannot be decoded), its node dropped if it is missing or turned away (logged,
+        recorded). The uploads, in client order, wait for the loop's gate; returns their training logs."""
+        nodes, self.arrived = self.nodes, {}
+        replies = self.send(self.task(first, end), first == 0, nodes, self) if nodes else []  # none: the quorum stops
         by_node = {rep.node: rep for rep in reversed(replies) if rep.node in nodes}  # each node's first reply
         uploads: dict[int, Upload] = {}
         logs: dict[int, list[dict]] = {}
@@ -195,7 +182,7 @@ class ServerSession:
             rep = by_node.get(node)
             known = self.node_client.get(node)
             if rep is None or rep.error is not None:
-                self._event("missing", round_end - 1, node, known, [
+                self._event("missing", end - 1, node, known, [
                     f"no reply within {self.fed.timeout:g} s (crashed, disconnected or too slow)" if rep is None
                     else f"the node reported an error: {rep.error}"])
                 continue
@@ -206,10 +193,8 @@ class ServerSession:
                 reasons.append(f"client id {cid!r} is not in 0..{self.cfg.num_clients - 1}")
             elif known is not None and known != cid:
                 reasons.append(f"the node answered as client {known} before and as client {cid} now")
-            elif known is None and cid in self.node_client.values():
+            elif cid in uploads or known is None and cid in self.node_client.values():
                 reasons.append(f"client {cid} already answered from another node")
-            elif cid in uploads:
-                reasons.append(f"client {cid} answered twice")
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
                 reasons.append(f"sample count {n!r} is not a non-negative integer")
             if (not isinstance(hist, list) or len(hist) != self.meta.num_classes
@@ -219,77 +204,49 @@ class ServerSession:
             elif isinstance(n, int) and sum(hist) != n:
                 reasons.append(f"class histogram sums to {sum(hist)}, not to the sample count {n}")
             if reasons:
-                self._event("rejected", round_end - 1, node, known, reasons)
+                self._event("rejected", end - 1, node, known, reasons)
                 continue
             if n == 0:
-                if cid not in self.empty:
+                if cid not in self.without_data:
                     self._warn(f"client {cid} received no samples under this partition; it is skipped (weight 0).")
                 self.node_client[node], self.histograms[cid] = cid, hist
-                self.empty.add(cid)
+                self.without_data.add(cid)
                 continue
+            recs, why = _sanitize_records(m.get("records"), cid, range(first, end))
             if rep.decode_error is not None or rep.state is None:
-                self._event("rejected", round_end - 1, node, cid,
-                            [f"upload could not be decoded: {rep.decode_error or 'no weights'}"])
-                continue
-            up = upload_of(cid, self.setup.client_init(cid), n, rep.extras, state=rep.state)
-            reasons = validate_upload(up, self.spec_for(round_end - 1, cid))
-            if reasons:
-                reasons = self._other_architecture(cid, up.state) + reasons
-            recs, why = _sanitize_records(m.get("records"), cid, rounds)
+                why = f"upload could not be decoded: {rep.decode_error or 'no weights'}"
             if why:
-                reasons.append(why)
-            if reasons:
-                self._event("rejected", round_end - 1, node, cid, reasons)
+                self._event("rejected", end - 1, node, cid, [why])
                 continue
-            self.node_client[node], self.histograms[cid] = cid, hist
-            uploads[cid], logs[cid] = up, recs
+            uploads[cid] = upload_of(cid, self.setup.client_init(cid), n, rep.extras, state=rep.state)
+            logs[cid], self.arrived[cid] = recs, (node, hist)
             keep.append(node)
         order = sorted(uploads)  # the in-process runner's order: fusion sums in client order
-        recs = sorted((rec for c in order for rec in logs[c]), key=lambda rec: (rec["round"], rec["client"]))
-        return [uploads[c] for c in order], recs, keep
-
-    def _other_architecture(self, cid: int, state: dict) -> list[str]:
-        """The reason a rejected upload holds the network of another client architecture, if it does (a node
-        started with the wrong partition-id, or of another run)."""
-        own = self.archs[cid]
-        if not isinstance(state, dict):
-            return []
-        other = next((a for a, spec in self.specs.items() if a != own and spec.shapes.keys() == state.keys()), None)
-        return [f"it holds a {other.label} network, but client {cid} runs {own.label}"] if other else []
-
-    def check_quorum(self, uploads, round_idx: int) -> None:
-        if not uploads or len(uploads) + len(self.empty) < self.required:
-            missing = sorted(set(range(self.cfg.num_clients)) - {u.client for u in uploads} - self.empty)
-            msg = (f"round {round_idx + 1}: {len(uploads)} valid upload(s) (+{len(self.empty)} client(s) without data) "
-                   f"from {self.cfg.num_clients} clients, fewer than min_clients={self.required}; missing or "
-                   f"rejected: {missing}. The federation stops here; the run directory keeps the earlier rounds "
-                   "and federation.json says who failed and why.")
-            raise self._fail(msg, key="min-clients",
-                             fix="bring the missing nodes up (see federation.json for the reasons), or lower "
-                                 "min-clients if the run may proceed without them.")
-
-    # -- the loop's transport (flare/loop.py) ------------------------------------------------------
-    def train(self, first: int, end: int, sent: dict) -> list[dict]:
-        """One message to the nodes still kept (its content, `sent` included, is the app's: `train_content`); every
-        reply through the gate, then the quorum. The accepted uploads wait for the evaluation."""
-        self.received, logs, self.nodes = (self.accept(first, end, self.nodes, self.send(self.task(first, end),
-                                                                                        first == 0, self.nodes, self))
-                                           if self.nodes else ([], [], []))  # no node left: check_quorum stops it
-        self.check_quorum(self.received, end - 1)
-        self.missing = sorted(set(range(self.cfg.num_clients)) - {u.client for u in self.received} - self.empty)
-        return logs
-
-    def known(self, r: int, t0: float) -> dict:
-        return {"clients": [u.client for u in self.received], "missing_clients": self.missing}
+        self.received, self.nodes = [uploads[c] for c in order], keep
+        return sorted((rec for c in order for rec in logs[c]), key=lambda rec: (rec["round"], rec["client"]))
 
     def uploads(self, r: int, scored) -> list[Upload]:
         return self.received
 
+    def gated(self, r: int, uploads: list[Upload], rejected: dict[int, list[str]]) -> None:
+        """Drop the nodes whose upload the gate turned away (recorded in federation.json); the others are known."""
+        for cid, reasons in rejected.items():
+            node = self.arrived[cid][0]
+            self.events.append({"kind": "rejected", "round": r, "node": node, "client": cid, "reasons": reasons})
+            self.nodes.remove(node)
+        for u in uploads:
+            node, self.histograms[u.client] = self.arrived[u.client]
+            self.node_client[node] = u.client
+        self.received = uploads
+
+    def stop(self, msg: str, rejected) -> FlareError:
+        return self._fail(msg + " The federation stops here; the run directory keeps the earlier rounds and "
+                          "federation.json says who failed and why.", key="min-clients",
+                          fix="bring the missing nodes up (see federation.json for the reasons), or lower "
+                              "min-clients if the run may proceed without them.")
+
     def models(self, uploads: list[Upload]) -> list:
-        models = [copy.deepcopy(self.setup.client_init(u.client)) for u in uploads]  # in the backend's layout
-        for m, u in zip(models, uploads):
-            m.load_state_dict(u.state)
-        return models
+        return self.setup.client_models(uploads)  # in the backend's layout
 
     def exchange(self, uploads: list[Upload], scored) -> "NodeClients | None":
         return NodeClients(self, uploads) if self.talk is not None else None
@@ -299,7 +256,7 @@ class ServerSession:
         self.dir.write_state("running", r + 1, self.warnings, self.config)
         self.log(f"round {r + 1}: {len(self.received)} upload(s)"
                  + (f", acc ({rec['primary']}) {100 * acc:.2f}%" if (acc := rec.get("acc")) is not None else "")
-                 + (f", missing {self.missing}" if self.missing else ""))
+                 + (f", missing {rec['missing_clients']}" if rec["missing_clients"] else ""))
 
     def write_partition(self) -> None:
         C = self.meta.num_classes
@@ -332,8 +289,8 @@ class ServerSession:
     def _write_federation(self, status: str, error: str | None = None) -> None:
         d = {"status": status, "upload": self.fed.upload, "num_clients": self.cfg.num_clients,
              "min_clients": self.required, "timeout_s": self.fed.timeout,
-             "nodes": {str(n): c for n, c in sorted(self.node_client.items())},
-             "clients_without_data": sorted(self.empty), "events": self.events} | ({"error": error} if error else {})
+             "nodes": {str(n): c for n, c in sorted(self.node_client.items())}, "events": self.events,
+             "clients_without_data": sorted(self.without_data)} | ({"error": error} if error else {})
         self.dir.write_text("federation.json", json.dumps(d, indent=1))
 
     def _fail(self, msg: str, key: str, fix: str) -> FlareError:
@@ -347,11 +304,9 @@ class ServerSession:
         return FlareError(msg, key=key, fix=fix)
 
     def _event(self, kind: str, round_idx: int, node: int, cid, reasons: list[str]) -> None:
-        who = f"client {cid}" if cid is not None else f"node {node}"
-        msg = f"round {round_idx + 1}: {who} {'is missing' if kind == 'missing' else 'upload rejected'}: " + \
-              "; ".join(reasons)
         self.events.append({"kind": kind, "round": round_idx, "node": node, "client": cid, "reasons": reasons})
-        self._warn(msg)
+        self._warn(f"round {round_idx + 1}: {f'client {cid}' if cid is not None else f'node {node}'} "
+                   f"{'is missing' if kind == 'missing' else 'upload rejected'}: " + "; ".join(reasons))
 
     def _warn(self, msg: str) -> None:
         self.warnings.append(msg)
@@ -391,9 +346,9 @@ def run_federation(cfg: Config, fed: FederationSettings, exchange, node_ids: lis
     sends one task to `nodes` and returns their replies within the timeout (Flower's grid in
     `server_app.py`; a direct call in tests); `talk` carries the rounds a strategy holds with the clients after
     their upload (`NodeClients`; None: an engine that cannot, which refuses such a strategy)."""
-    if fed.min_clients > cfg.num_clients:
-        raise FlareError(f"min-clients={fed.min_clients} exceeds num_clients={cfg.num_clients}.", key="min-clients",
-                         fix="set min-clients at most num_clients (0: every client).")
+    if not 0 <= fed.min_clients <= cfg.num_clients:
+        raise FlareError(f"min-clients={fed.min_clients} is not in 0..num_clients={cfg.num_clients}.",
+                         key="min-clients", fix="set min-clients at most num_clients (0: every client).")
     s = ServerSession(cfg, fed, log=log, talk=talk)
     try:
         if s.finished_already:

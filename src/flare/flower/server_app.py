@@ -2,8 +2,8 @@
 Flower's grid.
 
 It builds the run's config from the app's run config (the keys: `flare.flower.server.FederationSettings`), waits for
-the nodes, and sends each a `train` message per block of rounds (`train_content`); every reply passes the upload gate
-(`flare.server.upload.validate_upload`) and every configured fusion rule is scored with the same code as `flare run`.
+the nodes, and sends each a `train` message per block of rounds (`train_content`); every reply is decoded here, its
+upload passes the round loop's gate (`flare.loop.gate_uploads`) and every fusion rule is scored as in `flare run`.
 A strategy that holds rounds with the clients after their upload (FENS) sends each round as one `query` message to
 the nodes (`make_talk`). It writes the same run directory plus federation.json (who answered, who was missing or
 rejected, and why) and the global predictor (predictor.pt + predictor.json).

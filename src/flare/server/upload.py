@@ -1,10 +1,10 @@
 """What a client sends the server, once: its model weights, its prototypes, its sample count, and the statistics
 the run's server strategies asked for (`extras`, server/extras.py).
 
-`validate_upload` is the server's gate for uploads it does not trust (a federation's clients): an upload
-with missing or extra tensors, wrong shapes, wrong dtypes, non-finite values, a prototype matrix whose
-class count does not match the run, or an impossible sample count is rejected with the reasons, and
-never reaches aggregation. The in-process runner builds its uploads itself and does not need the gate.
+`validate_upload` is the server's gate, which the round loop runs every upload through whatever its engine
+(flare/loop.py, `gate_uploads`): an upload with missing or extra tensors, wrong shapes, wrong dtypes, non-finite values,
+a prototype matrix whose class count does not match the run, or an impossible sample count is rejected with the
+reasons, and never reaches aggregation.
 """
 from __future__ import annotations
 
@@ -62,14 +62,12 @@ class UploadSpec:
     num_classes: int
     feature_dim: int
     prototype_head: bool
-    max_samples: int | None = None  # an upper bound on a client's sample count, when the server knows one
     extras: Shapes = field(default_factory=dict)  # what the strategies' client statistics must be (server/extras.py)
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, num_classes: int, max_samples: int | None = None) -> "UploadSpec":
+    def from_model(cls, model: torch.nn.Module, num_classes: int) -> "UploadSpec":
         shapes = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
-        return cls(shapes, int(num_classes), int(model.feature_dim), getattr(model, "prototypes", None) is not None,
-                   max_samples)
+        return cls(shapes, int(num_classes), int(model.feature_dim), getattr(model, "prototypes", None) is not None)
 
 
 def check_tensors(what: str, got, shapes: Shapes, *, max_listed: int = 5) -> list[str]:
@@ -105,42 +103,35 @@ def check_tensors(what: str, got, shapes: Shapes, *, max_listed: int = 5) -> lis
 
 
 def validate_upload(upload: Upload, spec: UploadSpec) -> list[str]:
-    """Every reason to reject `upload` (an empty list: accept). Checks the client id and sample count, that
-    the state dict holds exactly the template's tensors with the template's shapes and dtypes, that every
-    floating tensor is finite and every integer buffer non-negative, and that the prototypes are a finite
+    """Every reason to reject `upload` (an empty list: accept). Checks the sample count (the client id is the loop's,
+    `why_rejected`), that the state dict holds exactly the template's tensors with the template's shapes and dtypes,
+    that every floating tensor is finite and every integer buffer non-negative, and that the prototypes are a finite
     C×d matrix of the run's class count C (present exactly when the head has prototypes)."""
     reasons: list[str] = []
-    if not isinstance(upload.client, int) or isinstance(upload.client, bool) or upload.client < 0:
-        reasons.append(f"client id {upload.client!r} is not a non-negative integer")
     n = upload.num_samples
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
         reasons.append(f"sample count {n!r} is not a positive integer")
-    elif spec.max_samples is not None and n > spec.max_samples:
-        reasons.append(f"sample count {n} exceeds the {spec.max_samples} samples the run has")
 
     reasons += check_tensors("state", upload.state, spec.shapes)
     if spec.extras or upload.extras:
         reasons += check_tensors("extras", upload.extras, spec.extras)
 
-    P = upload.prototypes
-    if spec.prototype_head:
-        if P is None:
-            reasons.append("no prototypes, but the run's head has prototypes")
-        elif not isinstance(P, Tensor):
-            reasons.append(f"prototypes are a {type(P).__name__}, not a tensor")
-        else:
-            if P.dim() != 2:
-                reasons.append(f"prototypes have shape {list(P.shape)}, expected a {spec.num_classes}×"
-                               f"{spec.feature_dim} matrix")
-            else:
-                if P.shape[0] != spec.num_classes:
-                    reasons.append(f"prototypes have {P.shape[0]} classes, the run has {spec.num_classes}")
-                if P.shape[1] != spec.feature_dim:
-                    reasons.append(f"prototypes have dimension {P.shape[1]}, the encoder's is {spec.feature_dim}")
-            if not P.is_floating_point():
-                reasons.append(f"prototypes have dtype {P.dtype}, expected a floating dtype")
-            elif not bool(torch.isfinite(P).all()):
-                reasons.append("prototypes hold non-finite values")
+    P, C, d = upload.prototypes, spec.num_classes, spec.feature_dim
+    if spec.prototype_head != (P is not None):
+        reasons.append("no prototypes, but the run's head has prototypes" if spec.prototype_head
+                       else "prototypes were sent, but the run's head has none")
+    elif P is not None and not isinstance(P, Tensor):
+        reasons.append(f"prototypes are a {type(P).__name__}, not a tensor")
     elif P is not None:
-        reasons.append("prototypes were sent, but the run's head has none")
+        if P.dim() != 2:
+            reasons.append(f"prototypes have shape {list(P.shape)}, expected a {C}×{d} matrix")
+        else:
+            if P.shape[0] != C:
+                reasons.append(f"prototypes have {P.shape[0]} classes, the run has {C}")
+            if P.shape[1] != d:
+                reasons.append(f"prototypes have dimension {P.shape[1]}, the encoder's is {d}")
+        if not P.is_floating_point():
+            reasons.append(f"prototypes have dtype {P.dtype}, expected a floating dtype")
+        elif not bool(torch.isfinite(P).all()):
+            reasons.append("prototypes hold non-finite values")
     return reasons
