@@ -12,8 +12,8 @@ Where the clients are is the transport's business (`Clients`), and there are thr
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable, Mapping, Protocol
 
 from torch import nn
