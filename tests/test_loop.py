@@ -217,3 +217,20 @@ def test_no_transport_bypasses_the_gate(transport, tiny_overrides, tmp_path, mon
         ["the test turns client 1 away"] if u.client == 1 else real(server, u, scored)))
     with pytest.raises(FlareError, match=r"client 1 does not fit the run \(the test turns client 1 away\)"):
         fuse_runs([str(run)], "fedavg")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+def test_the_gate_counts_every_non_finite_value_and_passes_a_finite_tensor_whose_sum_overflows(dtype):
+    """The gate's finiteness check looks at a tensor's sum first: a finite sum passes at once, anything else is
+    counted value by value, so an overflowing sum of finite values is no reason to turn an upload away."""
+    from flare.server.upload import check_tensors
+    big = torch.full((64,), torch.finfo(dtype).max / 2, dtype=dtype)  # every value finite, their sum is not
+    assert not torch.isfinite(big.sum())
+    shapes = {"w": ((64,), dtype)}
+    assert check_tensors("state", {"w": big}, shapes) == []
+    bad = big.clone()
+    bad[[3, 9]], bad[20] = float("nan"), float("-inf")
+    assert check_tensors("state", {"w": bad}, shapes) == ["'w' holds 3 non-finite value(s)"]
+    ok = torch.randn(64).to(dtype)
+    ok[5] = float("inf")
+    assert check_tensors("state", {"w": ok}, shapes) == ["'w' holds 1 non-finite value(s)"]
