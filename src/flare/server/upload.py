@@ -1,10 +1,9 @@
 """What a client sends the server, once: its model weights, its prototypes, its sample count, and the statistics
 the run's server strategies asked for (`extras`, server/extras.py).
 
-`validate_upload` is the server's gate, which the round loop runs every upload through whatever its engine
-(flare/loop.py, `gate_uploads`): an upload with missing or extra tensors, wrong shapes, wrong dtypes, non-finite values,
-a prototype matrix whose class count does not match the run, or an impossible sample count is rejected with the
-reasons, and never reaches aggregation.
+`validate_upload` is the server's gate, run by the round loop on every upload whatever the engine (flare/loop.py,
+`gate_uploads`): missing or extra tensors, wrong shapes or dtypes, non-finite values, a prototype matrix of another
+class count or an impossible sample count turn an upload away, with the reasons, before aggregation.
 """
 from __future__ import annotations
 
@@ -94,9 +93,8 @@ def check_tensors(what: str, got, shapes: Shapes, *, max_listed: int = 5) -> lis
         if t.dtype != dtype:
             reasons.append(f"'{k}' has dtype {t.dtype}, expected {dtype}")
             continue
-        if t.is_floating_point():  # a finite sum means every value is finite (one inf or NaN makes it inf or NaN):
-            # one vectorised pass, 25x cheaper than an elementwise isfinite on a statistics upload's 340 MB; only a
-            # sum that is not finite (a bad value, or an overflow) pays for the exact count
+        if t.is_floating_point():  # a finite sum proves every value finite in one pass (25x cheaper on 340 MB of
+            # statistics than isfinite); only a sum that is not (a bad value, or an overflow) pays for the exact count
             if not torch.isfinite(t.sum()) and (bad := int((~torch.isfinite(t)).sum())):
                 reasons.append(f"'{k}' holds {bad} non-finite value(s)")
         elif t.numel() and t.dtype != torch.bool and int(t.min()) < 0:
