@@ -368,3 +368,20 @@ def test_recorded_runs_a_checkout_lacks_are_restored_before_the_grid_runs_or_rec
     assert json.loads((own / "state.json").read_text())["local"]  # the checkout's own run kept
     assert not (out / "b").exists()  # an unfinished record is not a run to skip
     assert fg.restore_recorded("blk") == 0
+
+
+def test_the_bounds_coverage_counts_each_offered_choice_and_names_those_without_any():
+    """The block says on how many offered feature choices each judged bound exists: a record missing, a cache of
+    another resolution or the mirrored rows do not count; a choice with no record at all is named."""
+    fg = tool("frozen_grid")
+    rec = {"test_acc": 0.8}
+    bounds = {"efficientnet_lite0-224px-bilinear": {1: {"lda": rec}, 8: {"lda": rec, "qda": rec, "logreg": rec}},
+              "efficientnet_lite0-224px-bilinear-flip": {8: {"lda": rec, "qda": rec}},
+              "efficientnet_lite2-64px-bilinear": {8: {"lda": rec}},
+              "efficientnet_lite2-260px-bicubic": {4: {"logreg": rec}}}
+    line = fg.bounds_coverage(bounds)
+    assert "48 offered feature choices" in line
+    assert "LDA on 2; QDA on 1; logistic regression on 2." in line
+    named = line.split("None yet for ")[1].rstrip(".").split(", ")
+    assert sorted(named) == sorted(f"efficientnet_lite{e} {r}" for e in (0, 1, 2) for r in ("bilinear", "bicubic")
+                                   if (e, r) not in ((0, "bilinear"), (2, "bicubic")))

@@ -401,6 +401,22 @@ def rf_note(out: Path) -> str:
             f"grid's {STATISTICS_BUDGET / 2**30:.0f} GiB budget")
 
 
+def bounds_coverage(bounds: dict) -> str:
+    """Which of the offered feature choices (each encoder at its own resolution × resize × stages 1–8, plain rows)
+    have the three bounds the target is judged against, and which have none yet: what the block can and cannot
+    claim about a ceiling."""
+    stages, resizes, want = range(1, 9), ("bilinear", "bicubic"), (("lda", "LDA"), ("qda", "QDA"),
+                                                                  ("logreg", "logistic regression"))
+    offered = [(e, r) for e in NATIVE_RESOLUTION for r in resizes]
+    have = {(e, r): bounds.get(f"{e}-{NATIVE_RESOLUTION[e]}px-{r}", {}) for e, r in offered}
+    counts = "; ".join(f"{label} on {sum(h in have[c].get(s, {}) for c in offered for s in stages)}"
+                       for h, label in want)
+    none = [f"{e} {r}" for (e, r), by in have.items() if not by]
+    return (f"Bounds measured on the {len(offered) * len(stages)} offered feature choices (encoder at its own "
+            f"resolution × resize × stages 1–8, each training image once): {counts}."
+            + (f" None yet for {', '.join(none)}." if none else ""))
+
+
 def render_224(base: Path) -> str:
     """The 224 px block of docs/frozen-encoder.md: the independent bounds per layer choice, GH-OFL's published row,
     the grid (every method × α × K × seeds), paired statistics, and the target's verdict."""
@@ -449,6 +465,7 @@ def render_224(base: Path) -> str:
                      "accuracy beneath; **chosen**: the `stages` whose LDA scored best on the held-out slice, the "
                      "grid's feature option:\n\n"
                      + md_table(["stages", "d", *[label for _, label in BOUND_HEADS]], rows) + "\n\n" + se.strip())
+    parts.append(bounds_coverage(bounds))
     # the published row
     pub_file = (base / "bounds").parent / PUBLISHED if (base / "bounds").is_dir() else \
         ROOT / "results" / "frozen-encoder-224" / PUBLISHED
