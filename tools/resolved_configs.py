@@ -1,5 +1,5 @@
 """Every preset's fully resolved config under each protocol and partition kind, and the protocol label of every
-committed run record, as one JSON document: run it on two trees and compare the files, to show that a change to
+committed run record, the paper suite's reproduction plan and every sweep file's points, as one JSON document: run it on two trees and compare the files, to show that a change to
 how configs are layered moved no resolved value and no label.
 
     PYTHONPATH=src:paper/src python tools/resolved_configs.py OUT.json      (in the tree's root)
@@ -51,6 +51,19 @@ def plans() -> dict:
     return out
 
 
+def sweeps() -> dict:
+    """Every point of every sweep file under configs/sweeps/ (`protocol: [clean, reference]` among them)."""
+    from flare.experiments.sweep import expand, load_sweep
+    out = {}
+    for path in sorted((ROOT / "configs" / "sweeps").glob("*.yaml")):
+        try:
+            spec, base = load_sweep(path)
+            out[path.name] = [[p.name, p.config.model_dump(mode="json")] for p in expand(spec, base)]
+        except Exception as e:  # a sweep whose data is not here: refused the same way on both trees
+            out[path.name] = f"refused: {type(e).__name__}: {getattr(e, 'key', '')}"
+    return out
+
+
 def labels() -> dict:
     from flare.config.protocol import protocol_label
     return {str(p.relative_to(ROOT)): protocol_label(yaml.safe_load(p.read_text()) or {})
@@ -64,16 +77,16 @@ def main() -> int:
     a = ap.parse_args()
     if a.compare:
         before, after = (json.loads(Path(p).read_text()) for p in a.compare)
-        for part in ("configs", "labels", "plans"):
+        for part in ("configs", "labels", "plans", "sweeps"):
             b, c = before[part], after[part]
             diff = sorted(k for k in b.keys() | c.keys() if b.get(k) != c.get(k))
-            refused = sum(isinstance(v, str) for v in b.values()) if part == "configs" else 0
+            refused = sum(isinstance(v, str) for v in b.values()) if part != "labels" else 0
             print(f"{part}: {len(b)} compared ({refused} refused on both), {len(diff)} differ"
                   + ("" if diff else ": all equal"))
             for k in diff[:20]:
                 print("  ", k)
         return 0
-    Path(a.out).write_text(json.dumps({"configs": resolved(), "labels": labels(), "plans": plans()}, sort_keys=True, indent=0))
+    Path(a.out).write_text(json.dumps({"configs": resolved(), "labels": labels(), "plans": plans(), "sweeps": sweeps()}, sort_keys=True, indent=0))
     return 0
 
 
