@@ -1,19 +1,25 @@
-"""The protocol switch (config/protocol.py): protocol=reference sets every item, an explicitly set item wins, and
-every item really changes the computation it names (BN at evaluation, input scaling, baselines, progress, Plan B,
-precision, drop_last, partitions)."""
+"""The protocols (flare/protocols/*.yaml, layered by config/load.py): protocol=reference sets every item its overlay
+names, a key the preset, file or override sets wins, clean changes nothing, and every item really changes the
+computation it names (BN at evaluation, input scaling, baselines, progress, Plan B, precision, drop_last,
+partitions)."""
 import hashlib
 import math
+from importlib import resources
 
 import numpy as np
 import pytest
 import torch
+import yaml
 from torch import nn
 
 from flare.client.plan import progress_at, run_progress
 from flare.client.terms.align import align_target
-from flare.config import build_config, load_config
-from flare.config.protocol import ITEMS, ITEM_KEYS, protocol_label
+from flare.config import build_config, list_presets, load_config, preset_mapping
+from flare.config import load as config_load
+from flare.config.load import key_default
+from flare.config.protocol import ITEM_KEYS, protocol_label
 from flare.errors import FlareError
+from flare.records import get_key, set_key
 from flare.registry import PROGRESS, STRATEGIES
 from flare.rundir import read_jsonl
 from flare.runner import Run
@@ -28,6 +34,8 @@ from flare.setup import RunSetup, ServerSetup, make_augment, normalizer
 from flare.server.protos import train_global_prototypes
 from conftest import make_partition
 
+REFERENCE = yaml.safe_load((resources.files("flare") / "protocols" / "reference.yaml").read_text())
+
 
 def _get(cfg, key):
     """The value a run reads for `key`; a strategy's option through the strategy (its default when unset)."""
@@ -40,48 +48,99 @@ def _get(cfg, key):
     return v
 
 
+def _overlay_for(overlay: dict, cfg: dict) -> dict:
+    """The file's items for a resolved config, read here on their own: the plain keys, then each `when` branch
+    that matches the config's value of its key, in order."""
+    out = {k: v for k, v in overlay.items() if k != "when"}
+    for key, by_value in overlay.get("when", {}).items():
+        out.update(_overlay_for(by_value.get(get_key(cfg, key), {}), cfg))
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
-# the switch and its layering
+# the overlay and its layering
 
 
-def test_clean_values_are_the_schema_defaults_and_clean_changes_nothing():
+def test_the_items_are_the_overlay_files_keys_and_clean_changes_nothing():
+    assert ITEM_KEYS[:2] == ("eval.bn", "augment.input_scaling") and len(ITEM_KEYS) == 12
+    assert set(ITEM_KEYS) == {k for k in REFERENCE if k != "when"}  # every item has a value in the file's body
     default = load_config(None, "fafi", [])
     assert default.protocol == "clean"
-    for it in ITEMS:
-        assert _get(default, it.key) == it.clean, it.key
+    for key in ITEM_KEYS:  # the clean value of an item is its default, and the reference one differs for most
+        assert _get(default, key) == key_default(key) is not None, key
+    assert [k for k in ITEM_KEYS if REFERENCE[k] == key_default(k)] == ["server.strategies.output.ensemble",
+                                                                           "progress", "drop_last", "partition.rng"]
     assert load_config(None, "fafi", ["protocol=clean"]).model_dump() == {**default.model_dump(), "protocol": "clean"}
+    assert protocol_label(default.model_dump(mode="json")) == "clean"
 
 
-@pytest.mark.parametrize("preset, extra, expect", [
-    ("fafi", ["partition.kind=dirichlet-fafi"],
-     {"eval.bn": "batch", "augment.input_scaling": "reference", "augment.per_image": False, "loss.ce_input": "plain",
-      "server.strategies.output.ensemble": "softmax", "server.strategies.fedavg.buffers": "first", "progress": "round-reset",
-      "align.target_progress": "round-reset", "server.protos_flow": "reference", "amp": "off", "drop_last": True,
-      "partition.rng": "legacy"}),
+@pytest.mark.parametrize("kind", ["dirichlet", "dirichlet-fafi", "iid", "shards"])
+def test_reference_is_the_overlay_layered_under_each_preset(kind):
+    """For every method preset: protocol=reference resolves to the clean config with the overlay's items (read
+    from the file here, their `when` branches matched against the clean config) written under the preset — a key
+    the preset sets itself (FedETF's logit ensemble) wins — and is labelled `reference` plus what the preset
+    pins."""
+    compared = 0
+    for preset in list_presets():
+        try:
+            clean = load_config(None, preset, [f"partition.kind={kind}"])
+        except FlareError:  # a preset that refuses this partition (none today) refuses it under either protocol
+            continue
+        ref = load_config(None, preset, ["protocol=reference", f"partition.kind={kind}"])
+        items = {k: v for k, v in _overlay_for(REFERENCE, clean.model_dump(mode="json")).items()
+                 if get_key(preset_mapping(preset), k) is None}
+        explicit = {"partition": {"kind": kind}}
+        for k, v in items.items():
+            set_key(explicit, k, v)
+        assert ref.model_dump() == {**load_config(None, preset, explicit).model_dump(), "protocol": "reference"}
+        for k in ITEM_KEYS:
+            assert _get(ref, k) == items.get(k, _get(clean, k)), (preset, k)
+        pinned = [k for k in ITEM_KEYS if k not in items and _get(ref, k) != _overlay_for(REFERENCE, ref.model_dump(
+            mode="json")).get(k)]  # what the preset pins away from the protocol, which the label names
+        assert protocol_label(ref.model_dump(mode="json")) == "reference" + "".join(
+            f", {k}={get_key(ref.model_dump(mode='json'), k)}" for k in pinned)
+        compared += 1
+    assert compared == len(list_presets())
+
+
+@pytest.mark.parametrize("preset, extra, expect", [  # the dependent items, as docs/reproduction.md states them
+    ("fafi", ["partition.kind=dirichlet-fafi"], {"progress": "round-reset", "drop_last": True, "partition.rng": "legacy",
+                                                 "server.strategies.output.ensemble": "softmax"}),
     ("ensemble", [], {"server.strategies.output.ensemble": "logits", "progress": "epoch", "drop_last": False}),
     ("flare", ["partition.kind=dirichlet-fafi"], {"progress": "epoch-end", "drop_last": True}),
-    ("uw-anneal-linear", [], {"progress": "epoch"}),
+    ("uw-anneal-linear", ["partition.kind=dirichlet-fafi"], {"progress": "epoch"}),
+    ("fedetf", [], {"server.strategies.output.ensemble": "logits"}),
     ("fafi", ["partition.kind=shards"], {"partition.rng": "generator"}),
     ("fafi", ["partition.kind=iid"], {"partition.rng": "legacy"}),
 ])
-def test_reference_sets_every_item(preset, extra, expect):
+def test_reference_values_that_depend_on_another_key(preset, extra, expect):
     cfg = load_config(None, preset, ["protocol=reference", *extra])
-    for k, v in expect.items():
-        assert _get(cfg, k) == v, k
-    if len(expect) == len(ITEMS):  # every item is covered; all but the ensemble (prototype heads: softmax) differ
-        assert set(expect) == set(ITEM_KEYS)
-        assert [it.key for it in ITEMS if expect[it.key] == it.clean] == ["server.strategies.output.ensemble"]
-    assert protocol_label(cfg.model_dump(mode="json")) == "reference"
+    assert {k: _get(cfg, k) for k in expect} == expect
 
 
-def test_an_explicit_item_wins_over_the_protocol(tmp_path):
+def test_an_overlay_value_is_used_and_its_when_branches_follow_their_key(monkeypatch):
+    overlay = {"eval.bn": "batch", "amp": "bf16",
+               "when": {"dataset.name": {"svhn": {"amp": "off", "when": {"seed": {3: {"eval.bn": "running"}}}}}}}
+    monkeypatch.setattr(config_load, "parsed_protocols", lambda: {"reference": overlay})
+
+    def items(*ov):
+        cfg = load_config(None, "fafi", ["protocol=reference", *ov])
+        return cfg.eval.bn, cfg.amp, cfg.augment.input_scaling
+
+    assert items() == ("batch", "bf16", "dataset")  # a key the overlay leaves alone keeps its default
+    assert items("dataset.name=svhn") == ("batch", "off", "dataset")
+    assert items("dataset.name=svhn", "seed=3") == ("running", "off", "dataset")
+    assert items("seed=3") == ("batch", "bf16", "dataset")  # a nested branch only inside its parent's
+    assert load_config(None, "fafi", ["amp=auto"]).amp == "auto"  # clean: no overlay at all
+
+
+def test_an_item_set_by_the_file_or_an_override_wins(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("protocol: reference\neval: {bn: running}\n")
     cfg = load_config(f, "fafi", ["amp=bf16"])
     assert cfg.eval.bn == "running" and cfg.amp == "bf16"          # file and override win
     assert cfg.augment.input_scaling == "reference"                # the rest follows the protocol
-    label = protocol_label(cfg.model_dump(mode="json"))
-    assert label == "reference, eval.bn=running, amp=bf16"
+    assert protocol_label(cfg.model_dump(mode="json")) == "reference, eval.bn=running, amp=bf16"
     # a clean config with one item flipped is labelled so
     assert protocol_label(load_config(None, "fafi", ["eval.bn=batch"]).model_dump(mode="json")) == \
         "clean, eval.bn=batch"
@@ -93,13 +152,18 @@ def test_a_written_config_round_trips():
     cfg = load_config(None, "flare", ["protocol=reference", "partition.kind=dirichlet-fafi"])
     again = build_config(cfg.model_dump(mode="json"))
     assert again == cfg
+    # its config.yaml holds every item: switching the protocol back keeps them (and labels the difference)
+    flipped = build_config({**cfg.model_dump(mode="json"), "protocol": "clean"})
+    assert flipped.eval.bn == "batch" and protocol_label(flipped.model_dump(mode="json")).startswith("clean, eval.bn")
 
 
 @pytest.mark.parametrize("ov, key", [
     (["protocol=referenc"], "protocol"),
+    (["protocol=[reference]"], "protocol"),
     (["partition.kind=shards", "partition.rng=legacy"], "partition.rng"),
     (["eval.bn=train"], "eval.bn"),
     (["progress=round"], "progress"),
+    (["protocol=reference", "partition.kind=[dirichlet]"], "partition.kind"),
 ])
 def test_bad_protocol_input_names_the_key(ov, key):
     with pytest.raises(FlareError) as e:

@@ -27,6 +27,25 @@ def flatten(m: dict, prefix: str = "") -> dict:
     return out
 
 
+def get_key(mapping: dict, key: str, default=None):
+    """A dotted key's value in a nested mapping; `default` where a section on its way is missing."""
+    node = mapping
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def set_key(mapping: dict, key: str, value) -> None:
+    """Set a dotted key in a nested mapping, copying (or making) each section on its way."""
+    *path, last = key.split(".")
+    node = mapping
+    for part in path:
+        node[part] = node = dict(node.get(part) or {})
+    node[last] = value
+
+
 def config_differences(old: dict, new: dict, defaults: dict | None = None) -> list[str]:
     """Dotted keys whose values differ; a key one side lacks and the other leaves empty (None, [], {}) is none.
 

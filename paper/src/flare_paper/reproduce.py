@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Callable
 
 from flare.config import config_for_preset
-from flare.config.protocol import ITEM_KEYS, ITEMS, ProtocolItem
+from flare.config.load import key_default
+from flare.config.protocol import ITEM_KEYS
 from flare.errors import FlareError
 from flare.experiments.sweep import SweepSpec, unflatten
 from flare.records import flatten
@@ -92,14 +93,13 @@ def settings_for(protocols: list[str]) -> list[str]:
     return [p for p in ("clean", "reference") if p in protocols]
 
 
-def _flip(item: ProtocolItem, base_name: str, preset: str, base_flat: dict) -> object:
-    """The value an item takes when flipped away from a base setting: the reference value from clean (as the
-    reference setting of this preset would set it), the clean value from reference."""
-    if base_name == "clean":
-        ref_flat = {**base_flat, **SETTINGS["reference"]}
-        ref_base = config_for_preset(unflatten({k: v for k, v in ref_flat.items() if k not in ITEM_KEYS}), preset)
-        return item.reference_value(ref_base.model_dump(mode="json"))
-    return item.clean
+def _flip(key: str, base_name: str, preset: str, base_flat: dict) -> object:
+    """The value an item takes when flipped away from a base setting: from clean, the value the reference setting
+    of this preset resolves it to; from reference, its clean value (the key's default)."""
+    if base_name != "clean":
+        return key_default(key)
+    ref = {k: v for k, v in {**base_flat, **SETTINGS["reference"]}.items() if k not in ITEM_KEYS}
+    return _get(config_for_preset(unflatten(ref), preset).model_dump(mode="json"), key)
 
 
 def plan(scale, dataset: str, zip_values: dict, seeds: list[int], protocols: list[str], common: dict,
@@ -128,25 +128,24 @@ def plan(scale, dataset: str, zip_values: dict, seeds: list[int], protocols: lis
     user = flatten(overrides)
     for base_name in names:
         bflat = {**base, **SETTINGS[base_name], "partition.alpha": a}
-        for item in ITEMS:
-            if item.key not in scale.ablation_items or item.key in user:
+        for item in ITEM_KEYS:
+            if item not in scale.ablation_items or item in user:
                 continue
             by_value: dict = {}
             for m in methods:
                 cfg = config_for_preset(unflatten({**bflat, **user}), m)
-                if not AFFECTS[item.key](cfg):
+                if not AFFECTS.get(item, lambda c: True)(cfg):  # an item not listed: any method
                     continue
                 value = _flip(item, base_name, m, {**bflat, **user})
-                if value != _get(cfg.model_dump(mode="json"), item.key):
+                if value != _get(cfg.model_dump(mode="json"), item):
                     by_value.setdefault(json.dumps(value), []).append(m)
             for vj, ms in by_value.items():
                 value = json.loads(vj)
-                key = f"ablation-from-{base_name}-{item.key}" + (f"-{value}" if len(by_value) > 1 else "")
-                out.append(Planned(key, f"{item.key} flipped alone from {base_name}",
-                                   SweepSpec(name=key, description=f"{base_name} with {item.key}={value}",
-                                             base=dict(bflat), presets=ms, seeds=seeds,
-                                             grid={item.key: [value]}),
-                                   {"role": "ablation", "from": base_name, "item": item.key, "value": value}))
+                key = f"ablation-from-{base_name}-{item}" + (f"-{value}" if len(by_value) > 1 else "")
+                out.append(Planned(key, f"{item} flipped alone from {base_name}",
+                                   SweepSpec(name=key, description=f"{base_name} with {item}={value}",
+                                             base=dict(bflat), presets=ms, seeds=seeds, grid={item: [value]}),
+                                   {"role": "ablation", "from": base_name, "item": item, "value": value}))
     return out
 
 

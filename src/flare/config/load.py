@@ -1,8 +1,12 @@
-"""Building a config: presets, the layering defaults <- preset <- file <- overrides, and error messages.
+"""Building a config: presets, protocols, the layering defaults <- protocol <- preset <- file <- overrides, and error
+messages.
 
 A *method* is nothing but a preset: a few lines of YAML in `flare/presets/` that pick the composable parts
-(objective, anchors, schedule, λ learner, gradient surgery, server rules). Every mistake becomes a
-`FlareError` that names the key and the fix (the CLI prints it, exit code 2)."""
+(objective, anchors, schedule, λ learner, gradient surgery, server rules). A *protocol* other than `clean` (the
+schema's defaults) is the same kind of data: a YAML file in `flare/protocols/` of the keys it sets (its items),
+layered under the preset, so that a key the preset, the file or an override sets wins — FedETF's preset keeps its
+logit ensemble under either protocol, and a run's config.yaml, which holds every key, reloads as it ran. Every
+mistake becomes a `FlareError` that names the key and the fix (the CLI prints it, exit code 2)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,16 +15,16 @@ import difflib
 import functools
 import re
 import typing
+from collections.abc import Hashable
 from importlib import resources
 from pathlib import Path
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from flare.config.protocol import _get, _set
 from flare.config.schema import RENAMED, RENAMED_VALUES, Config, KeyedValueError
 from flare.errors import FlareError, short
-from flare.records import config_differences, flatten
+from flare.records import config_differences, flatten, get_key, set_key
 from flare.registry import STRATEGIES
 
 
@@ -129,6 +133,45 @@ def preset_metadata(name: str) -> dict:
     """The report metadata (`PRESET_METADATA`) of preset `name`; {} for a name no preset has (a plugin's method)."""
     m = _parsed_presets().get(name, {})
     return {k: m[k] for k in PRESET_METADATA if k in m}
+
+
+@functools.cache
+def parsed_protocols() -> dict[str, dict]:
+    """name -> the overlay of protocol `name` ({dotted key: value}, maybe with a `when` table), from flare/protocols/."""
+    return {f.name[:-5]: load_yaml_text(f.read_text()) or {}
+            for f in (resources.files("flare") / "protocols").iterdir() if f.name.endswith(".yaml")}
+
+
+def protocol_overlay(mapping: dict) -> dict:
+    """{dotted key: value} of every item the mapping's `protocol` sets, its `when` tables resolved against the
+    mapping; {} for `clean` (and for a name no file has, which the schema then refuses).
+
+    Why `when`, and why as data: some items' reference values depend on another key (the reference code changed
+    between the notes' two batches of runs and the partition says which batch a setting belongs to; the λ learner
+    says how its progress was logged). `when: {KEY: {VALUE: items}}` layers the items given for KEY's value (its
+    default when nothing sets it), in the file's order, and items may hold a `when` of their own. One generic rule
+    over data instead of a function per item: the notes' version labels stay in the overlay file, beside the
+    evidence, and a new protocol is a new file."""
+    name = mapping.get("protocol")
+    return _resolve(parsed_protocols().get(name, {}) if isinstance(name, str) else {}, mapping)
+
+
+def _resolve(overlay: dict, mapping: dict) -> dict:
+    out = {k: v for k, v in overlay.items() if k != "when"}
+    for key, by_value in (overlay.get("when") or {}).items():
+        value = get_key(mapping, key, key_default(key))
+        out.update(_resolve(by_value.get(value, {}) if isinstance(value, Hashable) else {}, mapping))
+    return out
+
+
+@functools.cache
+def key_default(key: str):
+    """What `key` is when no layer sets it: the schema's default, or a part's option's (read from a config validated
+    with the sections around the key present and empty, which fills in the options' defaults)."""
+    around: dict = {}
+    if "." in key:
+        set_key(around, key.rpartition(".")[0], {})
+    return get_key(Config.model_validate(around).model_dump(mode="json"), key)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,20 +297,24 @@ def migrate(mapping: dict, refuse: bool = False) -> dict:
     out = copy.deepcopy(mapping)
     for old, new in RENAMED.items():
         section, _, name = old.rpartition(".")
-        node = _get(out, section, None) if section else out
+        node = get_key(out, section) if section else out
         if isinstance(node, dict) and name in node:
             value = node.pop(name)
             value = RENAMED_VALUES.get(old, {}).get(value, value) if isinstance(value, (bool, int, str)) else value
             if refuse:
                 raise FlareError(f"'{old}' was renamed to '{new}'.", key=old, fix=f"write {new}={value} instead.")
-            _set(out, new, value)
+            set_key(out, new, value)
     return out
 
 
 def build_config(mapping: dict) -> Config:
+    """The config of a mapping (defaults <- preset <- file <- overrides) with its protocol's overlay under it."""
     migrate(mapping, refuse=True)
+    below: dict = {}
+    for key, value in protocol_overlay(mapping).items():
+        set_key(below, key, value)
     try:
-        return Config.model_validate(mapping)
+        return Config.model_validate(deep_merge(below, mapping))
     except ValidationError as err:
         raise _explain(err) from None
 
@@ -304,7 +351,7 @@ def read_yaml_mapping(path: str | Path, what: str = "config file", key: str = "-
 
 def load_config(config_file: str | Path | None = None, preset: str | None = None,
                 overrides: list[str] | dict | None = None) -> Config:
-    """defaults <- preset <- file <- overrides. The file may name a preset with `preset: NAME`."""
+    """defaults <- protocol <- preset <- file <- overrides. The file may name a preset with `preset: NAME`."""
     file_map = read_yaml_mapping(config_file) if config_file is not None else {}
     ov = overrides if isinstance(overrides, dict) else parse_overrides(list(overrides or []))
     preset = preset or ov.get("preset") or file_map.get("preset")

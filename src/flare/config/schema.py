@@ -21,7 +21,6 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from flare.config.architectures import architecture_table, client_architectures, is_mixed
-from flare.config.protocol import fill_protocol
 from flare.config.sections import (OPTIONS_DESCRIPTION, AugmentCfg, DatasetCfg, LRScheduleCfg, ModelCfg,
                                    OptimCfg, PartitionCfg, Strict, architecture, part, part_options, part_table)
 from flare.errors import FlareError, KeyedValueError
@@ -187,8 +186,9 @@ class LoggingCfg(Strict):
 
 class Config(Strict):
     protocol: Literal["clean", "reference"] = Field(
-        "clean", description="clean (ours) or reference: sets every protocol item the config does not set itself "
-                             "to the reference code's behaviour (docs/reproduction.md lists the items)")
+        "clean", description="clean (ours) or reference: the reference code's value of every protocol item the "
+                             "preset, file and overrides do not set (flare/protocols/reference.yaml; "
+                             "docs/reproduction.md)")
     plugins: list[str] = Field([], description="modules imported before the rest of the config is validated, so "
                                                "their parts and options validate (module names on PYTHONPATH; "
                                                "docs/extending.md)")
@@ -253,12 +253,11 @@ class Config(Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _protocol_defaults(cls, data):
-        """Import the `plugins` first (so their parts validate), then protocol=reference fills every protocol item
-        the mapping leaves unset (config/protocol.py), then speed=fast its items."""
+    def _plugins_and_speed(cls, data):
+        """Import the `plugins` first (so their parts validate), then speed=fast fills its items."""
         if isinstance(data, dict):
             load_plugins(data.get("plugins"))
-        return fill_speed(fill_protocol(data))
+        return fill_speed(data)
 
     @field_validator("amp", mode="before")
     @classmethod

@@ -24,8 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flare.config import (build_config, config_for_preset, deep_merge, known_keys, list_presets, mapping_keys,
                           parse_overrides, read_yaml_mapping)
-from flare.config.protocol import _set
 from flare.errors import FlareError
+from flare.records import set_key
 from flare.report.tables import points_table
 from flare.experiments.execute import Point, check_data, check_dirs, execute_points, format_throughput, point_status, throughput
 from flare.rundir import RunDir, atomic_write_text
@@ -58,7 +58,7 @@ def unflatten(m: dict) -> dict:
     """{'a.b': 1, 'c': {'d': 2}} -> {'a': {'b': 1}, 'c': {'d': 2}} (dotted keys anywhere at the top)."""
     out: dict = {}
     for k, v in m.items():
-        _set(node := {}, str(k), v)  # the one dotted-key setter (config/protocol.py)
+        set_key(node := {}, str(k), v)
         out = deep_merge(out, node)
     return out
 
