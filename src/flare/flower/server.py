@@ -105,8 +105,9 @@ def _sanitize_records(text, cid: int, rounds: range) -> tuple[list[dict], str | 
 
 class ServerSession(Clients):
     """The server of one federated run: the run directory (`flare run`'s files, minus the client checkpoint), the
-    server's setup (`flare.setup.ServerSetup`), and the round loop's transport over a Flower grid (flare/loop.py):
-    one message per block of rounds, each reply decoded and its uploads handed to the loop's gate."""
+    server's setup (`flare.setup.ServerSetup`), and the round loop's transports over a Flower grid (flare/loop.py):
+    one message per block of rounds, each reply decoded and its uploads handed to the loop's gate; and, for the
+    rounds a strategy holds after the upload (server/exchange.py's `Transport`), one message per such round."""
 
     roll_call = True  # nodes come and go: every round's record names who uploaded
 
@@ -122,13 +123,8 @@ class ServerSession(Clients):
                                  and self.dir.read_state().get("status") == "finished")
         if self.finished_already:
             return
-        self.setup = ServerSetup.build(cfg, dataset_meta=fed.dataset_meta or None)
-        talking = [n for n, s in self.setup.strategies.items() if s.extra_rounds() > 0]
         try:
-            if talking and talk is None:
-                raise FlareError(f"server strategies {talking} hold rounds with the clients after their upload, "
-                                 "which this engine cannot send.", key=f"server.strategies.{talking[0]}",
-                                 fix="run the federation through the FLARE ServerApp, or use `flare run`.")
+            self.setup = ServerSetup.build(cfg, dataset_meta=fed.dataset_meta or None)
             # what it sends before a later round depends on the evaluations between: one message cannot carry it
             if fed.upload == "once" and cfg.rounds > 1 and (sends := self.setup.train_message(1)):
                 raise FlareError(f"the server sends the clients {sorted(sends)} before every round (e.g. Plan B's G "
@@ -141,7 +137,7 @@ class ServerSession(Clients):
         for w in self.setup.warnings:
             self._warn(w)
         self.setup.take_data()  # the clients' samples are on the nodes
-        self.meta, self.template = self.setup.meta, self.setup.template
+        self.meta = self.setup.meta
         self.node_client: dict[int, int] = {}   # node id -> client id (fixed by its first upload through the gate)
         self.histograms: dict[int, list[int]] = {}
         self.without_data: set[int] = set()
@@ -150,6 +146,7 @@ class ServerSession(Clients):
         self.last: Evaluation | None = None
         self.send, self.nodes = None, []  # set by `run_federation`: the engine's exchange, the nodes it keeps
         self.received: list[Upload] = []
+        self.talking: list[int] = []  # the nodes of the uploads a strategy's rounds after the upload go to
         self.dir.write_config(cfg)
         self.dir.clear_checkpoints()
         self.dir.write_metrics([])
@@ -158,15 +155,14 @@ class ServerSession(Clients):
     def close(self) -> None:
         self.dir.unlock()
 
-    # -- messages ---------------------------------------------------------------------------------
     def task(self, round_start: int, round_end: int) -> Task:
         return Task(self.cfg, self.meta, round_start, round_end)
 
-    def blocks(self, start: int = 0) -> list[tuple[int, int]]:
+    # -- the loop's transport (flare/loop.py) ------------------------------------------------------
+    def blocks(self, start: int) -> list[tuple[int, int]]:
         R = self.cfg.rounds
         return [(r, r + 1) for r in range(start, R)] if self.fed.upload == "per-round" else [(0, R)]
 
-    # -- the loop's transport (flare/loop.py) ------------------------------------------------------
     def train(self, first: int, end: int, sent: dict) -> list[dict]:
         """One message to the nodes still kept (its content, `sent` included, is the app's: `train_content`); each
         reply checked for what only a reply can get wrong (who it is, its sample count and class histogram, its
@@ -248,8 +244,31 @@ class ServerSession(Clients):
     def models(self, uploads: list[Upload]) -> list:
         return self.setup.client_models(uploads)  # in the backend's layout
 
-    def exchange(self, uploads: list[Upload], scored) -> "NodeClients | None":
-        return NodeClients(self, uploads) if self.talk is not None else None
+    def exchange(self, uploads: list[Upload], scored) -> "ServerSession | None":
+        node_of = {c: n for n, c in self.node_client.items()}
+        self.talking = [node_of[u.client] for u in uploads]
+        return self if self.talk is not None else None
+
+    def round(self, name: str, strategy, rnd: int, message: dict) -> list[dict]:
+        """One round a strategy holds after the upload: one message to the nodes that uploaded, in upload order
+        (`talk(task, strategy, round, message, nodes) -> list[Reply]`, the reply's tensors in `Reply.state`); each
+        of them must answer, since the strategy aggregates every client that uploaded."""
+        got = {r.node: r for r in self.talk(self.task(self.cfg.rounds - 1, self.cfg.rounds), name, rnd, message,
+                                            self.talking)}
+        out = []
+        for node in self.talking:
+            rep = got.get(node)
+            why = ("no reply within the timeout" if rep is None else rep.error or rep.decode_error
+                   or ("no tensors" if rep.state is None else None))
+            if why:
+                msg = (f"round {rnd + 1} of the rounds server strategy '{name}' holds after the upload: client "
+                       f"{self.node_client[node]} did not answer ({why}); the strategy needs every client that "
+                       "uploaded.")
+                raise self._fail(msg, key=f"server.strategies.{name}",
+                                 fix="bring the node up and run the federation again (federation.json says who "
+                                     "failed), or leave the strategy out of eval.rules.")
+            out.append(dict(rep.state))
+        return out
 
     def round_done(self, r: int, rec: dict, logs: list[dict], ev: Evaluation | None) -> None:
         self.last = ev or self.last  # the last round is always evaluated: it ends as the final predictor
@@ -258,7 +277,9 @@ class ServerSession(Clients):
                  + (f", acc ({rec['primary']}) {100 * acc:.2f}%" if (acc := rec.get("acc")) is not None else "")
                  + (f", missing {rec['missing_clients']}" if rec["missing_clients"] else ""))
 
+    # -- the run directory -------------------------------------------------------------------------
     def write_partition(self) -> None:
+        """partition.json from the class histograms the clients reported (the server may not hold their data)."""
         C = self.meta.num_classes
         labels = [np.repeat(np.arange(C), self.histograms.get(i, [0] * C)) for i in range(self.cfg.num_clients)]
         ends = np.cumsum([0] + [len(lab) for lab in labels]).tolist()
@@ -276,15 +297,12 @@ class ServerSession(Clients):
         self._write_federation("finished")
         if self.fed.save_predictor and self.received:
             saved = save_predictor(self.dir, self.cfg, self.meta, self.received, self.last.weights, self.last.G,
-                                   self.last.record, self.template.feature_dim, self.last.predictors)
+                                   self.last.record, self.setup.template.feature_dim, self.last.predictors)
             if isinstance(saved, str):
                 self._warn(saved)
         self.dir.write_state("finished", self.cfg.rounds, self.warnings, self.config)
-        write_run_report(self.out)
-        if self.setup.test_x is None:  # nothing was scored
-            return {"method": self.cfg.method, "primary": self.last.record["primary"], "acc": None,
-                    "rounds": len(self.blocks())}
-        return RunData.load(self.out).summary()
+        summary = write_run_report(self.out).summary()
+        return summary | {"acc": None} if self.setup.test_x is None else summary  # None: nothing was scored
 
     def _write_federation(self, status: str, error: str | None = None) -> None:
         d = {"status": status, "upload": self.fed.upload, "num_clients": self.cfg.num_clients,
@@ -311,34 +329,6 @@ class ServerSession(Clients):
     def _warn(self, msg: str) -> None:
         self.warnings.append(msg)
         self.log("WARNING: " + msg)
-
-
-class NodeClients:
-    """server/exchange.py's transport over a federation: each round of a strategy's rounds after the upload is one
-    message to the nodes that uploaded, in upload order (`talk(task, strategy, round, message, nodes) ->
-    list[Reply]`, the reply's tensors in `Reply.state`); each of them must answer, since the strategy aggregates
-    every client that uploaded."""
-
-    def __init__(self, session: "ServerSession", uploads: list[Upload]):
-        node_of = {c: n for n, c in session.node_client.items()}
-        self.session, self.nodes = session, [node_of[u.client] for u in uploads]
-
-    def round(self, name: str, strategy, rnd: int, message: dict) -> list[dict]:
-        s = self.session
-        got = {r.node: r for r in s.talk(s.task(s.cfg.rounds - 1, s.cfg.rounds), name, rnd, message, self.nodes)}
-        out = []
-        for node in self.nodes:
-            rep = got.get(node)
-            why = ("no reply within the timeout" if rep is None else rep.error or rep.decode_error
-                   or ("no tensors" if rep.state is None else None))
-            if why:
-                msg = (f"round {rnd + 1} of the rounds server strategy '{name}' holds after the upload: client "
-                       f"{s.node_client[node]} did not answer ({why}); the strategy needs every client that uploaded.")
-                raise s._fail(msg, key=f"server.strategies.{name}",
-                              fix="bring the node up and run the federation again (federation.json says who failed), "
-                                  "or leave the strategy out of eval.rules.")
-            out.append(dict(rep.state))
-        return out
 
 
 def run_federation(cfg: Config, fed: FederationSettings, exchange, node_ids: list[int], log=print, talk=None) -> dict:
