@@ -18,10 +18,9 @@ from torch import Tensor
 
 from flare.client.trainer import Client
 from flare.config import Config, build_config, config_to_yaml
-from flare.config.architectures import Architecture
 from flare.data.partition import Partition
 from flare.errors import FlareError
-from flare.models import create_architecture
+from flare.models import FlareNet, create_architecture
 from flare.server.extras import client_extras, client_side, extras_shapes
 from flare.server.rounds import rules_for
 from flare.server.strategy import Strategy, make_strategies, sent_init
@@ -59,11 +58,15 @@ class Task:
         return t
 
 
-def client_architecture(cfg: Config, cid: int) -> Architecture:
-    """The architecture client `cid` trains (`model.clients` / `model.mix`). An id outside the run gets the first
-    client's: the node still trains and answers, and the server's gate rejects the reply with the reason."""
-    archs = cfg.client_architectures()
-    return archs[cid] if 0 <= cid < len(archs) else archs[0]
+def client_model(cfg: Config, meta: DataMeta, cid: int, state: dict[str, Tensor], device) -> FlareNet:
+    """Client `cid`'s network (its architecture: `model.clients` / `model.mix`) holding `state`, on `device`. An id
+    outside the run gets the first client's: the node still trains and answers, and the server's gate rejects the
+    reply with the reason."""
+    arch = cfg.client_architectures()[cid if 0 <= cid < cfg.num_clients else 0]
+    model = create_architecture(arch, meta.in_channels, meta.num_classes, cfg.head, cfg.model.feature_dim,
+                                checkpoint=False)  # its checkpoint, if any, is in the init sent already
+    model.load_state_dict(state)
+    return model.to(device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -182,15 +185,11 @@ def client_train(task: Task, local: LocalData, first: dict[str, Tensor], resume:
     if local.num_samples == 0:
         return ClientResult(local.cid, 0, hist, None, [], None)
     be = settle_speed(backend(cfg, device), cfg, (meta.in_channels, meta.image_size, meta.image_size), meta.num_classes)
-    arch = client_architecture(cfg, local.cid)  # its checkpoint, if any, is in the init sent already
-    key = init_keys([*cfg.client_architectures(), arch])[-1]  # arch's: it is one of the run's
+    key = init_keys(cfg.client_architectures())[local.cid if 0 <= local.cid < cfg.num_clients else 0]
     if not (init_state := sent_init(first, key)):
         raise FlareError(f"the first message carries no init weights '{key}' for client {local.cid}'s architecture.",
                          fix="install the same flare-ofl version on the server and every node.")
-    model = create_architecture(arch, meta.in_channels, meta.num_classes, cfg.head, cfg.model.feature_dim,
-                                checkpoint=False)
-    model.load_state_dict(init_state)
-    model = model.to(be.device)
+    model = client_model(cfg, meta, local.cid, init_state, be.device)
     if be.channels_last:
         model = model.to(memory_format=torch.channels_last)
     ctx = client_context(cfg, meta, be, model.feature_dim, local.x, local.y, first)
@@ -211,7 +210,7 @@ def client_train(task: Task, local: LocalData, first: dict[str, Tensor], resume:
 
 def block_extras(cfg: Config, last_round: int, client: Client, ctx) -> dict[str, Tensor]:
     """What the strategies the server scores after `last_round` ask this client for (none on a round `eval.every`
-    skips); the server's gate expects exactly these (`ServerSession.spec_for`)."""
+    skips); the server's gate expects exactly these (`flare.loop.why_rejected`)."""
     if not cfg.evaluates(last_round):
         return {}
     every = run_strategies(cfg)
@@ -246,11 +245,8 @@ def client_talk(task: Task, local: LocalData, trained: dict[str, Tensor], name: 
         raise FlareError(f"the server asked for a round of strategy '{name}', which this run does not score.",
                          key="eval.rules", fix="install the same flare-ofl version on the server and every node.")
     be = backend(cfg, device)
-    model = create_architecture(client_architecture(cfg, local.cid), meta.in_channels, meta.num_classes, cfg.head,
-                                cfg.model.feature_dim, checkpoint=False)
-    model.load_state_dict(trained)
-    data = client_side(local.cid, model.to(be.device), local.x, local.y, normalizer(cfg, meta),
-                       make_augment(cfg, meta, be.device), be.device)
+    data = client_side(local.cid, client_model(cfg, meta, local.cid, trained, be.device), local.x, local.y,
+                       normalizer(cfg, meta), make_augment(cfg, meta, be.device), be.device)
     received = {k: v.to(be.device) for k, v in message.items()}
     reply = strategies[name].client_round(rnd, received, data, memory)
     return {k: v.detach().cpu() for k, v in reply.items()}

@@ -335,7 +335,7 @@ def run_federation(cfg: Config, fed: FederationSettings, exchange, node_ids: lis
     """The server's whole protocol over an engine: `exchange(task, include_init, nodes) -> list[Reply]`
     sends one task to `nodes` and returns their replies within the timeout (Flower's grid in
     `server_app.py`; a direct call in tests); `talk` carries the rounds a strategy holds with the clients after
-    their upload (`NodeClients`; None: an engine that cannot, which refuses such a strategy)."""
+    their upload (`ServerSession.round`; None: an engine that cannot, whose strategy then fails at its round)."""
     if not 0 <= fed.min_clients <= cfg.num_clients:
         raise FlareError(f"min-clients={fed.min_clients} is not in 0..num_clients={cfg.num_clients}.",
                          key="min-clients", fix="set min-clients at most num_clients (0: every client).")
