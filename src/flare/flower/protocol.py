@@ -204,21 +204,13 @@ def client_train(task: Task, local: LocalData, first: dict[str, Tensor], resume:
     records = [client.train_round(ctx, r) for r in range(task.round_start, task.round_end)]
     state = {k: v.detach().cpu() for k, v in client.upload().state.items()}
     carry = client.state_dict() if task.round_end < cfg.rounds else None
-    return ClientResult(local.cid, local.num_samples, hist, state, records, carry,
-                        block_extras(cfg, task.round_end - 1, client, ctx))
-
-
-def block_extras(cfg: Config, last_round: int, client: Client, ctx) -> dict[str, Tensor]:
-    """What the strategies the server scores after `last_round` ask this client for (none on a round `eval.every`
-    skips); the server's gate expects exactly these (`flare.loop.why_rejected`)."""
-    if not cfg.evaluates(last_round):
-        return {}
-    every = run_strategies(cfg)
-    scored = {n: every[n] for n in rules_for(cfg, last_round)}
-    if not extras_shapes(scored, client.model):
-        return {}
-    data = client_side(client.cid, client.model, ctx.train_x, ctx.train_y, ctx.plain, ctx.augment, ctx.device)
-    return client_extras(scored, data)
+    # what the strategies the server scores after the block ask this client for (none on a round `eval.every`
+    # skips): the server's gate expects exactly these (`flare.loop.why_rejected`)
+    last = task.round_end - 1
+    scored = {n: run_strategies(cfg)[n] for n in rules_for(cfg, last)} if cfg.evaluates(last) else {}
+    extras = client_extras(scored, client_side(local.cid, client.model, ctx.train_x, ctx.train_y, ctx.plain,
+                                               ctx.augment, ctx.device)) if extras_shapes(scored, client.model) else {}
+    return ClientResult(local.cid, local.num_samples, hist, state, records, carry, extras)
 
 
 _STRATEGIES: dict[str, dict[str, Strategy]] = {}

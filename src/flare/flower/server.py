@@ -125,6 +125,10 @@ class ServerSession(Clients):
             return
         try:
             self.setup = ServerSetup.build(cfg, dataset_meta=fed.dataset_meta or None)
+            if talk is None and (talking := [n for n, s in self.setup.strategies.items() if s.extra_rounds() > 0]):
+                raise FlareError(f"server strategies {talking} hold rounds with the clients after their upload, "
+                                 "which this engine cannot send.", key=f"server.strategies.{talking[0]}",
+                                 fix="run the federation through the FLARE ServerApp, or use `flare run`.")
             # what it sends before a later round depends on the evaluations between: one message cannot carry it
             if fed.upload == "once" and cfg.rounds > 1 and (sends := self.setup.train_message(1)):
                 raise FlareError(f"the server sends the clients {sorted(sends)} before every round (e.g. Plan B's G "
@@ -245,8 +249,7 @@ class ServerSession(Clients):
         return self.setup.client_models(uploads)  # in the backend's layout
 
     def exchange(self, uploads: list[Upload], scored) -> "ServerSession | None":
-        node_of = {c: n for n, c in self.node_client.items()}
-        self.talking = [node_of[u.client] for u in uploads]
+        self.talking = [self.arrived[u.client][0] for u in uploads]  # the block's: where each upload came from
         return self if self.talk is not None else None
 
     def round(self, name: str, strategy, rnd: int, message: dict) -> list[dict]:
@@ -335,7 +338,7 @@ def run_federation(cfg: Config, fed: FederationSettings, exchange, node_ids: lis
     """The server's whole protocol over an engine: `exchange(task, include_init, nodes) -> list[Reply]`
     sends one task to `nodes` and returns their replies within the timeout (Flower's grid in
     `server_app.py`; a direct call in tests); `talk` carries the rounds a strategy holds with the clients after
-    their upload (`ServerSession.round`; None: an engine that cannot, whose strategy then fails at its round)."""
+    their upload (`ServerSession.round`; None: an engine that cannot, which refuses such a strategy)."""
     if not 0 <= fed.min_clients <= cfg.num_clients:
         raise FlareError(f"min-clients={fed.min_clients} is not in 0..num_clients={cfg.num_clients}.",
                          key="min-clients", fix="set min-clients at most num_clients (0: every client).")

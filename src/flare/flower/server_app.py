@@ -28,15 +28,6 @@ def _log(msg: str) -> None:
     flwr_log(WARNING if msg.startswith("WARNING") else INFO, "[flare] %s", msg)
 
 
-def wait_for_nodes(grid: Grid, want: int, seconds: float) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while True:
-        nodes = sorted(grid.get_node_ids())
-        if len(nodes) >= want or time.monotonic() >= deadline:
-            return nodes
-        time.sleep(1.0)
-
-
 def decode_content(node: int, content: RecordDict) -> Reply:
     """A reply's content → `Reply` (never raises: malformed content becomes a decode error the gate reports): a train
     reply's meta, upload and extras; a query reply's tensors (`reply`, a strategy's round after the upload) in
@@ -91,7 +82,9 @@ def main(grid: Grid, context: Context) -> None:
         cfg = fed.load_config()
         _log(f"{cfg.method}: {cfg.num_clients} clients, {cfg.rounds} rounds × {cfg.local_epochs} epochs, upload "
              f"{fed.upload}, min_clients {fed.min_clients or cfg.num_clients}")
-        nodes = wait_for_nodes(grid, cfg.num_clients, fed.wait_nodes)
+        deadline = time.monotonic() + fed.wait_nodes
+        while len(nodes := sorted(grid.get_node_ids())) < cfg.num_clients and time.monotonic() < deadline:
+            time.sleep(1.0)
         summary = run_federation(cfg, fed, make_exchange(grid, fed.timeout), nodes, log=_log,
                                  talk=make_talk(grid, fed.timeout))
     except FlareError as e:
