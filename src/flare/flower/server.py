@@ -281,48 +281,43 @@ class ServerSession(Clients):
                  + (f", missing {rec['missing_clients']}" if rec["missing_clients"] else ""))
 
     # -- the run directory -------------------------------------------------------------------------
-    def write_partition(self) -> None:
-        """partition.json from the class histograms the clients reported (the server may not hold their data)."""
-        C = self.meta.num_classes
-        labels = [np.repeat(np.arange(C), self.histograms.get(i, [0] * C)) for i in range(self.cfg.num_clients)]
-        ends = np.cumsum([0] + [len(lab) for lab in labels]).tolist()
-        part = Partition([np.arange(a, b) for a, b in zip(ends, ends[1:])], C,
-                         np.concatenate(labels) if labels else np.zeros(0, np.int64))
-        report = describe_partition(self.cfg, part, self.meta.classes)
-        for c in report["clients"]:
-            if c["client"] not in self.histograms:
-                c["missing"] = True
-        report["source"] = "class histograms reported by the clients"
-        self.dir.write_partition(report)
-
     def finish(self) -> dict:
-        self.write_partition()
-        self._write_federation("finished")
         if self.fed.save_predictor and self.received:
             saved = save_predictor(self.dir, self.cfg, self.meta, self.received, self.last.weights, self.last.G,
                                    self.last.record, self.setup.template.feature_dim, self.last.predictors)
             if isinstance(saved, str):
                 self._warn(saved)
-        self.dir.write_state("finished", self.cfg.rounds, self.warnings, self.config)
+        self._record("finished")
         summary = write_run_report(self.out).summary()
         return summary | {"acc": None} if self.setup.test_x is None else summary  # None: nothing was scored
 
-    def _write_federation(self, status: str, error: str | None = None) -> None:
-        d = {"status": status, "upload": self.fed.upload, "num_clients": self.cfg.num_clients,
-             "min_clients": self.required, "timeout_s": self.fed.timeout,
-             "nodes": {str(n): c for n, c in sorted(self.node_client.items())}, "events": self.events,
-             "clients_without_data": sorted(self.without_data)} | ({"error": error} if error else {})
-        self.dir.write_text("federation.json", json.dumps(d, indent=1))
-
     def _fail(self, msg: str, key: str, fix: str) -> FlareError:
-        """Record the federation as failed (state.json, federation.json); returns the error to raise."""
+        """Record the federation as failed; returns the error to raise."""
         self.warnings.append(msg)
-        if self.histograms:
-            self.write_partition()
-        self._write_federation("failed", msg)
-        self.dir.write_state("failed", self.dir.read_state().get("rounds_done", 0), self.warnings,
-                             self.config, error=msg)
+        self._record("failed", msg)
         return FlareError(msg, key=key, fix=fix)
+
+    def _record(self, status: str, error: str | None = None) -> None:
+        """partition.json from the class histograms the clients reported (the server may not hold their data), then
+        federation.json and state.json with the federation's `status`."""
+        if self.histograms:
+            C = self.meta.num_classes
+            labels = [np.repeat(np.arange(C), self.histograms.get(i, [0] * C)) for i in range(self.cfg.num_clients)]
+            ends = np.cumsum([0] + [len(lab) for lab in labels]).tolist()
+            part = Partition([np.arange(a, b) for a, b in zip(ends, ends[1:])], C, np.concatenate(labels))
+            report = describe_partition(self.cfg, part, self.meta.classes)
+            for c in report["clients"]:
+                if c["client"] not in self.histograms:
+                    c["missing"] = True
+            self.dir.write_partition(report | {"source": "class histograms reported by the clients"})
+        failed = {"error": error} if error else {}
+        self.dir.write_text("federation.json", json.dumps({
+            "status": status, "upload": self.fed.upload, "num_clients": self.cfg.num_clients,
+            "min_clients": self.required, "timeout_s": self.fed.timeout,
+            "nodes": {str(n): c for n, c in sorted(self.node_client.items())}, "events": self.events,
+            "clients_without_data": sorted(self.without_data)} | failed, indent=1))
+        done = self.dir.read_state().get("rounds_done", 0) if failed else self.cfg.rounds
+        self.dir.write_state(status, done, self.warnings, self.config, **failed)
 
     def _event(self, kind: str, round_idx: int, node: int, cid, reasons: list[str]) -> None:
         self.events.append({"kind": kind, "round": round_idx, "node": node, "client": cid, "reasons": reasons})
