@@ -84,13 +84,6 @@ class LocalData:
     def num_samples(self) -> int:
         return int(self.y.numel())
 
-    def class_histogram(self) -> list[int]:
-        return np.bincount(self.y.numpy(), minlength=self.num_classes).astype(np.int64).tolist()
-
-    def normalized_entropy(self) -> float:
-        part = Partition([np.arange(self.num_samples)], self.num_classes, self.y.numpy())
-        return float(part.report()["clients"][0]["normalized_entropy"])
-
 
 _PARTITION_CACHE: dict[str, tuple] = {}
 
@@ -181,7 +174,9 @@ def client_train(task: Task, local: LocalData, first: dict[str, Tensor], resume:
     server sent before the first round (`first`: `Strategy.initialize`, of which it loads its own architecture's
     init); `received`: what the server sent with the task (`Strategy.configure_train`)."""
     cfg, meta = task.cfg, task.meta
-    hist = local.class_histogram()
+    # its class histogram and label entropy, as partition.json reports them
+    mine = Partition([np.arange(local.num_samples)], local.num_classes, local.y.numpy()).report()["clients"][0]
+    hist = mine["class_histogram"]
     if local.num_samples == 0:
         return ClientResult(local.cid, 0, hist, None, [], None)
     be = settle_speed(backend(cfg, device), cfg, (meta.in_channels, meta.image_size, meta.image_size), meta.num_classes)
@@ -195,7 +190,7 @@ def client_train(task: Task, local: LocalData, first: dict[str, Tensor], resume:
     ctx = client_context(cfg, meta, be, model.feature_dim, local.x, local.y, first)
     ctx.received = {k: v.to(be.device) for k, v in (received or {}).items()}
     client = Client(local.cid, torch.arange(local.num_samples, device=be.device), model, ctx,
-                    local.normalized_entropy())
+                    mine["normalized_entropy"])
     if resume is not None:
         client.load_state_dict(resume)
     if client.epochs_done != task.round_start * cfg.local_epochs:
