@@ -59,7 +59,7 @@ def test_no_file_over_450_lines():
 
 def test_the_package_stays_small():
     """A newcomer reads flare in an afternoon: src/ (every line, blank and docstring included, as `wc -l` counts
-    them) stays within 16,802 lines. A new method pays for itself by what it makes simpler elsewhere. The cap was
+    them) stays within 16,711 lines. A new method pays for itself by what it makes simpler elsewhere. The cap was
     15,800 until the eight closed-form heads (about 460 lines) and the checks made before the first client trains
     (about 200) landed, and 16,500 until the one round loop and its uploads record (flare/loop.py, uploads.pt:
     about 130 lines net) landed ahead of the rest of the server-loop redesign, which is to bring src/ down to
@@ -71,9 +71,12 @@ def test_the_package_stays_small():
     frozen-encoder grid's statistics runs, measured in docs/frozen-encoder.md), while the upload gate and the quorum
     moved into the round loop for every transport (flare/loop.py, `gate_uploads`: the Flower server's own gate and
     fuse's went, 1 line net) and the dataset cache was keyed on contents (2 lines fewer), and 16,844 until the
-    reference protocol became data layered like a preset (flare/protocols/reference.yaml: 42 lines fewer)."""
+    reference protocol became data layered like a preset (flare/protocols/reference.yaml: 42 lines fewer) and the
+    Flower transport lost what it did on its own (one send and one decoder for both kinds of message, a node's
+    carried state through torch's pytree spec, the post-upload rounds on `ServerSession` itself, one writer of its
+    run-directory records: 88 lines out of flower/)."""
     total = sum(len(p.read_text().splitlines()) for p in SRC.rglob("*.py"))
-    assert total <= 16_802, f"src/flare has {total} lines; the cap is 16,802"
+    assert total <= 16_711, f"src/flare has {total} lines; the cap is 16,711"
 
 
 # The import circle test (type-checking imports included) is tests/test_import_graph.py.

@@ -21,7 +21,7 @@ from flare.flower.client_app import handle_query, handle_train  # noqa: E402
 from flare.flower.protocol import export_partitions  # noqa: E402
 from flare.flower.server import FederationSettings, Reply, run_federation  # noqa: E402
 from flare.flower.records import pack_nested, record_to_state, state_to_record, unpack_nested  # noqa: E402
-from flare.flower.server_app import decode_content, decode_talk, train_content  # noqa: E402
+from flare.flower.server_app import decode_content, train_content  # noqa: E402
 from flare.rundir import read_jsonl  # noqa: E402
 from flare.flower import server as flower_server  # noqa: E402
 from flare.fuse import fuse_runs  # noqa: E402
@@ -79,7 +79,7 @@ class Nodes:
         content = RecordDict({"task": ConfigRecord(task.to_config()),
                               "talk": ConfigRecord({"strategy": name, "round": rnd}),
                               "message": state_to_record(message)})
-        return [decode_talk(n, handle_query(content, self.ctx[n])) for n in nodes if n not in self.silent]
+        return [decode_content(n, handle_query(content, self.ctx[n])) for n in nodes if n not in self.silent]
 
     def federate(self, ov, out, preset="fafi", **settings):
         fed = FederationSettings(preset=preset, overrides=" ".join(ov), out_dir=str(out), **settings)

@@ -230,20 +230,17 @@ class InProcess(Clients):
 
     def round_done(self, r: int, rec: dict, logs: list[dict], ev: Evaluation | None) -> None:
         self.records += logs + [rec]
-        if self.tb is not None:
-            _tb_log(self.tb, r, rec, logs)
+        if self.tb is not None:  # the round's numbers, and each client's λ and losses
+            for k, v in rec.items():
+                if isinstance(v, (int, float)) and k != "round":
+                    self.tb.add_scalar(f"server/{k}", v, r)
+            for c in logs:
+                for k in ("lambda", "lambda_raw", "lambda_eff", "base_loss", "align_loss"):
+                    if k in c:
+                        self.tb.add_scalar(f"client{c['client']}/{k}", c[k], r)
         self.run.dir.save_checkpoint({"rounds_done": r + 1, "clients": [c.state_dict() for c in self.clients],
                                       "rng": global_rng_state(), "records": self.records,
                                       "server": self.setup.server.server_state(), "config": self.config})
         self.run.dir.write_state("running", r + 1, self.run.warnings, self.config, backend=self.run.facts)
         self.bar.round_done(rec.get("acc", float("nan")))
 
-
-def _tb_log(tb, r: int, rec: dict, client_records: list[dict]) -> None:
-    for k, v in rec.items():
-        if isinstance(v, (int, float)) and k != "round":
-            tb.add_scalar(f"server/{k}", v, r)
-    for c in client_records:
-        for k in ("lambda", "lambda_raw", "lambda_eff", "base_loss", "align_loss"):
-            if k in c:
-                tb.add_scalar(f"client{c['client']}/{k}", c[k], r)

@@ -44,14 +44,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return repr(v) if isinstance(v, (int, float)) else json.dumps(str(v))  # else a TOML basic string
-
-
 def run_config_arg(d: dict) -> str:
-    return " ".join(f"{k}={_toml_value(v)}" for k, v in d.items())
+    """`key=value ...` as `--run-config` / `--node-config` read it, each value a TOML one (a JSON scalar is)."""
+    return " ".join(f"{k}={json.dumps(v if isinstance(v, (bool, int, float)) else str(v))}" for k, v in d.items())
 
 
 def _bin(name: str) -> str:

@@ -18,10 +18,9 @@ from torch import Tensor
 
 from flare.client.trainer import Client
 from flare.config import Config, build_config, config_to_yaml
-from flare.config.architectures import Architecture
 from flare.data.partition import Partition
 from flare.errors import FlareError
-from flare.models import create_architecture
+from flare.models import FlareNet, create_architecture
 from flare.server.extras import client_extras, client_side, extras_shapes
 from flare.server.rounds import rules_for
 from flare.server.strategy import Strategy, make_strategies, sent_init
@@ -59,11 +58,15 @@ class Task:
         return t
 
 
-def client_architecture(cfg: Config, cid: int) -> Architecture:
-    """The architecture client `cid` trains (`model.clients` / `model.mix`). An id outside the run gets the first
-    client's: the node still trains and answers, and the server's gate rejects the reply with the reason."""
-    archs = cfg.client_architectures()
-    return archs[cid] if 0 <= cid < len(archs) else archs[0]
+def client_model(cfg: Config, meta: DataMeta, cid: int, state: dict[str, Tensor], device) -> FlareNet:
+    """Client `cid`'s network (its architecture: `model.clients` / `model.mix`) holding `state`, on `device`. An id
+    outside the run gets the first client's: the node still trains and answers, and the server's gate rejects the
+    reply with the reason."""
+    arch = cfg.client_architectures()[cid if 0 <= cid < cfg.num_clients else 0]
+    model = create_architecture(arch, meta.in_channels, meta.num_classes, cfg.head, cfg.model.feature_dim,
+                                checkpoint=False)  # its checkpoint, if any, is in the init sent already
+    model.load_state_dict(state)
+    return model.to(device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -80,13 +83,6 @@ class LocalData:
     @property
     def num_samples(self) -> int:
         return int(self.y.numel())
-
-    def class_histogram(self) -> list[int]:
-        return np.bincount(self.y.numpy(), minlength=self.num_classes).astype(np.int64).tolist()
-
-    def normalized_entropy(self) -> float:
-        part = Partition([np.arange(self.num_samples)], self.num_classes, self.y.numpy())
-        return float(part.report()["clients"][0]["normalized_entropy"])
 
 
 _PARTITION_CACHE: dict[str, tuple] = {}
@@ -178,25 +174,23 @@ def client_train(task: Task, local: LocalData, first: dict[str, Tensor], resume:
     server sent before the first round (`first`: `Strategy.initialize`, of which it loads its own architecture's
     init); `received`: what the server sent with the task (`Strategy.configure_train`)."""
     cfg, meta = task.cfg, task.meta
-    hist = local.class_histogram()
+    # its class histogram and label entropy, as partition.json reports them
+    mine = Partition([np.arange(local.num_samples)], local.num_classes, local.y.numpy()).report()["clients"][0]
+    hist = mine["class_histogram"]
     if local.num_samples == 0:
         return ClientResult(local.cid, 0, hist, None, [], None)
     be = settle_speed(backend(cfg, device), cfg, (meta.in_channels, meta.image_size, meta.image_size), meta.num_classes)
-    arch = client_architecture(cfg, local.cid)  # its checkpoint, if any, is in the init sent already
-    key = init_keys([*cfg.client_architectures(), arch])[-1]  # arch's: it is one of the run's
+    key = init_keys(cfg.client_architectures())[local.cid if 0 <= local.cid < cfg.num_clients else 0]
     if not (init_state := sent_init(first, key)):
         raise FlareError(f"the first message carries no init weights '{key}' for client {local.cid}'s architecture.",
                          fix="install the same flare-ofl version on the server and every node.")
-    model = create_architecture(arch, meta.in_channels, meta.num_classes, cfg.head, cfg.model.feature_dim,
-                                checkpoint=False)
-    model.load_state_dict(init_state)
-    model = model.to(be.device)
+    model = client_model(cfg, meta, local.cid, init_state, be.device)
     if be.channels_last:
         model = model.to(memory_format=torch.channels_last)
     ctx = client_context(cfg, meta, be, model.feature_dim, local.x, local.y, first)
     ctx.received = {k: v.to(be.device) for k, v in (received or {}).items()}
     client = Client(local.cid, torch.arange(local.num_samples, device=be.device), model, ctx,
-                    local.normalized_entropy())
+                    mine["normalized_entropy"])
     if resume is not None:
         client.load_state_dict(resume)
     if client.epochs_done != task.round_start * cfg.local_epochs:
@@ -205,21 +199,13 @@ def client_train(task: Task, local: LocalData, first: dict[str, Tensor], resume:
     records = [client.train_round(ctx, r) for r in range(task.round_start, task.round_end)]
     state = {k: v.detach().cpu() for k, v in client.upload().state.items()}
     carry = client.state_dict() if task.round_end < cfg.rounds else None
-    return ClientResult(local.cid, local.num_samples, hist, state, records, carry,
-                        block_extras(cfg, task.round_end - 1, client, ctx))
-
-
-def block_extras(cfg: Config, last_round: int, client: Client, ctx) -> dict[str, Tensor]:
-    """What the strategies the server scores after `last_round` ask this client for (none on a round `eval.every`
-    skips); the server's gate expects exactly these (`ServerSession.spec_for`)."""
-    if not cfg.evaluates(last_round):
-        return {}
-    every = run_strategies(cfg)
-    scored = {n: every[n] for n in rules_for(cfg, last_round)}
-    if not extras_shapes(scored, client.model):
-        return {}
-    data = client_side(client.cid, client.model, ctx.train_x, ctx.train_y, ctx.plain, ctx.augment, ctx.device)
-    return client_extras(scored, data)
+    # what the strategies the server scores after the block ask this client for (none on a round `eval.every`
+    # skips): the server's gate expects exactly these (`flare.loop.why_rejected`)
+    last = task.round_end - 1
+    scored = {n: run_strategies(cfg)[n] for n in rules_for(cfg, last)} if cfg.evaluates(last) else {}
+    extras = client_extras(scored, client_side(local.cid, client.model, ctx.train_x, ctx.train_y, ctx.plain,
+                                               ctx.augment, ctx.device)) if extras_shapes(scored, client.model) else {}
+    return ClientResult(local.cid, local.num_samples, hist, state, records, carry, extras)
 
 
 _STRATEGIES: dict[str, dict[str, Strategy]] = {}
@@ -246,11 +232,8 @@ def client_talk(task: Task, local: LocalData, trained: dict[str, Tensor], name: 
         raise FlareError(f"the server asked for a round of strategy '{name}', which this run does not score.",
                          key="eval.rules", fix="install the same flare-ofl version on the server and every node.")
     be = backend(cfg, device)
-    model = create_architecture(client_architecture(cfg, local.cid), meta.in_channels, meta.num_classes, cfg.head,
-                                cfg.model.feature_dim, checkpoint=False)
-    model.load_state_dict(trained)
-    data = client_side(local.cid, model.to(be.device), local.x, local.y, normalizer(cfg, meta),
-                       make_augment(cfg, meta, be.device), be.device)
+    data = client_side(local.cid, client_model(cfg, meta, local.cid, trained, be.device), local.x, local.y,
+                       normalizer(cfg, meta), make_augment(cfg, meta, be.device), be.device)
     received = {k: v.to(be.device) for k, v in message.items()}
     reply = strategies[name].client_round(rnd, received, data, memory)
     return {k: v.detach().cpu() for k, v in reply.items()}

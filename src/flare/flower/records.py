@@ -7,7 +7,8 @@ as JSON text or plain scalars in a `ConfigRecord`. Nothing here (or anywhere in 
 
 `pack_nested` / `unpack_nested` carry a nested structure of dicts, lists, tuples, tensors and JSON
 scalars (a client's optimizer / λ-learner state between rounds) as one ArrayRecord of its tensors plus
-a JSON skeleton; dict keys keep their type (optimizer states are keyed by int).
+a JSON skeleton: torch's pytree spec (`treespec_dumps`, JSON too), so dict keys keep their type (optimizer
+states are keyed by int).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
 
 def state_to_record(state: dict[str, Tensor]) -> ArrayRecord:
@@ -44,47 +46,22 @@ def record_to_state(rec: ArrayRecord) -> "OrderedDict[str, Tensor]":
 # nested structures (client state between rounds)
 
 
+def _scalar(o):
+    if isinstance(o, (np.integer, np.floating)):
+        return o.item()
+    raise TypeError(f"cannot carry a {type(o).__name__} between rounds")
+
+
 def pack_nested(obj) -> tuple[ArrayRecord, str]:
-    tensors: dict[str, Tensor] = {}
-
-    def enc(o):
-        if isinstance(o, Tensor):
-            key = f"t{len(tensors)}"
-            tensors[key] = o
-            return {"__tensor__": key}
-        if isinstance(o, dict):
-            return {"__dict__": [[enc_key(k), enc(v)] for k, v in o.items()]}
-        if isinstance(o, tuple):
-            return {"__tuple__": [enc(v) for v in o]}
-        if isinstance(o, list):
-            return [enc(v) for v in o]
-        if o is None or isinstance(o, (bool, int, float, str)):
-            return o
-        if isinstance(o, (np.integer, np.floating)):
-            return o.item()
-        raise TypeError(f"cannot carry a {type(o).__name__} between rounds")
-
-    def enc_key(k):
-        if isinstance(k, (bool, int, str)) or k is None:
-            return {"k": k}
-        raise TypeError(f"cannot carry a dict key of type {type(k).__name__}")
-
-    skeleton = json.dumps(enc(obj))
-    return state_to_record(tensors), skeleton
+    """`obj` as an ArrayRecord of its tensors plus a JSON skeleton: torch's pytree spec and the other leaves."""
+    leaves, spec = tree_flatten(obj)
+    tensors = {str(i): v for i, v in enumerate(leaves) if isinstance(v, Tensor)}
+    others = [None if isinstance(v, Tensor) else v for v in leaves]
+    return state_to_record(tensors), json.dumps([treespec_dumps(spec), others], default=_scalar)
 
 
 def unpack_nested(rec: ArrayRecord, skeleton: str, device: torch.device | str = "cpu"):
     tensors = record_to_state(rec)
-
-    def dec(o):
-        if isinstance(o, dict):
-            if "__tensor__" in o:
-                return tensors[o["__tensor__"]].to(device)
-            if "__dict__" in o:
-                return {k["k"]: dec(v) for k, v in o["__dict__"]}
-            if "__tuple__" in o:
-                return tuple(dec(v) for v in o["__tuple__"])
-            raise ValueError(f"malformed skeleton entry {o!r}")
-        return [dec(v) for v in o] if isinstance(o, list) else o
-
-    return dec(json.loads(skeleton))
+    spec, others = json.loads(skeleton)
+    leaves = [tensors[str(i)].to(device) if str(i) in tensors else v for i, v in enumerate(others)]
+    return tree_unflatten(leaves, treespec_loads(spec))

@@ -105,8 +105,9 @@ def _sanitize_records(text, cid: int, rounds: range) -> tuple[list[dict], str | 
 
 class ServerSession(Clients):
     """The server of one federated run: the run directory (`flare run`'s files, minus the client checkpoint), the
-    server's setup (`flare.setup.ServerSetup`), and the round loop's transport over a Flower grid (flare/loop.py):
-    one message per block of rounds, each reply decoded and its uploads handed to the loop's gate."""
+    server's setup (`flare.setup.ServerSetup`), and the round loop's transports over a Flower grid (flare/loop.py):
+    one message per block of rounds, each reply decoded and its uploads handed to the loop's gate; and, for the
+    rounds a strategy holds after the upload (server/exchange.py's `Transport`), one message per such round."""
 
     roll_call = True  # nodes come and go: every round's record names who uploaded
 
@@ -122,10 +123,9 @@ class ServerSession(Clients):
                                  and self.dir.read_state().get("status") == "finished")
         if self.finished_already:
             return
-        self.setup = ServerSetup.build(cfg, dataset_meta=fed.dataset_meta or None)
-        talking = [n for n, s in self.setup.strategies.items() if s.extra_rounds() > 0]
         try:
-            if talking and talk is None:
+            self.setup = ServerSetup.build(cfg, dataset_meta=fed.dataset_meta or None)
+            if talk is None and (talking := [n for n, s in self.setup.strategies.items() if s.extra_rounds() > 0]):
                 raise FlareError(f"server strategies {talking} hold rounds with the clients after their upload, "
                                  "which this engine cannot send.", key=f"server.strategies.{talking[0]}",
                                  fix="run the federation through the FLARE ServerApp, or use `flare run`.")
@@ -141,7 +141,7 @@ class ServerSession(Clients):
         for w in self.setup.warnings:
             self._warn(w)
         self.setup.take_data()  # the clients' samples are on the nodes
-        self.meta, self.template = self.setup.meta, self.setup.template
+        self.meta = self.setup.meta
         self.node_client: dict[int, int] = {}   # node id -> client id (fixed by its first upload through the gate)
         self.histograms: dict[int, list[int]] = {}
         self.without_data: set[int] = set()
@@ -150,6 +150,7 @@ class ServerSession(Clients):
         self.last: Evaluation | None = None
         self.send, self.nodes = None, []  # set by `run_federation`: the engine's exchange, the nodes it keeps
         self.received: list[Upload] = []
+        self.talking: list[int] = []  # the nodes of the uploads a strategy's rounds after the upload go to
         self.dir.write_config(cfg)
         self.dir.clear_checkpoints()
         self.dir.write_metrics([])
@@ -158,15 +159,14 @@ class ServerSession(Clients):
     def close(self) -> None:
         self.dir.unlock()
 
-    # -- messages ---------------------------------------------------------------------------------
     def task(self, round_start: int, round_end: int) -> Task:
         return Task(self.cfg, self.meta, round_start, round_end)
 
-    def blocks(self, start: int = 0) -> list[tuple[int, int]]:
+    # -- the loop's transport (flare/loop.py) ------------------------------------------------------
+    def blocks(self, start: int) -> list[tuple[int, int]]:
         R = self.cfg.rounds
         return [(r, r + 1) for r in range(start, R)] if self.fed.upload == "per-round" else [(0, R)]
 
-    # -- the loop's transport (flare/loop.py) ------------------------------------------------------
     def train(self, first: int, end: int, sent: dict) -> list[dict]:
         """One message to the nodes still kept (its content, `sent` included, is the app's: `train_content`); each
         reply checked for what only a reply can get wrong (who it is, its sample count and class histogram, its
@@ -248,8 +248,30 @@ class ServerSession(Clients):
     def models(self, uploads: list[Upload]) -> list:
         return self.setup.client_models(uploads)  # in the backend's layout
 
-    def exchange(self, uploads: list[Upload], scored) -> "NodeClients | None":
-        return NodeClients(self, uploads) if self.talk is not None else None
+    def exchange(self, uploads: list[Upload], scored) -> "ServerSession | None":
+        self.talking = [self.arrived[u.client][0] for u in uploads]  # the block's: where each upload came from
+        return self if self.talk is not None else None
+
+    def round(self, name: str, strategy, rnd: int, message: dict) -> list[dict]:
+        """One round a strategy holds after the upload: one message to the nodes that uploaded, in upload order
+        (`talk(task, strategy, round, message, nodes) -> list[Reply]`, the reply's tensors in `Reply.state`); each
+        of them must answer, since the strategy aggregates every client that uploaded."""
+        got = {r.node: r for r in self.talk(self.task(self.cfg.rounds - 1, self.cfg.rounds), name, rnd, message,
+                                            self.talking)}
+        out = []
+        for node in self.talking:
+            rep = got.get(node)
+            why = ("no reply within the timeout" if rep is None else rep.error or rep.decode_error
+                   or ("no tensors" if rep.state is None else None))
+            if why:
+                msg = (f"round {rnd + 1} of the rounds server strategy '{name}' holds after the upload: client "
+                       f"{self.node_client[node]} did not answer ({why}); the strategy needs every client that "
+                       "uploaded.")
+                raise self._fail(msg, key=f"server.strategies.{name}",
+                                 fix="bring the node up and run the federation again (federation.json says who "
+                                     "failed), or leave the strategy out of eval.rules.")
+            out.append(dict(rep.state))
+        return out
 
     def round_done(self, r: int, rec: dict, logs: list[dict], ev: Evaluation | None) -> None:
         self.last = ev or self.last  # the last round is always evaluated: it ends as the final predictor
@@ -258,50 +280,44 @@ class ServerSession(Clients):
                  + (f", acc ({rec['primary']}) {100 * acc:.2f}%" if (acc := rec.get("acc")) is not None else "")
                  + (f", missing {rec['missing_clients']}" if rec["missing_clients"] else ""))
 
-    def write_partition(self) -> None:
-        C = self.meta.num_classes
-        labels = [np.repeat(np.arange(C), self.histograms.get(i, [0] * C)) for i in range(self.cfg.num_clients)]
-        ends = np.cumsum([0] + [len(lab) for lab in labels]).tolist()
-        part = Partition([np.arange(a, b) for a, b in zip(ends, ends[1:])], C,
-                         np.concatenate(labels) if labels else np.zeros(0, np.int64))
-        report = describe_partition(self.cfg, part, self.meta.classes)
-        for c in report["clients"]:
-            if c["client"] not in self.histograms:
-                c["missing"] = True
-        report["source"] = "class histograms reported by the clients"
-        self.dir.write_partition(report)
-
+    # -- the run directory -------------------------------------------------------------------------
     def finish(self) -> dict:
-        self.write_partition()
-        self._write_federation("finished")
         if self.fed.save_predictor and self.received:
             saved = save_predictor(self.dir, self.cfg, self.meta, self.received, self.last.weights, self.last.G,
-                                   self.last.record, self.template.feature_dim, self.last.predictors)
+                                   self.last.record, self.setup.template.feature_dim, self.last.predictors)
             if isinstance(saved, str):
                 self._warn(saved)
-        self.dir.write_state("finished", self.cfg.rounds, self.warnings, self.config)
-        write_run_report(self.out)
-        if self.setup.test_x is None:  # nothing was scored
-            return {"method": self.cfg.method, "primary": self.last.record["primary"], "acc": None,
-                    "rounds": len(self.blocks())}
-        return RunData.load(self.out).summary()
-
-    def _write_federation(self, status: str, error: str | None = None) -> None:
-        d = {"status": status, "upload": self.fed.upload, "num_clients": self.cfg.num_clients,
-             "min_clients": self.required, "timeout_s": self.fed.timeout,
-             "nodes": {str(n): c for n, c in sorted(self.node_client.items())}, "events": self.events,
-             "clients_without_data": sorted(self.without_data)} | ({"error": error} if error else {})
-        self.dir.write_text("federation.json", json.dumps(d, indent=1))
+        self._record("finished")
+        summary = write_run_report(self.out).summary()
+        return summary | {"acc": None} if self.setup.test_x is None else summary  # None: nothing was scored
 
     def _fail(self, msg: str, key: str, fix: str) -> FlareError:
-        """Record the federation as failed (state.json, federation.json); returns the error to raise."""
+        """Record the federation as failed; returns the error to raise."""
         self.warnings.append(msg)
-        if self.histograms:
-            self.write_partition()
-        self._write_federation("failed", msg)
-        self.dir.write_state("failed", self.dir.read_state().get("rounds_done", 0), self.warnings,
-                             self.config, error=msg)
+        self._record("failed", msg)
         return FlareError(msg, key=key, fix=fix)
+
+    def _record(self, status: str, error: str | None = None) -> None:
+        """partition.json from the class histograms the clients reported (the server may not hold their data), then
+        federation.json and state.json with the federation's `status`."""
+        if self.histograms:
+            C = self.meta.num_classes
+            labels = [np.repeat(np.arange(C), self.histograms.get(i, [0] * C)) for i in range(self.cfg.num_clients)]
+            ends = np.cumsum([0] + [len(lab) for lab in labels]).tolist()
+            part = Partition([np.arange(a, b) for a, b in zip(ends, ends[1:])], C, np.concatenate(labels))
+            report = describe_partition(self.cfg, part, self.meta.classes)
+            for c in report["clients"]:
+                if c["client"] not in self.histograms:
+                    c["missing"] = True
+            self.dir.write_partition(report | {"source": "class histograms reported by the clients"})
+        failed = {"error": error} if error else {}
+        self.dir.write_text("federation.json", json.dumps({
+            "status": status, "upload": self.fed.upload, "num_clients": self.cfg.num_clients,
+            "min_clients": self.required, "timeout_s": self.fed.timeout,
+            "nodes": {str(n): c for n, c in sorted(self.node_client.items())}, "events": self.events,
+            "clients_without_data": sorted(self.without_data)} | failed, indent=1))
+        done = self.dir.read_state().get("rounds_done", 0) if failed else self.cfg.rounds
+        self.dir.write_state(status, done, self.warnings, self.config, **failed)
 
     def _event(self, kind: str, round_idx: int, node: int, cid, reasons: list[str]) -> None:
         self.events.append({"kind": kind, "round": round_idx, "node": node, "client": cid, "reasons": reasons})
@@ -313,39 +329,11 @@ class ServerSession(Clients):
         self.log("WARNING: " + msg)
 
 
-class NodeClients:
-    """server/exchange.py's transport over a federation: each round of a strategy's rounds after the upload is one
-    message to the nodes that uploaded, in upload order (`talk(task, strategy, round, message, nodes) ->
-    list[Reply]`, the reply's tensors in `Reply.state`); each of them must answer, since the strategy aggregates
-    every client that uploaded."""
-
-    def __init__(self, session: "ServerSession", uploads: list[Upload]):
-        node_of = {c: n for n, c in session.node_client.items()}
-        self.session, self.nodes = session, [node_of[u.client] for u in uploads]
-
-    def round(self, name: str, strategy, rnd: int, message: dict) -> list[dict]:
-        s = self.session
-        got = {r.node: r for r in s.talk(s.task(s.cfg.rounds - 1, s.cfg.rounds), name, rnd, message, self.nodes)}
-        out = []
-        for node in self.nodes:
-            rep = got.get(node)
-            why = ("no reply within the timeout" if rep is None else rep.error or rep.decode_error
-                   or ("no tensors" if rep.state is None else None))
-            if why:
-                msg = (f"round {rnd + 1} of the rounds server strategy '{name}' holds after the upload: client "
-                       f"{s.node_client[node]} did not answer ({why}); the strategy needs every client that uploaded.")
-                raise s._fail(msg, key=f"server.strategies.{name}",
-                              fix="bring the node up and run the federation again (federation.json says who failed), "
-                                  "or leave the strategy out of eval.rules.")
-            out.append(dict(rep.state))
-        return out
-
-
 def run_federation(cfg: Config, fed: FederationSettings, exchange, node_ids: list[int], log=print, talk=None) -> dict:
     """The server's whole protocol over an engine: `exchange(task, include_init, nodes) -> list[Reply]`
     sends one task to `nodes` and returns their replies within the timeout (Flower's grid in
     `server_app.py`; a direct call in tests); `talk` carries the rounds a strategy holds with the clients after
-    their upload (`NodeClients`; None: an engine that cannot, which refuses such a strategy)."""
+    their upload (`ServerSession.round`; None: an engine that cannot, which refuses such a strategy)."""
     if not 0 <= fed.min_clients <= cfg.num_clients:
         raise FlareError(f"min-clients={fed.min_clients} is not in 0..num_clients={cfg.num_clients}.",
                          key="min-clients", fix="set min-clients at most num_clients (0: every client).")

@@ -28,57 +28,33 @@ def _log(msg: str) -> None:
     flwr_log(WARNING if msg.startswith("WARNING") else INFO, "[flare] %s", msg)
 
 
-def wait_for_nodes(grid: Grid, want: int, seconds: float) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while True:
-        nodes = sorted(grid.get_node_ids())
-        if len(nodes) >= want or time.monotonic() >= deadline:
-            return nodes
-        time.sleep(1.0)
-
-
-def decode_reply(msg: Message, decode=None) -> Reply:
-    """A reply message → `Reply`, its content read by `decode` (default `decode_content`; never raises: malformed
-    content becomes a decode error the gate reports)."""
-    node = int(msg.metadata.src_node_id)
-    if msg.has_error():
-        return Reply(node, error=f"{msg.error.reason} (code {msg.error.code})")
-    return (decode or decode_content)(node, msg.content)
-
-
 def decode_content(node: int, content: RecordDict) -> Reply:
+    """A reply's content → `Reply` (never raises: malformed content becomes a decode error the gate reports): a train
+    reply's meta, upload and extras; a query reply's tensors (`reply`, a strategy's round after the upload) in
+    `state`."""
     rep = Reply(node)
     try:
         rep.meta = dict(content.config_records.get("meta") or {})
-        up, ex = content.array_records.get("upload"), content.array_records.get("extras")
-        rep.state = dict(record_to_state(up)) if up is not None else None
-        rep.extras = dict(record_to_state(ex)) if ex is not None else None
+        tensors = {k: dict(record_to_state(rec)) for k, rec in content.array_records.items()}
+        rep.state, rep.extras = tensors.get("upload", tensors.get("reply")), tensors.get("extras")
     except Exception as e:  # noqa: BLE001 — anything a peer sends that does not decode is a rejection
         rep.state, rep.decode_error = None, f"{type(e).__name__}: {e}"
     return rep
 
 
-def decode_talk(node: int, content: RecordDict) -> Reply:
-    """A reply to a strategy's round after the upload → `Reply` with its tensors in `state` (never raises)."""
-    rep = Reply(node)
-    try:
-        rep.state = dict(record_to_state(content.array_records["reply"]))
-    except Exception as e:  # noqa: BLE001 — anything a peer sends that does not decode is a failed reply
-        rep.decode_error = f"{type(e).__name__}: {e}"
-    return rep
+def ask(grid: Grid, timeout: float, kind: str, group: str, content: RecordDict, nodes: list[int]) -> list[Reply]:
+    """One message of `kind` to each of `nodes`; their replies within `timeout`, decoded (`decode_content`)."""
+    msgs = [Message(content=content, dst_node_id=n, message_type=kind, group_id=group) for n in nodes]
+    return [Reply(int(m.metadata.src_node_id), error=f"{m.error.reason} (code {m.error.code})") if m.has_error()
+            else decode_content(int(m.metadata.src_node_id), m.content)
+            for m in grid.send_and_receive(msgs, timeout=timeout)]
 
 
 def make_talk(grid: Grid, timeout: float):
-    """The Flower side of `NodeClients`: one `query` message per node and round."""
-
-    def talk(task, name: str, rnd: int, message: dict, nodes: list[int]) -> list[Reply]:
-        content = RecordDict({"task": ConfigRecord(task.to_config()),
-                              "talk": ConfigRecord({"strategy": name, "round": rnd}),
-                              "message": state_to_record(message)})
-        msgs = [Message(content=content, dst_node_id=n, message_type="query", group_id=f"{name}-{rnd}") for n in nodes]
-        return [decode_reply(m, decode_talk) for m in grid.send_and_receive(msgs, timeout=timeout)]
-
-    return talk
+    """The Flower side of `ServerSession.round`: one `query` message per node and round."""
+    return lambda task, name, rnd, message, nodes: ask(grid, timeout, "query", f"{name}-{rnd}", RecordDict({
+        "task": ConfigRecord(task.to_config()), "talk": ConfigRecord({"strategy": name, "round": rnd}),
+        "message": state_to_record(message)}), nodes)
 
 
 def train_content(task, include_init: bool, session: ServerSession) -> RecordDict:
@@ -94,32 +70,25 @@ def train_content(task, include_init: bool, session: ServerSession) -> RecordDic
 
 
 def make_exchange(grid: Grid, timeout: float):
-    def exchange(task, include_init: bool, nodes: list[int], session: ServerSession) -> list[Reply]:
-        content = train_content(task, include_init, session)
-        msgs = [Message(content=content, dst_node_id=n, message_type="train", group_id=str(task.round_start))
-                for n in nodes]
-        return [decode_reply(m) for m in grid.send_and_receive(msgs, timeout=timeout)]
-
-    return exchange
-
-
-def run_server(grid: Grid, run_config) -> dict:
-    fed = FederationSettings.from_run_config(run_config)
-    cfg = fed.load_config()
-    _log(f"{cfg.method}: {cfg.num_clients} clients, {cfg.rounds} rounds × {cfg.local_epochs} epochs, upload "
-         f"{fed.upload}, min_clients {fed.min_clients or cfg.num_clients}")
-    nodes = wait_for_nodes(grid, cfg.num_clients, fed.wait_nodes)
-    summary = run_federation(cfg, fed, make_exchange(grid, fed.timeout), nodes, log=_log,
-                             talk=make_talk(grid, fed.timeout))
-    if summary.get("acc") is not None:
-        _log(f"final acc ({summary.get('primary')}) = {100 * summary['acc']:.2f}% → {summary.get('out')}")
-    return summary
+    """The Flower side of `ServerSession.train`: one `train` message per node and block of rounds."""
+    return lambda task, include_init, nodes, session: ask(grid, timeout, "train", str(task.round_start),
+                                                          train_content(task, include_init, session), nodes)
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     try:
-        run_server(grid, context.run_config)
+        fed = FederationSettings.from_run_config(context.run_config)
+        cfg = fed.load_config()
+        _log(f"{cfg.method}: {cfg.num_clients} clients, {cfg.rounds} rounds × {cfg.local_epochs} epochs, upload "
+             f"{fed.upload}, min_clients {fed.min_clients or cfg.num_clients}")
+        deadline = time.monotonic() + fed.wait_nodes
+        while len(nodes := sorted(grid.get_node_ids())) < cfg.num_clients and time.monotonic() < deadline:
+            time.sleep(1.0)
+        summary = run_federation(cfg, fed, make_exchange(grid, fed.timeout), nodes, log=_log,
+                                 talk=make_talk(grid, fed.timeout))
     except FlareError as e:
         _log(f"WARNING: federation failed: {e.render()}")
         raise
+    if summary.get("acc") is not None:
+        _log(f"final acc ({summary.get('primary')}) = {100 * summary['acc']:.2f}% → {summary.get('out')}")
