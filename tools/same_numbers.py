@@ -34,8 +34,8 @@ CPU's best (AVX512 on this workplace's VMs), and only the newest pin MKL's branc
 *both* revisions runs with
     ATEN_CPU_CAPABILITY=avx2  ONEDNN_MAX_CPU_ISA=AVX2  MKL_CBWR=AVX2,STRICT  MKL_ENABLE_INSTRUCTIONS=AVX2
 and also with OMP_NUM_THREADS=MKL_NUM_THREADS=--threads (default 1; the thread count changes float summation
-order), PYTHONPATH=<tree>/src (checked: `flare` must import from that tree, not from the venv's editable
-install), FLARE_CACHE=OUT/cache/<sha12> (decoded datasets, one cache per revision), FLARE_QUIET=1,
+order), PYTHONPATH=<tree>/src:<tree>/paper/src (checked: `flare` must import from that tree, not from the venv's
+editable install; the paper suite too, whose `flare paper` command every `flare` invocation loads), FLARE_CACHE=OUT/cache/<sha12> (decoded datasets, one cache per revision), FLARE_QUIET=1,
 PYTHONHASHSEED=0, with the python running this script (or --python); FLARE_CPU_ISA and FLARE_CPU_ISA_PINNED of
 the caller's environment are removed, so no pin of the caller's reaches one side only.
 Before any run, one child process per side reports torch.backends.cpu.get_cpu_capability(): the two must agree
@@ -231,7 +231,7 @@ def child_env(tree: Path, sha: str, out: Path, threads: int) -> dict:
     for k in ("FLARE_CPU_ISA", "FLARE_CPU_ISA_PINNED"):  # a caller's own pin must not reach one side only
         env.pop(k, None)
     env.update(KERNEL_ENV)
-    env.update({"PYTHONPATH": str(tree / "src"), "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+    env.update({"PYTHONPATH": f"{tree / 'src'}{os.pathsep}{tree / 'paper' / 'src'}", "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                 "FLARE_CACHE": str(out / "cache" / sha[:12]), "FLARE_QUIET": "1", "PYTHONHASHSEED": "0"})
     return env
 
@@ -475,7 +475,7 @@ def main(argv=None) -> int:
     before, after = sides
     print(f"before: {before.rev} = {before.sha}\nafter:  {after.rev} = {after.sha}\n"
           f"env (both): {' '.join(f'{k}={v}' for k, v in KERNEL_ENV.items())} OMP_NUM_THREADS={args.threads} "
-          f"PYTHONPATH=<tree>/src; kernels, torch (both): {kernels['after']}; python: {args.python}\n"
+          f"PYTHONPATH=<tree>/src:<tree>/paper/src; kernels, torch (both): {kernels['after']}; python: {args.python}\n"
           f"runs: {runs_root}", flush=True)
 
     listed = {s.name: list_presets(s, args.python) for s in sides}
