@@ -531,7 +531,7 @@ def render_224(base: Path) -> str:
                  if (v := [x for c in cells for x in eacc[c][label].values()])}
         means |= {label: float(np.mean(v)) for label, v in evals.items()}
         counts |= {label: len(v) for label, v in evals.items()}
-        parts.append(f"`{enc_dir.name}` at {eo.get('resolution') or 'its own'} px ({eo.get('resize', '?')}, stages "
+        parts.append(f"`{enc_dir.name}` at {str(eo['resolution']) + ' px' if eo.get('resolution') else 'its own resolution'} ({eo.get('resize', '?')}, stages "
                      f"{eo.get('stages', '?')}, its own held-out choice): the closed-form heads, same cells and "
                      "seeds.\n\n" + md_table(["α", "K", *[label for label, _, _ in CLOSED_224]], rows))
     # the closed-form heads again, each training image's mirror image counted in their statistics (--mirrored)
