@@ -1109,6 +1109,38 @@ def test_their_code_column_sits_between_the_paper_and_flare_and_names_the_pair_t
     assert "| FedAvg | 0.3 | 82.96 | not run |" in out and "↔" not in out
 
 
+def test_a_code_flare_gap_is_placed_by_the_oracle_of_its_alpha(tmp_path):
+    """A code ↔ FLARE pair beyond 3 points says where it differs, from the table's identical-tensors oracle: the
+    client step on identical tensors, the server over the script's own clients (its value against FLARE's), and the
+    rest left to the random draws the script's seed made unequal. An oracle of another α places nothing."""
+    papers = _papers()
+    res, ref = tmp_path / "res", tmp_path / "ref"
+    _draws_table(res, 82.96, {0: 0.70, 1: 0.74, 2: 0.66})
+    _fake_reference(ref, "t", "fedavg", 0.3, 0, {"fedavg": 82.0})
+    oracle = {"tool": "benchmarks/reference_dense_oracle.py", "alpha": 0.3, "seed": 0,
+              "local": {"script_vs_flare": {"first_divergence": None, "steps": [{"max_abs_diff": 0.0}]}},
+              "own_draws": {"init_max_abs_diff": 0.0, "split_equals_flare": True,
+                            "first_epoch_order_equals_flare": False},
+              "server": {"script": {"fedavg": 80.0, "ensemble": 81.0}, "flare": {"fedavg": 79.0, "ensemble": 81.0}}}
+    (ref / "t" / "oracle").mkdir()
+    (ref / "t" / "oracle" / "a.json").write_text(json.dumps(oracle))
+    line = next(x for x in papers.render(res, reference=ref).splitlines() if "(final): FLARE" in x)
+    # FLARE's seed 0 reads 70.00 against the code's 82.00: −12, of which the server explains −1
+    assert line.endswith("Where it differs: on identical tensors (below) the client step is bit-identical and "
+                         "FLARE's server over the script's own clients reads 79.00 against its 80.00 (-1.00), which "
+                         "leaves -11.00 points to the clients' random draws — at seed 0 the script's batch order is "
+                         "not FLARE's, the rest of its draws are."), line
+    oracle["local"]["script_vs_flare"] = {"first_divergence": {"step": 5, "max_abs_diff": 0.5, "worst_tensor": "w"},
+                                          "steps": []}
+    (ref / "t" / "oracle" / "a.json").write_text(json.dumps(oracle))
+    line = next(x for x in papers.render(res, reference=ref).splitlines() if "(final): FLARE" in x)
+    assert "the client step is apart from step 5 on (5.0e-01 in `w`)" in line, line
+    oracle["alpha"] = 0.5
+    (ref / "t" / "oracle" / "a.json").write_text(json.dumps(oracle))
+    line = next(x for x in papers.render(res, reference=ref).splitlines() if "(final): FLARE" in x)
+    assert line.endswith("Where it differs: not measured at this α (the oracle ran at α = 0.5, below)."), line
+
+
 def test_dense_reference_reads_the_students_best_epoch_at_the_papers_rule(tmp_path):
     """DENSE's column reads the reference's student at the column's rule (its best epoch for `peak`, the paper's
     selection; its last for `final`); a fusion under way prints its epochs; a run on the script's own split is

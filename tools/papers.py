@@ -1104,7 +1104,7 @@ def render(results: Path = RESULTS, img_dir: Path | None = None, reference: Path
                 mr, sr, _, nr = summarise(list(chosen.values()))
                 pub = published(spec, col, alpha)
                 theirs = reference_values(refs, c, alpha)
-                rows.append({"col": col, "alpha": alpha, "rule": rule, "pub": pub, "final": final, "mean": mf,
+                rows.append({"col": col, "key": c["key"], "alpha": alpha, "rule": rule, "pub": pub, "final": final, "mean": mf,
                              "half": hf, "n": n, "chosen": {s: v for s, v in chosen.items() if math.isfinite(v)},
                              "theirs": theirs})
                 seeds = seed_text(final) + (f" (+{seed_text(s for s, _ in post)} post hoc)" if post else "")
@@ -1113,7 +1113,7 @@ def render(results: Path = RESULTS, img_dir: Path | None = None, reference: Path
                              f"{_interval(mf, hf, n)} | {_ms(mr, sr, nr)} ({rule}) | "
                              f"{'—' if pub is None or n == 0 else f'{mf - pub:+.2f}'} |")
         lines += separation_lines(rows)
-        lines += gap_lines(rows)
+        lines += gap_lines(rows, oracle_records(reference / spec["table"]))
         lines += oracle_lines(reference / spec["table"])
         if spec.get("published_source"):  # where the paper column's numbers were read, and how sure that is
             lines += ["", f"The paper's numbers: {' '.join(spec['published_source'].split())}"]
@@ -1205,11 +1205,12 @@ def separation_lines(rows: list[dict]) -> list[str]:
 GAP = 3.0  # points: a cell further than this from the paper is a gap the docs explain
 
 
-def gap_lines(rows: list[dict]) -> list[str]:
+def gap_lines(rows: list[dict], oracles: list[dict] = ()) -> list[str]:
     """For a cell more than GAP points from the paper (FLARE at the paper's rule) that has a finished run of the
     paper's code: which of the two steps holds the gap — "paper ↔ its code" (the code, run at the stated setting,
     misses the paper's number: the paper ran something its code does not state) and "its code ↔ FLARE" (FLARE
-    misses the code on the same seeds: FLARE computes something else) — each with its numbers."""
+    misses the code on the same seeds: FLARE computes something else) — each with its numbers. A code ↔ FLARE pair
+    beyond GAP is then placed by the table's identical-tensors oracles (`oracle_part`)."""
     out = []
     for r in rows:
         theirs, ours = r["theirs"], r["chosen"]
@@ -1228,14 +1229,73 @@ def gap_lines(rows: list[dict]) -> list[str]:
             (pairs if abs(a - b) > GAP else close).append(
                 f"its code ↔ FLARE ({a:.2f} against {b:.2f} on seed{'s' * (len(common) > 1)} {seed_text(common)}, "
                 f"{abs(a - b):.2f} points)")
+            where = f" Where it differs: {oracle_part(oracles, r, b - a)}." if abs(a - b) > GAP else ""
         else:
             other.append("its code ↔ FLARE: no seed run by both")
+            where = ""
         parts = ([f"differs: {'; '.join(pairs)}"] if pairs else
                  [f"neither pair differs by more than {GAP:g} points"] if close and not other else [])
         parts += ([f"within {GAP:g} points: {'; '.join(close)}"] if close else []) + other
-        out.append(f"{head}. " + "; ".join(parts)[:1].upper() + "; ".join(parts)[1:] + ".")
+        out.append(f"{head}. " + "; ".join(parts)[:1].upper() + "; ".join(parts)[1:] + "." + where)
     return ["", f"Where the gap lies, for cells more than {GAP:g} points from the paper with a finished run of its "
                 "code (each side at the paper's rule):", "", *[f"* {line}" for line in out]] if out else []
+
+
+def oracle_records(table_dir: Path) -> list[dict]:
+    """The identical-tensors oracles' records of a table (<table>/oracle/*.json) that parse."""
+    out = []
+    for f in sorted((table_dir / "oracle").glob("*.json")) if (table_dir / "oracle").is_dir() else []:
+        try:
+            out.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _oracle_servers(r: dict) -> dict[str, tuple[float, float]]:
+    """An oracle's server comparison over the clients the script trained, per table column key: (the script's own
+    value, FLARE's server as the table runs it)."""
+    srv = r.get("server") or {}
+    if r.get("tool") == "benchmarks/reference_dense_oracle.py" and srv:
+        return {"acc_fedavg": (srv["script"]["fedavg"], srv["flare"]["fedavg"]),
+                "acc_output": (srv["script"]["ensemble"], srv["flare"]["ensemble"])}
+    if srv:  # FedLPA's script prints the better of its two solutions; the table runs FLARE's `fedlpa`
+        return {"fuse:fedlpa": (max(srv["script"]["biased"], srv["script"]["newton"]), srv["flare_fedlpa"]["acc"])}
+    return {}
+
+
+def oracle_part(oracles: list[dict], row: dict, delta: float) -> str:
+    """Which part holds a code ↔ FLARE difference of `delta` points (FLARE − code), from an oracle of the same α:
+    the client step on identical tensors (the same or not) and the server over the script's own clients (its value
+    against FLARE's); what neither explains lies in the runs' random draws, the one input the oracle made equal.
+    An oracle of another α, or one that does not compare this column's server, places nothing: the text says so."""
+    same_alpha = [r for r in oracles if float(r.get("alpha", -1)) == float(row["alpha"])]
+    if not same_alpha:
+        at = sorted({float(r["alpha"]) for r in oracles if "alpha" in r})
+        return ("not measured at this α" + (f" (the oracle ran at α = {', '.join(f'{a:g}' for a in at)}, below)"
+                                            if at else ": no identical-tensors oracle ran"))
+    r = same_alpha[0]
+    loc = r["local"]
+    pair = loc.get("script_vs_flare") or loc.get("our_script_vs_flare")
+    step = "bit-identical" if _steps_verdict(pair) == "bit-identical" else _steps_verdict(pair)
+    servers = _oracle_servers(r)
+    if row["key"] not in servers:
+        return (f"not placed — on identical tensors the client step is {step} (below), but the oracle does not run "
+                "this column's server over the script's clients")
+    theirs, ours = servers[row["key"]]
+    rest = delta - (ours - theirs)
+    own = r.get("own_draws") or {}
+    differ = [name for name, same in (("initial weights", own.get("init_max_abs_diff", 1) == 0),
+                                      ("split", own.get("split_equals_flare", False)),
+                                      ("batch order", own.get("first_epoch_order_equals_flare", False)))
+              if not same]
+    draws = (f"at seed {r['seed']} the script's {' and '.join(differ)} {'is' if len(differ) == 1 else 'are'} not "
+             "FLARE's, the rest of its draws are" if own and differ else
+             f"at seed {r['seed']} the script draws what FLARE draws" if own else
+             "the oracle gave the script FLARE's initial weights and batch order, so which draw it is was not measured")
+    return (f"on identical tensors (below) the client step is {step} and FLARE's server over the script's own "
+            f"clients reads {ours:.2f} against its {theirs:.2f} ({ours - theirs:+.2f}), which leaves {rest:+.2f} "
+            f"points to the clients' random draws — {draws}")
 
 
 def oracle_lines(table_dir: Path) -> list[str]:
