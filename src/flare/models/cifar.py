@@ -19,8 +19,6 @@ from ..errors import FlareError
 from .pool import MaxPool2d
 from .resnet import conv1x1, conv3x3, init_weights, scaled
 
-__all__ = ["WideResNet", "PaperCNN", "wrn16_1", "wrn40_1", "cnn_dense", "cnn_coboost"]
-
 
 class WideBlock(nn.Module):
     """Pre-activation basic block; the shortcut is the identity or a 1×1 convolution of the activated input."""

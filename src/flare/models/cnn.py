@@ -14,8 +14,6 @@ from torch import Tensor, nn
 from .pool import MaxPool2d
 from .resnet import init_weights, scaled
 
-__all__ = ["SmallCNN", "cnn"]
-
 
 def _block(cin: int, cout: int) -> list[nn.Module]:
     return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)]
@@ -24,10 +22,7 @@ def _block(cin: int, cout: int) -> list[nn.Module]:
 class SmallCNN(nn.Module):
     def __init__(self, in_channels: int = 3, width: float = 1.0):
         super().__init__()
-        if width <= 0:
-            raise ValueError(f"width must be > 0, got {width}")
         self.in_channels = int(in_channels)
-        self.width = float(width)
         c1, c2, c3 = scaled(32, width), scaled(64, width), scaled(128, width)
         self.body = nn.Sequential(*_block(self.in_channels, c1), MaxPool2d(2), *_block(c1, c2), MaxPool2d(2),
                                   *_block(c2, c3))

@@ -18,19 +18,15 @@ from torch import Tensor, nn
 from .pool import MaxPool2d
 from .resnet import scaled
 
-__all__ = ["SimpleCNN", "DenseMnistCNN", "simple_cnn", "cnn_mnist_dense"]
-
 
 class SimpleCNN(nn.Module):
     """NIID-Bench's simple-cnn without its last Linear (the head)."""
 
-    def __init__(self, in_channels: int = 1, width: float = 1.0, image_size: int | None = None):
+    def __init__(self, in_channels: int = 1, width: float = 1.0):
         super().__init__()
         c1, c2 = scaled(6, width), scaled(16, width)
         h1, h2 = scaled(120, width), scaled(84, width)
-        s = image_size if image_size is not None else (28 if in_channels == 1 else 32)
-        side = ((s - 4) // 2 - 4) // 2  # two unpadded 5×5 convolutions, each followed by a 2×2 pool
-        self.image_size = s
+        side = 4 if in_channels == 1 else 5  # 28×28 or 32×32 after two unpadded 5×5 convolutions and 2×2 pools
         self.conv1 = nn.Conv2d(int(in_channels), c1, 5)
         self.conv2 = nn.Conv2d(c1, c2, 5)
         self.pool = MaxPool2d(2, 2)
@@ -47,13 +43,13 @@ class SimpleCNN(nn.Module):
 class DenseMnistCNN(nn.Module):
     """DENSE's CNNMnist without its Linear classifier (the head)."""
 
-    def __init__(self, in_channels: int = 1, width: float = 1.0, image_size: int = 28):
+    def __init__(self, in_channels: int = 1, width: float = 1.0):
         super().__init__()
         c1, c2 = scaled(16, width), scaled(32, width)
         self.layer1 = nn.Sequential(nn.Conv2d(int(in_channels), c1, 5, padding=2), nn.BatchNorm2d(c1), nn.ReLU(),
                                     MaxPool2d(2))
         self.layer2 = nn.Sequential(nn.Conv2d(c1, c2, 5, padding=2), nn.BatchNorm2d(c2), nn.ReLU(), MaxPool2d(2))
-        self.feature_dim = c2 * (image_size // 4) ** 2
+        self.feature_dim = c2 * 7 * 7  # at 28×28
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.flatten(self.layer2(self.layer1(x)), 1)

@@ -19,8 +19,6 @@ from torch import nn
 from ..errors import FlareError
 from ..registry import MODELS, Entry
 
-__all__ = ["PREFIX", "TimmOptions", "small_stem", "timm_names"]
-
 PREFIX = "timm/"
 INSTALL = "pip install 'flare-ofl[zoo]' (or pip install timm)"
 # create_model's own arguments, which FLARE sets: an option may not override them.
