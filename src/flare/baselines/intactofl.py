@@ -1,11 +1,7 @@
-"""IntactOFL (Zeng et al., "One-shot-but-not-degraded Federated Learning", ACM MM 2024; reference code
-zenghui9977/IntactOFL, cited below by its paths under source/): the K client models are kept intact as the experts
-of a mixture whose gate alone is trained, data-free, on generator-synthesised inputs.
-
-The gate is one linear layer over the flattened image whose scores keep their top k per row; the mixture is the
-mean of gate score × expert logits. Every epoch runs DENSE's synthesis (datafree.py's `Synthesis`, with the mixture
-as teacher and the experts' average as adversary), then one pass of gate training over the pool. The mixture, the
-epoch, the options with their reference lines and the departures: docs/baselines.md, `intactofl`.
+"""IntactOFL (Zeng et al., "One-shot-but-not-degraded Federated Learning", ACM MM 2024; zenghui9977/IntactOFL, cited
+below by its paths under source/): the K client models kept intact as the experts of a mixture whose gate alone is
+trained, data-free, with DENSE's synthesis (datafree.py's `Synthesis`: the mixture as teacher, the experts' average as
+adversary). The mixture, the epoch, the options' reference lines and the departures: docs/baselines.md, `intactofl`.
 """
 from __future__ import annotations
 

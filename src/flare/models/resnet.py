@@ -95,15 +95,12 @@ class ResNetEncoder(nn.Module):
         stem_out = scaled(64, width)  # create_model has refused a width ≤ 0
         self.stem = nn.Sequential(conv3x3(int(in_channels), stem_out), nn.BatchNorm2d(stem_out),
                                   nn.ReLU(inplace=True))  # no max-pool (CIFAR-style)
-        cin = stem_out
-        stages = []
+        cin, stages = stem_out, []
         for s, (n, stride) in enumerate(zip(layers, (1, 2, 2, 2))):
             planes = scaled(64 * 2**s, width)
-            blocks = []
-            for i in range(n):
-                blocks.append(block(cin, planes, stride if i == 0 else 1))
-                cin = planes * block.expansion
-            stages.append(nn.Sequential(*blocks))
+            stages.append(nn.Sequential(block(cin, planes, stride),
+                                        *(block(planes * block.expansion, planes) for _ in range(n - 1))))
+            cin = planes * block.expansion
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.feature_dim = cin
