@@ -1,10 +1,5 @@
-"""A small CNN encoder for fast CPU runs, where a ResNet-18 costs minutes per round.
-
-    conv3×3(in → 32w) - BN - ReLU - maxpool2
-    conv3×3(32w → 64w) - BN - ReLU - maxpool2
-    conv3×3(64w → 128w) - BN - ReLU
-    global average pool  →  d = round(128·width)
-
+"""A small CNN encoder for fast CPU runs, where a ResNet-18 costs minutes per round: three conv3×3-BN-ReLU layers
+of 32, 64, 128 channels (× width), max-pools after the first two, global average pooling (d = round(128·width)).
 Padding 1 everywhere, so any input ≥ 4×4 works (28×28, 32×32, 64×64, ...). Same init as the ResNets."""
 from __future__ import annotations
 

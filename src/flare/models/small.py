@@ -1,15 +1,11 @@
-"""The small Fashion-MNIST/MNIST networks of the papers FLARE reproduces at their own settings (docs/papers.md).
+"""The small Fashion-MNIST/MNIST networks of the papers FLARE reproduces at their own settings (docs/papers.md);
+the head FLARE adds is the reference's classifier.
 
 * `simple-cnn` — NIID-Bench's `SimpleCNNMNIST` / `SimpleCNN` (Xtra-Computing/NIID-Bench `model.py`), the client
-  network of FedLPA's Table 1: conv5×5 → 6, ReLU, maxpool 2, conv5×5 → 16, ReLU, maxpool 2, flattened (16·4·4 at
-  28×28, 16·5·5 at 32×32), Linear → 120, ReLU, Linear → 84, ReLU: d = 84; the head FLARE adds is the reference's
-  `fc3` (Linear 84 → C). No BatchNorm, unpadded convolutions, every layer with a bias.
-* `cnn_mnist_dense` — DENSE's `CNNMnist` (zj-jayzhang/DENSE `models/nets.py`), its FMNIST/MNIST network:
-  conv5×5 (padding 2) → 16, BN, ReLU, maxpool 2, the same → 32, flattened (32·7·7 at 28×28): d = 1568; the head is
-  the reference's `fc` (Linear 1568 → C).
+  network of FedLPA's Table 1: no BatchNorm, unpadded convolutions, every layer with a bias; d = 84.
+* `cnn_mnist_dense` — DENSE's `CNNMnist` (zj-jayzhang/DENSE `models/nets.py`): d = 32·7·7 = 1568 at 28×28.
 
-Both keep torch's default initialisation (kaiming-uniform with a = √5, uniform biases), as their references do —
-they never re-initialise. `width` scales every channel and hidden count (rounded, at least 1)."""
+Both keep torch's default initialisation, as their references do (they never re-initialise)."""
 from __future__ import annotations
 
 import torch
