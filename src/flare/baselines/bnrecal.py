@@ -1,10 +1,7 @@
-"""BatchNorm recalibration on the server's public slice: `bnrecal`.
-
-Each client's BatchNorm running statistics were gathered on its own skewed data, a large part of the one-shot gap.
-This server re-estimates them, on deep copies of the client models, over the unlabeled public slice
-(`dataset.public_size`; exact over the whole slice, merged across batches) and then applies a fusion rule
-(a rule of server/rules.py over the client outputs that needs no noise pass, or the head's own) to the K
-recalibrated models. The measurement that motivates it, the merge and the rules: docs/baselines.md, `bnrecal`.
+"""BatchNorm recalibration on the server's public slice: `bnrecal`. Each client's BatchNorm statistics were gathered
+on its own skewed data, a large part of the one-shot gap; this server re-estimates them on copies of the client
+models over the unlabeled public slice (`dataset.public_size`), then fuses the K recalibrated models with a rule that
+needs no noise pass. The measurement that motivates it, the merge and the rules: docs/baselines.md, `bnrecal`.
 """
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
-"""Client-side one-shot baselines of the official FAFI code: FedProto and FedETF (docs/baselines.md).
+"""Client-side one-shot baselines of the official FAFI code (docs/baselines.md): FedProto and FedETF.
 
-* **FedProto (one-shot)** — clients train plain CE (a linear head) and report per-class feature sums and counts
-  (`Upload.extras`); the server's prototype of class c is the unweighted mean of the clients' class-c means, and a
-  test image takes the class of the nearest prototype. `fedproto` reads the FedAvg encoder's features,
-  `fedproto_fused` the weighted sum of the client encoders' features.
-* **FedETF (one-shot)** — the `etf` head (flare.models.heads.ETFHead) trained with CE; the server averages the
-  weights and ensembles raw logits (`server.strategies.output.ensemble=logits`). The `fedetf` objective registered
-  here trains that head; the preset composes it (src/flare/presets/fedetf.yaml).
+* **FedProto (one-shot)** — clients train plain CE (a linear head) and upload per-class feature sums and counts; a
+  test image takes the class of the nearest global prototype (the unweighted mean of the clients' class means), on
+  the FedAvg encoder's features (`fedproto`) or the weighted sum of the client encoders' (`fedproto_fused`).
+* **FedETF (one-shot)** — the `etf` head trained with CE (the `fedetf` objective registered here); the preset
+  (src/flare/presets/fedetf.yaml) averages the weights and ensembles raw logits.
 """
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
-"""The training-free one-shot heads over one upload of per-class sufficient statistics (docs/frozen-encoder.md).
-
-Every head here reads what FedCGS reads (frozen.py, `SufficientStatistics`): the clients' float64 per-class counts
-n_c, feature sums s_c and second moments S_c = Σ_{y=c} x xᵀ, summed by the server. Their sums are the pooled
-features' own, so each head is the head of the pooled features whatever the split, and the two that train
-(FisherMix, Proto-Hyper) train on samples drawn from them. The arithmetic and the defaults are the references'
-code's: GH-OFL (ICLR 2026; FabioTur-dev/One-Shot-FL, server/GH_OFL_server.py, configs/cifar10.yaml) for the
-Gaussian heads, Fed3R (ICML 2024; Erosinho13/Fed3R, src/fed3r.py), AFL (CVPR 2025;
-ZHUANGHP/Analytic-federated-learning, afl.py) and FedNCM (NeurIPS 2023; GwenLegate/GuidingLastLayerFLPretrain).
+"""The training-free one-shot heads over one upload of per-class sufficient statistics (docs/frozen-encoder.md): the
+clients' float64 counts n_c, feature sums s_c and second moments S_c = Σ_{y=c} x xᵀ (frozen.py's
+`SufficientStatistics`), summed by the server — the pooled features' own, so each head is the pooled features' head
+whatever the split; FisherMix and Proto-Hyper train on samples drawn from them. The arithmetic and the defaults are
+the reference codes': GH-OFL (ICLR 2026; FabioTur-dev/One-Shot-FL, server/GH_OFL_server.py, configs/cifar10.yaml),
+Fed3R (ICML 2024; Erosinho13/Fed3R, src/fed3r.py), AFL (CVPR 2025; ZHUANGHP/Analytic-federated-learning, afl.py) and
+FedNCM (NeurIPS 2023; GwenLegate/GuidingLastLayerFLPretrain).
 """
 from __future__ import annotations
 

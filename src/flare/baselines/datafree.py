@@ -1,12 +1,8 @@
-"""Data-free one-shot servers: `dense` (Zhang et al., "DENSE: Data-Free One-Shot Federated Learning", NeurIPS
-2022) and `coboosting` (Dai et al., "Enhancing One-Shot Federated Learning Through Data and Ensemble Co-Boosting",
-ICLR 2024). Neither needs public data: a generator synthesises inputs from the client ensemble, and a fresh
-student of the run's architecture is distilled from the ensemble on the synthetic pool.
-
-Every epoch: the generator is re-initialised and trained against the ensemble (BatchNorm statistics, CE to
-pseudo-labels, adversarial disagreement with the student); the batch of the lowest loss joins the pool;
-Co-Boosting moves its ensemble weights; the student takes one pass over the pool. Each step with the reference
-codes' lines (zj-jayzhang/DENSE, rong-dai/Co-Boosting), the options and the departures: docs/baselines.md, `dense`.
+"""Data-free one-shot servers: `dense` (Zhang et al., "DENSE: Data-Free One-Shot Federated Learning", NeurIPS 2022)
+and `coboosting` (Dai et al., "Enhancing One-Shot Federated Learning Through Data and Ensemble Co-Boosting", ICLR
+2024). A generator synthesises inputs from the client ensemble, and a fresh student of the run's architecture is
+distilled from the ensemble on the synthetic pool. The epoch, step by step with the reference codes' lines
+(zj-jayzhang/DENSE, rong-dai/Co-Boosting), the options and the departures: docs/baselines.md, `dense`.
 """
 from __future__ import annotations
 
@@ -351,15 +347,9 @@ class DataFree(Strategy):
     synthesis = Synthesis
 
     def predictor(self, ctx: ServerContext) -> ModelPredictor:
-        shape = ctx.input_shape or (tuple(ctx.public_x.shape[1:]) if ctx.public_x is not None else None)
-        if shape is None:
-            raise FlareError("a data-free server synthesises inputs of the run's image shape, which this "
-                             "ServerContext does not carry.", key="server.primary",
-                             fix="build the ServerContext with input_shape= (rounds.evaluate_uploads and flare fuse "
-                                 "do).")
+        shape = tuple(int(v) for v in ctx.input_shape)  # rounds.evaluate_uploads passes the run's C×H×W
         with torch.enable_grad(), torch.autocast(ctx.device.type, enabled=False):  # whatever the caller has set
-            model, logs = self.synthesis(self.facts, self.options, ctx, tuple(int(v) for v in shape), self.tag,
-                                    self.coboost).run()
+            model, logs = self.synthesis(self.facts, self.options, ctx, shape, self.tag, self.coboost).run()
         return ModelPredictor(model.eval(), logs)
 
 

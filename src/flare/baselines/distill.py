@@ -1,14 +1,12 @@
 """FedDF (Lin et al., "Ensemble Distillation for Robust Model Fusion in Federated Learning", NeurIPS 2020) as a
-one-shot server: `feddf`.
-
-The server starts from the FedAvg of the uploads and distils the clients' ensemble into it on the unlabeled public
-slice (`dataset.public_size`), as the reference code's `noise_knowledge_transfer` aggregation does
-(epfml/federated-learning-public-code). It selects nothing on labels: a fixed number of `steps`, the last student.
-With clients of different architectures the student is the server architecture (`server.model`). The teacher, the
-loss, the optimiser and the departures: docs/baselines.md, `feddf`.
+one-shot server, `feddf`: the FedAvg of the uploads distilled from the clients' ensemble on the unlabeled public slice,
+as the reference's `noise_knowledge_transfer` (epfml/federated-learning-public-code) — a fixed number of `steps`, the
+last student, nothing selected on labels. The teacher, the loss, the optimiser and the departures:
+docs/baselines.md, `feddf`.
 """
 from __future__ import annotations
 
+from itertools import chain, count
 from typing import Literal
 
 import torch
@@ -39,12 +37,6 @@ class FedDFOptions(BaseModel):
     cosine: bool = Field(True, description="cosine-anneal the learning rate over the steps")
     clip: float | None = Field(5.0, gt=0, description="gradient-norm clip (null: none)")
     augment: bool = Field(True, description="random crop (4-pixel zero padding) and horizontal flip")
-
-
-def batches(n: int, size: int, gen: torch.Generator):
-    """Index batches of shuffled passes over n samples, forever (a DataLoader with shuffle=True, drop_last=False)."""
-    while True:
-        yield from passes(n, size, gen)
 
 
 @STRATEGIES.register("feddf", options=FedDFOptions)
@@ -94,7 +86,9 @@ class FedDF(Strategy):
         student.train()
         losses = []
         with Counter(o.steps, desc="feddf", unit="step") as bar:  # 10,000 steps: minutes on a CPU
-            for _, ix in zip(range(o.steps), batches(pub.shape[0], o.batch_size, gen)):
+            # shuffled passes, each drawn when the last one ends (a DataLoader with shuffle=True), forever
+            shuffled = chain.from_iterable(passes(pub.shape[0], o.batch_size, gen) for _ in count())
+            for _, ix in zip(range(o.steps), shuffled):
                 xb = pub[ix.to(pub.device)]
                 x = ctx.normalize(crop_flip(xb, gen) if o.augment else xb)
                 with torch.no_grad():

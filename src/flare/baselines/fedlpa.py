@@ -1,17 +1,12 @@
-"""FedLPA (Liu et al., "FedLPA: One-shot Federated Learning with Layer-Wise Posterior Aggregation", NeurIPS 2024;
-reference code lebronlambert/FedLPA_NeurIPS2024) and RegMean (Jin et al., "Dataless Knowledge Fusion by Merging
-Weights of Language Models", ICLR 2023; reference code bloomberg/dataless-model-merging).
+"""FedLPA (Liu et al., NeurIPS 2024; lebronlambert/FedLPA_NeurIPS2024) and RegMean (Jin et al., ICLR 2023;
+bloomberg/dataless-model-merging): each Linear / Conv2d layer (and a prototype head) merged from the Kronecker
+factors the clients upload as extras, A_k = E[ã ãᵀ] over its inputs and (FedLPA) G_k over its output gradients:
 
-Both merge each Linear / Conv2d layer (and a prototype head) from per-client Kronecker factors that the clients
-compute after training and upload as extras (server/extras.py): A_k = E[ã ãᵀ] over the layer's inputs and, for FedLPA,
-G_k over the gradients of the per-sample loss w.r.t. its output. The server solves, per layer with weight matrix W
-(out × in, bias as the last column),
+    FedLPA:  Σ_k w_k G_k M A_k = Σ_k w_k G_k W_k A_k   (closed form, refined by preconditioned CG)
+    RegMean: M Σ_k w_k A_k = Σ_k w_k W_k A_k           (G = I; exact: M = (Σ w W A)(Σ w A)⁻¹)
 
-    FedLPA:  Σ_k w_k G_k M A_k = Σ_k w_k G_k W_k A_k
-    RegMean: M Σ_k w_k A_k = Σ_k w_k W_k A_k   (G = I; exact: M = (Σ w W A)(Σ w A)⁻¹)
-
-with w = ctx.weights; FedLPA from the closed form of its "biased" approximation, refined by preconditioned conjugate
-gradient. The factors, the damping, `max_block` and the departures: docs/baselines.md, `fedlpa` and `regmean`.
+with W = [weight | bias] and w = ctx.weights. The factors, the damping, `max_block` and the departures:
+docs/baselines.md, `fedlpa` and `regmean`.
 """
 from __future__ import annotations
 

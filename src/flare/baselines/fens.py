@@ -1,12 +1,8 @@
-"""FENS (Allouah et al., "Revisiting Ensembling in One-Shot Federated Learning", NeurIPS 2024) as a server strategy
-that talks back: `fens`.
-
-After the one-shot upload the server sends every client model to every client; each client computes the frozen
-models' logits on its own samples; then a few federated rounds train a small aggregator over those outputs with
-FedAdam, and the aggregator over the K clients' logits is the predictor. The aggregator, the clients' SGD and the
-server's FedAdam with the reference code's lines (sacs-epfl/fens), and the departure (no held-out proxy share):
-docs/baselines.md, `fens`. Its extra rounds and their bytes each way are in the round record (`fens.rounds`,
-`fens.bytes_down`, `fens.bytes_up`).
+"""FENS (Allouah et al., "Revisiting Ensembling in One-Shot Federated Learning", NeurIPS 2024), a server strategy
+that talks back: `fens`. After the upload the server sends every client model to every client, which computes the
+frozen models' logits on its own samples; then federated rounds train a small aggregator over those logits with
+FedAdam, and it is the predictor. The reference's lines (sacs-epfl/fens) and the departure: docs/baselines.md, `fens`.
+Its rounds and bytes each way are in the round record (`fens.rounds`, `fens.bytes_down`, `fens.bytes_up`).
 """
 from __future__ import annotations
 
@@ -97,16 +93,13 @@ class FENS(Strategy):
     def extra_rounds(self) -> int:
         return self.options.rounds
 
-    def _net(self, clients: int, classes: int) -> nn.Module:
-        return aggregator(clients, classes, self.options.hidden)
-
     def configure_round(self, rnd: int, ctx: ServerContext) -> dict[str, Tensor]:
         """Round 0: every client model and the aggregator's seeded init; then the aggregator alone."""
         st = ctx.state
         if rnd == 0:
             K, C = len(ctx.uploads), int(ctx.models[0].num_classes)
             with private_stream(derived_seed(self.facts.seed, ctx.round, TAG)):
-                net = self._net(K, C)
+                net = aggregator(K, C, self.options.hidden)
             st.update(x={k: p.detach().to(ctx.device) for k, p in net.state_dict().items()}, moments={}, K=K, C=C)
         message = {k: v.clone() for k, v in st["x"].items()}
         if rnd == 0:
@@ -123,7 +116,7 @@ class FENS(Strategy):
         gen = torch.Generator()
         gen.set_state(memory["gen"])
         z, y, C = memory["inputs"].to(data.device), data.y, int(data.model.num_classes)
-        net = self._net(z.shape[1] // C, C).to(z.device)
+        net = aggregator(z.shape[1] // C, C, o.hidden).to(z.device)
         net.load_state_dict({k: v for k, v in received.items() if "/" not in k})
         opt = torch.optim.SGD(net.parameters(), lr=o.client_lr, momentum=0.0)
         net.train()
@@ -159,6 +152,6 @@ class FENS(Strategy):
 
     def predictor(self, ctx: ServerContext) -> AggregatorPredictor:
         st = ctx.state
-        net = self._net(st["K"], st["C"]).to(ctx.device)
+        net = aggregator(st["K"], st["C"], self.options.hidden).to(ctx.device)
         net.load_state_dict(st["x"])
         return AggregatorPredictor(net, {})

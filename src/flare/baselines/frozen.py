@@ -1,15 +1,11 @@
-"""One-shot servers over a frozen pretrained encoder's features (docs/frozen-encoder.md): FedCGS and FedPFT.
+"""One-shot servers over a frozen pretrained encoder's features (docs/frozen-encoder.md): FedCGS and FedPFT. Both
+read what the clients upload about the frozen features (a `features` run's input, data/features.py), never their
+trained adapters, and end in a linear head over those features (`FeatureLinear`).
 
-Both read what the clients upload about the *frozen* features — the input of a `features` run (data/features.py),
-the plain image's feature `normalize(x)` — never the clients' trained adapters, and both end in a linear head over
-those features, scored on the test features (`FeatureLinear`).
-
-FedCGS (AAAI 2025; Yuqin-G/FedCGS): the clients' float64 per-class counts, feature sums and second moments (the
-upload every closed-form head reads, `SufficientStatistics`; the heads themselves: closed_form.py) add up to the
-centralised statistics, and the server builds the reference's Gaussian classifier from them — no training, no
-randomness. FedPFT (Beitollahi et al. 2024; its Flower baseline): each client fits per-class
-Gaussian mixtures of its features, the server samples features from them and trains a linear head with AdamW. Their
-formulas and settings: docs/frozen-encoder.md.
+FedCGS (AAAI 2025; Yuqin-G/FedCGS): the clients' per-class counts, feature sums and second moments (the upload every
+closed-form head reads, `SufficientStatistics`) add up to the centralised ones, from which the server builds the
+reference's Gaussian classifier — no training, no randomness. FedPFT (Beitollahi et al. 2024; its Flower baseline):
+per-class Gaussian mixtures of each client's features, sampled by the server to train a linear head with AdamW.
 """
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""IntactOFL (Zeng et al., "One-shot-but-not-degraded Federated Learning", ACM MM 2024; reference code
-zenghui9977/IntactOFL, cited below by its paths under source/): the K client models are kept intact as the experts
-of a mixture whose gate alone is trained, data-free, on generator-synthesised inputs.
-
-The gate is one linear layer over the flattened image whose scores keep their top k per row; the mixture is the
-mean of gate score × expert logits. Every epoch runs DENSE's synthesis (datafree.py's `Synthesis`, with the mixture
-as teacher and the experts' average as adversary), then one pass of gate training over the pool. The mixture, the
-epoch, the options with their reference lines and the departures: docs/baselines.md, `intactofl`.
+"""IntactOFL (Zeng et al., "One-shot-but-not-degraded Federated Learning", ACM MM 2024; zenghui9977/IntactOFL, cited
+below by its paths under source/): the K client models kept intact as the experts of a mixture whose gate alone is
+trained, data-free, with DENSE's synthesis (datafree.py's `Synthesis`: the mixture as teacher, the experts' average as
+adversary). The mixture, the epoch, the options' reference lines and the departures: docs/baselines.md, `intactofl`.
 """
 from __future__ import annotations
 
@@ -61,12 +57,6 @@ class IntactOFLOptions(DenseOptions):
                                             "(oneshot_intactofl.py:18-24), or as synthesised")
 
 
-def sparse_gate(scores: Tensor, k: int) -> Tensor:
-    """Each row's k largest gate scores kept, the others zero (not −∞: no softmax follows). B×K → B×K."""
-    top, idx = scores.topk(k, dim=-1)
-    return torch.zeros_like(scores).scatter(-1, idx, top)
-
-
 def mixture(weights: Tensor, expert_logits: Tensor) -> Tensor:
     """(1/K) Σ_k weights[:, k] · expert_logits[k]: B×K gate weights, K×B×C expert logits → B×C."""
     return (weights.t()[:, :, None] * expert_logits).mean(0)
@@ -82,7 +72,10 @@ class MixtureOfExperts(nn.Module):
         self.experts, self.gate, self.top_k = list(experts), gate, top_k
 
     def weights(self, x: Tensor) -> Tensor:
-        return sparse_gate(self.gate(x.reshape(x.shape[0], -1)).float(), self.top_k)
+        """B×K gate scores, each row's top_k kept and the others zero (not −∞: no softmax follows)."""
+        scores = self.gate(x.reshape(x.shape[0], -1)).float()
+        top, idx = scores.topk(self.top_k, dim=-1)
+        return torch.zeros_like(scores).scatter(-1, idx, top)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         w = self.weights(x)

@@ -38,10 +38,6 @@ def public_slice(ctx, name: str) -> Tensor:
     """ctx.public_x (uint8), or the same FlareError when a caller built the context without it."""
     if ctx.public_x is None or ctx.public_x.shape[0] == 0:
         raise _no_public(name)
-    if ctx.normalize is None:
-        raise FlareError(f"server strategy '{name}' needs the run's input normalisation (ServerContext.normalize).",
-                         key="server.primary", fix="build the ServerContext with normalize= (rounds.evaluate_uploads "
-                                                   "and flare fuse do).")
     return ctx.public_x
 
 

@@ -1,13 +1,9 @@
-"""OTFusion (Singh & Jaggi, "Model Fusion via Optimal Transport", NeurIPS 2020; reference code sidak/otfusion),
-weight-based variant with exact OT, for K clients: every client's neurons are aligned to one pivot client, layer by
-layer, and the aligned models are averaged with the aggregation weights.
-
-Per group of neurons, in forward order, the transport plan (`ot.emd` over the distances of incoming weight rows
-already mapped by their inputs' maps) maps the client's tensors on their output and input axes. BatchNorm follows its
-channels' map, a residual block's output shares its shortcut's map, the classes are never permuted. The walk follows
-each module's children in registration order (the data flow of every FLARE encoder); a module with its own parameters
-that is not Conv2d (groups=1), Linear, BatchNorm or a FLARE head is refused (FlareError), as are clients whose state
-dicts differ. Residual streams, heads and what the reference does otherwise: docs/baselines.md, `otfusion`.
+"""OTFusion (Singh & Jaggi, "Model Fusion via Optimal Transport", NeurIPS 2020; sidak/otfusion), weight-based with
+exact OT, for K clients: every client's neurons aligned to one pivot client layer by layer (`ot.emd` over the distances
+of incoming weight rows already mapped by their inputs' maps), then averaged with the aggregation weights. BatchNorm
+follows its channels' map, a residual block's output shares its shortcut's, the classes are never permuted. The walk
+follows each module's children in registration order (every FLARE encoder's data flow) and refuses any other layer
+with parameters. Residual streams, heads and the reference's departures: docs/baselines.md, `otfusion`.
 """
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
-"""Model zoo (docs/method.md#model): a timm-style registry of encoders plus the `FlareNet` wrapper.
+"""Model zoo (docs/models.md): a timm-style registry of encoders plus the `FlareNet` wrapper.
 
     model = create_model("resnet18", in_channels=3, num_classes=10, width=1.0, head="prototype")
     feat, logits = model(x)        # feat = f(x) (B×d, un-normalised); logits from the head
 
-Registered names: `resnet18`, `resnet34`, `resnet50` (CIFAR-style, see `resnet.py`), `cnn` (small CPU model, see
-`cnn.py`), `wrn16_1`, `wrn40_1`, `cnn_dense`, `cnn_coboost` (the literature's CIFAR networks, see `cifar.py`), `simple-cnn`,
-`cnn_mnist_dense` (the 28×28 networks of FedLPA's and DENSE's tables, see `small.py`) and
-`timm/<name>` for any timm architecture (`timm_zoo.py`), in `flare.registry.MODELS`, plus any a plugin registers;
-docs/models.md. `load_checkpoint` starts a model from a local state dict (`model.checkpoint`). A registered builder is
-`fn(facts: ModelFacts, options) -> nn.Module` returning an encoder with a `feature_dim` attribute; `create_model`
-builds it (`MODELS.create`) and wraps it with a head into a `FlareNet`."""
+The built-in networks are registered below, `timm/<name>` for any timm architecture by `timm_zoo.py`, in
+`flare.registry.MODELS`, plus any a plugin registers (`register_model`). `load_checkpoint` starts a model from a
+local state dict (`model.checkpoint`)."""
 from __future__ import annotations
 
 import re
@@ -52,12 +48,9 @@ HEADS: dict[str, type[nn.Module]] = {"prototype": PrototypeHead, "linear": Linea
 
 def register_model(name_or_fn, *, options: type[BaseModel] | None = None, description: str = "",
                    check=None, overwrite: bool = False):
-    """Register an encoder builder `fn(facts: ModelFacts, options) -> encoder` (encoder has `.feature_dim`).
-
-    Use as `@register_model` (name = function name) or `@register_model("name", options=MyOptions)`; a builder
-    that declares options receives them validated from `model.options` (None otherwise); `check(cfg)`
-    refuses a config the model cannot serve (`Registry.register`). Re-registering a name raises unless
-    `overwrite=True`."""
+    """Register an encoder builder (`ModelBuilder`) as `@register_model` (name = function name) or
+    `@register_model("name", options=MyOptions)`; `check(cfg)` refuses a config the model cannot serve
+    (`Registry.register`). Re-registering a name raises unless `overwrite=True`."""
     kw = dict(options=options, description=description, check=check, overwrite=overwrite)
     if callable(name_or_fn):
         return MODELS.register(name_or_fn.__name__, name_or_fn, **kw)

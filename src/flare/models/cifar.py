@@ -1,15 +1,8 @@
-"""The CIFAR-sized networks of the heterogeneous one-shot FL literature that timm lacks (docs/models.md).
-
-* `wrn16_1`, `wrn40_1` — Wide ResNets for CIFAR (depth 16 or 40, widen factor 1) of pre-activation blocks, the
-  client models of DENSE's heterogeneous setting: d = 64·width.
-* `cnn_dense` — DENSE's small CIFAR CNN ("cnn1"): three unpadded 3×3 convolutions of 32, 64, 64 channels, the
-  64×4×4 map flattened and a Linear(1024 → 64) + ReLU: d = 64·width.
-* `cnn_coboost` — Co-Boosting's `cnn` (also DENSE's "cnn2"): 128, 128, 128 channels and no Linear: d = 2048·width.
-
-An adaptive average pool to 4×4 (the identity at 32×32, as in their papers) keeps d the same at other sizes. As in
-the papers, the CNNs have no BatchNorm and their convolutions a bias. `width` scales every channel count
-(`resnet.scaled`); initialisation is `resnet.init_weights` and torch's default Linear — for the WRNs the same
-N(0, 2/(k²·out)) their code draws."""
+"""The CIFAR-sized networks of the heterogeneous one-shot FL literature that timm lacks (docs/models.md): `wrn16_1`,
+`wrn40_1` (DENSE's pre-activation Wide ResNets), `cnn_dense` (DENSE's "cnn1") and `cnn_coboost` (Co-Boosting's `cnn`,
+DENSE's "cnn2"). As in the papers, the CNNs have no BatchNorm and their convolutions a bias; an adaptive average pool
+to 4×4 (the identity at 32×32, as in their papers) keeps d the same at other sizes. Initialisation is
+`resnet.init_weights` and torch's default Linear — for the WRNs the same N(0, 2/(k²·out)) their code draws."""
 from __future__ import annotations
 
 import torch
@@ -18,8 +11,6 @@ from torch import Tensor, nn
 from ..errors import FlareError
 from .pool import MaxPool2d
 from .resnet import conv1x1, conv3x3, init_weights, scaled
-
-__all__ = ["WideResNet", "PaperCNN", "wrn16_1", "wrn40_1", "cnn_dense", "cnn_coboost"]
 
 
 class WideBlock(nn.Module):

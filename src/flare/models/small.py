@@ -1,15 +1,11 @@
-"""The small Fashion-MNIST/MNIST networks of the papers FLARE reproduces at their own settings (docs/papers.md).
+"""The small Fashion-MNIST/MNIST networks of the papers FLARE reproduces at their own settings (docs/papers.md);
+the head FLARE adds is the reference's classifier.
 
 * `simple-cnn` — NIID-Bench's `SimpleCNNMNIST` / `SimpleCNN` (Xtra-Computing/NIID-Bench `model.py`), the client
-  network of FedLPA's Table 1: conv5×5 → 6, ReLU, maxpool 2, conv5×5 → 16, ReLU, maxpool 2, flattened (16·4·4 at
-  28×28, 16·5·5 at 32×32), Linear → 120, ReLU, Linear → 84, ReLU: d = 84; the head FLARE adds is the reference's
-  `fc3` (Linear 84 → C). No BatchNorm, unpadded convolutions, every layer with a bias.
-* `cnn_mnist_dense` — DENSE's `CNNMnist` (zj-jayzhang/DENSE `models/nets.py`), its FMNIST/MNIST network:
-  conv5×5 (padding 2) → 16, BN, ReLU, maxpool 2, the same → 32, flattened (32·7·7 at 28×28): d = 1568; the head is
-  the reference's `fc` (Linear 1568 → C).
+  network of FedLPA's Table 1: no BatchNorm, unpadded convolutions, every layer with a bias; d = 84.
+* `cnn_mnist_dense` — DENSE's `CNNMnist` (zj-jayzhang/DENSE `models/nets.py`): d = 32·7·7 = 1568 at 28×28.
 
-Both keep torch's default initialisation (kaiming-uniform with a = √5, uniform biases), as their references do —
-they never re-initialise. `width` scales every channel and hidden count (rounded, at least 1)."""
+Both keep torch's default initialisation, as their references do (they never re-initialise)."""
 from __future__ import annotations
 
 import torch
@@ -18,19 +14,15 @@ from torch import Tensor, nn
 from .pool import MaxPool2d
 from .resnet import scaled
 
-__all__ = ["SimpleCNN", "DenseMnistCNN", "simple_cnn", "cnn_mnist_dense"]
-
 
 class SimpleCNN(nn.Module):
     """NIID-Bench's simple-cnn without its last Linear (the head)."""
 
-    def __init__(self, in_channels: int = 1, width: float = 1.0, image_size: int | None = None):
+    def __init__(self, in_channels: int = 1, width: float = 1.0):
         super().__init__()
         c1, c2 = scaled(6, width), scaled(16, width)
         h1, h2 = scaled(120, width), scaled(84, width)
-        s = image_size if image_size is not None else (28 if in_channels == 1 else 32)
-        side = ((s - 4) // 2 - 4) // 2  # two unpadded 5×5 convolutions, each followed by a 2×2 pool
-        self.image_size = s
+        side = 4 if in_channels == 1 else 5  # 28×28 or 32×32 after two unpadded 5×5 convolutions and 2×2 pools
         self.conv1 = nn.Conv2d(int(in_channels), c1, 5)
         self.conv2 = nn.Conv2d(c1, c2, 5)
         self.pool = MaxPool2d(2, 2)
@@ -47,13 +39,13 @@ class SimpleCNN(nn.Module):
 class DenseMnistCNN(nn.Module):
     """DENSE's CNNMnist without its Linear classifier (the head)."""
 
-    def __init__(self, in_channels: int = 1, width: float = 1.0, image_size: int = 28):
+    def __init__(self, in_channels: int = 1, width: float = 1.0):
         super().__init__()
         c1, c2 = scaled(16, width), scaled(32, width)
         self.layer1 = nn.Sequential(nn.Conv2d(int(in_channels), c1, 5, padding=2), nn.BatchNorm2d(c1), nn.ReLU(),
                                     MaxPool2d(2))
         self.layer2 = nn.Sequential(nn.Conv2d(c1, c2, 5, padding=2), nn.BatchNorm2d(c2), nn.ReLU(), MaxPool2d(2))
-        self.feature_dim = c2 * (image_size // 4) ** 2
+        self.feature_dim = c2 * 7 * 7  # at 28×28
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.flatten(self.layer2(self.layer1(x)), 1)

@@ -1,13 +1,7 @@
-"""`model.name=timm/<name>`: any architecture timm knows, as a FLARE encoder (docs/models.md#timm).
-
-timm is an optional extra (`pip install 'flare-ofl[zoo]'`), imported on the first `timm/` lookup, so the core
-runs without it. The encoder is `timm.create_model(name, pretrained=False, num_classes=0, in_chans=C, **options)`:
-its pooled features are f(x), and FLARE's prototype, linear or ETF head goes on top as on every model. Nothing is
-ever downloaded: `pretrained` is always False and weights come from `model.checkpoint` (a local file) only.
-
-With `stem: small` (the default) the ImageNet stem keeps a small input's resolution: every strided convolution of
-the stem gets stride 1 and every max-pool becomes an Identity; a patchify stem is left alone. `model.width` must
-stay 1 (a timm name fixes its width). The stem rule and the width: docs/models.md#timm."""
+"""`model.name=timm/<name>`: any architecture timm knows, as a FLARE encoder (docs/models.md#timm): its pooled
+features under FLARE's head. timm is an optional extra (`pip install 'flare-ofl[zoo]'`), imported on the first `timm/`
+lookup, so the core runs without it. Nothing is ever downloaded: weights come from `model.checkpoint` only. With
+`stem: small` (the default) the ImageNet stem keeps a small input's resolution (`small_stem`)."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -18,8 +12,6 @@ from torch import nn
 
 from ..errors import FlareError
 from ..registry import MODELS, Entry
-
-__all__ = ["PREFIX", "TimmOptions", "small_stem", "timm_names"]
 
 PREFIX = "timm/"
 INSTALL = "pip install 'flare-ofl[zoo]' (or pip install timm)"
@@ -104,9 +96,7 @@ def _builder(name: str):
     return build
 
 
-def _entry(name: str) -> Entry:
-    return Entry(PREFIX + name, _builder(name), TimmOptions, f"timm's {name} (pooled features, pretrained=False)")
-
-
-MODELS.add_namespace(PREFIX, names=timm_names, entry=_entry,
+MODELS.add_namespace(PREFIX, names=timm_names,
+                     entry=lambda name: Entry(PREFIX + name, _builder(name), TimmOptions,
+                                              f"timm's {name} (pooled features, pretrained=False)"),
                      description="any name timm.list_models() gives, with a small-input stem; the zoo extra")
