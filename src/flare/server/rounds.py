@@ -1,7 +1,6 @@
 """The server's evaluation checkpoint (docs/method.md#server-rules, #metrics), engine-free: which strategies a round
-scores, the global prototypes, every strategy's predictor scored in one test pass, and the round's diagnostics. The
-round loop (flare/loop.py), which the in-process runner, the Flower server and `flare fuse` all run, calls these
-through `setup.ServerSetup.evaluate`, so a round is evaluated one way.
+scores, the global prototypes, every strategy's predictor scored in one test pass, and the round's diagnostics. Every
+engine's round loop (flare/loop.py) calls these through `setup.ServerSetup.evaluate`.
 """
 from __future__ import annotations
 
@@ -41,9 +40,8 @@ def head_primary(head: str) -> str:
 
 def rules_for(cfg: Config, r: int | None = None) -> tuple[str, ...]:
     """The server strategies an evaluation scores (registered order): every default one that applies to the head
-    and, when the clients run different architectures, fuses them (the built-in rules), or the subset `eval.rules`
-    names, and always the primary; with a round index `r`, those that run only at the last round
-    (`every_round=False`) are left out of the other rounds."""
+    (and fuses mixed architectures, when the clients run them), or those `eval.rules` names, and always the primary;
+    with a round index `r`, those with `every_round=False` are left out of all but the last round."""
     mixed = cfg.mixed_architectures
 
     def applies(n: str) -> bool:  # a named strategy that cannot fuse mixed clients was refused by the config
@@ -60,9 +58,8 @@ def rules_for(cfg: Config, r: int | None = None) -> tuple[str, ...]:
 
 @dataclass
 class Evaluation:
-    """One evaluation checkpoint: its metrics record, and what the server built (for the saved predictor). `kept`:
-    what the server keeps for the next round (its protocols' `fold`; None: unchanged). `predictors`: what each
-    strategy built (a model-owning primary is what a Flower run saves as its predictor)."""
+    """One evaluation checkpoint: its metrics record and what the server built. `kept`: what the server keeps for
+    the next round (None: unchanged)."""
 
     record: dict
     weights: Tensor
@@ -73,9 +70,8 @@ class Evaluation:
 
 def accuracy_on_test(model: torch.nn.Module, test_x: Tensor, test_y: Tensor, norm, *, batch_size: int,
                   amp_dtype=None, channels_last: bool = False) -> float:
-    """One model's test accuracy with the batches, precision and layout a round's `ModelPredictor` is scored with
-    (`evaluate_predictors`), so a strategy's intermediate score is comparable with its final one; without the
-    client models' pass that evaluation also makes. The model is left in the mode it came in."""
+    """One model's test accuracy scored as a round's `ModelPredictor` is (batches, precision, layout), so that a
+    strategy's intermediate score is comparable with its final one. The model is left in the mode it came in."""
     was_training = model.training
     model.eval()
     amp = torch.autocast(device_type=test_x.device.type, dtype=amp_dtype) if amp_dtype is not None else nullcontext()
@@ -114,14 +110,11 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
                      kept: dict[str, Tensor] | None = None, strategy_state: dict | None = None,
                      public_x: Tensor | None = None, rules: tuple[str, ...] | None = None, strategies: Mapping[str, Strategy] | None = None,
                      clients: Transport | None = None, scratch: Path | None = None) -> Evaluation:
-    """One evaluation checkpoint (docs/method.md#server-rules) from the uploads alone: the protocols' fold (the
-    global prototypes), every strategy's predictor scored in one test pass (none without `test_x`: a server without a
-    test set), diagnostics. `models[i]` holds `uploads[i].state`. `protocols`: the run's (`ServerSetup.protocols`; the
-    global prototypes alone for a caller that keeps none); `kept`: what they keep from the last round. `strategies` and
-    `strategy_state`: the run's instances and each one's state across rounds (built here for a caller that keeps
-    none). `rules`: the strategies to score, else the round's own (`rules_for`). `clients`: the transport to the
-    uploads' owners for the rounds a strategy holds after the upload (None: unreachable). `scratch`: a folder whose
-    subfolder `<name>` is each strategy's `ServerContext.scratch`."""
+    """One evaluation checkpoint from the uploads alone: the protocols' fold (the global prototypes), every
+    strategy's predictor scored in one test pass (none without `test_x`), diagnostics. `models[i]` holds
+    `uploads[i].state`. `protocols`, `kept`, `strategies`, `strategy_state`: the run's (made here for a caller that
+    keeps none). `rules`: else the round's own (`rules_for`). `clients`: the transport for the rounds a strategy
+    holds after the upload (None: unreachable). `scratch`: the parent of each strategy's `ServerContext.scratch`."""
     t0 = time.perf_counter()
     weights = aggregation_weights([u.num_samples for u in uploads], cfg.server.weights)
     protos = [u.prototypes for u in uploads if u.prototypes is not None]
