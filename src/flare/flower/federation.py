@@ -1,14 +1,9 @@
 """Start a Flower federation on this machine as real processes, run FLARE's app on it, stop it.
 
-`LocalFederation` starts one SuperLink (`flower-superlink --insecure`, its HTTP API on a free loopback
-port) and K SuperNodes (`flower-supernode --insecure --superlink 127.0.0.1:PORT --node-config
-'partition-id=i num-partitions=K ...'`), each in its own process group, and stops every process it
-started (SIGTERM, then SIGKILL) when it is closed. With `simulation=True` the SuperLink runs Flower's
-simulation runtime (Ray backend) instead and no SuperNodes are started. `run()` submits the app with
-`flwr run APP CONNECTION --stream` against a private Flower home (FLWR_HOME) whose config names the
-connection, and waits for the run to end.
-
-Only loopback addresses are used. `flare federate` and the tests use this module.
+`LocalFederation` starts one SuperLink and K SuperNodes on loopback addresses, each in its own process group, and
+stops every process it started (SIGTERM, then SIGKILL) when it is closed. With `simulation=True` the SuperLink runs
+Flower's simulation runtime (Ray) instead and no SuperNodes are started. `run()` submits the app with `flwr run`
+against a private Flower home (FLWR_HOME) whose config names the connection, and waits for the run to end.
 """
 from __future__ import annotations
 
@@ -32,9 +27,9 @@ from flare.rundata import RunData
 from flare.rundir import RunDir
 from flare.setup import check_buildable
 
+
 def app_dir() -> Path:
-    """The Flower app directory `flwr run` reads: its pyproject.toml ships inside the package (flare/flower/app/),
-    so a checkout and an installed package find the same file."""
+    """The Flower app directory `flwr run` reads, shipped inside the package (flare/flower/app/)."""
     return Path(str(resources.files("flare") / "flower" / "app"))
 
 
