@@ -61,9 +61,9 @@ class Run:
         if rp.finished:
             return self._revalidated(rp)
         setup = RunSetup.build(cfg)
-        for w in setup.backend.warnings:
+        for w in setup.server.backend.warnings:
             self._warn(w)
-        self.facts = setup.backend.facts(cfg)
+        self.facts = setup.server.backend.facts(cfg)
         before = (self.dir.read_state().get("backend") or {}) if rp.rounds_done else {}
         for key in ("cpu_kernels", "machine"):  # the digits of the two parts may differ: say so, with both
             if (was := before.get(key)) and was != (now := self.facts[key]):
@@ -194,7 +194,7 @@ class InProcess(Clients):
         self.required, self.without_data = len(clients), {c.cid for c in clients if c.num_samples == 0}
 
     def blocks(self, start: int) -> list[tuple[int, int]]:
-        return [(r, r + 1) for r in range(start, self.setup.cfg.rounds)]
+        return [(r, r + 1) for r in range(start, self.setup.server.cfg.rounds)]
 
     def train(self, first: int, end: int, sent: dict) -> list[dict]:
         self.setup.ctx.received = sent
@@ -203,8 +203,8 @@ class InProcess(Clients):
     def data(self, c: Client) -> ClientData:
         """A client's side of `Strategy.client_extras`: a copy of its model (a strategy cannot disturb training)."""
         ctx = self.setup.ctx
-        return client_side(c.cid, c.model, ctx.train_x[c.indices], ctx.train_y[c.indices], self.setup.norm,
-                           ctx.augment, self.setup.device)
+        return client_side(c.cid, c.model, ctx.train_x[c.indices], ctx.train_y[c.indices], self.setup.server.norm,
+                           ctx.augment, self.setup.server.backend.device)
 
     def uploads(self, r: int, scored) -> list:
         asks = bool(extras_shapes(scored, self.setup.server.template))

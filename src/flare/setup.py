@@ -313,41 +313,21 @@ class RunSetup:
                              data.train_y, first)
         return cls(server, part, describe_partition(cfg, part, data.classes), ctx, first)
 
-    @property
-    def cfg(self) -> Config:
-        return self.server.cfg
-
-    @property
-    def backend(self) -> Backend:
-        return self.server.backend
-
-    @property
-    def device(self) -> torch.device:
-        return self.server.backend.device
-
-    @property
-    def anchors(self) -> Tensor | None:
-        return self.server.anchors
-
-    @property
-    def norm(self) -> Callable[[Tensor], Tensor]:
-        return self.server.norm
-
     def make_clients(self, warn: Callable[[str], None], note: Callable[[str], None]) -> list[Client]:
         """Every client from the init `first` sent for its architecture; clients without samples are warned about
         (kept: checkpoints keep one per client)."""
-        out, keys = [], init_keys(self.server.architectures)
+        out, keys, cfg = [], init_keys(self.server.architectures), self.server.cfg
         for i, ix in enumerate(self.partition.client_indices):
             if len(ix) == 0:
                 warn(f"client {i} received no samples under this partition; it is skipped (weight 0).")
-            elif len(ix) < self.cfg.batch_size and self.cfg.drop_last:
-                warn(f"client {i} holds {len(ix)} samples, fewer than batch_size={self.cfg.batch_size}; with "
+            elif len(ix) < cfg.batch_size and cfg.drop_last:
+                warn(f"client {i} holds {len(ix)} samples, fewer than batch_size={cfg.batch_size}; with "
                      "drop_last=true it trains no step and keeps the initial model (the reference crashed here).")
-            elif len(ix) < self.cfg.batch_size:
-                note(f"note: client {i} holds {len(ix)} samples, fewer than batch_size={self.cfg.batch_size}; "
+            elif len(ix) < cfg.batch_size:
+                note(f"note: client {i} holds {len(ix)} samples, fewer than batch_size={cfg.batch_size}; "
                      "it trains on one smaller batch per epoch.")
             ent = self.partition_report["clients"][i]["normalized_entropy"]
             model = copy.deepcopy(self.server.client_init(i))
             model.load_state_dict(sent_init(self.first, keys[i]))
-            out.append(Client(i, torch.as_tensor(ix, device=self.device), model, self.ctx, ent))
+            out.append(Client(i, torch.as_tensor(ix, device=self.server.backend.device), model, self.ctx, ent))
         return out
