@@ -27,7 +27,6 @@ from flare.server.evaluator import evaluate_predictors
 from flare.server.fusion import ClientOutputs
 from flare.server.rules import FeatureRule, OutputRule, fedavg_model, fuse_outputs
 from flare.server.strategy import ServerContext, make_strategy
-from flare.server.rounds import evaluate_uploads
 from flare.backend import amp_dtype_for
 from flare.data.prepare import DataMeta
 from flare.setup import RunSetup, ServerSetup, make_augment, normalizer
@@ -484,8 +483,7 @@ def test_plan_b_reference_starts_at_the_anchors_keeps_g_and_predicts_with_the_me
     assert torch.allclose(ev.G, mean)                                   # the prediction uses the plain mean
     setup.ctx.received = setup.server.train_message(1)
     assert torch.equal(setup.ctx.received["align_target"], ev.kept["G"])  # the next round aligns to the trained G
-    ev2 = evaluate_uploads(cfg, 1, [c.upload() for c in clients], [c.model for c in clients], setup.server.anchors,
-                           None, None, setup.server.norm, kept=ev.kept)
+    ev2 = setup.server.evaluate(1, [c.upload() for c in clients], [c.model for c in clients])  # from the carried G
     fresh, _ = train_global_prototypes(protos, cfg.server, setup.server.anchors, init=setup.server.anchors)
     cont, _ = train_global_prototypes(protos, cfg.server, setup.server.anchors, init=ev.kept["G"])
     assert torch.allclose(ev2.kept["G"], cont) and not torch.allclose(ev2.kept["G"], fresh)  # G persists

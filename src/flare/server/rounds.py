@@ -21,9 +21,7 @@ from flare.server.evaluator import check_predictor, evaluate_predictors
 from flare.server.exchange import Transport, hold_rounds
 from flare.server.extras import own_extras
 from flare.server.fusion import aggregation_weights
-from flare.server.protos import ServerPrototypes
-from flare.server.strategy import (ClientPredictor, ModelPredictor, ServerContext, ServerProtocol, Strategy,
-                                   make_strategies)
+from flare.server.strategy import ClientPredictor, ModelPredictor, ServerContext, ServerProtocol, Strategy
 from flare.server.upload import Upload
 
 
@@ -106,31 +104,30 @@ def rule_costs(parts: dict, preds: dict) -> dict:
 
 def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[torch.nn.Module],
                      anchors: Tensor | None, test_x: Tensor | None, test_y: Tensor | None, norm, *,
-                     amp_dtype=None, channels_last: bool = False, protocols: Sequence[ServerProtocol] | None = None,
-                     kept: dict[str, Tensor] | None = None, strategy_state: dict | None = None,
-                     public_x: Tensor | None = None, rules: tuple[str, ...] | None = None, strategies: Mapping[str, Strategy] | None = None,
-                     clients: Transport | None = None, scratch: Path | None = None) -> Evaluation:
+                     protocols: Sequence[ServerProtocol], kept: dict[str, Tensor], strategies: Mapping[str, Strategy],
+                     strategy_state: dict, amp_dtype=None, channels_last: bool = False, public_x: Tensor | None = None,
+                     rules: tuple[str, ...] | None = None, clients: Transport | None = None,
+                     scratch: Path | None = None) -> Evaluation:
     """One evaluation checkpoint from the uploads alone: the protocols' fold (the global prototypes), every
     strategy's predictor scored in one test pass (none without `test_x`), diagnostics. `models[i]` holds
-    `uploads[i].state`. `protocols`, `kept`, `strategies`, `strategy_state`: the run's (made here for a caller that
-    keeps none). `rules`: else the round's own (`rules_for`). `clients`: the transport for the rounds a strategy
-    holds after the upload (None: unreachable). `scratch`: the parent of each strategy's `ServerContext.scratch`."""
+    `uploads[i].state`; `protocols`, `kept`, `strategies`, `strategy_state`: the run's (`ServerSetup.evaluate`).
+    `rules`: else the round's own (`rules_for`). `clients`: the transport for the rounds a strategy holds after the
+    upload (None: unreachable). `scratch`: the parent of each strategy's `ServerContext.scratch`."""
     t0 = time.perf_counter()
     weights = aggregation_weights([u.num_samples for u in uploads], cfg.server.weights)
     protos = [u.prototypes for u in uploads if u.prototypes is not None]
     prim = primary_rule(cfg)
     rec: dict = {"kind": "round", "round": r, "method": cfg.method, "primary": prim}
     read, kept_next = {}, None
-    for protocol in protocols if protocols is not None else (ServerPrototypes(cfg.server),):
-        state, keeps, logs = protocol.fold(r, uploads, anchors, kept or {})
+    for protocol in protocols:
+        state, keeps, logs = protocol.fold(r, uploads, anchors, kept)
         read = read | state
         if keeps is not None:  # what it keeps replaces its own keys; the other protocols' stay
-            kept_next = (kept_next if kept_next is not None else dict(kept or {})) | keeps
+            kept_next = (kept_next if kept_next is not None else dict(kept)) | keeps
         rec.update(logs)
     G = read.get("G")
     t_agg = time.perf_counter() - t0
     t1 = time.perf_counter()
-    states = strategy_state if strategy_state is not None else {}
     for m in models:  # as ServerContext promises (the runner's live client models come in train mode)
         m.eval()
     shape = tuple(int(s) for s in test_x.shape[1:]) if test_x is not None else None
@@ -140,12 +137,10 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
         names = tuple(n for n in names if n == prim)
     score = None if test_x is None else (lambda model: accuracy_on_test(
         model, test_x, test_y, norm, batch_size=cfg.test_batch_size, amp_dtype=amp_dtype, channels_last=channels_last))
-    if strategies is None:
-        strategies = make_strategies(cfg, names)
     preds, built = {}, {}
     for n in names:
         t = time.perf_counter()
-        ctx = ServerContext(r, uploads, models, weights, G, anchors, states.setdefault(n, {}),
+        ctx = ServerContext(r, uploads, models, weights, G, anchors, strategy_state.setdefault(n, {}),
                             own_extras(uploads, n, strategies[n]), public_x, norm, shape, score, scratch and scratch / n)
         talk = hold_rounds(n, strategies[n], ctx, clients)
         preds[n] = strategies[n].predictor(ctx)
