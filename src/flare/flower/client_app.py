@@ -3,12 +3,8 @@
 A node answers `train` messages by training the asked rounds on its own data with `protocol.client_train`, and
 replies with its weights, sample count, class histogram and training logs. Between per-round messages its client
 state waits in `context.state`. After its last round it keeps its upload there too, and answers the `query`
-messages of a server strategy that holds rounds with the clients after the upload (`handle_query`: FENS).
-
-Node config keys: `partition-id` (the client id, required), `num-partitions` (checked against
-num_clients), `data-path` (deployment), `dataset-root` / `cache-dir` (where this node finds the
-dataset in partition mode), `device` (this node's torch device), `fault` (a fault drill: `wrong-shape`, `nan`
-or `missing-key` sends a broken upload on purpose; docs/federation.md).
+messages of a server strategy that holds rounds with the clients after the upload (`handle_query`: FENS). The node
+config keys are docs/federation.md's.
 """
 from __future__ import annotations
 

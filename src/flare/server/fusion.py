@@ -2,13 +2,9 @@
 the evaluator, the saved global predictor and BN recalibration run, so a rule scores the same tensors wherever it
 is applied; and the aggregation weights the rules (server/rules.py) share.
 
-BatchNorm at evaluation (`eval.bn`). `running` evaluates every model in eval mode. `batch` reproduces the
-reference: its feature and IFFI servers held the clients in a plain Python list, so `model.eval()` never reached
-them and every encoder normalised each (shuffled, 256-image) test batch — and IFFI's noise batch — with that
-batch's own statistics. Under `batch` the test order is a seeded permutation (new every round), the feature rules
-read a second, train-mode pass, and the output/FedAvg rules and the per-client accuracies keep the eval-mode pass
-(the reference's output server and baselines ran in eval mode). Train-mode passes update BN buffers; they are
-saved before and restored after, so the clients' running statistics are never touched.
+`eval.bn=batch` (docs/method.md#batchnorm-at-evaluation) reproduces the reference, whose feature and IFFI servers
+held the clients in a plain Python list, so `model.eval()` never reached them: the feature rules read a second,
+train-mode pass, whose BN buffers are saved before and restored after.
 """
 from __future__ import annotations
 
