@@ -79,11 +79,9 @@ class Ticker:
 
 
 @contextmanager
-def batch_statistics(models: list[torch.nn.Module], saved: list[dict[str, Tensor]] | None = None):
+def batch_statistics(models: list[torch.nn.Module], saved: list[dict[str, Tensor]]):
     """Inside: the models in train mode (BN normalises with each batch's statistics). On exit: every buffer
-    restored bit for bit, and eval mode. `saved`: a snapshot taken once for many batches (the restore keeps it
-    valid), instead of cloning every buffer per batch."""
-    saved = saved if saved is not None else snapshot_buffers(models)
+    restored bit for bit from `saved` (`snapshot_buffers`, taken once for many batches), and eval mode."""
     try:
         for m in models:
             m.train()
