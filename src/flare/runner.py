@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path

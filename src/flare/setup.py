@@ -78,9 +78,8 @@ def anchor_seed(cfg: Config) -> int:
 
 
 def init_keys(archs: list[Architecture]) -> list[str]:
-    """Client i's key for its init in what `Strategy.initialize` sends: `init`, `init-J` for the J-th other client
-    architecture. The server learns a Flower node's client id only from its first reply, so the message carries
-    every architecture's init and each client takes its own."""
+    """Client i's key for its init in what `Strategy.initialize` sends (`init`, `init-J` for the J-th other client
+    architecture): a Flower node's id is known only from its first reply, so every client gets every init."""
     order = list(dict.fromkeys(archs))
     return [f"init-{order.index(a)}" if a != order[0] else "init" for a in archs]
 
@@ -274,8 +273,7 @@ def client_context(cfg: Config, meta: DataMeta, be: Backend, feature_dim: int, t
 
 def check_buildable(cfg: Config) -> None:
     """Refuse here what `flare run` refuses before it writes a file, for a caller that hands the run to other
-    processes (`flare federate`), where the mistake would surface as a server's traceback. The public bank's teacher
-    is not trained (nothing the config could get wrong is left in it)."""
+    processes (`flare federate`). The public bank's teacher is not trained (nothing the config could get wrong)."""
     checked_split(ServerSetup.build(cfg, bank=False))
 
 

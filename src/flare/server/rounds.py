@@ -88,9 +88,8 @@ def accuracy_on_test(model: torch.nn.Module, test_x: Tensor, test_y: Tensor, nor
 
 
 def rule_costs(parts: dict, preds: dict) -> dict:
-    """Seconds each rule's evaluation would take alone: its own part (building its predictor and scoring), and the
-    shared passes it reads (the client models' pass for every client rule; the noise pass and eval.bn=batch's
-    train-mode pass for the rules that read them). `parts`: `seconds_eval_parts`, the additive split."""
+    """Seconds each rule's evaluation would take alone: its own part of `parts` (`seconds_eval_parts`, the additive
+    split) and the shared passes it reads."""
     out = {}
     for n, p in preds.items():
         s = parts.get(n, 0.0)
@@ -108,11 +107,9 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
                      strategy_state: dict, amp_dtype=None, channels_last: bool = False, public_x: Tensor | None = None,
                      rules: tuple[str, ...] | None = None, clients: Transport | None = None,
                      scratch: Path | None = None) -> Evaluation:
-    """One evaluation checkpoint from the uploads alone: the protocols' fold (the global prototypes), every
-    strategy's predictor scored in one test pass (none without `test_x`), diagnostics. `models[i]` holds
-    `uploads[i].state`; `protocols`, `kept`, `strategies`, `strategy_state`: the run's (`ServerSetup.evaluate`).
-    `rules`: else the round's own (`rules_for`). `clients`: the transport for the rounds a strategy holds after the
-    upload (None: unreachable). `scratch`: the parent of each strategy's `ServerContext.scratch`."""
+    """One evaluation checkpoint from the uploads alone (`models[i]` holds `uploads[i].state`): the protocols' fold,
+    every strategy's predictor scored in one test pass (none without `test_x`), diagnostics. `rules`: else the
+    round's own. `clients`: the transport for the rounds a strategy holds after the upload (None: unreachable)."""
     t0 = time.perf_counter()
     weights = aggregation_weights([u.num_samples for u in uploads], cfg.server.weights)
     protos = [u.prototypes for u in uploads if u.prototypes is not None]

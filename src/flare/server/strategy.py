@@ -91,9 +91,8 @@ class InitContext:
 
 
 class ClientPredictor:
-    """Scores a batch from the client models' outputs. `needs_noise`: it reads the noise features; `batch_bn`:
-    eval.bn=batch gives it the train-mode features. `logs` (either kind): numbers written into the round record as
-    `<strategy>.<key>`."""
+    """Scores a batch from the client models' outputs (`needs_noise`: and the noise input's; `batch_bn`: the
+    train-mode features under eval.bn=batch). `logs` (either kind): written into the round record."""
 
     needs_noise = False
     batch_bn = False
@@ -122,10 +121,9 @@ Predictor = ClientPredictor | ModelPredictor
 
 
 class ServerProtocol:
-    """The sending role: what every client receives once (`initialize`) and with each round (`configure_train`);
-    what the server keeps across rounds (`initial_state`) and folds the uploads into (`fold`); the rounds it holds
-    with the clients after their upload (server/exchange.py). A run's server merges its protocols by key
-    (`setup.ServerSetup.protocols`). Every default sends and keeps nothing."""
+    """The sending role: what every client receives, what the server keeps across rounds and folds the uploads into,
+    the rounds it holds with the clients after their upload (server/exchange.py). Every default sends and keeps
+    nothing."""
 
     def initial_state(self, anchors: Tensor | None) -> dict[str, Tensor]:
         """What the server keeps before round 0."""
@@ -154,7 +152,7 @@ class ServerProtocol:
 
     def client_round(self, rnd: int, received: dict[str, Tensor], data, memory: dict) -> dict[str, Tensor]:
         """One client's reply, computed where its data lives (`data`: a server.extras.ClientData); `memory`: that
-        client's dict of tensors across these rounds (a Flower node keeps it in its state)."""
+        client's dict of tensors across these rounds."""
         return {}
 
     def aggregate_round(self, rnd: int, replies: list[dict[str, Tensor]], ctx: ServerContext) -> None:
@@ -209,8 +207,7 @@ class Scorer:
         raise NotImplementedError
 
     def extras_shapes(self, template: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """name → (shape, dtype) of each statistic a client uploads for this strategy (none by default), from the
-        run's model `template`."""
+        """name → (shape, dtype) of each statistic a client uploads for this strategy, from the run's model."""
         return {}
 
     def client_extras(self, data) -> dict[str, Tensor]:
