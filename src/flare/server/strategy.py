@@ -168,11 +168,9 @@ class Scorer:
     default = False              # scored when `eval.rules` is unset (the built-in rules; a plugin's only when named)
     mixed_architectures = False  # it fuses clients of different architectures (docs/heterogeneous.md)
     one_architecture_why = ""    # why not, for the refusal (empty: it does not declare that it does)
-    # the heads (`Objective.head`) whose runs take it as "the" accuracy under server.primary=auto; "*": every head no
-    # strategy claims by name — so core code names no strategy
+    # the heads whose runs take it as "the" accuracy under server.primary=auto ("*": every head no other claims)
     primary_for: tuple[str, ...] = ()
-    # the kinds of data its server can read (a dataset's `DatasetInfo.kind`): a server that synthesises images
-    # cannot run over a frozen encoder's features, and one that reads those features has no images to read
+    # the kinds of data its server can read (`DatasetInfo.kind`): one that synthesises images cannot run on features
     inputs: tuple[str, ...] = ("images", "features")
     shares_extras = ""  # the name of statistics other strategies read too ("": its own)
 
