@@ -1,5 +1,5 @@
-"""Pickle-free conversion between FLARE's objects and Flower's records: tensors travel as `flwr.app.ArrayRecord`
-entries (numpy arrays saved and loaded with allow_pickle=False), everything else as JSON text or plain scalars.
+"""Pickle-free conversion between FLARE's objects and Flower's records (nothing unpickles bytes a peer sent): tensors
+travel as `flwr.app.ArrayRecord` entries (numpy, allow_pickle=False), everything else as JSON text or scalars.
 `pack_nested` carries a client's state between rounds as one ArrayRecord of its tensors plus a JSON skeleton, torch's
 pytree spec, so dict keys keep their type (optimizer states are keyed by int).
 """
