@@ -110,9 +110,8 @@ def _not_fused(job: FuseJob) -> list[str]:
 
 def fuse_runs(dirs: list[str], strategies: str, round_: int | None = None,
               plugins: list[str] | None = None, overrides: list[str] | None = None) -> list[tuple[Path, list[dict]]]:
-    """Check every directory, then score the strategies (comma-separated) not yet fused in each, with their
-    options given anew (`overrides`, server.strategies.<name>.<option>=VALUE); returns (dir, its fuse records of
-    those strategies)."""
+    """Check every directory, then score the strategies (comma-separated) not yet fused in each, with the options
+    `overrides` gives anew; returns (dir, its fuse records of those strategies)."""
     load_plugins(plugins or [], key="--plugin")
     # deduplicated; checked against the registry once each run's plugins are in
     names = parse_list(strategies, "--strategies", duplicates="drop", example="feature,fedavg")

@@ -128,10 +128,9 @@ class Run:
 
     def _train_clients(self, active: list[Client], ctx: TrainContext, r: int, bar: Progress,
                        batched: list[BatchedClients] | None = None) -> list[dict]:
-        """By `client_engine`: sequentially; in threads, one per client, each on its own CUDA stream; or batched, one
-        vmapped program per client architecture (`client/batched.py`). Each client draws its augmentation from its
-        own streams, so on CPU threads give exactly the sequential numbers and the batched engine the same up to
-        float rounding; on a GPU they agree up to the order in which kernels reduce."""
+        """By `client_engine`: sequentially; in threads, each on its own CUDA stream; or batched, one vmapped program
+        per client architecture. Each client draws from its own streams, so on CPU threads give exactly the
+        sequential numbers and the batched engine the same up to float rounding (on a GPU: up to reduction order)."""
         if batched is not None:
             self.train_mode = "batched"
             bar.client(-1)

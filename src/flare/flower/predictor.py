@@ -78,10 +78,9 @@ def _architecture_of(state: dict, cfg: Config, meta: DataMeta) -> Architecture |
 
 def save_predictor(out: RunDir, cfg: Config, meta: DataMeta, uploads: list[Upload], weights: Tensor,
                    G: Tensor | None, record: dict, feature_dim: int, predictors: dict | None = None) -> Path | str:
-    """Write predictor.pt and predictor.json for the run's primary strategy from the last round's evaluation. A
-    `ClientRule` is saved as every client's state; a strategy that built one model of the server's or a client's
-    architecture (a ModelPredictor) as that model (`"rule": "model"`); otherwise nothing is written and the reason
-    is returned."""
+    """Write predictor.pt and predictor.json for the run's primary strategy from the last round's evaluation: a
+    `ClientRule` as every client's state, a ModelPredictor of the server's or a client's architecture as that model
+    (`"rule": "model"`); otherwise nothing is written and the reason is returned."""
     def describe(arch: Architecture) -> dict:
         return {"name": arch.name, "width": arch.width, "head": cfg.head, "options": arch.options,
                 "in_channels": meta.in_channels, "num_classes": meta.num_classes, "feature_dim": int(feature_dim)}
