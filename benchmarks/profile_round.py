@@ -107,6 +107,7 @@ def main(argv=None) -> dict:
     cfg = load_config(None, args.preset, base + args.overrides)
     cfg = cfg.model_copy(update={"rounds": max(cfg.rounds, args.warmup + 1)})
     setup = RunSetup.build(cfg)
+    be = setup.server.backend
     clients = setup.make_clients(lambda m: print("warning:", m), lambda m: None)
     if cfg.compile and cfg.client_engine != "batched":
         for c in clients:
@@ -131,33 +132,33 @@ def main(argv=None) -> dict:
         train(r)
         evaluate(r)
     r = args.warmup
-    on_gpu = setup.device.type == "cuda"
+    on_gpu = be.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    sync(setup.device)
+    sync(be.device)
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         with record_function("flare.train_round"):
             recs = train(r)
-            sync(setup.device)
+            sync(be.device)
         t1 = time.perf_counter()
         with record_function("flare.evaluate"):
             evaluate(r)
-            sync(setup.device)
+            sync(be.device)
         t2 = time.perf_counter()
     steps = sum(rec["steps"] for rec in recs)
     s = summarize(prof, on_gpu, steps, args.top)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="flare-profile-"))
     out.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(out / "trace.json"))
-    dev = torch.cuda.get_device_name(setup.device) if on_gpu else f"CPU ({torch.get_num_threads()} threads)"
-    print(f"device: {dev}   torch {torch.__version__}   amp: {setup.backend.amp_dtype}   channels_last: {setup.backend.channels_last}")
+    dev = torch.cuda.get_device_name(be.device) if on_gpu else f"CPU ({torch.get_num_threads()} threads)"
+    print(f"device: {dev}   torch {torch.__version__}   amp: {be.amp_dtype}   channels_last: {be.channels_last}")
     print(f"config: {cfg.method} ({cfg.client_engine} engine{', compiled' if cfg.compile else ''}), {cfg.model.name} "
           f"width {cfg.model.width}, {len(active)} clients, batch {cfg.batch_size}, round {r} after {args.warmup} "
           f"warm-up round(s)")
     print(f"round {r}: train {t1 - t0:.3f} s ({steps} client steps), evaluation {t2 - t1:.3f} s")
-    if setup.backend.amp_dtype is not None:
-        s["conv_dtype_under_vmap"] = str(conv_dtype_under_vmap(setup.device, setup.backend.amp_dtype))
-        print(f"autocast {setup.backend.amp_dtype}: a convolution under vmap (the batched engine) computes in "
+    if be.amp_dtype is not None:
+        s["conv_dtype_under_vmap"] = str(conv_dtype_under_vmap(be.device, be.amp_dtype))
+        print(f"autocast {be.amp_dtype}: a convolution under vmap (the batched engine) computes in "
               f"{s['conv_dtype_under_vmap']}")
     print(f"\n{'phase':22s} {'host ms':>10s} {'device ms':>10s} {'calls':>7s}")
     for k, (cpu_ms, dev_ms, n) in s["phases"].items():

@@ -113,7 +113,7 @@ def own_draws(L, ns: dict, setup, client, pos) -> dict:
 def local_part(L, ns: dict, setup, client, pos, epochs: int, rounds: int) -> dict:
     import torch
 
-    cfg, ctx = setup.cfg, setup.ctx
+    cfg, ctx = setup.server.cfg, setup.ctx
     n, B = client.num_samples, cfg.batch_size
     spe = math.ceil(n / B)
     want = snapshot_steps(spe, epochs)
@@ -176,7 +176,7 @@ def server_part(L, main: ast.If, ns: dict, setup, saved: Path) -> dict:
     from flare.server.rules import fedavg_model
     from flare.server.upload import upload_of
 
-    cfg, K = setup.cfg, setup.cfg.num_clients
+    cfg, K = setup.server.cfg, setup.server.cfg.num_clients
     files = [saved / f"client{i}.pt" for i in range(K)]
     if missing := [str(f) for f in files if not f.is_file()]:
         raise SystemExit(f"{TOOL}: --saved-clients lacks {missing[0]}")

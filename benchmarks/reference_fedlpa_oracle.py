@@ -97,7 +97,7 @@ def their_args(L, E, cell: dict, run_dir: Path, epochs: int, cfg) -> tuple:
 def local_part(L, E, args, e_args, setup, client, pos, epochs: int, rounds: int) -> dict:
     import torch
 
-    cfg, ctx = setup.cfg, setup.ctx
+    cfg, ctx = setup.server.cfg, setup.ctx
     n, B = client.num_samples, cfg.batch_size
     spe = math.ceil(n / B)
     want = snapshot_steps(spe, epochs)
@@ -140,7 +140,7 @@ def local_part(L, E, args, e_args, setup, client, pos, epochs: int, rounds: int)
     client.model.eval()
     ours.eval()
     with torch.no_grad():
-        lf, lo = client.model(setup.norm(tx))[1], ours(setup.norm(tx))
+        lf, lo = client.model(setup.server.norm(tx))[1], ours(setup.server.norm(tx))
     as_script = copy.deepcopy(ours)
     as_script.load_state_dict({tb: client.model.state_dict()[fa] for fa, tb in pairs})
     same, init = [(b, b) for _, b in pairs], [flare_init[a] for a, _ in pairs]
@@ -181,7 +181,7 @@ def server_part(L, main, args, setup, saved: Path) -> dict:
     from flare.server.extras import client_side
     from flare.server.strategy import make_strategies
 
-    cfg = setup.cfg
+    cfg = setup.server.cfg
     K = cfg.num_clients
     files = [saved / f"client{i}.pt" for i in range(K)]
     if missing := [str(f) for f in files if not f.is_file()]:

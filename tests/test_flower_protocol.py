@@ -528,9 +528,9 @@ def test_what_every_client_starts_from_is_the_primary_strategys_initialize(tiny_
     assert all(torch.equal(v, 0.5 * server.state_dict()[k]) for k, v in model.state_dict().items()
                if v.is_floating_point())
     # the clients and the server both draw A from the seed sent, which is not the config's own
-    assert torch.equal(setup.ctx.anchors, setup.anchors)
-    assert not torch.equal(setup.anchors, run_anchors(cfg, setup.anchors.shape[0], setup.anchors.shape[1],
-                                                      setup.anchors.device))
+    A = setup.server.anchors
+    assert torch.equal(setup.ctx.anchors, A)
+    assert not torch.equal(A, run_anchors(cfg, A.shape[0], A.shape[1], A.device))
     Run(cfg, tmp_path / "inproc", quiet=True).execute()
     Nodes().federate(tiny_overrides, tmp_path / "fed", preset="flare")
     base, a, b = (rounds_of(tmp_path / d) for d in ("default", "inproc", "fed"))

@@ -27,7 +27,6 @@ from flare.server.evaluator import evaluate_predictors
 from flare.server.fusion import ClientOutputs
 from flare.server.rules import FeatureRule, OutputRule, fedavg_model, fuse_outputs
 from flare.server.strategy import ServerContext, make_strategy
-from flare.server.rounds import evaluate_uploads
 from flare.backend import amp_dtype_for
 from flare.data.prepare import DataMeta
 from flare.setup import RunSetup, ServerSetup, make_augment, normalizer
@@ -425,7 +424,7 @@ def test_round_reset_keeps_lambda_constant_with_one_epoch_and_the_v8_target_at_p
     setup = RunSetup.build(cfg)
     p = run_progress(cfg)
     assert progress_at(p, cfg, 0, 0, 1, 4)[1] == 0.0 and progress_at(p, cfg, 1, 0, 1, 5)[1] == 0.5  # round 2 of 3
-    P0, A = setup.make_clients(lambda m: None, lambda m: None)[0].initial_prototypes, setup.anchors
+    P0, A = setup.make_clients(lambda m: None, lambda m: None)[0].initial_prototypes, setup.server.anchors
     assert torch.equal(align_target(A, "progressive", 0.0, P0), P0)
     e1 = load_config(None, "progressive", ov + ["protocol=reference"])
     for done in range(3):
@@ -460,7 +459,7 @@ def test_plan_b_reference_starts_at_the_anchors_keeps_g_and_predicts_with_the_me
     ov = tiny_overrides + ["server.server_epochs=2", "rounds=2"]
     cfg = load_config(None, "server-protos", ov + ["server.protos_flow=reference"])
     setup = RunSetup.build(cfg)
-    A = setup.anchors
+    A = setup.server.anchors
     C = A.shape[0]  # the anchors by their definition: a simplex ETF, unit rows at pairwise cosine −1/(C−1)
     assert torch.allclose(A @ A.T, (C * torch.eye(C) - torch.ones(C, C)) / (C - 1), atol=1e-5)
     setup.ctx.received = setup.server.train_message(0)
@@ -484,10 +483,9 @@ def test_plan_b_reference_starts_at_the_anchors_keeps_g_and_predicts_with_the_me
     assert torch.allclose(ev.G, mean)                                   # the prediction uses the plain mean
     setup.ctx.received = setup.server.train_message(1)
     assert torch.equal(setup.ctx.received["align_target"], ev.kept["G"])  # the next round aligns to the trained G
-    ev2 = evaluate_uploads(cfg, 1, [c.upload() for c in clients], [c.model for c in clients], setup.anchors,
-                           None, None, setup.norm, kept=ev.kept)
-    fresh, _ = train_global_prototypes(protos, cfg.server, setup.anchors, init=setup.anchors)
-    cont, _ = train_global_prototypes(protos, cfg.server, setup.anchors, init=ev.kept["G"])
+    ev2 = setup.server.evaluate(1, [c.upload() for c in clients], [c.model for c in clients])  # from the carried G
+    fresh, _ = train_global_prototypes(protos, cfg.server, setup.server.anchors, init=setup.server.anchors)
+    cont, _ = train_global_prototypes(protos, cfg.server, setup.server.anchors, init=ev.kept["G"])
     assert torch.allclose(ev2.kept["G"], cont) and not torch.allclose(ev2.kept["G"], fresh)  # G persists
     spec = RunSetup.build(load_config(None, "server-protos", ov))
     spec.ctx.received = spec.server.train_message(0)
@@ -499,19 +497,20 @@ def test_what_the_clients_receive_is_the_primary_strategys_configure_train(tiny_
     aligns to, round by round; another scored strategy's hook is not asked."""
     cfg = load_config(None, "flare", tiny_overrides + ["server.primary=feature", "eval.rules=[feature,output]"])
     setup = RunSetup.build(cfg)
+    A = setup.server.anchors
     monkeypatch.setattr(FeatureRule, "configure_train",
-                        lambda self, rnd, carried: {"align_target": torch.full_like(setup.anchors, float(rnd))})
-    monkeypatch.setattr(OutputRule, "configure_train", lambda self, rnd, carried: {"align_target": setup.anchors})
+                        lambda self, rnd, carried: {"align_target": torch.full_like(A, float(rnd))})
+    monkeypatch.setattr(OutputRule, "configure_train", lambda self, rnd, carried: {"align_target": A})
     (to_anchors, *_), (to_zeros, *_) = (setup.make_clients(lambda m: None, lambda m: None) for _ in range(2))
     to_anchors.train_round(setup.ctx, 0)  # nothing sent yet: the anchors
     setup.ctx.received = setup.server.train_message(0)
-    assert torch.equal(setup.ctx.align_anchors, torch.zeros_like(setup.anchors))
+    assert torch.equal(setup.ctx.align_anchors, torch.zeros_like(A))
     to_zeros.train_round(setup.ctx, 0)    # the same draws, L_align pulling towards the zeros it received
     # MSE's gradient is ∝ P − target, so the two runs part along (P − 0) − (P − A) = A, towards −A for the zeros
     moved = (to_zeros.model.prototypes - to_anchors.model.prototypes).detach().flatten()
-    assert float(torch.nn.functional.cosine_similarity(moved, -setup.anchors.flatten(), dim=0)) > 0.5
+    assert float(torch.nn.functional.cosine_similarity(moved, -A.flatten(), dim=0)) > 0.5
     setup.ctx.received = setup.server.train_message(2)
-    assert torch.equal(setup.ctx.align_anchors, torch.full_like(setup.anchors, 2.0))
+    assert torch.equal(setup.ctx.align_anchors, torch.full_like(A, 2.0))
 
 
 def test_plan_b_reference_resumes_with_the_servers_g(tiny_overrides, tmp_path, monkeypatch):

@@ -1,6 +1,5 @@
-"""Durable files: atomic writes (temporary file, fsync, rename, fsync the folder) and JSON lines that stay
-parseable (non-finite floats as strings, torn lines reported, not fatal). The run directory (rundir.py) and the
-sweep and paper indexes write through these."""
+"""Durable files: atomic writes and JSON lines that stay parseable (non-finite floats as strings, torn lines
+reported, not fatal)."""
 from __future__ import annotations
 
 import json

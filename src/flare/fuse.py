@@ -1,20 +1,14 @@
-"""`flare fuse RUN_DIR... --strategies a,b`: server strategies over a finished run's saved uploads, without
-retraining a client. A run's uploads.pt holds what the server received at the last round (every client's weights,
-prototypes and the statistics its strategies asked for), so any strategy — a built-in rule, or a model-building
-method a plugin registers — can be scored on the run's test set afterwards, over `flare run`'s runs and a
-federation's alike.
+"""`flare fuse RUN_DIR... --strategies a,b`: server strategies over a finished run's saved uploads (uploads.pt: what
+the server received at the last round), without retraining a client, over `flare run`'s runs and a federation's.
 
-The run's server is rebuilt from its config.yaml by the one builder a run uses (`setup.ServerSetup`), and each
-strategy is scored by the round loop a run goes through (flare/loop.py) at the last round, over the saved uploads
-(`SavedUploads`), the one strategy alone: a built-in strategy reproduces the run's own last-round accuracy exactly.
-Results are appended to fuse.jsonl (one record per strategy, under the run directory's lock); a rerun skips the
-strategies already there, so an interrupted fuse resumes (a data-free server's build from its last finished epoch,
-kept in `fuse-scratch/` until its record is written). summary.md is rewritten with them.
+The run's server is rebuilt from its config.yaml (`setup.ServerSetup`), and each strategy is scored alone by the
+round loop (flare/loop.py) at the last round over the saved uploads (`SavedUploads`): a built-in strategy reproduces
+the run's own last-round accuracy exactly. Results are appended to fuse.jsonl, one record per strategy; a rerun
+skips the strategies already there, so an interrupted fuse resumes (a long build from `fuse-scratch/`).
 
 A server strategy's options (`server.strategies.<name>.<option>=VALUE`) may be given anew: they change only what
-the server builds from the same clients — a data-free server's budget, say — never the clients, so they are the one
-override `flare fuse` takes. They are written into the fuse record (`options`), and a strategy counts as fused
-only with the same options.
+the server builds from the same clients, so they are the one override `flare fuse` takes; a strategy counts as
+fused only with the same options.
 """
 from __future__ import annotations
 
@@ -116,9 +110,8 @@ def _not_fused(job: FuseJob) -> list[str]:
 
 def fuse_runs(dirs: list[str], strategies: str, round_: int | None = None,
               plugins: list[str] | None = None, overrides: list[str] | None = None) -> list[tuple[Path, list[dict]]]:
-    """Check every directory, then score the strategies (comma-separated) not yet fused in each, with their
-    options given anew (`overrides`, server.strategies.<name>.<option>=VALUE); returns (dir, its fuse records of
-    those strategies)."""
+    """Check every directory, then score the strategies (comma-separated) not yet fused in each, with the options
+    `overrides` gives anew; returns (dir, its fuse records of those strategies)."""
     load_plugins(plugins or [], key="--plugin")
     # deduplicated; checked against the registry once each run's plugins are in
     names = parse_list(strategies, "--strategies", duplicates="drop", example="feature,fedavg")
@@ -136,8 +129,7 @@ def fuse_runs(dirs: list[str], strategies: str, round_: int | None = None,
 
 
 def _score(job: FuseJob, names: list[str]) -> None:
-    """Rebuild the run's server from its config and score each strategy through the round loop over the run's saved
-    uploads at the last round (`SavedUploads`) — one record as each finishes."""
+    """Rebuild the run's server and score each strategy over the saved uploads, one record as each finishes."""
     cfg, rd = job.cfg, job.dir
     # the clients' weights come from uploads.pt; the strategies asked for are built once, here
     server = ServerSetup.build(cfg, bank=False, checkpoints=False, strategies=tuple(names))
@@ -158,10 +150,9 @@ def _score(job: FuseJob, names: list[str]) -> None:
 
 
 class SavedUploads(Clients):
-    """The round loop's transport over a finished run's saved uploads (uploads.pt, flare/loop.py): nothing trains;
-    every upload must pass the loop's gate (a file that does not fit the run is refused before anything is scored),
-    and a strategy reads the statistics the server received, or, where the run's server asked for none of them,
-    computes them from the saved weights on the client's own samples."""
+    """The round loop's transport over a finished run's saved uploads: nothing trains; every upload must pass the
+    loop's gate, and a strategy reads the statistics the server received, else computes them from the saved
+    weights on the client's own samples."""
 
     def __init__(self, server: ServerSetup, rd: RunDir, data, partition):
         cfg, self.server, self.data, self.parts = server.cfg, server, data, partition.client_indices

@@ -1,13 +1,8 @@
 """The server's round loop — the one loop every way of running a federation goes through. It owns the order of a
-round: what the server sends before the clients train, their uploads and the one gate and quorum they pass whatever
-the transport (`gate_uploads`), the evaluation checkpoint (the strategies, the rounds they hold with the clients after
-the upload), what the server carries into the next round, the round's record, and the uploads written to the run
-directory (uploads.pt), so that `flare fuse` later scores exactly what the server received, extras included.
-
-Where the clients are is the transport's business (`Clients`), and there are three:
-* in process (flare/runner.py: the sequential, threads and batched engines train the clients beside the server);
-* a Flower grid (flare/flower/server.py: one message per block of rounds, each reply decoded where it arrives);
-* saved uploads (flare/fuse.py: the last round's uploads.pt of a finished run; nothing trains).
+round: what the server sends before the clients train, their uploads and the one gate and quorum they pass
+(`gate_uploads`), the evaluation checkpoint, what the server carries into the next round, the round's record, and
+the uploads written to the run directory (uploads.pt). Where the clients are is the transport's business
+(`Clients`): in process (flare/runner.py), a Flower grid (flare/flower/server.py), saved uploads (flare/fuse.py).
 """
 from __future__ import annotations
 
@@ -30,13 +25,11 @@ from flare.setup import ServerSetup
 
 
 class Clients(Protocol):
-    """How the loop reaches a run's clients (the transports subclass it). In a block of rounds [first, end) the loop
-    hands `train` what the server sends (`ServerSetup.train_message`) and gets the clients' training records, then
-    their `uploads` (with the statistics the scored strategies ask for), gates them and tells the transport who
-    passed and who did not, why (`gated`); fewer than `required` passing (those `without_data` counted) ends the run
-    with `stop`'s error. On an evaluated round it asks for the `models` holding the uploads and the `exchange` to
-    their owners for the rounds a strategy holds after the upload (None where none is asked). `roll_call`: every
-    round's record names who uploaded and who is missing; `round_done` keeps what the transport keeps."""
+    """How the loop reaches a run's clients. In a block of rounds [first, end) the loop hands `train` what the server
+    sends and gets the clients' training records, then their `uploads`, gates them and tells the transport who
+    passed (`gated`); fewer than `required` passing (those `without_data` counted) ends the run with `stop`'s error.
+    On an evaluated round it asks for the `models` holding the uploads and the `exchange` to their owners (None where
+    no strategy holds rounds after the upload). `roll_call`: every round's record names who uploaded."""
 
     required: int
     without_data: set[int] | frozenset[int] = frozenset()
@@ -53,8 +46,8 @@ class Clients(Protocol):
 
 
 def why_rejected(server: ServerSetup, upload: Upload, scored: Mapping[str, Strategy]) -> list[str]:
-    """Every reason to turn `upload` away (none: it passes): a client id outside the run, or not its architecture's
-    weights plus the statistics `scored` ask for (`validate_upload`; another client architecture's network named)."""
+    """Every reason to turn `upload` away: a client id outside the run, or not its architecture's weights plus the
+    statistics `scored` ask for."""
     K, cid = server.cfg.num_clients, upload.client
     if not isinstance(cid, int) or isinstance(cid, bool) or not 0 <= cid < K:
         return [f"client id {cid!r} is not in 0..{K - 1}"]
@@ -69,8 +62,8 @@ def why_rejected(server: ServerSetup, upload: Upload, scored: Mapping[str, Strat
 
 def gate_uploads(server: ServerSetup, clients: Clients, r: int, scored: Mapping[str, Strategy], logs: list[dict],
                  warn: Callable[[str], None]) -> tuple[list[Upload], list[dict], dict]:
-    """The block's uploads that pass `why_rejected` (the others warned about), if enough pass; the training logs of
-    their clients (a rejected client's training is not the run's); what the round's record says of who uploaded."""
+    """The block's uploads that pass `why_rejected`, if enough pass; their clients' training logs; what the round's
+    record says of who uploaded."""
     passed, rejected = [], {}
     for u in clients.uploads(r, scored):
         if reasons := why_rejected(server, u, scored):
@@ -91,9 +84,8 @@ def gate_uploads(server: ServerSetup, clients: Clients, r: int, scored: Mapping[
 
 def run_rounds(server: ServerSetup, clients: Clients, out: RunDir | None, warn: Callable[[str], None],
                start: int = 0, rules: tuple[str, ...] | None = None, scratch: Path | None = None) -> list[dict]:
-    """Every round from `start` on, over `clients`; returns the records it appended. `out`: the run directory whose
-    metrics.jsonl and uploads.pt it writes (None: `flare fuse`, which keeps its own record). `rules`: the strategies
-    to score (`flare fuse`'s one), else each round's own (`rules_for`)."""
+    """Every round from `start` on, over `clients`; returns the records it appended. `out`: the run directory it
+    writes (None: `flare fuse`'s own record). `rules`: the strategies to score, else each round's own."""
     cfg, records = server.cfg, []
     for first, end in clients.blocks(start):
         t0, r = time.perf_counter(), end - 1

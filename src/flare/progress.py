@@ -1,7 +1,5 @@
-"""Progress for long work: tqdm bars on a terminal, a few plain lines when the output goes to a file or a pipe.
-
-Bar refreshes in a log file are noise (a redirected `make run` once wrote 1,264 of them); without a terminal a
-run prints one line when a round ends, at most one every `LINE_EVERY` seconds, and always for the last round.
+"""Progress for long work: tqdm bars on a terminal; without one (bar refreshes in a log file are noise), a plain
+line at most every `LINE_EVERY` seconds, and always for the last item.
 """
 from __future__ import annotations
 
@@ -15,10 +13,10 @@ LINE_EVERY = 30.0  # seconds between plain progress lines (a bar's refreshes are
 
 
 class _Bars:
-    """What both kinds share: tqdm bars on a terminal (`bars`), else a plain line at most every `LINE_EVERY` s."""
+    """What both kinds share, on stderr."""
 
-    def __init__(self, disable: bool, stream):
-        self.stream = stream or sys.stderr
+    def __init__(self, disable: bool):
+        self.stream = sys.stderr
         self.disable = disable or os.environ.get("FLARE_QUIET", "") not in ("", "0")
         self.bars = not self.disable and hasattr(self.stream, "isatty") and self.stream.isatty()
         self.t0 = self.last_line = time.monotonic()
@@ -48,8 +46,8 @@ class Progress(_Bars):
     """Rounds of a run, and the steps of the round under way."""
 
     def __init__(self, total_rounds: int, steps_per_round: int, start_round: int = 0, desc: str = "",
-                 disable: bool = False, stream=None):
-        super().__init__(disable, stream)
+                 disable: bool = False):
+        super().__init__(disable)
         self.total, self.done, self.desc = total_rounds, start_round, desc
         self.rounds = self._tqdm(total=total_rounds, initial=start_round, desc=f"{desc} rounds", unit="round",
                                  position=0)
@@ -72,9 +70,8 @@ class Progress(_Bars):
 class Counter(_Bars):
     """Items of a longer job (sweep points, power iterations)."""
 
-    def __init__(self, total: int, initial: int = 0, desc: str = "", unit: str = "item", disable: bool = False,
-                 stream=None):
-        super().__init__(disable, stream)
+    def __init__(self, total: int, initial: int = 0, desc: str = "", unit: str = "item", disable: bool = False):
+        super().__init__(disable)
         self.total, self.n, self.desc, self.unit, self.note = total, initial, desc, unit, ""
         self.bar = self._tqdm(total=total, initial=initial, desc=desc, unit=unit)
 

@@ -1,7 +1,5 @@
-"""What a run's records say, read and compared as plain data: the accuracy keys a set of round records holds, a
-config flattened to dotted keys, the keys two configs differ in, and the fingerprints a run directory keeps of its
-config and records. No file is owned here (`flare.rundir` owns the run directory); these are the comparisons every
-command that trusts a run's files makes the same way."""
+"""What a run's records say, read and compared as plain data (no file is owned here: `flare.rundir` owns the run
+directory): the comparisons every command that trusts a run's files makes the same way."""
 from __future__ import annotations
 
 import hashlib
@@ -48,10 +46,8 @@ def set_key(mapping: dict, key: str, value) -> None:
 
 def config_differences(old: dict, new: dict, defaults: dict | None = None) -> list[str]:
     """Dotted keys whose values differ; a key one side lacks and the other leaves empty (None, [], {}) is none.
-
     With `defaults` (a flattened default config), a key one side lacks counts as its default: an option added after
-    `old` was written defaults to the behaviour `old` ran with, so a run recorded before the option existed is still
-    the same experiment and resumes; a strategy's options left out are its defaults."""
+    `old` was written defaults to the behaviour `old` ran with, so a run recorded before it existed still resumes."""
     a, b, defaults = flatten(old or {}), flatten(new or {}), defaults or {}
     return sorted(k for k in set(a) | set(b) if a.get(k, defaults.get(k)) != b.get(k, defaults.get(k))
                   and not all(v is None or v in ([], {}) for v in (a.get(k), b.get(k))))

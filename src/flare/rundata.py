@@ -1,6 +1,5 @@
-"""A run directory read back for reports: config, rounds, client records, state and partition of a run, with
-"final" and "peak" defined once. Works on old, partial and foreign runs alike (it never writes), and refuses a run
-whose config.yaml disagrees with the config its results were computed with (`RunDir.check_consistent`)."""
+"""A run directory read back for reports, with "final" and "peak" defined once. Works on old, partial and foreign
+runs alike (it never writes), and refuses a run whose config.yaml disagrees with its results' config."""
 from __future__ import annotations
 
 import math
@@ -25,15 +24,14 @@ def num(v: Any) -> float:
 
 
 def peak_index(values) -> int | None:
-    """Where a curve peaks: the first index of its largest finite value (None if it has none). "Peak" means
-    this everywhere — summaries, tables, sweep reports."""
+    """Where a curve peaks, in every report: the first index of its largest finite value (None if it has none)."""
     a = np.array([num(v) for v in values], dtype=float)
     return None if not len(a) or np.isnan(a).all() else int(np.nanargmax(a))
 
 
 @dataclass
 class RunData:
-    """One run directory's records, read once: what every report, comparison and docs block reads a run through."""
+    """One run directory's records, read once: what every report reads a run through."""
     dir: Path
     cfg: dict
     rounds: list[dict]
@@ -77,8 +75,8 @@ class RunData:
 
     @property
     def models(self) -> str:
-        """Which network the clients ran: `cnn×0.125` for one architecture, else who ran what from partition.json
-        (`1 × cnn, 2 × wrn16_1`); `→ d` when model.feature_dim projects to a shared d."""
+        """Which network the clients ran: `cnn×0.125`, or who ran what (`1 × cnn, 2 × wrn16_1`); `→ d` when
+        model.feature_dim projects to a shared d."""
         m = self.cfg.get("model", {})
         labels = [c["model"] for c in (self.partition or {}).get("clients", []) if "model" in c]
         d = f" → d={m['feature_dim']}" if m.get("feature_dim") else ""

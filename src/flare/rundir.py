@@ -1,22 +1,15 @@
 """The run directory's one owner: every file of a run is written and read here (the files: docs/getting-started.md).
 
-Writers (`flare run`, `flare compare`, sweep points, a Flower server) take the lock first; the OS releases it
-when the process ends, however it ends, so a killed run never blocks its own resume. Everything is written
-atomically (temporary file, fsync, rename) except metrics.jsonl, which is appended one round at a time with
-a single write. The checkpoint is the source of truth: it carries the records of every round it covers, so
-`resume_point` can check metrics.jsonl against it and rebuild what a torn or truncated log lost.
+Writers take the lock first; the OS releases it when the process ends, however it ends, so a killed run never
+blocks its own resume. Everything is written atomically except metrics.jsonl, which is appended one round at a time
+with a single write. The checkpoint is the source of truth: it carries the records of every round it covers, so
+`resume_point` can rebuild what a torn or truncated log lost.
 
 A run directory never disagrees with itself: state.json and the checkpoint record the config they were computed
-with (and its fingerprint), state.json the fingerprint of every other record a later command trusts (`RECORDS`:
-partition.json, which says who ran what on which classes), and every command that reads a run compares config.yaml
-and those files with that record first (`RunDir.check_consistent`): a hand-edited config.yaml or partition.json is
-refused, naming the keys or the file, instead of resuming, fusing or reporting numbers of one experiment under the
-description of another.
-
-A directory whose run never completed a round (it failed in its first, or before it) holds no result: rerunning any
-config into it starts afresh (`RunDir.holds_rounds`), so a failed first attempt never locks its --out.
-
-`rundata.RunData` is the one reader for reports.
+with, state.json the fingerprint of every other record a later command trusts (`RECORDS`), and every command that
+reads a run checks config.yaml and those files against that record first (`RunDir.check_consistent`), instead of
+reporting numbers of one experiment under the description of another. A directory whose run never completed a
+round holds no result: any config may start afresh in it (`RunDir.holds_rounds`).
 """
 from __future__ import annotations
 
@@ -55,8 +48,8 @@ DIAG = ("g_protos_std", "inter_client_proto_std", "model_variance_mean")        
 
 @dataclass
 class ResumePoint:
-    """Where a run continues: `rounds_done` complete rounds, the records they produced, the checkpoint to load
-    (None for a fresh start), and what validation found (warnings to show and record)."""
+    """Where a run continues: `rounds_done` complete rounds, their records, the checkpoint to load (None for a
+    fresh start), and what validation found."""
 
     rounds_done: int = 0
     records: list[dict] = field(default_factory=list)
@@ -182,8 +175,7 @@ class RunDir:
 
     def write_state(self, status: str, rounds_done: int, warnings: list[str], config: dict | None = None,
                     **extra) -> None:
-        """state.json; `config` (the resolved config mapping the files were computed with) is recorded with its
-        fingerprint, and the `RECORDS` there are with theirs, for `check_consistent`."""
+        """state.json, with the fingerprints of `config` (the resolved config) and of the `RECORDS`."""
         recorded = {"config_fingerprint": config_fingerprint(config), "config": config} if config is not None else {}
         if files := {name: fp for name in RECORDS if (fp := file_fingerprint(self.path / name)) is not None}:
             recorded["files"] = files
@@ -256,12 +248,10 @@ class RunDir:
     # -- consistency ----------------------------------------------------------------------------
     def check_consistent(self, key: str = "--out", checkpoint: dict | None = None,
                          resuming: Config | None = None) -> None:
-        """Refuse a directory whose config.yaml is not the config its files were computed with.
-
-        state.json (and `checkpoint`, when the caller has loaded it) record that config; a run from before they did
-        records none and is taken as it is. `resuming`: the config a resume continues with, for which a difference in
-        `rounds` alone may be a legitimate extension (`flare run --resume DIR rounds=N`) caught between writing
-        config.yaml and state.json; every other difference, and any for reports and fuse, is refused."""
+        """Refuse a directory whose config.yaml is not the config its files were computed with (as state.json and
+        `checkpoint` record it; a run from before they did is taken as it is). `resuming`: the config a resume
+        continues with, for which a difference in `rounds` alone may be a legitimate extension caught between
+        writing config.yaml and state.json."""
         current = self.read_config()
         if current is None:
             return
@@ -296,8 +286,7 @@ class RunDir:
 
     def holds_rounds(self) -> bool:
         """Whether the directory holds the result of a round: a checkpoint, a round recorded in state.json or in
-        metrics.jsonl. One that holds none (its run failed before its first round ended) is no experiment to
-        protect: any config may start afresh in it."""
+        metrics.jsonl."""
         if any((self.path / name).exists() for name in (CHECKPOINT, PREV_CHECKPOINT)):
             return True
         done = self.read_state().get("rounds_done")
@@ -305,10 +294,8 @@ class RunDir:
 
     # -- resuming -------------------------------------------------------------------------------
     def check_continues(self, cfg: Config, key: str = "--out") -> list[str]:
-        """Refuse, before anything is written, a directory `cfg` cannot continue: config.yaml disagrees with its own
-        record, or holds another experiment (the same one with more rounds is fine where nothing depends on R).
-        Returns the keys in which config.yaml and `cfg` differ ([] or ["rounds"]). Cheap: reads no checkpoint, so
-        `flare compare` checks every run directory with it before running any."""
+        """Refuse a directory `cfg` cannot continue (another experiment; the same one with more rounds is fine where
+        nothing depends on R); returns the keys that differ ([] or ["rounds"]). Reads no checkpoint: cheap."""
         old = self.read_config()
         if old is None or not self.holds_rounds():
             return []
@@ -322,12 +309,9 @@ class RunDir:
         return diff
 
     def resume_point(self, cfg: Config, key: str = "--out") -> ResumePoint:
-        """Validate the directory against `cfg` and its checkpoint before trusting it.
-
-        The config must be the same experiment (or the same with more rounds, where nothing depends on R). The
-        checkpoint says how far the run got; metrics.jsonl is checked against the records the checkpoint
-        carries: torn lines, records after the checkpoint's round and missing or altered records are reported
-        and the log is rebuilt from the checkpoint. An unreadable checkpoint falls back to the previous one."""
+        """Validate the directory against `cfg` (`check_continues`) and its checkpoint before trusting it: the
+        checkpoint says how far the run got, and metrics.jsonl is checked against the records it carries (torn,
+        extra, missing or altered records are reported and the log rebuilt from it)."""
         rp = ResumePoint()
         old = self.read_config()
         if old is None or not self.holds_rounds():

@@ -1,15 +1,11 @@
-"""One experiment in one process: rounds × clients, an evaluation checkpoint after every round.
-
-The pieces come from `setup.RunSetup`, the files go through `rundir.RunDir` (see there for the layout and
-its guarantees). A run killed at any instant loses at most the round in progress: rerunning into the same
-directory validates what is there and resumes from the last complete round; a finished run is re-validated,
-not recomputed.
+"""One experiment in one process: rounds × clients, an evaluation checkpoint after every round. A run killed at
+any instant loses at most the round in progress: rerunning into the same directory validates what is there and
+resumes from the last complete round (rundir.py); a finished run is re-validated, not recomputed.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
-import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -64,9 +60,9 @@ class Run:
         if rp.finished:
             return self._revalidated(rp)
         setup = RunSetup.build(cfg)
-        for w in setup.backend.warnings:
+        for w in setup.server.backend.warnings:
             self._warn(w)
-        self.facts = setup.backend.facts(cfg)
+        self.facts = setup.server.backend.facts(cfg)
         before = (self.dir.read_state().get("backend") or {}) if rp.rounds_done else {}
         for key in ("cpu_kernels", "machine"):  # the digits of the two parts may differ: say so, with both
             if (was := before.get(key)) and was != (now := self.facts[key]):
@@ -106,8 +102,7 @@ class Run:
         self.warnings = rp.state_warnings + [w for w in self.warnings if w not in rp.state_warnings]
 
     def _restore(self, rp: ResumePoint, clients: list[Client]) -> list[dict]:
-        """Load the checkpoint (if any) into the clients, each state checked against its model first; returns the
-        records of the rounds it covers. Writes nothing: the caller writes once every check has passed."""
+        """Load the checkpoint (if any) into the clients, each state checked first; returns its rounds' records."""
         if rp.checkpoint is None:
             return []
         saved = rp.checkpoint["clients"]
@@ -133,12 +128,9 @@ class Run:
 
     def _train_clients(self, active: list[Client], ctx: TrainContext, r: int, bar: Progress,
                        batched: list[BatchedClients] | None = None) -> list[dict]:
-        """By `client_engine`: sequentially; in threads, one per client, each on its own CUDA stream so that the
-        GPU overlaps the clients' kernels; or batched, all clients as one vmapped program (`client/batched.py`).
-        Each client draws its augmentation from its own streams (`rng.RngStreams`: the CPU generator and, on a
-        GPU, the GPU's), so on CPU threads give exactly the sequential numbers and the batched engine the same up
-        to float rounding (tested); on a GPU they agree up to the order in which kernels reduce. `batched`: one
-        engine per client architecture (`by_architecture`), trained one after the other."""
+        """By `client_engine`: sequentially; in threads, each on its own CUDA stream; or batched, one vmapped program
+        per client architecture. Each client draws from its own streams, so on CPU threads give exactly the
+        sequential numbers and the batched engine the same up to float rounding (on a GPU: up to reduction order)."""
         if batched is not None:
             self.train_mode = "batched"
             bar.client(-1)
@@ -190,9 +182,8 @@ class Run:
 
 
 class InProcess(Clients):
-    """The loop's transport in one process (flare/loop.py): the clients train beside the server, by the run's
-    engine (`Run._train_clients`), and upload their live models (every one must pass the gate); after every round a
-    checkpoint."""
+    """The loop's transport in one process: the clients train beside the server and upload their live models
+    (every one must pass the gate); after every round a checkpoint."""
 
     def __init__(self, run: Run, setup: RunSetup, clients: list[Client], active: list[Client],
                  batched: list[BatchedClients] | None, bar: Progress, tb, records: list[dict], config: dict):
@@ -201,7 +192,7 @@ class InProcess(Clients):
         self.required, self.without_data = len(clients), {c.cid for c in clients if c.num_samples == 0}
 
     def blocks(self, start: int) -> list[tuple[int, int]]:
-        return [(r, r + 1) for r in range(start, self.setup.cfg.rounds)]
+        return [(r, r + 1) for r in range(start, self.setup.server.cfg.rounds)]
 
     def train(self, first: int, end: int, sent: dict) -> list[dict]:
         self.setup.ctx.received = sent
@@ -210,8 +201,8 @@ class InProcess(Clients):
     def data(self, c: Client) -> ClientData:
         """A client's side of `Strategy.client_extras`: a copy of its model (a strategy cannot disturb training)."""
         ctx = self.setup.ctx
-        return client_side(c.cid, c.model, ctx.train_x[c.indices], ctx.train_y[c.indices], self.setup.norm,
-                           ctx.augment, self.setup.device)
+        return client_side(c.cid, c.model, ctx.train_x[c.indices], ctx.train_y[c.indices], self.setup.server.norm,
+                           ctx.augment, self.setup.server.backend.device)
 
     def uploads(self, r: int, scored) -> list:
         asks = bool(extras_shapes(scored, self.setup.server.template))

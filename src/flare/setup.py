@@ -1,12 +1,10 @@
 """Everything a run is built from — the one place where the in-process runner, the Flower apps, `flare fuse` and the
-LR probe build a run: the data and its split, the seeded inits (one per client architecture, and the server's), the
-anchors, the augmentation, the server's public bank and the clients' training context (the device and precision are
-flare/backend.py; the evaluation checkpoint itself is server/rounds.py).
+LR probe build a run: the data and its split, the seeded inits, the anchors, the augmentation, the server's public
+bank and the clients' training context.
 
-A run has two sides, each built by one function: `ServerSetup.build` (backend, data, test set, seeded init,
-anchors, public bank; its `evaluate` scores a round) and `client_context` (a client's training context). The
-engines differ only in where the sides run: `RunSetup.build` composes both in one process; the Flower server builds
-the server side, a Flower node the client side (from the inits, anchor seed and bank `ServerSetup.initial_message`
+A run has two sides, each built by one function: `ServerSetup.build` (its `evaluate` scores a round) and
+`client_context`. The engines differ only in where the sides run: `RunSetup.build` composes both in one process; the
+Flower server builds the server side, a Flower node the client side (from what `ServerSetup.initial_message`
 sends); `flare fuse` and the LR probe build the server side and take the clients' samples from its data.
 """
 from __future__ import annotations
@@ -47,12 +45,10 @@ from flare.server.upload import Upload
 
 def init_models(cfg: Config, meta: DataMeta, device: torch.device, channels_last: bool = False,
                 checkpoints: bool = True) -> tuple[FlareNet, dict[Architecture, FlareNet]]:
-    """The seeded inits: the server architecture's (`template`) and one per client architecture — clients of one
-    architecture start from one init, as one-shot FL shares nothing else before training. Each is drawn from
+    """The seeded inits: the server architecture's (`template`) and one per client architecture. Each is drawn from
     torch's generator seeded with `seed`, the server's last, so what follows draws as after a run of that one
     architecture (a run of one architecture builds exactly one model). Every architecture must end in one d.
-    `checkpoints=False`: the seeded inits alone, for a caller that loads every model's weights from a run's own
-    checkpoint.pt (`flare fuse`)."""
+    `checkpoints=False`: the seeded inits alone, without reading the architectures' checkpoint files."""
     def build(arch: Architecture) -> FlareNet:
         torch.manual_seed(cfg.seed)
         model = create_architecture(arch, meta.in_channels, meta.num_classes, cfg.head, cfg.model.feature_dim,
@@ -82,9 +78,8 @@ def anchor_seed(cfg: Config) -> int:
 
 
 def init_keys(archs: list[Architecture]) -> list[str]:
-    """Client i's key for its init in what `Strategy.initialize` sends: `init`, `init-J` for the J-th other client
-    architecture. A Flower node knows its client id, the server learns it only from the first reply: so the message
-    carries every architecture's init and each client takes its own (a run of one architecture: `init` alone)."""
+    """Client i's key for its init in what `Strategy.initialize` sends (`init`, `init-J` for the J-th other client
+    architecture): a Flower node's id is known only from its first reply, so every client gets every init."""
     order = list(dict.fromkeys(archs))
     return [f"init-{order.index(a)}" if a != order[0] else "init" for a in archs]
 
@@ -125,8 +120,7 @@ def make_train_context(cfg: Config, train_x: Tensor, train_y: Tensor, augment, a
                        device: torch.device, amp_dtype, channels_last: bool, bank: Tensor | None,
                        plain: Callable[[Tensor], Tensor] | None = None) -> TrainContext:
     """What a client's local loop reads: its data on the device, augmentation, anchors, the LR schedule, the
-    contrast extension (memory bank, or the server's public bank) and the un-augmented view `plain` (the evaluation
-    transform; the baselines train on it with loss.ce_input=plain)."""
+    contrast extension and the un-augmented view `plain` (the evaluation transform)."""
     ls = cfg.lr_schedule
     return TrainContext(cfg=cfg, train_x=train_x, train_y=train_y, augment=augment, anchors=anchors,
                         device=device, amp_dtype=amp_dtype,
@@ -143,8 +137,7 @@ def make_train_context(cfg: Config, train_x: Tensor, train_y: Tensor, augment, a
 
 @dataclass
 class ServerSetup:
-    """The server's side of a run, built by `build` alone — for the in-process runner (inside `RunSetup`), the Flower
-    server, `flare fuse` and the LR probe — and scored by `evaluate` alone, so they all evaluate one way."""
+    """The server's side of a run, built by `build` alone and scored by `evaluate` alone, on every engine."""
 
     cfg: Config
     backend: Backend
@@ -171,11 +164,8 @@ class ServerSetup:
               checkpoints: bool = True, strategies: tuple[str, ...] | None = None) -> "ServerSetup":
         """Every server piece, in a fixed order (the seeded init resets torch's generator; what follows draws from
         it). `dataset_meta`: a DataMeta JSON file a Flower server without the dataset falls back to (it then
-        evaluates nothing). `bank=False` leaves the public bank out (its teacher trains on the public slice): fuse
-        and the LR probe send nothing to clients. `checkpoints=False` leaves the architectures' `checkpoint` files
-        unread (`init_models`): fuse loads every client's state from the run's own checkpoint.pt. `strategies`: the
-        names of the server strategies to build (`flare fuse`'s), else every one the run scores (`rules_for`); each
-        is built here, once for the whole run."""
+        evaluates nothing). `bank=False` leaves the public bank out, for callers that send clients nothing.
+        `checkpoints`: see `init_models`. `strategies`: the ones to build, else every one the run scores."""
         be = backend(cfg)  # first: it pins the CPU kernels, and fails on a bad device before anything is loaded
         device, warnings = be.device, list(be.warnings)
         built = make_strategies(cfg, strategies if strategies is not None else rules_for(cfg))
@@ -221,39 +211,35 @@ class ServerSetup:
         return models
 
     def take_data(self) -> ImageData:
-        """The prepared dataset, handed over once: the caller takes the clients' samples from it (and the host
-        copy is not kept beside the device copies)."""
+        """The prepared dataset, handed over once (the host copy is not kept beside the device copies)."""
         data, self.data = self.data, None
         return data
 
     # -- what the server carries across rounds, and what it sends: its protocols -----------------------------------
     def server_state(self) -> dict:
-        """What the server carries from one round to the next (saved in checkpoints)."""
+        """What the server carries from one round to the next (saved in checkpoints; kept by `carry`)."""
         return {k: v.detach().cpu() for k, v in self.carried.items()}
 
     def load_server_state(self, state: dict | None) -> None:
         self.carried = {k: v.detach().float().to(self.backend.device) for k, v in (state or {}).items()}
 
     def carry(self, ev: Evaluation) -> None:
-        """Keep what an evaluation of the run's rounds built for the next round (`Evaluation.kept`)."""
         if ev.kept is not None:
             self.load_server_state(ev.kept)
 
     def protocols(self) -> list[ServerProtocol]:
-        """What decides what the clients receive and what the server keeps: Plan B's global prototypes, then the
-        primary strategy (none where the server built no primary, `flare fuse`); messages merge by key in this order."""
+        """Plan B's global prototypes, then the primary strategy (if built): their messages merge in this order."""
         primary = self.strategies.get(primary_rule(self.cfg))
         return [self.prototypes] + ([primary] if primary is not None else [])
 
     def initial_message(self) -> dict[str, Tensor]:
-        """What every client receives once before it trains, on every engine: the protocols' `initialize`."""
+        """What every client receives once before it trains: the protocols' `initialize`."""
         inits = {k: self.client_init(i) for i, k in enumerate(init_keys(self.architectures))}
         ctx = InitContext(inits, self.bank, anchor_seed(self.cfg))
         return {k: v for p in self.protocols() for k, v in p.initialize(ctx).items()}
 
     def train_message(self, r: int) -> dict[str, Tensor]:
-        """What every client receives before it trains round r, on every engine: the protocols' `configure_train`
-        over what the server keeps (on this server's device)."""
+        """What every client receives before it trains round r: the protocols' `configure_train`."""
         return {k: v for p in self.protocols() for k, v in p.configure_train(r, self.carried).items()}
 
     def scored(self, r: int) -> dict[str, Strategy]:
@@ -263,8 +249,7 @@ class ServerSetup:
     def evaluate(self, r: int, uploads: list[Upload], models: list[torch.nn.Module],
                  rules: tuple[str, ...] | None = None, clients: Transport | None = None,
                  scratch: Path | None = None) -> Evaluation:
-        """`rounds.evaluate_uploads` with this server's test set, anchors, prototypes and strategy states. What the
-        server keeps for the next round is in the result: the caller decides whether the run carries it on (`carry`)."""
+        """`rounds.evaluate_uploads` with this server's pieces; the caller decides whether to `carry` what it kept."""
         be = self.backend
         return evaluate_uploads(self.cfg, r, uploads, models, self.anchors, self.test_x, self.test_y, self.norm,
                                 amp_dtype=be.amp_dtype, channels_last=be.channels_last,
@@ -275,9 +260,8 @@ class ServerSetup:
 
 def client_context(cfg: Config, meta: DataMeta, be: Backend, feature_dim: int, train_x: Tensor, train_y: Tensor,
                    first: dict[str, Tensor]) -> TrainContext:
-    """A client's side of a run: the training context over its samples (moved to the device), with the run's
-    augmentation, normalisation, and the anchor seed and public bank the server sent first (`first`). In `flare run`
-    one context over the whole training set that every client indexes; on a Flower node its own samples."""
+    """A client's side of a run: the training context over its samples, with the anchor seed and public bank the
+    server sent first (`first`). In `flare run` one context over the whole training set that every client indexes."""
     if cfg.loss.contrast in ("public-bank", "two-stage") and first.get("bank") is None:
         raise FlareError(f"loss.contrast={cfg.loss.contrast} needs the server's public bank, which did not arrive "
                          "with the task.")
@@ -288,17 +272,14 @@ def client_context(cfg: Config, meta: DataMeta, be: Backend, feature_dim: int, t
 
 
 def check_buildable(cfg: Config) -> None:
-    """Refuse here, before anything is written or started, what `flare run` refuses before it writes a file (device,
-    data, split, every architecture's init, checkpoint and input size, one feature dimension): for a caller that hands
-    the run to other processes (`flare federate`), where the same mistake would surface as a server process's
-    traceback. The public bank's teacher is not trained (nothing the config could get wrong is left in it)."""
+    """Refuse here what `flare run` refuses before it writes a file, for a caller that hands the run to other
+    processes (`flare federate`). The public bank's teacher is not trained (nothing the config could get wrong)."""
     checked_split(ServerSetup.build(cfg, bank=False))
 
 
 def checked_split(server: ServerSetup) -> tuple[ImageData, Partition]:
     """The run's data, taken from `server`, and its split, once every strategy the server built has passed
-    `check_data`: what the drawn data cannot serve is refused before the first client trains — in `flare run`,
-    `flare fuse` and before `flare federate` starts a process."""
+    `check_data`."""
     data = server.take_data()
     part = split(server.cfg, data.train_y, data.num_classes)
     histogram = part.histogram()
@@ -330,41 +311,21 @@ class RunSetup:
                              data.train_y, first)
         return cls(server, part, describe_partition(cfg, part, data.classes), ctx, first)
 
-    @property
-    def cfg(self) -> Config:
-        return self.server.cfg
-
-    @property
-    def backend(self) -> Backend:
-        return self.server.backend
-
-    @property
-    def device(self) -> torch.device:
-        return self.server.backend.device
-
-    @property
-    def anchors(self) -> Tensor | None:
-        return self.server.anchors
-
-    @property
-    def norm(self) -> Callable[[Tensor], Tensor]:
-        return self.server.norm
-
     def make_clients(self, warn: Callable[[str], None], note: Callable[[str], None]) -> list[Client]:
-        """Every client from the init `first` sent for its architecture (into a copy of the server's: its device and
-        layout); clients without samples are warned about (kept, with zero samples: checkpoints keep one per client)."""
-        out, keys = [], init_keys(self.server.architectures)
+        """Every client from the init `first` sent for its architecture; clients without samples are warned about
+        (kept: checkpoints keep one per client)."""
+        out, keys, cfg = [], init_keys(self.server.architectures), self.server.cfg
         for i, ix in enumerate(self.partition.client_indices):
             if len(ix) == 0:
                 warn(f"client {i} received no samples under this partition; it is skipped (weight 0).")
-            elif len(ix) < self.cfg.batch_size and self.cfg.drop_last:
-                warn(f"client {i} holds {len(ix)} samples, fewer than batch_size={self.cfg.batch_size}; with "
+            elif len(ix) < cfg.batch_size and cfg.drop_last:
+                warn(f"client {i} holds {len(ix)} samples, fewer than batch_size={cfg.batch_size}; with "
                      "drop_last=true it trains no step and keeps the initial model (the reference crashed here).")
-            elif len(ix) < self.cfg.batch_size:
-                note(f"note: client {i} holds {len(ix)} samples, fewer than batch_size={self.cfg.batch_size}; "
+            elif len(ix) < cfg.batch_size:
+                note(f"note: client {i} holds {len(ix)} samples, fewer than batch_size={cfg.batch_size}; "
                      "it trains on one smaller batch per epoch.")
             ent = self.partition_report["clients"][i]["normalized_entropy"]
             model = copy.deepcopy(self.server.client_init(i))
             model.load_state_dict(sent_init(self.first, keys[i]))
-            out.append(Client(i, torch.as_tensor(ix, device=self.device), model, self.ctx, ent))
+            out.append(Client(i, torch.as_tensor(ix, device=self.server.backend.device), model, self.ctx, ent))
         return out

@@ -1,16 +1,10 @@
 """FLARE's Flower ClientApp (`flare.flower.client_app:app`).
 
-A node answers `train` messages (the content: `server_app.train_content`) by training the asked rounds on its own
-data (`local_data`) with `protocol.client_train`, and replies with its weights (an ArrayRecord), its sample
-count, class histogram and training logs. Between per-round messages (simulation) its state (model, optimizer, λ
-learner) waits in `context.state` as arrays plus a JSON skeleton. After its last round it keeps its upload there
-too, and answers the `query` messages of a server strategy that holds rounds with the clients after the upload
-(`handle_query`: FENS), with that strategy's memory kept beside it.
-
-Node config keys: `partition-id` (the client id, required), `num-partitions` (checked against
-num_clients), `data-path` (deployment), `dataset-root` / `cache-dir` (where this node finds the
-dataset in partition mode), `device` (this node's torch device), `fault` (a fault drill: `wrong-shape`, `nan`
-or `missing-key` sends a broken upload on purpose; docs/federation.md).
+A node answers `train` messages by training the asked rounds on its own data with `protocol.client_train`, and
+replies with its weights, sample count, class histogram and training logs. Between per-round messages its client
+state waits in `context.state`. After its last round it keeps its upload there too, and answers the `query`
+messages of a server strategy that holds rounds with the clients after the upload (`handle_query`: FENS). The node
+config keys are docs/federation.md's.
 """
 from __future__ import annotations
 
@@ -98,9 +92,8 @@ def handle_train(content: RecordDict, context: Context) -> RecordDict:
 
 
 def handle_query(content: RecordDict, context: Context) -> RecordDict:
-    """One round of the rounds a server strategy holds with the clients after their upload (server/exchange.py):
-    the strategy's message in, this client's reply out; the strategy's memory for this client waits in
-    `context.state` between rounds."""
+    """One round a server strategy holds with the clients after their upload: its message in, this client's reply
+    out; the strategy's memory for this client waits in `context.state` between rounds."""
     task = Task.from_config(content.config_records["task"])
     talk = content.config_records["talk"]
     name, rnd = str(talk["strategy"]), int(talk["round"])
@@ -123,9 +116,8 @@ FAULTS = ("wrong-shape", "nan", "missing-key", "extras-shape")
 
 
 def inject_fault(state: dict, fault, extras: bool = False) -> dict:
-    """Fault drills (node config `fault=...`): send a deliberately broken upload, so that the server's gate can be
-    exercised on a real deployment. Never set on an honest node. `extras-shape` breaks the first statistic a
-    strategy asked for (`extras=True`: the extras record), the others the weights."""
+    """Fault drills (node config `fault=...`): a deliberately broken upload, to exercise the server's gate on a
+    real deployment. `extras-shape` breaks the first statistic in the extras record, the others the weights."""
     if not fault:
         return state
     if fault not in FAULTS:

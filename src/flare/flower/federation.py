@@ -1,14 +1,9 @@
 """Start a Flower federation on this machine as real processes, run FLARE's app on it, stop it.
 
-`LocalFederation` starts one SuperLink (`flower-superlink --insecure`, its HTTP API on a free loopback
-port) and K SuperNodes (`flower-supernode --insecure --superlink 127.0.0.1:PORT --node-config
-'partition-id=i num-partitions=K ...'`), each in its own process group, and stops every process it
-started (SIGTERM, then SIGKILL) when it is closed. With `simulation=True` the SuperLink runs Flower's
-simulation runtime (Ray backend) instead and no SuperNodes are started. `run()` submits the app with
-`flwr run APP CONNECTION --stream` against a private Flower home (FLWR_HOME) whose config names the
-connection, and waits for the run to end.
-
-Only loopback addresses are used. `flare federate` and the tests use this module.
+`LocalFederation` starts one SuperLink and K SuperNodes on loopback addresses, each in its own process group, and
+stops every process it started (SIGTERM, then SIGKILL) when it is closed. With `simulation=True` the SuperLink runs
+Flower's simulation runtime (Ray) instead and no SuperNodes are started. `run()` submits the app with `flwr run`
+against a private Flower home (FLWR_HOME) whose config names the connection, and waits for the run to end.
 """
 from __future__ import annotations
 
@@ -32,9 +27,9 @@ from flare.rundata import RunData
 from flare.rundir import RunDir
 from flare.setup import check_buildable
 
+
 def app_dir() -> Path:
-    """The Flower app directory `flwr run` reads: its pyproject.toml ships inside the package (flare/flower/app/),
-    so a checkout and an installed package find the same file."""
+    """The Flower app directory `flwr run` reads, shipped inside the package (flare/flower/app/)."""
     return Path(str(resources.files("flare") / "flower" / "app"))
 
 
@@ -87,12 +82,12 @@ class LocalFederation:
                     "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
 
     # -- processes ----------------------------------------------------------------------------------
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(self.workdir / f"{name}.log", "wb")
-        p = subprocess.Popen(argv, cwd=self.workdir, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
-        self.procs.append((name, p))
+    def _spawn(self, name: str, argv: list[str], serve: bool = True) -> subprocess.Popen:
+        with open(self.workdir / f"{name}.log", "wb") as log:
+            p = subprocess.Popen(argv, cwd=self.workdir, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        if serve:  # a server process, which `stop` ends
+            self.procs.append((name, p))
         return p
 
     def log_text(self, name: str) -> str:
@@ -213,15 +208,13 @@ class LocalFederation:
         argv = [_bin("flwr"), "run", str(app), self.connection, "--stream", "--run-config", run_config_arg(run_config)]
         if federation_config:
             argv += ["--federation-config", run_config_arg(federation_config)]
-        with open(self.workdir / f"{log_name}.log", "wb") as log:
-            p = subprocess.Popen(argv, cwd=self.workdir, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
-            try:
-                rc = p.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self._signal(p, signal.SIGKILL)
-                p.wait()
-                raise FederationError(f"flwr run did not finish within {timeout:g} s; logs in {self.workdir}") from None
+        p = self._spawn(log_name, argv, serve=False)
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._signal(p, signal.SIGKILL)
+            p.wait()
+            raise FederationError(f"flwr run did not finish within {timeout:g} s; logs in {self.workdir}") from None
         return subprocess.CompletedProcess(argv, rc, self.log_text(log_name), "")
 
 
@@ -231,8 +224,7 @@ class LocalFederation:
 
 def federate(cfg_file: str | None, preset: str | None, overrides: list[str], *, out: str | Path | None = None,
              clients: int | None = None, min_clients: int = 0, timeout: float = 3600.0, upload: str | None = None,
-             simulation: bool = False, local_data: bool = False, workdir: str | Path | None = None,
-             run_timeout: float | None = None, log=print) -> dict:
+             simulation: bool = False, local_data: bool = False, workdir: str | Path | None = None, log=print) -> dict:
     """Start a loopback federation (a SuperLink and K SuperNodes, or the Ray simulation runtime), run FLARE's
     Flower app on it, stop every process, and return the run's summary (raises FlareError on a failed run)."""
     if clients is not None:
@@ -257,7 +249,7 @@ def federate(cfg_file: str | None, preset: str | None, overrides: list[str], *, 
         log(f"federation: SuperLink on 127.0.0.1:{fed.port}; running the app (upload {upload})")
         res = fed.run(app_dir(), run_config,
                       {"num-supernodes": K, "client-resources-num-cpus": 1} if simulation else None,
-                      timeout=run_timeout or (timeout * (cfg.rounds if upload == "per-round" else 1) + 300))
+                      timeout=timeout * (cfg.rounds if upload == "per-round" else 1) + 300)
     finally:
         fed.stop()
     state = RunDir(out).read_state()

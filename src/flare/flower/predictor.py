@@ -1,14 +1,11 @@
 """The global predictor a federated run ends with, saved and loaded without pickles.
 
-`predictor.pt` holds tensors only (`torch.load(..., weights_only=True)` reads it): the state dict of every
-client encoder that took part in the last round (or the one model a strategy such as `fedavg` built), the
-aggregation weights and the global prototypes G. `predictor.json` says how to rebuild and use it: the
-rule, the model (name, width, head, channels, classes, feature dimension; with clients of different
-architectures, `models` gives each state's), the input size, the
-normalisation statistics, the class names, which clients it holds, and the accuracy the server measured.
-It applies the run's evaluation transform (`augment.input_scaling`) and output fusion (the output rule's ensemble), and
-always normalises with running BN statistics (eval mode), also for runs evaluated with `eval.bn=batch`: a
-deployed predictor should not depend on which images share its batch.
+`predictor.pt` holds tensors only (`torch.load(..., weights_only=True)` reads it): the state dict of every client
+encoder of the last round (or the one model a strategy such as `fedavg` built), the aggregation weights and G.
+`predictor.json` says how to rebuild and use it: the rule, the model(s), the input size and normalisation, the
+class names, the clients, and the accuracy the server measured. It always normalises with running BN statistics
+(eval mode), also for runs evaluated with `eval.bn=batch`: a deployed predictor should not depend on which images
+share its batch.
 
     from flare.flower.predictor import load_predictor
     p = load_predictor("runs/fed")          # a torch.nn.Module
@@ -40,10 +37,9 @@ FORMAT = 1
 
 
 class GlobalPredictor(nn.Module):
-    """Applies the run's primary strategy to uint8 images: a built-in rule over the client models' outputs
-    (`feature`, `iffi`, `iffi_reference`, `output`: a `ClientRule`, rebuilt from the weights, G and the ensemble
-    mode) — or `model`: the one model a model-building strategy (FedAvg, a plugin's, OTFusion, FedLPA …) built,
-    scored by its logits. The IFFI noise inputs are drawn from a generator seeded with `noise_seed` on every call."""
+    """Applies the run's primary strategy to uint8 images: a built-in `ClientRule` over the client models' outputs,
+    or `model`: the one model a model-building strategy built, scored by its logits. The IFFI noise inputs are drawn
+    from a generator seeded with `noise_seed` on every call."""
 
     def __init__(self, rule: str, models: list[nn.Module], weights: Tensor, G: Tensor | None,
                  mean, std, noise_seed: int = 0, ensemble: str = "softmax"):
@@ -82,12 +78,9 @@ def _architecture_of(state: dict, cfg: Config, meta: DataMeta) -> Architecture |
 
 def save_predictor(out: RunDir, cfg: Config, meta: DataMeta, uploads: list[Upload], weights: Tensor,
                    G: Tensor | None, record: dict, feature_dim: int, predictors: dict | None = None) -> Path | str:
-    """Write predictor.pt and predictor.json for the run's primary strategy from the last round, with the
-    aggregation weights and global prototypes G that round's evaluation used. A rule over the client outputs
-    (`ClientRule`) is saved as every client's state, each with its client's architecture; a strategy that built one
-    model of the server's or a client's architecture (`predictors[primary]` a ModelPredictor: FedAvg, FedDF's
-    student, a plugin's) as that model (`"rule": "model"`); otherwise nothing is written and the reason is returned
-    (a strategy scoring the clients' outputs with its own code cannot travel as tensors)."""
+    """Write predictor.pt and predictor.json for the run's primary strategy from the last round's evaluation: a
+    `ClientRule` as every client's state, a ModelPredictor of the server's or a client's architecture as that model
+    (`"rule": "model"`); otherwise nothing is written and the reason is returned."""
     def describe(arch: Architecture) -> dict:
         return {"name": arch.name, "width": arch.width, "head": cfg.head, "options": arch.options,
                 "in_channels": meta.in_channels, "num_classes": meta.num_classes, "feature_dim": int(feature_dim)}

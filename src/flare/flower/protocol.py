@@ -1,9 +1,6 @@
 """The one-shot protocol on a node, engine-free: what the server sends (`Task`), a node's own data, and what a
-FLARE client does with a task. `client_app.py` wraps it in Flower's Message API; tests drive it directly.
-
-Same code paths as `flare run`: the client is `flare.client.trainer.Client` with the training context of
-`flare.setup.client_context` (augmentation, anchors from the anchor seed the server sent), so a federation of the same
-config and seed computes the same numbers as the in-process runner.
+FLARE client does with a task. `client_app.py` wraps it in Flower's Message API. The client is `flare run`'s
+(`flare.client.trainer.Client` in `flare.setup.client_context`), so a federation computes the same numbers.
 """
 from __future__ import annotations
 
@@ -34,8 +31,7 @@ PROTOCOL_VERSION = 2  # 2: the inits, anchor seed and public bank travel as what
 @dataclass
 class Task:
     """One train instruction: the run's config, the dataset facts, and which rounds to train
-    ([round_start, round_end)). Deployment sends one task for all R rounds; simulation with
-    per-round snapshots sends R tasks of one round each."""
+    ([round_start, round_end)): all R (upload=once), or one (per-round)."""
 
     cfg: Config
     meta: DataMeta
@@ -59,9 +55,8 @@ class Task:
 
 
 def client_model(cfg: Config, meta: DataMeta, cid: int, state: dict[str, Tensor], device) -> FlareNet:
-    """Client `cid`'s network (its architecture: `model.clients` / `model.mix`) holding `state`, on `device`. An id
-    outside the run gets the first client's: the node still trains and answers, and the server's gate rejects the
-    reply with the reason."""
+    """Client `cid`'s network holding `state`, on `device`. An id outside the run gets the first client's: the node
+    still trains and answers, and the server's gate rejects the reply with the reason."""
     arch = cfg.client_architectures()[cid if 0 <= cid < cfg.num_clients else 0]
     model = create_architecture(arch, meta.in_channels, meta.num_classes, cfg.head, cfg.model.feature_dim,
                                 checkpoint=False)  # its checkpoint, if any, is in the init sent already
@@ -111,9 +106,8 @@ def partition_data(cfg: Config, cid: int) -> LocalData:
 
 
 def file_data(path: str | Path, cid: int, meta: DataMeta) -> LocalData:
-    """Deployment: a node's own samples in an .npz file with `x` and `y` (int N), read with allow_pickle=False
-    (`flare federate --export-partitions` writes such files). `x` is what the run's dataset holds: uint8 N×C×H×W
-    images, or for a frozen-encoder run its cached features, float32 N×(1+V)×D (the plain view and V augmented)."""
+    """Deployment: a node's own samples in an .npz file with `x` and `y` (int N), read with allow_pickle=False. `x`
+    is what the run's dataset holds: uint8 N×C×H×W images, or a frozen encoder's cached features N×(1+V)×D."""
     p = Path(path).expanduser()
     want = (f"float32 N×(1+V)×{meta.in_channels} features" if meta.kind == "features"
             else f"uint8 N×{meta.in_channels}×{meta.image_size}×{meta.image_size}")
@@ -140,8 +134,7 @@ def file_data(path: str | Path, cid: int, meta: DataMeta) -> LocalData:
 
 
 def export_partitions(cfg: Config, out_dir: str | Path) -> list[Path]:
-    """Write every client's part of the run's split as `client-<i>.npz` (x, y) plus `dataset-meta.json`,
-    so that nodes of a deployment can be given their own local files."""
+    """Write every client's part of the run's split as `client-<i>.npz` (x, y) plus `dataset-meta.json`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data, _ = _run_partition(cfg)
@@ -171,8 +164,7 @@ class ClientResult:
 def client_train(task: Task, local: LocalData, first: dict[str, Tensor], resume: dict | None = None,
                  device: str | None = None, received: dict[str, Tensor] | None = None) -> ClientResult:
     """Train rounds [task.round_start, task.round_end) of one client exactly as `flare run` does, from what the
-    server sent before the first round (`first`: `Strategy.initialize`, of which it loads its own architecture's
-    init); `received`: what the server sent with the task (`Strategy.configure_train`)."""
+    server sent before the first round (`first`) and with the task (`received`)."""
     cfg, meta = task.cfg, task.meta
     # its class histogram and label entropy, as partition.json reports them
     mine = Partition([np.arange(local.num_samples)], local.num_classes, local.y.numpy()).report()["clients"][0]
@@ -212,8 +204,7 @@ _STRATEGIES: dict[str, dict[str, Strategy]] = {}
 
 
 def run_strategies(cfg: Config) -> dict[str, Strategy]:
-    """Every server strategy the run scores, built once per node process and run (a node answers many messages:
-    one per round, and one per round a strategy holds after the upload)."""
+    """Every server strategy the run scores, built once per node process and run (a node answers many messages)."""
     key = config_to_yaml(cfg)
     if key not in _STRATEGIES:
         _STRATEGIES.clear()  # one run's strategies per process
@@ -223,9 +214,8 @@ def run_strategies(cfg: Config) -> dict[str, Strategy]:
 
 def client_talk(task: Task, local: LocalData, trained: dict[str, Tensor], name: str, rnd: int,
                 message: dict[str, Tensor], memory: dict[str, Tensor], device: str | None = None) -> dict[str, Tensor]:
-    """Round `rnd` of the rounds server strategy `name` holds with the clients after their upload
-    (server/exchange.py), on this node: its `client_round` over the client's trained model (`trained`, its upload)
-    and its own samples, as `flare run` computes it beside the client. `memory` is updated in place."""
+    """Round `rnd` of the rounds server strategy `name` holds with the clients after their upload, on this node:
+    its `client_round` over the client's upload (`trained`) and samples. `memory` is updated in place."""
     cfg, meta = task.cfg, task.meta
     strategies = run_strategies(cfg)
     if name not in strategies:

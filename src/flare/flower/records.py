@@ -1,14 +1,7 @@
-"""Pickle-free conversion between FLARE's objects and Flower's records.
-
-Tensors travel as `flwr.app.ArrayRecord` entries, which Flower serialises with `numpy.save(...,
-allow_pickle=False)` and reads back with `numpy.load(..., allow_pickle=False)`; everything else travels
-as JSON text or plain scalars in a `ConfigRecord`. Nothing here (or anywhere in the Flower apps) calls
-`pickle` or `torch.load` without `weights_only=True` on bytes a peer sent.
-
-`pack_nested` / `unpack_nested` carry a nested structure of dicts, lists, tuples, tensors and JSON
-scalars (a client's optimizer / λ-learner state between rounds) as one ArrayRecord of its tensors plus
-a JSON skeleton: torch's pytree spec (`treespec_dumps`, JSON too), so dict keys keep their type (optimizer
-states are keyed by int).
+"""Pickle-free conversion between FLARE's objects and Flower's records (nothing unpickles bytes a peer sent): tensors
+travel as `flwr.app.ArrayRecord` entries (numpy, allow_pickle=False), everything else as JSON text or scalars.
+`pack_nested` carries a client's state between rounds as one ArrayRecord of its tensors plus a JSON skeleton, torch's
+pytree spec, so dict keys keep their type (optimizer states are keyed by int).
 """
 from __future__ import annotations
 

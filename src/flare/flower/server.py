@@ -1,11 +1,7 @@
 """The server of a federated run, engine-free: the run settings of the Flower app, the round loop's transport over a
-Flower grid (the replies decoded and checked for what only a reply can get wrong; the upload gate and the quorum
-are the loop's, flare/loop.py) and the run directory. `server_app.py` wraps it in Flower's Message API; tests drive it
-directly and through Flower.
-
-The server is built, and evaluates, exactly as `flare run`'s (`flare.setup.ServerSetup`: the seeded inits, anchor
-seed, public bank, test set), and writes the same run directory (through `flare.rundir.RunDir`, locked while it
-runs) plus federation.json and the saved global predictor.
+Flower grid (flare/loop.py) and the run directory. `server_app.py` wraps it in Flower's Message API. It is built,
+and evaluates, exactly as `flare run`'s (`flare.setup.ServerSetup`), and writes the same run directory plus
+federation.json and the saved global predictor.
 """
 from __future__ import annotations
 
@@ -71,8 +67,8 @@ FederationSettings.KEYS = {f.name.replace("_", "-"): f.name for f in fields(Fede
 
 @dataclass
 class Reply:
-    """What the engine hands back for one node: an error string, or the decoded reply fields (any of
-    which may be malformed; `ServerSession.train` checks them, the loop's gate the upload)."""
+    """What the engine hands back for one node: an error string, or the decoded reply fields (any of which may be
+    malformed)."""
 
     node: int
     error: str | None = None
@@ -104,10 +100,8 @@ def _sanitize_records(text, cid: int, rounds: range) -> tuple[list[dict], str | 
 
 
 class ServerSession(Clients):
-    """The server of one federated run: the run directory (`flare run`'s files, minus the client checkpoint), the
-    server's setup (`flare.setup.ServerSetup`), and the round loop's transports over a Flower grid (flare/loop.py):
-    one message per block of rounds, each reply decoded and its uploads handed to the loop's gate; and, for the
-    rounds a strategy holds after the upload (server/exchange.py's `Transport`), one message per such round."""
+    """The server of one federated run: the run directory, the server's setup, and the round loop's transports over
+    a Flower grid: one message per block of rounds, and one per round a strategy holds after the upload."""
 
     roll_call = True  # nodes come and go: every round's record names who uploaded
 
@@ -168,10 +162,9 @@ class ServerSession(Clients):
         return [(r, r + 1) for r in range(start, R)] if self.fed.upload == "per-round" else [(0, R)]
 
     def train(self, first: int, end: int, sent: dict) -> list[dict]:
-        """One message to the nodes still kept (its content, `sent` included, is the app's: `train_content`); each
-        reply checked for what only a reply can get wrong (who it is, its sample count and class histogram, its
-        training logs, an upload that cannot be decoded), its node dropped if it is missing or turned away (logged,
-        recorded). The uploads, in client order, wait for the loop's gate; returns their training logs."""
+        """One message to the nodes still kept; each reply checked for what only a reply can get wrong (who it is,
+        its sample count and class histogram, its training logs, an upload that cannot be decoded), its node dropped
+        if it is missing or turned away. The uploads, in client order, wait for the loop's gate; returns their logs."""
         nodes, self.arrived = self.nodes, {}
         replies = self.send(self.task(first, end), first == 0, nodes, self) if nodes else []  # none: the quorum stops
         by_node = {rep.node: rep for rep in reversed(replies) if rep.node in nodes}  # each node's first reply
@@ -254,8 +247,7 @@ class ServerSession(Clients):
 
     def round(self, name: str, strategy, rnd: int, message: dict) -> list[dict]:
         """One round a strategy holds after the upload: one message to the nodes that uploaded, in upload order
-        (`talk(task, strategy, round, message, nodes) -> list[Reply]`, the reply's tensors in `Reply.state`); each
-        of them must answer, since the strategy aggregates every client that uploaded."""
+        (the reply's tensors in `Reply.state`); each must answer, as the strategy aggregates every one."""
         got = {r.node: r for r in self.talk(self.task(self.cfg.rounds - 1, self.cfg.rounds), name, rnd, message,
                                             self.talking)}
         out = []
@@ -330,10 +322,9 @@ class ServerSession(Clients):
 
 
 def run_federation(cfg: Config, fed: FederationSettings, exchange, node_ids: list[int], log=print, talk=None) -> dict:
-    """The server's whole protocol over an engine: `exchange(task, include_init, nodes) -> list[Reply]`
-    sends one task to `nodes` and returns their replies within the timeout (Flower's grid in
-    `server_app.py`; a direct call in tests); `talk` carries the rounds a strategy holds with the clients after
-    their upload (`ServerSession.round`; None: an engine that cannot, which refuses such a strategy)."""
+    """The server's whole protocol over an engine: `exchange(task, include_init, nodes, session) -> list[Reply]`
+    sends one task to `nodes` and returns their replies within the timeout; `talk` carries the rounds a strategy
+    holds with the clients after their upload (None: an engine that cannot, which refuses such a strategy)."""
     if not 0 <= fed.min_clients <= cfg.num_clients:
         raise FlareError(f"min-clients={fed.min_clients} is not in 0..num_clients={cfg.num_clients}.",
                          key="min-clients", fix="set min-clients at most num_clients (0: every client).")

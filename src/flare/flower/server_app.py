@@ -1,12 +1,7 @@
 """FLARE's Flower ServerApp (`flare.flower.server_app:app`): the engine-free server (`flare.flower.server`) over
-Flower's grid.
-
-It builds the run's config from the app's run config (the keys: `flare.flower.server.FederationSettings`), waits for
-the nodes, and sends each a `train` message per block of rounds (`train_content`); every reply is decoded here, its
-upload passes the round loop's gate (`flare.loop.gate_uploads`) and every fusion rule is scored as in `flare run`.
-A strategy that holds rounds with the clients after their upload (FENS) sends each round as one `query` message to
-the nodes (`make_talk`). It writes the same run directory plus federation.json (who answered, who was missing or
-rejected, and why) and the global predictor (predictor.pt + predictor.json).
+Flower's grid. It builds the run's config from the app's run config (`FederationSettings`), waits for the nodes,
+and sends each a `train` message per block of rounds; every reply is decoded here. A strategy that holds rounds
+with the clients after their upload (FENS) sends each round as one `query` message to the nodes (`make_talk`).
 """
 from __future__ import annotations
 
@@ -29,9 +24,8 @@ def _log(msg: str) -> None:
 
 
 def decode_content(node: int, content: RecordDict) -> Reply:
-    """A reply's content → `Reply` (never raises: malformed content becomes a decode error the gate reports): a train
-    reply's meta, upload and extras; a query reply's tensors (`reply`, a strategy's round after the upload) in
-    `state`."""
+    """A reply's content → `Reply` (never raises: malformed content becomes a decode error the gate reports); a
+    query reply's tensors (`reply`) go in `state`."""
     rep = Reply(node)
     try:
         rep.meta = dict(content.config_records.get("meta") or {})
@@ -59,8 +53,7 @@ def make_talk(grid: Grid, timeout: float):
 
 def train_content(task, include_init: bool, session: ServerSession) -> RecordDict:
     """A train message's content: the task; in the first message what the server sends before training (`init`:
-    `ServerSetup.initial_message`: every architecture's init, the anchor seed, the public bank); in every message what
-    it sends before the block's first round (`sent`: `ServerSetup.train_message`). The node hands both to its client."""
+    `ServerSetup.initial_message`); in every message what it sends before the block (`sent`: `train_message`)."""
     content = RecordDict({"task": ConfigRecord(task.to_config())})
     if include_init:
         content["init"] = state_to_record(session.setup.initial_message())

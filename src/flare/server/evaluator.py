@@ -1,12 +1,10 @@
 """One batched test pass that scores every strategy's predictor (server/strategy.py): the K client models run once
-per batch (and once on IFFI's noise input when a predictor asks: server/fusion.py `client_outputs`), every
-`ClientPredictor` reads those tensors, and every `ModelPredictor` scores the same normalised batch with its own
-model. eval.bn: see server/fusion.py.
+per batch (server/fusion.py `client_outputs`), every `ClientPredictor` reads those tensors, and every
+`ModelPredictor` scores the same normalised batch with its own model.
 
-Every evaluation — `flare run`, `flare fuse`, the Flower server — goes through `evaluate_predictors`, so it is where
-a strategy's output is checked before anything is written from it: a predictor of one of the two kinds, whose
-scores are a finite batch × classes tensor. Anything else is a FlareError naming the strategy, its plugin module,
-the round and what was wrong — never a traceback after all the training, nor a NaN written as an accuracy.
+It is where a strategy's output is checked before anything is written from it: a predictor of one of the two kinds
+whose scores are a finite batch × classes tensor. Anything else is a FlareError naming the strategy, its plugin
+module, the round and what was wrong — never a traceback after all the training, nor a NaN written as an accuracy.
 """
 from __future__ import annotations
 
@@ -40,7 +38,6 @@ def refuse(name: str, round_idx: int | None, what: str, numeric: bool = False) -
 
 
 def check_predictor(name: str, p: object, round_idx: int | None = None) -> None:
-    """A strategy's `predictor()` returned one of the two predictor kinds."""
     if not isinstance(p, (ClientPredictor, ModelPredictor)):
         raise refuse(name, round_idx, f"predictor() returned {type(p).__name__}, which is not a ClientPredictor "
                                       "or ModelPredictor")
@@ -60,18 +57,13 @@ def evaluate_predictors(models: list[torch.nn.Module], predictors: dict[str, Pre
                         amp_dtype: torch.dtype | None = None, channels_last: bool = False, bn: str = "running",
                         shuffle_seed: int = 0, round_idx: int | None = None) -> dict:
     """`acc_<name>` of every predictor plus `client_acc`, each client model alone (its own head), and on CPU
-    `seconds_eval_parts`: the seconds of the shared passes (`clients`: the K models on the test set, which every
-    client rule and client_acc read; `noise`: IFFI's noise pass; `batch_bn`: eval.bn=batch's train-mode pass) and
-    each predictor's own (its scoring; a model predictor's model pass). Off CPU it is left out: a device's
-    kernels run asynchronously, and timing them would mean a host sync per batch.
+    `seconds_eval_parts`: the seconds of the shared passes (`clients`, `noise`, `batch_bn`: `client_outputs`) and
+    each predictor's own. Off CPU it is left out: timing a device's asynchronous kernels would sync every batch.
 
-    `normalize` maps a uint8 batch to the model's input. The IFFI noise ε ~ N(0, I) has the input's shape and is
-    drawn from its own seeded generator, the same for every round and method. `bn="batch"`: the predictors that
-    read features (`batch_bn`) get a train-mode pass, and the test order is the permutation seeded by
-    `shuffle_seed`. `round_idx` names the round in the error of a strategy whose output is refused."""
+    The IFFI noise is drawn from its own generator seeded with `noise_seed`, the same for every round and method.
+    `bn="batch"`: the test order is the permutation seeded by `shuffle_seed`. The predictors' kinds were checked by
+    the caller (`check_predictor`); `round_idx` names the round in the error of one whose output is refused."""
     device = test_x.device
-    for name, p in predictors.items():
-        check_predictor(name, p, round_idx)
     for m in models:
         m.eval()
     on_clients = [p for p in predictors.values() if isinstance(p, ClientPredictor)]

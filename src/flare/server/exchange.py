@@ -1,8 +1,7 @@
 """The rounds a server protocol holds with the clients after their one-shot upload (`ServerProtocol.extra_rounds`),
-one loop over every transport — Flower's configure / fit / aggregate, with the bytes each way counted and reported
-beside the accuracy (`<strategy>.rounds`, `.bytes_down`, `.bytes_up`). A transport carries a round's message to the
-clients and their replies back: `LocalClients` when their data is beside the server (`flare run`, `flare fuse`), the
-Flower server's nodes otherwise; either keeps each client's `memory` across the rounds, so both compute the same.
+one loop over every transport, with the bytes each way counted and reported beside the accuracy. A transport
+carries a round's message to the clients and their replies back: `LocalClients` when their data is beside the
+server, the Flower server's nodes otherwise; either keeps each client's `memory` across the rounds.
 """
 from __future__ import annotations
 

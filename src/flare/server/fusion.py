@@ -1,15 +1,10 @@
 """The K client models on one batch, the way every server reads them: `client_outputs` is the one forward pass
-the evaluator (server/evaluator.py), the saved global predictor (flower/predictor.py) and BN recalibration
-(baselines/bnrecal.py) run, so a rule scores the same tensors wherever it is applied. The rules themselves are
-server/rules.py; the aggregation weights they share are here.
+the evaluator, the saved global predictor and BN recalibration run, so a rule scores the same tensors wherever it
+is applied; and the aggregation weights the rules (server/rules.py) share.
 
-BatchNorm at evaluation (`eval.bn`). `running` evaluates every model in eval mode. `batch` reproduces the
-reference: its feature and IFFI servers held the clients in a plain Python list, so `model.eval()` never reached
-them and every encoder normalised each (shuffled, 256-image) test batch — and IFFI's noise batch — with that
-batch's own statistics. Under `batch` the test order is a seeded permutation (new every round), the feature rules
-read a second, train-mode pass, and the output/FedAvg rules and the per-client accuracies keep the eval-mode pass
-(the reference's output server and baselines ran in eval mode). Train-mode passes update BN buffers; they are
-saved before and restored after, so the clients' running statistics are never touched.
+`eval.bn=batch` (docs/method.md#batchnorm-at-evaluation) reproduces the reference, whose feature and IFFI servers
+held the clients in a plain Python list, so `model.eval()` never reached them: the feature rules read a second,
+train-mode pass, whose BN buffers are saved before and restored after.
 """
 from __future__ import annotations
 
@@ -42,10 +37,9 @@ def client_outputs(models: list[torch.nn.Module], x: Tensor, *, noise: torch.Gen
                    channels_last: bool = False, clock: dict | None = None) -> ClientOutputs:
     """Run the K models (eval mode) on the normalised batch `x`. `noise`: also draw the IFFI noise input
     ε ~ N(0, I) of x's shape from this generator and read the models' features of it. `batch_bn`: the buffer
-    snapshot (`snapshot_buffers`) of eval.bn=batch — the features (clean and noise) come from a train-mode pass,
-    the logits stay the eval-mode pass's. `amp`: the autocast context of the run (None: full precision).
-    `clock`: seconds of the clean pass ("clients"), the noise pass ("noise") and eval.bn=batch's train-mode pass
-    ("batch_bn") are added to it (host time: exact on CPU, where every kernel runs before its call returns)."""
+    snapshot of eval.bn=batch — the features (clean and noise) come from a train-mode pass, the logits stay the
+    eval-mode pass's. `amp`: the run's autocast context (None: full precision). `clock`: gets the host seconds of
+    the clean pass ("clients"), the noise pass ("noise") and the train-mode pass ("batch_bn")."""
     amp = amp if amp is not None else nullcontext()
     tick = Ticker(clock)
     with amp:
@@ -85,12 +79,9 @@ class Ticker:
 
 
 @contextmanager
-def batch_statistics(models: list[torch.nn.Module], saved: list[dict[str, Tensor]] | None = None):
+def batch_statistics(models: list[torch.nn.Module], saved: list[dict[str, Tensor]]):
     """Inside: the models in train mode (BN normalises with each batch's statistics). On exit: every buffer
-    (running statistics, num_batches_tracked) restored bit for bit, and eval mode — so the eval-mode passes of
-    the next batch see the clients' own running statistics. `saved`: a snapshot taken once for many batches
-    (the restore makes it the same every time), instead of cloning every buffer per batch."""
-    saved = saved if saved is not None else snapshot_buffers(models)
+    restored bit for bit from `saved` (`snapshot_buffers`, taken once for many batches), and eval mode."""
     try:
         for m in models:
             m.train()

@@ -1,20 +1,7 @@
-"""Global prototypes G (docs/method.md#global-prototypes): the plain mean of the clients' P, or Plan B's trainable G.
-
-Plan B — trainable global prototypes (FedTGP-inspired, notes part 2 "B"). The server reads only the uploaded
-prototypes P_i (C×d each). It initialises G from mean_i P_i (or from the anchors A with
-`server.protos_init=anchors`) and runs `server.server_epochs` epochs of
-Adam(lr=`server.server_lr`); in every epoch it visits the clients in upload order and takes one step on
-
-    loss_i(G) = CE(P_i Gᵀ, [0..C−1]) + γ_etf · MSE(G, A)        (the MSE term only when anchors exist)
-
-i.e. row c of P_i must score its own class c highest against the global prototypes, while G is held
-near the ETF. `server.protos_flow=reference` (the fork's OneshotOursV9) instead starts G at the anchors once and
-continues from the previous round's G every round (`init`, a fresh Adam each round), sends G to the clients as their
-alignment target and predicts with the mean prototypes. `ServerPrototypes`, a server protocol, is that flow across
-rounds. The procedure is deterministic (fixed client order, deterministic Adam): it draws nothing.
-
-Logged: `server_loss_first` / `server_loss_last` — the mean over clients of loss_i at the initial and at
-the trained G (the same function evaluated at both ends, so the two numbers are comparable).
+"""Global prototypes G (docs/method.md#global-prototypes, where the arithmetic is written out): the plain mean of the
+clients' P, or Plan B's G, trained by Adam on loss_i(G) = CE(P_i Gᵀ, [0..C−1]) + γ_etf · MSE(G, A), one step per
+client in upload order. `ServerPrototypes`, a server protocol, is the flow across rounds. The procedure is
+deterministic (fixed client order, deterministic Adam): it draws nothing.
 """
 from __future__ import annotations
 

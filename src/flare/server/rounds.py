@@ -1,7 +1,6 @@
 """The server's evaluation checkpoint (docs/method.md#server-rules, #metrics), engine-free: which strategies a round
-scores, the global prototypes, every strategy's predictor scored in one test pass, and the round's diagnostics. The
-round loop (flare/loop.py), which the in-process runner, the Flower server and `flare fuse` all run, calls these
-through `setup.ServerSetup.evaluate`, so a round is evaluated one way.
+scores, the global prototypes, every strategy's predictor scored in one test pass, and the round's diagnostics. Every
+engine's round loop (flare/loop.py) calls these through `setup.ServerSetup.evaluate`.
 """
 from __future__ import annotations
 
@@ -22,9 +21,7 @@ from flare.server.evaluator import check_predictor, evaluate_predictors
 from flare.server.exchange import Transport, hold_rounds
 from flare.server.extras import own_extras
 from flare.server.fusion import aggregation_weights
-from flare.server.protos import ServerPrototypes
-from flare.server.strategy import (ClientPredictor, ModelPredictor, ServerContext, ServerProtocol, Strategy,
-                                   make_strategies)
+from flare.server.strategy import ClientPredictor, ModelPredictor, ServerContext, ServerProtocol, Strategy
 from flare.server.upload import Upload
 
 
@@ -41,9 +38,8 @@ def head_primary(head: str) -> str:
 
 def rules_for(cfg: Config, r: int | None = None) -> tuple[str, ...]:
     """The server strategies an evaluation scores (registered order): every default one that applies to the head
-    and, when the clients run different architectures, fuses them (the built-in rules), or the subset `eval.rules`
-    names, and always the primary; with a round index `r`, those that run only at the last round
-    (`every_round=False`) are left out of the other rounds."""
+    (and fuses mixed architectures, when the clients run them), or those `eval.rules` names, and always the primary;
+    with a round index `r`, those with `every_round=False` are left out of all but the last round."""
     mixed = cfg.mixed_architectures
 
     def applies(n: str) -> bool:  # a named strategy that cannot fuse mixed clients was refused by the config
@@ -60,9 +56,8 @@ def rules_for(cfg: Config, r: int | None = None) -> tuple[str, ...]:
 
 @dataclass
 class Evaluation:
-    """One evaluation checkpoint: its metrics record, and what the server built (for the saved predictor). `kept`:
-    what the server keeps for the next round (its protocols' `fold`; None: unchanged). `predictors`: what each
-    strategy built (a model-owning primary is what a Flower run saves as its predictor)."""
+    """One evaluation checkpoint: its metrics record and what the server built. `kept`: what the server keeps for
+    the next round (None: unchanged)."""
 
     record: dict
     weights: Tensor
@@ -73,9 +68,8 @@ class Evaluation:
 
 def accuracy_on_test(model: torch.nn.Module, test_x: Tensor, test_y: Tensor, norm, *, batch_size: int,
                   amp_dtype=None, channels_last: bool = False) -> float:
-    """One model's test accuracy with the batches, precision and layout a round's `ModelPredictor` is scored with
-    (`evaluate_predictors`), so a strategy's intermediate score is comparable with its final one; without the
-    client models' pass that evaluation also makes. The model is left in the mode it came in."""
+    """One model's test accuracy scored as a round's `ModelPredictor` is (batches, precision, layout), so that a
+    strategy's intermediate score is comparable with its final one. The model is left in the mode it came in."""
     was_training = model.training
     model.eval()
     amp = torch.autocast(device_type=test_x.device.type, dtype=amp_dtype) if amp_dtype is not None else nullcontext()
@@ -94,9 +88,8 @@ def accuracy_on_test(model: torch.nn.Module, test_x: Tensor, test_y: Tensor, nor
 
 
 def rule_costs(parts: dict, preds: dict) -> dict:
-    """Seconds each rule's evaluation would take alone: its own part (building its predictor and scoring), and the
-    shared passes it reads (the client models' pass for every client rule; the noise pass and eval.bn=batch's
-    train-mode pass for the rules that read them). `parts`: `seconds_eval_parts`, the additive split."""
+    """Seconds each rule's evaluation would take alone: its own part of `parts` (`seconds_eval_parts`, the additive
+    split) and the shared passes it reads."""
     out = {}
     for n, p in preds.items():
         s = parts.get(n, 0.0)
@@ -110,34 +103,28 @@ def rule_costs(parts: dict, preds: dict) -> dict:
 
 def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[torch.nn.Module],
                      anchors: Tensor | None, test_x: Tensor | None, test_y: Tensor | None, norm, *,
-                     amp_dtype=None, channels_last: bool = False, protocols: Sequence[ServerProtocol] | None = None,
-                     kept: dict[str, Tensor] | None = None, strategy_state: dict | None = None,
-                     public_x: Tensor | None = None, rules: tuple[str, ...] | None = None, strategies: Mapping[str, Strategy] | None = None,
-                     clients: Transport | None = None, scratch: Path | None = None) -> Evaluation:
-    """One evaluation checkpoint (docs/method.md#server-rules) from the uploads alone: the protocols' fold (the
-    global prototypes), every strategy's predictor scored in one test pass (none without `test_x`: a server without a
-    test set), diagnostics. `models[i]` holds `uploads[i].state`. `protocols`: the run's (`ServerSetup.protocols`; the
-    global prototypes alone for a caller that keeps none); `kept`: what they keep from the last round. `strategies` and
-    `strategy_state`: the run's instances and each one's state across rounds (built here for a caller that keeps
-    none). `rules`: the strategies to score, else the round's own (`rules_for`). `clients`: the transport to the
-    uploads' owners for the rounds a strategy holds after the upload (None: unreachable). `scratch`: a folder whose
-    subfolder `<name>` is each strategy's `ServerContext.scratch`."""
+                     protocols: Sequence[ServerProtocol], kept: dict[str, Tensor], strategies: Mapping[str, Strategy],
+                     strategy_state: dict, amp_dtype=None, channels_last: bool = False, public_x: Tensor | None = None,
+                     rules: tuple[str, ...] | None = None, clients: Transport | None = None,
+                     scratch: Path | None = None) -> Evaluation:
+    """One evaluation checkpoint from the uploads alone (`models[i]` holds `uploads[i].state`): the protocols' fold,
+    every strategy's predictor scored in one test pass (none without `test_x`), diagnostics. `rules`: else the
+    round's own. `clients`: the transport for the rounds a strategy holds after the upload (None: unreachable)."""
     t0 = time.perf_counter()
     weights = aggregation_weights([u.num_samples for u in uploads], cfg.server.weights)
     protos = [u.prototypes for u in uploads if u.prototypes is not None]
     prim = primary_rule(cfg)
     rec: dict = {"kind": "round", "round": r, "method": cfg.method, "primary": prim}
     read, kept_next = {}, None
-    for protocol in protocols if protocols is not None else (ServerPrototypes(cfg.server),):
-        state, keeps, logs = protocol.fold(r, uploads, anchors, kept or {})
+    for protocol in protocols:
+        state, keeps, logs = protocol.fold(r, uploads, anchors, kept)
         read = read | state
         if keeps is not None:  # what it keeps replaces its own keys; the other protocols' stay
-            kept_next = (kept_next if kept_next is not None else dict(kept or {})) | keeps
+            kept_next = (kept_next if kept_next is not None else dict(kept)) | keeps
         rec.update(logs)
     G = read.get("G")
     t_agg = time.perf_counter() - t0
     t1 = time.perf_counter()
-    states = strategy_state if strategy_state is not None else {}
     for m in models:  # as ServerContext promises (the runner's live client models come in train mode)
         m.eval()
     shape = tuple(int(s) for s in test_x.shape[1:]) if test_x is not None else None
@@ -147,12 +134,10 @@ def evaluate_uploads(cfg: Config, r: int, uploads: list[Upload], models: list[to
         names = tuple(n for n in names if n == prim)
     score = None if test_x is None else (lambda model: accuracy_on_test(
         model, test_x, test_y, norm, batch_size=cfg.test_batch_size, amp_dtype=amp_dtype, channels_last=channels_last))
-    if strategies is None:
-        strategies = make_strategies(cfg, names)
     preds, built = {}, {}
     for n in names:
         t = time.perf_counter()
-        ctx = ServerContext(r, uploads, models, weights, G, anchors, states.setdefault(n, {}),
+        ctx = ServerContext(r, uploads, models, weights, G, anchors, strategy_state.setdefault(n, {}),
                             own_extras(uploads, n, strategies[n]), public_x, norm, shape, score, scratch and scratch / n)
         talk = hold_rounds(n, strategies[n], ctx, clients)
         preds[n] = strategies[n].predictor(ctx)

@@ -1,11 +1,9 @@
 """The built-in server rules (docs/method.md#server-rules), each a strategy registered exactly as a plugin's is
 (docs/extending.md), with its arithmetic beside it: adding a rule is one class in this file.
 
-Four rules score the K client models' outputs on a batch (`ClientRule`: feature, iffi, iffi_reference, output);
-their scores depend on the aggregation weights, the global prototypes G and the output rule's ensemble only, so the
-saved global predictor (flower/predictor.py) and BN recalibration (baselines/bnrecal.py) rebuild them from those tensors
-through `RulePredictor`. FedAvg builds one model (`ModelPredictor`). The registration order here is the order of
-the accuracy columns in every table (rundir.acc_keys).
+Four rules score the K client models' outputs (`ClientRule`); they depend on the aggregation weights, G and the
+output rule's ensemble only, so the saved predictor and BN recalibration rebuild them from those tensors
+(`RulePredictor`). FedAvg builds one model. The registration order is that of every table's accuracy columns.
 """
 from __future__ import annotations
 
@@ -76,8 +74,8 @@ def fedavg_model(models: list[nn.Module], weights: Tensor, buffers: str = "avera
 
 
 class ClientRule(Strategy):
-    """A built-in rule over the client outputs: `scores` is its arithmetic. `needs_noise`: it reads the features
-    of the IFFI noise input; `batch_bn`: eval.bn=batch gives it the train-mode (batch-statistics) features."""
+    """A built-in rule over the client outputs: `scores` is its arithmetic (`needs_noise`, `batch_bn`: as
+    `ClientPredictor`'s)."""
 
     default = True
     needs_noise = False
@@ -94,8 +92,7 @@ class ClientRule(Strategy):
 
 
 class RulePredictor(ClientPredictor):
-    """A `ClientRule` applied with fixed weights, G and ensemble mode — built in an evaluation, by the saved global
-    predictor from its tensors, or by BN recalibration over its recalibrated models."""
+    """A `ClientRule` applied with fixed weights, G and ensemble mode."""
 
     def __init__(self, rule: type[ClientRule], weights: Tensor, G: Tensor | None, ensemble: str = "softmax"):
         self.rule, self.weights, self.G, self.ensemble = rule, weights, G, ensemble

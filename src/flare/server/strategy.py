@@ -4,11 +4,8 @@ state to a *predictor*, an object that scores test batches — FLARE is one-shot
 not the next round's parameters). Two kinds of predictor keep ONE test pass for every strategy (server/evaluator.py):
 `ClientPredictor` reads the K client models' outputs on the batch, computed once for all — the ensemble-style rules;
 `ModelPredictor` owns a model built from the uploads (FedAvg, OTFusion, FedLPA, FedDF …) and scores the batch itself.
-
-A strategy is registered in `flare.registry.STRATEGIES` (a plugin's the same way; the built-in rules in
-server/rules.py), chosen by `server.primary` and `eval.rules`, built once per run by `STRATEGIES.create(name,
-StrategyFacts, options)` from the run facts a server method reads (never the Config), its options validated from
-`server.strategies.<name>`.
+A strategy is registered in `flare.registry.STRATEGIES` and built once per run from `StrategyFacts` (never the
+Config) and its options, `server.strategies.<name>`.
 """
 from __future__ import annotations
 
@@ -29,9 +26,8 @@ from flare.server.upload import Upload
 
 @dataclass(frozen=True)
 class StrategyFacts:
-    """What a strategy is built from besides its options: the run facts a server method reads — the seed of its
-    private streams, the head, `server.primary` (the key its errors name), `server.strategies` (another rule's
-    options: `Strategy.options_of`) and what a server building its own model needs."""
+    """The run facts a strategy is built from besides its options; `strategies`: every rule's options
+    (`Strategy.options_of`)."""
     seed: int
     head: str
     objective: str
@@ -53,21 +49,18 @@ def strategy_facts(cfg: Config) -> StrategyFacts:
 
 
 class StrategyClass(Protocol):
-    """What `STRATEGIES` holds: a `Strategy` subclass (below), built once per run by `STRATEGIES.create` and asked
-    for a predictor per evaluation."""
+    """What `STRATEGIES` holds: a `Strategy` subclass (below)."""
     def __call__(self, facts: StrategyFacts, options: BaseModel | None) -> Strategy: ...
 
 
 @dataclass
 class ServerContext:
     """What a strategy sees at one evaluation: the uploads, the models holding their states (eval mode, on the
-    evaluation device), the aggregation weights (`server.weights`), the global prototypes G and the anchors of this
-    round, and `state`, the strategy's own dict kept across the rounds of one process (not in checkpoints).
-    `extras[i]`: the statistics this strategy asked client i for (`Strategy.client_extras`), without the prefix.
-    `public_x`: the server's unlabeled public slice (uint8 images, `dataset.public_size`; None without one) and
-    `normalize`, the run's uint8 → model-input map — for servers that distil or recalibrate on data. `score`: the
-    test accuracy of an intermediate model, for the record only. `scratch`: a folder of this strategy's own where a
-    build of hours may keep its progress, so that an interrupted one resumes (`flare fuse` gives one; None: none)."""
+    evaluation device), the aggregation weights, G and the anchors, and `state`, the strategy's own dict across the
+    rounds of one process (not in checkpoints). `extras[i]`: the statistics it asked client i for, unprefixed.
+    `public_x`: the server's unlabeled public slice (uint8; None without one). `score`: the test accuracy of a model
+    it is still building, for the record only — a strategy must never choose with it (None without a test set).
+    `scratch`: its own folder where a build of hours keeps its progress to resume (`flare fuse` gives one)."""
 
     round: int
     uploads: list[Upload]
@@ -80,8 +73,6 @@ class ServerContext:
     public_x: Tensor | None = None
     normalize: Callable[[Tensor], Tensor] | None = None
     input_shape: tuple[int, int, int] | None = None  # C×H×W of one input image (synthetic-data servers)
-    # the test accuracy of a model the strategy is still building, for a record of how it progressed (a curve of
-    # accuracy against the server's budget); a strategy must never choose with it. None without a test set.
     score: Callable[[nn.Module], float] | None = None
     scratch: Path | None = None
 
@@ -92,17 +83,16 @@ class ServerContext:
 
 @dataclass
 class InitContext:
-    """What the server holds before any client trains, for `Strategy.initialize`: each client architecture's init
-    by its key (`setup.init_keys`; on the server's device), the public bank (or None) and the anchors' seed."""
+    """For `Strategy.initialize`: each client architecture's init by its key (`setup.init_keys`), the public bank
+    (or None) and the anchors' seed."""
     inits: dict[str, nn.Module]
     bank: Tensor | None
     anchor_seed: int
 
 
 class ClientPredictor:
-    """Scores a batch from the client models' outputs. `needs_noise`: the evaluator also computes the noise
-    features; `batch_bn`: eval.bn=batch gives this predictor the train-mode (batch-statistics) features. `logs`
-    (either predictor kind): numbers about how it was built, written into the round record as `<strategy>.<key>`."""
+    """Scores a batch from the client models' outputs (`needs_noise`: and the noise input's; `batch_bn`: the
+    train-mode features under eval.bn=batch). `logs` (either kind): written into the round record."""
 
     needs_noise = False
     batch_bn = False
@@ -131,12 +121,9 @@ Predictor = ClientPredictor | ModelPredictor
 
 
 class ServerProtocol:
-    """The sending role: what every client receives once (`initialize`, Flower's initialize_parameters) and with each
-    round (`configure_train`); what the server keeps across rounds and checkpoints (`initial_state`) and folds the
-    uploads into (`fold`); the rounds it holds with the clients after their upload (`extra_rounds` → `configure_round`
-    → each client's `client_round` → `aggregate_round`, held by server/exchange.py before the predictor is built).
-    A run's server composes its protocols, the global prototypes and the primary strategy, merging by key
-    (`setup.ServerSetup.protocols`). Every default sends and keeps nothing."""
+    """The sending role: what every client receives, what the server keeps across rounds and folds the uploads into,
+    the rounds it holds with the clients after their upload (server/exchange.py). Every default sends and keeps
+    nothing."""
 
     def initial_state(self, anchors: Tensor | None) -> dict[str, Tensor]:
         """What the server keeps before round 0."""
@@ -165,7 +152,7 @@ class ServerProtocol:
 
     def client_round(self, rnd: int, received: dict[str, Tensor], data, memory: dict) -> dict[str, Tensor]:
         """One client's reply, computed where its data lives (`data`: a server.extras.ClientData); `memory`: that
-        client's dict of tensors across these rounds (a Flower node keeps it in its state)."""
+        client's dict of tensors across these rounds."""
         return {}
 
     def aggregate_round(self, rnd: int, replies: list[dict[str, Tensor]], ctx: ServerContext) -> None:
@@ -174,20 +161,16 @@ class ServerProtocol:
 
 class Scorer:
     """The scoring role: from the uploads and the server's state (`ServerContext`) to a predictor. A scorer that
-    needs client statistics beyond the weights overrides `extras_shapes` and `client_extras` (server/extras.py): the
-    clients compute them after training, the gate checks them against the declaration, `predictor` reads them from
-    `ctx.extras`; scorers that read the same statistics name them once (`shares_extras`), and a run uploads them once."""
+    needs client statistics beyond the weights overrides `extras_shapes` and `client_extras` (server/extras.py)."""
 
     needs_prototypes = False     # it reads prototypes: prototype heads only
     every_round = True           # False: an expensive method runs at the last round only
     default = False              # scored when `eval.rules` is unset (the built-in rules; a plugin's only when named)
     mixed_architectures = False  # it fuses clients of different architectures (docs/heterogeneous.md)
     one_architecture_why = ""    # why not, for the refusal (empty: it does not declare that it does)
-    # the heads (`Objective.head`) whose runs take it as "the" accuracy under server.primary=auto; "*": every head no
-    # strategy claims by name — so core code names no strategy
+    # the heads whose runs take it as "the" accuracy under server.primary=auto ("*": every head no other claims)
     primary_for: tuple[str, ...] = ()
-    # the kinds of data its server can read (a dataset's `DatasetInfo.kind`): a server that synthesises images
-    # cannot run over a frozen encoder's features, and one that reads those features has no images to read
+    # the kinds of data its server can read (`DatasetInfo.kind`): one that synthesises images cannot run on features
     inputs: tuple[str, ...] = ("images", "features")
     shares_extras = ""  # the name of statistics other strategies read too ("": its own)
 
@@ -196,8 +179,7 @@ class Scorer:
 
     @classmethod
     def options_in(cls, cfg: Config) -> BaseModel | None:
-        """Its options as `cfg` sets them (`server.strategies.<name>`, defaults filled in): read by code applying its
-        arithmetic unbuilt (a saved predictor), which names no rule, and by checks of the config."""
+        """Its options as `cfg` sets them, for code applying its arithmetic unbuilt (a saved predictor)."""
         return cls.options_from(cfg.server.strategies)
 
     @classmethod
@@ -217,22 +199,18 @@ class Scorer:
 
     def check_data(self, histogram, data) -> None:
         """Raise a FlareError when the drawn partition (`histogram`: K×C class counts) or the dataset (`data`, an
-        ImageData) leaves this strategy nothing to build from: called after the split and before the first client
-        trains, so options whose validity depends on the data (more mixture components than any class holds, a
-        Gram matrix of fewer samples than features) are refused while nothing is written."""
+        ImageData) leaves this strategy nothing to build from: called after the split, before any client trains."""
 
     def predictor(self, ctx: ServerContext) -> Predictor:
         raise NotImplementedError
 
     def extras_shapes(self, template: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """name → (shape, dtype) of each statistic a client uploads for this strategy (none by default), from the
-        run's model `template`."""
+        """name → (shape, dtype) of each statistic a client uploads for this strategy, from the run's model."""
         return {}
 
     def client_extras(self, data) -> dict[str, Tensor]:
         """The statistics of one client (`data`: a server.extras.ClientData), computed where its data lives."""
         return {}
-
 
 
 class Strategy(Scorer, ServerProtocol):
@@ -258,6 +236,5 @@ def make_strategy(cfg: Config, name: str, key: str = "server.primary") -> Strate
 
 
 def make_strategies(cfg: Config, names, key: str = "eval.rules") -> dict[str, Strategy]:
-    """name → strategy, each built once per run (`setup.ServerSetup.build`) and handed to every round, client and
-    gate; what a strategy keeps across rounds belongs in `ServerContext.state`."""
+    """name → strategy, each built once per run (`setup.ServerSetup.build`)."""
     return {n: make_strategy(cfg, n, key) for n in dict.fromkeys(names)}

@@ -1,9 +1,6 @@
 """What a client sends the server, once: its model weights, its prototypes, its sample count, and the statistics
-the run's server strategies asked for (`extras`, server/extras.py).
-
-`validate_upload` is the server's gate, run by the round loop on every upload whatever the engine (flare/loop.py,
-`gate_uploads`): missing or extra tensors, wrong shapes or dtypes, non-finite values, a prototype matrix of another
-class count or an impossible sample count turn an upload away, with the reasons, before aggregation.
+the run's server strategies asked for (`extras`, server/extras.py); and `validate_upload`, the server's gate, which
+the round loop runs on every upload whatever the engine (flare/loop.py, `gate_uploads`).
 """
 from __future__ import annotations
 
@@ -28,9 +25,8 @@ class Upload:
 
 def upload_of(client: int, model: torch.nn.Module, num_samples: int, extras: dict[str, Tensor] | None = None,
               state: dict[str, Tensor] | None = None) -> Upload:
-    """The one way an `Upload` is made — by a client after training, by `flare fuse` from saved states, by a Flower
-    server from a reply — so that every engine hands the server the same thing. `model` holds the weights, or,
-    with `state` (weights as they arrived, not yet checked by the gate), only tells where the prototypes are."""
+    """The one way an `Upload` is made, so that every engine hands the server the same thing. `model` holds the
+    weights, or, with `state` (weights as they arrived, unchecked), only tells where the prototypes are."""
     protos = getattr(model, "prototypes", None)
     if state is None:
         state, P = model.state_dict(), (protos.detach() if protos is not None else None)
@@ -41,9 +37,8 @@ def upload_of(client: int, model: torch.nn.Module, num_samples: int, extras: dic
 
 
 def save_uploads(out, r: int, uploads: list[Upload], server_state: dict) -> None:
-    """The uploads the server scored at round r as a record of their own in the run directory `out` (uploads.pt,
-    replaced at each evaluated round), with the state the server scored them with: what `flare fuse` reads, so it
-    scores exactly what the server received, extras included."""
+    """The uploads the server scored at round r, and the state it scored them with, as uploads.pt in the run
+    directory `out` (replaced at each evaluated round): `flare fuse` scores exactly what the server received."""
     out.save_torch(UPLOADS, {"round": r, "server": server_state, "uploads": [dict(vars(u)) for u in uploads]})
 
 
@@ -71,8 +66,7 @@ class UploadSpec:
 
 def check_tensors(what: str, got, shapes: Shapes, *, max_listed: int = 5) -> list[str]:
     """Every reason `got` is not exactly the tensors `shapes` describes: missing or unexpected names, a wrong shape
-    or dtype, non-finite floating values, negative integer counters. The gate checks an upload's state and its
-    extras with it."""
+    or dtype, non-finite floating values, negative integer counters."""
     reasons: list[str] = []
     if not isinstance(got, dict):
         return [f"{what} is a {type(got).__name__}, not a mapping of tensors"]
@@ -103,10 +97,9 @@ def check_tensors(what: str, got, shapes: Shapes, *, max_listed: int = 5) -> lis
 
 
 def validate_upload(upload: Upload, spec: UploadSpec) -> list[str]:
-    """Every reason to reject `upload` (an empty list: accept). Checks the sample count (the client id is the loop's,
-    `why_rejected`), that the state dict holds exactly the template's tensors with the template's shapes and dtypes,
-    that every floating tensor is finite and every integer buffer non-negative, and that the prototypes are a finite
-    C×d matrix of the run's class count C (present exactly when the head has prototypes)."""
+    """Every reason to reject `upload` (an empty list: accept): its sample count (the client id is the loop's,
+    `why_rejected`), its state and extras (`check_tensors`), and its prototypes, a finite C×d matrix of the run's
+    class count C, present exactly when the head has prototypes."""
     reasons: list[str] = []
     n = upload.num_samples
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
