@@ -30,17 +30,12 @@ from flare.schedules import progress  # noqa: E402
 COMPARE_DIAG = ("g_protos_std", "inter_client_proto_std")
 
 
-def v7_lambda0() -> float:
-    """V7's λ0 (its preset's): the hand-made schedule λ0·a(p) that learned-λ plots are drawn beside."""
-    return float(preset_mapping("etf-anneal")["align"]["lambda0"])
-
-
-def v7_weight() -> Callable[[float], float]:
-    """V7's λ as a function of the progress p: λ0·a(p) with its preset's λ0 and schedule a, through the same
-    `flare.schedules` its runs train with."""
+def v7_weight() -> tuple[float, Callable[[float], float]]:
+    """V7's λ0 and its λ as a function of the progress p, λ0·a(p) with its preset's λ0 and schedule a (through the
+    same `flare.schedules` its runs train with): the hand-made schedule that learned-λ plots are drawn beside."""
     align = preset_mapping("etf-anneal")["align"]
     lam0, a = float(align["lambda0"]), SCHEDULES.create(align["schedule"], NoFacts())
-    return lambda p: lam0 * a(p)
+    return lam0, lambda p: lam0 * a(p)
 
 
 def integer_rounds(*axes) -> None:
@@ -171,9 +166,9 @@ def plot_lambda(run: RunData, path: Path) -> None:
             ax.plot([r for r, _ in pts], [v for _, v in pts], marker="o", ms=2, color=f"C{i % 10}", label=label)
         shared_any |= len(distinct) == 1 and len(ids) > 1
         if k == "lambda_eff" and run.learner != "none":
-            R, w = int(run.cfg["rounds"]), v7_weight()  # λ at the start of each round
+            R, (lam0, w) = int(run.cfg["rounds"]), v7_weight()  # λ at the start of each round
             ax.plot(np.arange(1, R + 1), [w(progress(r, R)) for r in range(R)], "k--",
-                    label=f"V7: λ0(1−p), λ0={v7_lambda0():g}")
+                    label=f"V7: λ0(1−p), λ0={lam0:g}")
         _log_if_decades(ax, [v for pts in distinct for _, v in pts])
         _dress(ax, k, f"{k} per client")
         _legend_outside(ax, fontsize=7)
@@ -240,7 +235,7 @@ def plot_compare_diagnostics(rows: list[Row], path: Path, title: str = "") -> bo
 
 def v7_schedule(cfg: dict, n_rounds: int) -> np.ndarray:
     """V7's hand-made λ0(1 − p), averaged over each round's epochs as the trainer logs it."""
-    R, E, w = int(cfg.get("rounds", n_rounds)), int(cfg.get("local_epochs", 1)), v7_weight()
+    R, E, (_, w) = int(cfg.get("rounds", n_rounds)), int(cfg.get("local_epochs", 1)), v7_weight()
     return np.array([np.mean([w(progress(e, R * E)) for e in range(r * E, (r + 1) * E)]) for r in range(n_rounds)])
 
 
@@ -271,7 +266,7 @@ def plot_lambda_eff(rows: list[Row], path: Path, title: str, v7_rows: list[Row] 
         n = rows[0].client_mean_curves("lambda_eff").shape[1]
         y = v7_schedule(rows[0].runs[0].cfg, n)
         ax.plot(rounds_axis(rows[0], n), y, "--", color=method_colour("etf-anneal"), lw=1.5,
-                label=f"V7 schedule λ0(1−p), λ0={fmt_value(v7_lambda0())}")
+                label=f"V7 schedule λ0(1−p), λ0={fmt_value(v7_weight()[0])}")
         allv += list(y)
     _log_if_decades(ax, allv)
     _dress(ax, "λ_eff (alignment weight)", wrap_title(title), which="both")
