@@ -13,8 +13,8 @@ import math
 import numpy as np
 
 from flare.report.runs import Row
-from flare.report.tables import fmt_ms, md_table, paired_cells
-from flare.stats import holm, paired
+from flare.report.tables import PAIRED_HEAD, fmt_ms, md_table, paired_cells
+from flare.stats import paired
 
 
 def fused_values(row: Row, strategy: str) -> dict:
@@ -60,9 +60,6 @@ def fused_vs_table(rows: list[Row], strategies: list[str], base_row: str, base_s
     cells = [(s, row) for s in strategies for row in rows if not (s == base_strategy and row is base)
              and fused_values(row, s)]
     tests = [paired(fused_values(row, s), ref) for s, row in cells]
-    adjusted = holm([t.p for t in tests])
-    body = [[s, row.label, t.n, f"{100 * t.mean:+.2f}", *paired_cells(t, pa)]
-            for (s, row), t, pa in zip(cells, tests, adjusted)]
-    head = ["strategy", "clients", "paired seeds", f"Δ vs {base_strategy} on {base_row} (points)", "95 % CI",
-            "p (paired t)", "p (Holm)", "difference"]
+    body = [[s, row.label, t.n, f"{100 * t.mean:+.2f}", *c] for (s, row), t, c in zip(cells, tests, paired_cells(tests))]
+    head = ["strategy", "clients", "paired seeds", f"Δ vs {base_strategy} on {base_row} (points)", *PAIRED_HEAD]
     return md_table(head, body)

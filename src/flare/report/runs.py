@@ -197,7 +197,6 @@ class Section:
     title: str
     slug: str
     setting: dict
-    runs: list[RunData]
     rows: list[Row]
 
 
@@ -212,7 +211,7 @@ def sections(runs: list[RunData]) -> list[Section]:
         title = describe_setting(rs[0])
         sl = slug("_".join(f"{short_key(k)}={fmt_value(v)}" for k, v in setting.items()) or "all")
         nonsetting = [k for k in varying_keys(rs) if not is_setting(k)]
-        out.append(Section(title, sl, setting, rs, make_rows(rs, None if nonsetting else [])))
+        out.append(Section(title, sl, setting, make_rows(rs, None if nonsetting else [])))
     seen: Counter = Counter()  # unique slugs: the second `x` is `x-1`
     for s in out:
         seen[s.slug] += 1
