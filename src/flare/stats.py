@@ -57,19 +57,13 @@ def paired(method: dict, baseline: dict, confidence: float = 1 - ALPHA) -> Paire
     """Pair two {seed: value} mappings on their common seeds (non-finite values dropped) and test the mean
     difference against 0."""
     seeds = sorted(s for s in set(method) & set(baseline) if math.isfinite(method[s]) and math.isfinite(baseline[s]))
-    d = np.array([method[s] - baseline[s] for s in seeds], dtype=float)
-    n = len(d)
-    if n == 0:
-        return Paired(0, math.nan, math.nan, math.nan, math.nan)
-    mean = float(d.mean())
-    if n == 1:
-        return Paired(1, mean, math.nan, math.nan, math.nan)
-    sd = float(d.std(ddof=1))
+    mean, sd, half, n = mean_ci([method[s] - baseline[s] for s in seeds], confidence)
+    if n < 2:
+        return Paired(n, mean, math.nan, math.nan, math.nan)
     if sd == 0.0:  # every seed moved by exactly the same amount: no spread to test against (scipy gives nan)
         return Paired(n, mean, mean, mean, 1.0 if mean == 0 else 0.0)
     from scipy import stats  # lazy: as in t_half_width
 
-    half = t_half_width(sd, n, confidence)
     p = float(stats.ttest_rel([method[s] for s in seeds], [baseline[s] for s in seeds]).pvalue)
     return Paired(n, mean, mean - half, mean + half, p)
 
