@@ -251,13 +251,6 @@ def expand(spec: SweepSpec, base: dict, overrides: dict | None = None) -> list[P
 # the command
 
 
-def manifest(spec: SweepSpec, points: list[Point], results: dict[str, dict], overrides: list[str] | None = None) -> dict:
-    return {"name": spec.name, "description": spec.description, "overrides": list(overrides or []),
-            "points": [{"name": p.name, "dir": str(p.dir), "values": p.values,
-                        "status": results.get(p.name, {}).get("status") or point_status(p),
-                        "error": results.get(p.name, {}).get("error")} for p in points]}
-
-
 def run_sweep(path: str | Path, out: str | Path | None = None, *, overrides: list[str] | None = None,
               workers: int = 1, address: str | None = None, cpus_per_point: float | None = None,
               gpus_per_point: float | None = None, quiet: bool = False, dry_run: bool = False,
@@ -283,10 +276,12 @@ def run_sweep(path: str | Path, out: str | Path | None = None, *, overrides: lis
     results = execute_points(points, workers=workers, address=address, cpus_per_point=cpp, gpus_per_point=gpp,
                              quiet=quiet, desc=f"sweep {spec.name}")
     speed = {**throughput(results, time.perf_counter() - t0), "workers": workers}
-    man = {**manifest(spec, points, results, overrides), "throughput": speed}
+    status = {p.name: results.get(p.name, {}).get("status") or point_status(p) for p in points}
+    man = {"name": spec.name, "description": spec.description, "overrides": list(overrides or []),
+           "points": [{"name": p.name, "dir": str(p.dir), "values": p.values, "status": status[p.name],
+                       "error": results.get(p.name, {}).get("error")} for p in points], "throughput": speed}
     atomic_write_text(out / "sweep.json", json.dumps(man, indent=1, default=str))
-    table = points_table([(p.name, p.dir, results.get(p.name, {}).get("status") or point_status(p),
-                           results.get(p.name, {}).get("seconds")) for p in points])
+    table = points_table([(p.name, p.dir, status[p.name], results.get(p.name, {}).get("seconds")) for p in points])
     line = f"{format_throughput(speed)} ({workers} worker{'s' if workers > 1 else ''})"
     atomic_write_text(out / "sweep.md", f"# Sweep {spec.name}\n\n{spec.description}\n\n{table}\n\n{line}\n")
     if not quiet:
