@@ -25,9 +25,6 @@ from flare.registry import (ANCHORS, CLIENT_ENGINES, CONTRAST, DATASETS, LAM_PRO
                             PARTITIONS, PROGRESS, REFERENCE_PARTITIONS, SCHEDULES, STRATEGIES, SURGERY, Registry, Seed,
                             load_plugins)
 
-__all__ = ["KeyedValueError", "DatasetCfg", "PartitionCfg", "ModelCfg", "OptimCfg", "LRScheduleCfg", "AugmentCfg",
-           "LossCfg", "AlignCfg", "LamCfg", "ServerCfg", "EvalCfg", "LoggingCfg", "Config", "RENAMED", "RENAMED_VALUES"]
-
 # Renamed keys: an old one in a config given is refused naming the new key (and the value that stands for the old
 # one); a recorded run's config is a record, not input, and is read with it moved to the new key (`load.migrate`).
 RENAMED = {"lam.lambda_max": "lam.valve_threshold", "loss.alignment_epochs": "loss.public_stage_epochs",
