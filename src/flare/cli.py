@@ -27,9 +27,9 @@ from flare import cpu  # noqa: E402  (imports nothing that computes)
 cpu.pin(cpu.early_level(sys.argv[1:]))
 
 from flare.config import (Config, build_config, config_reference_markdown, deep_merge,  # noqa: E402
-                          experiment_differences, list_presets, load_config, parse_overrides)
+                          experiment_differences, list_presets, load_config, parse_list, parse_overrides)
 from flare.errors import FlareError, check_path  # noqa: E402
-from flare.experiments.compare import parse_presets, parse_seeds, run_compare  # noqa: E402
+from flare.experiments.compare import run_compare  # noqa: E402
 from flare.experiments.sweep import run_sweep  # noqa: E402
 from flare.fuse import fuse_runs  # noqa: E402
 from flare.lrprobe import format_probe, probe  # noqa: E402
@@ -95,9 +95,10 @@ def cmd_run(args) -> None:
 
 def cmd_compare(args) -> None:
     out = Path(args.out) if args.out else _default_out("compare")
-    title, table = run_compare(parse_presets(args.presets), out, args.config, args.overrides,
-                               seeds=parse_seeds(args.seeds), quiet=args.quiet, baseline=args.baseline,
-                               workers=args.workers)
+    presets = parse_list(args.presets, "--presets", example="fafi,fedavg")
+    seeds = None if args.seeds is None else parse_list(args.seeds, "--seeds", convert=int, example="1,2,3")
+    title, table = run_compare(presets, out, args.config, args.overrides, seeds=seeds, quiet=args.quiet,
+                               baseline=args.baseline, workers=args.workers)
     print(f"\n{title}\n\n{table}\n\nrun directories and plots: {out}")
 
 
