@@ -319,9 +319,8 @@ class Config(Strict):
             raise KeyedValueError("model.mix", f"model.mix deals {sum(m.mix.values())} clients "
                                   f"({', '.join(f'{n}: {c}' for n, c in m.mix.items())}), num_clients={k}; the "
                                   "counts must sum to num_clients")
-        if self.mixed_architectures:
-            for name in self.named_strategies():
-                self.check_fuses_mixed(name, "eval.rules" if name != self.server.primary else "server.primary")
+        for name in self.named_strategies():  # each refused only when the clients are mixed
+            self.check_fuses_mixed(name, "eval.rules" if name != self.server.primary else "server.primary")
 
     def evaluates(self, r: int) -> bool:
         """`eval.every`: round index r (0-based) is evaluated every N-th round, and the last round always."""
