@@ -53,13 +53,6 @@ def _dress(ax, ylabel: str, title: str, xlabel: str = "round", which: str = "maj
         integer_rounds(ax)
 
 
-def _annotate_counts(ax, hist: np.ndarray, fontsize: int) -> None:
-    """Each cell's count written on a heat map, white on the dark half of the colour scale."""
-    for i, j in np.ndindex(hist.shape):
-        ax.text(j, i, str(hist[i, j]), ha="center", va="center", fontsize=fontsize,
-                color="white" if hist[i, j] < hist.max() / 2 else "black")
-
-
 def _legend_outside(ax, **kw) -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=kw.pop("fontsize", 8), **kw)
@@ -111,27 +104,36 @@ def plot_accuracy(run: RunData, path: Path) -> None:
     save_figure(fig, path)
 
 
+def _heat_map(fig, ax, partition: dict, title: str, who: list[str], small: bool = False) -> None:
+    """Clients × classes sample counts of one partition on `ax`, each count written (white on the dark half of the
+    colour scale) and each class named while they fit; `who` names each client's model; `small`: one panel of
+    several, in smaller type."""
+    hist = np.array([c["class_histogram"] for c in partition["clients"]])
+    (K, C), size = hist.shape, 6 if small else 7
+    classes = [str(c) for c in partition.get("classes") or range(C)]
+    im = ax.imshow(hist, aspect="auto", cmap="viridis")
+    if K * C <= (200 if small else 400):
+        for i, j in np.ndindex(hist.shape):
+            ax.text(j, i, str(hist[i, j]), ha="center", va="center", fontsize=size,
+                    color="white" if hist[i, j] < hist.max() / 2 else "black")
+    ax.set(xlabel="class", ylabel="client", title=title)
+    ax.title.set_fontsize(size + 2)
+    if C <= (40 if small else 60):  # every class ticked and named; beyond that the names would overlap
+        turn = small or max(map(len, classes)) > 3
+        ax.set_xticks(range(C), classes, rotation=45 if turn else 0, ha="right" if turn else "center", fontsize=size)
+    ax.set_yticks(range(K), [f"{i} {m} (n={hist[i].sum()})".replace("  ", " ") for i, m in zip(range(K), who)],
+                  fontsize=size + 1)
+    fig.colorbar(im, ax=ax, label="samples")
+
+
 def plot_label_distribution(partition: dict, path: Path) -> None:
     """Clients × classes heat map of sample counts — the picture of the non-IID split, every class named."""
-    hist = np.array([c["class_histogram"] for c in partition["clients"]])
-    K, C = hist.shape
-    classes = [str(c) for c in partition.get("classes") or range(C)]
+    K, C = len(partition["clients"]), len(partition["clients"][0]["class_histogram"])
     fig, ax = plt.subplots(figsize=(max(5.5, 0.45 * C + 2.5), max(2.8, 0.45 * K + 2.0)))
-    im = ax.imshow(hist, aspect="auto", cmap="viridis")
-    if K * C <= 400:
-        _annotate_counts(ax, hist, 7)
-    ax.set(xlabel="class", ylabel="client", title=f"label distribution: {partition.get('dataset', '')}, "
-                                                  f"{partition.get('kind', '')} α={partition.get('alpha', '')}, "
-                                                  f"seed {partition.get('seed', '')}")
-    ax.title.set_fontsize(9)
-    if C <= 60:  # every class ticked and named; beyond that the names would overlap
-        ax.set_xticks(range(C), classes, rotation=45 if max(map(len, classes)) > 3 else 0, ha="right"
-                      if max(map(len, classes)) > 3 else "center", fontsize=7)
     models = [c.get("model", "") for c in partition["clients"]]
     who = models if len(set(models)) > 1 else [""] * K  # clients of different architectures: each one's named
-    ax.set_yticks(range(K), [f"{i} {m} (n={hist[i].sum()})".replace("  ", " ") for i, m in zip(range(K), who)],
-                  fontsize=8)
-    fig.colorbar(im, ax=ax, label="samples")
+    _heat_map(fig, ax, partition, f"label distribution: {partition.get('dataset', '')}, {partition.get('kind', '')} "
+              f"α={partition.get('alpha', '')}, seed {partition.get('seed', '')}", who)
     save_figure(fig, path)
 
 
@@ -349,16 +351,6 @@ def plot_label_distributions(runs: list[RunData], path: Path, max_panels: int = 
     for ax in axes.ravel()[n:]:
         ax.axis("off")
     for ax, (title, pt) in zip(axes.ravel(), items):
-        hist = np.array([c["class_histogram"] for c in pt["clients"]])
-        im = ax.imshow(hist, aspect="auto", cmap="viridis")
-        if hist.size <= 200:
-            _annotate_counts(ax, hist, 6)
-        classes = [str(c) for c in pt.get("classes") or range(hist.shape[1])]
-        if len(classes) <= 40:
-            ax.set_xticks(range(len(classes)), classes, rotation=45, ha="right", fontsize=6)
-        ax.set_yticks(range(hist.shape[0]), [f"{i} (n={hist[i].sum()})" for i in range(hist.shape[0])], fontsize=7)
-        ax.set(xlabel="class", ylabel="client", title=title)
-        ax.title.set_fontsize(8)
-        fig.colorbar(im, ax=ax, label="samples")
+        _heat_map(fig, ax, pt, title, [""] * len(pt["clients"]), small=True)
     _save_panels(fig, path, "label distribution per client (non-IID partitions)", dpi=110)
     return True
