@@ -44,10 +44,10 @@ def integer_rounds(*axes) -> None:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
-def _dress(ax, ylabel: str, title: str, xlabel: str = "round", which: str = "major") -> None:
-    """Axis labels, a 9-point title, a light grid, and integer ticks where x counts rounds."""
+def _dress(ax, ylabel: str, title: str, xlabel: str = "round", which: str = "major", size=9) -> None:
+    """Axis labels, a `size` title (9 points), a light grid, and integer ticks where x counts rounds."""
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
-    ax.title.set_fontsize(9)
+    ax.title.set_fontsize(size)
     ax.grid(alpha=0.3, which=which)
     if xlabel == "round":
         integer_rounds(ax)
@@ -299,12 +299,9 @@ def plot_acc_lambda_raw(rows: list[Row], path: Path, title: str) -> bool:
     lam_max = rows[0].runs[0].cfg.get("lam", {}).get("valve_threshold")
     if lam_max and any(r.runs[0].cfg.get("lam", {}).get("gamma_lambda") for r in rows):
         a2.axhline(lam_max, color="grey", ls="--", lw=1, label=f"safety-valve threshold {fmt_value(lam_max)}")
-    a1.set(xlabel="round", ylabel="test accuracy (%)", title="accuracy")
+    _dress(a1, "test accuracy (%)", "accuracy", which="both", size=a1.title.get_fontsize())  # titles keep their size
     _log_if_decades(a2, allv, ratio=20)
-    a2.set(xlabel="round", ylabel="λ_raw = σ²_local / σ²_align", title="raw λ")
-    integer_rounds(a1, a2)
-    for a in (a1, a2):
-        a.grid(alpha=0.3, which="both")
+    _dress(a2, "λ_raw = σ²_local / σ²_align", "raw λ", which="both", size=a2.title.get_fontsize())
     _legend_outside(a2, fontsize=7)
     _save_panels(fig, path, wrap_title(title, 120))
     return True
