@@ -35,13 +35,6 @@ class Paired:
         return self.n >= 2
 
 
-def t_half_width(sd: float, n: int, confidence: float = 1 - ALPHA) -> float:
-    """Half-width of the confidence interval of a mean of n values with standard deviation sd (t, n − 1 df)."""
-    from scipy import stats  # lazy: scipy.stats is a second of start-up for every `flare` command otherwise
-
-    return float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
-
-
 def mean_ci(values, confidence: float = 1 - ALPHA) -> tuple[float, float, float, int]:
     """(mean, std with n − 1, half-width of the t confidence interval, n) over the finite values; nan where n is
     too small for the statistic."""
@@ -49,8 +42,10 @@ def mean_ci(values, confidence: float = 1 - ALPHA) -> tuple[float, float, float,
     n = len(v)
     if n < 2:
         return (float(v[0]) if n else math.nan), math.nan, math.nan, n
+    from scipy import stats  # lazy: scipy.stats is a second of start-up for every `flare` command otherwise
+
     sd = float(v.std(ddof=1))
-    return float(v.mean()), sd, t_half_width(sd, n, confidence), n
+    return float(v.mean()), sd, float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n), n
 
 
 def paired(method: dict, baseline: dict, confidence: float = 1 - ALPHA) -> Paired:
@@ -62,7 +57,7 @@ def paired(method: dict, baseline: dict, confidence: float = 1 - ALPHA) -> Paire
         return Paired(n, mean, math.nan, math.nan, math.nan)
     if sd == 0.0:  # every seed moved by exactly the same amount: no spread to test against (scipy gives nan)
         return Paired(n, mean, mean, mean, 1.0 if mean == 0 else 0.0)
-    from scipy import stats  # lazy: as in t_half_width
+    from scipy import stats  # lazy: as in mean_ci
 
     p = float(stats.ttest_rel([method[s] for s in seeds], [baseline[s] for s in seeds]).pvalue)
     return Paired(n, mean, mean - half, mean + half, p)
