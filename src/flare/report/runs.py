@@ -159,12 +159,9 @@ class Row:
 
 
 def _nanmean_rows(a: np.ndarray) -> np.ndarray:
-    out = np.full(a.shape[0], np.nan)
-    for i, row in enumerate(a):
-        f = row[~np.isnan(row)]
-        if len(f):
-            out[i] = f.mean()
-    return out
+    """Each row's mean over its entries that are not NaN (NaN for none): np.nanmean would sum zeros in their place,
+    which changes the summation order of a long row, and warn about a row of NaNs."""
+    return np.array([f.mean() if len(f := row[~np.isnan(row)]) else np.nan for row in a], dtype=float)
 
 
 def make_rows(runs: list[RunData], variant_keys: list[str] | None = None) -> list[Row]:
