@@ -43,11 +43,9 @@ def fused_table(rows: list[Row], strategies: list[str] | None = None) -> str | N
         return None
     body = []
     for s in strategies:
-        cells = []
-        for row in rows:
-            v = list(fused_values(row, s).values())
-            cells.append("—" if not v else fmt_ms(float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1
-                                                   else math.nan))
+        values = [list(fused_values(row, s).values()) for row in rows]
+        cells = ["—" if not v else fmt_ms(float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else math.nan)
+                 for v in values]
         sec = _seconds(rows, s)
         body.append([s, *cells, "—" if math.isnan(sec) else f"{sec:.1f}"])
     return md_table(["strategy", *[row.label for row in rows], "s per run"], body)
