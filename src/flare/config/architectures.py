@@ -4,8 +4,9 @@
 A run is *mixed* when its clients do not all run one layout (name, width and options: `Architecture.layout`, what
 fusion rules that average tensor by tensor need); clients of one layout that start from different checkpoints are
 one architecture for them, though each checkpoint is its own seeded init (`Architecture` equality). The
-default — neither key set — is one architecture, the top-level `model`, for every client. The forms of `model.clients` and `model.mix` (a seeded deal, so a sweep over seeds also varies who
-runs what) and of an entry: docs/heterogeneous.md."""
+default — neither key set — is one architecture, the top-level `model`, for every client. The forms of
+`model.clients` and `model.mix` (a seeded deal, so a sweep over seeds also varies who runs what) and of an entry:
+docs/heterogeneous.md."""
 from __future__ import annotations
 
 import json

@@ -315,7 +315,7 @@ class Config(Strict):
         if isinstance(m.clients, dict) and (bad := sorted(i for i in m.clients if not 0 <= i < k)):
             raise KeyedValueError("model.clients", f"model.clients names client {bad[0]}, but the clients are "
                                   f"0 … {k - 1} (num_clients={k})")
-        if m.mix is not None and sum(m.mix.values()) != k:  # each count is an integer ≥ 0 already (config/sections.py)
+        if m.mix is not None and sum(m.mix.values()) != k:  # each count is an integer ≥ 0 already (sections.py)
             raise KeyedValueError("model.mix", f"model.mix deals {sum(m.mix.values())} clients "
                                   f"({', '.join(f'{n}: {c}' for n, c in m.mix.items())}), num_clients={k}; the "
                                   "counts must sum to num_clients")

@@ -58,6 +58,7 @@ def fused_vs_table(rows: list[Row], strategies: list[str], base_row: str, base_s
     cells = [(s, row) for s in strategies for row in rows if not (s == base_strategy and row is base)
              and fused_values(row, s)]
     tests = [paired(fused_values(row, s), ref) for s, row in cells]
-    body = [[s, row.label, t.n, f"{100 * t.mean:+.2f}", *c] for (s, row), t, c in zip(cells, tests, paired_cells(tests))]
+    body = [[s, row.label, t.n, f"{100 * t.mean:+.2f}", *c]
+            for (s, row), t, c in zip(cells, tests, paired_cells(tests))]
     head = ["strategy", "clients", "paired seeds", f"Δ vs {base_strategy} on {base_row} (points)", *PAIRED_HEAD]
     return md_table(head, body)
