@@ -168,8 +168,8 @@ def _client_entries(value: Any) -> Any:
                 raise KeyedValueError(key, f"{key} maps client indices to architectures, but {short(k)} is not a client "
                                            "index (0, 1, …)")
             if int(k) in out:  # 0 and "0" (or 00) are one client: which entry wins must not be guessed
-                raise KeyedValueError(f"{key}.{int(k)}", f"{key} gives client {int(k)} twice (as {given[int(k)]!r} and "
-                                                         f"{short(k)}); give each client one entry")
+                raise KeyedValueError(f"{key}.{int(k)}", f"{key} gives client {int(k)} twice (as "
+                                                         f"{given[int(k)]!r} and {short(k)}); give each client one entry")
             out[int(k)], given[int(k)] = _architecture(f"{key}.{k}", e), k
         return out
     raise KeyedValueError(key, f"{key} must be a list with one architecture per client, or a mapping client index → "
