@@ -242,10 +242,6 @@ def expand(spec: SweepSpec, base: dict, overrides: dict | None = None) -> list[P
     return points
 
 
-# ----------------------------------------------------------------------------------------------
-# the command
-
-
 def run_sweep(path: str | Path, out: str | Path | None = None, *, overrides: list[str] | None = None,
               workers: int = 1, address: str | None = None, cpus_per_point: float | None = None,
               gpus_per_point: float | None = None, quiet: bool = False, dry_run: bool = False,
