@@ -27,14 +27,13 @@ from flare import cpu  # noqa: E402  (imports nothing that computes)
 cpu.pin(cpu.early_level(sys.argv[1:]))
 
 from flare.config import (Config, build_config, config_reference_markdown, deep_merge,  # noqa: E402
-                          experiment_differences, list_presets, load_config, parse_overrides)
-from flare.data.datasets import list_datasets  # noqa: E402
+                          experiment_differences, list_presets, load_config, parse_list, parse_overrides)
 from flare.errors import FlareError, check_path  # noqa: E402
-from flare.experiments.compare import parse_presets, parse_seeds, run_compare  # noqa: E402
+from flare.experiments.compare import run_compare  # noqa: E402
 from flare.experiments.sweep import run_sweep  # noqa: E402
 from flare.fuse import fuse_runs  # noqa: E402
 from flare.lrprobe import format_probe, probe  # noqa: E402
-from flare.registry import MODELS, REGISTRIES, load_plugins  # noqa: E402
+from flare.registry import DATASETS, MODELS, REGISTRIES, load_plugins  # noqa: E402
 from flare.rundir import RunDir, extension_problem  # noqa: E402
 from flare.runner import Run  # noqa: E402
 
@@ -96,9 +95,10 @@ def cmd_run(args) -> None:
 
 def cmd_compare(args) -> None:
     out = Path(args.out) if args.out else _default_out("compare")
-    title, table = run_compare(parse_presets(args.presets), out, args.config, args.overrides,
-                               seeds=parse_seeds(args.seeds), quiet=args.quiet, baseline=args.baseline,
-                               workers=args.workers)
+    presets = parse_list(args.presets, "--presets", example="fafi,fedavg")
+    seeds = None if args.seeds is None else parse_list(args.seeds, "--seeds", convert=int, example="1,2,3")
+    title, table = run_compare(presets, out, args.config, args.overrides, seeds=seeds, quiet=args.quiet,
+                               baseline=args.baseline, workers=args.workers)
     print(f"\n{title}\n\n{table}\n\nrun directories and plots: {out}")
 
 
@@ -109,17 +109,12 @@ def cmd_presets(args) -> None:
         print(f"{name:<{w}}  {m.get('notes_name', ''):<14}  {m.get('description', '')}")
 
 
-def cmd_datasets(args) -> None:
+def cmd_listing(args) -> None:
+    """`flare datasets` and `flare models`: every dataset or model with what it is; a library's catalogue as one row
+    (`timm/<any of N names>`)."""
     load_plugins(args.plugin, key="--plugin")
-    for name, desc in list_datasets():
-        print(f"{name:<14}  {desc}")
-
-
-def cmd_models(args) -> None:
-    """Every model with what it is; a library's catalogue as one row (`timm/<any of N names>`)."""
-    load_plugins(args.plugin, key="--plugin")
-    for name, desc in MODELS.describe():
-        print(f"{name:<24}  {desc}")
+    for name, desc in args.registry.describe():
+        print(f"{name:<{args.width}}  {desc}")
 
 
 def cmd_parts(args) -> None:
@@ -198,6 +193,7 @@ def cmd_federate(args) -> None:
 
 
 PATH_OPTIONS = ("config", "out", "resume", "dirs", "workdir", "export_partitions")  # every option naming a path
+BASELINE_HELP = "the method every other is tested against, paired by seed (default: fafi if present, else the first)"
 class _Parser(argparse.ArgumentParser):
     def __init__(self, *a, **kw):
         kw.setdefault("allow_abbrev", False)
@@ -233,7 +229,7 @@ def build_parser(commands: list[Callable] | None = None) -> argparse.ArgumentPar
     c.add_argument("--config", help="YAML config file (applied over each preset)")
     c.add_argument("--out", help="output directory (one run directory per preset inside)")
     c.add_argument("--seeds", help="comma-separated seeds: every method runs once per seed, the table shows mean ± std")
-    c.add_argument("--baseline", help="the method every other is tested against, paired by seed (default: fafi if present, else the first)")
+    c.add_argument("--baseline", help=BASELINE_HELP)
     c.add_argument("--workers", type=_count, default=1,
                    help="runs at once, each in its own process with one torch thread (default 1: one run at a time "
                         "with torch's threads); the thread count changes the digits")
@@ -273,7 +269,7 @@ def build_parser(commands: list[Callable] | None = None) -> argparse.ArgumentPar
     rp.add_argument("dirs", nargs="+", metavar="DIR", help="run directories, or folders holding them")
     rp.add_argument("--out", help="report directory (default DIR/report for one DIR)")
     rp.add_argument("--title", help="report title")
-    rp.add_argument("--baseline", help="the method every other is tested against, paired by seed (default: fafi if present, else the first)")
+    rp.add_argument("--baseline", help=BASELINE_HELP)
     rp.set_defaults(fn=cmd_report)
 
     fu = sub.add_parser("fuse", help="score server strategies over finished runs' saved client states (no client "
@@ -310,12 +306,14 @@ def build_parser(commands: list[Callable] | None = None) -> argparse.ArgumentPar
     fd.set_defaults(fn=cmd_federate)
 
     sub.add_parser("presets", help="list method presets with the notes' names").set_defaults(fn=cmd_presets)
-    for name, fn, what in (("datasets", cmd_datasets, "list datasets"), ("models", cmd_models, "list models"),
-                           ("parts", cmd_parts, "list every registry of parts with names, descriptions, options")):
+    for name, what, defaults in (("datasets", "list datasets", dict(fn=cmd_listing, registry=DATASETS, width=14)),
+                                 ("models", "list models", dict(fn=cmd_listing, registry=MODELS, width=24)),
+                                 ("parts", "list every registry of parts with names, descriptions, options",
+                                  dict(fn=cmd_parts))):
         lp_ = sub.add_parser(name, help=what + " (plugins included)")
         lp_.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                          help="also import this plugin module (repeatable); `flare.plugins` entry points always")
-        lp_.set_defaults(fn=fn)
+        lp_.set_defaults(**defaults)
     sub.add_parser("config-reference", help="print every config key as a markdown table").set_defaults(
         fn=cmd_config_reference)
     for add in command_adders() if commands is None else commands:

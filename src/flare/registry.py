@@ -304,11 +304,10 @@ class Registry:
         """The part's options validated from `mapping` (None when it declares none, the registry has no default
         model, and none are given); errors name `<key>.<option>`. Raises KeyedValueError, a ValueError that
         carries the key, so the config reports it like any other bad value."""
-        entry = self.entry(name)
+        model = self.entry(name).options or self.default_options  # an unknown name is refused first
         mapping = mapping or {}
         if not isinstance(mapping, dict):
             raise KeyedValueError(key, f"{key} must be a mapping of option: value, got {short(mapping)}")
-        model = entry.options or self.default_options
         if model is None:
             if mapping:
                 raise KeyedValueError(key, f"{key}: {self.kind} '{name}' takes no options, got {sorted(mapping)}")

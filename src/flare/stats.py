@@ -35,13 +35,6 @@ class Paired:
         return self.n >= 2
 
 
-def t_half_width(sd: float, n: int, confidence: float = 1 - ALPHA) -> float:
-    """Half-width of the confidence interval of a mean of n values with standard deviation sd (t, n − 1 df)."""
-    from scipy import stats  # lazy: scipy.stats is a second of start-up for every `flare` command otherwise
-
-    return float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
-
-
 def mean_ci(values, confidence: float = 1 - ALPHA) -> tuple[float, float, float, int]:
     """(mean, std with n − 1, half-width of the t confidence interval, n) over the finite values; nan where n is
     too small for the statistic."""
@@ -49,27 +42,23 @@ def mean_ci(values, confidence: float = 1 - ALPHA) -> tuple[float, float, float,
     n = len(v)
     if n < 2:
         return (float(v[0]) if n else math.nan), math.nan, math.nan, n
+    from scipy import stats  # lazy: scipy.stats is a second of start-up for every `flare` command otherwise
+
     sd = float(v.std(ddof=1))
-    return float(v.mean()), sd, t_half_width(sd, n, confidence), n
+    return float(v.mean()), sd, float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n), n
 
 
 def paired(method: dict, baseline: dict, confidence: float = 1 - ALPHA) -> Paired:
     """Pair two {seed: value} mappings on their common seeds (non-finite values dropped) and test the mean
     difference against 0."""
     seeds = sorted(s for s in set(method) & set(baseline) if math.isfinite(method[s]) and math.isfinite(baseline[s]))
-    d = np.array([method[s] - baseline[s] for s in seeds], dtype=float)
-    n = len(d)
-    if n == 0:
-        return Paired(0, math.nan, math.nan, math.nan, math.nan)
-    mean = float(d.mean())
-    if n == 1:
-        return Paired(1, mean, math.nan, math.nan, math.nan)
-    sd = float(d.std(ddof=1))
+    mean, sd, half, n = mean_ci([method[s] - baseline[s] for s in seeds], confidence)
+    if n < 2:
+        return Paired(n, mean, math.nan, math.nan, math.nan)
     if sd == 0.0:  # every seed moved by exactly the same amount: no spread to test against (scipy gives nan)
         return Paired(n, mean, mean, mean, 1.0 if mean == 0 else 0.0)
-    from scipy import stats  # lazy: as in t_half_width
+    from scipy import stats  # lazy: as in mean_ci
 
-    half = t_half_width(sd, n, confidence)
     p = float(stats.ttest_rel([method[s] for s in seeds], [baseline[s] for s in seeds]).pvalue)
     return Paired(n, mean, mean - half, mean + half, p)
 

@@ -4,14 +4,15 @@
 A run is *mixed* when its clients do not all run one layout (name, width and options: `Architecture.layout`, what
 fusion rules that average tensor by tensor need); clients of one layout that start from different checkpoints are
 one architecture for them, though each checkpoint is its own seeded init (`Architecture` equality). The
-default — neither key set — is one architecture, the top-level `model`, for every client, exactly as before these
-keys existed. The forms of `model.clients` and `model.mix` (a seeded deal, so a sweep over seeds also varies who
-runs what) and of an entry: docs/heterogeneous.md."""
+default — neither key set — is one architecture, the top-level `model`, for every client. The forms of
+`model.clients` and `model.mix` (a seeded deal, so a sweep over seeds also varies who runs what) and of an entry:
+docs/heterogeneous.md."""
 from __future__ import annotations
 
 import json
 from collections import Counter
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -72,25 +73,14 @@ def client_architectures(cfg) -> list[Architecture]:
     if m.mix:
         names = [name for name, count in m.mix.items() for _ in range(count)]
         order = np.random.default_rng(derived_seed(cfg.seed, MIX_STREAM)).permutation(len(names))
-        from_mix = {name: _architecture(m, _Entry(name)) for name in m.mix}
+        # a model.mix name is read like a model.clients entry that names only the model
+        from_mix = {name: _architecture(m, SimpleNamespace(name=name, width=None, options={}, checkpoint=None))
+                    for name in m.mix}
         return [from_mix[names[j]] for j in order]
     if isinstance(m.clients, list):
         return [_architecture(m, e, f"model.clients[{i}]") for i, e in enumerate(m.clients)]
     entries, default = m.clients or {}, _architecture(m, None)  # the clients no entry names run `model`
     return [_architecture(m, entries[i], f"model.clients.{i}") if i in entries else default for i in range(k)]
-
-
-@dataclass
-class _Entry:  # a model.mix name, read like a model.clients entry that names only the model
-    name: str
-    width: float | None = None
-    options: dict = field(default_factory=dict)
-    checkpoint: str | None = None
-
-
-def is_mixed(cfg) -> bool:
-    """Whether the clients run more than one layout (whatever checkpoints they start from)."""
-    return len({a.layout for a in client_architectures(cfg)}) > 1
 
 
 def server_architecture(cfg) -> Architecture:

@@ -22,8 +22,8 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from flare.config.schema import RENAMED, RENAMED_VALUES, Config, KeyedValueError
-from flare.errors import FlareError, short
+from flare.config.schema import RENAMED, RENAMED_VALUES, Config
+from flare.errors import FlareError, KeyedValueError, short
 from flare.records import config_differences, flatten, get_key, set_key
 from flare.registry import STRATEGIES
 

@@ -1,35 +1,29 @@
 """The configuration schema: one pydantic model, every key with its type, range and meaning, and every
 cross-key check (so a bad combination fails before any data is loaded).
 
-Keys that name a *part* (model.name, dataset.name, partition.kind, loss.objective, loss.contrast, loss.terms,
-align.anchors, align.schedule, align.surgery, lam.learner, lam.anneal, server.primary, eval.rules, progress,
-augment.input_scaling — the reference protocol's progress and scaling are parts too) are strings of a
-field type built from the part's registry (`part(REGISTRY)`, config/sections.py; `flare.registry`, so plugins can
-add parts); a part that declares options reads them from its section's `options` mapping (`loss.terms.<name>` for
-loss terms, `server.strategies.<name>` for server strategies), validated by the part's options model. What a part
-needs of the rest of the config is its own `check(cfg)`, which `_compatible_parts` runs for every chosen part; the
-checks here are the framework's own. Keys that choose
-between fixed behaviours of the framework itself stay closed `Literal`s: protocol, amp, client_engine,
-dataset.format (a built-in dataset's file reader; a plugin dataset brings its own loader), partition.rng,
-lr_schedule.kind (the LR schedule with SGDR's restarts and momentum reset, which the engines implement),
-loss.ce_input, align.target, align.target_progress, align.lambda_rule (λ0's formula,
-an input of every λ provider), the server's prototype and aggregation settings, and eval.bn."""
+A key that names a *part* (the `part(...)` types below: the reference protocol's progress and scaling are parts too)
+is a string of a field type built from the part's registry (config/sections.py; `flare.registry`, so plugins can add
+parts); a part that declares options reads them from its section's `options` mapping (`loss.terms.<name>` for loss
+terms, `server.strategies.<name>` for server strategies), validated by the part's options model. What a part needs of
+the rest of the config is its own `check(cfg)`, which `_compatible_parts` runs for every chosen part; the checks here
+are the framework's own. Keys that choose between fixed behaviours of the framework itself stay closed `Literal`s:
+protocol, amp, client_engine, dataset.format (a built-in dataset's file reader; a plugin dataset brings its own
+loader), partition.rng, lr_schedule.kind (the LR schedule with SGDR's restarts and momentum reset, which the engines
+implement), loss.ce_input, align.target, align.target_progress, align.lambda_rule (λ0's formula, an input of every λ
+provider), the server's prototype and aggregation settings, and eval.bn."""
 from __future__ import annotations
 
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from flare.config.architectures import architecture_table, client_architectures, is_mixed
+from flare.config.architectures import architecture_table, client_architectures
 from flare.config.sections import (OPTIONS_DESCRIPTION, AugmentCfg, DatasetCfg, LRScheduleCfg, ModelCfg,
                                    OptimCfg, PartitionCfg, Strict, architecture, part, part_options, part_table)
 from flare.errors import FlareError, KeyedValueError
 from flare.registry import (ANCHORS, CLIENT_ENGINES, CONTRAST, DATASETS, LAM_PROVIDERS, LOSS_TERMS, MODELS, OBJECTIVES,
                             PARTITIONS, PROGRESS, REFERENCE_PARTITIONS, SCHEDULES, STRATEGIES, SURGERY, Registry, Seed,
                             load_plugins)
-
-__all__ = ["KeyedValueError", "DatasetCfg", "PartitionCfg", "ModelCfg", "OptimCfg", "LRScheduleCfg", "AugmentCfg",
-           "LossCfg", "AlignCfg", "LamCfg", "ServerCfg", "EvalCfg", "LoggingCfg", "Config", "RENAMED", "RENAMED_VALUES"]
 
 # Renamed keys: an old one in a config given is refused naming the new key (and the value that stands for the old
 # one); a recorded run's config is a record, not input, and is read with it moved to the new key (`load.migrate`).
@@ -318,18 +312,15 @@ class Config(Strict):
         if isinstance(m.clients, list) and len(m.clients) != k:
             raise KeyedValueError("model.clients", f"model.clients lists {len(m.clients)} architectures for "
                                   f"num_clients={k}; give one entry per client (or a mapping client index → entry)")
-        if isinstance(m.clients, dict):
-            if bad := sorted(i for i in m.clients if not 0 <= i < k):
-                raise KeyedValueError("model.clients", f"model.clients names client {bad[0]}, but the clients are "
-                                      f"0 … {k - 1} (num_clients={k})")
-        if m.mix is not None:
-            if sum(m.mix.values()) != k:  # each count is an integer ≥ 0 already (config/sections.py)
-                raise KeyedValueError("model.mix", f"model.mix deals {sum(m.mix.values())} clients "
-                                      f"({', '.join(f'{n}: {c}' for n, c in m.mix.items())}), num_clients={k}; the "
-                                      "counts must sum to num_clients")
-        if self.mixed_architectures:
-            for name in self.named_strategies():
-                self.check_fuses_mixed(name, "eval.rules" if name != self.server.primary else "server.primary")
+        if isinstance(m.clients, dict) and (bad := sorted(i for i in m.clients if not 0 <= i < k)):
+            raise KeyedValueError("model.clients", f"model.clients names client {bad[0]}, but the clients are "
+                                  f"0 … {k - 1} (num_clients={k})")
+        if m.mix is not None and sum(m.mix.values()) != k:  # each count is an integer ≥ 0 already (sections.py)
+            raise KeyedValueError("model.mix", f"model.mix deals {sum(m.mix.values())} clients "
+                                  f"({', '.join(f'{n}: {c}' for n, c in m.mix.items())}), num_clients={k}; the "
+                                  "counts must sum to num_clients")
+        for name in self.named_strategies():  # each refused only when the clients are mixed
+            self.check_fuses_mixed(name, "eval.rules" if name != self.server.primary else "server.primary")
 
     def evaluates(self, r: int) -> bool:
         """`eval.every`: round index r (0-based) is evaluated every N-th round, and the last round always."""
@@ -364,8 +355,9 @@ class Config(Strict):
 
     @property
     def mixed_architectures(self) -> bool:
-        """Whether the clients run more than one architecture (`model.clients` / `model.mix`)."""
-        return is_mixed(self)
+        """Whether the clients run more than one layout (`model.clients` / `model.mix`; whatever checkpoints they
+        start from)."""
+        return len({a.layout for a in client_architectures(self)}) > 1
 
     def client_architectures(self):
         """One `config.architectures.Architecture` per client."""
@@ -377,15 +369,13 @@ class Config(Strict):
 
     def chosen_parts(self) -> list[tuple[Registry, str]]:
         """(registry, name) of every part this config chooses, each once: the parts whose `check` it must pass."""
-        strategies = self.named_strategies()
-        models = [(MODELS, a.name) for a in self.client_architectures()]
-        if self.server.model is not None:
-            models.append((MODELS, self.server.model.name))
-        chosen = [(MODELS, self.model.name), *models, (DATASETS, self.dataset.name), (PARTITIONS, self.partition.kind),
+        server_model = [] if self.server.model is None else [(MODELS, self.server.model.name)]
+        chosen = [(MODELS, self.model.name), *((MODELS, a.name) for a in self.client_architectures()), *server_model,
+                  (DATASETS, self.dataset.name), (PARTITIONS, self.partition.kind),
                   (OBJECTIVES, self.loss.objective), (CONTRAST, self.loss.contrast),
                   *((LOSS_TERMS, t) for t in self.loss.terms), (ANCHORS, self.align.anchors),
                   (SCHEDULES, self.align.schedule), (SURGERY, self.align.surgery), (LAM_PROVIDERS, self.lam.learner),
-                  (SCHEDULES, self.lam.anneal), *((STRATEGIES, n) for n in strategies)]
+                  (SCHEDULES, self.lam.anneal), *((STRATEGIES, n) for n in self.named_strategies())]
         return list(dict.fromkeys(chosen))
 
     def require_anchors(self, setting: str) -> None:

@@ -162,17 +162,15 @@ def _client_entries(value: Any) -> Any:
     if isinstance(value, list):
         return [_architecture(f"{key}[{i}]", e) for i, e in enumerate(value)]
     if isinstance(value, dict):
-        out = {}
+        out, given = {}, {}  # client index -> its entry, and the key that gave it
         for k, e in value.items():
             if isinstance(k, bool) or not str(k).lstrip("-").isdigit():
                 raise KeyedValueError(key, f"{key} maps client indices to architectures, but {short(k)} is not a client "
                                            "index (0, 1, …)")
             if int(k) in out:  # 0 and "0" (or 00) are one client: which entry wins must not be guessed
-                first = next(j for j in value if not isinstance(j, bool) and str(j).lstrip("-").isdigit()
-                             and int(j) == int(k))
-                raise KeyedValueError(f"{key}.{int(k)}", f"{key} gives client {int(k)} twice (as {first!r} and "
-                                                         f"{short(k)}); give each client one entry")
-            out[int(k)] = _architecture(f"{key}.{k}", e)
+                raise KeyedValueError(f"{key}.{int(k)}", f"{key} gives client {int(k)} twice (as "
+                                                         f"{given[int(k)]!r} and {short(k)}); give each client one entry")
+            out[int(k)], given[int(k)] = _architecture(f"{key}.{k}", e), k
         return out
     raise KeyedValueError(key, f"{key} must be a list with one architecture per client, or a mapping client index → "
                                f"architecture; got {short(value)}")

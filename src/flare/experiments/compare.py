@@ -5,19 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flare.config import config_for_preset, deep_merge, parse_list, parse_overrides, read_yaml_mapping
+from flare.config import config_for_preset, deep_merge, parse_overrides, read_yaml_mapping
 from flare.errors import FlareError
 from flare.experiments.execute import Point, check_data, execute_points
 from flare.rundir import RunDir
 from flare.runner import Run
-
-
-def parse_presets(text: str) -> list[str]:
-    return parse_list(text, "--presets", example="fafi,fedavg")
-
-
-def parse_seeds(text: str | None) -> list[int] | None:
-    return None if text is None else parse_list(text, "--seeds", convert=int, example="1,2,3")
 
 
 def run_compare(presets: list[str], out: Path, config_file: str | None = None, overrides: list[str] | None = None,

@@ -63,17 +63,14 @@ def unflatten(m: dict) -> dict:
     return out
 
 
-def _check_key(key: str, where: str, src: str) -> None:
+def _check_swept(key: str, vals: Any, where: str, src: str) -> list:
+    """A key of the grid or a zip group must be a config key, and its values a list of at least one."""
     known = set(known_keys()) | {"preset", "seed"}
-    if key in known or any(key.startswith(m + ".") for m in mapping_keys()):  # plugin options: checked per point
-        return
-    close = difflib.get_close_matches(key, sorted(known), n=1)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    raise FlareError(f"sweep file '{src}': {where} key '{key}' is not a config key{hint}.", key=f"{where}.{key}",
-                     fix="use the dotted keys of `flare config-reference`, e.g. partition.alpha or align.lambda0.")
-
-
-def _check_values(key: str, vals: Any, where: str, src: str) -> list:
+    if key not in known and not any(key.startswith(m + ".") for m in mapping_keys()):  # plugin options: per point
+        close = difflib.get_close_matches(key, sorted(known), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise FlareError(f"sweep file '{src}': {where} key '{key}' is not a config key{hint}.", key=f"{where}.{key}",
+                         fix="use the dotted keys of `flare config-reference`, e.g. partition.alpha or align.lambda0.")
     if not isinstance(vals, list):
         raise FlareError(f"sweep file '{src}': {where}.{key} must be a list of values, got {vals!r}.",
                          key=f"{where}.{key}", fix=f"write e.g. {key}: [{vals!r}] or list several values.")
@@ -121,16 +118,14 @@ def parse_sweep(raw: Any, src: str = "<sweep>", rel_to: Path | None = None) -> t
                          fix="list at least one key with its values, e.g. grid: {partition.alpha: [0.05, 0.1]}, "
                              "or remove `grid`.")
     for k, v in (spec.grid or {}).items():
-        _check_key(k, "grid", src)
-        _check_values(k, v, "grid", src)
+        _check_swept(k, v, "grid", src)
     for i, group in enumerate(_zip_groups(spec)):
         where = "zip" if isinstance(spec.zip, dict) else f"zip[{i}]"
         if not group:
             raise FlareError(f"sweep file '{src}': {where} is empty.", key=where, fix="list keys with values or remove it.")
         lens = {}
         for k, v in group.items():
-            _check_key(k, where, src)
-            lens[k] = len(_check_values(k, v, where, src))
+            lens[k] = len(_check_swept(k, v, where, src))
             if k in (spec.grid or {}):
                 raise FlareError(f"sweep file '{src}': key '{k}' is both in the grid and in {where}.", key=k,
                                  fix="sweep it in one place only.")
@@ -247,17 +242,6 @@ def expand(spec: SweepSpec, base: dict, overrides: dict | None = None) -> list[P
     return points
 
 
-# ----------------------------------------------------------------------------------------------
-# the command
-
-
-def manifest(spec: SweepSpec, points: list[Point], results: dict[str, dict], overrides: list[str] | None = None) -> dict:
-    return {"name": spec.name, "description": spec.description, "overrides": list(overrides or []),
-            "points": [{"name": p.name, "dir": str(p.dir), "values": p.values,
-                        "status": results.get(p.name, {}).get("status") or point_status(p),
-                        "error": results.get(p.name, {}).get("error")} for p in points]}
-
-
 def run_sweep(path: str | Path, out: str | Path | None = None, *, overrides: list[str] | None = None,
               workers: int = 1, address: str | None = None, cpus_per_point: float | None = None,
               gpus_per_point: float | None = None, quiet: bool = False, dry_run: bool = False,
@@ -283,10 +267,12 @@ def run_sweep(path: str | Path, out: str | Path | None = None, *, overrides: lis
     results = execute_points(points, workers=workers, address=address, cpus_per_point=cpp, gpus_per_point=gpp,
                              quiet=quiet, desc=f"sweep {spec.name}")
     speed = {**throughput(results, time.perf_counter() - t0), "workers": workers}
-    man = {**manifest(spec, points, results, overrides), "throughput": speed}
+    status = {p.name: results.get(p.name, {}).get("status") or point_status(p) for p in points}
+    man = {"name": spec.name, "description": spec.description, "overrides": list(overrides or []),
+           "points": [{"name": p.name, "dir": str(p.dir), "values": p.values, "status": status[p.name],
+                       "error": results.get(p.name, {}).get("error")} for p in points], "throughput": speed}
     atomic_write_text(out / "sweep.json", json.dumps(man, indent=1, default=str))
-    table = points_table([(p.name, p.dir, results.get(p.name, {}).get("status") or point_status(p),
-                           results.get(p.name, {}).get("seconds")) for p in points])
+    table = points_table([(p.name, p.dir, status[p.name], results.get(p.name, {}).get("seconds")) for p in points])
     line = f"{format_throughput(speed)} ({workers} worker{'s' if workers > 1 else ''})"
     atomic_write_text(out / "sweep.md", f"# Sweep {spec.name}\n\n{spec.description}\n\n{table}\n\n{line}\n")
     if not quiet:

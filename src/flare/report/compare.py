@@ -33,11 +33,8 @@ def compare_title(run: RunData, seeds: list | None = None) -> str:
 def compare_rows(methods: list[tuple[str, list[Path]]]) -> list[tuple[dict, Row]]:
     """(preset metadata, Row over its seeds' runs) per method, in order: what compare_table renders."""
     presets = list_presets()
-    out = []
-    for name, dirs in methods:
-        runs = [RunData.load(d) for d in dirs]
-        out.append((presets.get(name, {}), Row(name, runs[0].method, {}, runs)))
-    return out
+    loaded = [(name, [RunData.load(d) for d in dirs]) for name, dirs in methods]
+    return [(presets.get(name, {}), Row(name, runs[0].method, {}, runs)) for name, runs in loaded]
 
 
 def compare_markdown(meta_rows: list[tuple[dict, Row]], baseline: str | None = None) -> str:

@@ -30,17 +30,12 @@ from flare.schedules import progress  # noqa: E402
 COMPARE_DIAG = ("g_protos_std", "inter_client_proto_std")
 
 
-def v7_lambda0() -> float:
-    """V7's λ0 (its preset's): the hand-made schedule λ0·a(p) that learned-λ plots are drawn beside."""
-    return float(preset_mapping("etf-anneal")["align"]["lambda0"])
-
-
-def v7_weight() -> Callable[[float], float]:
-    """V7's λ as a function of the progress p: λ0·a(p) with its preset's λ0 and schedule a, through the same
-    `flare.schedules` its runs train with."""
+def v7_weight() -> tuple[float, Callable[[float], float]]:
+    """V7's λ0 and its λ as a function of the progress p, λ0·a(p) with its preset's λ0 and schedule a (through the
+    same `flare.schedules` its runs train with): the hand-made schedule that learned-λ plots are drawn beside."""
     align = preset_mapping("etf-anneal")["align"]
     lam0, a = float(align["lambda0"]), SCHEDULES.create(align["schedule"], NoFacts())
-    return lambda p: lam0 * a(p)
+    return lam0, lambda p: lam0 * a(p)
 
 
 def integer_rounds(*axes) -> None:
@@ -49,20 +44,13 @@ def integer_rounds(*axes) -> None:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
-def _dress(ax, ylabel: str, title: str, xlabel: str = "round", which: str = "major") -> None:
-    """Axis labels, a 9-point title, a light grid, and integer ticks where x counts rounds."""
+def _dress(ax, ylabel: str, title: str, xlabel: str = "round", which: str = "major", size=9) -> None:
+    """Axis labels, a `size` title (9 points), a light grid, and integer ticks where x counts rounds."""
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
-    ax.title.set_fontsize(9)
+    ax.title.set_fontsize(size)
     ax.grid(alpha=0.3, which=which)
     if xlabel == "round":
         integer_rounds(ax)
-
-
-def _annotate_counts(ax, hist: np.ndarray, fontsize: int) -> None:
-    """Each cell's count written on a heat map, white on the dark half of the colour scale."""
-    for i, j in np.ndindex(hist.shape):
-        ax.text(j, i, str(hist[i, j]), ha="center", va="center", fontsize=fontsize,
-                color="white" if hist[i, j] < hist.max() / 2 else "black")
 
 
 def _legend_outside(ax, **kw) -> None:
@@ -116,27 +104,36 @@ def plot_accuracy(run: RunData, path: Path) -> None:
     save_figure(fig, path)
 
 
+def _heat_map(fig, ax, partition: dict, title: str, who: list[str], small: bool = False) -> None:
+    """Clients × classes sample counts of one partition on `ax`, each count written (white on the dark half of the
+    colour scale) and each class named while they fit; `who` names each client's model; `small`: one panel of
+    several, in smaller type."""
+    hist = np.array([c["class_histogram"] for c in partition["clients"]])
+    (K, C), size = hist.shape, 6 if small else 7
+    classes = [str(c) for c in partition.get("classes") or range(C)]
+    im = ax.imshow(hist, aspect="auto", cmap="viridis")
+    if K * C <= (200 if small else 400):
+        for i, j in np.ndindex(hist.shape):
+            ax.text(j, i, str(hist[i, j]), ha="center", va="center", fontsize=size,
+                    color="white" if hist[i, j] < hist.max() / 2 else "black")
+    ax.set(xlabel="class", ylabel="client", title=title)
+    ax.title.set_fontsize(size + 2)
+    if C <= (40 if small else 60):  # every class ticked and named; beyond that the names would overlap
+        turn = small or max(map(len, classes)) > 3
+        ax.set_xticks(range(C), classes, rotation=45 if turn else 0, ha="right" if turn else "center", fontsize=size)
+    ax.set_yticks(range(K), [f"{i} {m} (n={hist[i].sum()})".replace("  ", " ") for i, m in zip(range(K), who)],
+                  fontsize=size + 1)
+    fig.colorbar(im, ax=ax, label="samples")
+
+
 def plot_label_distribution(partition: dict, path: Path) -> None:
     """Clients × classes heat map of sample counts — the picture of the non-IID split, every class named."""
-    hist = np.array([c["class_histogram"] for c in partition["clients"]])
-    K, C = hist.shape
-    classes = [str(c) for c in partition.get("classes") or range(C)]
+    K, C = len(partition["clients"]), len(partition["clients"][0]["class_histogram"])
     fig, ax = plt.subplots(figsize=(max(5.5, 0.45 * C + 2.5), max(2.8, 0.45 * K + 2.0)))
-    im = ax.imshow(hist, aspect="auto", cmap="viridis")
-    if K * C <= 400:
-        _annotate_counts(ax, hist, 7)
-    ax.set(xlabel="class", ylabel="client", title=f"label distribution: {partition.get('dataset', '')}, "
-                                                  f"{partition.get('kind', '')} α={partition.get('alpha', '')}, "
-                                                  f"seed {partition.get('seed', '')}")
-    ax.title.set_fontsize(9)
-    if C <= 60:  # every class ticked and named; beyond that the names would overlap
-        ax.set_xticks(range(C), classes, rotation=45 if max(map(len, classes)) > 3 else 0, ha="right"
-                      if max(map(len, classes)) > 3 else "center", fontsize=7)
     models = [c.get("model", "") for c in partition["clients"]]
     who = models if len(set(models)) > 1 else [""] * K  # clients of different architectures: each one's named
-    ax.set_yticks(range(K), [f"{i} {m} (n={hist[i].sum()})".replace("  ", " ") for i, m in zip(range(K), who)],
-                  fontsize=8)
-    fig.colorbar(im, ax=ax, label="samples")
+    _heat_map(fig, ax, partition, f"label distribution: {partition.get('dataset', '')}, {partition.get('kind', '')} "
+              f"α={partition.get('alpha', '')}, seed {partition.get('seed', '')}", who)
     save_figure(fig, path)
 
 
@@ -171,9 +168,9 @@ def plot_lambda(run: RunData, path: Path) -> None:
             ax.plot([r for r, _ in pts], [v for _, v in pts], marker="o", ms=2, color=f"C{i % 10}", label=label)
         shared_any |= len(distinct) == 1 and len(ids) > 1
         if k == "lambda_eff" and run.learner != "none":
-            R, w = int(run.cfg["rounds"]), v7_weight()  # λ at the start of each round
+            R, (lam0, w) = int(run.cfg["rounds"]), v7_weight()  # λ at the start of each round
             ax.plot(np.arange(1, R + 1), [w(progress(r, R)) for r in range(R)], "k--",
-                    label=f"V7: λ0(1−p), λ0={v7_lambda0():g}")
+                    label=f"V7: λ0(1−p), λ0={lam0:g}")
         _log_if_decades(ax, [v for pts in distinct for _, v in pts])
         _dress(ax, k, f"{k} per client")
         _legend_outside(ax, fontsize=7)
@@ -240,7 +237,7 @@ def plot_compare_diagnostics(rows: list[Row], path: Path, title: str = "") -> bo
 
 def v7_schedule(cfg: dict, n_rounds: int) -> np.ndarray:
     """V7's hand-made λ0(1 − p), averaged over each round's epochs as the trainer logs it."""
-    R, E, w = int(cfg.get("rounds", n_rounds)), int(cfg.get("local_epochs", 1)), v7_weight()
+    R, E, (_, w) = int(cfg.get("rounds", n_rounds)), int(cfg.get("local_epochs", 1)), v7_weight()
     return np.array([np.mean([w(progress(e, R * E)) for e in range(r * E, (r + 1) * E)]) for r in range(n_rounds)])
 
 
@@ -271,7 +268,7 @@ def plot_lambda_eff(rows: list[Row], path: Path, title: str, v7_rows: list[Row] 
         n = rows[0].client_mean_curves("lambda_eff").shape[1]
         y = v7_schedule(rows[0].runs[0].cfg, n)
         ax.plot(rounds_axis(rows[0], n), y, "--", color=method_colour("etf-anneal"), lw=1.5,
-                label=f"V7 schedule λ0(1−p), λ0={fmt_value(v7_lambda0())}")
+                label=f"V7 schedule λ0(1−p), λ0={fmt_value(v7_weight()[0])}")
         allv += list(y)
     _log_if_decades(ax, allv)
     _dress(ax, "λ_eff (alignment weight)", wrap_title(title), which="both")
@@ -302,12 +299,9 @@ def plot_acc_lambda_raw(rows: list[Row], path: Path, title: str) -> bool:
     lam_max = rows[0].runs[0].cfg.get("lam", {}).get("valve_threshold")
     if lam_max and any(r.runs[0].cfg.get("lam", {}).get("gamma_lambda") for r in rows):
         a2.axhline(lam_max, color="grey", ls="--", lw=1, label=f"safety-valve threshold {fmt_value(lam_max)}")
-    a1.set(xlabel="round", ylabel="test accuracy (%)", title="accuracy")
+    _dress(a1, "test accuracy (%)", "accuracy", which="both", size=a1.title.get_fontsize())  # titles keep their size
     _log_if_decades(a2, allv, ratio=20)
-    a2.set(xlabel="round", ylabel="λ_raw = σ²_local / σ²_align", title="raw λ")
-    integer_rounds(a1, a2)
-    for a in (a1, a2):
-        a.grid(alpha=0.3, which="both")
+    _dress(a2, "λ_raw = σ²_local / σ²_align", "raw λ", which="both", size=a2.title.get_fontsize())
     _legend_outside(a2, fontsize=7)
     _save_panels(fig, path, wrap_title(title, 120))
     return True
@@ -354,16 +348,6 @@ def plot_label_distributions(runs: list[RunData], path: Path, max_panels: int = 
     for ax in axes.ravel()[n:]:
         ax.axis("off")
     for ax, (title, pt) in zip(axes.ravel(), items):
-        hist = np.array([c["class_histogram"] for c in pt["clients"]])
-        im = ax.imshow(hist, aspect="auto", cmap="viridis")
-        if hist.size <= 200:
-            _annotate_counts(ax, hist, 6)
-        classes = [str(c) for c in pt.get("classes") or range(hist.shape[1])]
-        if len(classes) <= 40:
-            ax.set_xticks(range(len(classes)), classes, rotation=45, ha="right", fontsize=6)
-        ax.set_yticks(range(hist.shape[0]), [f"{i} (n={hist[i].sum()})" for i in range(hist.shape[0])], fontsize=7)
-        ax.set(xlabel="class", ylabel="client", title=title)
-        ax.title.set_fontsize(8)
-        fig.colorbar(im, ax=ax, label="samples")
+        _heat_map(fig, ax, pt, title, [""] * len(pt["clients"]), small=True)
     _save_panels(fig, path, "label distribution per client (non-IID partitions)", dpi=110)
     return True

@@ -13,8 +13,8 @@ import math
 import numpy as np
 
 from flare.report.runs import Row
-from flare.report.tables import fmt_ms, md_table, paired_cells
-from flare.stats import holm, paired
+from flare.report.tables import PAIRED_HEAD, fmt_ms, md_table, paired_cells
+from flare.stats import paired
 
 
 def fused_values(row: Row, strategy: str) -> dict:
@@ -43,11 +43,9 @@ def fused_table(rows: list[Row], strategies: list[str] | None = None) -> str | N
         return None
     body = []
     for s in strategies:
-        cells = []
-        for row in rows:
-            v = list(fused_values(row, s).values())
-            cells.append("—" if not v else fmt_ms(float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1
-                                                   else math.nan))
+        values = [list(fused_values(row, s).values()) for row in rows]
+        cells = ["—" if not v else fmt_ms(float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else math.nan)
+                 for v in values]
         sec = _seconds(rows, s)
         body.append([s, *cells, "—" if math.isnan(sec) else f"{sec:.1f}"])
     return md_table(["strategy", *[row.label for row in rows], "s per run"], body)
@@ -60,9 +58,7 @@ def fused_vs_table(rows: list[Row], strategies: list[str], base_row: str, base_s
     cells = [(s, row) for s in strategies for row in rows if not (s == base_strategy and row is base)
              and fused_values(row, s)]
     tests = [paired(fused_values(row, s), ref) for s, row in cells]
-    adjusted = holm([t.p for t in tests])
-    body = [[s, row.label, t.n, f"{100 * t.mean:+.2f}", *paired_cells(t, pa)]
-            for (s, row), t, pa in zip(cells, tests, adjusted)]
-    head = ["strategy", "clients", "paired seeds", f"Δ vs {base_strategy} on {base_row} (points)", "95 % CI",
-            "p (paired t)", "p (Holm)", "difference"]
+    body = [[s, row.label, t.n, f"{100 * t.mean:+.2f}", *c]
+            for (s, row), t, c in zip(cells, tests, paired_cells(tests))]
+    head = ["strategy", "clients", "paired seeds", f"Δ vs {base_strategy} on {base_row} (points)", *PAIRED_HEAD]
     return md_table(head, body)

@@ -43,11 +43,10 @@ def summary_markdown(run: RunData) -> str:
         primary = run.primary
         lines += ["## Accuracy of every global predictor", "",
                   f"| rule | final ({run.final_label}) | peak | peak round |", "| --- | --- | --- | --- |"]
-        for k in acc_keys(rounds[-1:]):
-            if k in rounds[-1]:
-                best, at = run.peak(k)
-                mark = " (primary)" if k == f"acc_{primary}" else ""
-                lines.append(f"| {k.removeprefix('acc_')}{mark} | {100 * run.final(k):.2f} | {100 * best:.2f} | {at} |")
+        for k in acc_keys(rounds[-1:]):  # the rules the last round scored
+            best, at = run.peak(k)
+            mark = " (primary)" if k == f"acc_{primary}" else ""
+            lines.append(f"| {k.removeprefix('acc_')}{mark} | {100 * run.final(k):.2f} | {100 * best:.2f} | {at} |")
         lines += ["", "## Diagnostics at the last round", "", "| metric | value |", "| --- | --- |"]
         lines += [f"| {k} | {_f(rounds[-1][k], 6)} |" for k in DIAG if k in rounds[-1]]
         if "client_acc" in rounds[-1]:

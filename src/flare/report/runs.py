@@ -159,12 +159,9 @@ class Row:
 
 
 def _nanmean_rows(a: np.ndarray) -> np.ndarray:
-    out = np.full(a.shape[0], np.nan)
-    for i, row in enumerate(a):
-        f = row[~np.isnan(row)]
-        if len(f):
-            out[i] = f.mean()
-    return out
+    """Each row's mean over its entries that are not NaN (NaN for none): np.nanmean would sum zeros in their place,
+    which changes the summation order of a long row, and warn about a row of NaNs."""
+    return np.array([f.mean() if len(f := row[~np.isnan(row)]) else np.nan for row in a], dtype=float)
 
 
 def make_rows(runs: list[RunData], variant_keys: list[str] | None = None) -> list[Row]:
@@ -197,7 +194,6 @@ class Section:
     title: str
     slug: str
     setting: dict
-    runs: list[RunData]
     rows: list[Row]
 
 
@@ -212,7 +208,7 @@ def sections(runs: list[RunData]) -> list[Section]:
         title = describe_setting(rs[0])
         sl = slug("_".join(f"{short_key(k)}={fmt_value(v)}" for k, v in setting.items()) or "all")
         nonsetting = [k for k in varying_keys(rs) if not is_setting(k)]
-        out.append(Section(title, sl, setting, rs, make_rows(rs, None if nonsetting else [])))
+        out.append(Section(title, sl, setting, make_rows(rs, None if nonsetting else [])))
     seen: Counter = Counter()  # unique slugs: the second `x` is `x-1`
     for s in out:
         seen[s.slug] += 1

@@ -20,11 +20,10 @@ PAIRED_EXPLAIN = ("Each method minus the baseline, paired by seed (runs of one s
                   f"(Holm); *significant* means adjusted p < {ALPHA}. flare/stats.py says why this test.")
 
 
-def fmt_ms(mean: float, std: float, pct: bool = True, digits: int | None = None) -> str:
+def fmt_ms(mean: float, std: float, pct: bool = True) -> str:
     if mean is None or math.isnan(mean):
         return "—"
-    scale = 100 if pct else 1
-    d = digits if digits is not None else (2 if pct else 4)
+    scale, d = (100, 2) if pct else (1, 4)
     s = f"{scale * mean:.{d}f}" if (pct or abs(mean) < 1e4) else f"{mean:.3g}"
     if std is not None and not math.isnan(std):
         s += f" ± {scale * std:.{d}f}" if (pct or abs(mean) < 1e4) else f" ± {std:.3g}"
@@ -117,32 +116,33 @@ def points_table(points: list[tuple[str, Path, str, float | None]]) -> str:
     return md_table(["point", "status", "final acc", "peak acc (round)", "seconds"], body)
 
 
-def seed_values(row: Row, key: str = "acc") -> dict:
-    """{seed: final value} of a row's finished runs."""
-    return {r.seed: r.final(key) for r in row.runs if r.rounds}
+def seed_values(row: Row) -> dict:
+    """{seed: final accuracy} of a row's finished runs."""
+    return {r.seed: r.final("acc") for r in row.runs if r.rounds}
 
 
-def paired_rows(rows: list[Row], baseline: str, key: str = "acc") -> list[list[str]]:
+def paired_rows(rows: list[Row], baseline: str) -> list[list[str]]:
     """The cells of `paired_table`, one list per method other than the baseline."""
     base = next(row for row in rows if row.label == baseline)
     others = [row for row in rows if row is not base]
-    tests = [paired(seed_values(row, key), seed_values(base, key)) for row in others]
-    adjusted = holm([t.p for t in tests])
-    return [[row.label, baseline, t.n, "—" if math.isnan(t.mean) else f"{100 * t.mean:+.2f}", *paired_cells(t, pa)]
-            for row, t, pa in zip(others, tests, adjusted)]
+    tests = [paired(seed_values(row), seed_values(base)) for row in others]
+    return [[row.label, baseline, t.n, "—" if math.isnan(t.mean) else f"{100 * t.mean:+.2f}", *cells]
+            for row, t, cells in zip(others, tests, paired_cells(tests))]
 
 
-def paired_cells(t, pa: float) -> list[str]:
-    """A paired test's 95 % CI, raw and Holm-adjusted p, and verdict; — where it cannot be tested."""
-    if not t.testable:
-        return ["—", "—", "—", verdict(t, pa)]
-    return [f"[{100 * t.low:+.2f}, {100 * t.high:+.2f}]", f"{t.p:.3g}", f"{pa:.3g}", verdict(t, pa)]
+PAIRED_HEAD = ["95 % CI", "p (paired t)", "p (Holm)", "difference"]  # the columns of `paired_cells`
 
 
-def paired_table(rows: list[Row], baseline: str, key: str = "acc") -> str:
+def paired_cells(tests: list) -> list[list[str]]:
+    """Each paired test's 95 % CI, raw and Holm-adjusted p (the list is the family) and verdict; — where it cannot
+    be tested."""
+    return [[f"[{100 * t.low:+.2f}, {100 * t.high:+.2f}]", f"{t.p:.3g}", f"{pa:.3g}", verdict(t, pa)] if t.testable
+            else ["—", "—", "—", verdict(t, pa)] for t, pa in zip(tests, holm([t.p for t in tests]))]
+
+
+def paired_table(rows: list[Row], baseline: str) -> str:
     """Every method against `baseline` (a row label), paired by seed: is the gap real?"""
-    head = ["method", "vs", "paired seeds", "Δ acc (points)", "95 % CI", "p (paired t)", "p (Holm)", "difference"]
-    return md_table(head, paired_rows(rows, baseline, key))
+    return md_table(["method", "vs", "paired seeds", "Δ acc (points)", *PAIRED_HEAD], paired_rows(rows, baseline))
 
 
 def default_baseline(labels: list[str], asked: str | None = None) -> str | None:
