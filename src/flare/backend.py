@@ -67,7 +67,8 @@ def machine(device: torch.device) -> str:
 def backend(cfg: Config, device: str | None = None) -> Backend:
     """Pin the CPU kernels (`cpu_isa`), resolve the device, and turn bf16 autocast off — with a warning — on a CPU
     where it would be emulated (no AVX512-BF16/AMX, or kernels pinned below AVX512): there it is ~50× slower."""
-    kernels, warn = cpu.apply(cfg.cpu_isa)
+    cpu.pin(cfg.cpu_isa)
+    kernels, warn = cpu.check(cfg.cpu_isa)
     warns, device = [warn] if warn else [], resolve_device(device or cfg.device)
     if cfg.compile and device.type == "cpu" and cpu.is_x86() and kernels != cpu.native_level():
         # Measured with torch 2.14.1 on an AVX512 VM: inductor's CPU code under ATEN_CPU_CAPABILITY=avx2 turned the

@@ -139,12 +139,6 @@ def check(level: str) -> tuple[str, str | None]:
     return got, None
 
 
-def apply(level: str) -> tuple[str, str | None]:
-    """`pin` then `check`: what a run calls before its first tensor operation."""
-    pin(level)
-    return check(level)
-
-
 # oneDNN's levels below its bf16 instructions (AVX512_CORE_BF16): capped at one of these, oneDNN emulates bf16.
 ONEDNN_BELOW_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"})
 
@@ -237,7 +231,7 @@ def _yaml_level(path) -> str | None:
 def early_level(argv: list[str], env: dict | None = None) -> str:
     """The cpu_isa a command line asks for, read before anything dispatches a kernel: an override `cpu_isa=...`
     (or `speed=fast` → native), else the `--config` file's (or a `--resume` or `flare fuse` directory's config.yaml), else
-    $FLARE_CPU_ISA, else the default. Each run then checks its own validated config against it (`apply`)."""
+    $FLARE_CPU_ISA, else the default. Each run then pins and checks its config's level (`backend`)."""
     env = os.environ if env is None else env
     level = env.get("FLARE_CPU_ISA") or DEFAULT_ISA
     for i, a in enumerate(argv):

@@ -36,8 +36,8 @@ MARGIN = 0.05          # a candidate must beat plain fp32 by 5 % (the probe's no
 # with the batch (fp32 NCHW did, on a loaded VM), which the margin and the summary's figures leave visible.
 PROBE_IMAGES = 256
 PROBE_STEPS = 2        # timed steps per candidate after one warm-up step; the fastest counts
-GIVE_UP = 1.5          # a candidate whose timed step took this many times the best step so far is not timed again
 KERNEL_ENV = cpu._ENV  # the variables that cap torch's kernel libraries (the `cpu` argument below is a CpuFacts)
+GIVE_UP = 1.5          # a candidate whose timed step took this many times the best step so far is not timed again
 
 
 @dataclass(frozen=True)
@@ -172,11 +172,6 @@ def measure_here(spec: ProbeSpec, cand: Candidate, beat: float = 0.0) -> float:
                      beat)
 
 
-def measure_exact(spec: ProbeSpec, level: str) -> float:
-    """The exact profile's step in a child process pinned to `level` (the kernel level is fixed per process)."""
-    return measure_in_child(spec, level)
-
-
 def measure_in_child(spec: ProbeSpec, level: str, cand: Candidate = EXACT, env: dict | None = None) -> float:
     """`cand`'s bare step in a child process at kernel level `level` (a `cpu_isa`). `env`: the child's environment
     before the level (default: this process's less FLARE's pins; a benchmark passes the user's, with its caps)."""
@@ -222,11 +217,6 @@ def _read_cache(path: Path) -> dict:
         return {}
 
 
-def probe_images(spec: ProbeSpec, cands: list[Candidate]) -> int:
-    """The images the probe steps through when it times every candidate, warm-up steps included."""
-    return len(cands) * (spec.steps + 1) * spec.images
-
-
 def probe(spec: ProbeSpec, cands: list[Candidate], exact_level: str, cpu: CpuFacts | None = None,
           measure=None, cache: Path | None = None, run_images: int | None = None) -> Choice:
     """Figures for every candidate (from the cache, else measured and cached), and the choice among them.
@@ -239,7 +229,7 @@ def probe(spec: ProbeSpec, cands: list[Candidate], exact_level: str, cpu: CpuFac
     key, fields = cache_key(cpu, spec, cands, exact_level)
     entries = _read_cache(cache)
     hit = entries.get(key)
-    cost = probe_images(spec, cands)
+    cost = len(cands) * (spec.steps + 1) * spec.images  # every candidate timed, warm-up steps included
     if hit and all(c.name in hit.get("figures", {}) for c in cands):
         figures, cached = hit["figures"], True
     elif run_images is not None and cost > run_images:
@@ -254,7 +244,7 @@ def probe(spec: ProbeSpec, cands: list[Candidate], exact_level: str, cpu: CpuFac
             if measure is not None:
                 figures[c.name] = float(measure(c))
             else:  # exact first, in its own process: the others need not beat it, only be timed fairly
-                figures[c.name] = (measure_exact(spec, exact_level) if c.exact else
+                figures[c.name] = (measure_in_child(spec, exact_level) if c.exact else
                                    measure_here(spec, c, max((v for k, v in figures.items() if k != EXACT.name),
                                                              default=0.0)))
         entries = _read_cache(cache)  # another process may have written meanwhile
