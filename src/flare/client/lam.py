@@ -30,8 +30,6 @@ from flare.config import Config
 from flare.errors import FlareError
 from flare.registry import LAM_PROVIDERS, SCHEDULES, NoFacts
 
-MODES = ("uw", "uw-rescaled", "decoupled")
-
 
 @dataclass(frozen=True)
 class LamFacts:
@@ -133,9 +131,6 @@ class LamLearner(LamProvider):
     def __init__(self, mode: str, lambda_init: float, *, sigma_lr: float = 0.005, anneal: str = "constant",
                  gamma_reg: float = 0.0, beta: float = 0.0, gamma_lambda: float = 0.0, valve_threshold: float = 50.0,
                  device: torch.device | str = "cpu"):
-        if mode not in MODES:
-            raise FlareError(f"unknown λ learner '{mode}'.", key="lam.learner",
-                             fix=f"use none or one of: {', '.join(MODES)}.")
         self.mode, self.lambda_init = mode, float(lambda_init)
         self.schedule = SCHEDULES.create(anneal, NoFacts(), key="lam.anneal")
         self.gamma_reg, self.beta = float(gamma_reg), float(beta)
@@ -148,9 +143,6 @@ class LamLearner(LamProvider):
         self.optimizer = torch.optim.SGD([self.s_l, self.s_a], lr=sigma_lr, momentum=0.0)
 
     # -- the LamProvider interface ---------------------------------------------------------------
-    def lambda_raw(self) -> float:
-        return math.exp(self.s_l.item() - self.s_a.item())
-
     def strength(self, p: float) -> float:
         return float(self.schedule(p))         # V11's a(p), V12's meta-annealing s(p)
 
@@ -244,8 +236,7 @@ def _safe_exp(x: float) -> float:
 
 
 def _learner(mode: str):
-    def build(facts: LamFacts, options: None) -> LamProvider:
-        f = facts
+    def build(f: LamFacts, options: None) -> LamProvider:
         return LamLearner(mode, f.lambda_init, sigma_lr=f.sigma_lr, anneal=f.anneal, gamma_reg=f.gamma_reg,
                           beta=f.beta, gamma_lambda=f.gamma_lambda, valve_threshold=f.valve_threshold, device=f.device)
     return build
