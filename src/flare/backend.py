@@ -93,11 +93,9 @@ def backend(cfg: Config, device: str | None = None) -> Backend:
 def settle_speed(be: Backend, cfg: Config, shape: tuple[int, int, int], num_classes: int, *, cpu_facts=None,
                  measure=None, cache=None, train_size: int | None = None, kernels_bf16: bool | None = None) -> Backend:
     """`speed=fast` on CPU: the precision (amp=auto) and layout (cpu_channels_last=auto) the probe measures fastest
-    for the run's model at its input `shape` (flare/speed.py), never a candidate that does not beat plain fp32 by
-    the margin; the choice and its figures go into the run's facts. `train_size`: the training images of all
-    clients (None: unknown), from which the run's own training is counted — a run shorter than the probe is not
-    probed. Anything else: `be` unchanged. `cpu_facts`, `measure`, `cache`, `kernels_bf16` (whether this process's
-    kernels may use bf16 instructions; None: `cpu.kernels_run_bf16()`): injectable for tests."""
+    for the run's model at its input `shape` (flare/speed.py), recorded in the run's facts; anything else: `be`
+    unchanged. `train_size`: all clients' training images (None: unknown), so a run shorter than the probe is not
+    probed. `cpu_facts`, `measure`, `cache`, `kernels_bf16` (None: `cpu.kernels_run_bf16()`): for tests."""
     decide_amp, decide_layout = cfg.amp == "auto", cfg.cpu_channels_last == "auto"
     if cfg.speed != "fast" or be.device.type != "cpu" or not (decide_amp or decide_layout):
         return be

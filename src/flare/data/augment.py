@@ -35,11 +35,6 @@ def _as_stats(v, channels: int, device, name: str) -> Tensor:
     return t.reshape(1, channels, 1, 1)
 
 
-def _standardize(x01: Tensor, mean: Tensor, std: Tensor) -> Tensor:
-    """(x - mean) / std for a float batch in [0, 1]; mean/std are 1×C×1×1 on x's device."""
-    return (x01 - mean) / std
-
-
 def normalize(x_uint8: Tensor, mean, std) -> Tensor:
     """uint8 B×C×H×W (or C×H×W) → float32 `(x/255 - mean) / std` on x's device (the evaluation transform)."""
     if x_uint8.dtype != torch.uint8:
@@ -49,7 +44,7 @@ def normalize(x_uint8: Tensor, mean, std) -> Tensor:
     s = _as_stats(std, c, x_uint8.device, "std")
     if x_uint8.dim() == 3:
         m, s = m[0], s[0]
-    return _standardize(x_uint8.float().div_(255.0), m, s)
+    return (x_uint8.float().div_(255.0) - m) / s
 
 
 def _resize_matrix(lo: Tensor, hi: Tensor, n_out: int, n_in: int) -> Tensor:
@@ -125,9 +120,9 @@ class TwoViewAugment(nn.Module):
         with torch.no_grad(), torch.autocast(x_uint8.device.type, enabled=False):
             x = x_uint8.float().div_(255.0)
             if self.pre is not None:
-                x = _standardize(x, self.pre_mean.to(x.device), self.pre_std.to(x.device))
+                x = (x - self.pre_mean.to(x.device)) / self.pre_std.to(x.device)
             x = self.policy(x)
-            return _standardize(x, self.mean.to(x.device), self.std.to(x.device)).contiguous()
+            return ((x - self.mean.to(x.device)) / self.std.to(x.device)).contiguous()
 
     def forward(self, x_uint8: Tensor) -> tuple[Tensor, Tensor]:
         return self.single_view(x_uint8), self.single_view(x_uint8)

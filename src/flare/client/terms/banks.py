@@ -203,12 +203,7 @@ def build_public_bank(cfg: Config, public: tuple[Tensor, Tensor] | None, global_
     """The server's side of `public-bank` / `two-stage`: train the teacher on the held-out slice and return its
     normalised features of that slice (None for every other `loss.contrast`)."""
     if cfg.loss.contrast not in ("public-bank", "two-stage"):
-        return None
-    if public is None:
-        raise FlareError(f"loss.contrast={cfg.loss.contrast} needs a public slice held out by the server, but "
-                         "dataset.public_size is 0.", key="dataset.public_size",
-                         fix="set dataset.public_size to the number of training samples the server holds "
-                             "out (e.g. dataset.public_size=1000).")
+        return None  # (a public slice is there: the config refused these kinds without one, `_public_check`)
     teacher, _losses = train_teacher(cfg, public, global_model, augment, device)
     return teacher_bank(teacher, public[0], norm, device, cfg.test_batch_size)
 

@@ -110,10 +110,7 @@ def _prox_check(cfg: Config) -> None:
                                  "started from)")
 def fedprox(facts: NoFacts, options: ProxOptions) -> Term:
     """(μ/2)·Σ_params ‖w − w_start‖²."""
-    def term(batch: TermBatch) -> Tensor:
-        if batch.params is None or batch.start is None:
-            raise FlareError("loss.terms.fedprox was called without the model's parameters.", key="loss.terms",
-                             fix="run it with client_engine=sequential or threads.")
+    def term(batch: TermBatch) -> Tensor:  # the engines pass params and start (`uses_params`; `_prox_check`)
         total = sum(((w - batch.start[name]).pow(2).sum() for name, w in batch.params.items()),
                     torch.zeros((), device=batch.logits.device))
         return 0.5 * options.mu * total
