@@ -7,10 +7,7 @@ the two weight parts apart is what lets gradient surgery (PCGrad) see them separ
 `LamProvider` (no alignment, or λ0·a(p) with λ0 fixed or from the entropy rule) and its subclass `LamLearner`,
 the learned alignment strength of docs/method.md#learned-λ-v10v14 (the notes' V10–V14; V14 is FLARE).
 
-Each client owns two scalars, `s_l = log σ²_local` and `s_a = log σ²_align`, and their own optimizer
-(plain SGD, `lam.sigma_lr`), kept across rounds and in the client's checkpoints. Warm start from the
-entropy rule of V9: `s_l = 0`, `s_a = −log λ_init`, so that `λ_raw = exp(s_l − s_a)` starts at `λ_init`.
-The modes (`lam.learner`: `uw`, `uw-rescaled`, `decoupled`) and their losses are the table of that section.
+The learner's two scalars `s_l`, `s_a`, their warm start, optimizer and the modes' losses: that section's table.
 
 Gradient routing: `local`/`align` hold σ only through detached factors and `sigma` holds the weights' losses only
 detached, so the trainer's single `(local + align + sigma).backward()` gives the weights and σ exactly the

@@ -4,17 +4,10 @@ The training loop keeps each client's images as one uint8 tensor on the training
 of it, so there is no DataLoader and no PIL: `TwoViewAugment` takes a uint8 batch B×C×H×W and returns two
 independently augmented, normalised float32 views, computed with batched kornia ops on the batch's device.
 
-Policy (torchvision's SupCon recipe, in this order):
-
-1. `RandomResizedCrop(image_size, scale=(0.2, 1.0), ratio=(3/4, 4/3))`, bilinear;
-2. `RandomHorizontalFlip(p=0.5)`;
-3. `ColorJitter(brightness=0.4, contrast=0.4, saturation=0.4, hue=0.1)` applied with p=0.8;
-4. `RandomGrayscale(p=0.2)`;
-5. `(x/255 - mean) / std` (the same arithmetic as `normalize`, which the evaluation path uses).
-
-Where and why it departs from torchvision (the jitter's order, the crop's resample mode, the normalisation, the
-per-batch draws, the reference's input scaling, the random generators): the list under the policy in
-docs/method.md#local-objective-fafi."""
+Policy (torchvision's SupCon recipe, in this order): RandomResizedCrop(image_size, scale=(0.2, 1.0), ratio=(3/4,
+4/3)), bilinear; RandomHorizontalFlip(p=0.5); ColorJitter(0.4, 0.4, 0.4, 0.1) with p=0.8; RandomGrayscale(p=0.2);
+then `(x/255 - mean) / std` (the arithmetic of `normalize`, which the evaluation path uses). Where and why it departs
+from torchvision: the list under the policy in docs/method.md#local-objective-fafi."""
 from __future__ import annotations
 
 from typing import Sequence

@@ -1,18 +1,12 @@
-"""Contrast-set extensions (docs/method.md#contrast-banks): memory bank, public feature bank, two-stage training.
+"""Contrast-set extensions (docs/method.md#contrast-banks, which says what each kind adds to the loss): memory bank,
+public feature bank, two-stage training. The notes report all three as failures (9/22, 9/23, 9/24); they stay as
+options so the findings can be reproduced.
 
-The notes tried these before the anchor family and report all three as failures (memory bank 9/22,
-public feature bank 9/23, two-stage 9/24); they stay as options so the findings can be reproduced.
-
-The server builds the public bank once (`build_public_bank`: it trains the teacher on the held-out slice);
-`CONTRAST.create` builds a callable `(client, ctx) -> extension` from it (the same call in the in-process runner
-and on a Flower node, which receives the bank with its task); the trainer calls, per step,
-
-    contrast_bank() -> (feats, labels) | None      extra SupCon contrast entries (memory bank)
-    adjust_terms(terms, feat, y2, epoch_idx) -> terms
-    after_step(feat_detached, y2)
-
-and `state_dict()` / `load_state_dict()` for checkpoints. What each kind adds to the loss (`memory-bank`,
-`public-bank`, `two-stage`): docs/method.md#contrast-banks.
+The server builds the public bank once (`build_public_bank`); `CONTRAST.create` builds a callable
+`(client, ctx) -> extension` from it (the same call in the in-process runner and on a Flower node, which receives the
+bank with its task). The trainer calls, per step, `contrast_bank() -> (feats, labels) | None` (extra SupCon contrast
+entries), `adjust_terms(terms, feat, y2, epoch_idx) -> terms` and `after_step(feat_detached, y2)`, and
+`state_dict()` / `load_state_dict()` for checkpoints.
 """
 from __future__ import annotations
 

@@ -1,20 +1,12 @@
-"""Additional loss terms (`loss.terms`): registered terms a plugin adds to the local objective.
+"""Additional loss terms (`loss.terms`; docs/extending.md): registered terms a plugin adds to the local objective.
+The trainer adds `weight · term(batch)` to the base loss and logs it as `term_<name>` in every engine and the LR probe
+(client/step.py `local_loss`); under client_engine=batched the term is vmapped, so it must not read values back to the
+host.
 
-    loss:
-      terms:
-        feature_norm: {weight: 0.01}
-
-A term is built by `LOSS_TERMS.create(name, NoFacts(), options)` — its entry a factory `fn(facts, options) ->
-term`, `term(batch: TermBatch) -> scalar tensor` — registered in `flare.registry.LOSS_TERMS` with an options model
-that subclasses `TermOptions` (so every term has a `weight`; a term without options gets `TermOptions`, the
-registry's default options model). The trainer adds `weight · term(batch)` to the base loss and logs it as
-`term_<name>` in every engine and the LR probe (client/step.py `local_loss`; under client_engine=batched the term is
-vmapped, so it must not read values back to the host).
-
-A term that regularises the weights themselves (FedProx's proximal term) declares `uses_params = True` on its
-options model: the sequential engines and the LR probe then pass the model's trainable parameters by name
-(`TermBatch.params`) and the model the client started from (`TermBatch.start`: in one-shot FL the global model the
-server sent, the shared init). The batched engine holds no such per-client copy and refuses those terms.
+A term that regularises the weights themselves (FedProx's) declares `uses_params = True` on its options model: the
+sequential engines and the LR probe then pass the model's trainable parameters by name (`TermBatch.params`) and the
+model the client started from (`TermBatch.start`: in one-shot FL the global model the server sent, the shared init).
+The batched engine holds no such per-client copy and refuses those terms.
 """
 from __future__ import annotations
 
