@@ -30,10 +30,8 @@ from flare.registry import LAM_PROVIDERS, SCHEDULES, NoFacts
 
 @dataclass(frozen=True)
 class LamFacts:
-    """What a λ provider is built from besides its options (`lam.options`): the client's starting strength
-    (align.lambda0, or the entropy rule on its labels), the alignment's a(p) (align.schedule), the device of its own
-    parameters, and the built-in learners' keys of the `lam` section (they predate `lam.options`; recorded runs
-    name them)."""
+    """What a λ provider is built from besides `lam.options`: the client's starting strength (align.lambda0, or the
+    entropy rule), align.schedule's a(p), the device of its own parameters, and the built-in learners' `lam` keys."""
     lambda_init: float
     schedule: str
     device: torch.device
@@ -211,11 +209,9 @@ class LamLearner(LamProvider):
 
 
 def sigma_sgd(sigma: tuple[Tensor, ...], lr: float, mask: Tensor | None = None) -> None:
-    """σ ← σ − lr·∇σ, then clear the gradient: the σ step of both client engines — one client's own (s_l, s_a)
-    (`LamLearner.step`), or the batched engine's stacks of every client's, where only the clients in `mask` (all
-    when None) took part in the step. The arithmetic of `torch.optim.SGD` without momentum and weight decay
-    (`param.add_(grad, alpha=-lr)`), which the learner's optimizer is built as: it holds σ's lr and travels in
-    checkpoints. A σ without a gradient (a step without alignment) stays where it is."""
+    """σ ← σ − lr·∇σ, then clear the gradient: the σ step of both client engines (one client's (s_l, s_a), or the
+    batched engine's stacks, where only the clients in `mask`, all when None, took part), with the arithmetic of the
+    learner's `torch.optim.SGD` (`param.add_(grad, alpha=-lr)`). A σ without a gradient stays where it is."""
     with torch.no_grad():
         for s in sigma:
             if s.grad is None:
@@ -240,10 +236,8 @@ def _learner(mode: str):
 
 
 def _learner_check(mode: str):
-    """What a learner needs of the config: anchors (it weighs L_align), its own annealing (lam.anneal, so
-    align.schedule stays constant), the decoupled σ objective's coefficients only for `decoupled`, and a positive
-    finite λ_init = exp(s_l − s_a) (s_a = −log λ_init), which lies between align.lambda_min and align.lambda_max
-    (entropy rule) or is align.lambda0 (fixed rule)."""
+    """What a learner needs of the config: anchors, its own annealing (lam.anneal), the decoupled σ objective's
+    coefficients only for `decoupled`, and a positive finite λ_init (s_a = −log λ_init)."""
     def check(cfg: Config) -> None:
         cfg.require_anchors(f"lam.learner={mode}")
         a, lm = cfg.align, cfg.lam

@@ -150,12 +150,10 @@ class RoundPlan:
 
 
 class RoundLogs:
-    """The step logs of a round for clients `cids`: one row per (client, epoch) — row i·E + e — summed on the
-    device (no sync per step), with the step at which each entry first went non-finite, so a NaN is blamed on the
-    term where it started, not on the terms it contaminated afterwards. Each engine adds every step's logs and
-    closes rows (one device read each time): the sequential engine an epoch's row when the epoch ends, so it stops
-    at the first diverged epoch, the batched engine all rows when the round ends. Closed rows are summed per client
-    over the epochs and averaged per step into its record (`means`)."""
+    """The step logs of a round for clients `cids`: one row per (client, epoch), row i·E + e, summed on the device
+    (no sync per step), with the step at which each entry first went non-finite, so a NaN is blamed on the term where
+    it started, not on the terms it contaminated afterwards. The sequential engine closes an epoch's row when the
+    epoch ends (so it stops at the first diverged epoch), the batched engine all rows when the round ends."""
 
     def __init__(self, cids: list[int], epochs: int, round_idx: int, device: torch.device):
         self.cids, self.E, self.round_idx, self.device = list(cids), epochs, round_idx, device

@@ -73,13 +73,6 @@ class MemoryBank:
         self.ptr = (self.ptr + n) % self.size
         self.count = min(self.count + n, self.size)
 
-    def contents(self) -> tuple[Tensor, Tensor]:
-        """(features, labels) of the queue, oldest first."""
-        if self.count < self.size:
-            return self.feats[: self.count], self.labels[: self.count]
-        order = (self.ptr + torch.arange(self.size, device=self.feats.device)) % self.size
-        return self.feats[order], self.labels[order]
-
     def bank(self) -> tuple[Tensor, Tensor]:
         """The filled entries in storage order (SupCon does not care about order; no copy)."""
         return self.feats[: self.count], self.labels[: self.count]
