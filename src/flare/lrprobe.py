@@ -106,9 +106,6 @@ def top_hessian_eigenvalue(loss_fns: list[Callable[[], Tensor]], params: list[Te
     return est
 
 
-# ----------------------------------------------------------------------------------------------
-
-
 # One HVP costs about five forward passes, so on a CPU the probe's price is set by its images (ResNet-18 at full
 # width: ~0.17 s per image per HVP on two cores). What the cap changes in L: docs/alignment.md#lr-probe.
 PROBE_BATCH_CAP = 64
