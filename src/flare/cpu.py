@@ -220,9 +220,9 @@ def _yaml_level(path) -> str | None:
 
 
 def early_level(argv: list[str], env: dict | None = None) -> str:
-    """The cpu_isa a command line asks for, read before anything dispatches a kernel: an override `cpu_isa=...`
-    (or `speed=fast` → native), else the `--config` file's (or a `--resume` or `flare fuse` directory's config.yaml), else
-    $FLARE_CPU_ISA, else the default. Each run then pins and checks its config's level (`backend`)."""
+    """The cpu_isa a command line asks for, read before anything dispatches a kernel: an override `cpu_isa=...` (or
+    `speed=fast` → native), else the `--config` file's (or a `--resume` or `flare fuse` directory's config.yaml),
+    else $FLARE_CPU_ISA, else the default. Each run then pins and checks its config's level (`backend`)."""
     env = os.environ if env is None else env
     level = env.get("FLARE_CPU_ISA") or DEFAULT_ISA
     for i, a in enumerate(argv):

@@ -7,7 +7,8 @@ the two weight parts apart is what lets gradient surgery (PCGrad) see them separ
 `LamProvider` (no alignment, or λ0·a(p) with λ0 fixed or from the entropy rule) and its subclass `LamLearner`,
 the learned alignment strength of docs/method.md#learned-λ-v10v14 (the notes' V10–V14; V14 is FLARE).
 
-The learner's two scalars `s_l`, `s_a`, their warm start, optimizer and the modes' losses: that section's table.
+The learner's scalars `s_l = log σ²_local`, `s_a = log σ²_align`, their warm start and optimizer: that section; each
+mode's losses: its table.
 
 Gradient routing: `local`/`align` hold σ only through detached factors and `sigma` holds the weights' losses only
 detached, so the trainer's single `(local + align + sigma).backward()` gives the weights and σ exactly the

@@ -48,9 +48,8 @@ class TermBatch:
 
 
 def loss_terms(loss: LossCfg) -> tuple[tuple[str, Term, TermOptions], ...]:
-    """(name, built term, validated options) of every term of `loss.terms`, in the table's order (the order the step
-    sums them in), built once per distinct table rather than at every step (the table is plain JSON data, so its
-    text is the cache's key)."""
+    """(name, built term, validated options) of every term of `loss.terms`, in the order the step sums them, built
+    once per distinct table rather than at every step (the table is plain JSON data: its text is the cache's key)."""
     return _built_terms(json.dumps(loss.terms))
 
 
