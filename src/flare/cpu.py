@@ -86,27 +86,20 @@ def native_level() -> str:
     return "DEFAULT"
 
 
-def _mkl_library():
-    """torch's own copy of MKL (linked into libtorch_cpu), or None where this torch build has no MKL."""
-    import torch  # lazy: see kernels()
-    if not torch.backends.mkl.is_available():
-        return None
-    try:
-        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        return lib if hasattr(lib, "mkl_serv_cbwr_get") else None
-    except OSError:
-        return None
-
-
 def mkl_mode() -> str:
     """The MKL reproducibility branch in force in this process: the `MKL_CBWR` value MKL took at its first call,
     "unpinned" (MKL's automatic, CPU-dependent dispatch), or "no MKL". MKL's public `mkl_cbwr_get` is not exported by
     torch's library, so this reads the service routine behind it, which (torch 2.11 and 2.14, MKL 2024.2) answers 1
     while no branch is set; a small `addmm` first makes MKL read its environment."""
-    lib = _mkl_library()
-    if lib is None:
-        return "no MKL"
     import torch  # lazy: see kernels()
+    lib = None
+    if torch.backends.mkl.is_available():
+        try:  # torch's own copy of MKL, linked into libtorch_cpu
+            lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        except OSError:
+            pass
+    if lib is None or not hasattr(lib, "mkl_serv_cbwr_get"):
+        return "no MKL"
     a = torch.ones(2, 2)
     torch.addmm(a, a, a)
     branch = lib.mkl_serv_cbwr_get(1)
