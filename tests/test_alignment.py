@@ -369,7 +369,7 @@ def test_memory_bank_extension_uses_the_bank_temperature_from_the_first_step():
     z = F.normalize(feat, dim=1)
     assert torch.isclose(t["loss_con"], supcon_loss(z, y, tau=0.5, base_tau=0.5))
     ext.after_step(feat, y)
-    assert len(ext.queue) == 6
+    assert len(ext) == 6
     t2 = fafi_terms(feat, torch.randn(6, 3), y, torch.randn(3, 4), bank=ext.contrast_bank(), bank_tau=0.5)
     assert not torch.isclose(t2["loss_con"], t["loss_con"])  # the bank entries now take part
 
@@ -379,7 +379,7 @@ def test_memory_bank_through_the_trainer_fills_to_its_size():
     ctx.extension_factory = CONTRAST.create(ctx.cfg.loss.contrast, bank_facts(ctx.cfg.loss, None, ctx.device))
     client.extension = ctx.extension_factory(client, ctx)
     client.train_round(ctx, 0)  # 2 epochs × 48 samples × 2 views = 192 rows pushed
-    assert len(client.extension.queue) == 40
+    assert len(client.extension) == 40
 
 
 def test_public_infonce_hand_example():

@@ -86,24 +86,17 @@ class MemoryBank:
         self.ptr, self.count = int(state["ptr"]), int(state["count"])
 
 
-class MemoryBankExtension:
-    def __init__(self, size: int, dim: int, device: torch.device):
-        self.queue = MemoryBank(size, dim, device)
+class MemoryBankExtension(MemoryBank):
+    """The memory bank as a client's contrast extension (its checkpoint: the bank's `state_dict`)."""
 
     def contrast_bank(self) -> tuple[Tensor, Tensor]:
-        return self.queue.bank()
+        return self.bank()
 
     def adjust_terms(self, terms: dict, feat: Tensor, y2: Tensor, epoch_idx: int) -> dict:
         return terms
 
     def after_step(self, feat: Tensor, y2: Tensor) -> None:
-        self.queue.push(feat, y2)
-
-    def state_dict(self) -> dict:
-        return self.queue.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.queue.load_state_dict(state)
+        self.push(feat, y2)
 
 
 # public feature bank and two-stage
