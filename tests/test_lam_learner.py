@@ -230,8 +230,8 @@ def test_valve_is_zero_below_lambda_max_and_pushes_down_above():
     # one σ step: without the valve λ_raw climbs (annealing has switched the align term off), with it λ_raw falls
     L0.step()
     L1.step()
-    assert L0.lambda_raw() > 80.0
-    assert L1.lambda_raw() < 80.0
+    assert L0.state_logs()["lambda_raw_end"] > 80.0
+    assert L1.state_logs()["lambda_raw_end"] < 80.0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -256,7 +256,7 @@ def run_trainer_like(learner, steps, p, seed=0, weight_lr=0.02, base_scale=8.0):
         torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
         opt.step()
         learner.step()
-        traj.append(learner.lambda_raw())
+        traj.append(learner.state_logs()["lambda_raw_end"])
     return traj
 
 

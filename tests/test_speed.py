@@ -235,7 +235,7 @@ def test_the_probe_really_measures_a_step():
 def test_the_exact_profile_is_measured_in_its_own_process():
     cfg = fast_cfg()
     spec = speed.ProbeSpec(cfg.model_dump(mode="json"), SHAPE, 10, 8, 1)
-    assert speed.measure_exact(spec, "avx2") > 0
+    assert speed.measure_in_child(spec, "avx2") > 0
 
 
 @pytest.mark.slow

@@ -67,7 +67,8 @@ def machine(device: torch.device) -> str:
 def backend(cfg: Config, device: str | None = None) -> Backend:
     """Pin the CPU kernels (`cpu_isa`), resolve the device, and turn bf16 autocast off — with a warning — on a CPU
     where it would be emulated (no AVX512-BF16/AMX, or kernels pinned below AVX512): there it is ~50× slower."""
-    kernels, warn = cpu.apply(cfg.cpu_isa)
+    cpu.pin(cfg.cpu_isa)
+    kernels, warn = cpu.check(cfg.cpu_isa)
     warns, device = [warn] if warn else [], resolve_device(device or cfg.device)
     if cfg.compile and device.type == "cpu" and cpu.is_x86() and kernels != cpu.native_level():
         # Measured with torch 2.14.1 on an AVX512 VM: inductor's CPU code under ATEN_CPU_CAPABILITY=avx2 turned the
@@ -92,11 +93,9 @@ def backend(cfg: Config, device: str | None = None) -> Backend:
 def settle_speed(be: Backend, cfg: Config, shape: tuple[int, int, int], num_classes: int, *, cpu_facts=None,
                  measure=None, cache=None, train_size: int | None = None, kernels_bf16: bool | None = None) -> Backend:
     """`speed=fast` on CPU: the precision (amp=auto) and layout (cpu_channels_last=auto) the probe measures fastest
-    for the run's model at its input `shape` (flare/speed.py), never a candidate that does not beat plain fp32 by
-    the margin; the choice and its figures go into the run's facts. `train_size`: the training images of all
-    clients (None: unknown), from which the run's own training is counted — a run shorter than the probe is not
-    probed. Anything else: `be` unchanged. `cpu_facts`, `measure`, `cache`, `kernels_bf16` (whether this process's
-    kernels may use bf16 instructions; None: `cpu.kernels_run_bf16()`): injectable for tests."""
+    for the run's model at its input `shape` (flare/speed.py), recorded in the run's facts; anything else: `be`
+    unchanged. `train_size`: all clients' training images (None: unknown), so a run shorter than the probe is not
+    probed. `cpu_facts`, `measure`, `cache`, `kernels_bf16` (None: `cpu.kernels_run_bf16()`): for tests."""
     decide_amp, decide_layout = cfg.amp == "auto", cfg.cpu_channels_last == "auto"
     if cfg.speed != "fast" or be.device.type != "cpu" or not (decide_amp or decide_layout):
         return be

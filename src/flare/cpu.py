@@ -34,9 +34,8 @@ _USER = "FLARE_CPU_USER_ENV"
 
 
 def user_environment(environ: dict | None = None) -> dict:
-    """The environment as the user gave it: FLARE's own pins and marks removed and the kernel variables the user
-    had exported put back — what a child process that chooses its own kernel level (a benchmark's profiles)
-    starts from."""
+    """The environment as the user gave it (FLARE's pins and marks removed, the user's kernel variables put back):
+    what a child process that chooses its own kernel level (a benchmark's profiles) starts from."""
     environ = os.environ if environ is None else environ
     env = {k: v for k, v in environ.items() if k not in (*_ENV, _MARK, _USER)}
     env.update(json.loads(environ.get(_USER) or "{}"))
@@ -48,11 +47,10 @@ def is_x86() -> bool:
 
 
 def pin(level: str) -> None:
-    """Set the environment so that this process's first CPU kernel (and every process it starts, which inherits
-    the environment: sweep workers, Ray workers, Flower nodes) dispatches at `level`. Takes effect only before
-    the process's first tensor operation — importing FLARE's modules runs some, so `flare/__init__.py` and the
-    CLI pin first thing; `check` says whether it took. `native` removes a pin FLARE set (one the user exported
-    stays: it is theirs)."""
+    """Set the environment so that this process's first CPU kernel (and every process it starts: sweep workers, Ray
+    workers, Flower nodes) dispatches at `level`. Takes effect only before the process's first tensor operation
+    (`flare/__init__.py` and the CLI pin first thing; `check` says whether it took). `native` removes a pin FLARE
+    set (one the user exported stays: it is theirs)."""
     if level not in LEVELS:
         raise ValueError(f"unknown cpu_isa {level!r}; one of {', '.join(LEVELS)}")
     spec, prev = LEVELS[level], os.environ.get(_MARK)
@@ -88,29 +86,20 @@ def native_level() -> str:
     return "DEFAULT"
 
 
-def _mkl_library():
-    """torch's own copy of MKL (linked into libtorch_cpu), or None where this torch build has no MKL."""
-    import torch  # lazy: see kernels()
-    if not torch.backends.mkl.is_available():
-        return None
-    try:
-        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        return lib if hasattr(lib, "mkl_serv_cbwr_get") else None
-    except OSError:
-        return None
-
-
 def mkl_mode() -> str:
     """The MKL reproducibility branch in force in this process: the `MKL_CBWR` value MKL took at its first call,
-    "unpinned" when MKL runs its automatic (CPU-dependent) dispatch, or "no MKL" for a build without it.
-
-    MKL's public `mkl_cbwr_get` is not exported by torch's library, so this reads the service routine behind it,
-    which (measured with torch 2.11 and 2.14, MKL 2024.2) answers 1 while no branch is set and another value once
-    MKL_CBWR took; it runs a small `addmm` first so that MKL has read its environment."""
-    lib = _mkl_library()
-    if lib is None:
-        return "no MKL"
+    "unpinned" (MKL's automatic, CPU-dependent dispatch), or "no MKL". MKL's public `mkl_cbwr_get` is not exported by
+    torch's library, so this reads the service routine behind it, which (torch 2.11 and 2.14, MKL 2024.2) answers 1
+    while no branch is set; a small `addmm` first makes MKL read its environment."""
     import torch  # lazy: see kernels()
+    lib = None
+    if torch.backends.mkl.is_available():
+        try:  # torch's own copy of MKL, linked into libtorch_cpu
+            lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        except OSError:
+            pass
+    if lib is None or not hasattr(lib, "mkl_serv_cbwr_get"):
+        return "no MKL"
     a = torch.ones(2, 2)
     torch.addmm(a, a, a)
     branch = lib.mkl_serv_cbwr_get(1)
@@ -139,16 +128,8 @@ def check(level: str) -> tuple[str, str | None]:
     return got, None
 
 
-def apply(level: str) -> tuple[str, str | None]:
-    """`pin` then `check`: what a run calls before its first tensor operation."""
-    pin(level)
-    return check(level)
-
-
 # oneDNN's levels below its bf16 instructions (AVX512_CORE_BF16): capped at one of these, oneDNN emulates bf16.
 ONEDNN_BELOW_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"})
-
-
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -194,20 +175,17 @@ def read_cpu(path: str | Path = "/proc/cpuinfo") -> CpuFacts:
 
 def kernels_run_bf16(environ: dict | None = None) -> bool:
     """Whether this process's kernel libraries may use the CPU's bf16 instructions: ATen dispatching above AVX2,
-    and oneDNN not capped below its bf16 level (an exported ONEDNN_MAX_CPU_ISA, or its old name DNNL_MAX_CPU_ISA).
-    Under either cap bf16 is emulated whatever the CPU's flags say: ResNet-18's training step measured 2.8 samples/s
-    in bf16 against 44.7 in fp32 with every library capped at AVX2 on a CPU with avx512_bf16."""
+    and oneDNN not capped below its bf16 level (ONEDNN_MAX_CPU_ISA, or its old name DNNL_MAX_CPU_ISA). Under either
+    cap bf16 is emulated: ResNet-18's step measured 2.8 samples/s in bf16 against 44.7 in fp32 on an avx512_bf16 CPU."""
     env = os.environ if environ is None else environ
     cap = (env.get("ONEDNN_MAX_CPU_ISA") or env.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
     return cap not in ONEDNN_BELOW_BF16 and kernels() not in ("DEFAULT", "AVX2")
 
 
 def bf16_supported(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """bf16 autocast is only fast where the CPU has native bf16 arithmetic (AVX512-BF16 or AMX) and the kernels
-    may use it: under AVX2 kernels torch emulates it (ResNet-18 measured 2 samples/s instead of 94). The CPU's own
-    flags decide, not torch's `_is_mkldnn_bf16_supported`, which also says yes on plain AVX512 (oneDNN emulates
-    bf16 there: a ResNet-18 round took 513 s instead of 313 s in fp32 on such an Intel Xeon). Where there is no
-    /proc/cpuinfo (not Linux), torch's answer stands."""
+    """Whether bf16 autocast is fast here: native bf16 arithmetic (AVX512-BF16 or AMX) by the CPU's own flags, not
+    torch's `_is_mkldnn_bf16_supported`, which also says yes where oneDNN emulates it (flare/speed.py: why), and
+    kernels that may use it (`kernels_run_bf16`). Where there is no /proc/cpuinfo (not Linux), torch's answer stands."""
     import torch  # lazy: see kernels()
     facts = read_cpu(cpuinfo)
     if facts.flags:
@@ -235,9 +213,9 @@ def _yaml_level(path) -> str | None:
 
 
 def early_level(argv: list[str], env: dict | None = None) -> str:
-    """The cpu_isa a command line asks for, read before anything dispatches a kernel: an override `cpu_isa=...`
-    (or `speed=fast` → native), else the `--config` file's (or a `--resume` or `flare fuse` directory's config.yaml), else
-    $FLARE_CPU_ISA, else the default. Each run then checks its own validated config against it (`apply`)."""
+    """The cpu_isa a command line asks for, read before anything dispatches a kernel: an override `cpu_isa=...` (or
+    `speed=fast` → native), else the `--config` file's (or a `--resume` or `flare fuse` directory's config.yaml),
+    else $FLARE_CPU_ISA, else the default. Each run then pins and checks its config's level (`backend`)."""
     env = os.environ if env is None else env
     level = env.get("FLARE_CPU_ISA") or DEFAULT_ISA
     for i, a in enumerate(argv):

@@ -1,16 +1,12 @@
 """LR probe (docs/method.md#lr-probe): the largest Hessian eigenvalue L of the local loss at the initial model and the
 stability bound η_crit = 2/L of (non-momentum) gradient descent on a quadratic with that curvature.
 
-`flare lr-probe` builds the run exactly like the runner (same data pipeline and subsets, same partition,
-same seeded global init, same anchors), takes one client's data (client 0 by default, or the whole
-training set with `--all-data`), draws `--batches` fixed batches with fixed augmentation seeds, and runs
-power iteration on Hessian–vector products (double backward) of the mean loss over those batches.
-
-The loss probed is the weights' local loss at p = 0 with the client's initial λ, weighed by its λ provider's
-`probe_loss` (plugins included), with the extra terms of `loss.terms`; the contrast extensions are left out (the
-memory bank is empty at the start, the public bank needs the server's teacher). BatchNorm runs in training mode,
-as in local training. Power iteration converges to the eigenvalue of largest *magnitude*; if that one is negative,
-a second run on H − μI finds the largest (positive) eigenvalue."""
+`flare lr-probe` builds the run exactly like the runner (data, subsets, partition, seeded global init, anchors),
+takes one client's data (or the whole training set with `--all-data`), draws `--batches` fixed batches with fixed
+augmentation seeds, and runs power iteration on Hessian–vector products (double backward) of their mean loss: the
+weights' local loss at p = 0 with the client's initial λ, weighed by its λ provider's `probe_loss`, with the extra
+terms of `loss.terms`; the contrast extensions are left out (the memory bank is empty at the start, the public bank
+needs the server's teacher). BatchNorm runs in training mode, as in local training."""
 from __future__ import annotations
 
 import math
@@ -110,15 +106,8 @@ def top_hessian_eigenvalue(loss_fns: list[Callable[[], Tensor]], params: list[Te
     return est
 
 
-# ----------------------------------------------------------------------------------------------
-
-
-# One HVP costs about five forward passes (double backward through both views), so on a CPU the probe's price
-# is set by the images it uses: ResNet-18 at full width takes ~0.17 s per image per HVP on two cores. The
-# default probes 2 batches of at most 64 images. The estimate depends on the batch (SupCon's contrast set and
-# BatchNorm's statistics change with it): on the default config with the CNN, 2×64 images gave L = 626 against
-# 600 and 617 for 1×512 and 3×512, while a single batch of 16 gave 451 (docs/alignment.md). `--batch-size` and
-# `--batches` buy the configured shape back where time allows.
+# One HVP costs about five forward passes, so on a CPU the probe's price is set by its images (ResNet-18 at full
+# width: ~0.17 s per image per HVP on two cores). What the cap changes in L: docs/alignment.md#lr-probe.
 PROBE_BATCH_CAP = 64
 
 

@@ -5,6 +5,7 @@ learning rate (docs/method.md#schedules). `p` runs once from 0 to 1 over the *wh
 never per round — the seeds' saw-tooth was a bug."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -53,38 +54,22 @@ class ProgressFn(Protocol):
     def __call__(self, facts: ProgressFacts, options: None) -> StepProgress: ...
 
 
-def _progress(name: str, spans_the_run: bool = True):
-    """Register the progress factory `fn(facts, options) -> p(epoch, batch, steps_per_epoch, epochs_done)` under
-    `name`, stating whether it spans the run."""
-    def register(fn):
-        fn.spans_the_run = spans_the_run
-        return PROGRESS.register(name, fn)
-    return register
+def _progress(name: str, p: Callable[..., float], description: str, spans_the_run: bool = True) -> None:
+    """Register the progress `name`: p(facts, epoch, batch, steps_per_epoch, epochs_done) at a step, and whether it
+    spans the run."""
+    def build(facts: ProgressFacts, options: None) -> StepProgress:
+        return functools.partial(p, facts)
+    build.spans_the_run = spans_the_run
+    PROGRESS.register(name, build, description=description)
 
 
-@_progress("epoch")
-def epoch_progress(facts: ProgressFacts, options: None) -> StepProgress:
-    """e/(R·E), e the completed epochs (ours)."""
-    return lambda epoch, batch, steps_per_epoch, epochs_done: progress(epochs_done, facts.total_epochs)
-
-
-@_progress("step")
-def step_progress(facts: ProgressFacts, options: None) -> StepProgress:
-    """Per step: (e + b/steps)/(R·E)."""
-    return lambda epoch, batch, steps_per_epoch, epochs_done: progress(epochs_done + batch / steps_per_epoch,
-                                                                       facts.total_epochs)
-
-
-@_progress("round-reset", spans_the_run=False)
-def round_reset_progress(facts: ProgressFacts, options: None) -> StepProgress:
-    """j/E, j the epoch within the round: the reference's first batch (λ constant when E = 1)."""
-    return lambda epoch, batch, steps_per_epoch, epochs_done: epoch / facts.local_epochs
-
-
-@_progress("epoch-end")
-def epoch_end_progress(facts: ProgressFacts, options: None) -> StepProgress:
-    """(e+1)/(R·E): V12's logged s(p) = 1 − (r+1)/R (the reference's learned-λ runs)."""
-    return lambda epoch, batch, steps_per_epoch, epochs_done: progress(epochs_done + 1, facts.total_epochs)
+_progress("epoch", lambda f, e, b, spe, done: progress(done, f.total_epochs), "e/(R·E), e the completed epochs (ours)")
+_progress("step", lambda f, e, b, spe, done: progress(done + b / spe, f.total_epochs),
+          "Per step: (e + b/steps)/(R·E)")
+_progress("round-reset", lambda f, e, b, spe, done: e / f.local_epochs,
+          "j/E, j the epoch within the round: the reference's first batch (λ constant when E = 1)", spans_the_run=False)
+_progress("epoch-end", lambda f, e, b, spe, done: progress(done + 1, f.total_epochs),
+          "(e+1)/(R·E): V12's logged s(p) = 1 − (r+1)/R (the reference's learned-λ runs)")
 
 
 class LRSchedule:
@@ -117,15 +102,6 @@ class LRSchedule:
             length *= self.t_mult
             i += 1
         return i, t - start, length
-
-    def restarts(self, upto: float) -> list[float]:
-        """Epoch-times at which SGDR restarts: T0, T0(1+T_mult), …, up to `upto`."""
-        out, start, length = [], 0.0, self.t0
-        while start + length <= upto + 1e-12:
-            start += length
-            out.append(start)
-            length *= self.t_mult
-        return out
 
     def __call__(self, t: float, round_idx: int) -> float:
         if self.kind == "constant":

@@ -36,8 +36,8 @@ MARGIN = 0.05          # a candidate must beat plain fp32 by 5 % (the probe's no
 # with the batch (fp32 NCHW did, on a loaded VM), which the margin and the summary's figures leave visible.
 PROBE_IMAGES = 256
 PROBE_STEPS = 2        # timed steps per candidate after one warm-up step; the fastest counts
-GIVE_UP = 1.5          # a candidate whose timed step took this many times the best step so far is not timed again
 KERNEL_ENV = cpu._ENV  # the variables that cap torch's kernel libraries (the `cpu` argument below is a CpuFacts)
+GIVE_UP = 1.5          # a candidate whose timed step took this many times the best step so far is not timed again
 
 
 @dataclass(frozen=True)
@@ -58,11 +58,10 @@ EXACT = Candidate(False, False, exact=True)
 
 def candidates(cpu: CpuFacts, *, decide_amp: bool, decide_layout: bool, bf16: bool = False,
                channels_last: bool = False, kernels_bf16: bool = True) -> list[Candidate]:
-    """The exact profile, then the candidates at this process's kernels: the items the config leaves to the probe
-    (`decide_*`) in every allowed value, the others as the config fixed them. The first after `EXACT` is the
-    floor: plain fp32 NCHW where the config leaves both open. bf16 is a candidate only where the CPU has bf16
-    instructions and the kernels may use them (`kernels_bf16`: no exported cap below them, `cpu.kernels_run_bf16`):
-    emulated bf16 is never worth the probe's time (one warm-up step of it took minutes under an AVX2 cap)."""
+    """The exact profile, then the candidates at this process's kernels: what the config leaves to the probe
+    (`decide_*`) in every allowed value, the rest as the config fixed it; the first after `EXACT` is the floor. bf16
+    only where the CPU has bf16 instructions and the kernels may use them (`kernels_bf16`): emulated bf16 is never
+    worth the probe's time (one warm-up step of it took minutes under an AVX2 cap)."""
     native = cpu.native_bf16 and kernels_bf16
     precisions = [False, True] if decide_amp and native else [False] if decide_amp else [bf16]
     layouts = [False, True] if decide_layout else [channels_last]
@@ -116,10 +115,9 @@ def choose(cands: list[Candidate], figures: dict, margin: float = MARGIN) -> tup
 
 def step_rate(model, images: int, shape: tuple, num_classes: int, bf16: bool, channels_last: bool,
               steps: int = PROBE_STEPS, lr: float = 0.05, beat: float = 0.0) -> float:
-    """Samples/s of the bare training step (forward, CE on the logits, backward, SGD with momentum) on random
-    input, fastest of `steps` after one warm-up — the kernels alone, without augmentation or the method's loss.
-    `beat`: the best rate measured so far; a step slower than it by `GIVE_UP` ends the timing (a clear loser
-    need not be timed twice). The model is trained in place: pass a copy."""
+    """Samples/s of the bare training step (forward, CE, backward, SGD with momentum) on random input, fastest of
+    `steps` after one warm-up. `beat`: the best rate so far; a step slower than it by `GIVE_UP` ends the timing. The
+    model is trained in place: pass a copy."""
     gen = torch.Generator().manual_seed(0)  # its own stream: the run's seeded generator is not touched
     x = torch.randn((images, *shape), generator=gen)
     y = torch.randint(0, num_classes, (images,), generator=gen)
@@ -172,11 +170,6 @@ def measure_here(spec: ProbeSpec, cand: Candidate, beat: float = 0.0) -> float:
                      beat)
 
 
-def measure_exact(spec: ProbeSpec, level: str) -> float:
-    """The exact profile's step in a child process pinned to `level` (the kernel level is fixed per process)."""
-    return measure_in_child(spec, level)
-
-
 def measure_in_child(spec: ProbeSpec, level: str, cand: Candidate = EXACT, env: dict | None = None) -> float:
     """`cand`'s bare step in a child process at kernel level `level` (a `cpu_isa`). `env`: the child's environment
     before the level (default: this process's less FLARE's pins; a benchmark passes the user's, with its caps)."""
@@ -222,24 +215,17 @@ def _read_cache(path: Path) -> dict:
         return {}
 
 
-def probe_images(spec: ProbeSpec, cands: list[Candidate]) -> int:
-    """The images the probe steps through when it times every candidate, warm-up steps included."""
-    return len(cands) * (spec.steps + 1) * spec.images
-
-
 def probe(spec: ProbeSpec, cands: list[Candidate], exact_level: str, cpu: CpuFacts | None = None,
           measure=None, cache: Path | None = None, run_images: int | None = None) -> Choice:
     """Figures for every candidate (from the cache, else measured and cached), and the choice among them.
-    `run_images`: the images the run's training steps through (None: unknown). A probe that would step through
-    more than that costs more than the run it would speed up, so it is not measured: the run takes the floor
-    (plain fp32 at these kernels) and says why — cached figures, which cost nothing, still decide.
-    `measure(candidate) -> samples/s` and `cpu` are injectable (tests: a CPU that is not this one)."""
+    `run_images`: the images the run's training steps through (None: unknown); a probe that would cost more is not
+    measured (the floor runs; cached figures still decide). `measure(candidate) -> samples/s` and `cpu`: for tests."""
     cpu = cpu or read_cpu()
     cache = cache or cache_path()
     key, fields = cache_key(cpu, spec, cands, exact_level)
     entries = _read_cache(cache)
     hit = entries.get(key)
-    cost = probe_images(spec, cands)
+    cost = len(cands) * (spec.steps + 1) * spec.images  # every candidate timed, warm-up steps included
     if hit and all(c.name in hit.get("figures", {}) for c in cands):
         figures, cached = hit["figures"], True
     elif run_images is not None and cost > run_images:
@@ -254,7 +240,7 @@ def probe(spec: ProbeSpec, cands: list[Candidate], exact_level: str, cpu: CpuFac
             if measure is not None:
                 figures[c.name] = float(measure(c))
             else:  # exact first, in its own process: the others need not beat it, only be timed fairly
-                figures[c.name] = (measure_exact(spec, exact_level) if c.exact else
+                figures[c.name] = (measure_in_child(spec, exact_level) if c.exact else
                                    measure_here(spec, c, max((v for k, v in figures.items() if k != EXACT.name),
                                                              default=0.0)))
         entries = _read_cache(cache)  # another process may have written meanwhile

@@ -7,25 +7,17 @@ buffers can be stacked along a leading client axis and one forward/backward comp
 BatchNorm updates each client's own running statistics, since the buffers are stacked too), then a per-client
 functional SGD updates the stack. `compile=true` wraps the vmapped step and the update with `torch.compile`.
 
-Each client runs its own round plan (`client/plan.py`: its streams, batch order, per-step clock, progress and lr, the
-plain-view test, and the step logs' sums and averages), the plan `Client.train_round` runs, so the two engines compute
-the same math per client (tests/test_batched.py holds them to float tolerance on CPU):
-
-* each client's augmentation runs under its own streams and only its views are stacked, so the draws match one
-  for one;
-* clients hold different sample counts: at global step t only the clients that still have a batch take part, and
-  clients whose batch sizes differ (a ragged last batch) are never mixed in one vmapped call — a step makes one
-  call per batch size present;
-* per client: its lr, its λ (λ0·a(p), fixed or from the entropy rule, or the learner with its own σ, stepped by
-  `lam.sigma_sgd` as `LamLearner.step` steps it), its own global gradient norm for clipping, and SGD with momentum
-  and weight decay computed as `torch.optim.SGD` computes them (a fresh momentum buffer is a zero buffer: 0·m + g
-  is g exactly).
+Each client runs its own round plan (client/plan.py), the one `Client.train_round` runs, so both engines compute the
+same math per client (tests/test_batched.py holds them to float tolerance on CPU): each client's augmentation runs
+under its own streams; clients whose batch sizes differ at a step (a ragged last batch, or no batch left) are never
+mixed in one vmapped call; each client has its own lr, λ (the learner's σ stepped by `lam.sigma_sgd`), gradient norm
+for clipping, and SGD with momentum and weight decay as `torch.optim.SGD` computes them (a fresh momentum buffer is
+a zero buffer: 0·m + g is g exactly).
 
 The clients stay the home of every state: the stack is built from them when a round starts and written back when it
 ends, so uploads, evaluation, checkpoints and resume are the sequential engine's. No host sync per step: a round's
-lr and λ strength are one table copied to the device once; the step logs are read once per round. What the engine
-does not implement it states (`check`, `lam_unsupported`). No channels_last: vmap cannot query an NHWC layout; on
-CUDA, BatchNorm runs in float32 on the native kernel (`_batch_norm_fp32_native`).
+lr and λ strength are one table copied to the device once; the step logs are read once per round. No channels_last:
+vmap cannot query an NHWC layout; on CUDA, BatchNorm runs in float32 on the native kernel (`_batch_norm_fp32_native`).
 """
 from __future__ import annotations
 

@@ -7,10 +7,8 @@ the two weight parts apart is what lets gradient surgery (PCGrad) see them separ
 `LamProvider` (no alignment, or λ0·a(p) with λ0 fixed or from the entropy rule) and its subclass `LamLearner`,
 the learned alignment strength of docs/method.md#learned-λ-v10v14 (the notes' V10–V14; V14 is FLARE).
 
-Each client owns two scalars, `s_l = log σ²_local` and `s_a = log σ²_align`, and their own optimizer
-(plain SGD, `lam.sigma_lr`), kept across rounds and in the client's checkpoints. Warm start from the
-entropy rule of V9: `s_l = 0`, `s_a = −log λ_init`, so that `λ_raw = exp(s_l − s_a)` starts at `λ_init`.
-The modes (`lam.learner`: `uw`, `uw-rescaled`, `decoupled`) and their losses are the table of that section.
+The learner's scalars `s_l = log σ²_local`, `s_a = log σ²_align`, their warm start and optimizer: that section; each
+mode's losses: its table.
 
 Gradient routing: `local`/`align` hold σ only through detached factors and `sigma` holds the weights' losses only
 detached, so the trainer's single `(local + align + sigma).backward()` gives the weights and σ exactly the
@@ -30,15 +28,11 @@ from flare.config import Config
 from flare.errors import FlareError
 from flare.registry import LAM_PROVIDERS, SCHEDULES, NoFacts
 
-MODES = ("uw", "uw-rescaled", "decoupled")
-
 
 @dataclass(frozen=True)
 class LamFacts:
-    """What a λ provider is built from besides its options (`lam.options`): the client's starting strength
-    (align.lambda0, or the entropy rule on its labels), the alignment's a(p) (align.schedule), the device of its own
-    parameters, and the built-in learners' keys of the `lam` section (they predate `lam.options`; recorded runs
-    name them)."""
+    """What a λ provider is built from besides `lam.options`: the client's starting strength (align.lambda0, or the
+    entropy rule), align.schedule's a(p), the device of its own parameters, and the built-in learners' `lam` keys."""
     lambda_init: float
     schedule: str
     device: torch.device
@@ -133,9 +127,6 @@ class LamLearner(LamProvider):
     def __init__(self, mode: str, lambda_init: float, *, sigma_lr: float = 0.005, anneal: str = "constant",
                  gamma_reg: float = 0.0, beta: float = 0.0, gamma_lambda: float = 0.0, valve_threshold: float = 50.0,
                  device: torch.device | str = "cpu"):
-        if mode not in MODES:
-            raise FlareError(f"unknown λ learner '{mode}'.", key="lam.learner",
-                             fix=f"use none or one of: {', '.join(MODES)}.")
         self.mode, self.lambda_init = mode, float(lambda_init)
         self.schedule = SCHEDULES.create(anneal, NoFacts(), key="lam.anneal")
         self.gamma_reg, self.beta = float(gamma_reg), float(beta)
@@ -148,9 +139,6 @@ class LamLearner(LamProvider):
         self.optimizer = torch.optim.SGD([self.s_l, self.s_a], lr=sigma_lr, momentum=0.0)
 
     # -- the LamProvider interface ---------------------------------------------------------------
-    def lambda_raw(self) -> float:
-        return math.exp(self.s_l.item() - self.s_a.item())
-
     def strength(self, p: float) -> float:
         return float(self.schedule(p))         # V11's a(p), V12's meta-annealing s(p)
 
@@ -222,11 +210,9 @@ class LamLearner(LamProvider):
 
 
 def sigma_sgd(sigma: tuple[Tensor, ...], lr: float, mask: Tensor | None = None) -> None:
-    """σ ← σ − lr·∇σ, then clear the gradient: the σ step of both client engines — one client's own (s_l, s_a)
-    (`LamLearner.step`), or the batched engine's stacks of every client's, where only the clients in `mask` (all
-    when None) took part in the step. The arithmetic of `torch.optim.SGD` without momentum and weight decay
-    (`param.add_(grad, alpha=-lr)`), which the learner's optimizer is built as: it holds σ's lr and travels in
-    checkpoints. A σ without a gradient (a step without alignment) stays where it is."""
+    """σ ← σ − lr·∇σ, then clear the gradient: the σ step of both client engines (one client's (s_l, s_a), or the
+    batched engine's stacks, where only the clients in `mask`, all when None, took part), with the arithmetic of the
+    learner's `torch.optim.SGD` (`param.add_(grad, alpha=-lr)`). A σ without a gradient stays where it is."""
     with torch.no_grad():
         for s in sigma:
             if s.grad is None:
@@ -244,18 +230,15 @@ def _safe_exp(x: float) -> float:
 
 
 def _learner(mode: str):
-    def build(facts: LamFacts, options: None) -> LamProvider:
-        f = facts
+    def build(f: LamFacts, options: None) -> LamProvider:
         return LamLearner(mode, f.lambda_init, sigma_lr=f.sigma_lr, anneal=f.anneal, gamma_reg=f.gamma_reg,
                           beta=f.beta, gamma_lambda=f.gamma_lambda, valve_threshold=f.valve_threshold, device=f.device)
     return build
 
 
 def _learner_check(mode: str):
-    """What a learner needs of the config: anchors (it weighs L_align), its own annealing (lam.anneal, so
-    align.schedule stays constant), the decoupled σ objective's coefficients only for `decoupled`, and a positive
-    finite λ_init = exp(s_l − s_a) (s_a = −log λ_init), which lies between align.lambda_min and align.lambda_max
-    (entropy rule) or is align.lambda0 (fixed rule)."""
+    """What a learner needs of the config: anchors, its own annealing (lam.anneal), the decoupled σ objective's
+    coefficients only for `decoupled`, and a positive finite λ_init (s_a = −log λ_init)."""
     def check(cfg: Config) -> None:
         cfg.require_anchors(f"lam.learner={mode}")
         a, lm = cfg.align, cfg.lam

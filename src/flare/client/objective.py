@@ -1,10 +1,8 @@
 """The local objective's base terms, chosen once from `loss.objective`, plus the registered extra terms of `loss.terms`.
 
 Local training, the server's public-bank teacher and the LR probe all compute the same base loss; they call
-`base_terms` so the choice of objective lives here only. An objective is registered in `flare.registry.OBJECTIVES` as
-an `Objective`: its terms function and the head it trains (a prototype head carries the prototypes that alignment and
-the feature rules need; a linear head is a plain classifier), built by `OBJECTIVES.create` from the loss section's
-temperatures (`ObjectiveFacts`).
+`base_terms` so the choice of objective lives here only. An `Objective` is its terms function and the head it trains (a
+prototype head carries the prototypes that alignment and the feature rules need; a linear head is a plain classifier).
 """
 from __future__ import annotations
 

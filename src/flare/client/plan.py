@@ -1,11 +1,9 @@
 """A client's round, planned once before its first step, and the round's step logs: what both client engines run.
 
 The sequential (and threads) engine (`Client.train_round`) and the batched engine (`BatchedClients.train_round`)
-differ in how a step is computed — one model, or all clients' models stacked under vmap — but not in what a client
-does in a round. That lives here, so the two engines cannot drift apart: the random streams a client-round draws from
-(`derived_seed(seed, r, i, purpose)`), its steps per epoch and batch order, each step's clock, progress p and lr,
-whether a step sees the plain view or two augmented ones, and how the step logs are summed, judged for divergence and
-averaged into the client's record.
+differ in how a step is computed, not in what a client does in a round. That lives here, so the two engines cannot
+drift apart: the random streams (`derived_seed(seed, r, i, purpose)`), steps per epoch and batch order, each step's
+clock, progress p and lr, the plain or two augmented views, and how the step logs are summed, judged and averaged.
 
 Where the augmentation runs (`augment.schedule`): `per_batch` (the default) gathers each step's batch and calls the
 augmentation on it; `chunked` gathers a run of consecutive batches of an epoch at once (as many as fit
@@ -130,10 +128,8 @@ class RoundPlan:
         return torch.cat([v1, v2]), torch.cat([yb, yb])
 
     def _chunk_views(self, ctx, t: int) -> tuple[Tensor, Tensor]:
-        """Step t's [v1; v2] and labels, sliced out of its chunk's views (augmented when the chunk is first reached).
-        Chunks are fixed runs of batches of an epoch (`chunk_batches`), so the draws do not depend on who asks. A
-        chunk is one call over every step's images twice, [b; b] step after step: its draws are per image, so the
-        two copies are two independent views, already in the steps' layout (no second call, no interleaving copy)."""
+        """Step t's [v1; v2] and labels, sliced out of its chunk's views (augmented when the chunk is first reached;
+        the module docstring). Chunks are fixed runs of batches of an epoch, so the draws do not depend on who asks."""
         s = self.steps[t]
         per = self.chunk_batches(ctx.train_x[0].numel())
         first = s.batch // per * per
@@ -154,12 +150,10 @@ class RoundPlan:
 
 
 class RoundLogs:
-    """The step logs of a round for clients `cids`: one row per (client, epoch) — row i·E + e — summed on the
-    device (no sync per step), with the step at which each entry first went non-finite, so a NaN is blamed on the
-    term where it started, not on the terms it contaminated afterwards. Each engine adds every step's logs and
-    closes rows (one device read each time): the sequential engine an epoch's row when the epoch ends, so it stops
-    at the first diverged epoch, the batched engine all rows when the round ends. Closed rows are summed per client
-    over the epochs and averaged per step into its record (`means`)."""
+    """The step logs of a round for clients `cids`: one row per (client, epoch), row i·E + e, summed on the device
+    (no sync per step), with the step at which each entry first went non-finite, so a NaN is blamed on the term where
+    it started, not on the terms it contaminated afterwards. The sequential engine closes an epoch's row when the
+    epoch ends (so it stops at the first diverged epoch), the batched engine all rows when the round ends."""
 
     def __init__(self, cids: list[int], epochs: int, round_idx: int, device: torch.device):
         self.cids, self.E, self.round_idx, self.device = list(cids), epochs, round_idx, device

@@ -1,13 +1,6 @@
-"""Gradient surgery between the local objective and the alignment term (Plan C; docs/method.md#gradient-surgery-plan-c).
-
-PCGrad (Yu et al., 2020), in the one-sided form the notes describe: with g_loc = ∇ local and g_al = ∇ align over all
-trainable weights (one flat vector each),
-
-    if g_loc·g_al < 0:   g_loc ← g_loc − (g_loc·g_al / ‖g_al‖²) g_al
-    step with g_loc + g_al.
-
-Only g_loc is projected (onto the normal plane of g_al); g_al is applied unchanged. After the projection g_loc·g_al =
-0, so the update never works against the alignment direction.
+"""Gradient surgery between the local objective and the alignment term (Plan C; docs/method.md#gradient-surgery-plan-c):
+one-sided PCGrad, which projects g_loc = ∇ local onto the normal plane of g_al = ∇ align when they conflict and steps
+with g_loc + g_al.
 
 How the gradients are obtained. The two weight gradients come from two backward passes over the same graph (`local`
 with `retain_graph=True`, then `align`), each read off the weights' `.grad` and cleared again. Using `.backward()`
@@ -17,11 +10,8 @@ parameters are not in `params`, and `.backward()` accumulates their gradient fro
 `(local + align + extra).backward()` would. Surgery touches the weights' gradient only.
 
 `extra` (a λ learner's `L_σ`) is backpropagated last, into its own parameters. By design it does not depend on the
-weights (V12–V14 build it from `sg(base)` and `sg(L_align)`). If it nevertheless reaches some weights, that gradient
-is *kept* and added after the surgery (it is neither the local nor the alignment direction, so PCGrad has no say over
-it) — the same thing the plain path does — and the returned logs carry `pcgrad_extra_on_weights = 1` (0 otherwise; the
-key exists whenever `extra` is given) so the situation is visible in the metrics.
-"""
+weights (V12–V14 build it from `sg(base)` and `sg(L_align)`); if it nevertheless reaches some weights, that gradient
+is *kept* and added after the surgery, as the plain path does, and `pcgrad_extra_on_weights = 1` makes it visible."""
 from __future__ import annotations
 
 from typing import Callable, Protocol

@@ -108,8 +108,11 @@ class Client:
             self.optimizer = self._make_optimizer()
         plan = RoundPlan(self, ctx, round_idx)
         logs = RoundLogs([self.cid], plan.E, round_idx, ctx.device)
+        # eval mode after `train_mode_epochs` epochs: a reference loop that evaluates every epoch and never calls
+        # `model.train()` again trains the rest in eval mode, and reproducing its numbers means doing the same
+        n = self.cfg.train_mode_epochs
         for e in range(plan.E):
-            self.model.train(self._train_mode())
+            self.model.train(n is None or self.epochs_done < n)
             for t in plan.epoch_steps(e):
                 self._set_lr(ctx, plan.steps[t])
                 logs.add(self._step(ctx, plan, t), slice(e, e + 1), plan.steps[t].batch)
@@ -126,13 +129,6 @@ class Client:
                 "normalized_entropy": self.normalized_entropy, "lr": plan.last_lr, "steps": len(plan.steps),
                 "progress": progress(self.epochs_done, self.cfg.total_epochs), **means, **self.lam.state_logs(),
                 "seconds": seconds}
-
-    def _train_mode(self) -> bool:
-        """Train mode for the client's next epoch: always, unless `train_mode_epochs` stops it after that many
-        epochs — a reference loop that evaluates every epoch and never calls `model.train()` again trains the
-        rest in eval mode, and reproducing its numbers means doing the same."""
-        n = self.cfg.train_mode_epochs
-        return n is None or self.epochs_done < n
 
     def _set_lr(self, ctx: TrainContext, step: Step) -> None:
         sched = ctx.lr_schedule

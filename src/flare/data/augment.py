@@ -4,17 +4,10 @@ The training loop keeps each client's images as one uint8 tensor on the training
 of it, so there is no DataLoader and no PIL: `TwoViewAugment` takes a uint8 batch B×C×H×W and returns two
 independently augmented, normalised float32 views, computed with batched kornia ops on the batch's device.
 
-Policy (torchvision's SupCon recipe, in this order):
-
-1. `RandomResizedCrop(image_size, scale=(0.2, 1.0), ratio=(3/4, 4/3))`, bilinear;
-2. `RandomHorizontalFlip(p=0.5)`;
-3. `ColorJitter(brightness=0.4, contrast=0.4, saturation=0.4, hue=0.1)` applied with p=0.8;
-4. `RandomGrayscale(p=0.2)`;
-5. `(x/255 - mean) / std` (the same arithmetic as `normalize`, which the evaluation path uses).
-
-Where and why it departs from torchvision (the jitter's order, the crop's resample mode, the normalisation, the
-per-batch draws, the reference's input scaling, the random generators): the list under the policy in
-docs/method.md#local-objective-fafi."""
+Policy (torchvision's SupCon recipe, in this order): RandomResizedCrop(image_size, scale=(0.2, 1.0), ratio=(3/4,
+4/3)), bilinear; RandomHorizontalFlip(p=0.5); ColorJitter(0.4, 0.4, 0.4, 0.1) with p=0.8; RandomGrayscale(p=0.2);
+then `(x/255 - mean) / std` (the arithmetic of `normalize`, which the evaluation path uses). Where and why it departs
+from torchvision: the list under the policy in docs/method.md#local-objective-fafi."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -35,11 +28,6 @@ def _as_stats(v, channels: int, device, name: str) -> Tensor:
     return t.reshape(1, channels, 1, 1)
 
 
-def _standardize(x01: Tensor, mean: Tensor, std: Tensor) -> Tensor:
-    """(x - mean) / std for a float batch in [0, 1]; mean/std are 1×C×1×1 on x's device."""
-    return (x01 - mean) / std
-
-
 def normalize(x_uint8: Tensor, mean, std) -> Tensor:
     """uint8 B×C×H×W (or C×H×W) → float32 `(x/255 - mean) / std` on x's device (the evaluation transform)."""
     if x_uint8.dtype != torch.uint8:
@@ -49,7 +37,7 @@ def normalize(x_uint8: Tensor, mean, std) -> Tensor:
     s = _as_stats(std, c, x_uint8.device, "std")
     if x_uint8.dim() == 3:
         m, s = m[0], s[0]
-    return _standardize(x_uint8.float().div_(255.0), m, s)
+    return (x_uint8.float().div_(255.0) - m) / s
 
 
 def _resize_matrix(lo: Tensor, hi: Tensor, n_out: int, n_in: int) -> Tensor:
@@ -125,9 +113,9 @@ class TwoViewAugment(nn.Module):
         with torch.no_grad(), torch.autocast(x_uint8.device.type, enabled=False):
             x = x_uint8.float().div_(255.0)
             if self.pre is not None:
-                x = _standardize(x, self.pre_mean.to(x.device), self.pre_std.to(x.device))
+                x = (x - self.pre_mean.to(x.device)) / self.pre_std.to(x.device)
             x = self.policy(x)
-            return _standardize(x, self.mean.to(x.device), self.std.to(x.device)).contiguous()
+            return ((x - self.mean.to(x.device)) / self.std.to(x.device)).contiguous()
 
     def forward(self, x_uint8: Tensor) -> tuple[Tensor, Tensor]:
         return self.single_view(x_uint8), self.single_view(x_uint8)

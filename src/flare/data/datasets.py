@@ -136,10 +136,8 @@ def list_datasets() -> list[tuple[str, str]]:
 
 def load_dataset(name: str, root: str | os.PathLike | None, format: str = "auto", download: bool = False,
                  cache_dir: str | os.PathLike | None = None, options: dict | None = None) -> ImageData:
-    """Load a dataset as whole tensors, decoding it only when the on-disk cache is missing or stale.
-
-    The cache key is the dataset name, format and the contents of every source file, so editing or replacing
-    the source invalidates it and touching or re-mounting it does not."""
+    """Load a dataset as whole tensors, decoding it only when the on-disk cache is missing or stale (`_cache_file`:
+    its key)."""
     return DATASETS.create(name, DatasetFacts(name, root, format, download, cache_dir), options)
 
 

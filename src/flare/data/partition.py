@@ -1,25 +1,12 @@
 """Splitting the training set over K clients (docs/method.md#partitions) and the per-client report.
 
-All partitions are seeded with their own random streams, so the split depends only on (labels, K, kind, α, rng,
-seed) — `flare compare` runs every method on the very same split. `rng="generator"` (default) draws from a numpy
-Generator. `rng="legacy"` draws exactly as the reference code did, so that the per-client class counts equal
-the notes': numpy's legacy RandomState seeded with the seed (the fork's `np.random.seed(seed)`, no draw before the
-partition) for the Dirichlet proportions and leftovers, and Python's `random.Random(seed)` (its `random.seed`)
-for the shuffles of index lists. Python's stream only decides *which* samples a client gets, and equals the
-reference's only if the training set is in the same order (torchvision's); the counts never depend on it.
-
-`dirichlet-fafi` is the official FAFI partition (`dataset_helper.py::dirichlet`): for every class n, with N_0 the
-size of class 0, client u gets min(N_n, round(10·N_0·q_u)) samples, q ~ Dir(α·1_K), each client drawing from its
-own reshuffle of the class — so clients overlap (never within a client) and a client with q_u ≥ 0.1 gets the
-whole class.
-
-`noniid-labeldir` is NIID-Bench's Dirichlet label split (`utils.py::partition_data`), which FedLPA's code
-copies and DENSE's `dirichlet` partition restates: per class, shuffle the class, draw q ~ Dir(β·1_K), zero the
-share of every client that already holds N/K samples or more, renormalise, and cut the class at
-floor(cumsum(q)·N_c); redraw the whole split until every client has at least `min_size` samples; finally shuffle
-every client's list. Every sample is used once. With rng="legacy" all draws come from a numpy RandomState seeded
-with the seed — the references' `np.random.seed(seed)` before `partition_data`, nothing drawn in between — so the
-same seed gives the references' client index sets (the training set in torchvision's order)."""
+Every partition draws from its own seeded streams, so the split depends only on (labels, K, kind, α, rng, seed):
+`flare compare` runs every method on the very same split. `rng="generator"` (default) draws from a numpy Generator;
+`rng="legacy"` draws exactly as the reference code did, so that the per-client class counts equal the notes': numpy's
+legacy RandomState seeded with the seed (the fork's `np.random.seed(seed)`, no draw before the partition) for the
+Dirichlet proportions and leftovers, and Python's `random.Random(seed)` for the shuffles of index lists. Python's
+stream only decides *which* samples a client gets, and equals the reference's only if the training set is in the same
+order (torchvision's); the counts never depend on it."""
 from __future__ import annotations
 
 import math
@@ -141,7 +128,9 @@ def dirichlet_partition_legacy(labels: np.ndarray, num_clients: int, alpha: floa
 
 def dirichlet_fafi_partition(labels: np.ndarray, num_clients: int, alpha: float, seed: int,
                              num_classes: int | None = None, rng: str = "legacy") -> Partition:
-    """The official FAFI partition (see the module docstring): overlapping, capped at the class size. With
+    """The official FAFI partition (`dataset_helper.py::dirichlet`): for every class n, with N_0 the size of class 0,
+    client u gets min(N_n, round(10·N_0·q_u)) samples, q ~ Dir(α·1_K), each client drawing from its own reshuffle of
+    the class — so clients overlap (never within a client) and a client with q_u ≥ 0.1 gets the whole class. With
     rng="legacy" the draws follow the reference's order exactly; with "generator" the same algorithm draws from a
     numpy Generator and a Python Random seeded from it."""
     C = int(num_classes or labels.max() + 1)
@@ -164,8 +153,12 @@ def dirichlet_fafi_partition(labels: np.ndarray, num_clients: int, alpha: float,
 
 def labeldir_partition(labels: np.ndarray, num_clients: int, alpha: float, seed: int,
                        num_classes: int | None = None, *, min_size: int = 10, rng: str = "legacy") -> Partition:
-    """NIID-Bench's `noniid-labeldir` (see the module docstring). rng="legacy": the references' RandomState
-    stream; "generator": the same algorithm drawing from a numpy Generator."""
+    """NIID-Bench's `noniid-labeldir` (`utils.py::partition_data`; FedLPA's code copies it, DENSE's `dirichlet`
+    restates it): per class, shuffle the class, draw q ~ Dir(β·1_K), zero the share of every client that already holds
+    N/K samples or more, renormalise, and cut the class at floor(cumsum(q)·N_c); redraw the whole split until every
+    client has at least `min_size` samples; finally shuffle every client's list. rng="legacy": every draw from a
+    RandomState seeded with the seed (the references' `np.random.seed(seed)` before `partition_data`), so the same
+    seed gives their client index sets; "generator": the same algorithm drawing from a numpy Generator."""
     C = int(num_classes or labels.max() + 1)
     draw = np.random.RandomState(seed) if rng == "legacy" else np.random.default_rng(seed)
     N, K = len(labels), num_clients

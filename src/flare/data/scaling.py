@@ -3,12 +3,10 @@
 `augment.input_scaling=dataset` (ours): x/255 standardised by the training set's mean/std, before training
 (after the augmentation) and at test time alike.
 
-`augment.input_scaling=reference`: the reference code's transforms (`dataset_helper.py::load_dataset` and
-`NORMALIZE_DICT`; `our_main.py::get_supcon_transform`). Each dataset has a *dataset transform* (applied to
-training and test images) and the augmentation ends with its own Normalize, so CIFAR-10 trains on [−1, 1] and is
-tested on [0, 1], and CIFAR-100 and SVHN are normalised twice in training; a dataset the reference lacks follows
-CIFAR-10. The un-augmented view (the baselines' `loss.ce_input=plain`, the server's public bank, evaluation) is
-the dataset transform alone. Each dataset's two transforms: docs/reproduction.md, item (b).
+`augment.input_scaling=reference`: the reference code's transforms (docs/reproduction.md, item (b)): each dataset's
+*dataset transform* (training and test images) and the augmentation's own closing Normalize; a dataset the reference
+lacks follows CIFAR-10. The un-augmented view (the baselines' `loss.ce_input=plain`, the server's public bank,
+evaluation) is the dataset transform alone.
 
 `augment.input_scaling=none`: x/255 and nothing else — torchvision's `ToTensor()` alone, for training views and
 test images alike, as NIID-Bench, FedLPA and DENSE feed Fashion-MNIST and MNIST (docs/papers.md)."""

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from pydantic import BaseModel
 from torch import Tensor
 
-from flare.errors import FlareError
 from flare.models.heads import simplex_etf
 from flare.registry import ANCHORS
 
@@ -42,12 +41,10 @@ ANCHORS.register("etf", lambda f, _: simplex_etf(f.num_classes, f.dim, f.generat
 
 def align_target(anchors: Tensor, target: str, p: float, initial_prototypes: Tensor | None) -> Tensor:
     """fixed: A. progressive (V8): (1 − p)·P⁰ + p·A, P⁰ the client's prototypes at initialisation."""
-    if target == "fixed":
+    if target == "fixed":  # else progressive: the config allows only the two
         return anchors
-    if target == "progressive":
-        assert initial_prototypes is not None
-        return (1.0 - p) * initial_prototypes + p * anchors
-    raise FlareError(f"unknown align target '{target}'.", key="align.target", fix="use fixed or progressive.")
+    assert initial_prototypes is not None
+    return (1.0 - p) * initial_prototypes + p * anchors
 
 
 def align_loss(prototypes: Tensor, target: Tensor) -> Tensor:

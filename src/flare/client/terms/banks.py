@@ -1,18 +1,12 @@
-"""Contrast-set extensions (docs/method.md#contrast-banks): memory bank, public feature bank, two-stage training.
+"""Contrast-set extensions (docs/method.md#contrast-banks, which says what each kind adds to the loss): memory bank,
+public feature bank, two-stage training. The notes report all three as failures (9/22, 9/23, 9/24); they stay as
+options so the findings can be reproduced.
 
-The notes tried these before the anchor family and report all three as failures (memory bank 9/22,
-public feature bank 9/23, two-stage 9/24); they stay as options so the findings can be reproduced.
-
-The server builds the public bank once (`build_public_bank`: it trains the teacher on the held-out slice);
-`CONTRAST.create` builds a callable `(client, ctx) -> extension` from it (the same call in the in-process runner
-and on a Flower node, which receives the bank with its task); the trainer calls, per step,
-
-    contrast_bank() -> (feats, labels) | None      extra SupCon contrast entries (memory bank)
-    adjust_terms(terms, feat, y2, epoch_idx) -> terms
-    after_step(feat_detached, y2)
-
-and `state_dict()` / `load_state_dict()` for checkpoints. What each kind adds to the loss (`memory-bank`,
-`public-bank`, `two-stage`): docs/method.md#contrast-banks.
+The server builds the public bank once (`build_public_bank`); `CONTRAST.create` builds a callable
+`(client, ctx) -> extension` from it (the same call in the in-process runner and on a Flower node, which receives the
+bank with its task). The trainer calls, per step, `contrast_bank() -> (feats, labels) | None` (extra SupCon contrast
+entries), `adjust_terms(terms, feat, y2, epoch_idx) -> terms` and `after_step(feat_detached, y2)`, and
+`state_dict()` / `load_state_dict()` for checkpoints.
 """
 from __future__ import annotations
 
@@ -79,13 +73,6 @@ class MemoryBank:
         self.ptr = (self.ptr + n) % self.size
         self.count = min(self.count + n, self.size)
 
-    def contents(self) -> tuple[Tensor, Tensor]:
-        """(features, labels) of the queue, oldest first."""
-        if self.count < self.size:
-            return self.feats[: self.count], self.labels[: self.count]
-        order = (self.ptr + torch.arange(self.size, device=self.feats.device)) % self.size
-        return self.feats[order], self.labels[order]
-
     def bank(self) -> tuple[Tensor, Tensor]:
         """The filled entries in storage order (SupCon does not care about order; no copy)."""
         return self.feats[: self.count], self.labels[: self.count]
@@ -99,24 +86,17 @@ class MemoryBank:
         self.ptr, self.count = int(state["ptr"]), int(state["count"])
 
 
-class MemoryBankExtension:
-    def __init__(self, size: int, dim: int, device: torch.device):
-        self.queue = MemoryBank(size, dim, device)
+class MemoryBankExtension(MemoryBank):
+    """The memory bank as a client's contrast extension (its checkpoint: the bank's `state_dict`)."""
 
     def contrast_bank(self) -> tuple[Tensor, Tensor]:
-        return self.queue.bank()
+        return self.bank()
 
     def adjust_terms(self, terms: dict, feat: Tensor, y2: Tensor, epoch_idx: int) -> dict:
         return terms
 
     def after_step(self, feat: Tensor, y2: Tensor) -> None:
-        self.queue.push(feat, y2)
-
-    def state_dict(self) -> dict:
-        return self.queue.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.queue.load_state_dict(state)
+        self.push(feat, y2)
 
 
 # public feature bank and two-stage
@@ -203,12 +183,7 @@ def build_public_bank(cfg: Config, public: tuple[Tensor, Tensor] | None, global_
     """The server's side of `public-bank` / `two-stage`: train the teacher on the held-out slice and return its
     normalised features of that slice (None for every other `loss.contrast`)."""
     if cfg.loss.contrast not in ("public-bank", "two-stage"):
-        return None
-    if public is None:
-        raise FlareError(f"loss.contrast={cfg.loss.contrast} needs a public slice held out by the server, but "
-                         "dataset.public_size is 0.", key="dataset.public_size",
-                         fix="set dataset.public_size to the number of training samples the server holds "
-                             "out (e.g. dataset.public_size=1000).")
+        return None  # (a public slice is there: the config refused these kinds without one, `_public_check`)
     teacher, _losses = train_teacher(cfg, public, global_model, augment, device)
     return teacher_bank(teacher, public[0], norm, device, cfg.test_batch_size)
 

@@ -1,20 +1,12 @@
-"""Additional loss terms (`loss.terms`): registered terms a plugin adds to the local objective.
+"""Additional loss terms (`loss.terms`; docs/extending.md): registered terms a plugin adds to the local objective.
+The trainer adds `weight · term(batch)` to the base loss and logs it as `term_<name>` in every engine and the LR probe
+(client/step.py `local_loss`); under client_engine=batched the term is vmapped, so it must not read values back to the
+host.
 
-    loss:
-      terms:
-        feature_norm: {weight: 0.01}
-
-A term is built by `LOSS_TERMS.create(name, NoFacts(), options)` — its entry a factory `fn(facts, options) ->
-term`, `term(batch: TermBatch) -> scalar tensor` — registered in `flare.registry.LOSS_TERMS` with an options model
-that subclasses `TermOptions` (so every term has a `weight`; a term without options gets `TermOptions`, the
-registry's default options model). The trainer adds `weight · term(batch)` to the base loss and logs it as
-`term_<name>` in every engine and the LR probe (client/step.py `local_loss`; under client_engine=batched the term is
-vmapped, so it must not read values back to the host).
-
-A term that regularises the weights themselves (FedProx's proximal term) declares `uses_params = True` on its
-options model: the sequential engines and the LR probe then pass the model's trainable parameters by name
-(`TermBatch.params`) and the model the client started from (`TermBatch.start`: in one-shot FL the global model the
-server sent, the shared init). The batched engine holds no such per-client copy and refuses those terms.
+A term that regularises the weights themselves (FedProx's) declares `uses_params = True` on its options model: the
+sequential engines and the LR probe then pass the model's trainable parameters by name (`TermBatch.params`) and the
+model the client started from (`TermBatch.start`: in one-shot FL the global model the server sent, the shared init).
+The batched engine holds no such per-client copy and refuses those terms.
 """
 from __future__ import annotations
 
@@ -56,9 +48,8 @@ class TermBatch:
 
 
 def loss_terms(loss: LossCfg) -> tuple[tuple[str, Term, TermOptions], ...]:
-    """(name, built term, validated options) of every term of `loss.terms`, in the table's order (the order the step
-    sums them in), built once per distinct table rather than at every step (the table is plain JSON data, so its
-    text is the cache's key)."""
+    """(name, built term, validated options) of every term of `loss.terms`, in the order the step sums them, built
+    once per distinct table rather than at every step (the table is plain JSON data: its text is the cache's key)."""
     return _built_terms(json.dumps(loss.terms))
 
 
@@ -110,10 +101,7 @@ def _prox_check(cfg: Config) -> None:
                                  "started from)")
 def fedprox(facts: NoFacts, options: ProxOptions) -> Term:
     """(μ/2)·Σ_params ‖w − w_start‖²."""
-    def term(batch: TermBatch) -> Tensor:
-        if batch.params is None or batch.start is None:
-            raise FlareError("loss.terms.fedprox was called without the model's parameters.", key="loss.terms",
-                             fix="run it with client_engine=sequential or threads.")
+    def term(batch: TermBatch) -> Tensor:  # the engines pass params and start (`uses_params`; `_prox_check`)
         total = sum(((w - batch.start[name]).pow(2).sum() for name, w in batch.params.items()),
                     torch.zeros((), device=batch.logits.device))
         return 0.5 * options.mu * total
