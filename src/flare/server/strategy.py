@@ -121,9 +121,10 @@ Predictor = ClientPredictor | ModelPredictor
 
 
 class ServerProtocol:
-    """The sending role: what every client receives, what the server keeps across rounds and folds the uploads into,
-    the rounds it holds with the clients after their upload (server/exchange.py). Every default sends and keeps
-    nothing."""
+    """The sending role: what every client receives once (`initialize`, Flower's initialize_parameters) and with each
+    round (`configure_train`); what the server keeps across rounds (`initial_state`) and folds the uploads into
+    (`fold`); the rounds it holds with the clients after their upload (`extra_rounds` → `configure_round` → each
+    client's `client_round` → `aggregate_round`, server/exchange.py). Every default sends and keeps nothing."""
 
     def initial_state(self, anchors: Tensor | None) -> dict[str, Tensor]:
         """What the server keeps before round 0."""
@@ -161,7 +162,8 @@ class ServerProtocol:
 
 class Scorer:
     """The scoring role: from the uploads and the server's state (`ServerContext`) to a predictor. A scorer that
-    needs client statistics beyond the weights overrides `extras_shapes` and `client_extras` (server/extras.py)."""
+    needs client statistics beyond the weights overrides `extras_shapes` and `client_extras` (server/extras.py): the
+    clients compute them after training, the gate checks them against the declaration, `predictor` reads them."""
 
     needs_prototypes = False     # it reads prototypes: prototype heads only
     every_round = True           # False: an expensive method runs at the last round only
