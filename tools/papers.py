@@ -1113,7 +1113,7 @@ def render(results: Path = RESULTS, img_dir: Path | None = None, reference: Path
                              f"{_interval(mf, hf, n)} | {_ms(mr, sr, nr)} ({rule}) | "
                              f"{'—' if pub is None or n == 0 else f'{mf - pub:+.2f}'} |")
         lines += separation_lines(rows)
-        lines += gap_lines(rows, oracle_records(reference / spec["table"]))
+        lines += gap_lines(rows, [r for _, r in oracle_records(reference / spec["table"])])
         lines += oracle_lines(reference / spec["table"])
         if spec.get("published_source"):  # where the paper column's numbers were read, and how sure that is
             lines += ["", f"The paper's numbers: {' '.join(spec['published_source'].split())}"]
@@ -1241,12 +1241,12 @@ def gap_lines(rows: list[dict], oracles: list[dict] = ()) -> list[str]:
                 "code (each side at the paper's rule):", "", *[f"* {line}" for line in out]] if out else []
 
 
-def oracle_records(table_dir: Path) -> list[dict]:
-    """The identical-tensors oracles' records of a table (<table>/oracle/*.json) that parse."""
+def oracle_records(table_dir: Path) -> list[tuple[Path, dict]]:
+    """The identical-tensors oracles' records of a table (<table>/oracle/*.json) that parse, with their files."""
     out = []
     for f in sorted((table_dir / "oracle").glob("*.json")) if (table_dir / "oracle").is_dir() else []:
         try:
-            out.append(json.loads(f.read_text()))
+            out.append((f, json.loads(f.read_text())))
         except (OSError, ValueError):
             continue
     return out
@@ -1303,12 +1303,11 @@ def oracle_lines(table_dir: Path) -> list[str]:
     <table>/oracle/*.json, each rendered by its tool's own lines (`ORACLE_LINES`). A file that does not parse, or
     whose tool has no lines here, is skipped."""
     out, tools = [], []
-    for f in sorted((table_dir / "oracle").glob("*.json")) if (table_dir / "oracle").is_dir() else []:
+    for f, r in oracle_records(table_dir):
         try:
-            r = json.loads(f.read_text())
             lines = ORACLE_LINES[r.get("tool", "benchmarks/reference_fedlpa_oracle.py")](
                 r, f"`{f.relative_to(table_dir.parent).as_posix()}`")
-        except (OSError, ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError):
             continue
         out += lines
         tools.append(r.get("tool", "benchmarks/reference_fedlpa_oracle.py"))
