@@ -358,13 +358,13 @@ def test_malformed_upload_is_rejected_and_never_aggregated(kind, one_round, tmp_
     import flare.setup as server  # the Flower server evaluates through setup.ServerSetup, as every run does
 
     seen = []
-    real = server.evaluate_uploads
+    real = server.ServerSetup.evaluate
 
-    def spy(cfg, r, uploads, models, *a, **k):
+    def spy(self, r, uploads, models, *a, **k):
         seen.append([(u.client, {n: t.clone() for n, t in u.state.items()}) for u in uploads])
-        return real(cfg, r, uploads, models, *a, **k)
+        return real(self, r, uploads, models, *a, **k)
 
-    monkeypatch.setattr(server, "evaluate_uploads", spy)
+    monkeypatch.setattr(server.ServerSetup, "evaluate", spy)
     tamper, reason = MALFORMED[kind]
     nodes = Nodes(cache=shared_cache)
     nodes.tamper[1002] = tamper
