@@ -101,7 +101,9 @@ def strip(r):
 
 def test_state_records_round_trip_exactly():
     state = {"w": torch.randn(3, 4), "n": torch.tensor(7), "b": torch.arange(5, dtype=torch.int64),
-             "t": torch.randn(4, 3).T}  # non-contiguous
+             "t": torch.randn(4, 3).T,  # non-contiguous
+             "c": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last), "h": torch.randn(3).half(),
+             "f": torch.tensor([True, False])}
     back = record_to_state(state_to_record(state))
     for k, v in state.items():
         assert back[k].shape == v.shape and back[k].dtype == v.dtype and torch.equal(back[k], v), k
