@@ -101,7 +101,9 @@ def strip(r):
 
 def test_state_records_round_trip_exactly():
     state = {"w": torch.randn(3, 4), "n": torch.tensor(7), "b": torch.arange(5, dtype=torch.int64),
-             "t": torch.randn(4, 3).T}  # non-contiguous
+             "t": torch.randn(4, 3).T,  # non-contiguous
+             "c": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last), "h": torch.randn(3).half(),
+             "f": torch.tensor([True, False])}
     back = record_to_state(state_to_record(state))
     for k, v in state.items():
         assert back[k].shape == v.shape and back[k].dtype == v.dtype and torch.equal(back[k], v), k
@@ -358,13 +360,13 @@ def test_malformed_upload_is_rejected_and_never_aggregated(kind, one_round, tmp_
     import flare.setup as server  # the Flower server evaluates through setup.ServerSetup, as every run does
 
     seen = []
-    real = server.evaluate_uploads
+    real = server.ServerSetup.evaluate
 
-    def spy(cfg, r, uploads, models, *a, **k):
+    def spy(self, r, uploads, models, *a, **k):
         seen.append([(u.client, {n: t.clone() for n, t in u.state.items()}) for u in uploads])
-        return real(cfg, r, uploads, models, *a, **k)
+        return real(self, r, uploads, models, *a, **k)
 
-    monkeypatch.setattr(server, "evaluate_uploads", spy)
+    monkeypatch.setattr(server.ServerSetup, "evaluate", spy)
     tamper, reason = MALFORMED[kind]
     nodes = Nodes(cache=shared_cache)
     nodes.tamper[1002] = tamper

@@ -26,7 +26,6 @@ from flare.errors import FlareError
 from flare.registry import STRATEGIES, load_plugins
 from flare.report.run_report import write_run_report
 from flare.rundir import FUSE, SCRATCH, RunDir, read_jsonl
-from flare.server.exchange import LocalClients
 from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
 from flare.loop import Clients, run_rounds, why_rejected
 from flare.server.upload import UPLOADS, Upload, load_uploads
@@ -174,11 +173,11 @@ class SavedUploads(Clients):
     def train(self, first: int, end: int, sent: dict) -> list[dict]:
         return []  # the clients trained in the run
 
-    def clients(self) -> list[ClientData]:
-        """Every client's side, from its saved weights and its data (for one strategy: a copy of each model)."""
-        s, d = self.server, self.data
-        return [client_side(u.client, m, d.train_x[ix], d.train_y[ix], s.norm, s.augment, s.backend.device)
-                for u, m in zip(self.saved, self.models(self.saved)) for ix in [torch.as_tensor(self.parts[u.client])]]
+    def side(self, cid: int) -> ClientData:
+        """A client's side, from its saved weights and its data (for one strategy: a copy of its model)."""
+        s, d, ix = self.server, self.data, torch.as_tensor(self.parts[cid])
+        model = self.models(self.saved)[[u.client for u in self.saved].index(cid)]
+        return client_side(cid, model, d.train_x[ix], d.train_y[ix], s.norm, s.augment, s.backend.device)
 
     def uploads(self, r: int, scored) -> list[Upload]:
         """The saved uploads with the statistics `scored` ask for: those the server received, else computed from
@@ -188,7 +187,7 @@ class SavedUploads(Clients):
         extras = ([{k: ex[k] for k in wanted} for ex in self.received] if got
                   else [{} for _ in self.saved] if any(why_rejected(self.server, replace(u, extras={}), {})
                                                        for u in self.saved)
-                  else [client_extras(scored, c) for c in self.clients()])
+                  else [client_extras(scored, self.side(u.client)) for u in self.saved])
         for u, ex in zip(self.saved, extras):
             u.extras = ex
         return self.saved
@@ -201,9 +200,6 @@ class SavedUploads(Clients):
         """The saved weights in their clients' inits, built once the gate has passed them."""
         self.models_ = self.models_ or [m.eval() for m in self.server.client_models(self.saved)]
         return self.models_
-
-    def exchange(self, uploads: list[Upload], scored) -> LocalClients | None:
-        return LocalClients(self.clients()) if any(s.extra_rounds() > 0 for s in scored.values()) else None
 
     def round_done(self, r: int, rec: dict, logs: list[dict], ev) -> None:
         self.last = ev

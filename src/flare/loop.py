@@ -16,8 +16,8 @@ from torch import nn
 from flare.client.lam import runaway_warnings
 from flare.errors import FlareError
 from flare.rundir import RunDir
-from flare.server.exchange import Transport
-from flare.server.extras import extras_shapes
+from flare.server.exchange import LocalClients, Transport
+from flare.server.extras import ClientData, extras_shapes
 from flare.server.rounds import Evaluation, primary_rule
 from flare.server.strategy import Strategy
 from flare.server.upload import Upload, UploadSpec, save_uploads, validate_upload
@@ -29,7 +29,8 @@ class Clients(Protocol):
     sends and gets the clients' training records, then their `uploads`, gates them and tells the transport who
     passed (`gated`); fewer than `required` passing (those `without_data` counted) ends the run with `stop`'s error.
     On an evaluated round it asks for the `models` holding the uploads and the `exchange` to their owners (None where
-    no strategy holds rounds after the upload). `roll_call`: every round's record names who uploaded."""
+    no strategy holds rounds after the upload; by default the clients in this process, each the `side` a strategy's
+    `client_extras` sees). `roll_call`: every round's record names who uploaded."""
 
     required: int
     without_data: set[int] | frozenset[int] = frozenset()
@@ -41,8 +42,12 @@ class Clients(Protocol):
     def gated(self, r: int, uploads: list[Upload], rejected: dict[int, list[str]]) -> None: ...
     def stop(self, msg: str, rejected: dict[int, list[str]]) -> FlareError: ...
     def models(self, uploads: list[Upload]) -> list[nn.Module]: ...
-    def exchange(self, uploads: list[Upload], scored: Mapping[str, Strategy]) -> Transport | None: ...
+    def side(self, cid: int) -> ClientData: ...
     def round_done(self, r: int, rec: dict, logs: list[dict], ev: Evaluation | None) -> None: ...
+
+    def exchange(self, uploads: list[Upload], scored: Mapping[str, Strategy]) -> Transport | None:
+        talks = any(s.extra_rounds() > 0 for s in scored.values())
+        return LocalClients([self.side(u.client) for u in uploads]) if talks else None
 
 
 def why_rejected(server: ServerSetup, upload: Upload, scored: Mapping[str, Strategy]) -> list[str]:

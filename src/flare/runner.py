@@ -22,7 +22,6 @@ from flare.report.run_report import write_run_report
 from flare.rng import global_rng_state, set_global_rng_state
 from flare.rundata import RunData
 from flare.rundir import SUMMARY, ResumePoint, RunDir
-from flare.server.exchange import LocalClients
 from flare.server.extras import ClientData, client_extras, client_side, extras_shapes
 from flare.loop import Clients, run_rounds
 from flare.server.rounds import Evaluation
@@ -198,15 +197,15 @@ class InProcess(Clients):
         self.setup.ctx.received = sent
         return self.run._train_clients(self.active, self.setup.ctx, first, self.bar, self.batched)
 
-    def data(self, c: Client) -> ClientData:
+    def side(self, cid: int) -> ClientData:
         """A client's side of `Strategy.client_extras`: a copy of its model (a strategy cannot disturb training)."""
-        ctx = self.setup.ctx
-        return client_side(c.cid, c.model, ctx.train_x[c.indices], ctx.train_y[c.indices], self.setup.server.norm,
+        ctx, c = self.setup.ctx, self.clients[cid]
+        return client_side(cid, c.model, ctx.train_x[c.indices], ctx.train_y[c.indices], self.setup.server.norm,
                            ctx.augment, self.setup.server.backend.device)
 
     def uploads(self, r: int, scored) -> list:
         asks = bool(extras_shapes(scored, self.setup.server.template))
-        return [c.upload(client_extras(scored, self.data(c)) if asks else None) for c in self.active]
+        return [c.upload(client_extras(scored, self.side(c.cid)) if asks else None) for c in self.active]
 
     def stop(self, msg: str, rejected) -> FlareError:
         return FlareError(msg + " Every client of an in-process run must upload: the run stops here.",
@@ -214,10 +213,6 @@ class InProcess(Clients):
 
     def models(self, uploads) -> list:
         return [self.clients[u.client].model for u in uploads]
-
-    def exchange(self, uploads, scored) -> LocalClients | None:
-        talks = any(s.extra_rounds() > 0 for s in scored.values())
-        return LocalClients([self.data(self.clients[u.client]) for u in uploads]) if talks else None
 
     def round_done(self, r: int, rec: dict, logs: list[dict], ev: Evaluation | None) -> None:
         self.records += logs + [rec]

@@ -10,6 +10,7 @@ sends); `flare fuse` and the LR probe build the server side and take the clients
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -26,17 +27,22 @@ from flare.config.architectures import Architecture, server_architecture
 from flare.data.augment import TwoViewAugment, normalize
 from flare.data.datasets import ImageData
 from flare.data.features import FeatureViews, first_view
+from flare.data.partition import Partition
 from flare.data.prepare import DataMeta, describe_partition, prepare_data, split
 from flare.data.scaling import InputScaling, input_scaling
-from flare.data.partition import Partition
 from flare.errors import FlareError
+from flare.metrics import g_protos_std, inter_client_proto_std, model_variance_mean
 from flare.models import FlareNet, check_input_fits, create_architecture
 from flare.registry import ANCHORS, CONTRAST
+from flare.rng import derived_seed
 from flare.schedules import LRSchedule
-from flare.server.exchange import Transport
+from flare.server.evaluator import check_predictor, evaluate_predictors
+from flare.server.exchange import Transport, hold_rounds
+from flare.server.extras import own_extras
+from flare.server.fusion import aggregation_weights
 from flare.server.protos import ServerPrototypes
-from flare.server.rounds import Evaluation, evaluate_uploads, primary_rule, rules_for
-from flare.server.strategy import InitContext, ServerProtocol, Strategy, make_strategies, sent_init
+from flare.server.rounds import Evaluation, accuracy_on_test, primary_rule, rule_costs, rules_for
+from flare.server.strategy import InitContext, ServerContext, ServerProtocol, Strategy, make_strategies, sent_init
 from flare.server.upload import Upload
 
 # ----------------------------------------------------------------------------------------------
@@ -249,13 +255,70 @@ class ServerSetup:
     def evaluate(self, r: int, uploads: list[Upload], models: list[torch.nn.Module],
                  rules: tuple[str, ...] | None = None, clients: Transport | None = None,
                  scratch: Path | None = None) -> Evaluation:
-        """`rounds.evaluate_uploads` with this server's pieces; the caller decides whether to `carry` what it kept."""
-        be = self.backend
-        return evaluate_uploads(self.cfg, r, uploads, models, self.anchors, self.test_x, self.test_y, self.norm,
-                                amp_dtype=be.amp_dtype, channels_last=be.channels_last,
-                                protocols=self.protocols(), kept=self.carried, strategy_state=self.strategy_state,
-                                public_x=self.public_x, rules=rules, strategies=self.strategies, clients=clients,
-                                scratch=scratch)
+        """One evaluation checkpoint from the uploads alone (`models[i]` holds `uploads[i].state`): the protocols' fold,
+        every strategy's predictor scored in one test pass (none without a test set), diagnostics. `rules`: else the
+        round's own. `clients`: the transport for the rounds a strategy holds after the upload (None: unreachable).
+        The caller decides whether to `carry` what it kept."""
+        cfg, be, anchors, test_x, test_y, norm = self.cfg, self.backend, self.anchors, self.test_x, self.test_y, self.norm
+        t0 = time.perf_counter()
+        weights = aggregation_weights([u.num_samples for u in uploads], cfg.server.weights)
+        protos = [u.prototypes for u in uploads if u.prototypes is not None]
+        prim = primary_rule(cfg)
+        rec: dict = {"kind": "round", "round": r, "method": cfg.method, "primary": prim}
+        read, kept, kept_next = {}, self.carried, None
+        for protocol in self.protocols():
+            state, keeps, logs = protocol.fold(r, uploads, anchors, kept)
+            read = read | state
+            if keeps is not None:  # what it keeps replaces its own keys; the other protocols' stay
+                kept_next = (kept_next if kept_next is not None else dict(kept)) | keeps
+            rec.update(logs)
+        G = read.get("G")
+        t_agg = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        for m in models:  # as ServerContext promises (the runner's live client models come in train mode)
+            m.eval()
+        shape = tuple(int(s) for s in test_x.shape[1:]) if test_x is not None else None
+        # without a test set only the primary is built: it is what a Flower server saves as the run's predictor
+        names = rules if rules is not None else rules_for(cfg, r)
+        if test_x is None:
+            names = tuple(n for n in names if n == prim)
+        score = None if test_x is None else (lambda model: accuracy_on_test(
+            model, test_x, test_y, norm, batch_size=cfg.test_batch_size, amp_dtype=be.amp_dtype,
+            channels_last=be.channels_last))
+        preds, built = {}, {}
+        for n in names:
+            t, strategy = time.perf_counter(), self.strategies[n]
+            ctx = ServerContext(r, uploads, models, weights, G, anchors, self.strategy_state.setdefault(n, {}),
+                                own_extras(uploads, n, strategy), self.public_x, norm, shape, score,
+                                scratch and scratch / n)
+            talk = hold_rounds(n, strategy, ctx, clients)
+            preds[n] = strategy.predictor(ctx)
+            if talk:  # the extra rounds' cost beside what the strategy logs itself
+                preds[n].logs = {**talk, **preds[n].logs}
+            built[n] = time.perf_counter() - t
+        for n, p in preds.items():
+            check_predictor(n, p, r)
+        if test_x is not None:
+            # eval.bn=batch draws a new seeded test order every round (the reference's shuffled test loader)
+            shuffle_seed = derived_seed(abs(cfg.eval.noise_seed), r, 5) if cfg.eval.bn == "batch" else 0
+            rec.update(evaluate_predictors(models, preds, test_x, test_y, norm, batch_size=cfg.test_batch_size,
+                                           noise_seed=cfg.eval.noise_seed, amp_dtype=be.amp_dtype,
+                                           channels_last=be.channels_last, bn=cfg.eval.bn, shuffle_seed=shuffle_seed,
+                                           round_idx=r))
+            rec.update({f"{n}.{k}": v for n, p in preds.items() for k, v in p.logs.items()})
+            if "seconds_eval_parts" in rec:  # a rule's own part includes building its predictor (FedAvg: averaging)
+                parts = rec["seconds_eval_parts"]
+                parts.update({n: round(parts.get(n, 0.0) + t, 4) for n, t in built.items()})
+                rec["seconds_eval_rules"] = rule_costs(parts, preds)
+        rec["seconds_eval"] = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        rec["model_variance_mean"] = model_variance_mean(models)
+        if protos:
+            rec["g_protos_std"] = g_protos_std(G)
+            rec["inter_client_proto_std"] = inter_client_proto_std(protos)
+        rec["seconds_aggregate"] = t_agg + time.perf_counter() - t2
+        rec["acc"] = rec.get(f"acc_{prim}")
+        return Evaluation(rec, weights, G, kept_next, preds)
 
 
 def client_context(cfg: Config, meta: DataMeta, be: Backend, feature_dim: int, train_x: Tensor, train_y: Tensor,

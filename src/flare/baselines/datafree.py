@@ -347,7 +347,7 @@ class DataFree(Strategy):
     synthesis = Synthesis
 
     def predictor(self, ctx: ServerContext) -> ModelPredictor:
-        shape = tuple(int(v) for v in ctx.input_shape)  # rounds.evaluate_uploads passes the run's C×H×W
+        shape = tuple(int(v) for v in ctx.input_shape)  # ServerSetup.evaluate passes the run's C×H×W
         with torch.enable_grad(), torch.autocast(ctx.device.type, enabled=False):  # whatever the caller has set
             model, logs = self.synthesis(self.facts, self.options, ctx, shape, self.tag, self.coboost).run()
         return ModelPredictor(model.eval(), logs)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
-from flare.baselines.otfusion import BN_LAYERS, check_same_architecture, chosen_by
+from flare.baselines.otfusion import BN_LAYERS, chosen_by
 from flare.errors import FlareError
 from flare.models import PrototypeHead, create_model
 from flare.registry import STRATEGIES, Seed
@@ -326,17 +326,8 @@ class _Factors(Strategy):
 
     def predictor(self, ctx: ServerContext) -> ModelPredictor:
         t0 = time.perf_counter()
-        model = ctx.models[0]
-        key = chosen_by(self.facts.primary, self._name)
-        check_same_architecture([model.state_dict()] + [u.state for u in ctx.uploads],
-                                [ctx.uploads[0].client] + [u.client for u in ctx.uploads], self._name, key)
+        model = ctx.models[0]  # one layout, and every factor `extras_shapes` declares: the upload gate saw to both
         layers = self._layers(model)
-        want = self.extras_shapes(model)
-        for u, e in zip(ctx.uploads, ctx.extras):
-            if missing := [k for k in want if k not in e]:
-                raise FlareError(f"server strategy '{self._name}' got no factor '{missing[0]}' from client "
-                                 f"{u.client}.", key=key,
-                                 fix="score it in a run (or flare fuse), which asks the clients for its factors.")
         state, logs = merge([u.state for u in ctx.uploads], ctx.extras, ctx.weights, layers, self.options, self.use_g)
         fused = copy.deepcopy(model)
         fused.load_state_dict(state)

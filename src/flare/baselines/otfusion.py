@@ -214,19 +214,6 @@ def align_state(state: dict[str, Tensor], pivot: dict[str, Tensor], plan: Plan,
     return out, kept / max(1, sum(g.size for g in plan.groups))
 
 
-def check_same_architecture(states: list[dict[str, Tensor]], clients: list[int], name: str, key: str) -> None:
-    """Every state dict has the first one's names and shapes, or a FlareError naming the first difference."""
-    ref = {k: tuple(v.shape) for k, v in states[0].items()}
-    for c, s in zip(clients[1:], states[1:]):
-        got = {k: tuple(v.shape) for k, v in s.items()}
-        if diff := sorted(set(ref) ^ set(got)) or [k for k in ref if ref[k] != got[k]]:
-            k = diff[0]
-            raise FlareError(f"server strategy '{name}' fuses models of one architecture, but client {c}'s state "
-                             f"differs from client {clients[0]}'s at '{k}' ({got.get(k, 'missing')} vs "
-                             f"{ref.get(k, 'missing')}).", key=key,
-                             fix=f"leave {name} out for clients of different architectures.")
-
-
 def otfusion(states: list[dict[str, Tensor]], weights: Tensor, plan: Plan, pivot: int,
              cost: str = "euclidean") -> tuple[dict[str, Tensor], float]:
     """Σ_k w_k (client k aligned to client `pivot`), in the pivot's dtypes; and the mean share of unmoved neurons."""
@@ -265,8 +252,8 @@ class OTFusion(Strategy):
             raise FlareError(f"otfusion's pivot is client {self.options.pivot}, which is not among the uploads "
                              f"(clients {clients}).", key="server.strategies.otfusion.pivot",
                              fix="name a client that holds samples, or leave pivot unset.")
+        # one layout: the config refuses otfusion for mixed clients, the upload gate a state not of its client's
         states = [u.state for u in ctx.uploads]
-        check_same_architecture(states + [m.state_dict() for m in ctx.models], clients + clients, "otfusion", key)
         model = copy.deepcopy(ctx.models[pivot])
         plan = alignment_plan(model, key)
         fused, kept = otfusion(states, ctx.weights, plan, pivot, self.options.cost)

@@ -10,22 +10,20 @@ from collections import OrderedDict
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord
+from flwr.app import ArrayRecord
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
 
 def state_to_record(state: dict[str, Tensor]) -> ArrayRecord:
-    rec = ArrayRecord()
-    for k, v in state.items():
-        arr = v.detach().cpu().numpy()
-        # np.ascontiguousarray would turn a 0-d tensor (BatchNorm's num_batches_tracked) into shape (1,)
-        rec[str(k)] = Array.from_numpy_ndarray(arr if arr.flags.c_contiguous else arr.copy(order="C"))
-    return rec
+    """Flower's own conversion of a state dict, from contiguous tensors: every array travels in C order (a transposed
+    one would otherwise arrive in Fortran order, with other strides)."""
+    return ArrayRecord({str(k): v.contiguous() for k, v in state.items()})
 
 
 def record_to_state(rec: ArrayRecord) -> "OrderedDict[str, Tensor]":
-    """Decode every array; raises ValueError/TypeError on anything that is not a plain numeric array."""
+    """Decode every array; raises ValueError/TypeError on anything that is not a plain numeric array (not Flower's
+    `to_torch_state_dict`, which would take a complex array and refuse a string one in torch's words)."""
     out: OrderedDict[str, Tensor] = OrderedDict()
     for k in rec.keys():
         arr = rec[k].numpy()  # numpy.load(allow_pickle=False): object arrays raise here
