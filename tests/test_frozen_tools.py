@@ -180,6 +180,21 @@ def test_a_choice_at_the_grids_end_grows_the_grid_one_decade_until_it_is_inside(
     assert far["chosen"] == 1e-3 and far["extended_at_edge"] == fb.EDGE_STEPS and far["at_edge"]
 
 
+def test_a_grid_grows_up_to_its_parameters_limit_and_no_further(monkeypatch):
+    """QDA's reg_param (and LDA's shrinkage) is a fraction: chosen at 0.5, the grid grows to 1, never to 5 — a
+    value scikit-learn refuses — and a choice at 1 is final, not an edge."""
+    fb = tool("frozen_bounds")
+    x, y = blobs(200)
+    monkeypatch.setattr(fb, "_heads", lambda: {"qda": ("reg_param", [0.1, 0.5], lambda v: PeakedAt(v, 3.0))})
+    PeakedAt.fits = []
+    rec = fb.run_cell("qda", x, y, x, y, holdout=40)
+    assert [c["value"] for c in rec["candidates"]] == [0.1, 0.5, 1.0]
+    assert rec["chosen"] == 1.0 and rec["extended_at_edge"] == 1 and not rec["at_edge"]
+    assert fb.extend_at_edge([0.1, 0.5], 1, fb.TOPS["qda"]) == 1.0
+    assert fb.extend_at_edge([0.1, 1.0], 1, fb.TOPS["qda"]) is None
+    assert fb.extend_at_edge([1.0, 10.0], 1) == 100.0  # no limit: a decade up
+
+
 def test_an_edge_choice_in_an_older_record_is_completed_reusing_its_fits(monkeypatch):
     fb = tool("frozen_bounds")
     old = peaked_cell(fb, monkeypatch, 0.1)
