@@ -23,15 +23,16 @@ it converged, the wall seconds and scikit-learn's version. With `--flip` (the ca
 every training image is fitted twice, as itself and mirrored, the held-out slice holds out both copies of its images
 and scores the plain ones, and the test score is the plain test images' (the record adds the score that averages
 each test image's decision over it and its mirror, `test_acc_tta`); its records go to `<cache>-flip/`. A finished
-cell is skipped (resumable). A choice at
-the end of its numeric candidates grows the grid one decade that way (at most three times, and upwards no further
-than the parameter's limit, `TOPS`; `extend_at_edge`), a rule fixed before any score is read; older records chosen at an edge are completed the same way. The cache must
-exist: this script never starts an extraction (exit 2 naming the file it looked for).
+cell is skipped (resumable). A choice at the end of its numeric candidates grows the grid one decade that way (at
+most three times, and upwards no further than the parameter's limit, `TOPS`; `extend_at_edge`), a rule fixed before
+any score is read; older records chosen at an edge are completed the same way. The cache must exist: this script
+never starts an extraction (exit 2 naming the file it looked for).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -119,7 +120,7 @@ EDGE_STEPS = 3  # at most this many decades added beyond a grid's end (the edge 
 TOPS = {"lda": 1.0, "qda": 1.0}
 
 
-def extend_at_edge(values: list, best: int, top: float | None = None) -> object | None:
+def extend_at_edge(values: list, best: int, top: float = math.inf) -> object | None:
     """The candidate one decade beyond the grid's end when the slice's choice sits at that end, else None.
 
     The rule is fixed before any score is read: a hyper-parameter chosen at the first or last of its numeric
@@ -134,7 +135,7 @@ def extend_at_edge(values: list, best: int, top: float | None = None) -> object 
     if values[best] == lo:
         return lo / 10
     if values[best] == hi:
-        return None if top is not None and hi >= top else min(hi * 10, top if top is not None else float("inf"))
+        return None if hi >= top else min(hi * 10, top)
     return None
 
 
@@ -150,7 +151,7 @@ def run_cell(head: str, x: np.ndarray, y: np.ndarray, xt: np.ndarray, yt: np.nda
     from sklearn.exceptions import ConvergenceWarning
     import warnings
     param, values, make = _heads()[head]
-    values = list(values)
+    values, top = list(values), TOPS.get(head, math.inf)
     if xt_flip is None:
         fit, held = holdout_split(y, holdout)
     else:  # the slice is drawn over images, as without mirrors; both copies of a held-out image stay out
@@ -180,7 +181,7 @@ def run_cell(head: str, x: np.ndarray, y: np.ndarray, xt: np.ndarray, yt: np.nda
         score(v)
     while True:
         best = max(range(len(cands)), key=lambda i: (cands[i]["holdout_acc"], -i))
-        grow = extend_at_edge(values, best, TOPS.get(head)) if extended < EDGE_STEPS else None
+        grow = extend_at_edge(values, best, top) if extended < EDGE_STEPS else None
         if grow is None:
             break
         values.append(grow)
@@ -196,7 +197,7 @@ def run_cell(head: str, x: np.ndarray, y: np.ndarray, xt: np.ndarray, yt: np.nda
             "param": param, "chosen": values[best], "holdout_acc": cands[best]["holdout_acc"],
             "test_acc": float(clf.score(xt, yt)), **_tta(clf, xt, xt_flip, yt),
             "candidates": cands, "extended_at_edge": extended,
-            "at_edge": extend_at_edge(values, best, TOPS.get(head)) is not None, "final_fit_seconds": fit_s, **_iters(clf),
+            "at_edge": extend_at_edge(values, best, top) is not None, "final_fit_seconds": fit_s, **_iters(clf),
             "train_images": int(len(y)), "test_images": int(len(yt)), "holdout_images": int(holdout),
             "holdout_seed": HOLDOUT_SEED, "dim": int(x.shape[1]), "dtype": str(x.dtype),
             "wall_seconds": time.perf_counter() - t_all, "sklearn": sklearn.__version__,
@@ -322,7 +323,7 @@ def stale(record: dict) -> bool:
     values = [c["value"] for c in record["candidates"]]
     if "extended_at_edge" not in record:
         best = values.index(record["chosen"])
-        if extend_at_edge(values, best, TOPS.get(head)) is not None:
+        if extend_at_edge(values, best, TOPS.get(head, math.inf)) is not None:
             return True
     return any(repr(v) not in {repr(c) for c in values} for v in _heads()[head][1])
 
