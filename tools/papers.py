@@ -1252,10 +1252,27 @@ def oracle_records(table_dir: Path) -> list[tuple[Path, dict]]:
     return out
 
 
-def _oracle_servers(r: dict) -> dict[str, tuple[float, float]]:
+def _script_file(reference: str | None) -> str | None:
+    """The script a record's `reference` ("owner/repo script.py [flags]") names."""
+    words = (reference or "").split()
+    return words[1] if len(words) > 1 else None
+
+
+def _step_phrase(r: dict) -> str:
+    """An oracle's client step on identical tensors, as the gap line says it."""
+    pair = r["local"].get("script_vs_flare") or r["local"].get("our_script_vs_flare")
+    script = _script_file(r.get("reference"))
+    return f"on identical tensors (below) {f'`{script}`' + chr(39) + 's' if script else 'the'} client step is {_steps_verdict(pair)}"
+
+
+def _oracle_servers(r: dict, rule: str = "final") -> dict[str, tuple[float, float]]:
     """An oracle's server comparison over the clients the script trained, per table column key: (the script's own
-    value, FLARE's server as the table runs it)."""
+    value, FLARE's server as the table runs it), each at the column's `rule` where the record holds both."""
     srv = r.get("server") or {}
+    if r.get("tool") == "benchmarks/reference_fuse.py":  # one strategy, its last epoch and its best
+        pick = "best" if rule == "peak" else "final"
+        theirs, ours = (r.get("script") or {}).get(pick), (r.get("flare") or {}).get(pick)
+        return {f"fuse:{r['strategy']}": (theirs, ours)} if theirs is not None and ours is not None else {}
     if r.get("tool") == "benchmarks/reference_dense_oracle.py" and srv:
         return {"acc_fedavg": (srv["script"]["fedavg"], srv["flare"]["fedavg"]),
                 "acc_output": (srv["script"]["ensemble"], srv["flare"]["ensemble"])}
@@ -1274,16 +1291,21 @@ def oracle_part(oracles: list[dict], row: dict, delta: float) -> str:
         at = sorted({float(r["alpha"]) for r in oracles if "alpha" in r})
         return ("not measured at this α" + (f" (the oracle ran at α = {', '.join(f'{a:g}' for a in at)}, below)"
                                             if at else ": no identical-tensors oracle ran"))
-    r = same_alpha[0]
-    loc = r["local"]
-    pair = loc.get("script_vs_flare") or loc.get("our_script_vs_flare")
-    step = "bit-identical" if _steps_verdict(pair) == "bit-identical" else _steps_verdict(pair)
-    servers = _oracle_servers(r)
-    if row["key"] not in servers:
-        return (f"not placed — on identical tensors the client step is {step} (below), but the oracle does not run "
-                "this column's server over the script's clients")
-    theirs, ours = servers[row["key"]]
+    stepped = [r for r in same_alpha if "local" in r]
+    step = _step_phrase(stepped[0]) if stepped else "the client step was not compared at this α"
+    placed = [(r, _oracle_servers(r, row["rule"])) for r in same_alpha]
+    placed = [(r, servers[row["key"]]) for r, servers in placed if row["key"] in servers]
+    if not placed:
+        return f"not placed — {step}, but no oracle runs this column's server over the script's clients"
+    r, (theirs, ours) = placed[0]
     rest = delta - (ours - theirs)
+    if r.get("tool") == "benchmarks/reference_fuse.py":  # the script's clients came from its own run, not a replay
+        script = _script_file((r.get("reference") or {}).get("reference"))
+        same = [o for o in stepped if _script_file(o.get("reference")) == script]  # not another script's client
+        step = _step_phrase(same[0]) if same else f"`{script}`'s client step was not compared on identical tensors"
+        return (f"{step}; FLARE's `{r['strategy']}` over the clients the script trained reads {ours:.2f} against "
+                f"its {theirs:.2f} ({ours - theirs:+.2f}, the server's share), which leaves {rest:+.2f} points to the "
+                "clients (the script's training code and its random draws against FLARE's)")
     own = r.get("own_draws") or {}
     differ = [name for name, same in (("initial weights", own.get("init_max_abs_diff", 1) == 0),
                                       ("split", own.get("split_equals_flare", False)),
@@ -1293,7 +1315,7 @@ def oracle_part(oracles: list[dict], row: dict, delta: float) -> str:
              "FLARE's, the rest of its draws are" if own and differ else
              f"at seed {r['seed']} the script draws what FLARE draws" if own else
              "the oracle gave the script FLARE's initial weights and batch order, so which draw it is was not measured")
-    return (f"on identical tensors (below) the client step is {step} and FLARE's server over the script's own "
+    return (f"{step} and FLARE's server over the script's own "
             f"clients reads {ours:.2f} against its {theirs:.2f} ({ours - theirs:+.2f}), which leaves {rest:+.2f} "
             f"points to the clients' random draws — {draws}")
 
@@ -1311,8 +1333,10 @@ def oracle_lines(table_dir: Path) -> list[str]:
             continue
         out += lines
         tools.append(r.get("tool", "benchmarks/reference_fedlpa_oracle.py"))
+    fused = ", or FLARE's server over the very clients the paper's code trained" * any(
+        t == "benchmarks/reference_fuse.py" for t in tools)
     return ["", f"On identical tensors ({', '.join(f'`{t}`' for t in dict.fromkeys(tools))}: the paper's code and "
-                "FLARE in one process, from the same weights over the same batches):", "",
+                f"FLARE in one process, from the same weights over the same batches{fused}):", "",
             *[f"* {line}" for line in out]] if out else []
 
 
@@ -1400,8 +1424,23 @@ def _dense_oracle(r: dict, name: str) -> list[str]:
     return out
 
 
+def _fuse_oracle(r: dict, name: str) -> list[str]:
+    """benchmarks/reference_fuse.py: FLARE's server strategy over the clients a run of the paper's code trained,
+    against what the script's own server made of them (and the same clients' FedAvg and ensemble on both sides)."""
+    sc, fl = r["script"], r["flare"]
+    budget = ", ".join(f"{k} {v}" for k, v in sorted(r.get("fuse_options", {}).items()))
+    script = _script_file(r["reference"].get("reference")) or "the script"
+    return [f"Over the {len(fl['client_sizes'])} clients `{script}` trained at α = {r['alpha']:g}, seed {r['seed']}: "
+            f"FLARE's `{r['strategy']}` as the column runs it ({budget or 'the table options'}) reads "
+            f"{fl['final']:.2f} at its last epoch and {fl['best']:.2f} at its best, against the script's "
+            f"{sc['final']:.2f} and {sc['best']:.2f}; the same clients' FedAvg {fl['fedavg']:.2f} and ensemble "
+            f"{fl['ensemble']:.2f} in FLARE, {sc['fedavg']:.2f} and {sc['ensemble']:.2f} in the script "
+            f"({fl['cpu_seconds'] / 3600:.2f} CPU-hours; {name})."]
+
+
 ORACLE_LINES = {"benchmarks/reference_fedlpa_oracle.py": _fedlpa_oracle,
-                "benchmarks/reference_dense_oracle.py": _dense_oracle}
+                "benchmarks/reference_dense_oracle.py": _dense_oracle,
+                "benchmarks/reference_fuse.py": _fuse_oracle}
 
 
 def _cell_config(d: Path) -> dict:
