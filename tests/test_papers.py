@@ -1141,18 +1141,24 @@ def test_a_code_flare_gap_is_placed_by_the_oracle_of_its_alpha(tmp_path):
     assert line.endswith("Where it differs: not measured at this α (the oracle ran at α = 0.5, below)."), line
 
 
-def test_dense_reference_reads_the_students_best_epoch_at_the_papers_rule(tmp_path):
-    """DENSE's column reads the reference's student at the column's rule (its best epoch for `peak`, the paper's
-    selection; its last for `final`); a fusion under way prints its epochs; a run on the script's own split is
-    another experiment and is not read."""
-    papers = _papers()
-    res, ref = tmp_path / "res", tmp_path / "ref"
+def _dense_table(res: Path) -> None:
+    """A one-cell table of a DENSE column (the paper's 83.96 at α = 0.3, its best epoch) whose FLARE seed 0 fuses
+    to 61.00."""
     spec = {"table": "t", "paper": "P", "alphas": [0.3], "seeds": [0],
             "columns": {"DENSE": {"method": "fedavg", "key": "fuse:dense", "paper_rule": "peak"}},
             "published": {"DENSE": {0.3: 83.96}}}
     (res / "t").mkdir(parents=True)
     (res / "t" / "table.yaml").write_text(yaml.safe_dump(spec))
     _fake_cell(res, "t", "fedavg", 0.3, 0, [0.7], {"dense": 0.61})
+
+
+def test_dense_reference_reads_the_students_best_epoch_at_the_papers_rule(tmp_path):
+    """DENSE's column reads the reference's student at the column's rule (its best epoch for `peak`, the paper's
+    selection; its last for `final`); a fusion under way prints its epochs; a run on the script's own split is
+    another experiment and is not read."""
+    papers = _papers()
+    res, ref = tmp_path / "res", tmp_path / "ref"
+    _dense_table(res)
     _fake_reference(ref, "t", "dense", 0.3, 0, progress={"status": "running", "argv": ["--epochs", "20"],
                                                          "student_curve": [{"epoch": 1, "acc": 40.0}] * 7})
     assert "| DENSE | 0.3 | 83.96 | seed 0: running, epoch 7 of 20 |" in papers.render(res, reference=ref)
@@ -1307,12 +1313,7 @@ def test_a_code_flare_gap_is_placed_by_flares_server_over_the_scripts_own_client
     script is."""
     papers = _papers()
     res, ref = tmp_path / "res", tmp_path / "ref"
-    spec = {"table": "t", "paper": "P", "alphas": [0.3], "seeds": [0],
-            "columns": {"DENSE": {"method": "fedavg", "key": "fuse:dense", "paper_rule": "peak"}},
-            "published": {"DENSE": {0.3: 83.96}}}
-    (res / "t").mkdir(parents=True)
-    (res / "t" / "table.yaml").write_text(yaml.safe_dump(spec))
-    _fake_cell(res, "t", "fedavg", 0.3, 0, [0.7], {"dense": 0.61})
+    _dense_table(res)
     _fake_reference(ref, "t", "dense", 0.3, 0, {"student_final": 55.0, "student_best": 56.0})
     fuse = {"tool": "benchmarks/reference_fuse.py", "alpha": 0.3, "seed": 0, "strategy": "dense",
             "fuse_options": {"epochs": 20}, "reference": {"reference": "o/r train_dense.py"},
