@@ -1262,7 +1262,8 @@ def _step_phrase(r: dict) -> str:
     """An oracle's client step on identical tensors, as the gap line says it."""
     pair = r["local"].get("script_vs_flare") or r["local"].get("our_script_vs_flare")
     script = _script_file(r.get("reference"))
-    return f"on identical tensors (below) {f'`{script}`' + chr(39) + 's' if script else 'the'} client step is {_steps_verdict(pair)}"
+    whose = f"`{script}`'s" if script else "the"
+    return f"on identical tensors (below) {whose} client step is {_steps_verdict(pair)}"
 
 
 def _oracle_servers(r: dict, rule: str = "final") -> dict[str, tuple[float, float]]:
