@@ -186,6 +186,20 @@ def compared(a: dict, b: dict, keys: list[tuple[str, str]], init: list, spe: int
     return {"steps": rows, "first_divergence": first, "verdict": "same" if first is None else "differs"}
 
 
+def flare_models(tool: str, template, weights: list[dict], sizes: list[int]):
+    """The script's kept clients as FLARE models (`template`'s copies, the script's tensors paired by position) and
+    the uploads FLARE's server receives from them, each with its client's sample count."""
+    from flare.server.upload import upload_of
+
+    pairs = matched_keys(tool, template.state_dict(), weights[0])
+    models = []
+    for w in weights:
+        m = copy.deepcopy(template)
+        m.load_state_dict({a: w[b] for a, b in pairs})
+        models.append(m)
+    return models, [upload_of(i, m, n) for i, (m, n) in enumerate(zip(models, sizes))], pairs
+
+
 def checkout_commit(checkout: Path) -> str | None:
     return subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True,
                           text=True).stdout.strip() or None
@@ -268,12 +282,16 @@ def record_head(tool: str, reference: str, a, p, flags) -> dict:
 def write_record(rec: dict, a, p, server) -> int:
     """The record with the server part (`server(path)`, with `--saved-clients`) and `machine_facts`, to `--record`
     (when given) and to stdout; the command's exit status."""
-    import json
-
     if a.saved_clients:
         rec["server"] = server(a.saved_clients)
     rec.update(machine_facts(p.t_wall, p.t_cpu))
-    path = a.record
+    return emit(rec, a.record)
+
+
+def emit(rec: dict, path: Path | None) -> int:
+    """The record as JSON to `path` (when given) and to stdout; the command's exit status."""
+    import json
+
     text = json.dumps(rec, indent=1) + "\n"
     if path:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -42,8 +42,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reference_dense as ref  # noqa: E402
-from oracle import (PlannedBatches, by_flare, by_script, compared, matched_keys, oracle_arguments,  # noqa: E402
-                    prepared, record_head, refused, snapshot_steps, write_record)
+from oracle import (PlannedBatches, by_flare, by_script, compared, flare_models, matched_keys,  # noqa: E402
+                    oracle_arguments, prepared, record_head, refused, snapshot_steps, write_record)
 
 TOOL = "reference_dense_oracle"
 REPO = "zj-jayzhang/DENSE"
@@ -174,7 +174,6 @@ def server_part(L, main: ast.If, ns: dict, setup, saved: Path) -> dict:
     import torch
 
     from flare.server.rules import fedavg_model
-    from flare.server.upload import upload_of
 
     cfg, K = setup.server.cfg, setup.server.cfg.num_clients
     files = [saved / f"client{i}.pt" for i in range(K)]
@@ -187,15 +186,8 @@ def server_part(L, main: ast.If, ns: dict, setup, saved: Path) -> dict:
     script["cpu_seconds"] = round(time.process_time() - t0, 1)
     global_weights = ns["global_weights"]
 
-    template = setup.server.template
-    pairs = matched_keys(TOOL, template.state_dict(), weights[0])
-    models = []
-    for w in weights:
-        m = copy.deepcopy(template)
-        m.load_state_dict({a: w[b] for a, b in pairs})
-        models.append(m)
     parts = setup.partition.client_indices
-    uploads = [upload_of(i, models[i], len(parts[i])) for i in range(K)]
+    models, uploads, pairs = flare_models(TOOL, setup.server.template, weights, [len(p) for p in parts])
     t0 = time.process_time()
     ev = setup.server.evaluate(cfg.rounds - 1, uploads, models, rules=("fedavg", "output"))
     avg = fedavg_model(models, ev.weights, cfg.server.strategies["fedavg"]["buffers"]).state_dict()

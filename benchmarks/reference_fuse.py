@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reference_dense as ref  # noqa: E402
-from oracle import machine_facts, matched_keys  # noqa: E402
+from oracle import emit, flare_models, machine_facts  # noqa: E402
 
 TOOL = "reference_fuse"
 # what the reference's record calls its server's value, per FLARE strategy: (final, best epoch)
@@ -45,9 +45,6 @@ def their_weights(saved: dict) -> dict:
 def fused(cfg, strategy: str, weights: list[dict], scratch: Path) -> dict:
     """FLARE's `strategy`, FedAvg and ensemble over the clients `weights` (the script's keys, paired with FLARE's by
     position), scored as `flare fuse` scores them at the last round."""
-    import copy
-
-    from flare.server.upload import upload_of
     from flare.setup import ServerSetup, checked_split
 
     rules = (strategy, "fedavg", "output")
@@ -56,13 +53,7 @@ def fused(cfg, strategy: str, weights: list[dict], scratch: Path) -> dict:
     parts = partition.client_indices
     if len(parts) != len(weights):
         raise SystemExit(f"{TOOL}: the cell has {len(parts)} clients, --saved-clients {len(weights)}")
-    pairs = matched_keys(TOOL, server.template.state_dict(), weights[0])
-    models = []
-    for w in weights:
-        m = copy.deepcopy(server.template)
-        m.load_state_dict({a: w[b] for a, b in pairs})
-        models.append(m.eval())
-    uploads = [upload_of(i, models[i], len(parts[i])) for i in range(len(models))]
+    models, uploads, _ = flare_models(TOOL, server.template, weights, [len(p) for p in parts])
     t0, c0 = time.perf_counter(), time.process_time()
     ev = server.evaluate(cfg.rounds - 1, uploads, models, rules=rules, scratch=scratch)
     logs = ev.predictors[strategy].logs
@@ -142,11 +133,7 @@ def main(argv=None) -> int:
         print(e.code, file=sys.stderr)
         return 2
     rec.update(machine_facts(t_wall, t_cpu))
-    text = json.dumps(rec, indent=1) + "\n"
-    if a.record:
-        a.record.parent.mkdir(parents=True, exist_ok=True)
-        a.record.write_text(text)
-    print(text, end="")
+    emit(rec, a.record)
     shutil.rmtree(scratch, ignore_errors=True)  # the record holds what the strategy's progress was kept for
     return 0
 
