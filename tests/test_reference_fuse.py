@@ -2,8 +2,8 @@
 runs it. Over two stand-in clients in DENSE's own key names (paired with FLARE's by position) on tiny data: the
 record holds FLARE's strategy at its last and best epoch beside the script's recorded values, and FLARE's FedAvg and
 ensemble of the same clients; two equal clients make FedAvg and the ensemble one model; a rerun gives the same
-numbers and leaves no scratch behind; a record of another cell, no clients, or clients of another network
-are refused."""
+numbers and leaves no scratch behind; a record of another cell, no clients, clients of another network, or
+another number of clients than the cell's are refused."""
 import json
 import subprocess
 import sys
@@ -77,4 +77,7 @@ def test_another_cells_record_no_clients_or_another_network_are_refused(tmp_path
     _clients(tmp_path / "wide", same=False, width=48)
     r = _run(tmp_path, tmp_path / "wide")
     assert r.returncode == 2 and "do not list the same tensors" in r.stderr and "Traceback" not in r.stderr
+    (tmp_path / "clients" / "client2.pt").write_bytes((tmp_path / "clients" / "client1.pt").read_bytes())
+    r = _run(tmp_path, tmp_path / "clients")  # three clients for a cell of two
+    assert r.returncode == 2 and "the cell has 2 clients, --saved-clients 3" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "fuse.json").exists()
