@@ -1135,6 +1135,19 @@ def test_a_code_flare_gap_is_placed_by_the_oracle_of_its_alpha(tmp_path):
     (ref / "t" / "oracle" / "a.json").write_text(json.dumps(oracle))
     line = next(x for x in papers.render(res, reference=ref).splitlines() if "(final): FLARE" in x)
     assert "the client step is apart from step 5 on (5.0e-01 in `w`)" in line, line
+    # a second seed of the code: the server's share still comes from the oracle's own seed, whose clients it fused
+    oracle["local"]["script_vs_flare"] = {"first_divergence": None, "steps": [{"max_abs_diff": 0.0}]}
+    (ref / "t" / "oracle" / "a.json").write_text(json.dumps(oracle))
+    _fake_reference(ref, "t", "fedavg", 0.3, 1, {"fedavg": 78.0})
+    line = next(x for x in papers.render(res, reference=ref).splitlines() if "(final): FLARE" in x)
+    assert "its code ↔ FLARE (80.00 against 72.00 on seeds 0,1, 8.00 points)" in line, line
+    assert "reads 79.00 against its 80.00 (-1.00) on seed 0, where FLARE − code is -12.00, which leaves -11.00 " \
+           "points to the clients' random draws" in line, line
+    oracle["seed"] = 2  # clients of a seed the code did not run: nothing to subtract them from
+    (ref / "t" / "oracle" / "a.json").write_text(json.dumps(oracle))
+    line = next(x for x in papers.render(res, reference=ref).splitlines() if "(final): FLARE" in x)
+    assert line.endswith("not placed — on identical tensors (below) the client step is bit-identical; its server ran "
+                         "over the seed-2 clients, a seed the code and FLARE did not both run."), line
     oracle["alpha"] = 0.5
     (ref / "t" / "oracle" / "a.json").write_text(json.dumps(oracle))
     line = next(x for x in papers.render(res, reference=ref).splitlines() if "(final): FLARE" in x)

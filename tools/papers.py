@@ -1229,7 +1229,8 @@ def gap_lines(rows: list[dict], oracles: list[dict] = ()) -> list[str]:
             (pairs if abs(a - b) > GAP else close).append(
                 f"its code ↔ FLARE ({a:.2f} against {b:.2f} on seed{'s' * (len(common) > 1)} {seed_text(common)}, "
                 f"{abs(a - b):.2f} points)")
-            where = f" Where it differs: {oracle_part(oracles, r, b - a)}." if abs(a - b) > GAP else ""
+            deltas = {s: ours[s] - theirs[s] for s in common}
+            where = f" Where it differs: {oracle_part(oracles, r, deltas)}." if abs(a - b) > GAP else ""
         else:
             other.append("its code ↔ FLARE: no seed run by both")
             where = ""
@@ -1282,11 +1283,13 @@ def _oracle_servers(r: dict, rule: str = "final") -> dict[str, tuple[float, floa
     return {}
 
 
-def oracle_part(oracles: list[dict], row: dict, delta: float) -> str:
-    """Which part holds a code ↔ FLARE difference of `delta` points (FLARE − code), from an oracle of the same α:
-    the client step on identical tensors (the same or not) and the server over the script's own clients (its value
-    against FLARE's); what neither explains lies in the runs' random draws, the one input the oracle made equal.
-    An oracle of another α, or one that does not compare this column's server, places nothing: the text says so."""
+def oracle_part(oracles: list[dict], row: dict, deltas: dict[int, float]) -> str:
+    """Which part holds a code ↔ FLARE difference, from an oracle of the same α: the client step on identical
+    tensors (the same or not) and the server over the script's own clients (its value against FLARE's); what neither
+    explains lies in the runs' random draws, the one input the oracle made equal. `deltas`: FLARE − code per seed
+    both ran. The server's share is taken from the difference on the oracle's own seed — its clients are that seed's
+    — and the line names that seed when more than one was run. An oracle of another α or another seed, or one that
+    does not compare this column's server, places nothing: the text says so."""
     same_alpha = [r for r in oracles if float(r.get("alpha", -1)) == float(row["alpha"])]
     if not same_alpha:
         at = sorted({float(r["alpha"]) for r in oracles if "alpha" in r})
@@ -1299,14 +1302,19 @@ def oracle_part(oracles: list[dict], row: dict, delta: float) -> str:
     if not placed:
         return f"not placed — {step}, but no oracle runs this column's server over the script's clients"
     r, (theirs, ours) = placed[0]
-    rest = delta - (ours - theirs)
+    seed = int(r.get("seed", -1))
+    if seed not in deltas:
+        return (f"not placed — {step}; its server ran over the seed-{seed} clients, a seed the code and FLARE did "
+                "not both run")
+    rest = deltas[seed] - (ours - theirs)
+    at_seed = f" on seed {seed}, where FLARE − code is {deltas[seed]:+.2f}," if len(deltas) > 1 else ","
     if r.get("tool") == "benchmarks/reference_fuse.py":  # the script's clients came from its own run, not a replay
         script = _script_file((r.get("reference") or {}).get("reference"))
         same = [o for o in stepped if _script_file(o.get("reference")) == script]  # not another script's client
         step = _step_phrase(same[0]) if same else f"`{script}`'s client step was not compared on identical tensors"
         return (f"{step}; FLARE's `{r['strategy']}` over the clients the script trained reads {ours:.2f} against "
-                f"its {theirs:.2f} ({ours - theirs:+.2f}, the server's share), which leaves {rest:+.2f} points to the "
-                "clients (the script's training code and its random draws against FLARE's)")
+                f"its {theirs:.2f} ({ours - theirs:+.2f}, the server's share){at_seed} which leaves {rest:+.2f} points "
+                "to the clients (the script's training code and its random draws against FLARE's)")
     own = r.get("own_draws") or {}
     differ = [name for name, same in (("initial weights", own.get("init_max_abs_diff", 1) == 0),
                                       ("split", own.get("split_equals_flare", False)),
@@ -1317,8 +1325,8 @@ def oracle_part(oracles: list[dict], row: dict, delta: float) -> str:
              f"at seed {r['seed']} the script draws what FLARE draws" if own else
              "the oracle gave the script FLARE's initial weights and batch order, so which draw it is was not measured")
     return (f"{step} and FLARE's server over the script's own "
-            f"clients reads {ours:.2f} against its {theirs:.2f} ({ours - theirs:+.2f}), which leaves {rest:+.2f} "
-            f"points to the clients' random draws — {draws}")
+            f"clients reads {ours:.2f} against its {theirs:.2f} ({ours - theirs:+.2f}){at_seed} which leaves "
+            f"{rest:+.2f} points to the clients' random draws — {draws}")
 
 
 def oracle_lines(table_dir: Path) -> list[str]:
