@@ -1143,6 +1143,15 @@ def test_a_code_flare_gap_is_placed_by_the_oracle_of_its_alpha(tmp_path):
     assert "its code ↔ FLARE (80.00 against 72.00 on seeds 0,1, 8.00 points)" in line, line
     assert "reads 79.00 against its 80.00 (-1.00) on seed 0, where FLARE − code is -12.00, which leaves -11.00 " \
            "points to the clients' random draws" in line, line
+    # an oracle of each seed: each seed's pair placed with its own clients
+    (ref / "t" / "oracle" / "b.json").write_text(json.dumps(
+        {**oracle, "seed": 1, "server": {"script": {"fedavg": 77.0, "ensemble": 1.0}, "flare": {"fedavg": 76.0, "ensemble": 1.0}}}))
+    line = next(x for x in papers.render(res, reference=ref).splitlines() if "(final): FLARE" in x)
+    assert "which leaves -11.00 points to the clients' random draws — at seed 0 the script's batch order is not " \
+           "FLARE's, the rest of its draws are; and FLARE's server over the script's own clients reads 76.00 against " \
+           "its 77.00 (-1.00) on seed 1, where FLARE − code is -4.00, which leaves -3.00 points to the clients' " \
+           "random draws — at seed 1 the script's batch order is not FLARE's" in line, line
+    (ref / "t" / "oracle" / "b.json").unlink()
     oracle["seed"] = 2  # clients of a seed the code did not run: nothing to subtract them from
     (ref / "t" / "oracle" / "a.json").write_text(json.dumps(oracle))
     line = next(x for x in papers.render(res, reference=ref).splitlines() if "(final): FLARE" in x)

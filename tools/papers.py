@@ -1301,32 +1301,41 @@ def oracle_part(oracles: list[dict], row: dict, deltas: dict[int, float]) -> str
     placed = [(r, servers[row["key"]]) for r, servers in placed if row["key"] in servers]
     if not placed:
         return f"not placed — {step}, but no oracle runs this column's server over the script's clients"
-    r, (theirs, ours) = placed[0]
-    seed = int(r.get("seed", -1))
-    if seed not in deltas:
+    usable = [(r, pair) for r, pair in placed if int(r.get("seed", -1)) in deltas]
+    if not usable:
+        seed = int(placed[0][0].get("seed", -1))
         return (f"not placed — {step}; its server ran over the seed-{seed} clients, a seed the code and FLARE did "
                 "not both run")
-    rest = deltas[seed] - (ours - theirs)
-    at_seed = f" on seed {seed}, where FLARE − code is {deltas[seed]:+.2f}," if len(deltas) > 1 else ","
-    if r.get("tool") == "benchmarks/reference_fuse.py":  # the script's clients came from its own run, not a replay
-        script = _script_file((r.get("reference") or {}).get("reference"))
+    clauses = [_server_share(r, theirs, ours, deltas) for r, (theirs, ours) in usable]
+    if usable[0][0].get("tool") == "benchmarks/reference_fuse.py":  # the script's clients came from its own run
+        script = _script_file((usable[0][0].get("reference") or {}).get("reference"))
         same = [o for o in stepped if _script_file(o.get("reference")) == script]  # not another script's client
         step = _step_phrase(same[0]) if same else f"`{script}`'s client step was not compared on identical tensors"
-        return (f"{step}; FLARE's `{r['strategy']}` over the clients the script trained reads {ours:.2f} against "
-                f"its {theirs:.2f} ({ours - theirs:+.2f}, the server's share){at_seed} which leaves {rest:+.2f} points "
-                "to the clients (the script's training code and its random draws against FLARE's)")
+        return f"{step}; " + "; ".join(clauses)
+    return f"{step} and " + "; and ".join(clauses)
+
+
+def _server_share(r: dict, theirs: float, ours: float, deltas: dict[int, float]) -> str:
+    """One oracle's server over the script's clients of its seed against the script's own, and what that leaves of
+    the seed's code ↔ FLARE difference to the clients (the seed named when the pair stands on more than one)."""
+    seed = int(r["seed"])
+    rest = deltas[seed] - (ours - theirs)
+    at_seed = f" on seed {seed}, where FLARE − code is {deltas[seed]:+.2f}," if len(deltas) > 1 else ","
+    if r.get("tool") == "benchmarks/reference_fuse.py":
+        return (f"FLARE's `{r['strategy']}` over the clients the script trained reads {ours:.2f} against its "
+                f"{theirs:.2f} ({ours - theirs:+.2f}, the server's share){at_seed} which leaves {rest:+.2f} points to "
+                "the clients (the script's training code and its random draws against FLARE's)")
     own = r.get("own_draws") or {}
     differ = [name for name, same in (("initial weights", own.get("init_max_abs_diff", 1) == 0),
                                       ("split", own.get("split_equals_flare", False)),
                                       ("batch order", own.get("first_epoch_order_equals_flare", False)))
               if not same]
-    draws = (f"at seed {r['seed']} the script's {' and '.join(differ)} {'is' if len(differ) == 1 else 'are'} not "
+    draws = (f"at seed {seed} the script's {' and '.join(differ)} {'is' if len(differ) == 1 else 'are'} not "
              "FLARE's, the rest of its draws are" if own and differ else
-             f"at seed {r['seed']} the script draws what FLARE draws" if own else
+             f"at seed {seed} the script draws what FLARE draws" if own else
              "the oracle gave the script FLARE's initial weights and batch order, so which draw it is was not measured")
-    return (f"{step} and FLARE's server over the script's own "
-            f"clients reads {ours:.2f} against its {theirs:.2f} ({ours - theirs:+.2f}){at_seed} which leaves "
-            f"{rest:+.2f} points to the clients' random draws — {draws}")
+    return (f"FLARE's server over the script's own clients reads {ours:.2f} against its {theirs:.2f} "
+            f"({ours - theirs:+.2f}){at_seed} which leaves {rest:+.2f} points to the clients' random draws — {draws}")
 
 
 def oracle_lines(table_dir: Path) -> list[str]:
