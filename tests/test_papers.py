@@ -1144,8 +1144,8 @@ def test_a_code_flare_gap_is_placed_by_the_oracle_of_its_alpha(tmp_path):
     assert "reads 79.00 against its 80.00 (-1.00) on seed 0, where FLARE − code is -12.00, which leaves -11.00 " \
            "points to the clients' random draws" in line, line
     # an oracle of each seed: each seed's pair placed with its own clients
-    (ref / "t" / "oracle" / "b.json").write_text(json.dumps(
-        {**oracle, "seed": 1, "server": {"script": {"fedavg": 77.0, "ensemble": 1.0}, "flare": {"fedavg": 76.0, "ensemble": 1.0}}}))
+    seed1 = {"script": {"fedavg": 77.0, "ensemble": 1.0}, "flare": {"fedavg": 76.0, "ensemble": 1.0}}
+    (ref / "t" / "oracle" / "b.json").write_text(json.dumps({**oracle, "seed": 1, "server": seed1}))
     line = next(x for x in papers.render(res, reference=ref).splitlines() if "(final): FLARE" in x)
     assert "which leaves -11.00 points to the clients' random draws — at seed 0 the script's batch order is not " \
            "FLARE's, the rest of its draws are; and FLARE's server over the script's own clients reads 76.00 against " \
