@@ -1307,6 +1307,9 @@ def oracle_part(oracles: list[dict], row: dict, deltas: dict[int, float]) -> str
         return (f"not placed — {step}; its server ran over the seed-{seed} clients, a seed the code and FLARE did "
                 "not both run")
     clauses = [_server_share(r, theirs, ours, deltas) for r, (theirs, ours) in usable]
+    tails = {c.rpartition(" — ")[2] for c in clauses}
+    if len(clauses) > 1 and len(tails) == 1 and " — " in clauses[0]:  # one remark on every seed's draws: said once
+        clauses = [c.rpartition(" — ")[0] for c in clauses[:-1]] + clauses[-1:]
     if usable[0][0].get("tool") == "benchmarks/reference_fuse.py":  # the script's clients came from its own run
         script = _script_file((usable[0][0].get("reference") or {}).get("reference"))
         same = [o for o in stepped if _script_file(o.get("reference")) == script]  # not another script's client
