@@ -1306,10 +1306,11 @@ def oracle_part(oracles: list[dict], row: dict, deltas: dict[int, float]) -> str
         seed = int(placed[0][0].get("seed", -1))
         return (f"not placed — {step}; its server ran over the seed-{seed} clients, a seed the code and FLARE did "
                 "not both run")
-    clauses = [_server_share(r, theirs, ours, deltas) for r, (theirs, ours) in usable]
-    tails = {c.rpartition(" — ")[2] for c in clauses}
-    if len(clauses) > 1 and len(tails) == 1 and " — " in clauses[0]:  # one remark on every seed's draws: said once
-        clauses = [c.rpartition(" — ")[0] for c in clauses[:-1]] + clauses[-1:]
+    shares = [_server_share(r, theirs, ours, deltas) for r, (theirs, ours) in usable]
+    remarks = [remark for _, remark in shares]
+    once = len(shares) > 1 and len(set(remarks)) == 1  # one remark on every seed's draws: said once, at the end
+    clauses = [share + (f" — {remark}" if remark and (not once or i == len(shares) - 1) else "")
+               for i, (share, remark) in enumerate(shares)]
     if usable[0][0].get("tool") == "benchmarks/reference_fuse.py":  # the script's clients came from its own run
         script = _script_file((usable[0][0].get("reference") or {}).get("reference"))
         same = [o for o in stepped if _script_file(o.get("reference")) == script]  # not another script's client
@@ -1318,16 +1319,17 @@ def oracle_part(oracles: list[dict], row: dict, deltas: dict[int, float]) -> str
     return f"{step} and " + "; and ".join(clauses)
 
 
-def _server_share(r: dict, theirs: float, ours: float, deltas: dict[int, float]) -> str:
+def _server_share(r: dict, theirs: float, ours: float, deltas: dict[int, float]) -> tuple[str, str]:
     """One oracle's server over the script's clients of its seed against the script's own, and what that leaves of
-    the seed's code ↔ FLARE difference to the clients (the seed named when the pair stands on more than one)."""
+    the seed's code ↔ FLARE difference to the clients (the seed named when the pair stands on more than one); with
+    the remark on which of the seed's draws differ ("" where the oracle does not say)."""
     seed = int(r["seed"])
     rest = deltas[seed] - (ours - theirs)
     at_seed = f" on seed {seed}, where FLARE − code is {deltas[seed]:+.2f}," if len(deltas) > 1 else ","
     if r.get("tool") == "benchmarks/reference_fuse.py":
         return (f"FLARE's `{r['strategy']}` over the clients the script trained reads {ours:.2f} against its "
                 f"{theirs:.2f} ({ours - theirs:+.2f}, the server's share){at_seed} which leaves {rest:+.2f} points to "
-                "the clients (the script's training code and its random draws against FLARE's)")
+                "the clients (the script's training code and its random draws against FLARE's)"), ""
     own = r.get("own_draws") or {}
     differ = [name for name, same in (("initial weights", own.get("init_max_abs_diff", 1) == 0),
                                       ("split", own.get("split_equals_flare", False)),
@@ -1338,7 +1340,7 @@ def _server_share(r: dict, theirs: float, ours: float, deltas: dict[int, float])
              f"at seed {seed} the script draws what FLARE draws" if own else
              "the oracle gave the script FLARE's initial weights and batch order, so which draw it is was not measured")
     return (f"FLARE's server over the script's own clients reads {ours:.2f} against its {theirs:.2f} "
-            f"({ours - theirs:+.2f}){at_seed} which leaves {rest:+.2f} points to the clients' random draws — {draws}")
+            f"({ours - theirs:+.2f}){at_seed} which leaves {rest:+.2f} points to the clients' random draws"), draws
 
 
 def oracle_lines(table_dir: Path) -> list[str]:
