@@ -85,11 +85,6 @@ class ImageData:
     def image_size(self) -> int:
         return self.train_x.shape[2]
 
-    def __repr__(self) -> str:
-        c, h, w = self.train_x.shape[1:]
-        return (f"ImageData({self.name}: {len(self.train_y)} train / {len(self.test_y)} test, "
-                f"{c}x{h}x{w}, {self.num_classes} classes)")
-
 
 @dataclass(frozen=True)
 class DatasetInfo:
