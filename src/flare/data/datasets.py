@@ -173,8 +173,6 @@ def stratified_subset(y: torch.Tensor, n: int | None, seed: int) -> torch.Tensor
     total = len(y)
     if n is None or n >= total:
         return torch.arange(total)
-    if n < 0:
-        raise ValueError(f"subset size must be >= 0, got {n}")
     labels, counts = torch.unique(y, return_counts=True)
     exact = counts.double() * n / total
     take = torch.floor(exact + 0.5).long()
