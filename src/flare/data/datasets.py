@@ -124,11 +124,6 @@ def register_dataset(name: str, build: Callable | None = None, *, options=None, 
 # ----------------------------------------------------------------------------- public API
 
 
-def list_datasets() -> list[tuple[str, str]]:
-    """(name, description) of every registered dataset, for `flare datasets`."""
-    return DATASETS.describe()
-
-
 def load_dataset(name: str, root: str | os.PathLike | None, format: str = "auto", download: bool = False,
                  cache_dir: str | os.PathLike | None = None, options: dict | None = None) -> ImageData:
     """Load a dataset as whole tensors, decoding it only when the on-disk cache is missing or stale (`_cache_file`:

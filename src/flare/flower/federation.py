@@ -125,11 +125,6 @@ class LocalFederation:
                 time.sleep(0.3)
         raise FederationError(f"{name} did not open 127.0.0.1:{port} within {self.startup_timeout:g} s")
 
-    def kill_node(self, i: int) -> None:
-        """SIGKILL SuperNode i and everything it started (a crashed client)."""
-        self._signal(self.node_procs[i], signal.SIGKILL)
-        self.node_procs[i].wait(timeout=10)
-
     @staticmethod
     def _signal(p: subprocess.Popen, sig) -> None:
         with suppress(ProcessLookupError, PermissionError):
