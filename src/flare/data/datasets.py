@@ -134,8 +134,6 @@ def load_dataset(name: str, root: str | os.PathLike | None, format: str = "auto"
 def _read(info: DatasetInfo, facts: DatasetFacts) -> ImageData:
     """A built-in dataset read from its files (through the cache)."""
     name, root, format, download, cache_dir = facts.name, facts.root, facts.format, facts.download, facts.cache_dir
-    if name in SYNTHETIC:
-        return synthetic_dataset(name)
     root_path = Path(root).expanduser() if root not in (None, "") else None
     fmt = _resolve_format(name, info, root_path, format)
     source = (_locate_imagefolder(name, root_path) if fmt == "imagefolder"
@@ -306,10 +304,10 @@ def _save_cache(path: Path, data: ImageData) -> None:
 SYNTHETIC = {"synthetic-cifar10": (10, 3, 32, 50_000, 10_000), "synthetic-cifar100": (100, 3, 32, 50_000, 10_000)}
 
 
-def synthetic_dataset(name: str, seed: int = 0) -> ImageData:
+def synthetic_dataset(facts: DatasetFacts, options: None) -> ImageData:
     """Seeded random images whose mean colour depends on the class (generated, never cached)."""
-    C, ch, hw, n_train, n_test = SYNTHETIC[name]
-    g = torch.Generator().manual_seed(seed)
+    C, ch, hw, n_train, n_test = SYNTHETIC[facts.name]
+    g = torch.Generator().manual_seed(0)
     centre = torch.randint(0, 176, (C, ch, 1, 1), generator=g, dtype=torch.uint8)
 
     def make(n):
@@ -320,7 +318,7 @@ def synthetic_dataset(name: str, seed: int = 0) -> ImageData:
     train_x, train_y = make(n_train)
     test_x, test_y = make(n_test)
     mean, std = _channel_stats(train_x)
-    return ImageData(name, train_x, train_y, test_x, test_y, [f"class{c}" for c in range(C)], mean, std)
+    return ImageData(facts.name, train_x, train_y, test_x, test_y, [f"class{c}" for c in range(C)], mean, std)
 
 
 _BUILTIN: dict[str, DatasetInfo] = {
@@ -337,8 +335,9 @@ _BUILTIN: dict[str, DatasetInfo] = {
     "tinyimagenet": DatasetInfo("Tiny-ImageNet-200: 200 classes, 3x64x64, 100k/10k (official tree, val = test)",
                                 ("imagefolder",), 200, _locate_tiny),
     "imagefolder": DatasetInfo("any train/<class>/*, test/<class>/* tree, as a folder or .tar/.tar.gz",
-                               ("imagefolder",), None, None),
-    "synthetic-cifar10": DatasetInfo("generated stand-in, CIFAR-10's shapes (benchmarks; no files)", (), 10, None),
-    "synthetic-cifar100": DatasetInfo("generated stand-in, CIFAR-100's shapes (benchmarks; no files)", (), 100, None)}
+                               ("imagefolder",), None, None)}
 for _name, _info in _BUILTIN.items():
     DATASETS.register(_name, _info, description=_info.description)
+for _name, _like in (("synthetic-cifar10", "CIFAR-10"), ("synthetic-cifar100", "CIFAR-100")):
+    register_dataset(_name, synthetic_dataset, num_classes=SYNTHETIC[_name][0],
+                     description=f"generated stand-in, {_like}'s shapes (benchmarks; no files)")
