@@ -9,8 +9,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       field_validator, model_validator)
 
 from flare.errors import KeyedValueError, short
-from flare.registry import (DATASETS, FLOAT32_MAX, MODELS, PARTITIONS, SCALINGS, Registry, Seed, boolean_number,
-                            nonfinite)
+from flare.registry import DATASETS, FLOAT32_MAX, MODELS, PARTITIONS, SCALINGS, Registry, boolean_number, nonfinite
 
 
 class Strict(BaseModel):
