@@ -43,7 +43,7 @@ def assert_all_stopped(fed: LocalFederation):
     for name, p in fed.procs:
         assert p.poll() is not None, f"{name} still running"
         assert not fed.group_alive(p), f"{name}'s process group still has members"
-    assert fed.leftovers() == [], "processes started below the federation survived stop()"
+    assert fed._alive(fed._seen) == [], "processes started below the federation survived stop()"
 
 
 PLUGIN = ["plugins=[flare_demo_plugin]", "loss.terms.demo_center.weight=0.5", "align.anchors=etf",

@@ -182,14 +182,10 @@ class LocalFederation:
         for pid in self._alive(seen):
             with suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-        self._seen = seen
+        self._seen = seen  # every descendant stop() saw: the tests check that none is left alive
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and (any(self.group_alive(p) for _, p in self.procs) or self._alive(seen)):
             time.sleep(0.2)
-
-    def leftovers(self) -> list[int]:
-        """PIDs this object started (directly or below) that are still alive after stop()."""
-        return self._alive(getattr(self, "_seen", set()))
 
     def __enter__(self) -> "LocalFederation":
         return self.start()
