@@ -12,7 +12,7 @@ from flare.cli import main
 from flare.client.lam import LamProvider, entropy_lambda, initial_lambda
 from flare.client.surgery import pcgrad_backward
 from flare.client.terms.align import AnchorFacts, align_loss, align_target, simplex_etf
-from flare.client.terms.banks import (MemoryBank, MemoryBankExtension, PublicBankExtension,
+from flare.client.terms.banks import (MemoryBank, PublicBankExtension,
                                       bank_facts, build_public_bank, public_infonce,
                                       train_teacher)
 from flare.client.terms.fafi import fafi_terms, supcon_loss
@@ -338,7 +338,7 @@ def test_plan_b_initialisation_from_anchors_and_the_missing_anchor_error():
 
 def _by_label(q):
     """The bank's (features, labels) sorted by label (every label is pushed once at a time here)."""
-    f, y = q.bank()
+    f, y = q.contrast_bank()
     order = torch.argsort(y)
     return f[order], y[order]
 
@@ -361,7 +361,7 @@ def test_memory_bank_is_a_fifo_of_the_configured_size():
 
 
 def test_memory_bank_extension_uses_the_bank_temperature_from_the_first_step():
-    ext = MemoryBankExtension(8, 4, torch.device("cpu"))
+    ext = MemoryBank(8, 4, torch.device("cpu"))
     feat, y = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
     bank = ext.contrast_bank()
     assert bank[0].shape == (0, 4)

@@ -439,7 +439,7 @@ def test_unknown_name_and_formats(tmp_path, cache):
 def test_list_datasets():
     # the datasets of tests/plugins/ are registered too when an earlier test in this process imported their module
     plugins = {f.stem for f in Path(PLUGINS).glob("*.py")}
-    names = {n: d for n, d in D.list_datasets() if getattr(DATASETS.get(n).build, "__module__", None) not in plugins}
+    names = {n: d for n, d in DATASETS.describe() if getattr(DATASETS.get(n).build, "__module__", None) not in plugins}
     assert set(names) == {"fmnist", "mnist", "cifar10", "cifar100", "svhn", "tinyimagenet", "imagefolder",
                           "synthetic-cifar10", "synthetic-cifar100", "features"}
     assert all(desc for desc in names.values())

@@ -11,6 +11,7 @@ Each test bounds its own time and stops every process it started (in a finally).
 """
 import json
 import os
+import signal
 
 import pytest
 
@@ -42,7 +43,7 @@ def assert_all_stopped(fed: LocalFederation):
     for name, p in fed.procs:
         assert p.poll() is not None, f"{name} still running"
         assert not fed.group_alive(p), f"{name}'s process group still has members"
-    assert fed.leftovers() == [], "processes started below the federation survived stop()"
+    assert fed._alive(fed._seen) == [], "processes started below the federation survived stop()"
 
 
 PLUGIN = ["plugins=[flare_demo_plugin]", "loss.terms.demo_center.weight=0.5", "align.anchors=etf",
@@ -139,7 +140,8 @@ def test_loopback_deployment_real_round_then_a_node_killed_mid_round(tiny_overri
         time.sleep(1.0)
         state = json.loads((tmp_path / "killed" / "state.json").read_text())
         assert state["status"] == "running" and state["rounds_done"] == 0  # the round is in progress
-        fed.kill_node(2)
+        os.killpg(fed.node_procs[2].pid, signal.SIGKILL)  # node 2 and everything it started: a crashed client
+        fed.node_procs[2].wait(timeout=10)
         t.join(timeout=400)
         assert not t.is_alive()
         out = tmp_path / "killed"

@@ -33,12 +33,11 @@ _MARK = "FLARE_CPU_ISA_PINNED"  # the level FLARE pinned: children keep it, and 
 _USER = "FLARE_CPU_USER_ENV"
 
 
-def user_environment(environ: dict | None = None) -> dict:
+def user_environment() -> dict:
     """The environment as the user gave it (FLARE's pins and marks removed, the user's kernel variables put back):
     what a child process that chooses its own kernel level (a benchmark's profiles) starts from."""
-    environ = os.environ if environ is None else environ
-    env = {k: v for k, v in environ.items() if k not in (*_ENV, _MARK, _USER)}
-    env.update(json.loads(environ.get(_USER) or "{}"))
+    env = {k: v for k, v in os.environ.items() if k not in (*_ENV, _MARK, _USER)}
+    env.update(json.loads(os.environ.get(_USER) or "{}"))
     return env
 
 

@@ -136,7 +136,7 @@ class Registry:
     (imported on first use); `default_options` is the options model of the entries that declare none (loss terms:
     `TermOptions`, every term has a weight)."""
 
-    def __init__(self, kind: str, key: str, signature: type | str, facts: type | str | None,
+    def __init__(self, kind: str, key: str, signature: type | str | None, facts: type | str | None,
                  default_options: type[BaseModel] | None = None):
         self.kind, self.key, self.default_options = kind, key, default_options
         self._signature, self._facts = signature, facts
@@ -346,8 +346,8 @@ LOSS_TERMS = Registry("loss term", "loss.terms", "flare.client.terms.extra:LossT
 STRATEGIES = Registry("server strategy", "server.primary", "flare.server.strategy:StrategyClass", "StrategyFacts")
 # The client engines (`client_engine`, a closed choice: not a plugin point, so not in REGISTRIES, and not built
 # here — the runner runs the one named): each engine's class states what it cannot run with `check(cfg)`, which the
-# config's validation calls.
-CLIENT_ENGINES = Registry("client engine", "client_engine", "flare.client.trainer:ClientEngineClass", None)
+# config's validation calls; nothing else is read of it, so it declares no signature and no facts.
+CLIENT_ENGINES = Registry("client engine", "client_engine", None, None)
 REGISTRIES = {"models": MODELS, "datasets": DATASETS, "partitions": PARTITIONS,
               "reference-partitions": REFERENCE_PARTITIONS, "input-scalings": SCALINGS, "anchors": ANCHORS,
               "lam-providers": LAM_PROVIDERS, "schedules": SCHEDULES, "progress": PROGRESS, "surgery": SURGERY,

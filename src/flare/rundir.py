@@ -64,9 +64,6 @@ class RunDir:
         self.path = Path(path)
         self._lock_fd: int | None = None
 
-    def __repr__(self) -> str:
-        return f"RunDir({str(self.path)!r})"
-
     def file(self, name: str) -> Path:
         return self.path / name
 

@@ -34,7 +34,6 @@ class Run:
         self.label = label or cfg.method  # how progress lines name the run
         self.warnings: list[str] = []
         self.facts: dict = {}  # how this invocation computed (backend.Backend.facts), kept in state.json
-        self.train_mode = "sequential"  # the engine that trained the last round's clients (see _train_clients)
 
     @property
     def out(self) -> Path:
@@ -131,18 +130,15 @@ class Run:
         per client architecture. Each client draws from its own streams, so on CPU threads give exactly the
         sequential numbers and the batched engine the same up to float rounding (on a GPU: up to reduction order)."""
         if batched is not None:
-            self.train_mode = "batched"
             bar.client(-1)
             out = [rec for group in batched for rec in group.train_round(r, on_step=bar.step)]
             return sorted(out, key=lambda rec: rec["client"])
         if self.cfg.client_engine == "sequential" or len(active) == 1:
-            self.train_mode = "sequential"
             out = []
             for c in active:
                 bar.client(c.cid)
                 out.append(c.train_round(ctx, r, on_step=bar.step))
             return out
-        self.train_mode = "threads"
 
         def work(c: Client) -> dict:
             # kornia modules keep the drawn parameters on the module between drawing and applying them:

@@ -10,7 +10,6 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from flare.errors import FlareError
 from flare.registry import PROGRESS, SCHEDULES, NoFacts
 
 
@@ -84,12 +83,6 @@ class LRSchedule:
 
     def __init__(self, kind: str, base_lr: float, total_epochs: int, *, decay_per_round: float = 1.0,
                  min_lr: float = 0.0, t0: float = 10.0, t_mult: float = 2.0, cycle_decay: float = 1.0):
-        if kind not in ("constant", "cosine", "sgdr"):
-            raise FlareError(f"unknown lr schedule '{kind}'.", key="lr_schedule.kind",
-                             fix="use constant, cosine or sgdr.")
-        if kind == "sgdr" and t0 <= 0:
-            raise FlareError("SGDR needs T_0 > 0.", key="lr_schedule.t0", fix="set lr_schedule.t0 to a positive "
-                             "number of local epochs.")
         self.kind, self.base_lr, self.total = kind, base_lr, total_epochs
         self.decay_per_round, self.min_lr = decay_per_round, min_lr
         self.t0, self.t_mult, self.cycle_decay = t0, t_mult, cycle_decay

@@ -83,12 +83,6 @@ def eval_mode(models: list[nn.Module]):
             mod.training = flag
 
 
-def ensemble_logits(models: list[nn.Module], weights: Tensor, x: Tensor) -> Tensor:
-    """Σ_k w_k logits_k(x) (B×C), the weighted ensemble of the reference codes' `avg_logits` / Ensemble."""
-    w = weights.to(x.device, torch.float32)
-    return sum(w[k] * m(x)[1].float() for k, m in enumerate(models))
-
-
 def client_logits(models: list[nn.Module], x: Tensor) -> Tensor:
     return torch.stack([m(x)[1].float() for m in models])  # K×B×C
 
@@ -149,7 +143,10 @@ class Cost:
 
 @torch.no_grad()
 def agreement(student: nn.Module, models: list[nn.Module], weights: Tensor, x: Tensor, batch: int = 256) -> float:
-    """The share of inputs (normalised) on which the student's argmax equals the weighted ensemble's."""
-    hits = sum(int((student(xb)[1].argmax(1) == ensemble_logits(models, weights, xb).argmax(1)).sum())
-               for xb in x.split(batch))
+    """The share of inputs (normalised) on which the student's argmax equals the weighted ensemble's: Σ_k w_k
+    logits_k(x), the reference codes' `avg_logits` / Ensemble."""
+    w, hits = weights.to(x.device, torch.float32), 0
+    for xb in x.split(batch):
+        mine = student(xb)[1].argmax(1)
+        hits += int((mine == sum(w[k] * m(xb)[1].float() for k, m in enumerate(models)).argmax(1)).sum())
     return hits / max(1, x.shape[0])

@@ -117,8 +117,6 @@ class BatchedClients:
         return None
 
     def __init__(self, clients: list[Client], ctx: TrainContext, compile: bool = False):
-        if not clients:
-            raise ValueError("BatchedClients needs at least one client")
         self.clients, self.ctx, self.cfg = clients, ctx, ctx.cfg
         # The template's own tensors are never used: functional_call swaps the clients' stacked state in.
         self.template = copy.deepcopy(clients[0].model)

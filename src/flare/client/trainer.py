@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -26,12 +26,6 @@ from flare.config import Config
 from flare.registry import CLIENT_ENGINES, LAM_PROVIDERS, SURGERY, NoFacts
 from flare.schedules import LRSchedule, StepProgress, progress
 from flare.server.upload import Upload, upload_of
-
-
-class ClientEngineClass(Protocol):
-    """What `CLIENT_ENGINES` holds: a client engine (`Client` below, client/batched.py's `BatchedClients`);
-    `check(cfg)` refuses what the engine cannot run."""
-    check: Callable[[Config], None]
 
 
 @dataclass

@@ -9,8 +9,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       field_validator, model_validator)
 
 from flare.errors import KeyedValueError, short
-from flare.registry import (DATASETS, FLOAT32_MAX, MODELS, PARTITIONS, SCALINGS, Registry, Seed, boolean_number,
-                            nonfinite)
+from flare.registry import DATASETS, FLOAT32_MAX, MODELS, PARTITIONS, SCALINGS, Registry, boolean_number, nonfinite
 
 
 class Strict(BaseModel):
@@ -232,17 +231,10 @@ class LRScheduleCfg(Strict):
         "constant", description="constant, cosine or sgdr (docs/method.md#learning-rate-schedules)")
     decay_per_round: float = Field(1.0, gt=0, le=1, description="constant: lr *= this every round (seeds: 0.998)")
     min_lr: float = Field(0.0, ge=0, description="floor of cosine/sgdr")
-    t0: float = Field(10.0, description="sgdr: first period, in local epochs")
+    t0: float = Field(10.0, gt=0, description="sgdr: first period, in local epochs")
     t_mult: float = Field(2.0, ge=1, description="sgdr: period multiplier")
     cycle_decay: float = Field(1.0, gt=0, le=1, description="sgdr: peak lr multiplied by this at each restart")
     reset_momentum: bool = Field(False, description="sgdr: clear momentum buffers at each restart")
-
-    @field_validator("t0")
-    @classmethod
-    def _t0_positive(cls, v: float) -> float:
-        if v <= 0:
-            raise ValueError("T_0 must be > 0 (the first SGDR period, in local epochs)")
-        return v
 
 
 class AugmentCfg(Strict):

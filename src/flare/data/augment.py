@@ -101,9 +101,6 @@ class TwoViewAugment(nn.Module):
             self.register_buffer("pre_std", _as_stats(pre_std, self.in_channels, None, "pre_std"), persistent=False)
             self.pre = True
 
-    def extra_repr(self) -> str:
-        return f"image_size={self.image_size}, in_channels={self.in_channels}, per_image={self.per_image}"
-
     def single_view(self, x_uint8: Tensor) -> Tensor:
         """One augmented, normalised float32 view."""
         if x_uint8.dtype != torch.uint8:

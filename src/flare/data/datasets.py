@@ -85,11 +85,6 @@ class ImageData:
     def image_size(self) -> int:
         return self.train_x.shape[2]
 
-    def __repr__(self) -> str:
-        c, h, w = self.train_x.shape[1:]
-        return (f"ImageData({self.name}: {len(self.train_y)} train / {len(self.test_y)} test, "
-                f"{c}x{h}x{w}, {self.num_classes} classes)")
-
 
 @dataclass(frozen=True)
 class DatasetInfo:
@@ -129,11 +124,6 @@ def register_dataset(name: str, build: Callable | None = None, *, options=None, 
 # ----------------------------------------------------------------------------- public API
 
 
-def list_datasets() -> list[tuple[str, str]]:
-    """(name, description) of every registered dataset, for `flare datasets`."""
-    return DATASETS.describe()
-
-
 def load_dataset(name: str, root: str | os.PathLike | None, format: str = "auto", download: bool = False,
                  cache_dir: str | os.PathLike | None = None, options: dict | None = None) -> ImageData:
     """Load a dataset as whole tensors, decoding it only when the on-disk cache is missing or stale (`_cache_file`:
@@ -144,8 +134,6 @@ def load_dataset(name: str, root: str | os.PathLike | None, format: str = "auto"
 def _read(info: DatasetInfo, facts: DatasetFacts) -> ImageData:
     """A built-in dataset read from its files (through the cache)."""
     name, root, format, download, cache_dir = facts.name, facts.root, facts.format, facts.download, facts.cache_dir
-    if name in SYNTHETIC:
-        return synthetic_dataset(name)
     root_path = Path(root).expanduser() if root not in (None, "") else None
     fmt = _resolve_format(name, info, root_path, format)
     source = (_locate_imagefolder(name, root_path) if fmt == "imagefolder"
@@ -178,8 +166,6 @@ def stratified_subset(y: torch.Tensor, n: int | None, seed: int) -> torch.Tensor
     total = len(y)
     if n is None or n >= total:
         return torch.arange(total)
-    if n < 0:
-        raise ValueError(f"subset size must be >= 0, got {n}")
     labels, counts = torch.unique(y, return_counts=True)
     exact = counts.double() * n / total
     take = torch.floor(exact + 0.5).long()
@@ -318,10 +304,10 @@ def _save_cache(path: Path, data: ImageData) -> None:
 SYNTHETIC = {"synthetic-cifar10": (10, 3, 32, 50_000, 10_000), "synthetic-cifar100": (100, 3, 32, 50_000, 10_000)}
 
 
-def synthetic_dataset(name: str, seed: int = 0) -> ImageData:
+def synthetic_dataset(facts: DatasetFacts, options: None) -> ImageData:
     """Seeded random images whose mean colour depends on the class (generated, never cached)."""
-    C, ch, hw, n_train, n_test = SYNTHETIC[name]
-    g = torch.Generator().manual_seed(seed)
+    C, ch, hw, n_train, n_test = SYNTHETIC[facts.name]
+    g = torch.Generator().manual_seed(0)
     centre = torch.randint(0, 176, (C, ch, 1, 1), generator=g, dtype=torch.uint8)
 
     def make(n):
@@ -332,7 +318,7 @@ def synthetic_dataset(name: str, seed: int = 0) -> ImageData:
     train_x, train_y = make(n_train)
     test_x, test_y = make(n_test)
     mean, std = _channel_stats(train_x)
-    return ImageData(name, train_x, train_y, test_x, test_y, [f"class{c}" for c in range(C)], mean, std)
+    return ImageData(facts.name, train_x, train_y, test_x, test_y, [f"class{c}" for c in range(C)], mean, std)
 
 
 _BUILTIN: dict[str, DatasetInfo] = {
@@ -349,8 +335,9 @@ _BUILTIN: dict[str, DatasetInfo] = {
     "tinyimagenet": DatasetInfo("Tiny-ImageNet-200: 200 classes, 3x64x64, 100k/10k (official tree, val = test)",
                                 ("imagefolder",), 200, _locate_tiny),
     "imagefolder": DatasetInfo("any train/<class>/*, test/<class>/* tree, as a folder or .tar/.tar.gz",
-                               ("imagefolder",), None, None),
-    "synthetic-cifar10": DatasetInfo("generated stand-in, CIFAR-10's shapes (benchmarks; no files)", (), 10, None),
-    "synthetic-cifar100": DatasetInfo("generated stand-in, CIFAR-100's shapes (benchmarks; no files)", (), 100, None)}
+                               ("imagefolder",), None, None)}
 for _name, _info in _BUILTIN.items():
     DATASETS.register(_name, _info, description=_info.description)
+for _name, _like in (("synthetic-cifar10", "CIFAR-10"), ("synthetic-cifar100", "CIFAR-100")):
+    register_dataset(_name, synthetic_dataset, num_classes=SYNTHETIC[_name][0],
+                     description=f"generated stand-in, {_like}'s shapes (benchmarks; no files)")

@@ -69,10 +69,6 @@ class FeatureData(ImageData):
     def image_size(self) -> int:
         return 1
 
-    def __repr__(self) -> str:
-        return (f"FeatureData({self.name}: {len(self.train_y)} train × {self.train_x.shape[1]} copies / "
-                f"{len(self.test_y)} test, d = {self.in_channels}, {self.num_classes} classes)")
-
 
 def first_view(x: Tensor) -> Tensor:
     """The evaluation transform of a features dataset: copy 0, the plain image's feature (B×D)."""

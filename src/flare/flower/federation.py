@@ -125,11 +125,6 @@ class LocalFederation:
                 time.sleep(0.3)
         raise FederationError(f"{name} did not open 127.0.0.1:{port} within {self.startup_timeout:g} s")
 
-    def kill_node(self, i: int) -> None:
-        """SIGKILL SuperNode i and everything it started (a crashed client)."""
-        self._signal(self.node_procs[i], signal.SIGKILL)
-        self.node_procs[i].wait(timeout=10)
-
     @staticmethod
     def _signal(p: subprocess.Popen, sig) -> None:
         with suppress(ProcessLookupError, PermissionError):
@@ -187,14 +182,10 @@ class LocalFederation:
         for pid in self._alive(seen):
             with suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-        self._seen = seen
+        self._seen = seen  # every descendant stop() saw: the tests check that none is left alive
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and (any(self.group_alive(p) for _, p in self.procs) or self._alive(seen)):
             time.sleep(0.2)
-
-    def leftovers(self) -> list[int]:
-        """PIDs this object started (directly or below) that are still alive after stop()."""
-        return self._alive(getattr(self, "_seen", set()))
 
     def __enter__(self) -> "LocalFederation":
         return self.start()

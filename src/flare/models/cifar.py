@@ -36,8 +36,6 @@ class WideResNet(nn.Module):
 
     def __init__(self, depth: int, widen: int, in_channels: int = 3, width: float = 1.0):
         super().__init__()
-        if (depth - 4) % 6 or depth < 10:
-            raise ValueError(f"WRN depth must be 6n + 4 (10, 16, 22, 28, 40, ...), got {depth}")
         n = (depth - 4) // 6
         c0 = scaled(16, width)
         self.conv1 = conv3x3(int(in_channels), c0)

@@ -49,9 +49,6 @@ class PrototypeHead(nn.Module):
         z = F.normalize(feat, dim=1)
         return z @ self.prototypes.to(z.dtype).t()
 
-    def extra_repr(self) -> str:
-        return f"num_classes={self.num_classes}, d={self.feature_dim}"
-
 
 class LinearHead(nn.Module):
     """Ordinary linear classifier on the raw (un-normalised) feature."""

@@ -10,8 +10,6 @@ from torch import Tensor
 
 def average_state_dicts(states: list[dict[str, Tensor]], weights: Tensor,
                         only: set[str] | None = None) -> dict[str, Tensor]:
-    if not states:
-        raise ValueError("no state dicts to average")
     out = {}
     for k, v0 in states[0].items():
         if torch.is_floating_point(v0) and (only is None or k in only):

@@ -37,8 +37,6 @@ def train_global_prototypes(protos: list[Tensor], cfg: ServerCfg, anchors: Tenso
                             init: Tensor | None = None) -> tuple[Tensor, dict]:
     """Returns the trained G (C×d, detached, float32) and {"server_loss_first", "server_loss_last"}. `init`: the
     G to continue from (protos_flow=reference), instead of `server.protos_init`."""
-    if not protos:
-        raise ValueError("train_global_prototypes needs at least one client's prototypes")
     P = [p.detach().float() for p in protos]
     A = anchors.detach().float().to(P[0].device) if anchors is not None else None
     if init is not None:

@@ -49,7 +49,8 @@ class ContrastBankFn(Protocol):
 
 # memory bank
 class MemoryBank:
-    """Per-client FIFO of the `size` most recent (normalised feature, label) pairs, as a ring buffer."""
+    """Per-client FIFO of the `size` most recent (normalised feature, label) pairs, as a ring buffer: the memory bank
+    as a client's contrast extension (its checkpoint: the bank's `state_dict`)."""
 
     def __init__(self, size: int, dim: int, device: torch.device | str = "cpu"):
         self.size, self.dim = int(size), int(dim)
@@ -73,9 +74,15 @@ class MemoryBank:
         self.ptr = (self.ptr + n) % self.size
         self.count = min(self.count + n, self.size)
 
-    def bank(self) -> tuple[Tensor, Tensor]:
+    def contrast_bank(self) -> tuple[Tensor, Tensor]:
         """The filled entries in storage order (SupCon does not care about order; no copy)."""
         return self.feats[: self.count], self.labels[: self.count]
+
+    def adjust_terms(self, terms: dict, feat: Tensor, y2: Tensor, epoch_idx: int) -> dict:
+        return terms
+
+    def after_step(self, feat: Tensor, y2: Tensor) -> None:
+        self.push(feat, y2)
 
     def state_dict(self) -> dict:
         return {"feats": self.feats, "labels": self.labels, "ptr": self.ptr, "count": self.count}
@@ -84,19 +91,6 @@ class MemoryBank:
         self.feats = state["feats"].to(self.feats.device)
         self.labels = state["labels"].to(self.labels.device)
         self.ptr, self.count = int(state["ptr"]), int(state["count"])
-
-
-class MemoryBankExtension(MemoryBank):
-    """The memory bank as a client's contrast extension (its checkpoint: the bank's `state_dict`)."""
-
-    def contrast_bank(self) -> tuple[Tensor, Tensor]:
-        return self.bank()
-
-    def adjust_terms(self, terms: dict, feat: Tensor, y2: Tensor, epoch_idx: int) -> dict:
-        return terms
-
-    def after_step(self, feat: Tensor, y2: Tensor) -> None:
-        self.push(feat, y2)
 
 
 # public feature bank and two-stage
@@ -189,7 +183,7 @@ def build_public_bank(cfg: Config, public: tuple[Tensor, Tensor] | None, global_
 
 
 def _memory_bank(facts: BankFacts, options: None):
-    return lambda client, ctx: MemoryBankExtension(facts.bank_size, client.model.feature_dim, facts.device)
+    return lambda client, ctx: MemoryBank(facts.bank_size, client.model.feature_dim, facts.device)
 
 
 def _public_bank(kind: str):
