@@ -1376,3 +1376,24 @@ def test_a_code_flare_gap_is_placed_by_flares_server_over_the_scripts_own_client
     (ref / "t" / "oracle" / "b-fuse.json").write_text(json.dumps(fuse))
     assert "not placed — on identical tensors (below) `train_dense.py`'s client step is bit-identical, but no oracle " \
            "runs this column's server over the script's clients" in line(), line()
+
+
+def test_the_three_numbers_figure_shows_the_cells_with_a_run_of_the_code_and_only_them(tmp_path, monkeypatch):
+    """The figure beside the block: a row per cell with a finished run of the paper's code, the code's seeds and
+    FLARE's at the paper's rule and the paper's number; no run of the code, no figure and no line naming one."""
+    papers = _papers()
+    res, ref, img = tmp_path / "res", tmp_path / "ref", tmp_path / "img"
+    _draws_table(res, 82.96, {0: 0.70, 1: 0.74, 2: 0.66})
+    assert "three-numbers" not in papers.render(res, img_dir=img, reference=ref)
+    assert not (img / "papers-t-three-numbers.png").exists()
+    _fake_reference(ref, "t", "fedavg", 0.3, 0, {"fedavg": 71.2, "ensemble": 75.5})
+    drawn = []
+    real = papers.three_numbers_figure
+    monkeypatch.setattr(papers, "three_numbers_figure", lambda spec, rows, d: drawn.append(rows) or real(spec, rows, d))
+    out = papers.render(res, img_dir=img, reference=ref)
+    assert "(img/papers-t-three-numbers.png)" in out and (img / "papers-t-three-numbers.png").stat().st_size > 0
+    (rows,) = drawn
+    shown = [(r["col"], r["theirs"], r["chosen"], r["pub"]) for r in rows if r["theirs"]]
+    assert shown == [("FedAvg", {0: 71.2}, {0: 70.0, 1: 74.0, 2: 66.0}, 82.96),
+                     ("Ensemble", {0: 75.5}, {}, None)], shown  # the fake cells record FedAvg alone
+    assert out == papers.render(res, reference=ref)  # the check names the figure without drawing it

@@ -1124,6 +1124,10 @@ def render(results: Path = RESULTS, img_dir: Path | None = None, reference: Path
         cost = cost_lines(spec, metas)
         lines += ([""] if cost and lines[-1] else []) + cost
         lines += paired_rows(spec, metas, results)
+        fig = three_numbers_figure(spec, rows, img_dir)
+        if fig is not None:
+            lines += [f"![{spec['table']}: the paper's number, its own code's seeds and FLARE's, cell by cell]"
+                      f"(img/{fig.name})", ""]
         fig = spread_figure(spec, metas, img_dir)
         if fig is not None:
             lines += [f"![{spec['table']}: every draw beside the paper's single run](img/{fig.name})", ""]
@@ -1553,6 +1557,53 @@ def spread_lines(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
                          f"= {p:.3f}")
         out += [line + ".", ""]
     return [""] + out if spec.get("spread") else []
+
+
+def three_numbers_figure(spec: dict, rows: list[dict], img_dir: Path | None) -> Path | None:
+    """One row per cell that has a finished run of the paper's code: its seeds (triangles) and FLARE's (dots), each
+    at the paper's rule and labelled with its seed, and the paper's number as a mark — where the gap lies is read off
+    which pair stands apart. None when no cell of the table has a run of the code."""
+    rows = [r for r in rows if r["theirs"]]
+    if not rows:
+        return None
+    out = Path(f"papers-{spec['table']}-three-numbers.png")
+    if img_dir is None:
+        return out
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.4, 1.3 + 0.8 * len(rows)))
+    said: set[str] = set()
+
+    def once(label: str) -> str | None:  # each legend entry once
+        if label in said:
+            return None
+        said.add(label)
+        return label
+
+    for y, r in enumerate(rows):
+        for off, values, marker, colour, label in ((-0.15, r["theirs"], "^", "C1", "their code, a seed"),
+                                                   (0.15, r["chosen"], "o", "C0", "FLARE, a seed")):
+            xs = list(values.values())
+            ax.scatter(xs, [y + off] * len(xs), marker=marker, color=colour, zorder=3, label=once(label))
+            for sd, v in values.items():
+                ax.annotate(str(sd), (v, y + off), textcoords="offset points", xytext=(0, -11 if off > 0 else 5),
+                            ha="center", fontsize=7)
+        if r["pub"] is not None:
+            ax.vlines(r["pub"], y - 0.38, y + 0.38, colors="C3", linestyles="--", zorder=1,
+                      label=once("the paper's number"))
+    ax.set_yticks(range(len(rows)), [f"{r['col']}, α = {r['alpha']:g} ({r['rule']})" for r in rows])
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # the first row on top
+    ax.set_xlabel("test accuracy (%), at the paper's rule; each marker one seed (labelled)")
+    ax.set_title(f"{spec['table']}: the paper, its own code and FLARE", fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    img_dir.mkdir(parents=True, exist_ok=True)
+    fig.savefig(img_dir / out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 def spread_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | None) -> Path | None:
