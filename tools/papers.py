@@ -1559,6 +1559,25 @@ def spread_lines(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
     return [""] + out if spec.get("spread") else []
 
 
+def _axes(height: float, width: float = 7.4):
+    """A figure `width` × `height` inches on matplotlib's file-only backend (the block is drawn where no display
+    is)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt.subplots(figsize=(width, height))
+
+
+def _save(fig, path: Path) -> Path:
+    """Write `fig` to `path` at the block's resolution, free it, and give back the name the block links."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path.name)
+
+
 def three_numbers_figure(spec: dict, rows: list[dict], img_dir: Path | None) -> Path | None:
     """One row per cell that has a finished run of the paper's code: its seeds (triangles) and FLARE's (dots), each
     at the paper's rule and labelled with its seed, and the paper's number as a mark — where the gap lies is read off
@@ -1569,11 +1588,7 @@ def three_numbers_figure(spec: dict, rows: list[dict], img_dir: Path | None) -> 
     out = Path(f"papers-{spec['table']}-three-numbers.png")
     if img_dir is None:
         return out
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.4, 1.3 + 0.8 * len(rows)))
+    fig, ax = _axes(1.3 + 0.8 * len(rows))
     said: set[str] = set()
 
     def once(label: str) -> str | None:  # each legend entry once
@@ -1599,11 +1614,7 @@ def three_numbers_figure(spec: dict, rows: list[dict], img_dir: Path | None) -> 
     ax.set_title(f"{spec['table']}: the paper, its own code and FLARE", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-    fig.tight_layout()
-    img_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(img_dir / out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, img_dir / out)
 
 
 def spread_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | None) -> Path | None:
@@ -1616,11 +1627,7 @@ def spread_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | No
     out = Path(f"papers-{spec['table']}-spread.png")
     if img_dir is None:
         return out
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.4, 1.2 + 0.7 * len(rows)))
+    fig, ax = _axes(1.2 + 0.7 * len(rows))
     for y, (label, vals, pub, late) in enumerate(rows):
         pre = [v for sd, v in vals if sd not in late]
         ax.scatter(pre, [y] * len(pre), color="C0", zorder=3, label="our registered draws" if y == 0 else None)
@@ -1643,11 +1650,7 @@ def spread_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | No
     ax.set_title(f"{spec['table']}: the spread of partition draws", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-    fig.tight_layout()
-    img_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(img_dir / out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, img_dir / out)
 
 
 def budget_notes(spec: dict, metas: list[tuple[Path, dict]]) -> list[str]:
@@ -1853,10 +1856,6 @@ def curve_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | Non
     out = Path(f"papers-{spec['table']}-curve.png")
     if img_dir is None:  # the block names the figure; only `render` draws it
         return out
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     pubs = []
 
     def paper_line(col: str, alpha: float, colour: str) -> None:
@@ -1864,7 +1863,7 @@ def curve_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | Non
             ax.axhline(pub, color=colour, ls=":", lw=1.2, label=f"{col}, α = {alpha:g}: the paper's {pub:.2f}")
             pubs.append(pub)
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    fig, ax = _axes(3.6, width=6.4)
     for i, ((col, alpha), cs) in enumerate(sorted(curves.items())):
         colour = f"C{i}"
         for cv in cs:
@@ -1884,11 +1883,7 @@ def curve_figure(spec: dict, metas: list[tuple[Path, dict]], img_dir: Path | Non
     ax.set_title(f"{spec['table']}: the data-free server's student during its budget", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    img_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(img_dir / out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, img_dir / out)
 
 
 def paired_rows(spec: dict, metas: list[tuple[Path, dict]], results: Path) -> list[str]:
