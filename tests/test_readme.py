@@ -3,6 +3,7 @@ behind the code), each on its one page."""
 import importlib.util
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -101,6 +102,21 @@ def test_records_keep_the_paths_relative_to_runs():
     for cmd in ("flare compare --out elsewhere/x", "python bench.py > /tmp/x.out", "python b.py --record x.json"):
         with pytest.raises(ValueError, match="under runs/"):
             tool.Results("x", [cmd], lambda base: "")
+
+
+def test_no_committed_record_is_ignored_by_the_checkout():
+    """The records sit at paths the checkout's ignore rules leave alone: none under a runs/ directory (which the
+    top-level .gitignore ignores), so no tracked file under results/ looks like generated output."""
+    if shutil.which("git") is None or subprocess.run(["git", "rev-parse", "--git-dir"], cwd=ROOT,
+                                                     capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    ignored = subprocess.run(["git", "ls-files", "-ci", "--exclude-standard", "--", "results"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout
+    assert ignored == ""
+    # nor re-included from under one by an exception (`!runs/`): the path itself would still read as generated
+    tracked = subprocess.run(["git", "ls-files", "--", "results"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.splitlines()
+    assert tracked and [f for f in tracked if "runs" in Path(f).parts[:-1]] == []
 
 
 def _round_records(path):
