@@ -4,7 +4,7 @@ that the speed-ups left its numbers alone (docs/frozen-encoder.md, "What the 224
     python benchmarks/frozen_grid_speed.py --before 81a9598 --out runs/frozen-grid-speed \
         --record runs/readme/frozen-grid-speed-record.json
 
-Each point is a run the grid recorded (results/frozen-encoder-224/runs/frozen-encoder-224/grid/<point>): its own
+Each point is a run the grid recorded (results/frozen-encoder-224/frozen-encoder-224/grid/<point>): its own
 config.yaml is run again, once with the source of `--before` (extracted with `git archive` into `--out`) and once with
 this checkout's, each in a fresh process (so each pays the imports a grid worker pays once), one torch thread, as
 the grid runs them (`flare.experiments.execute.run_point`), the two sides one after the other so that both meet
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-GRID = Path("results/frozen-encoder-224/runs/frozen-encoder-224/grid")
+GRID = Path("results/frozen-encoder-224/frozen-encoder-224/grid")
 POINTS = ["a0.05-K5/fedavg/seed=1", "a0.05-K10/fedavg/seed=1", "a0.05-K50/fedavg/seed=1", "a0.05-K10/fafi/seed=1",
           "a0.05-K10/flare/seed=1", "a0.05-K10/fed3r-rf/seed=1"]
 CHILD = """

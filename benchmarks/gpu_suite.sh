@@ -10,7 +10,7 @@
 #                                        # seconds, then torch.compile for 5 rounds if time is left  (= $DEADLINE)
 #     FULL_ROUNDS=N: the batched run checks N rounds instead of being the table's point (0: none); TABLE_ENGINE=sequential
 #     trains the table client by client whatever the checks showed; TABLE_WORKERS=k runs k table points at once;
-#     RESUME=results/gpu-lease/runs/gpu-lease/callN/table carries that call's finished runs into the table
+#     RESUME=results/gpu-lease/gpu-lease/callN/table carries that call's finished runs into the table
 #
 # Expects the CIFAR-10 export in .carry/ and the packages the GPU image lacks as wheels in .whl/ (both ignored by
 # git; docs/performance.md says how to fill them). Everything it prints goes to $OUT/suite.log; the run's
@@ -72,7 +72,7 @@ case "$what" in
         -o -name state.json \) -print0 | grep -z -v -F -f <(cat .resumed 2>/dev/null; echo ./.none/) \
         | tar --null -czf "$OUT/records.tmp" -T - && mv "$OUT/records.tmp" "$OUT/records.tar.gz")
     }
-    # RESUME=DIR: a committed call's table (results/gpu-lease/runs/gpu-lease/callN/table); its finished runs are
+    # RESUME=DIR: a committed call's table (results/gpu-lease/gpu-lease/callN/table); its finished runs are
     # copied in, so that each sweep reports them finished and goes on with the points they lack.
     for d in ${RESUME:+$RESUME/*/*}; do
       if grep -q '"status": "finished"' "$d/state.json" 2>/dev/null; then

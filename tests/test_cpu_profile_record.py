@@ -18,7 +18,7 @@ def _load(name: str, path: Path):
 
 
 tool = _load("readme_tool", ROOT / "tools" / "readme.py")
-RECORD = "runs/readme/cpu-profile-record.json"
+RECORD = "readme/cpu-profile-record.json"  # relative to runs/, as in results/cpu-profile/
 
 
 def test_the_block_is_what_the_record_renders_to():
@@ -48,14 +48,14 @@ def test_an_edited_record_changes_the_block(tmp_path):
 
 def test_the_record_is_copied_with_the_runs():
     paths = tool.record_paths(tool.RESULTS["cpu-profile"])
-    assert RECORD in paths and "runs/readme/cpu-profile" in paths
+    assert RECORD in paths and "readme/cpu-profile" in paths
 
 
 def test_an_avx2_only_record_says_so_and_drops_the_reference_column():
     """`--avx2-only` caps every kernel library at AVX2 in every profile; its record's CPU line says so, and the
     reference's AMD EPYC time (measured uncapped) is not shown beside it, as under the oneDNN cap."""
     bench = _load("cpu_profile_bench", ROOT / "benchmarks" / "cpu_profile.py")
-    rec = json.loads((tool.records_of(tool.RESULTS["cpu-speed"]) / "runs/readme/cpu-speed-record.json").read_text())
+    rec = json.loads((tool.records_of(tool.RESULTS["cpu-speed"]) / "readme/cpu-speed-record.json").read_text())
     assert rec["reference_setting"] and "over the reference" in bench.markdown(rec)
     capped = {**rec, "caps": dict(bench.AVX2_ONLY)}
     text = bench.markdown(capped)
@@ -80,7 +80,7 @@ def test_each_profile_is_set_against_its_bare_step_at_the_runs_own_size():
     """The bare-step column: the profile's own configuration at 2 × batch images, beside the probe's 256-image
     figure; a record made before the column existed shows a dash, never another figure."""
     bench = _load("cpu_profile_bench", ROOT / "benchmarks" / "cpu_profile.py")
-    rec = json.loads((tool.records_of(tool.RESULTS["cpu-speed"]) / "runs/readme/cpu-speed-record.json").read_text())
+    rec = json.loads((tool.records_of(tool.RESULTS["cpu-speed"]) / "readme/cpu-speed-record.json").read_text())
     rows = [{**r, "bare_step": {"images": 1024, "steps": 2, "samples_per_s": r["train_rate"] * 1.25}}
             for r in rec["rows"]]
     text = bench.markdown({**rec, "rows": rows})
@@ -97,7 +97,7 @@ def test_the_targets_sentence_is_computed_from_the_record():
     """Below the tables, one sentence sets the fast profile against the speed targets from the record's own figures:
     the prose around a block cites no figure of its own. A capped record has no reference to be set against."""
     bench = _load("cpu_profile_bench", ROOT / "benchmarks" / "cpu_profile.py")
-    rec = json.loads((tool.records_of(tool.RESULTS["cpu-speed"]) / "runs/readme/cpu-speed-record.json").read_text())
+    rec = json.loads((tool.records_of(tool.RESULTS["cpu-speed"]) / "readme/cpu-speed-record.json").read_text())
     by = {r["profile"]: r for r in rec["rows"]}
     text = bench.markdown(rec)
     assert f"speed=fast ran {by['exact']['wall'] / by['fast']['wall']:.2f}× exact's wall time" in text
@@ -118,7 +118,7 @@ def test_the_reference_is_shown_only_beside_the_cpu_type_it_was_timed_on():
     recorded on one (results/reference-fafi/), an Intel Xeon without native bf16 the time measured there, never the
     AMD one, and a CPU type it was never timed on no column and a sentence saying so."""
     bench = _load("cpu_profile_bench", ROOT / "benchmarks" / "cpu_profile.py")
-    rec = json.loads((tool.records_of(tool.RESULTS["cpu-speed"]) / "runs/readme/cpu-speed-record.json").read_text())
+    rec = json.loads((tool.records_of(tool.RESULTS["cpu-speed"]) / "readme/cpu-speed-record.json").read_text())
     assert rec["machine"]["cpu"] == "AMD EPYC (AVX512, native bf16)" and bench.reference(rec)[1] == 453.5
     fast = next(r for r in rec["rows"] if r["profile"] == "fast")
     zen3 = {**rec, "machine": {**rec["machine"], "cpu": "AMD EPYC (AVX2, no native bf16)", "flags": ["avx2"]}}
@@ -149,7 +149,7 @@ def test_the_cpu_types_against_the_reference_come_from_the_records(monkeypatch, 
     bench = _load("cpu_profile_bench2", ROOT / "benchmarks" / "cpu_profile.py")
     text = tool.cpu_against_reference()
     for b in tool.REFERENCE_SETTING_BLOCKS:
-        rec = json.loads((tool.records_of(tool.RESULTS[b]) / f"runs/readme/{b}-record.json").read_text())
+        rec = json.loads((tool.records_of(tool.RESULTS[b]) / f"readme/{b}-record.json").read_text())
         by, ref = {r["profile"]: r for r in rec["rows"]}, bench.reference(rec)
         row = next(line for line in text.splitlines() if line.startswith(f"| {rec['machine']['cpu']} |"))
         assert f"{by['fast']['wall']:.1f} s ({ref[1] / by['fast']['wall']:.2f}× faster)" in row

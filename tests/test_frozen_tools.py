@@ -321,7 +321,7 @@ def test_the_224_block_shows_mirrored_bounds_apart_and_marks_a_choice_only_among
     rec("efficientnet_lite0-224px-bilinear", 1, 0.80, 0.81)
     rec("efficientnet_lite0-224px-bilinear", 8, 0.82, 0.83)
     rec("efficientnet_lite0-224px-bilinear-flip", 8, 0.90, 0.95, tta=0.91)
-    (tmp_path / "runs" / "frozen-encoder-224" / "grid").mkdir(parents=True)
+    (tmp_path / "frozen-encoder-224" / "grid").mkdir(parents=True)
     text = fg.render_224(tmp_path)
     plain, flip = text.split("`efficientnet_lite0-224px-bilinear-flip`")
     assert "| 8 **(chosen)** | 800 | 82.00" in plain and "all 50,000 training features" in plain
@@ -340,7 +340,7 @@ def test_the_224_target_compares_each_heads_rows_with_the_bounds_on_the_same_row
             {"head": "logreg", "stages": 8, "dim": 800, "test_acc": acc, "holdout_acc": acc, "chosen": 0.001}))
 
     def run(where, accs):
-        d = tmp_path / "runs" / "frozen-encoder-224" / where / "a0.1-K10" / "fedavg" / "seed=1"
+        d = tmp_path / "frozen-encoder-224" / where / "a0.1-K10" / "fedavg" / "seed=1"
         d.mkdir(parents=True)
         (d / "state.json").write_text(json.dumps({"status": "finished"}))
         (d / "metrics.jsonl").write_text(json.dumps({"kind": "round", "round": 1, "seconds": 1.0, **accs}) + "\n")
@@ -361,15 +361,15 @@ def test_recorded_runs_a_checkout_lacks_are_restored_before_the_grid_runs_or_rec
     directories alike; the grid copies the recorded ones back first (finished ones only, never over a run the
     checkout has), and then counts them as finished."""
     fg = tool("frozen_grid")
-    rt = fg.readme_tool()  # loaded from the real checkout before ROOT moves
+    rt = fg.readme_tool()  # loaded from the real checkout before its paths move
     root = tmp_path / "repo"
     monkeypatch.setattr(rt, "RESULTS_DIR", root / "results")
-    monkeypatch.setattr(rt, "record_paths", lambda block: ["runs/grid", "runs/other"])
+    monkeypatch.setattr(rt, "RUNS", root / "runs")
+    monkeypatch.setattr(rt, "record_paths", lambda block: ["grid", "other"])  # relative to runs/
     monkeypatch.setattr(rt, "RESULTS", {"blk": object()})
-    monkeypatch.setattr(fg, "ROOT", root)
     for run, status in (("grid/a/fedavg/seed=1", "finished"), ("grid/a/fedavg/seed=2", "finished"),
                         ("grid/b/fedavg/seed=1", "running"), ("other/a/fedavg/seed=1", "finished")):
-        d = root / "results" / "blk" / "runs" / run
+        d = root / "results" / "blk" / run
         d.mkdir(parents=True)
         (d / "state.json").write_text(json.dumps({"status": status}))
         (d / "metrics.jsonl").write_text("{}\n")

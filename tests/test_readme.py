@@ -3,8 +3,11 @@ behind the code), each on its one page."""
 import importlib.util
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("readme_tool", ROOT / "tools" / "readme.py")
@@ -88,6 +91,34 @@ def test_every_recorded_block_is_what_its_records_render_to():
         assert tool.blocks(page)[b][1] == tool.render_block(block, base, copy_figures=False), b
 
 
+def test_records_keep_the_paths_relative_to_runs():
+    """What a command writes to runs/X is recorded at results/<block>/X: every path a recorded block renders from is
+    there, and a command writing anywhere but runs/ is refused where its block is defined."""
+    assert tool.record_paths(tool.RESULTS["kernels"]) == ["readme/kernels.json", "readme/ux-pinned",
+                                                          "readme/ux-native"]
+    for b in tool.recorded():
+        records = tool.records_of(tool.RESULTS[b])
+        assert [rel for rel in tool.record_paths(tool.RESULTS[b]) if not (records / rel).exists()] == [], b
+    for cmd in ("flare compare --out elsewhere/x", "python bench.py > /tmp/x.out", "python b.py --record x.json"):
+        with pytest.raises(ValueError, match="under runs/"):
+            tool.Results("x", [cmd], lambda base: "")
+
+
+def test_no_committed_record_is_ignored_by_the_checkout():
+    """The records sit at paths the checkout's ignore rules leave alone: none under a runs/ directory (which the
+    top-level .gitignore ignores), so no tracked file under results/ looks like generated output."""
+    if shutil.which("git") is None or subprocess.run(["git", "rev-parse", "--git-dir"], cwd=ROOT,
+                                                     capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    ignored = subprocess.run(["git", "ls-files", "-ci", "--exclude-standard", "--", "results"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout
+    assert ignored == ""
+    # nor re-included from under one by an exception (`!runs/`): the path itself would still read as generated
+    tracked = subprocess.run(["git", "ls-files", "--", "results"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.splitlines()
+    assert tracked and [f for f in tracked if "runs" in Path(f).parts[:-1]] == []
+
+
 def _round_records(path):
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
 
@@ -99,7 +130,7 @@ def test_an_edited_record_or_a_block_from_older_runs_is_caught(tmp_path):
     _, body = tool.blocks(page)["kernels"]
     assert tool.render_block(block, records, copy_figures=False) == body
     # one record edited: the pinned run's last evaluated accuracy moves by a point
-    metrics = records / "runs/readme/ux-pinned/metrics.jsonl"
+    metrics = records / "readme/ux-pinned/metrics.jsonl"
     recs = _round_records(metrics)
     last = max(i for i, r in enumerate(recs) if r["kind"] == "round")
     recs[last]["acc_feature"] += 0.01  # the primary rule's accuracy, which the table's final column shows
@@ -111,12 +142,19 @@ def test_an_edited_record_or_a_block_from_older_runs_is_caught(tmp_path):
     assert any("not what its records" in p for p in tool.problems(older, block.page))
 
 
+def _checkout(monkeypatch, root):
+    """The tool pointed at a stand-in checkout: its runs/ and results/ under root."""
+    monkeypatch.setattr(tool, "ROOT", root)
+    monkeypatch.setattr(tool, "RUNS", root / "runs")
+    monkeypatch.setattr(tool, "OUT", root / "runs" / "readme")
+    monkeypatch.setattr(tool, "RESULTS_DIR", root / "results")
+
+
 def test_records_are_what_a_block_renders_from_and_never_checkpoints(tmp_path, monkeypatch):
     """`--run` copies configs, partitions, metrics, fuse records, states and summaries, and the figures the block
-    shows; checkpoints, plots and lock files stay behind."""
-    monkeypatch.setattr(tool, "ROOT", tmp_path)
-    monkeypatch.setattr(tool, "OUT", tmp_path / "runs" / "readme")
-    monkeypatch.setattr(tool, "RESULTS_DIR", tmp_path / "results")
+    shows, each at its path relative to runs/ (runs/x/… → results/x/x/…); checkpoints, plots and lock files stay
+    behind."""
+    _checkout(monkeypatch, tmp_path)
     run = tmp_path / "runs" / "x" / "fafi" / "seed=1"
     kept = ["config.yaml", "partition.json", "metrics.jsonl", "fuse.jsonl", "state.json", "summary.md"]
     for name in kept + ["checkpoint.pt", "checkpoints/round_1.pt", "plots/accuracy.png", ".lock"]:
@@ -127,14 +165,15 @@ def test_records_are_what_a_block_renders_from_and_never_checkpoints(tmp_path, m
     (tmp_path / "runs" / "readme" / "x.json").write_text("{}")
     (tmp_path / "runs" / "readme" / "x.out").write_text("printed")
     block = tool.Results("x", ["flare compare --out runs/x", "python bench.py > runs/readme/x.out"], lambda base: "",
-                         {"runs/x/compare_accuracy.png": "x.png"})
+                         {"x/compare_accuracy.png": "x.png"})
     dest = tool.record(block)
+    assert dest == tmp_path / "results" / "x"
     got = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
-    assert got == sorted([f"runs/x/fafi/seed=1/{k}" for k in kept] + ["runs/x/compare_accuracy.png",
-                                                                        "runs/readme/x.json", "runs/readme/x.out"])
-    assert all((dest / g).read_bytes() == (tmp_path / g).read_bytes() for g in got)
-    (dest / "runs/x/fafi/seed=1/stale.json").write_text("{}")  # a record the next run no longer writes
-    assert not (tool.record(block) / "runs/x/fafi/seed=1/stale.json").exists()
+    assert got == sorted([f"x/fafi/seed=1/{k}" for k in kept] + ["x/compare_accuracy.png", "readme/x.json",
+                                                                 "readme/x.out"])
+    assert all((dest / g).read_bytes() == (tmp_path / "runs" / g).read_bytes() for g in got)
+    (dest / "x/fafi/seed=1/stale.json").write_text("{}")  # a record the next run no longer writes
+    assert not (tool.record(block) / "x/fafi/seed=1/stale.json").exists()
     (dest / "bounds").mkdir()  # a record the block reads that none of its commands writes: left alone
     (dest / "bounds" / "b.json").write_text("{}")
     assert (tool.record(block) / "bounds" / "b.json").read_text() == "{}"
@@ -143,19 +182,17 @@ def test_records_are_what_a_block_renders_from_and_never_checkpoints(tmp_path, m
 def test_a_block_that_keeps_its_benchmark_outputs_records_its_facts_file_alone(tmp_path, monkeypatch):
     """A block with `keep`: its `--record` outputs (timings every run rewrites) are read into its facts file at
     --run and not copied to results/; its table renders from the facts file."""
-    monkeypatch.setattr(tool, "ROOT", tmp_path)
-    monkeypatch.setattr(tool, "OUT", tmp_path / "runs" / "readme")
-    monkeypatch.setattr(tool, "RESULTS_DIR", tmp_path / "results")
+    _checkout(monkeypatch, tmp_path)
     monkeypatch.setattr(tool, "machine", lambda: {"cpu": "test"})
     out = tmp_path / "runs" / "readme"
     out.mkdir(parents=True)
     cmd = "python -c \"open('runs/readme/b-1.json', 'w').write('{\\\"v\\\": 7}')\" --record runs/readme/b-1.json"
-    block = tool.Results("b", [cmd], lambda base: str(json.loads((base / "runs/readme/b.json").read_text())["kept"]),
-                         keep=lambda base: {"1": json.loads((base / "runs/readme/b-1.json").read_text())})
-    assert tool.record_paths(block) == ["runs/readme/b.json"]
+    block = tool.Results("b", [cmd], lambda base: str(json.loads((base / "readme/b.json").read_text())["kept"]),
+                         keep=lambda base: {"1": json.loads((base / "readme/b-1.json").read_text())})
+    assert tool.record_paths(block) == ["readme/b.json"]
     tool.run_block(block)
     dest = tool.records_of(block)
-    assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()) == ["runs/readme/b.json"]
+    assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()) == ["readme/b.json"]
     assert block.render(dest) == "{'1': {'v': 7}}"
 
 
@@ -170,7 +207,7 @@ def test_the_full_scale_table_follows_the_gpu_records(tmp_path):
     moves the FLARE − FAFI gap, and a run that did not finish is not counted."""
     lease = tool._script("tools/gpu_lease.py")
     base = tmp_path / "gpu-lease"
-    shutil.copytree(ROOT / "results" / "gpu-lease" / "runs" / "gpu-lease", base)
+    shutil.copytree(ROOT / "results" / "gpu-lease" / "gpu-lease", base)
     calls = ["call1", "call2", "call3", "call4"]
     text = lease.full_scale(base, calls)
     assert "FLARE − FAFI is -0.97 points over 1 paired seed" in text

@@ -222,7 +222,7 @@ def restore_recorded(block: str) -> int:
     tool = readme_tool()
     restored = 0
     for rel in tool.record_paths(tool.RESULTS[block]):
-        committed, local = tool.RESULTS_DIR / block / rel, ROOT / rel
+        committed, local = tool.RESULTS_DIR / block / rel, tool.RUNS / rel
         for state in sorted(committed.rglob("state.json")) if committed.is_dir() else []:
             run = state.parent
             target = local / run.relative_to(committed)
@@ -295,10 +295,11 @@ def paired_table(acc: dict, cells: list, labels: list[str], against: str = "FAFI
 
 
 def render(base: Path) -> str:
-    """The block of docs/frozen-encoder.md from the finished runs under base/runs/frozen-encoder."""
+    """The block of docs/frozen-encoder.md from the finished runs under base/frozen-encoder (base: the checkout's
+    runs/ or the block's records, results/frozen-encoder/)."""
     import numpy as np
     from flare.report.tables import md_table
-    out = base / "runs" / "frozen-encoder"
+    out = base / "frozen-encoder"
     central = _runs(out / "central")
     bounds = {label: {s: r.final(key) for s, r in central.items()} for label, key in BOUNDS}
     cells = [(a, k) for k in CLIENTS for a in ALPHAS]
@@ -371,7 +372,9 @@ def _finite(vals: dict) -> dict:
 
 
 def _bounds(base: Path) -> dict:
-    """{cache directory: {stages: {head: record}}} of tools/frozen_bounds.py's records."""
+    """{cache directory: {stages: {head: record}}} of tools/frozen_bounds.py's records: beside the runs when base is
+    the block's records (results/frozen-encoder-224/bounds), else (base is the checkout's runs/, where no run writes
+    them) the committed ones."""
     where = base / "bounds" if (base / "bounds").is_dir() else ROOT / "results" / "frozen-encoder-224" / "bounds"
     out = {}
     for f in sorted(where.glob("*/stages*-*.json")):
@@ -419,10 +422,11 @@ def bounds_coverage(bounds: dict) -> str:
 
 def render_224(base: Path) -> str:
     """The 224 px block of docs/frozen-encoder.md: the independent bounds per layer choice, GH-OFL's published row,
-    the grid (every method × α × K × seeds), paired statistics, and the target's verdict."""
+    the grid (every method × α × K × seeds), paired statistics, and the target's verdict; base is the checkout's
+    runs/ or the block's records (results/frozen-encoder-224/)."""
     import numpy as np
     from flare.report.tables import md_table
-    out = base / "runs" / "frozen-encoder-224" / "grid"
+    out = base / "frozen-encoder-224" / "grid"
     bt = bounds_tool()
     bounds = _bounds(base)
     parts = []
@@ -521,7 +525,7 @@ def render_224(base: Path) -> str:
                  + "; ".join(f"{label} {', '.join(f'{v:.2f}' for v in vals)}" for label, vals in distinct.items()
                              if vals) + "."] if any(distinct.values()) else [])]
     # other encoders: the closed-form heads only (`--encoder`)
-    for enc_dir in sorted(d for d in (base / "runs" / "frozen-encoder-224").glob("efficientnet_lite*") if d.is_dir()):
+    for enc_dir in sorted(d for d in (base / "frozen-encoder-224").glob("efficientnet_lite*") if d.is_dir()):
         eacc = _grid_acc(enc_dir, CLOSED_224, cells)
         ecfg = next(iter(sorted(enc_dir.rglob("config.yaml"))), None)
         eo = __import__("yaml").safe_load(ecfg.read_text())["dataset"]["options"] if ecfg else {}
@@ -535,7 +539,7 @@ def render_224(base: Path) -> str:
                      f"{eo.get('stages', '?')}, its own held-out choice): the closed-form heads, same cells and "
                      "seeds.\n\n" + md_table(["α", "K", *[label for label, _, _ in CLOSED_224]], rows))
     # the closed-form heads again, each training image's mirror image counted in their statistics (--mirrored)
-    mirror = base / "runs" / "frozen-encoder-224" / "mirrored"
+    mirror = base / "frozen-encoder-224" / "mirrored"
     macc = _grid_acc(mirror, CLOSED_224, cells)
     mvals = {label: [x for c in cells for x in macc[c][label].values()] for label, _, _ in CLOSED_224}
     if any(mvals.values()):

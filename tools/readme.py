@@ -18,13 +18,16 @@ build, thread count and CPU kernels (docs/reproducibility.md).
 
 A hash only says the text is what the generator once wrote, not that it is what today's records say. So a block's
 records are committed: `--run` copies every file the block renders from (each command's `--out` directory and
-`> file`, the figures it shows, the machine facts of the run) into `results/<block>/`, under the same relative paths,
+`> file`, the figures it shows, the machine facts of the run) from the checkout's `runs/` into `results/<block>/`,
 keeping the runs' configs, partitions, metrics, fuse records, states and summaries but never checkpoints or plots.
-A block with a `results/<block>/` directory is rendered from it alone, and `--check` (the tests) renders it again
-and fails when the page's text differs — an edited record, or a block left from older runs. Converting a block
-that has no records yet (the long ones: baselines, heterogeneous, cpu-speed, ...) is
-`python tools/readme.py --run <block>` then committing `results/<block>/` with its page; if the block's numbers
-changed, that is a finding to report before committing.
+A record keeps its run's path relative to runs/ (`runs/main/fafi/seed=1` is recorded at
+`results/main/main/fafi/seed=1`): so a block renders the same from either directory — its renderer is handed the
+one or the other and joins the same relative paths — and no committed path sits under a directory that the
+checkout's .gitignore ignores (`runs/`). A block with a `results/<block>/` directory is rendered from it alone,
+and `--check` (the tests) renders it again and fails when the page's text differs — an edited record, or a block
+left from older runs. Converting a block that has no records yet (the long ones: baselines, heterogeneous,
+cpu-speed, ...) is `python tools/readme.py --run <block>` then committing `results/<block>/` with its page; if the
+block's numbers changed, that is a finding to report before committing.
 """
 from __future__ import annotations
 
@@ -133,8 +136,10 @@ STATIC = {"presets": Static(methods_at_a_glance, "README.md"),
 # results blocks: commands, then a rendering of what they wrote
 
 
-OUT = ROOT / "runs" / "readme"   # logs and machine facts of each block's last --run
+RUNS = ROOT / "runs"             # where the blocks' commands write (`--out runs/...`); never committed
+OUT = RUNS / "readme"            # logs and machine facts of each block's last --run
 IMG = ROOT / "docs" / "img"      # figures the blocks show (copied from the run directories)
+RESULTS_DIR = ROOT / "results"   # the committed records: results/<block>/ mirrors the block's paths under runs/
 CIFAR = "../shared/data/cifar10-jpg.tar.gz"
 CIFAR_ARGS = f"dataset.name=cifar10 dataset.format=imagefolder dataset.root={CIFAR}"
 
@@ -142,14 +147,37 @@ CIFAR_ARGS = f"dataset.name=cifar10 dataset.format=imagefolder dataset.root={CIF
 @dataclass
 class Results:
     id: str
-    commands: list[str]
-    render: Callable[[Path], str]  # the block's body from the files under a base (ROOT, or its records directory)
-    figures: dict[str, str] = field(default_factory=dict)  # run-directory file -> docs/img name
+    commands: list[str]  # each writes under runs/ (`--out runs/...`, `--record runs/...`, `> runs/...`)
+    # the block's body from the files under a runs directory: the checkout's runs/ (RUNS) or the block's records
+    # (results/<block>/); every path it joins is relative to runs/ (`base / "readme/x.json"`)
+    render: Callable[[Path], str]
+    figures: dict[str, str] = field(default_factory=dict)  # file relative to runs/ -> docs/img name
     page: str = "README.md"  # the file (relative to the checkout) whose markers hold the block
     # The figures a block keeps of its commands' `--record` outputs, read at --run into its facts file. Set for
     # benchmark timings: every run rewrites those files with new digits, so they are generated output, not records
     # to commit; the facts file keeps what the table shows. None: the outputs themselves are the records.
     keep: Callable[[Path], dict] | None = None
+
+    def __post_init__(self):
+        record_paths(self)  # a command that writes outside runs/ fails here, where the block is defined
+
+
+def runs_relative(path: str) -> str:
+    """A command's output (`runs/x`, as the command writes it) relative to runs/: the path its record keeps."""
+    if not path.startswith("runs/"):
+        raise ValueError(f"{path}: a results block's commands write under runs/ (its records keep the paths "
+                         "relative to runs/)")
+    return path.removeprefix("runs/")
+
+
+def record_paths(block: Results) -> list[str]:
+    """The paths (relative to runs/) a block is rendered from: each command's `--out`, `--record` and `> file`, the
+    figures it shows and the machine facts of its last --run."""
+    paths = [str(OUT.relative_to(RUNS) / f"{block.id}.json"), *block.figures]
+    outputs = r"--out (\S+)" if block.keep is not None else r"--(?:out|record) (\S+)"  # kept: in the facts file
+    for cmd in block.commands:
+        paths += map(runs_relative, re.findall(outputs, cmd) + re.findall(r"> (\S+)", cmd))
+    return list(dict.fromkeys(paths))
 
 
 def _compare_rows(base: Path, out: str, presets: list[str], seeds: list[int] | None = None) -> list[tuple[dict, Row]]:
@@ -185,7 +213,7 @@ def reproduction(out: str) -> Callable[[Path], str]:
 
 
 def pytest_summary(base: Path) -> str:
-    log = (base / OUT.relative_to(ROOT) / "tests.log").read_text().strip().splitlines()
+    log = (base / OUT.relative_to(RUNS) / "tests.log").read_text().strip().splitlines()
     return f"`{log[-1].strip('= ')}`\n"
 
 
@@ -193,7 +221,7 @@ def efficiency_table(base: Path) -> str:
     rows = ["| config | bare fwd+bwd+step (samples/s) | end-to-end local training (samples/s) | efficiency |",
             "| --- | --- | --- | --- |"]
     for name in ("efficiency-resnet18", "efficiency-cnn"):
-        text = (base / OUT.relative_to(ROOT) / f"{name}.out").read_text()
+        text = (base / OUT.relative_to(RUNS) / f"{name}.out").read_text()
         conf = re.search(r"config: (.*)", text).group(1)
         bare, e2e, eff = (re.search(rf"{k}\s*:\s*([\d.]+)", text).group(1)
                           for k in ("bare fwd\+bwd\+step|bare forward\+backward\+step", "end-to-end local training",
@@ -214,7 +242,7 @@ AUGMENT_SCHEDULES = "per_batch,chunked,chunked+separable"  # augment.schedule[+a
 
 def augment_schedule_kept(base: Path) -> dict:
     """The runs' `efficiency.py --record` outputs, by run name: what the block's facts file keeps of them."""
-    return {name: json.loads((base / OUT.relative_to(ROOT) / f"augment-schedule-{name}.json").read_text())
+    return {name: json.loads((base / OUT.relative_to(RUNS) / f"augment-schedule-{name}.json").read_text())
             for name in AUGMENT_SCHEDULE_RUNS}
 
 
@@ -223,7 +251,7 @@ def augment_schedule_table(base: Path) -> str:
     runs' JSON records."""
     rows = ["| config | load average before / after | bare step (samples/s, median) | per_batch ÷ bare (median) | "
             "chunked ÷ bare (median) | chunked+separable ÷ bare (median) |", "| --- | --- | --- | --- | --- | --- |"]
-    kept = json.loads((base / OUT.relative_to(ROOT) / "augment-schedule.json").read_text())["kept"]
+    kept = json.loads((base / OUT.relative_to(RUNS) / "augment-schedule.json").read_text())["kept"]
     for name in AUGMENT_SCHEDULE_RUNS:
         r = kept[name]
         bare = r["bare_step"]["median"]
@@ -239,7 +267,7 @@ MAX_POOL_MODELS = "cnn@0.25,cnn@0.5,simple-cnn@1,cnn_mnist_dense@1"  # the main 
 def max_pool_table(base: Path) -> str:
     """benchmarks/max_pool.py --record: torch's pool against flare's, rendered by the benchmark's own row format."""
     bench = _script("benchmarks/max_pool.py")
-    rec = json.loads((base / OUT.relative_to(ROOT) / "max-pool-record.json").read_text())
+    rec = json.loads((base / OUT.relative_to(RUNS) / "max-pool-record.json").read_text())
     return f"{rec['setting']}.\n\n" + "\n".join([bench.HEADER, *map(bench.table_row, rec["rows"])]) + "\n"
 
 
@@ -289,12 +317,12 @@ def frozen_224_commands() -> list[str]:
     of hours: the block gains its command once the rows do)."""
     cmds = ["python tools/frozen_grid.py --grid 224 --out runs/frozen-encoder-224/grid"]
     for enc in ("efficientnet_lite1", "efficientnet_lite2"):
-        rel = f"runs/frozen-encoder-224/{enc}"
-        if (ROOT / rel).is_dir() or (ROOT / "results" / "frozen-encoder-224" / rel).is_dir():
-            cmds.append(f"python tools/frozen_grid.py --grid 224 --encoder {enc} --out {rel}")
-    rel = "runs/frozen-encoder-224/mirrored"  # the closed-form heads with the mirror images in their statistics
-    if (ROOT / rel).is_dir() or (ROOT / "results" / "frozen-encoder-224" / rel).is_dir():
-        cmds.append(f"python tools/frozen_grid.py --grid 224 --mirrored --seed-major --out {rel}")
+        rel = f"frozen-encoder-224/{enc}"
+        if (RUNS / rel).is_dir() or (RESULTS_DIR / "frozen-encoder-224" / rel).is_dir():
+            cmds.append(f"python tools/frozen_grid.py --grid 224 --encoder {enc} --out runs/{rel}")
+    rel = "frozen-encoder-224/mirrored"  # the closed-form heads with the mirror images in their statistics
+    if (RUNS / rel).is_dir() or (RESULTS_DIR / "frozen-encoder-224" / rel).is_dir():
+        cmds.append(f"python tools/frozen_grid.py --grid 224 --mirrored --seed-major --out runs/{rel}")
     return cmds
 
 
@@ -307,7 +335,7 @@ def gpu_lease_block(calls: list[str]) -> Callable[[Path], str]:
     """tools/gpu_lease.py's tables of what each `benchmarks/gpu_suite.sh lease` call brought back."""
     def render(base: Path) -> str:
         lease = _script("tools/gpu_lease.py")
-        return lease.render(base / "runs" / "gpu-lease", calls)
+        return lease.render(base / "gpu-lease", calls)
     return render
 
 
@@ -333,7 +361,7 @@ def cpu_against_reference() -> str:
            "| --- | --- | --- | --- | --- |"]
     cpus = []
     for b in REFERENCE_SETTING_BLOCKS:
-        rec = json.loads((records_of(RESULTS[b]) / f"runs/readme/{b}-record.json").read_text())
+        rec = json.loads((records_of(RESULTS[b]) / f"readme/{b}-record.json").read_text())
         by, ref = {r["profile"]: r for r in rec["rows"]}, bench.reference(rec)
         where = f"[{b}]({RESULTS[b].page.removeprefix('docs/')})" if RESULTS[b].page != "docs/performance.md" \
             else f"the {b} block on this page"
@@ -355,7 +383,7 @@ def cpu_against_reference() -> str:
 
 def step_flops_block(base: Path) -> str:
     """benchmarks/step_flops.py's table, rendered by the benchmark's own `markdown` from its JSON record."""
-    rec = json.loads((base / OUT.relative_to(ROOT) / "step-flops-record.json").read_text())
+    rec = json.loads((base / OUT.relative_to(RUNS) / "step-flops-record.json").read_text())
     return _script("benchmarks/step_flops.py").markdown(rec)
 
 
@@ -393,12 +421,12 @@ def baselines_block(base: Path) -> str:
     cell against FAFI's own feature fusion over FAFI clients, paired by seed — and what that says, in words."""
     out = []
     for a in (0.05, 0.5):
-        rows = [row for _, row in _compare_rows(base, f"runs/readme/baselines-a{a}", BASELINE_PRESETS, [1, 2, 3])]
+        rows = [row for _, row in _compare_rows(base, f"readme/baselines-a{a}", BASELINE_PRESETS, [1, 2, 3])]
         names = ["feature", "output", "fedavg", *BASELINE_STRATEGIES]
         vs = fused_vs_table(rows, names, "fafi", "feature")
         # the same clients (training does not read eval.bn) evaluated with per-batch BN statistics, the reference's
         # accident that BN recalibration answers: its feature fusion beside bnrecal's
-        batch = {row.label: row for _, row in _compare_rows(base, f"runs/readme/baselines-a{a}-bnbatch",
+        batch = {row.label: row for _, row in _compare_rows(base, f"readme/baselines-a{a}-bnbatch",
                                                              BNBATCH_PRESETS, [1, 2, 3])}
         bn_cells = [fmt_ms(*batch[r.label].stat("acc_feature")[:2]) if r.label in batch else "—" for r in rows]
         table = fused_table(rows, names).rstrip("\n") + "\n| feature, eval.bn=batch | " + " | ".join(bn_cells) + " | — |"
@@ -418,7 +446,7 @@ def baselines_block(base: Path) -> str:
 # clients, each client method through feature fusion and the output ensemble, and the distilling servers over the
 # plain (CE) clients; paired by seed (a seed fixes the partition, the test subset and the public slice).
 HETERO_PRESETS = ["fafi", "etf-anneal", "flare", "ensemble"]
-HETERO_RUNS = {"homogeneous": "runs/readme/hetero-homogeneous", "mixed": "runs/readme/hetero-mixed"}
+HETERO_RUNS = {"homogeneous": "readme/hetero-homogeneous", "mixed": "readme/hetero-mixed"}
 HETERO_DATAFREE = "2 epochs of 5 generator steps (the published 200 × 30)"
 HETERO_CELLS = [(p, s) for p in ("fafi", "etf-anneal", "flare") for s in ("feature", "output", "bnrecal")] + \
     [("ensemble", s) for s in ("output", "feddf", "dense", "coboosting", "bnrecal")]
@@ -511,36 +539,36 @@ def heterogeneous_block(base: Path) -> str:
 RESULTS = {r.id: r for r in [
     Results("main", ["flare compare --config configs/main.yaml --presets " + ",".join(MAIN_PRESETS) +
                      f" --seeds {','.join(map(str, MAIN_SEEDS))} --workers 2 --out runs/main"],
-            compare_block("runs/main", MAIN_PRESETS, MAIN_SEEDS),
-            {"runs/main/compare_accuracy.png": "main-accuracy.png"}),
+            compare_block("main", MAIN_PRESETS, MAIN_SEEDS),
+            {"main/compare_accuracy.png": "main-accuracy.png"}),
     Results("kernel-paths", ["python tools/kernel_paths.py --paths avx2,avx512,default --out runs/kernel-paths"],
-            kernel_paths_table("runs/kernel-paths", ["avx2", "avx512", "default"]),
+            kernel_paths_table("kernel-paths", ["avx2", "avx512", "default"]),
             page="docs/reproducibility.md"),
     Results("cifar-baselines",
             [f"flare compare --presets fafi,fedavg,ensemble {CIFAR_SMALL} partition.alpha={a} --out runs/readme/cifar-a{a}"
              for a in (0.05, 0.5)],
-            lambda base: "\n".join(f"α = {a}:\n\n" + compare_block(f"runs/readme/cifar-a{a}",
+            lambda base: "\n".join(f"α = {a}:\n\n" + compare_block(f"readme/cifar-a{a}",
                                                                         ["fafi", "fedavg", "ensemble"])(base)
                                    for a in (0.05, 0.5)),
             page="docs/results/cifar-baselines.md"),
     Results("alignment",
             [f"flare compare --presets {','.join(ALIGN_PRESETS)} {CIFAR_SMALL} partition.alpha=0.05 "
              "--out runs/readme/alignment"],
-            compare_block("runs/readme/alignment", ALIGN_PRESETS),
-            {"runs/readme/alignment/compare_diagnostics.png": "alignment-diagnostics.png",
-             "runs/readme/alignment/flare/plots/lambda.png": "flare-lambda.png"},
+            compare_block("readme/alignment", ALIGN_PRESETS),
+            {"readme/alignment/compare_diagnostics.png": "alignment-diagnostics.png",
+             "readme/alignment/flare/plots/lambda.png": "flare-lambda.png"},
             page="docs/results/alignment.md"),
     Results("paper-cpu",
             [f"flare paper --scale cpu --datasets cifar10 --only table1,ablation --data-root cifar10={CIFAR} "
              "--out runs/readme/paper-cpu"],
-            section_of("runs/readme/paper-cpu/report/report.md", "Table 1"),
-            {"runs/readme/paper-cpu/report/figure1_accuracy.png": "paper-cpu-figure1.png",
-             "runs/readme/paper-cpu/report/figure2_lambda_eff.png": "paper-cpu-figure2.png"},
+            section_of("readme/paper-cpu/report/report.md", "Table 1"),
+            {"readme/paper-cpu/report/figure1_accuracy.png": "paper-cpu-figure1.png",
+             "readme/paper-cpu/report/figure2_lambda_eff.png": "paper-cpu-figure2.png"},
             page="docs/results/paper-cpu.md"),
     Results("reproduce-cpu",
             [f"flare paper --scale cpu --only reproduce --datasets cifar10 --data-root cifar10={CIFAR} "
              "--out runs/readme/reproduce-cpu"],
-            reproduction("runs/readme/reproduce-cpu"),
+            reproduction("readme/reproduce-cpu"),
             page="docs/results/reproduce-cpu.md"),
     Results("efficiency-cpu",
             ["python benchmarks/efficiency.py model.name=resnet18 model.width=0.25 --steps 6 --repeats 2 "
@@ -564,46 +592,46 @@ RESULTS = {r.id: r for r in [
             step_flops_block, page="docs/performance.md"),
     Results("kernels",
             [f"{UX} --out runs/readme/ux-pinned", f"{UX} cpu_isa=native --out runs/readme/ux-native"],
-            kernels_table({"default": "runs/readme/ux-pinned", "`cpu_isa=native`": "runs/readme/ux-native"}),
+            kernels_table({"default": "readme/ux-pinned", "`cpu_isa=native`": "readme/ux-native"}),
             page="docs/results/kernels.md"),
     Results("cpu-speed",  # the reference's own setting on this CPU: exact, native, fast and the bare-kernel probe
             [f"python benchmarks/cpu_profile.py --data-root {CIFAR} --out runs/readme/cpu-speed --record "
              "runs/readme/cpu-speed-record.json"],
-            cpu_profile_block("runs/readme/cpu-speed-record.json"),
+            cpu_profile_block("readme/cpu-speed-record.json"),
             page="docs/results/cpu-speed.md"),
     Results("gpu-lease",  # device calls (docs/performance.md); each $OUT fetched to runs/gpu-lease/callN
             ["DEADLINE=565 bash benchmarks/gpu_suite.sh lease    # call1",
              "EFFICIENCY=0 FULL_LIMIT=225 DEADLINE=250 bash benchmarks/gpu_suite.sh lease    # call2",
              "DEADLINE=565 FULL_ROUNDS=3 FULL_LIMIT=80 EFFICIENCY=0 TABLE_WORKERS=2 TABLE_ENGINE=sequential "
              "EXTRA=eval.every=5 bash benchmarks/gpu_suite.sh lease    # call3",
-             "bash results/gpu-lease/runs/gpu-lease/call4/command.sh    # call4: 4 rounds sequential, 4 compiled"],
+             "bash results/gpu-lease/gpu-lease/call4/command.sh    # call4: 4 rounds sequential, 4 compiled"],
             gpu_lease_block(["call1", "call2", "call3", "call4"]),
             page="docs/performance.md"),
     Results("cpu-profile",
             [f"python benchmarks/cpu_profile.py --data-root {CIFAR} --train-subset 1000 --test-subset 200 "
              "--set model.width=0.25 --out runs/readme/cpu-profile --record runs/readme/cpu-profile-record.json"],
-            cpu_profile_block("runs/readme/cpu-profile-record.json"),
+            cpu_profile_block("readme/cpu-profile-record.json"),
             page="docs/performance.md"),
     Results("cpu-emulated-no-bf16",  # an Intel AVX512 Xeon without bf16, as far as oneDNN can be told to be one
             [f"python benchmarks/cpu_profile.py --data-root {CIFAR} --onednn-isa AVX512_CORE_VNNI "
              "--out runs/readme/cpu-emulated --record runs/readme/cpu-emulated-record.json"],
-            cpu_profile_block("runs/readme/cpu-emulated-record.json"),
+            cpu_profile_block("readme/cpu-emulated-record.json"),
             page="docs/performance.md"),
     Results("cpu-emulated-no-bf16-small",  # the same at the small setting: a run too short to be probed
             [f"python benchmarks/cpu_profile.py --data-root {CIFAR} --onednn-isa AVX512_CORE_VNNI --train-subset 1000 "
              "--test-subset 200 --set model.width=0.25 --out runs/readme/cpu-emulated-small --record "
              "runs/readme/cpu-emulated-small-record.json"],
-            cpu_profile_block("runs/readme/cpu-emulated-small-record.json"),
+            cpu_profile_block("readme/cpu-emulated-small-record.json"),
             page="docs/performance.md"),
     Results("cpu-emulated-avx2",  # an AVX2-only CPU, as far as ATen, oneDNN and MKL can be told to be one
             [f"python benchmarks/cpu_profile.py --data-root {CIFAR} --avx2-only --out runs/readme/cpu-avx2 --record "
              "runs/readme/cpu-avx2-record.json"],
-            cpu_profile_block("runs/readme/cpu-avx2-record.json"),
+            cpu_profile_block("readme/cpu-avx2-record.json"),
             page="docs/performance.md"),
     Results("cpu-avx2-only",  # the same on a CPU that is AVX2-only (no cap): the machine the block above emulates
             [f"python benchmarks/cpu_profile.py --data-root {CIFAR} --out runs/readme/cpu-avx2-only --record "
              "runs/readme/cpu-avx2-only-record.json"],
-            cpu_profile_block("runs/readme/cpu-avx2-only-record.json"),
+            cpu_profile_block("readme/cpu-avx2-only-record.json"),
             page="docs/performance.md"),
     Results("baselines",
             [cmd for a in (0.05, 0.5) for cmd in (
@@ -629,16 +657,16 @@ RESULTS = {r.id: r for r in [
             page="docs/frozen-encoder.md"),
     Results("frozen-encoder-224", frozen_224_commands(), frozen_encoder_224_block, page="docs/frozen-encoder.md"),
     Results("encoder-speed", ["python benchmarks/encoder.py --resolution 64 --images 256 --repeats 3 > "
-                              "runs/readme/encoder-speed.md"], file_text("runs/readme/encoder-speed.md"),
+                              "runs/readme/encoder-speed.md"], file_text("readme/encoder-speed.md"),
             page="docs/frozen-encoder.md"),
     Results("encoder-speed-224", ["python benchmarks/encoder.py --resolution 224 --resize bilinear --stages 8 "
                                   "--images 256 --repeats 3 --no-bf16 --no-nchw > runs/readme/encoder-speed-224.md"],
-            file_text("runs/readme/encoder-speed-224.md"), page="docs/frozen-encoder.md"),
+            file_text("readme/encoder-speed-224.md"), page="docs/frozen-encoder.md"),
     Results("frozen-grid-speed",  # needs FLARE_CACHE naming the 224 px Lite0 cache; reads it, never extracts
             ["python benchmarks/frozen_grid_speed.py --before 81a9598 --out runs/frozen-grid-speed --record "
              "runs/readme/frozen-grid-speed-record.json"],
             lambda base: _script("benchmarks/frozen_grid_speed.py").markdown(
-                json.loads((base / "runs/readme/frozen-grid-speed-record.json").read_text())),
+                json.loads((base / "readme/frozen-grid-speed-record.json").read_text())),
             page="docs/frozen-encoder.md"),
     # The one deselected test checks every page's blocks, this one included: it cannot pass before this block exists.
     Results("tests", ["python -m pytest -q -p no:cacheprovider -n 2 -m 'not slow' tests "
@@ -680,7 +708,7 @@ def run_block(block: Results) -> None:
             raise SystemExit(f"[{block.id}] command failed with exit code {r.returncode}: {cmd}")
     facts = {**machine(), "wall_seconds": time.perf_counter() - t0}
     if block.keep is not None:
-        facts["kept"] = block.keep(ROOT)
+        facts["kept"] = block.keep(RUNS)
     (OUT / f"{block.id}.json").write_text(json.dumps(facts, indent=1))
     record(block)
 
@@ -689,20 +717,9 @@ def run_block(block: Results) -> None:
 # committed records: results/<block>/ holds the files a block is rendered from, so its page can be rebuilt
 
 
-RESULTS_DIR = ROOT / "results"
 # What a run's records are: its config, partition, metrics, fuse records, state and summaries, reports; never its
 # checkpoints (tens of MB, and nothing a table reads) nor its plots (the figures a block shows are copied by name).
 RECORD_SUFFIXES = (".yaml", ".json", ".jsonl", ".md", ".csv", ".txt", ".log", ".out")
-
-
-def record_paths(block: Results) -> list[str]:
-    """The paths (relative to the checkout) a block is rendered from: each command's `--out`, `--record` and
-    `> file`, the figures it shows and the machine facts of its last --run."""
-    paths = [str(OUT.relative_to(ROOT) / f"{block.id}.json"), *block.figures]
-    outputs = r"--out (\S+)" if block.keep is not None else r"--(?:out|record) (\S+)"  # kept: in the facts file
-    for cmd in block.commands:
-        paths += re.findall(outputs, cmd) + re.findall(r"> (\S+)", cmd)
-    return list(dict.fromkeys(paths))
 
 
 def records_of(block: Results) -> Path:
@@ -720,29 +737,31 @@ def _is_record(path: Path) -> bool:
 
 
 def record(block: Results) -> Path:
-    """Copy what the block renders from into results/<block>/, under the same relative paths (a fresh copy of each
-    path: a file the last run no longer wrote must not linger). Other files under results/<block>/ are left alone:
-    records a block reads that no command of it writes (a bounds script's own records) live there too."""
+    """Copy what the block renders from out of runs/ into results/<block>/, each file at its path relative to runs/
+    (runs/x/y → results/<block>/x/y; a fresh copy of each path: a file the last run no longer wrote must not
+    linger). Other files under results/<block>/ are left alone: records a block reads that no command of it writes
+    (a bounds script's own records) live there too."""
     dest = records_of(block)
     for rel in record_paths(block):
         target = dest / rel
         shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
     for rel in record_paths(block):
-        src = ROOT / rel
+        src = RUNS / rel
         files = [src] if src.is_file() else sorted(f for f in src.rglob("*") if f.is_file()
                                                   and _is_record(f.relative_to(src)))
         if not files:
             raise SystemExit(f"[{block.id}] nothing to record at {rel}: did the commands write it?")
         for f in files:
-            target = dest / f.relative_to(ROOT)
+            target = dest / f.relative_to(RUNS)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(f, target)
     return dest
 
 
 def base_of(block: Results) -> Path:
-    """Where the block is rendered from: its committed records when it has them, else the checkout's runs."""
-    return records_of(block) if records_of(block).is_dir() else ROOT
+    """The runs directory the block is rendered from: its committed records (results/<block>/) when it has them,
+    else the checkout's runs/."""
+    return records_of(block) if records_of(block).is_dir() else RUNS
 
 
 def _wrap_command(cmd: str, width: int = 110) -> str:
@@ -762,7 +781,7 @@ def run_kernels(block: Results, base: Path) -> list[str]:
     found = set()
     for cmd in block.commands:
         for out in re.findall(r"--out (\S+)", cmd):
-            for st in (base / out).rglob("state.json"):
+            for st in (base / runs_relative(out)).rglob("state.json"):
                 try:
                     level = (json.loads(st.read_text()).get("backend") or {}).get("cpu_kernels")
                 except (OSError, json.JSONDecodeError):
@@ -780,10 +799,11 @@ def relink(body: str, page: str) -> str:
 
 
 def render_block(block: Results, base: Path | None = None, copy_figures: bool = True) -> str:
-    """The block's text from the files under `base` (default: its records if committed, else the checkout's runs);
-    the figures it shows are copied into docs/img (not by a check, which compares them instead: `problems`)."""
+    """The block's text from the files under `base`, a runs directory (default `base_of`: its records
+    results/<block>/ if committed, else the checkout's runs/); the figures it shows are copied into docs/img (not by
+    a check, which compares them instead: `problems`)."""
     base = base_of(block) if base is None else base
-    facts = json.loads((base / OUT.relative_to(ROOT) / f"{block.id}.json").read_text())
+    facts = json.loads((base / OUT.relative_to(RUNS) / f"{block.id}.json").read_text())
     body = relink(block.render(base), block.page)
     for src, name in block.figures.items() if copy_figures else ():
         IMG.mkdir(parents=True, exist_ok=True)

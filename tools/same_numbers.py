@@ -8,7 +8,7 @@ compare their metrics.jsonl record by record.
 `--dirs A B` runs nothing: it compares every <method>/seed=N/metrics.jsonl found under either tree with its
 namesake in the other, by the same rule (timing keys aside), and says ALL IDENTICAL only when both trees hold the
 same runs and every pair is identical. Its use: `make run` on another machine against the main job's committed
-records (results/main/runs/main), which tells whether that machine reproduces them bit for bit.
+records (results/main/main), which tells whether that machine reproduces them bit for bit.
 
 What it does
   1. Makes a detached git worktree of each revision under --out (default /tmp/same-numbers): OUT/tree-<sha12>,
