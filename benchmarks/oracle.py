@@ -200,6 +200,14 @@ def flare_models(tool: str, template, weights: list[dict], sizes: list[int]):
     return models, [upload_of(i, m, n) for i, (m, n) in enumerate(zip(models, sizes))], pairs
 
 
+def portable(path: Path) -> str:
+    """A kept run's folder as a record names it: from its `runs/` component on (the repository's run tree, wherever
+    the checkout or worktree sat), so that a committed record holds no machine's absolute path."""
+    parts = path.resolve().parts
+    at = max((i for i, part in enumerate(parts) if part == "runs"), default=None)
+    return Path(*parts[at:]).as_posix() if at is not None else path.as_posix()
+
+
 def checkout_commit(checkout: Path) -> str | None:
     return subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True,
                           text=True).stdout.strip() or None

@@ -43,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reference_dense as ref  # noqa: E402
 from oracle import (PlannedBatches, by_flare, by_script, compared, flare_models, matched_keys,  # noqa: E402
-                    oracle_arguments, prepared, record_head, refused, snapshot_steps, write_record)
+                    oracle_arguments, portable, prepared, record_head, refused, snapshot_steps, write_record)
 
 TOOL = "reference_dense_oracle"
 REPO = "zj-jayzhang/DENSE"
@@ -192,7 +192,7 @@ def server_part(L, main: ast.If, ns: dict, setup, saved: Path) -> dict:
     ev = setup.server.evaluate(cfg.rounds - 1, uploads, models, rules=("fedavg", "output"))
     avg = fedavg_model(models, ev.weights, cfg.server.strategies["fedavg"]["buffers"]).state_dict()
     floats = [(a, b) for a, b in pairs if torch.is_floating_point(avg[a])]
-    return {"saved_clients": {"path": str(saved), "test_acc": [k.get("record", {}).get("acc_per_epoch", [None])[-1]
+    return {"saved_clients": {"path": portable(saved), "test_acc": [k.get("record", {}).get("acc_per_epoch", [None])[-1]
                                                                for k in kept]},
             "client_sizes": [len(p) for p in parts], "flare_weights": [float(x) for x in ev.weights],
             "script": script,

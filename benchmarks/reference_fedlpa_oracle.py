@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reference_dense as ref  # noqa: E402
 import reference_fedlpa as drv  # noqa: E402
 from oracle import (PlannedBatches, by_flare, by_script, compared, matched_keys, max_diff,  # noqa: E402
-                    oracle_arguments, prepared, record_head, refused, snapshot_steps, write_record)
+                    oracle_arguments, portable, prepared, record_head, refused, snapshot_steps, write_record)
 
 ROOT = ref.ROOT
 TABLE = ROOT / "configs" / "papers" / "fedlpa-fmnist.yaml"
@@ -222,7 +222,7 @@ def server_part(L, main, args, setup, saved: Path) -> dict:
     their_extras = [{f"{L_.name}.{ab}": f[n][j][None] for L_, n in zip(layers, names) for j, ab in ((0, "A"), (1, "G"))}
                     for f in f_nets]
     w = torch.tensor(freqs, dtype=torch.float64)
-    out = {"saved_clients": {"path": str(saved), "test_acc": [s.get("record", {}).get("test_acc")
+    out = {"saved_clients": {"path": portable(saved), "test_acc": [s.get("record", {}).get("test_acc")
                                                               for s in saved_clients]},
            "client_sizes": [len(parts[i]) for i in range(K)], "weights": freqs,
            "script": {"cpu_seconds": round(cpu_script, 1)}}

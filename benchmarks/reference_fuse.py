@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reference_dense as ref  # noqa: E402
-from oracle import emit, flare_models, machine_facts  # noqa: E402
+from oracle import emit, flare_models, machine_facts, portable  # noqa: E402
 
 TOOL = "reference_fuse"
 # what the reference's record calls its server's value, per FLARE strategy: (final, best epoch)
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
            "flare_overrides": a.set,
            "reference": {"record": rec_file.as_posix(), "reference": theirs.get("reference"),
                          "commit": theirs.get("commit"), "partition": (theirs.get("partition") or {}).get("used"),
-                         "saved_clients": str(a.saved_clients)},
+                         "saved_clients": portable(a.saved_clients)},
            "script": {"final": theirs.get(final_key), "best": theirs.get(best_key),
                       "fedavg": theirs.get("fedavg"), "ensemble": theirs.get("ensemble")},
            "flare": None}

@@ -175,3 +175,24 @@ def test_without_a_checkout_it_skips_and_says_so(tmp_path):
     r = subprocess.run([sys.executable, str(TOOL)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 0 and "skipped" in r.stdout and "--checkout" in r.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_records_name_kept_clients_from_the_run_tree_not_the_machine():
+    """A kept run's folder enters a record from its `runs/` component on, wherever the worktree sat; every committed
+    oracle and fuse record holds such a path, never an absolute one."""
+    import json
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from oracle import portable
+
+    assert portable(Path("/any/worktree/runs/papers-reference/t/a0.3-s2/clients")) == \
+        "runs/papers-reference/t/a0.3-s2/clients"
+    assert portable(Path("/elsewhere/clients")) == "/elsewhere/clients"  # outside a run tree: said as given
+    named = []
+    for f in sorted((ROOT / "results" / "papers-reference").glob("*/oracle/*.json")):
+        rec = json.loads(f.read_text())
+        for part in (rec.get("server", {}).get("saved_clients"), rec.get("reference")):
+            path = (part.get("path") or part.get("saved_clients")) if isinstance(part, dict) else None
+            if isinstance(path, str):
+                named.append(path)
+                assert path.startswith("runs/"), f"{f.name} names {path}"
+    assert named, "no committed record names its kept clients"
